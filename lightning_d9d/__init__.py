@@ -1,0 +1,11 @@
+"""lightning_d9d: correct and fast training data loading for PyTorch Lightning.
+
+order → shard → load → pack → pin → transfer, with the data position saved in every checkpoint.
+"""
+
+from lightning_d9d.datamodule import D9DDataModule
+from lightning_d9d.order import GlobalBatchOrder, SeededPermutation
+from lightning_d9d.pin import pin_batch
+from lightning_d9d.transfer import move_batch_to_device
+
+__all__ = ["D9DDataModule", "GlobalBatchOrder", "SeededPermutation", "move_batch_to_device", "pin_batch"]

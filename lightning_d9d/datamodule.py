@@ -1,0 +1,341 @@
+"""D9DDataModule: order → shard → load → pack → pin → transfer, wired into Lightning, with exact resume.
+
+This is the only stage that imports Lightning. It builds the order once per ``setup``, hands each rank a
+``TrainLoader`` (a sized iterable, so Lightning neither swaps in a distributed sampler nor saves the
+loader's own state), sets ``trainer.accumulate_grad_batches`` to the microbatches per step, and carries the
+data position through ``state_dict``/``load_state_dict`` (Lightning stores it in every checkpoint under the
+DataModule's class name).
+
+Resume is exact because the position is global optimizer steps and the order is a pure function of the seed:
+on resume the remaining batches of the epoch are recomputed. Lightning's own restored batch counters are
+re-aligned to that position in ``on_train_start`` (they are counted in the old run's microbatches, which is
+wrong after a mid-window checkpoint or a change of world size or microbatch size).
+
+Trade-off: aligning Lightning's counters touches its loop internals
+(``fit_loop.epoch_loop.batch_progress``); a test pins this down so an upgrade that changes them fails loudly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from lightning_d9d.loader import TrainLoader, ValidationLoader
+from lightning_d9d.order import GlobalBatchOrder, argsort_keys, keys_digest, resolve_sort_keys
+from lightning_d9d.shard import microbatches_per_step, validation_microbatches
+from lightning_d9d.state import OrderFingerprint, TrainPosition, check_state
+from lightning_d9d.transfer import move_batch_to_device
+
+DatasetOrFactory = Dataset | Callable[[], Dataset]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class D9DDataModule(pl.LightningDataModule):
+    """Sorted, sharded, packed map-style loading for ``Trainer.fit``, exactly resumable.
+
+    Args:
+        train_dataset: a map-style dataset, or a zero-argument factory called in ``prepare_data()`` (once per
+            node, to download/process into a cache) and in ``setup()`` (every rank, loading that cache).
+        collate_fn: list of samples -> microbatch (a tensor, dict, tuple or dataclass).
+        global_batch_size: samples per optimizer step, summed over all ranks and accumulation (G).
+        microbatch_size: samples per forward/backward on one rank (m).
+        sort_buffer_size: ``None`` for no length sorting; else samples are sorted by key within windows of this
+            many samples (rounded down to a multiple of G). 16×G keeps padding around 2 %.
+        sort_key: ``None`` (use ``dataset.sort_key(index)`` if it exists), a callable ``(index) -> key``, or
+            the name of a column of a Hugging Face dataset (read once, vectorised).
+        val_dataset: optional validation dataset (or factory); every sample is evaluated exactly once per run.
+        seed: the order's seed. The order of epoch e is a pure function of seed, e, the data and G/buffer.
+        shuffle: ``False`` keeps dataset order (epochs then repeat).
+        num_workers: ``StatefulDataLoader`` worker processes (does not change the order).
+        pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.
+        yield_packs: each batch is the list of M microbatches of one optimizer step (for manual optimization).
+        on_order_mismatch: what ``load_state_dict`` does when the checkpoint's order fingerprint (seed, dataset,
+            G, buffer) differs from this DataModule's: ``"raise"`` (default) or ``"restart_epoch"`` (start the
+            checkpoint's epoch over with the new order, with a warning).
+
+    Raises:
+        ValueError: non-positive sizes, a buffer smaller than G, an unknown ``on_order_mismatch`` — at
+            construction; G not divisible by world size × microbatch size, a dataset shorter than one global
+            batch, a missing or non-comparable sort key, a conflicting ``accumulate_grad_batches`` — in ``setup``.
+    """
+
+    def __init__(
+        self,
+        train_dataset: DatasetOrFactory,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        global_batch_size: int = 256,
+        microbatch_size: int = 4,
+        sort_buffer_size: int | None = None,
+        sort_key: str | Callable[[int], Any] | None = None,
+        val_dataset: DatasetOrFactory | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        yield_packs: bool = False,
+        on_order_mismatch: Literal["raise", "restart_epoch"] = "raise",
+    ):
+        super().__init__()
+        self.global_batch_size = _positive_int("global_batch_size", global_batch_size)
+        self.microbatch_size = _positive_int("microbatch_size", microbatch_size)
+        if self.global_batch_size % self.microbatch_size:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by microbatch_size={microbatch_size}"
+            )
+        if sort_buffer_size is not None:
+            _positive_int("sort_buffer_size", sort_buffer_size)
+            if sort_buffer_size < global_batch_size:
+                raise ValueError(
+                    f"sort_buffer_size={sort_buffer_size} is smaller than global_batch_size={global_batch_size}; "
+                    "use None (no sorting) or a multiple of global_batch_size (16x or more pads least)"
+                )
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        if on_order_mismatch not in ("raise", "restart_epoch"):
+            raise ValueError(f"on_order_mismatch must be 'raise' or 'restart_epoch', got {on_order_mismatch!r}")
+        self._train_source, self._val_source = train_dataset, val_dataset
+        self.collate_fn = collate_fn if collate_fn is not None else torch.utils.data.default_collate
+        self.sort_buffer_size, self.sort_key = sort_buffer_size, sort_key
+        self.seed, self.shuffle, self.num_workers = seed, shuffle, num_workers
+        self.pin_memory, self.yield_packs, self.on_order_mismatch = pin_memory, yield_packs, on_order_mismatch
+
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.order: GlobalBatchOrder | None = None
+        self.fingerprint: OrderFingerprint | None = None
+        # The single place where the data position lives; the loader advances it, state_dict reads it.
+        self.position = TrainPosition()
+        self._restored: tuple[int, int] | None = None  # (epoch, step) loaded from a checkpoint, not yet started
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def world_size(self) -> int:
+        trainer = self._trainer
+        return trainer.world_size if trainer is not None else 1
+
+    @property
+    def rank(self) -> int:
+        trainer = self._trainer
+        return trainer.global_rank if trainer is not None else 0
+
+    @property
+    def _trainer(self) -> pl.Trainer | None:
+        return getattr(self, "trainer", None)
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """M = G / (W·m): microbatches one rank runs per optimizer step."""
+        return microbatches_per_step(self.global_batch_size, self.world_size, self.microbatch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """floor(N / G) optimizer steps per epoch (needs ``setup``)."""
+        return self._require_order().steps_per_epoch
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def prepare_data(self) -> None:
+        """Call the dataset factories once per node so they can download/process into their cache."""
+        for source in (self._train_source, self._val_source):
+            if source is not None and _is_factory(source):
+                source()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build datasets and the order; under a Trainer, set accumulation. Starts the position at 0."""
+        if self.train_dataset is None:
+            self.train_dataset = _materialise(self._train_source, "train_dataset")
+            if self._val_source is not None:
+                self.val_dataset = _materialise(self._val_source, "val_dataset")
+        num_samples = len(self.train_dataset)
+        key_lookup = resolve_sort_keys(self.train_dataset, self.sort_key) if self.sort_buffer_size else None
+        self.order = GlobalBatchOrder(
+            num_samples, self.global_batch_size, self.sort_buffer_size, key_lookup, self.seed, self.shuffle
+        )
+        self.fingerprint = OrderFingerprint(
+            seed=self.seed,
+            num_samples=num_samples,
+            global_batch_size=self.global_batch_size,
+            sort_buffer_size=self.sort_buffer_size,
+            shuffle=self.shuffle,
+            sort_keys_digest=keys_digest(key_lookup, num_samples),
+        )
+        if key_lookup is not None:
+            # Fail now, not mid-epoch, on keys that cannot be sorted.
+            probe = np.arange(min(num_samples, 64))
+            argsort_keys(key_lookup(probe), np.zeros(len(probe)))
+        per_step = self.microbatches_per_step  # validates divisibility by W·m
+        if stage in (None, "fit"):
+            self.position = TrainPosition(microbatches_per_step=per_step)
+            self._restored = None
+            self._configure_trainer(per_step)
+
+    def _configure_trainer(self, per_step: int) -> None:
+        trainer = self._trainer
+        if trainer is None:
+            return
+        module = getattr(trainer, "lightning_module", None)
+        if module is not None and module.automatic_optimization and not self.yield_packs and per_step > 1:
+            if trainer.accumulate_grad_batches == 1:
+                trainer.accumulate_grad_batches = per_step
+            elif trainer.accumulate_grad_batches != per_step:
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) disagrees with the "
+                    f"{per_step} microbatches per step that global_batch_size={self.global_batch_size}, "
+                    f"world_size={self.world_size} and microbatch_size={self.microbatch_size} give; leave it at 1 "
+                    f"(D9DDataModule sets it) or set it to {per_step}"
+                )
+        if not any(isinstance(callback, _AlignRestoredProgress) for callback in trainer.callbacks):
+            trainer.callbacks.append(_AlignRestoredProgress(self))
+
+    def train_dataloader(self) -> TrainLoader:
+        order = self._require_order()
+        return TrainLoader(
+            self.train_dataset,
+            self.collate_fn,
+            order,
+            world_size=self.world_size,
+            rank=self.rank,
+            microbatch_size=self.microbatch_size,
+            microbatches_per_step=self.microbatches_per_step,
+            position=self.position,
+            start_point=self._start_point,
+            num_workers=self.num_workers,
+            pin_memory=self._resolve_pin_memory(),
+            yield_packs=self.yield_packs,
+        )
+
+    def val_dataloader(self) -> ValidationLoader | list:
+        if self.val_dataset is None:
+            return []
+        key_lookup = resolve_sort_keys(self.val_dataset, self.sort_key if isinstance(self.sort_key, str) else None)
+        indices = np.arange(len(self.val_dataset))
+        if key_lookup is not None:
+            indices = indices[argsort_keys(key_lookup(indices), indices)]
+        microbatches = validation_microbatches(indices, self.world_size, self.rank, self.microbatch_size)
+        return ValidationLoader(
+            self.val_dataset, self.collate_fn, microbatches, self.num_workers, self._resolve_pin_memory()
+        )
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move a (pinned) batch with ``non_blocking=True``, keeping its type; a pass-through on CPU."""
+        return move_batch_to_device(batch, device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position: ``{"epoch", "step", "fingerprint"}`` — a few integers, the same on every rank."""
+        if self.fingerprint is None:
+            return {}
+        return self.position.to_state(self.fingerprint)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the position; the next epoch iteration continues exactly where the checkpoint was taken.
+
+        Raises:
+            ValueError: a state from a different order (seed, dataset, G, buffer), unless
+                ``on_order_mismatch="restart_epoch"``; a malformed state.
+        """
+        epoch, step, saved_fingerprint = check_state(state_dict)
+        fingerprint = self._require_fingerprint()
+        differences = fingerprint.mismatches(saved_fingerprint)
+        if differences:
+            if self.on_order_mismatch == "raise":
+                raise ValueError(
+                    "the checkpoint's data order does not match this D9DDataModule ("
+                    + "; ".join(differences)
+                    + "). Resume with the same settings, or pass on_order_mismatch='restart_epoch' to start "
+                    f"epoch {epoch} over with the new order"
+                )
+            warnings.warn(
+                f"data order changed ({'; '.join(differences)}); restarting epoch {epoch} from its first step",
+                stacklevel=2,
+            )
+            step = 0
+        if step > fingerprint.num_samples // fingerprint.global_batch_size:
+            raise ValueError(f"checkpoint step {step} is beyond the epoch's {self.steps_per_epoch} steps")
+        self._restored = (epoch, step)
+        self.position.start(epoch, step, self.microbatches_per_step)
+
+    # ------------------------------------------------------------------ internals
+    def _start_point(self) -> tuple[int, int]:
+        """(epoch, microbatch) at which the next epoch iteration starts; called at its first ``next()``."""
+        trainer, position = self._trainer, self.position
+        per_step = self.microbatches_per_step
+        if trainer is not None:
+            epoch = trainer.current_epoch
+            restored, self._restored = self._restored, None
+            if restored is not None and restored[0] == epoch:
+                return epoch, restored[1] * per_step
+            if position.epoch == epoch and restored is None:
+                return epoch, position.microbatches  # continuing the same epoch in this process
+            return epoch, 0
+        self._restored = None
+        if position.microbatches >= self.steps_per_epoch * per_step:
+            return position.epoch + 1, 0  # the last epoch was finished: roll into the next one
+        return position.epoch, position.microbatches
+
+    def _align_lightning_progress(self, trainer: pl.Trainer) -> None:
+        """Set Lightning's restored in-epoch batch counters to the restored data position.
+
+        Lightning restores them in the old run's microbatches, including a partial accumulation window; it
+        would end the epoch early or misalign accumulation windows if they were left as they are.
+        """
+        if self._restored is None or self._restored[0] != trainer.current_epoch:
+            return
+        batches_per_step = 1 if self.yield_packs else self.microbatches_per_step
+        batches = self._restored[1] * batches_per_step
+        epoch_loop = trainer.fit_loop.epoch_loop
+        current = epoch_loop.batch_progress.current
+        current.ready = current.started = current.processed = batches
+        # When Lightning saw the checkpoint as taken at on_train_batch_end, its reset() adds one completed batch.
+        current.completed = batches - 1 if epoch_loop.restarted_on_train_batch_end else batches
+
+    def _resolve_pin_memory(self) -> bool:
+        if self.pin_memory is not None:
+            return bool(self.pin_memory)
+        trainer = self._trainer
+        if trainer is not None:
+            return trainer.strategy.root_device.type == "cuda"
+        return torch.cuda.is_available()
+
+    def _require_order(self) -> GlobalBatchOrder:
+        if self.order is None:
+            raise RuntimeError("call dm.setup('fit') before asking for batches or steps (Trainer.fit does it)")
+        return self.order
+
+    def _require_fingerprint(self) -> OrderFingerprint:
+        self._require_order()
+        assert self.fingerprint is not None
+        return self.fingerprint
+
+
+class _AlignRestoredProgress(pl.Callback):
+    """Runs after Lightning restored its loops and before the first batch: aligns them to the data position."""
+
+    def __init__(self, datamodule: D9DDataModule):
+        self._datamodule = datamodule
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._datamodule._align_lightning_progress(trainer)
+
+
+def _is_factory(source: Any) -> bool:
+    return callable(source) and not hasattr(source, "__getitem__")
+
+
+def _materialise(source: DatasetOrFactory, name: str) -> Dataset:
+    dataset = source() if _is_factory(source) else source
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            f"{name} must be a map-style dataset (with __getitem__ and __len__) or a factory returning one; "
+            f"got {type(dataset).__name__}"
+        )
+    return dataset

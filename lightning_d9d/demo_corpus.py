@@ -1,0 +1,187 @@
+"""Demo corpus: a small English+code text dataset and a BPE tokenizer built from text that ships with Python.
+
+Algorithm: collect two kinds of documents, both present in every CPython installation, so the demo never
+downloads anything:
+
+1. the interactive-help topics of ``pydoc_data.topics`` (the language reference, ~0.45 MB), cut at blank lines
+   and regrouped into documents of up to ~1,500 characters;
+2. the module, class and function docstrings of the standard library's ``.py`` files, read with ``ast``
+   (parsed, never imported, so no module side effects), ~1.3 MB.
+
+Every 20th document (a fixed, seeded-free rule) goes to the ``validation`` split, the rest to ``train``. The
+result is saved with ``datasets.DatasetDict.save_to_disk`` and a byte-level BPE tokenizer (vocabulary 4,096,
+``<pad>`` and an ``<eos>`` appended to every document) is trained on the train split with ``tokenizers``.
+
+Both are cached in ``$LIGHTNING_D9D_CACHE`` (default ``~/.cache/lightning_d9d/demo``) under a key made from the
+Python version and this module's format version, so the build (~5 s on 2 cores) runs once per machine. Writers
+take a file lock and publish by atomic rename, so concurrent processes (DDP ranks, several nodes on a shared
+file system) never see a half-written corpus.
+
+Trade-off: the corpus depends on the Python version (docstrings change between releases), so two machines with
+different Pythons train on slightly different text; the cache key records that instead of hiding it. It is
+small (~450 K tokens) on purpose: a few epochs of a tiny model fit in minutes on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+# Bump when the corpus or tokenizer recipe changes: it is part of the cache key, so old caches are not reused.
+_FORMAT_VERSION = 1
+_VALIDATION_EVERY = 20
+_MAX_TOPIC_DOCUMENT_CHARS = 1_500
+_MIN_DOCSTRING_CHARS = 80
+_VOCAB_SIZE = 4_096
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<eos>"
+# Standard-library folders whose docstrings are tests, demos or vendored code rather than documentation.
+_SKIPPED_STDLIB_DIRS = frozenset(
+    {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
+)
+
+DEMO = "demo"
+"""The value of ``TextDataModule(dataset=..., tokenizer=...)`` that selects this corpus."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoCorpus:
+    """Paths of a built demo corpus.
+
+    Attributes:
+        dataset_path: a ``datasets.load_from_disk`` directory holding a DatasetDict with ``train`` and
+            ``validation`` splits, one ``text`` column.
+        tokenizer_path: a ``tokenizers.Tokenizer.from_file`` JSON file.
+    """
+
+    dataset_path: str
+    tokenizer_path: str
+
+
+def demo_cache_dir() -> Path:
+    """The demo corpus cache root: ``$LIGHTNING_D9D_CACHE`` if set, else ``~/.cache/lightning_d9d/demo``."""
+    configured = os.environ.get("LIGHTNING_D9D_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "lightning_d9d" / "demo"
+
+
+def _cache_key() -> str:
+    python = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    return f"v{_FORMAT_VERSION}-py{python}"
+
+
+def _topic_documents() -> Iterator[str]:
+    """Help topics cut at blank lines, regrouped into documents of up to ~1,500 characters."""
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        document: list[str] = []
+        size = 0
+        for paragraph in topics[name].split("\n\n"):
+            paragraph = paragraph.strip("\n")
+            if not paragraph.strip():
+                continue
+            if document and size + len(paragraph) > _MAX_TOPIC_DOCUMENT_CHARS:
+                yield "\n\n".join(document)
+                document, size = [], 0
+            document.append(paragraph)
+            size += len(paragraph) + 2
+        if document:
+            yield "\n\n".join(document)
+
+
+def _docstring_documents() -> Iterator[str]:
+    """Docstrings of the standard library, in a deterministic (sorted) file order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_STDLIB_DIRS)
+        for file_name in sorted(files):
+            if not file_name.endswith(".py"):
+                continue
+            try:
+                tree = ast.parse(Path(root, file_name).read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+                continue  # a few stdlib files are templates or in other encodings; they add nothing
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    docstring = ast.get_docstring(node)
+                    if docstring and len(docstring) >= _MIN_DOCSTRING_CHARS:
+                        yield docstring
+
+
+def demo_texts() -> tuple[list[str], list[str]]:
+    """Return the (train, validation) documents of the demo corpus, deterministically for a Python version."""
+    train: list[str] = []
+    validation: list[str] = []
+    for position, text in enumerate([*_topic_documents(), *_docstring_documents()]):
+        (validation if position % _VALIDATION_EVERY == 0 else train).append(text)
+    return train, validation
+
+
+def _train_tokenizer(texts: list[str], path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        special_tokens=[PAD_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    # The end-of-document token is added by the tokenizer itself (add_special_tokens=True), so any consumer
+    # of tokenizer.json - TextDataModule included - gets it, and truncation keeps it.
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"$A {EOS_TOKEN}", special_tokens=[(EOS_TOKEN, eos_id)])
+    tokenizer.save(str(path))
+
+
+def build_demo_corpus(cache_dir: str | os.PathLike[str] | None = None) -> DemoCorpus:
+    """Build the demo corpus and tokenizer once, or return the cached ones.
+
+    Args:
+        cache_dir: where to cache; default :func:`demo_cache_dir`.
+
+    Returns:
+        The dataset directory and tokenizer file of the corpus.
+    """
+    from datasets import Dataset, DatasetDict
+    from filelock import FileLock
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
+    target = root / _cache_key()
+    corpus = DemoCorpus(dataset_path=str(target / "dataset"), tokenizer_path=str(target / "tokenizer.json"))
+    if (target / "COMPLETE").exists():
+        return corpus
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{_cache_key()}.lock")):
+        if (target / "COMPLETE").exists():  # another process built it while we waited for the lock
+            return corpus
+        staging = Path(tempfile.mkdtemp(prefix=f".{_cache_key()}-", dir=root))
+        try:
+            train, validation = demo_texts()
+            splits = DatasetDict(
+                train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": validation})
+            )
+            splits.save_to_disk(str(staging / "dataset"))
+            _train_tokenizer(train, staging / "tokenizer.json")
+            digest = hashlib.sha256("\x00".join(train + validation).encode()).hexdigest()
+            (staging / "COMPLETE").write_text(f"{digest}\n")
+            if target.exists():  # a stale, incomplete build from a killed process
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return corpus

@@ -1,0 +1,244 @@
+"""Order: the global sequence of global batches of one epoch, a pure function of (seed, epoch, data, sizes).
+
+Algorithm:
+1. A seeded bijection on ``[0, N)`` (a Feistel network with cycle walking) maps an epoch position to a
+   sample index. It is evaluated on demand for any slice of positions, so the order of a 10⁹-sample dataset
+   costs no O(N) memory and no O(N) start-up, unlike ``torch.randperm``.
+2. Without length sorting, global batch ``s`` is positions ``[s·G, (s+1)·G)`` through the bijection.
+3. With length sorting, the permuted sequence is cut into windows of ``K·G`` samples
+   (``K = sort_buffer_size // G``); each window is sorted by sort key (ties broken at random), cut into K
+   global batches of G neighbours, and the K batches are visited in a seeded random order.
+4. The epoch has ``floor(N / G)`` global batches; the last ``N mod G`` positions of the permutation are
+   dropped, so different samples are dropped each epoch.
+
+Nothing here depends on world size, microbatch size or worker count: the same global batches are trained
+on 1 GPU or 8, which is what makes elastic resume possible.
+
+Trade-off: batches are shuffled only within a window, not across the whole epoch. A window of K batches is
+sorted in one piece (O(K·G log K·G), amortised over K steps); a global shuffle of batches would need to sort
+a whole window for every step. Microbatches keep neighbours in sorted order: shuffling samples inside a
+global batch would multiply padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+# Feistel rounds: 4 rounds of a strong mixing function make a well-shuffled permutation; more buys nothing.
+_FEISTEL_ROUNDS = 4
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix64(values: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser: a cheap, well-distributed 64-bit hash, vectorised (uint64 wraps by design)."""
+    values = values.copy()
+    values ^= values >> np.uint64(30)
+    values *= np.uint64(0xBF58476D1CE4E5B9)
+    values ^= values >> np.uint64(27)
+    values *= np.uint64(0x94D049BB133111EB)
+    values ^= values >> np.uint64(31)
+    return values
+
+
+class SeededPermutation:
+    """A seeded bijection on ``[0, size)``, evaluated lazily for any array of positions.
+
+    A balanced Feistel network permutes ``[0, 4**h)`` for the smallest ``h`` with ``4**h >= size``; positions
+    that land outside ``[0, size)`` are walked through the network again until they land inside (cycle
+    walking), which keeps it a bijection on ``[0, size)``. The expected number of walks is below 4.
+
+    Args:
+        size: the number of elements to permute (>= 1).
+        seed: any sequence of non-negative integers (e.g. ``(seed, epoch)``).
+    """
+
+    def __init__(self, size: int, seed: Sequence[int]):
+        if size < 1:
+            raise ValueError(f"SeededPermutation needs size >= 1, got {size}")
+        self.size = size
+        half_bits = max(1, ((size - 1).bit_length() + 1) // 2)
+        self._half_bits = np.uint64(half_bits)
+        self._half_mask = np.uint64((1 << half_bits) - 1)
+        self._round_keys = np.random.SeedSequence(list(seed)).generate_state(_FEISTEL_ROUNDS, dtype=np.uint64)
+
+    def _feistel(self, values: np.ndarray) -> np.ndarray:
+        left = values >> self._half_bits
+        right = values & self._half_mask
+        for key in self._round_keys:
+            left, right = right, left ^ (_mix64(right ^ key) & self._half_mask)
+        return (left << self._half_bits) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        values = self._feistel(np.asarray(positions, dtype=np.uint64))
+        outside = values >= np.uint64(self.size)
+        while outside.any():
+            values[outside] = self._feistel(values[outside])
+            outside = values >= np.uint64(self.size)
+        return values.astype(np.int64)
+
+
+KeyLookup = Callable[[np.ndarray], np.ndarray]
+
+
+def resolve_sort_keys(dataset: Any, sort_key: str | Callable[[int], Any] | None) -> KeyLookup | None:
+    """Turn the user's ``sort_key`` choice into a vectorised lookup ``indices -> keys``.
+
+    Args:
+        dataset: the training dataset.
+        sort_key: ``None`` (use ``dataset.sort_key(index)`` if it exists, else no keys), a callable of one
+            index, or the name of a column of a Hugging Face ``datasets.Dataset`` (read once, as a whole).
+
+    Raises:
+        ValueError: a column name that the dataset does not have, or a dataset without columns.
+    """
+    if sort_key is None:
+        method = getattr(dataset, "sort_key", None)
+        return _per_index_lookup(method) if callable(method) else None
+    if isinstance(sort_key, str):
+        column_names = getattr(dataset, "column_names", None)
+        if column_names is None:
+            raise ValueError(
+                f"sort_key={sort_key!r} names a column, but the dataset ({type(dataset).__name__}) has no columns; "
+                "pass a callable(index) or give the dataset a sort_key(index) method"
+            )
+        if sort_key not in column_names:
+            raise ValueError(f"sort_key column {sort_key!r} is not in the dataset; its columns are {column_names}")
+        # One vectorised read of the whole column (Arrow -> numpy), never a Python loop over rows.
+        column = np.asarray(dataset.with_format("numpy")[sort_key])
+        return lambda indices: column[indices]
+    if callable(sort_key):
+        return _per_index_lookup(sort_key)
+    raise ValueError(f"sort_key must be None, a column name or a callable(index); got {sort_key!r}")
+
+
+def _per_index_lookup(function: Callable[[int], Any]) -> KeyLookup:
+    def lookup(indices: np.ndarray) -> np.ndarray:
+        keys = [function(int(index)) for index in indices]
+        array = np.asarray(keys) if keys and not isinstance(keys[0], (tuple, list)) else None
+        if array is None or array.dtype == object or array.ndim != 1:
+            out = np.empty(len(keys), dtype=object)
+            out[:] = keys
+            return out
+        return array
+
+    return lookup
+
+
+def argsort_keys(keys: np.ndarray, tie_break: np.ndarray) -> np.ndarray:
+    """Indices that sort ``keys`` ascending, ties ordered by ``tie_break``.
+
+    Raises:
+        TypeError: keys that cannot be compared with each other (e.g. ``None`` beside numbers).
+    """
+    if keys.dtype != object and keys.dtype.kind in "biuf":
+        if keys.dtype.kind == "f" and np.isnan(keys).any():
+            bad = keys[np.isnan(keys)][0]
+            raise TypeError(f"sort key {bad!r} is not comparable; sort keys must be numbers or comparable values")
+        return np.lexsort((tie_break, keys))
+    try:
+        return np.asarray(sorted(range(len(keys)), key=lambda i: (keys[i], tie_break[i])), dtype=np.int64)
+    except TypeError as error:
+        examples = sorted({type(key).__name__ for key in keys})
+        raise TypeError(
+            f"sort keys are not comparable with each other (key types seen: {examples}): {error}; "
+            "sort keys must be numbers or mutually comparable values"
+        ) from None
+
+
+def keys_digest(lookup: KeyLookup | None, num_samples: int, samples: int = 64) -> str:
+    """A short digest of the sort keys at up to ``samples`` evenly spaced indices (cheap dataset fingerprint)."""
+    if lookup is None:
+        return "unsorted"
+    indices = np.unique(np.linspace(0, num_samples - 1, num=min(samples, num_samples)).astype(np.int64))
+    return hashlib.sha256(repr(lookup(indices).tolist()).encode()).hexdigest()[:16]
+
+
+class GlobalBatchOrder:
+    """The epoch's global batches: ``order.global_batch(epoch, step)`` is an int64 array of G sample indices.
+
+    Args:
+        num_samples: the dataset length N.
+        global_batch_size: samples per optimizer step, over all ranks (G).
+        sort_buffer_size: ``None`` for no sorting, else the window within which samples are sorted by key
+            (rounded down to a multiple of G).
+        key_lookup: vectorised ``indices -> keys`` (required when sorting).
+        seed: the order's seed.
+        shuffle: ``False`` keeps dataset order (windows are still sorted; batches visited in sorted order).
+
+    Raises:
+        ValueError: sizes that are not positive, N < G, a buffer smaller than G, sorting without keys.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        sort_buffer_size: int | None,
+        key_lookup: KeyLookup | None,
+        seed: int,
+        shuffle: bool = True,
+    ):
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
+        if num_samples < global_batch_size:
+            raise ValueError(
+                f"the training dataset has {num_samples} samples, fewer than one global batch "
+                f"(global_batch_size={global_batch_size}); use a smaller global_batch_size or more data"
+            )
+        if sort_buffer_size is not None:
+            if sort_buffer_size < global_batch_size:
+                raise ValueError(
+                    f"sort_buffer_size={sort_buffer_size} is smaller than global_batch_size={global_batch_size}; "
+                    "use None (no sorting) or a multiple of global_batch_size (16x or more pads least)"
+                )
+            if key_lookup is None:
+                raise ValueError(
+                    f"sort_buffer_size={sort_buffer_size} asks for length sorting, but no sort key was found: pass "
+                    "sort_key (a column name or a callable(index)) or give the dataset a sort_key(index) method"
+                )
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.key_lookup = key_lookup
+        self.steps_per_epoch = num_samples // global_batch_size
+        self.batches_per_window = None if sort_buffer_size is None else sort_buffer_size // global_batch_size
+        self._cached_window: tuple[tuple[int, int], np.ndarray] | None = None
+
+    def _positions_to_indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        if not self.shuffle:
+            return positions.astype(np.int64)
+        return SeededPermutation(self.num_samples, (self.seed, epoch))(positions)
+
+    def global_batch(self, epoch: int, step: int) -> np.ndarray:
+        """The G sample indices of global batch ``step`` of ``epoch`` (in sorted order when sorting)."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} outside the epoch's {self.steps_per_epoch} steps")
+        size = self.global_batch_size
+        if self.batches_per_window is None:
+            return self._positions_to_indices(epoch, np.arange(step * size, (step + 1) * size))
+        window, within = divmod(step, self.batches_per_window)
+        sorted_window, batch_order = self._window(epoch, window)
+        slot = int(batch_order[within])
+        return sorted_window[slot * size : (slot + 1) * size]
+
+    def _window(self, epoch: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._cached_window is not None and self._cached_window[0] == (epoch, window):
+            return self._cached_window[1]
+        assert self.batches_per_window is not None and self.key_lookup is not None
+        window_samples = self.batches_per_window * self.global_batch_size
+        start = window * window_samples
+        # The last window is short: it ends where the epoch's whole global batches end.
+        stop = min(start + window_samples, self.steps_per_epoch * self.global_batch_size)
+        indices = self._positions_to_indices(epoch, np.arange(start, stop))
+        rng = np.random.default_rng((self.seed, epoch, window))
+        tie_break = rng.random(len(indices)) if self.shuffle else np.arange(len(indices))
+        sorted_window = indices[argsort_keys(self.key_lookup(indices), tie_break)]
+        num_batches = len(indices) // self.global_batch_size
+        batch_order = rng.permutation(num_batches) if self.shuffle else np.arange(num_batches)
+        self._cached_window = ((epoch, window), (sorted_window, batch_order))
+        return sorted_window, batch_order
