@@ -194,21 +194,41 @@ class D9DDataModule(pl.LightningDataModule):
                     f"world_size={self.world_size} and microbatch_size={self.microbatch_size} give; leave it at 1 "
                     f"(D9DDataModule sets it) or set it to {per_step}"
                 )
+        # Lightning warns that a mid-epoch checkpoint is unreliable unless the *loader* is stateful; ours is
+        # exact through the DataModule's state instead, so the warning would only mislead.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         if not any(isinstance(callback, _AlignRestoredProgress) for callback in trainer.callbacks):
             trainer.callbacks.append(_AlignRestoredProgress(self))
 
     def train_dataloader(self) -> TrainLoader:
-        order = self._require_order()
+        """This rank's training loader: a sized iterable of microbatches (or packs), continuing the position."""
+        return self._train_loader(self.world_size, self.rank, self.position, self._start_point)
+
+    def train_dataloader_for_rank(self, rank: int, world_size: int, epoch: int = 0) -> TrainLoader:
+        """What rank ``rank`` of ``world_size`` would train in ``epoch`` — for exploration and simulation.
+
+        It has its own position (from the epoch's start) and does not touch the DataModule's.
+
+        Raises:
+            ValueError: a rank outside ``[0, world_size)`` or a G not divisible by ``world_size × m``.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        return self._train_loader(world_size, rank, TrainPosition(epoch=epoch), lambda: (epoch, 0))
+
+    def _train_loader(
+        self, world_size: int, rank: int, position: TrainPosition, start_point: Callable[[], tuple[int, int]]
+    ) -> TrainLoader:
         return TrainLoader(
             self.train_dataset,
             self.collate_fn,
-            order,
-            world_size=self.world_size,
-            rank=self.rank,
+            self._require_order(),
+            world_size=world_size,
+            rank=rank,
             microbatch_size=self.microbatch_size,
-            microbatches_per_step=self.microbatches_per_step,
-            position=self.position,
-            start_point=self._start_point,
+            microbatches_per_step=microbatches_per_step(self.global_batch_size, world_size, self.microbatch_size),
+            position=position,
+            start_point=start_point,
             num_workers=self.num_workers,
             pin_memory=self._resolve_pin_memory(),
             yield_packs=self.yield_packs,
