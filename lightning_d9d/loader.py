@@ -18,6 +18,7 @@ worker start-up per epoch, but makes resume cost independent of the position: no
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -162,14 +163,17 @@ class ValidationLoader:
 
 def make_loader(dataset: Dataset, index_batches: Any, collate_fn: Callable, num_workers: int) -> StatefulDataLoader:
     """torchdata's ``StatefulDataLoader`` driven by precomputed index batches (its own state is never used)."""
-    return StatefulDataLoader(
-        dataset,
-        batch_sampler=index_batches,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-        # Its snapshots feed only its own state_dict, which we never use; turning them off saves work per batch.
-        snapshot_every_n_steps=None if num_workers else 1,
-    )
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls the deprecated torch.set_vital on every construction; the warning is noise.
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(
+            dataset,
+            batch_sampler=index_batches,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            # Its snapshots feed only its own state_dict, which we never use; turning them off saves work.
+            snapshot_every_n_steps=None if num_workers else 1,
+        )
 
 
 class _LazyIterator:
