@@ -1,0 +1,337 @@
+"""Token stream: one resumable, endless stream of packed microbatches per (rank, worker).
+
+Algorithm: the stream walks its share of row groups (``parquet_source.deal``) pass after pass, reads each row
+group's text column, and cuts it into chunks of ``tokenizer_batch_size`` rows. A background thread reads and
+tokenizes ahead (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core), while the consuming
+thread packs rows (``token_packing``) and emits microbatches of ``inputs``/``targets``/``position_ids``. Chunks
+always start at the same row offsets (multiples of the batch size within a row group), so what is buffered
+never depends on timing.
+
+State: every microbatch comes with the stream's position *after* it, as a few integers:
+
+* ``pass``/``slot``/``row``: the chunk to read next (best-fit), or the chunk holding the next unemitted token
+  plus ``offset`` into its tokens (concat). On resume that chunk is re-read and re-tokenized; the carried-over
+  tokens are recomputed, not saved.
+* best-fit's buffer as one ``(documents, 5)`` int64 tensor: insertion number, token length, row group, row,
+  and a checksum of the row-sized prefix. On resume each buffered document is re-read; a document longer than a
+  row is re-tokenized only from a text prefix long enough for its first row's worth of tokens, and the
+  checksum proves the prefix is byte-identical (else it falls back to the whole text). That keeps the first
+  batch after a resume fast even when the buffer holds the corpus's longest documents.
+* counters (documents read, empty/null documents skipped, tokens tokenized / emitted / cropped).
+
+Trade-off: the state is small (tens of KiB for a 1000-document buffer) and restoring it costs one re-read and a
+bounded re-tokenization; saving the tokens themselves would cost MiBs per worker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from lightning_d9d.parquet_source import RowGroupIndex, deal, pass_order
+from lightning_d9d.token_packing import BestFitPacker, ConcatPacker, position_ids, prefix_hash
+
+PACKINGS = ("bestfit", "concat")
+_COUNTERS = ("docs", "empty", "tokens")
+
+_tokenizer_cache: dict[str, Tokenizer] = {}
+
+
+def load_tokenizer(tokenizer_json: str) -> Tokenizer:
+    """Parse a serialized tokenizer once per process (parsing a large vocabulary takes a while)."""
+    tok = _tokenizer_cache.get(tokenizer_json)
+    if tok is None:
+        tok = _tokenizer_cache[tokenizer_json] = Tokenizer.from_str(tokenizer_json)
+    return tok
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Everything a stream needs, picklable so it can travel to a DataLoader worker.
+
+    Attributes:
+        index: the row groups to read.
+        tokenizer_json: the tokenizer, serialized (``Tokenizer.to_str()``).
+        bos_id: the BOS token id prepended to every document.
+        seq_len: tokens per row of ``inputs`` (rows hold ``seq_len + 1`` tokens).
+        microbatch_size: rows per microbatch.
+        packing: ``"bestfit"`` or ``"concat"``.
+        seed: seeds the per-pass row-group order.
+        shuffle: reshuffle row groups every pass (``False``: file order, for validation).
+        num_streams: total streams (ranks x workers) the row groups are dealt to.
+        tokenizer_batch_size: documents per ``encode_batch_fast`` call (and per chunk).
+        buffer_size: best-fit's document buffer.
+        prefetch: chunks the background reader may run ahead (0: no thread, read inline).
+    """
+
+    index: RowGroupIndex
+    tokenizer_json: str
+    bos_id: int
+    seq_len: int
+    microbatch_size: int
+    packing: str
+    seed: int
+    shuffle: bool
+    num_streams: int
+    tokenizer_batch_size: int = 128
+    buffer_size: int = 1000
+    prefetch: int = 4
+
+    @property
+    def capacity(self) -> int:
+        return self.seq_len + 1
+
+
+@dataclass
+class _Chunk:
+    pass_index: int
+    slot: int
+    row: int
+    group: int  # global row group
+    counters: tuple[int, int, int]  # docs, empty, tokens read before this chunk
+    doc_rows: np.ndarray  # row (within the row group) of each non-empty document
+    lengths: np.ndarray  # full token count (with BOS) of each non-empty document
+    payload: Any  # concat: 1-D int32 tokens; bestfit: list of row-sized prefixes
+    raw_docs: int
+    empty: int
+
+
+def _initial_state() -> dict[str, Any]:
+    return {"pass": 0, "slot": 0, "row": 0, "offset": 0, "docs": 0, "empty": 0, "tokens": 0,
+            "batches": 0, "emitted": 0, "crops": 0, "cropped": 0, "next_seq": 0}
+
+
+class TokenStream:
+    """An endless iterator of ``(inputs, targets, position_ids, state)`` microbatches for one stream.
+
+    Args:
+        spec: the stream's configuration.
+        stream: this stream's number among ``spec.num_streams``.
+        state: a state yielded earlier by a stream with the same spec and number, to continue exactly after it.
+
+    Raises:
+        ValueError: (when iterated) this stream has no row group, or a whole pass of it holds no document.
+    """
+
+    def __init__(self, spec: StreamSpec, stream: int, state: dict[str, Any] | None = None) -> None:
+        if spec.packing not in PACKINGS:
+            raise ValueError(f"packing={spec.packing!r} is not one of {PACKINGS}")
+        self.spec = spec
+        self.stream = stream
+        self.state = dict(state) if state is not None else _initial_state()
+        self._stop = threading.Event()
+
+    # ---------------------------------------------------------------- reading and tokenizing
+    def _chunks(self, start: tuple[int, int, int], counters: tuple[int, int, int]) -> Iterator[_Chunk]:
+        spec = self.spec
+        tok = load_tokenizer(spec.tokenizer_json)
+        bos, cap, size = spec.bos_id, spec.capacity, spec.tokenizer_batch_size
+        pass_index, slot, row = start
+        docs, empty_total, tokens_total = counters
+        while True:
+            groups = deal(pass_order(len(spec.index), spec.seed, pass_index, spec.shuffle), self.stream,
+                          spec.num_streams)
+            if len(groups) == 0:
+                raise ValueError(f"stream {self.stream} of {spec.num_streams} gets no row group: the files hold "
+                                 f"{len(spec.index)} row groups, fewer than ranks x workers")
+            tokens_at_pass_start = tokens_total
+            while slot < len(groups):
+                group = int(groups[slot])
+                texts = spec.index.read_texts(group)
+                while row < len(texts):
+                    raw = texts[row:row + size]
+                    keep = [i for i, text in enumerate(raw) if text]  # None and "" are skipped, and counted
+                    encs = tok.encode_batch_fast([raw[i] for i in keep]) if keep else []
+                    ids = [e.ids for e in encs]
+                    lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
+                    if spec.packing == "concat":
+                        payload = np.fromiter(chain.from_iterable(chain((bos,), x) for x in ids), np.int32,
+                                              int(lengths.sum()))
+                    else:
+                        payload = []
+                        for x in ids:
+                            prefix = np.empty(min(len(x) + 1, cap), np.int32)
+                            prefix[0] = bos
+                            prefix[1:] = x[:cap - 1]
+                            payload.append(prefix)
+                    yield _Chunk(pass_index, slot, row, group, (docs, empty_total, tokens_total),
+                                 np.asarray(keep, np.int64) + row, lengths, payload, len(raw), len(raw) - len(keep))
+                    docs += len(raw)
+                    empty_total += len(raw) - len(keep)
+                    tokens_total += int(lengths.sum())
+                    row += size
+                slot, row = slot + 1, 0
+            if tokens_total == tokens_at_pass_start:
+                raise ValueError(f"stream {self.stream}: a whole pass over its row groups {groups.tolist()} found no "
+                                 f"non-empty text in column {spec.index.text_column!r}")
+            pass_index, slot = pass_index + 1, 0
+
+    def _background(self, chunks: Iterator[_Chunk]) -> Iterator[_Chunk]:
+        """Run ``chunks`` in a thread, ``prefetch`` chunks ahead; errors re-raise in the consumer."""
+        if self.spec.prefetch <= 0:
+            yield from chunks
+            return
+        out: queue.Queue = queue.Queue(maxsize=self.spec.prefetch)
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for chunk in chunks:
+                    while not stop.is_set():
+                        try:
+                            out.put(chunk, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            except BaseException as err:  # handed to the consumer, which raises it
+                while not stop.is_set():
+                    try:
+                        out.put(err, timeout=0.1)
+                        return
+                    except queue.Full:
+                        continue
+
+        thread = threading.Thread(target=produce, name=f"token-stream-{self.stream}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+    # ---------------------------------------------------------------- restoring best-fit's buffer
+    def _restore_bestfit(self, packer: BestFitPacker, meta: np.ndarray) -> None:
+        spec = self.spec
+        tok = load_tokenizer(spec.tokenizer_json)
+        cap = spec.capacity
+        texts: list[str] = []
+        for group in np.unique(meta[:, 2]):
+            rows = spec.index.read_texts(int(group))
+            for i in np.flatnonzero(meta[:, 2] == group):
+                texts.append((i, rows[int(meta[i, 3])]))
+        texts = [t for _, t in sorted(texts, key=lambda it: it[0])]
+        prefixes: list[np.ndarray | None] = [None] * len(meta)
+        # Long documents: tokenize a text prefix sized from the document's own chars/token, generous enough
+        # that the first row's tokens are final; the checksum decides, doubling the prefix until it matches.
+        cut = [len(t) if meta[i, 1] <= cap else int(len(t) * (cap + 64) / meta[i, 1] * 1.25) + 256
+               for i, t in enumerate(texts)]
+        pending = list(range(len(meta)))
+        while pending:
+            encs = tok.encode_batch_fast([texts[i][:cut[i]] for i in pending])
+            retry = []
+            for i, enc in zip(pending, encs):
+                ids = enc.ids
+                length, whole = int(meta[i, 1]), cut[i] >= len(texts[i])
+                prefix = np.empty(min(len(ids) + 1, cap), np.int32)
+                prefix[0] = spec.bos_id
+                prefix[1:] = ids[:cap - 1]
+                if whole and len(ids) + 1 != length:
+                    raise ValueError(f"cannot resume: document at row {int(meta[i, 3])} of row group "
+                                     f"{int(meta[i, 2])} now has {len(ids) + 1} tokens, the checkpoint says {length} "
+                                     "(did the data files or the tokenizer change?)")
+                if length <= cap:
+                    prefixes[i] = prefix
+                elif (whole or len(ids) + 1 >= cap + 16) and prefix_hash(prefix) == int(meta[i, 4]):
+                    prefixes[i] = prefix
+                elif whole:
+                    raise ValueError(f"cannot resume: document at row {int(meta[i, 3])} of row group "
+                                     f"{int(meta[i, 2])} no longer matches its checksum (did the data files or the "
+                                     "tokenizer change?)")
+                else:
+                    cut[i] = min(2 * cut[i], len(texts[i]))
+                    retry.append(i)
+            pending = retry
+        packer.restore(meta, prefixes, int(self.state["next_seq"]))
+
+    # ---------------------------------------------------------------- packing
+    def _emit(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows64 = torch.from_numpy(rows.astype(np.int64))
+        inputs = rows64[:, :-1].contiguous()
+        targets = rows64[:, 1:].contiguous()
+        positions = torch.from_numpy(position_ids(rows[:, :-1], self.spec.bos_id))
+        return inputs, targets, positions
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        spec, state = self.spec, dict(self.state)
+        start = (state["pass"], state["slot"], state["row"])
+        counters = tuple(state[c] for c in _COUNTERS)
+        chunks = self._background(self._chunks(start, counters))
+        try:
+            if spec.packing == "concat":
+                yield from self._iter_concat(chunks, state)
+            else:
+                yield from self._iter_bestfit(chunks, state)
+        finally:
+            chunks.close()
+
+    def _iter_concat(self, chunks: Iterator[_Chunk], state: dict[str, Any]) -> Iterator:
+        spec = self.spec
+        packer = ConcatPacker(spec.capacity)
+        skip = state["offset"]
+        while True:
+            rows = packer.take(spec.microbatch_size)
+            while rows is None:
+                chunk = next(chunks)
+                packer.add(chunk.payload, (chunk.pass_index, chunk.slot, chunk.row, chunk.counters), skip=skip)
+                skip = 0
+                rows = packer.take(spec.microbatch_size)
+            (pass_index, slot, row, counters), offset = packer.position()
+            state.update({"pass": pass_index, "slot": slot, "row": row, "offset": offset})
+            state.update(zip(_COUNTERS, counters))
+            state["batches"] += 1
+            state["emitted"] += rows.size
+            yield (*self._emit(rows), self._public(state))
+
+    def _iter_bestfit(self, chunks: Iterator[_Chunk], state: dict[str, Any]) -> Iterator:
+        spec = self.spec
+        packer = BestFitPacker(spec.capacity, spec.buffer_size)
+        packer.crops, packer.tokens_cropped = state["crops"], state["cropped"]
+        if "buffer" in state and len(state["buffer"]):
+            self._restore_bestfit(packer, np.asarray(state["buffer"], np.int64).reshape(-1, 5))
+        packer.next_seq = state["next_seq"]
+
+        def refill() -> None:
+            chunk = next(chunks)
+            for row, length, prefix in zip(chunk.doc_rows.tolist(), chunk.lengths.tolist(), chunk.payload):
+                packer.add(prefix, length, (chunk.group, row))
+            state["pass"], state["slot"], state["row"] = self._after(chunk)
+            state["docs"] = chunk.counters[0] + chunk.raw_docs
+            state["empty"] = chunk.counters[1] + chunk.empty
+            state["tokens"] = chunk.counters[2] + int(chunk.lengths.sum())
+
+        while True:
+            rows = packer.take(spec.microbatch_size, refill)
+            state["batches"] += 1
+            state["emitted"] += rows.size
+            state["crops"], state["cropped"], state["next_seq"] = packer.crops, packer.tokens_cropped, packer.next_seq
+            out = self._public(state)
+            out["buffer"] = torch.from_numpy(packer.snapshot())
+            yield (*self._emit(rows), out)
+
+    def _after(self, chunk: _Chunk) -> tuple[int, int, int]:
+        """The position of the chunk that follows ``chunk``: same row group, next row group, or next pass."""
+        spec = self.spec
+        row = chunk.row + spec.tokenizer_batch_size
+        if row < int(spec.index.num_rows[chunk.group]):
+            return chunk.pass_index, chunk.slot, row
+        slots_per_pass = len(range(self.stream, len(spec.index), spec.num_streams))
+        if chunk.slot + 1 < slots_per_pass:
+            return chunk.pass_index, chunk.slot + 1, 0
+        return chunk.pass_index + 1, 0, 0
+
+    @staticmethod
+    def _public(state: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in state.items() if not k.startswith("_") and k != "buffer"}
