@@ -111,8 +111,8 @@ class SaveAtBatch(pl.Callback):
 
 def run_training(config: dict[str, Any]) -> None:
     """Fit once. Keys: record_dir, ckpt_dir, size, global_batch_size, microbatch_size, sort_buffer_size,
-    num_workers, devices, max_epochs, max_steps, every_n_train_steps, save_at, ckpt_path, estimated, packs,
-    val_size, kill_at_step, seed."""
+    num_workers, devices, max_epochs, max_steps, every_n_train_steps, epoch_end_ckpt, save_at, ckpt_path,
+    estimated, packs, val_size, kill_at_step, seed."""
     Path(config["record_dir"]).mkdir(parents=True, exist_ok=True)
     dm = D9DDataModule(
         LengthDataset(config.get("size", 200)),
@@ -140,6 +140,8 @@ def run_training(config: dict[str, Any]) -> None:
                 save_last=True,
             )
         )
+        if config.get("epoch_end_ckpt"):
+            callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="end-{epoch}", save_top_k=-1))
         if config.get("save_at"):
             callbacks.append(SaveAtBatch(ckpt_dir, config["save_at"]))
     devices = config.get("devices", 1)
