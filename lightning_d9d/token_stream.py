@@ -335,3 +335,56 @@ class TokenStream:
     @staticmethod
     def _public(state: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in state.items() if not k.startswith("_") and k != "buffer"}
+
+
+def estimate_pass(spec: StreamSpec, sample_groups: int = 8, sample_docs: int = 4096) -> tuple[float, float]:
+    """Estimate ``(tokens, rows)`` of one pass over ``spec.index``, from a sample and the parquet footers.
+
+    The sample is the first rows of up to ``sample_groups`` row groups spread evenly over the files (about
+    ``sample_docs`` documents in all). Tokens per pass = the sample's tokens per row (BOS included, empty rows
+    counted as rows) x the footers' row count. Rows: concat packs every token, so ``tokens / (seq_len + 1)``;
+    best-fit drops cropped remainders, so its rows are scaled by a yield measured by running the real packer
+    over the sample's document lengths (cycled and shuffled with a fixed seed). Deterministic, so every rank
+    computes the same value.
+    """
+    index, tok = spec.index, load_tokenizer(spec.tokenizer_json)
+    groups = np.unique(np.linspace(0, len(index) - 1, min(len(index), sample_groups)).astype(np.int64))
+    per_group = max(1, sample_docs // len(groups))
+    raw, lengths = 0, []
+    for group in groups:
+        texts = index.read_texts(int(group))[:per_group]
+        raw += len(texts)
+        kept = [t for t in texts if t]
+        lengths.extend(len(e) + 1 for e in tok.encode_batch_fast(kept))
+    tokens = sum(lengths) / max(1, raw) * index.total_rows
+    if not lengths:
+        return 0.0, 0.0
+    if spec.packing == "concat":
+        return tokens, tokens / spec.capacity
+    return tokens, tokens * _bestfit_yield(lengths, spec.capacity, spec.buffer_size) / spec.capacity
+
+
+def _bestfit_yield(lengths: list[int], capacity: int, buffer_size: int) -> float:
+    rng = np.random.default_rng(0)
+    feed = int(min(50_000, max(3 * len(lengths), 4 * buffer_size)))
+    order = rng.choice(np.asarray(lengths), size=feed)
+    packer = BestFitPacker(capacity, buffer_size)
+    fed = iter(order.tolist())
+    zeros = np.zeros(capacity, np.int32)
+
+    class _Exhausted(Exception):
+        pass
+
+    def refill() -> None:
+        for length in fed:
+            packer.add(zeros[:min(length, capacity)], length, (0, 0))
+            return
+        raise _Exhausted
+
+    try:
+        while True:
+            packer.take(1, refill)
+    except _Exhausted:
+        pass
+    consumed = int(order.sum()) - int(packer.snapshot()[:, 1].sum())
+    return packer.tokens_emitted / consumed if consumed > 0 else 1.0

@@ -1,0 +1,365 @@
+"""PretrainingDataModule: parquet → tokens → packed rows, streamed, equal on every rank, exactly resumable.
+
+Pipeline: ``parquet_source`` (files → row groups, a seeded order per pass dealt to (rank, worker)) →
+``token_stream`` (read + ``encode_batch_fast`` ahead in a thread, pack with ``token_packing``) →
+``token_loader`` (one stream per DataLoader worker, round-robin, position committed per optimizer step) →
+pin → transfer. This is the only one of those stages that imports Lightning.
+
+Epochs: the streams never end (each cycles through passes over its row groups, reshuffled every pass), so an
+epoch is a *count*: ``steps_per_epoch`` optimizer steps, i.e. ``steps_per_epoch * M`` microbatches on every
+rank (M = G / (world_size * microbatch_size)). Every rank yields exactly that many: no DDP hang is possible
+from uneven data. The default ``steps_per_epoch`` is one pass's worth, *estimated* from the parquet footers'
+row counts and a tokenized sample (see ``token_stream.estimate_pass``), not counted.
+
+Resume: ``state_dict`` holds, for every rank and stream, the stream's position at the last optimizer-step
+boundary (gathered to rank 0 with ``all_gather_object``, because Lightning saves only rank 0's checkpoint and
+every rank loads it), plus a fingerprint of everything that decides the row sequence. Lightning's own restored
+batch counters are aligned to that step (the same callback as ``D9DDataModule``'s).
+
+Trade-off: sequence is defined per (world_size, num_workers, microbatch_size) layout; a checkpoint from another
+layout is refused rather than approximately continued (the per-stream state is designed so that an elastic
+re-dealing can be added later).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from lightning_d9d.datamodule import D9DDataModule
+from lightning_d9d.parquet_source import RowGroupIndex, resolve_files
+from lightning_d9d.pin import pin_batch
+from lightning_d9d.shard import microbatches_per_step
+from lightning_d9d.token_loader import StreamPosition, TokenTrainLoader, TokenValidationLoader
+from lightning_d9d.token_stream import PACKINGS, StreamSpec, estimate_pass
+
+STATE_VERSION = 1
+
+
+@dataclass
+class PretrainingBatch:
+    """One microbatch of packed rows.
+
+    Attributes:
+        inputs: ``(microbatch_size, seq_len)`` int64 token ids.
+        targets: ``(microbatch_size, seq_len)`` int64, ``inputs`` shifted left by one (the next token).
+        position_ids: ``(microbatch_size, seq_len)`` int64, 0 at every row start and at every BOS.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)
+
+
+class PretrainingDataModule(pl.LightningDataModule):
+    """Stream parquet text into packed token rows for ``Trainer.fit``, with exact resume.
+
+    Args:
+        train_files: a directory, a glob, a file, a ``s3://``/``gs://``/``file://`` (or any fsspec) URL of
+            those, or a list of them.
+        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
+        seq_len: tokens per row of ``inputs`` (each row is cut from ``seq_len + 1`` tokens).
+        global_batch_size: rows per optimizer step, summed over ranks and accumulation (G).
+        microbatch_size: rows per forward/backward on one rank (m).
+        val_files: optional validation files (same forms), read in file order from the start on every run.
+        text_column: the column holding the documents.
+        bos_token: the token prepended to every document; it must be in the tokenizer's vocabulary.
+        packing: ``"bestfit"`` (every row starts at BOS, cropping) or ``"concat"`` (one stream, no waste).
+        steps_per_epoch: optimizer steps per Lightning epoch; ``None``: one pass's worth, estimated.
+        val_steps: validation microbatches per rank per validation run; ``None``: one pass's worth, estimated.
+        num_workers: DataLoader worker processes per rank (each runs one stream); 0 runs one stream in-process.
+        tokenizer_batch_size: documents per ``encode_batch_fast`` call.
+        seed: seeds the row-group order of every pass.
+        bestfit_buffer_size: documents best-fit chooses from.
+        pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.
+
+    Raises:
+        ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m; in ``setup``, no file
+            matches, a file is not parquet or lacks the column, the tokenizer lacks the BOS token, fewer row
+            groups than ranks × workers, a dataset too small for one step, G not divisible by world_size × m.
+    """
+
+    def __init__(
+        self,
+        train_files: str | os.PathLike | Sequence[str | os.PathLike],
+        tokenizer: str | os.PathLike | Tokenizer,
+        seq_len: int = 1024,
+        global_batch_size: int = 64,
+        microbatch_size: int = 8,
+        val_files: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+        text_column: str = "text",
+        bos_token: str = "<|bos|>",
+        packing: Literal["bestfit", "concat"] = "bestfit",
+        steps_per_epoch: int | None = None,
+        val_steps: int | None = None,
+        num_workers: int = 2,
+        tokenizer_batch_size: int = 128,
+        seed: int = 0,
+        bestfit_buffer_size: int = 1000,
+        pin_memory: bool | None = None,
+    ):
+        super().__init__()
+        self.seq_len = _positive_int("seq_len", seq_len)
+        self.global_batch_size = _positive_int("global_batch_size", global_batch_size)
+        self.microbatch_size = _positive_int("microbatch_size", microbatch_size)
+        self.tokenizer_batch_size = _positive_int("tokenizer_batch_size", tokenizer_batch_size)
+        self.bestfit_buffer_size = _positive_int("bestfit_buffer_size", bestfit_buffer_size)
+        self._steps_per_epoch_arg = _positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
+        self._val_steps_arg = _positive_int("val_steps", val_steps, allow_none=True)
+        if self.global_batch_size % self.microbatch_size:
+            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by microbatch_size="
+                             f"{microbatch_size}")
+        if packing not in PACKINGS:
+            raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        if not isinstance(text_column, str) or not text_column:
+            raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
+        self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
+        self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
+        self.num_workers, self.seed, self.pin_memory = num_workers, int(seed), pin_memory
+        self.yield_packs = False  # read by the shared accumulation/progress helpers of D9DDataModule
+
+        self.train_spec: StreamSpec | None = None
+        self.val_spec: StreamSpec | None = None
+        self.steps_per_epoch: int | None = None
+        self.val_steps: int | None = None
+        self.estimated_pass_tokens: float | None = None
+        self.fingerprint: dict[str, str] | None = None
+        self.position = StreamPosition()
+        self._restored: tuple[int, int] | None = None
+        self._loader: TokenTrainLoader | None = None
+
+    # ------------------------------------------------------------------ shared with D9DDataModule
+    world_size = D9DDataModule.world_size
+    rank = D9DDataModule.rank
+    _trainer = D9DDataModule._trainer
+    _configure_trainer = D9DDataModule._configure_trainer
+    _align_lightning_progress = D9DDataModule._align_lightning_progress
+    _resolve_pin_memory = D9DDataModule._resolve_pin_memory
+    transfer_batch_to_device = D9DDataModule.transfer_batch_to_device
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """M = G / (W·m): microbatches one rank runs per optimizer step."""
+        return microbatches_per_step(self.global_batch_size, self.world_size, self.microbatch_size)
+
+    @property
+    def streams_per_rank(self) -> int:
+        return max(1, self.num_workers)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, stage: str | None = None) -> None:
+        """Resolve files, read footers, load the tokenizer, size the epoch; under a Trainer set accumulation."""
+        tokenizer = self._load_tokenizer()
+        bos_id = tokenizer.token_to_id(self.bos_token)
+        if bos_id is None:
+            special = sorted(t.content for t in tokenizer.get_added_tokens_decoder().values())
+            raise ValueError(f"the tokenizer has no token bos_token={self.bos_token!r}; its added/special tokens are "
+                             f"{special}: pass one of them as bos_token or add it to the tokenizer")
+        tokenizer_json = tokenizer.to_str()
+        per_step = self.microbatches_per_step  # validates G % (W·m)
+        streams = self.world_size * self.streams_per_rank
+        if self.train_spec is None or stage in (None, "fit"):
+            files = resolve_files(self.train_files, "train_files")
+            index = RowGroupIndex.scan(files, self.text_column)
+            self._check_enough_groups(index, streams, "train_files")
+            self.train_spec = self._spec(index, tokenizer_json, bos_id, shuffle=True, streams=streams)
+            tokens, rows = estimate_pass(self.train_spec)
+            self.estimated_pass_tokens = tokens
+            if self._steps_per_epoch_arg is not None:
+                self.steps_per_epoch = self._steps_per_epoch_arg
+            else:
+                self.steps_per_epoch = int(rows // self.global_batch_size)
+                if self.steps_per_epoch < 1:
+                    raise ValueError(
+                        f"train_files are too small for one optimizer step: about {tokens:.0f} tokens "
+                        f"({rows:.1f} rows of seq_len+1={self.seq_len + 1}) per pass, but one step takes "
+                        f"global_batch_size={self.global_batch_size} rows; add data, lower seq_len or "
+                        "global_batch_size, or set steps_per_epoch to cycle the data")
+            self.fingerprint = self._fingerprint(index, tokenizer_json)
+        if self.val_files is not None and self.val_spec is None:
+            index = RowGroupIndex.scan(resolve_files(self.val_files, "val_files"), self.text_column)
+            self._check_enough_groups(index, streams, "val_files")
+            self.val_spec = self._spec(index, tokenizer_json, bos_id, shuffle=False, streams=streams)
+            if self._val_steps_arg is not None:
+                self.val_steps = self._val_steps_arg
+            else:
+                _, rows = estimate_pass(self.val_spec)
+                self.val_steps = max(1, int(rows // (self.world_size * self.microbatch_size)))
+        if stage in (None, "fit"):
+            self.position = StreamPosition(generation=self.position.generation + 1)
+            self._restored = None
+            self._configure_trainer(per_step)
+
+    def train_dataloader(self) -> TokenTrainLoader:
+        """This rank's training loader: a sized iterable of ``PretrainingBatch`` (one epoch per iteration)."""
+        spec = self._require(self.train_spec)
+        if self._loader is not None:
+            self._loader.close()
+        self._loader = TokenTrainLoader(spec, self.rank, self.num_workers, self.steps_per_epoch * self.microbatches_per_step,
+                                        self.microbatches_per_step, self.position, self._start_point, self._make_batch)
+        return self._loader
+
+    def val_dataloader(self) -> TokenValidationLoader | list:
+        """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files)."""
+        if self.val_files is None:
+            return []
+        spec = self._require(self.val_spec)
+        return TokenValidationLoader(spec, self.rank, self.num_workers, self.val_steps, self._make_batch)
+
+    def teardown(self, stage: str) -> None:
+        if self._loader is not None:
+            self._loader.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's stream states at the last optimizer step, and the fingerprint (< 100 KiB per stream).
+
+        Under DDP it gathers all ranks' states (it runs on every rank while a checkpoint is saved), because
+        Lightning writes only rank 0's checkpoint and every rank loads that one.
+        """
+        if self.fingerprint is None:
+            return {}
+        epoch, step, states = self.position.committed
+        mine = {int(sid): _to_saveable(state) for sid, state in states.items()}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
+            ranks: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "step": step,
+            "fingerprint": dict(self.fingerprint),
+            "layout": self._layout(),
+            "ranks": ranks,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore every stream of this rank to the checkpoint's last optimizer step.
+
+        Raises:
+            ValueError: the checkpoint was made with other data/tokenizer/seq_len/packing/seed/global batch
+                (naming each differing value), or another world size / num_workers / microbatch_size.
+        """
+        if not state_dict:
+            return
+        if state_dict.get("version") != STATE_VERSION:
+            raise ValueError(f"unknown PretrainingDataModule state version {state_dict.get('version')!r}; "
+                             f"expected {STATE_VERSION}")
+        fingerprint = self._require(self.fingerprint)
+        saved = state_dict["fingerprint"]
+        diffs = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}" for key, value in fingerprint.items()
+                 if saved.get(key) != value]
+        if diffs:
+            raise ValueError("the checkpoint's data stream does not match this PretrainingDataModule ("
+                             + "; ".join(diffs) + "). Resume with the same settings, or start a new run")
+        layout, saved_layout = self._layout(), state_dict["layout"]
+        if layout != saved_layout:
+            diffs = [f"{key}={saved_layout.get(key)} in the checkpoint, {value} now" for key, value in layout.items()
+                     if saved_layout.get(key) != value]
+            raise ValueError("cannot resume the token streams on another layout (" + "; ".join(diffs) + "): the "
+                             "rows each rank trains depend on it. Resume with the checkpoint's world_size, "
+                             "num_workers and microbatch_size (elastic resume is not supported yet)")
+        epoch, step = int(state_dict["epoch"]), int(state_dict["step"])
+        states = {int(sid): dict(state) for sid, state in state_dict["ranks"][self.rank].items()}
+        self.position.restart(epoch, step, states, self.microbatches_per_step)
+        self._restored = (epoch, step)
+
+    # ------------------------------------------------------------------ internals
+    def _start_point(self) -> tuple[int, int]:
+        """(epoch, microbatch in epoch) where the next epoch iteration starts; called at its first ``next()``."""
+        position, per_epoch = self.position, self.steps_per_epoch * self.microbatches_per_step
+        self._restored = None
+        if position.microbatches >= per_epoch:
+            return position.epoch + 1, 0
+        return position.epoch, position.microbatches
+
+    def _make_batch(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> PretrainingBatch:
+        batch = PretrainingBatch(inputs, targets, positions)
+        return pin_batch(batch) if self._pin else batch
+
+    @property
+    def _pin(self) -> bool:
+        return self._resolve_pin_memory()
+
+    def _spec(self, index: RowGroupIndex, tokenizer_json: str, bos_id: int, shuffle: bool, streams: int) -> StreamSpec:
+        return StreamSpec(index=index, tokenizer_json=tokenizer_json, bos_id=bos_id, seq_len=self.seq_len,
+                          microbatch_size=self.microbatch_size, packing=self.packing, seed=self.seed,
+                          shuffle=shuffle, num_streams=streams, tokenizer_batch_size=self.tokenizer_batch_size,
+                          buffer_size=self.bestfit_buffer_size)
+
+    def _check_enough_groups(self, index: RowGroupIndex, streams: int, what: str) -> None:
+        if len(index) < streams:
+            raise ValueError(
+                f"{what} hold {len(index)} parquet row groups, fewer than the {streams} streams that read them "
+                f"(world_size={self.world_size} x max(1, num_workers={self.num_workers})), so a rank would get no "
+                "data: add data, write smaller row groups (pyarrow.parquet.write_table(..., row_group_size=...)), "
+                "or use fewer workers")
+
+    def _load_tokenizer(self) -> Tokenizer:
+        if isinstance(self.tokenizer, Tokenizer):
+            return self.tokenizer
+        path = os.fspath(self.tokenizer)
+        if not os.path.isfile(path):
+            raise ValueError(f"tokenizer={path!r} is not a file: give a tokenizer.json path or a tokenizers.Tokenizer")
+        try:
+            return Tokenizer.from_file(path)
+        except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+            raise ValueError(f"tokenizer={path!r} is not a valid tokenizers JSON file: {err}") from err
+
+    def _fingerprint(self, index: RowGroupIndex, tokenizer_json: str) -> dict[str, str]:
+        files = hashlib.sha256()
+        for path in index.files:
+            files.update(path.encode() + b"\0")
+        files.update(index.num_rows.tobytes())
+        return {
+            "files": f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}",
+            "text_column": self.text_column,
+            "tokenizer": f"sha256 {hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]}",
+            "bos_token": self.bos_token,
+            "seq_len": str(self.seq_len),
+            "packing": self.packing,
+            "seed": str(self.seed),
+            "global_batch_size": str(self.global_batch_size),
+            "tokenizer_batch_size": str(self.tokenizer_batch_size),
+            "bestfit_buffer_size": str(self.bestfit_buffer_size),
+        }
+
+    def _layout(self) -> dict[str, int]:
+        return {"world_size": self.world_size, "num_workers": self.num_workers,
+                "microbatch_size": self.microbatch_size}
+
+    @staticmethod
+    def _require(value: Any) -> Any:
+        if value is None:
+            raise RuntimeError("call dm.setup('fit') first (Trainer.fit does it)")
+        return value
+
+
+def _to_saveable(state: dict[str, Any]) -> dict[str, Any]:
+    """Plain ints and an int64 tensor only, so checkpoints load with ``torch.load(weights_only=True)``."""
+    out = {key: int(value) for key, value in state.items() if key != "buffer"}
+    if "buffer" in state:
+        out["buffer"] = torch.as_tensor(state["buffer"], dtype=torch.int64).clone()
+    return out

@@ -1,0 +1,184 @@
+"""Token loader: one rank's token streams, interleaved into microbatches, with the position that resumes them.
+
+Algorithm: a rank owns ``max(1, num_workers)`` streams (``token_stream.TokenStream``), one per DataLoader worker
+(or one in-process stream for ``num_workers=0``). torch's DataLoader hands out an ``IterableDataset``'s items
+strictly round-robin over workers, so microbatch ``n`` of the rank (counted since training began) always comes
+from stream ``n % streams``; on resume the workers are *rotated* so that the stream whose turn it is sits in
+worker 0. Each microbatch arrives with its stream's state after it; the loader keeps the latest state of every
+stream and, at every optimizer-step boundary, commits a copy: that committed copy is what a checkpoint saves.
+
+Why commit only at step boundaries: Lightning does not checkpoint accumulated gradients, so a resume must start
+at the first microbatch of an optimizer step; Lightning's own batch counters are aligned to the same point.
+
+Trade-off: the worker processes live as long as the loader's iterator (across epochs, because a stream never
+restarts at an epoch boundary); a resume or a new ``fit`` restarts them from the committed states, which costs
+one re-read and re-tokenization of the chunk in flight (and best-fit's buffer prefixes) per stream.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_d9d.parquet_source import stream_id
+from lightning_d9d.token_stream import StreamSpec, TokenStream
+
+StreamStates = dict[int, dict[str, Any]]
+
+
+@dataclass
+class StreamPosition:
+    """Where one rank's streams are: the single place the data position lives.
+
+    Attributes:
+        epoch: the current Lightning epoch.
+        microbatches: microbatches handed out in this epoch.
+        states: the latest state of each of this rank's streams (by global stream number).
+        committed: ``(epoch, step, states)`` at the last optimizer-step boundary (what checkpoints save).
+        generation: bumped whenever the position is replaced (resume), which invalidates running streams.
+    """
+
+    epoch: int = 0
+    microbatches: int = 0
+    states: StreamStates = field(default_factory=dict)
+    committed: tuple[int, int, StreamStates] = (0, 0, {})
+    generation: int = 0
+
+    def restart(self, epoch: int, step: int, states: StreamStates, microbatches_per_step: int) -> None:
+        """Jump to ``step`` of ``epoch`` with the given stream states (a resume)."""
+        self.epoch, self.microbatches = epoch, step * microbatches_per_step
+        self.states = dict(states)
+        self.committed = (epoch, step, dict(states))
+        self.generation += 1
+
+
+class _WorkerStreams(IterableDataset):
+    """The dataset each DataLoader worker iterates: its (rotated) stream, from its saved state."""
+
+    def __init__(self, spec: StreamSpec, rank: int, num_workers: int, states: StreamStates, rotation: int):
+        self.spec, self.rank, self.num_workers = spec, rank, num_workers
+        self.states, self.rotation = states, rotation
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        local = (worker + self.rotation) % max(1, self.num_workers)
+        sid = stream_id(self.rank, local, self.num_workers)
+        for *tensors, state in TokenStream(self.spec, sid, self.states.get(sid)):
+            yield (*tensors, sid, state)
+
+
+def rank_stream_iterator(spec: StreamSpec, rank: int, num_workers: int, states: StreamStates) -> Iterator[tuple]:
+    """Endless ``(inputs, targets, position_ids, stream, state)`` for one rank, continuing from ``states``.
+
+    Args:
+        spec: the streams' configuration (``spec.num_streams`` must be ``world_size * max(1, num_workers)``).
+        rank: this rank.
+        num_workers: DataLoader worker processes (0: the one stream runs in this process, with its reader
+            thread).
+        states: saved stream states by global stream number (missing: start from the beginning).
+    """
+    streams = max(1, num_workers)
+    consumed = sum(int(states[stream_id(rank, w, num_workers)]["batches"]) for w in range(streams)
+                   if stream_id(rank, w, num_workers) in states)
+    dataset = _WorkerStreams(spec, rank, num_workers, states, rotation=consumed % streams)
+    if num_workers == 0:
+        return iter(dataset)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=4)
+    return iter(loader)
+
+
+class TokenTrainLoader:
+    """A sized iterable of microbatches for one rank; one epoch is ``len(self)`` microbatches.
+
+    Args:
+        spec: the streams' configuration.
+        rank: this rank.
+        num_workers: DataLoader worker processes.
+        microbatches_per_epoch: ``steps_per_epoch * microbatches_per_step``.
+        microbatches_per_step: M; states are committed every M microbatches.
+        position: the shared position this loader advances.
+        start_point: called at the first ``next()`` of an epoch, returns ``(epoch, microbatch)`` to start at
+            (the streams continue from ``position.states`` either way).
+        make_batch: turns ``(inputs, targets, position_ids)`` into the batch handed to training (and pins it).
+    """
+
+    def __init__(self, spec: StreamSpec, rank: int, num_workers: int, microbatches_per_epoch: int,
+                 microbatches_per_step: int, position: StreamPosition,
+                 start_point: Callable[[], tuple[int, int]], make_batch: Callable[..., Any]):
+        self.spec, self.rank, self.num_workers = spec, rank, num_workers
+        self.microbatches_per_epoch, self.microbatches_per_step = microbatches_per_epoch, microbatches_per_step
+        self.position, self.start_point, self.make_batch = position, start_point, make_batch
+        self._running: tuple[int, Iterator[tuple]] | None = None  # (generation, stream iterator)
+
+    def __len__(self) -> int:
+        # The full epoch even after a mid-epoch resume: Lightning adds its restored count to what it fetches.
+        return self.microbatches_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        return _LazyIterator(self._epoch_batches)
+
+    def close(self) -> None:
+        """Stop the streams (and their worker processes)."""
+        self._running = None
+
+    def _epoch_batches(self) -> Iterator[Any]:
+        epoch, start = self.start_point()
+        position, per_step = self.position, self.microbatches_per_step
+        position.epoch, position.microbatches = epoch, start
+        if self._running is None or self._running[0] != position.generation:
+            self._running = (position.generation,
+                             rank_stream_iterator(self.spec, self.rank, self.num_workers, position.states))
+        streams = self._running[1]
+        while position.microbatches < self.microbatches_per_epoch:
+            inputs, targets, positions, sid, state = next(streams)
+            position.states[sid] = state
+            position.microbatches += 1
+            if position.microbatches % per_step == 0:
+                position.committed = (epoch, position.microbatches // per_step, dict(position.states))
+            yield self.make_batch(inputs, targets, positions)
+
+
+class TokenValidationLoader:
+    """A sized iterable of ``num_microbatches`` validation microbatches, the same ones on every run."""
+
+    def __init__(self, spec: StreamSpec, rank: int, num_workers: int, num_microbatches: int,
+                 make_batch: Callable[..., Any]):
+        self.spec, self.rank, self.num_workers = spec, rank, num_workers
+        self.num_microbatches, self.make_batch = num_microbatches, make_batch
+
+    def __len__(self) -> int:
+        return self.num_microbatches
+
+    def __iter__(self) -> Iterator[Any]:
+        return _LazyIterator(self._batches)
+
+    def _batches(self) -> Iterator[Any]:
+        streams = rank_stream_iterator(self.spec, self.rank, self.num_workers, {})
+        for _ in range(self.num_microbatches):
+            inputs, targets, positions, _sid, _state = next(streams)
+            yield self.make_batch(inputs, targets, positions)
+
+
+class _LazyIterator:
+    """Defers building the epoch's generator to the first ``next()`` (after any resume state is loaded)."""
+
+    def __init__(self, factory: Callable[[], Iterator[Any]]):
+        self._factory: Callable[[], Iterator[Any]] | None = factory
+        self._batches: Iterator[Any] | None = None
+
+    def __iter__(self) -> _LazyIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._batches is None:
+            assert self._factory is not None
+            self._batches, self._factory = self._factory(), None
+        return next(self._batches)
