@@ -3,9 +3,9 @@
 order → shard → load → pack → pin → transfer, with the data position saved in every checkpoint.
 """
 
-from lightning_d9d.datamodule import D9DDataModule
+from lightning_d9d.datamodule import D9DDataModule, SteppedDataModule
 from lightning_d9d.order import GlobalBatchOrder, SeededPermutation
 from lightning_d9d.pin import pin_batch
 from lightning_d9d.transfer import move_batch_to_device
 
-__all__ = ["D9DDataModule", "GlobalBatchOrder", "SeededPermutation", "move_batch_to_device", "pin_batch"]
+__all__ = ["D9DDataModule", "SteppedDataModule", "GlobalBatchOrder", "SeededPermutation", "move_batch_to_device", "pin_batch"]

@@ -41,7 +41,97 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-class D9DDataModule(pl.LightningDataModule):
+class SteppedDataModule(pl.LightningDataModule):
+    """What every lightning_d9d DataModule shares: topology, accumulation, pinning, transfer, counter alignment.
+
+    Subclasses set ``global_batch_size``, ``microbatch_size``, ``pin_memory`` and ``yield_packs``, call
+    ``configure_trainer()`` from ``setup("fit")``, and set ``restored`` to the ``(epoch, step)`` loaded from a
+    checkpoint; ``on_train_start`` then aligns Lightning's restored batch counters to that step.
+    """
+
+    global_batch_size: int
+    microbatch_size: int
+    pin_memory: bool | None = None
+    yield_packs: bool = False
+    restored: tuple[int, int] | None = None  # (epoch, step) loaded from a checkpoint, not yet started
+
+    @property
+    def world_size(self) -> int:
+        trainer = self._trainer
+        return trainer.world_size if trainer is not None else 1
+
+    @property
+    def rank(self) -> int:
+        trainer = self._trainer
+        return trainer.global_rank if trainer is not None else 0
+
+    @property
+    def _trainer(self) -> pl.Trainer | None:
+        return getattr(self, "trainer", None)
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """M = G / (W·m): microbatches one rank runs per optimizer step."""
+        return microbatches_per_step(self.global_batch_size, self.world_size, self.microbatch_size)
+
+    def configure_trainer(self) -> None:
+        """Set ``accumulate_grad_batches = M`` (automatic optimization) and register the counter alignment.
+
+        Raises:
+            ValueError: the user set ``accumulate_grad_batches`` to a value other than 1 and M.
+        """
+        trainer = self._trainer
+        if trainer is None:
+            return
+        per_step = self.microbatches_per_step
+        module = getattr(trainer, "lightning_module", None)
+        if module is not None and module.automatic_optimization and not self.yield_packs and per_step > 1:
+            if trainer.accumulate_grad_batches == 1:
+                trainer.accumulate_grad_batches = per_step
+            elif trainer.accumulate_grad_batches != per_step:
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) disagrees with the "
+                    f"{per_step} microbatches per step that global_batch_size={self.global_batch_size}, "
+                    f"world_size={self.world_size} and microbatch_size={self.microbatch_size} give; leave it at 1 "
+                    f"({type(self).__name__} sets it) or set it to {per_step}"
+                )
+        # Lightning warns that a mid-epoch checkpoint is unreliable unless the *loader* is stateful; ours is
+        # exact through the DataModule's state instead, so the warning would only mislead.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        if not any(isinstance(callback, _AlignRestoredProgress) for callback in trainer.callbacks):
+            trainer.callbacks.append(_AlignRestoredProgress(self))
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move a (pinned) batch with ``non_blocking=True``, keeping its type; a pass-through on CPU."""
+        return move_batch_to_device(batch, device)
+
+    def resolve_pin_memory(self) -> bool:
+        """``pin_memory`` if set, else pin exactly when the trainer's device (or, alone, the machine) has CUDA."""
+        if self.pin_memory is not None:
+            return bool(self.pin_memory)
+        trainer = self._trainer
+        if trainer is not None:
+            return trainer.strategy.root_device.type == "cuda"
+        return torch.cuda.is_available()
+
+    def align_lightning_progress(self, trainer: pl.Trainer) -> None:
+        """Set Lightning's restored in-epoch batch counters to the restored data position.
+
+        Lightning restores them in the old run's microbatches, including a partial accumulation window; it
+        would end the epoch early or misalign accumulation windows if they were left as they are.
+        """
+        if self.restored is None or self.restored[0] != trainer.current_epoch:
+            return
+        batches_per_step = 1 if self.yield_packs else self.microbatches_per_step
+        batches = self.restored[1] * batches_per_step
+        epoch_loop = trainer.fit_loop.epoch_loop
+        current = epoch_loop.batch_progress.current
+        current.ready = current.started = current.processed = batches
+        # When Lightning saw the checkpoint as taken at on_train_batch_end, its reset() adds one completed batch.
+        current.completed = batches - 1 if epoch_loop.restarted_on_train_batch_end else batches
+
+
+class D9DDataModule(SteppedDataModule):
     """Sorted, sharded, packed map-style loading for ``Trainer.fit``, exactly resumable.
 
     Args:
@@ -116,27 +206,7 @@ class D9DDataModule(pl.LightningDataModule):
         self.fingerprint: OrderFingerprint | None = None
         # The single place where the data position lives; the loader advances it, state_dict reads it.
         self.position = TrainPosition()
-        self._restored: tuple[int, int] | None = None  # (epoch, step) loaded from a checkpoint, not yet started
-
-    # ------------------------------------------------------------------ topology
-    @property
-    def world_size(self) -> int:
-        trainer = self._trainer
-        return trainer.world_size if trainer is not None else 1
-
-    @property
-    def rank(self) -> int:
-        trainer = self._trainer
-        return trainer.global_rank if trainer is not None else 0
-
-    @property
-    def _trainer(self) -> pl.Trainer | None:
-        return getattr(self, "trainer", None)
-
-    @property
-    def microbatches_per_step(self) -> int:
-        """M = G / (W·m): microbatches one rank runs per optimizer step."""
-        return microbatches_per_step(self.global_batch_size, self.world_size, self.microbatch_size)
+        self.restored = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -176,29 +246,8 @@ class D9DDataModule(pl.LightningDataModule):
         per_step = self.microbatches_per_step  # validates divisibility by W·m
         if stage in (None, "fit"):
             self.position = TrainPosition(microbatches_per_step=per_step)
-            self._restored = None
-            self._configure_trainer(per_step)
-
-    def _configure_trainer(self, per_step: int) -> None:
-        trainer = self._trainer
-        if trainer is None:
-            return
-        module = getattr(trainer, "lightning_module", None)
-        if module is not None and module.automatic_optimization and not self.yield_packs and per_step > 1:
-            if trainer.accumulate_grad_batches == 1:
-                trainer.accumulate_grad_batches = per_step
-            elif trainer.accumulate_grad_batches != per_step:
-                raise ValueError(
-                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) disagrees with the "
-                    f"{per_step} microbatches per step that global_batch_size={self.global_batch_size}, "
-                    f"world_size={self.world_size} and microbatch_size={self.microbatch_size} give; leave it at 1 "
-                    f"(D9DDataModule sets it) or set it to {per_step}"
-                )
-        # Lightning warns that a mid-epoch checkpoint is unreliable unless the *loader* is stateful; ours is
-        # exact through the DataModule's state instead, so the warning would only mislead.
-        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
-        if not any(isinstance(callback, _AlignRestoredProgress) for callback in trainer.callbacks):
-            trainer.callbacks.append(_AlignRestoredProgress(self))
+            self.restored = None
+            self.configure_trainer()
 
     def train_dataloader(self) -> TrainLoader:
         """This rank's training loader: a sized iterable of microbatches (or packs), continuing the position."""
@@ -230,7 +279,7 @@ class D9DDataModule(pl.LightningDataModule):
             position=position,
             start_point=start_point,
             num_workers=self.num_workers,
-            pin_memory=self._resolve_pin_memory(),
+            pin_memory=self.resolve_pin_memory(),
             yield_packs=self.yield_packs,
         )
 
@@ -243,12 +292,8 @@ class D9DDataModule(pl.LightningDataModule):
             indices = indices[argsort_keys(key_lookup(indices), indices)]
         microbatches = validation_microbatches(indices, self.world_size, self.rank, self.microbatch_size)
         return ValidationLoader(
-            self.val_dataset, self.collate_fn, microbatches, self.num_workers, self._resolve_pin_memory()
+            self.val_dataset, self.collate_fn, microbatches, self.num_workers, self.resolve_pin_memory()
         )
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move a (pinned) batch with ``non_blocking=True``, keeping its type; a pass-through on CPU."""
-        return move_batch_to_device(batch, device)
 
     def state_dict(self) -> dict[str, Any]:
         """The data position: ``{"epoch", "step", "fingerprint"}`` — a few integers, the same on every rank."""
@@ -281,7 +326,7 @@ class D9DDataModule(pl.LightningDataModule):
             step = 0
         if step > fingerprint.num_samples // fingerprint.global_batch_size:
             raise ValueError(f"checkpoint step {step} is beyond the epoch's {self.steps_per_epoch} steps")
-        self._restored = (epoch, step)
+        self.restored = (epoch, step)
         self.position.start(epoch, step, self.microbatches_per_step)
 
     # ------------------------------------------------------------------ internals
@@ -291,40 +336,16 @@ class D9DDataModule(pl.LightningDataModule):
         per_step = self.microbatches_per_step
         if trainer is not None:
             epoch = trainer.current_epoch
-            restored, self._restored = self._restored, None
+            restored, self.restored = self.restored, None
             if restored is not None and restored[0] == epoch:
                 return epoch, restored[1] * per_step
             if position.epoch == epoch and restored is None:
                 return epoch, position.microbatches  # continuing the same epoch in this process
             return epoch, 0
-        self._restored = None
+        self.restored = None
         if position.microbatches >= self.steps_per_epoch * per_step:
             return position.epoch + 1, 0  # the last epoch was finished: roll into the next one
         return position.epoch, position.microbatches
-
-    def _align_lightning_progress(self, trainer: pl.Trainer) -> None:
-        """Set Lightning's restored in-epoch batch counters to the restored data position.
-
-        Lightning restores them in the old run's microbatches, including a partial accumulation window; it
-        would end the epoch early or misalign accumulation windows if they were left as they are.
-        """
-        if self._restored is None or self._restored[0] != trainer.current_epoch:
-            return
-        batches_per_step = 1 if self.yield_packs else self.microbatches_per_step
-        batches = self._restored[1] * batches_per_step
-        epoch_loop = trainer.fit_loop.epoch_loop
-        current = epoch_loop.batch_progress.current
-        current.ready = current.started = current.processed = batches
-        # When Lightning saw the checkpoint as taken at on_train_batch_end, its reset() adds one completed batch.
-        current.completed = batches - 1 if epoch_loop.restarted_on_train_batch_end else batches
-
-    def _resolve_pin_memory(self) -> bool:
-        if self.pin_memory is not None:
-            return bool(self.pin_memory)
-        trainer = self._trainer
-        if trainer is not None:
-            return trainer.strategy.root_device.type == "cuda"
-        return torch.cuda.is_available()
 
     def _require_order(self) -> GlobalBatchOrder:
         if self.order is None:
@@ -340,11 +361,11 @@ class D9DDataModule(pl.LightningDataModule):
 class _AlignRestoredProgress(pl.Callback):
     """Runs after Lightning restored its loops and before the first batch: aligns them to the data position."""
 
-    def __init__(self, datamodule: D9DDataModule):
+    def __init__(self, datamodule: SteppedDataModule):
         self._datamodule = datamodule
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._datamodule._align_lightning_progress(trainer)
+        self._datamodule.align_lightning_progress(trainer)
 
 
 def _is_factory(source: Any) -> bool:

@@ -219,6 +219,17 @@ class TextDataModule(D9DDataModule):
             pin_memory=pin_memory,
         )
 
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary size, special tokens included (builds the demo corpus if selected)."""
+        return int(_load_tokenizer(self.resolved_paths()[1], self.max_length).get_vocab_size(with_added_tokens=True))
+
+    @property
+    def longest_padded_length(self) -> int:
+        """The longest ``T`` a batch can have: ``max_length`` rounded up to ``pad_to_multiple_of``."""
+        multiple = self.collator.pad_to_multiple_of
+        return -(-self.max_length // multiple) * multiple
+
     # ------------------------------------------------------------------ loading and tokenization
     def resolved_paths(self) -> tuple[str, str]:
         """(dataset, tokenizer file) with ``"demo"`` replaced by the built demo corpus' paths."""

@@ -105,8 +105,8 @@ def test_dataclass_batches_keep_their_type_through_pin_walk_and_transfer() -> No
 
 
 def test_pin_memory_is_off_on_cpu_and_can_be_forced() -> None:
-    assert make_dm()._resolve_pin_memory() is torch.cuda.is_available()
-    assert make_dm(pin_memory=False)._resolve_pin_memory() is False
+    assert make_dm().resolve_pin_memory() is torch.cuda.is_available()
+    assert make_dm(pin_memory=False).resolve_pin_memory() is False
 
 
 def test_yield_packs_hands_out_one_list_of_m_microbatches_per_step() -> None:

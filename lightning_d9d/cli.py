@@ -1,0 +1,163 @@
+"""The ``lightning-d9d`` command: LightningCLI for any LightningModule + DataModule, plus ``inspect``.
+
+``lightning-d9d fit|validate|test|predict --config configs/x.yaml`` behave exactly as LightningCLI's subcommands
+(model and data in subclass mode: ``class_path`` + ``init_args`` in YAML, so one command serves every
+DataModule of this package and the user's own). ``lightning-d9d inspect --config configs/x.yaml`` builds the
+data without training and prints what one epoch will look like: steps per epoch, microbatches per step, tokens
+per step, padding and the first microbatch's shapes.
+
+How ``inspect`` measures: it runs ``prepare_data``/``setup`` as a world-size-1 DataModule (the order does not
+depend on world size, and microbatches are the same contiguous slices of each global batch at any world size),
+reads the first ``--steps`` global batches, and counts real tokens from the batch's ``attention_mask`` (a field
+or a key); microbatches per step are computed for the world size the trainer config asks for
+(``num_nodes × devices``). Trade-off: the padding share is measured on those first steps, not on the whole
+epoch, so inspecting a huge dataset stays fast; raise ``--steps`` for a tighter figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lightning_d9d.shard import microbatches_per_step
+
+INSPECT = "inspect"
+_INSPECT_HELP = "Print steps per epoch, microbatches and tokens per step, padding and the first batch's shapes."
+_INSPECT_DEFAULT_STEPS = 20
+
+
+class D9DCLI(LightningCLI):
+    """LightningCLI with model and data in subclass mode, a config saved per run, and an ``inspect`` subcommand.
+
+    Args:
+        args: command-line arguments (``None``: ``sys.argv[1:]``); forwarded to LightningCLI.
+        **kwargs: any other LightningCLI argument.
+    """
+
+    def __init__(self, args: Any = None, **kwargs: Any):
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        # A resumed run writes its config into a new log version, but a user who pins the log dir would hit
+        # LightningCLI's "config.yaml already exists" refusal; overwriting keeps resume a one-flag change.
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(model_class=kwargs.pop("model_class", None), datamodule_class=kwargs.pop("datamodule_class", None),
+                         args=args, **kwargs)
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # LightningCLI's subcommands must be Trainer methods; inspect is not, so its parser is added here with
+        # the same model/data/trainer arguments and run by _run_subcommand below.
+        inspect_parser = self.init_parser(description=_INSPECT_HELP)
+        self._add_arguments(inspect_parser)
+        inspect_parser.add_argument(
+            "--steps",
+            type=int,
+            default=_INSPECT_DEFAULT_STEPS,
+            help="global batches to read for the tokens-per-step and padding figures",
+        )
+        self._subcommand_parsers[INSPECT] = inspect_parser
+        self._subcommand_method_arguments[INSPECT] = []
+        assert parser._subcommands_action is not None
+        parser._subcommands_action.add_subcommand(INSPECT, inspect_parser, help=_INSPECT_HELP)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        if subcommand == INSPECT:
+            steps = self.config_init[INSPECT]["steps"]
+            if steps < 1:
+                raise ValueError(f"--steps must be a positive integer, got {steps}")
+            print(inspect(self.datamodule, self.trainer, steps))
+            return
+        super()._run_subcommand(subcommand)
+
+
+def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) -> str:
+    """Describe one epoch of a DataModule's training data without training; returns the report text.
+
+    Args:
+        datamodule: a D9DDataModule (any LightningDataModule works; then only the first batch is described).
+        trainer: the configured (not fitted) Trainer, read for the world size ``num_nodes × devices``.
+        steps: global batches to read for the tokens and padding figures.
+    """
+    world_size = int(trainer.num_nodes) * int(trainer.num_devices) if trainer is not None else 1
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    lines = [f"data: {type(datamodule).__module__}.{type(datamodule).__qualname__}", f"world size: {world_size}"]
+    global_batch_size = getattr(datamodule, "global_batch_size", None)
+    microbatch_size = getattr(datamodule, "microbatch_size", None)
+    batches: Iterator[Any] = iter(datamodule.train_dataloader())
+    if global_batch_size is None or microbatch_size is None:
+        lines.append("first batch:")
+        lines += [f"  {line}" for line in describe_batch(next(batches))]
+        return "\n".join(lines)
+
+    per_step_here = global_batch_size // microbatch_size  # microbatches of one global batch at world size 1
+    lines += [
+        f"steps per epoch: {datamodule.steps_per_epoch}",
+        f"global batch: {global_batch_size} samples = {world_size} rank(s) x "
+        f"{microbatches_per_step(global_batch_size, world_size, microbatch_size)} microbatch(es) per step "
+        f"x {microbatch_size} samples",
+        f"microbatches per step per rank: {microbatches_per_step(global_batch_size, world_size, microbatch_size)}",
+    ]
+    first: Any = None
+    real_tokens = positions = 0
+    counted = True
+    steps = min(steps, datamodule.steps_per_epoch)
+    for _ in range(steps * per_step_here):
+        batch = next(batches)
+        first = batch if first is None else first
+        counts = count_tokens(batch)
+        if counts is None:
+            counted = False
+            break
+        real_tokens += counts[0]
+        positions += counts[1]
+    if counted and positions:
+        lines += [
+            f"tokens per step (mean of the first {steps} steps): {real_tokens / steps:,.0f} real, "
+            f"{positions / steps:,.0f} with padding",
+            f"padding: {100.0 * (1 - real_tokens / positions):.2f} %",
+        ]
+    else:
+        lines.append("tokens per step, padding: n/a (the batch has no attention_mask)")
+    lines.append("first microbatch:")
+    lines += [f"  {line}" for line in describe_batch(first)]
+    return "\n".join(lines)
+
+
+def count_tokens(batch: Any) -> tuple[int, int] | None:
+    """(real tokens, padded positions) of a batch with an ``attention_mask`` field or key, else ``None``."""
+    if isinstance(batch, (list, tuple)) and batch and not hasattr(batch, "_fields"):
+        parts = [count_tokens(part) for part in batch]  # a pack of microbatches (yield_packs=True)
+        if any(part is None for part in parts):
+            return None
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)  # type: ignore[index]
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else getattr(batch, "attention_mask", None)
+    if not isinstance(mask, torch.Tensor):
+        return None
+    return int(mask.sum()), mask.numel()
+
+
+def describe_batch(batch: Any, name: str = "batch") -> list[str]:
+    """One line per tensor of a batch tree: ``name.field: shape dtype``."""
+    if isinstance(batch, torch.Tensor):
+        return [f"{name}: {tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"]
+    if hasattr(batch, "__dataclass_fields__"):
+        items = [(field, getattr(batch, field)) for field in batch.__dataclass_fields__]
+        return [line for field, value in items for line in describe_batch(value, f"{name}.{field}")]
+    if isinstance(batch, dict):
+        return [line for key, value in batch.items() for line in describe_batch(value, f"{name}[{key!r}]")]
+    if isinstance(batch, (list, tuple)):
+        return [line for index, value in enumerate(batch) for line in describe_batch(value, f"{name}[{index}]")]
+    return [f"{name}: {type(batch).__name__}"]
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``lightning-d9d`` console script."""
+    D9DCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

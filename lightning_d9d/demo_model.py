@@ -1,0 +1,184 @@
+"""TinyGPT: a small decoder-only transformer LightningModule for the demo run and for tests.
+
+Algorithm: token + learned position embeddings, ``num_layers`` pre-norm blocks (causal self-attention through
+``F.scaled_dot_product_attention``, then a GELU MLP), a final LayerNorm and an output layer tied to the token
+embedding. It consumes :class:`~lightning_d9d.text.TextBatch`, whose labels are already shifted
+(``labels[t] = input_ids[t + 1]``, ``-100`` where there is no target), so the loss needs no shifting.
+
+Attention masks both the future and padding keys, and positions count real tokens only, so right and left
+padding give the same logits for the real tokens. Logged with ``self.log(..., prog_bar=True)``: the training
+loss, the padding share of the microbatch, and tokens per second (real tokens since the start of fitting over
+wall time, data loading included). The optimizer is AdamW with a linear warm-up and a cosine decay over
+``trainer.estimated_stepping_batches``.
+
+Trade-off: the loss is the mean over the microbatch's tokens, and Lightning averages microbatches within an
+optimizer step; microbatches with fewer tokens therefore weigh slightly more per token than in a token-weighted
+loss. For a demo that is the simpler, standard choice; length sorting makes microbatch token counts similar.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from jsonargparse.typing import NonNegativeInt, PositiveInt
+from torch import nn
+
+from lightning_d9d.text import IGNORE_INDEX, TextBatch
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.num_heads, self.dropout = num_heads, dropout
+        self.attention_norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.attention_out = nn.Linear(width, width)
+        self.mlp_norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout))
+
+    def forward(self, hidden: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        batch, length, width = hidden.shape
+        q, k, v = self.qkv(self.attention_norm(hidden)).split(width, dim=-1)
+        q, k, v = (t.view(batch, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=self.dropout if self.training else 0.0
+        )
+        hidden = hidden + self.attention_out(attended.transpose(1, 2).reshape(batch, length, width))
+        return hidden + self.mlp(self.mlp_norm(hidden))
+
+
+class TinyGPT(pl.LightningModule):
+    """A small GPT-style causal language model over :class:`~lightning_d9d.text.TextBatch`.
+
+    Args:
+        vocab_size: tokenizer vocabulary size (checked against a TextDataModule's tokenizer at fit start).
+        max_positions: longest padded sequence the position embedding covers.
+        width: hidden size.
+        num_layers: transformer blocks.
+        num_heads: attention heads (must divide ``width``).
+        dropout: dropout in attention and MLP.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay (not applied to biases, norms and embeddings).
+        warmup_steps: optimizer steps of linear warm-up.
+        min_learning_rate_ratio: the cosine decay ends at this fraction of the peak.
+
+    Raises:
+        ValueError: ``num_heads`` does not divide ``width``; at fit start, a tokenizer larger than
+            ``vocab_size`` or padded lengths beyond ``max_positions``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: PositiveInt = 4096,
+        max_positions: PositiveInt = 256,
+        width: PositiveInt = 128,
+        num_layers: PositiveInt = 2,
+        num_heads: PositiveInt = 4,
+        dropout: float = 0.0,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: NonNegativeInt = 20,
+        min_learning_rate_ratio: float = 0.1,
+    ):
+        super().__init__()
+        if width % num_heads:
+            raise ValueError(f"num_heads={num_heads} must divide width={width}")
+        self.save_hyperparameters()
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.position_embedding = nn.Embedding(max_positions, width)
+        self.blocks = nn.ModuleList(_Block(width, num_heads, dropout) for _ in range(num_layers))
+        self.final_norm = nn.LayerNorm(width)
+        self.apply(self._init_weights)
+        self._fit_started_at: float | None = None
+        self._tokens_since_start = 0
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab_size]`` for token ids ``[B, T]`` with a 1/0 attention mask ``[B, T]``."""
+        length = input_ids.shape[1]
+        real = attention_mask.bool()
+        # Positions count real tokens, so a left-padded sample gets the same positions as a right-padded one.
+        positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        hidden = self.token_embedding(input_ids) + self.position_embedding(positions)
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+        allowed = causal & real[:, None, :]
+        # Every query may see itself, so a padding query never has an all-masked row (which would give NaN).
+        allowed |= torch.eye(length, dtype=torch.bool, device=input_ids.device)
+        allowed = allowed[:, None]  # broadcast over heads
+        for block in self.blocks:
+            hidden = block(hidden, allowed)
+        return self.final_norm(hidden) @ self.token_embedding.weight.T
+
+    def _loss(self, batch: TextBatch) -> torch.Tensor:
+        logits = self(batch.input_ids, batch.attention_mask)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    def training_step(self, batch: TextBatch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        now = time.perf_counter()
+        if self._fit_started_at is None:
+            self._fit_started_at = now
+        else:  # the first microbatch only starts the clock: its tokens have no elapsed time to divide by
+            self._tokens_since_start += batch.num_tokens
+        elapsed = max(now - self._fit_started_at, 1e-9)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/padding_pct", 100.0 * batch.padding_fraction, prog_bar=True)
+        self.log("train/tokens_per_s", self._tokens_since_start / elapsed, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: TextBatch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        # Token-weighted mean over the whole validation set, so microbatch sizes do not bias it.
+        self.log("val/loss", loss, prog_bar=True, batch_size=int((batch.labels != IGNORE_INDEX).sum()))
+        return loss
+
+    def on_fit_start(self) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        vocab_size = getattr(datamodule, "vocab_size", None)
+        if vocab_size is not None and vocab_size > self.hparams.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {vocab_size} tokens but TinyGPT(vocab_size={self.hparams.vocab_size}); "
+                f"set model.init_args.vocab_size >= {vocab_size}"
+            )
+        longest = getattr(datamodule, "longest_padded_length", None)
+        if longest is not None and longest > self.hparams.max_positions:
+            raise ValueError(
+                f"batches can be {longest} tokens long but TinyGPT(max_positions={self.hparams.max_positions}); "
+                f"raise model.init_args.max_positions or lower data.init_args.max_length"
+            )
+
+    def configure_optimizers(self) -> Any:
+        decayed = [p for name, p in self.named_parameters() if p.dim() >= 2 and "embedding" not in name]
+        not_decayed = [p for name, p in self.named_parameters() if p.dim() < 2 or "embedding" in name]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decayed, "weight_decay": self.hparams.weight_decay},
+                {"params": not_decayed, "weight_decay": 0.0},
+            ],
+            lr=self.hparams.learning_rate,
+            betas=(0.9, 0.95),
+        )
+        total_steps = self.trainer.estimated_stepping_batches
+        warmup, floor = self.hparams.warmup_steps, self.hparams.min_learning_rate_ratio
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if not math.isfinite(total_steps) or total_steps <= warmup:
+                return 1.0
+            progress = min((step - warmup) / (total_steps - warmup), 1.0)
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
