@@ -14,7 +14,7 @@ row counts and a tokenized sample (see ``token_stream.estimate_pass``), not coun
 Resume: ``state_dict`` holds, for every rank and stream, the stream's position at the last optimizer-step
 boundary (gathered to rank 0 with ``all_gather_object``, because Lightning saves only rank 0's checkpoint and
 every rank loads it), plus a fingerprint of everything that decides the row sequence. Lightning's own restored
-batch counters are aligned to that step (the same callback as ``D9DDataModule``'s).
+batch counters are aligned to that step (``SteppedDataModule``, shared with ``D9DDataModule``).
 
 Trade-off: sequence is defined per (world_size, num_workers, microbatch_size) layout; a checkpoint from another
 layout is refused rather than approximately continued (the per-stream state is designed so that an elastic
@@ -29,15 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from lightning_d9d.datamodule import D9DDataModule
+from lightning_d9d.datamodule import SteppedDataModule
 from lightning_d9d.parquet_source import RowGroupIndex, resolve_files
 from lightning_d9d.pin import pin_batch
-from lightning_d9d.shard import microbatches_per_step
 from lightning_d9d.token_loader import StreamPosition, TokenTrainLoader, TokenValidationLoader
 from lightning_d9d.token_stream import PACKINGS, StreamSpec, estimate_pass
 
@@ -70,7 +68,7 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> int | None
     return int(value)
 
 
-class PretrainingDataModule(pl.LightningDataModule):
+class PretrainingDataModule(SteppedDataModule):
     """Stream parquet text into packed token rows for ``Trainer.fit``, with exact resume.
 
     Args:
@@ -137,7 +135,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
         self.num_workers, self.seed, self.pin_memory = num_workers, int(seed), pin_memory
-        self.yield_packs = False  # read by the shared accumulation/progress helpers of D9DDataModule
+        self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
 
         self.train_spec: StreamSpec | None = None
         self.val_spec: StreamSpec | None = None
@@ -146,22 +144,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.estimated_pass_tokens: float | None = None
         self.fingerprint: dict[str, str] | None = None
         self.position = StreamPosition()
-        self._restored: tuple[int, int] | None = None
+        self.restored: tuple[int, int] | None = None
         self._loader: TokenTrainLoader | None = None
-
-    # ------------------------------------------------------------------ shared with D9DDataModule
-    world_size = D9DDataModule.world_size
-    rank = D9DDataModule.rank
-    _trainer = D9DDataModule._trainer
-    _configure_trainer = D9DDataModule._configure_trainer
-    _align_lightning_progress = D9DDataModule._align_lightning_progress
-    _resolve_pin_memory = D9DDataModule._resolve_pin_memory
-    transfer_batch_to_device = D9DDataModule.transfer_batch_to_device
-
-    @property
-    def microbatches_per_step(self) -> int:
-        """M = G / (W·m): microbatches one rank runs per optimizer step."""
-        return microbatches_per_step(self.global_batch_size, self.world_size, self.microbatch_size)
 
     @property
     def streams_per_rank(self) -> int:
@@ -208,8 +192,8 @@ class PretrainingDataModule(pl.LightningDataModule):
                 self.val_steps = max(1, int(rows // (self.world_size * self.microbatch_size)))
         if stage in (None, "fit"):
             self.position = StreamPosition(generation=self.position.generation + 1)
-            self._restored = None
-            self._configure_trainer(per_step)
+            self.restored = None
+            self.configure_trainer()
 
     def train_dataloader(self) -> TokenTrainLoader:
         """This rank's training loader: a sized iterable of ``PretrainingBatch`` (one epoch per iteration)."""
@@ -284,13 +268,13 @@ class PretrainingDataModule(pl.LightningDataModule):
         epoch, step = int(state_dict["epoch"]), int(state_dict["step"])
         states = {int(sid): dict(state) for sid, state in state_dict["ranks"][self.rank].items()}
         self.position.restart(epoch, step, states, self.microbatches_per_step)
-        self._restored = (epoch, step)
+        self.restored = (epoch, step)
 
     # ------------------------------------------------------------------ internals
     def _start_point(self) -> tuple[int, int]:
         """(epoch, microbatch in epoch) where the next epoch iteration starts; called at its first ``next()``."""
         position, per_epoch = self.position, self.steps_per_epoch * self.microbatches_per_step
-        self._restored = None
+        self.restored = None
         if position.microbatches >= per_epoch:
             return position.epoch + 1, 0
         return position.epoch, position.microbatches
@@ -301,7 +285,7 @@ class PretrainingDataModule(pl.LightningDataModule):
 
     @property
     def _pin(self) -> bool:
-        return self._resolve_pin_memory()
+        return self.resolve_pin_memory()
 
     def _spec(self, index: RowGroupIndex, tokenizer_json: str, bos_id: int, shuffle: bool, streams: int) -> StreamSpec:
         return StreamSpec(index=index, tokenizer_json=tokenizer_json, bos_id=bos_id, seq_len=self.seq_len,

@@ -1,0 +1,248 @@
+"""Parquet source and token stream, without Lightning: sharding, exact stream content, resume, bad input."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_d9d.parquet_source import RowGroupIndex, deal, pass_order, resolve_files, stream_id
+from lightning_d9d.pretraining import PretrainingDataModule
+from lightning_d9d.token_stream import StreamSpec, TokenStream, estimate_pass
+
+from pretraining_helpers import BOS, make_docs, train_tokenizer, write_parquet
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("corpus")
+    docs = make_docs(480, seed=3)
+    write_parquet(root / "data", docs, files=3, row_group_size=20)
+    tok = train_tokenizer(docs, root / "tokenizer.json")
+    files = resolve_files(str(root / "data"))
+    return {"root": root, "docs": docs, "tok": tok, "index": RowGroupIndex.scan(files, "text")}
+
+
+def spec_for(corpus: dict, packing: str, streams: int = 2, seq_len: int = 24, **kw) -> StreamSpec:
+    tok = corpus["tok"]
+    options = dict(microbatch_size=2, seed=0, shuffle=True, tokenizer_batch_size=8, buffer_size=16)
+    options.update(kw)
+    return StreamSpec(index=corpus["index"], tokenizer_json=tok.to_str(), bos_id=tok.token_to_id(BOS), seq_len=seq_len,
+                      packing=packing, num_streams=streams, **options)
+
+
+def take(stream: TokenStream, n: int) -> list:
+    iterator = iter(stream)
+    out = [next(iterator) for _ in range(n)]
+    iterator.close()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- source
+def test_files_resolve_from_directory_glob_list_and_file_url(corpus: dict) -> None:
+    data = corpus["root"] / "data"
+    by_dir = resolve_files(str(data))
+    assert len(by_dir) == 3 and by_dir == sorted(by_dir)
+    assert resolve_files(str(data / "*.parquet")) == by_dir
+    assert resolve_files(str(corpus["root"] / "**" / "part-00[12].parquet")) == by_dir[1:]
+    assert resolve_files([by_dir[2], by_dir[0], by_dir[2]]) == [by_dir[2], by_dir[0]]
+    url = resolve_files(f"file://{data}/*.parquet")
+    assert [u.removeprefix("file://") for u in url] == by_dir
+    index = RowGroupIndex.scan(url, "text")
+    assert index.read_texts(0) == corpus["docs"][:20]
+
+
+def test_each_pass_deals_every_row_group_to_exactly_one_rank_and_worker(corpus: dict) -> None:
+    groups = len(corpus["index"])
+    for world, workers in [(1, 0), (1, 2), (2, 2), (3, 1), (2, 0)]:
+        streams = world * max(1, workers)
+        for pass_index in range(3):
+            order = pass_order(groups, 7, pass_index)
+            dealt = [deal(order, stream_id(r, w, workers), streams) for r in range(world) for w in range(max(1, workers))]
+            together = np.concatenate(dealt)
+            assert sorted(together.tolist()) == list(range(groups))  # each once, none missing
+            assert max(map(len, dealt)) - min(map(len, dealt)) <= 1
+    assert not np.array_equal(pass_order(groups, 7, 0), pass_order(groups, 7, 1))  # reshuffled every pass
+    np.testing.assert_array_equal(pass_order(groups, 7, 1), pass_order(groups, 7, 1))
+
+
+def test_streams_read_their_dealt_row_groups_in_order_and_cycle_passes(corpus: dict) -> None:
+    spec = spec_for(corpus, "bestfit", streams=3, buffer_size=4)
+    stream = TokenStream(spec, 1)
+    read: list[int] = []
+    original = spec.index.read_texts
+    spec.index.read_texts = lambda group: (read.append(group), original(group))[1]  # type: ignore[method-assign]
+    try:
+        take(stream, 60)
+    finally:
+        del spec.index.read_texts
+    expected = np.concatenate([deal(pass_order(len(spec.index), 0, p), 1, 3) for p in range(4)]).tolist()
+    assert read == expected[:len(read)] and len(read) > len(spec.index) // 3  # went past a pass boundary
+
+
+# ---------------------------------------------------------------------------------------------- content
+def test_concat_rows_decode_back_to_the_documents_in_stream_order(corpus: dict) -> None:
+    spec, tok = spec_for(corpus, "concat", streams=2), corpus["tok"]
+    out = take(TokenStream(spec, 0), 150)
+    rows = torch.cat([torch.cat([inputs, targets[:, -1:]], dim=1) for inputs, targets, _, _ in out]).numpy()
+    for inputs, targets, _, _ in out:
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    tokens = rows.ravel()
+    bos = tok.token_to_id(BOS)
+    pieces = np.split(tokens, np.flatnonzero(tokens == bos))[1:]  # the stream starts at a BOS
+    order = np.concatenate([deal(pass_order(len(spec.index), 0, p), 0, 2) for p in range(3)])
+    expected = [t for g in order for t in spec.index.read_texts(int(g)) if t]
+    decoded = [tok.decode(piece[1:].tolist()) for piece in pieces]
+    assert decoded[:-1] == expected[:len(decoded) - 1]
+    assert expected[len(decoded) - 1].startswith(decoded[-1])  # the last document is cut by the last row
+    state = out[-1][3]
+    assert state["empty"] > 0 and state["docs"] > state["empty"]
+
+
+def test_bestfit_rows_start_at_bos_and_positions_restart_there(corpus: dict) -> None:
+    spec = spec_for(corpus, "bestfit")
+    out = take(TokenStream(spec, 1), 80)
+    bos = spec.bos_id
+    for inputs, targets, positions, _ in out:
+        assert (inputs[:, 0] == bos).all()
+        assert inputs.dtype == targets.dtype == positions.dtype == torch.int64
+        assert ((positions == 0) == ((inputs == bos) | (torch.arange(inputs.shape[1]) == 0))).all()
+        assert (positions[:, 1:][inputs[:, 1:] != bos] == positions[:, :-1][inputs[:, 1:] != bos] + 1).all()
+    state = out[-1][3]
+    assert state["crops"] > 0 and state["cropped"] > 0
+    assert state["emitted"] == 80 * 2 * 25
+
+
+# ---------------------------------------------------------------------------------------------- resume
+@pytest.mark.parametrize("packing", ["concat", "bestfit"])
+def test_resume_from_any_microbatch_is_byte_identical(corpus: dict, packing: str) -> None:
+    spec = spec_for(corpus, packing, streams=4, seq_len=40)
+    full = take(TokenStream(spec, 1), 120)
+    passes = {state["pass"] for *_, state in full}
+    assert len(passes) > 1, "the run must cross a pass boundary"
+    for cut in [0, 1, 17, 63, 64, 90]:
+        state = pickle.loads(pickle.dumps(full[cut][3]))  # what a checkpoint would carry
+        resumed = take(TokenStream(spec, 1, state), 120 - cut - 1)
+        for a, b in zip(full[cut + 1:], resumed):
+            for x, y in zip(a[:3], b[:3]):
+                assert torch.equal(x, y)
+            assert {k: v for k, v in a[3].items() if k != "buffer"} == {k: v for k, v in b[3].items() if k != "buffer"}
+
+
+def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict, monkeypatch) -> None:
+    spec = spec_for(corpus, "bestfit", seq_len=12, buffer_size=24)
+    full = take(TokenStream(spec, 0), 40)
+    state = full[20][3]
+    buffer = state["buffer"].numpy()
+    assert (buffer[:, 1] > spec.capacity).any()  # long documents are buffered
+    assert state["buffer"].numel() * 8 + 200 < 1 << 20
+    encoded: list[int] = []
+    from lightning_d9d import token_stream
+    real = token_stream.load_tokenizer
+
+    class Spy:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode_batch_fast(self, texts):
+            encoded.extend(len(t) for t in texts)
+            return self.tok.encode_batch_fast(texts)
+
+    monkeypatch.setattr(token_stream, "load_tokenizer", lambda s: Spy(real(s)))
+    resumed = take(TokenStream(spec, 0, state), 19)
+    for a, b in zip(full[21:], resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+    longest = max(len(t) for g in range(len(spec.index)) for t in spec.index.read_texts(g) if t)
+    assert max(encoded) < longest  # the longest buffered documents were not re-tokenized whole
+
+
+def test_estimated_pass_is_close_to_the_counted_tokens(corpus: dict) -> None:
+    spec = spec_for(corpus, "concat")
+    tok = corpus["tok"]
+    counted = sum(len(e) + 1 for e in tok.encode_batch_fast([d for d in corpus["docs"] if d]))
+    tokens, rows = estimate_pass(spec, sample_groups=8, sample_docs=4096)
+    assert abs(tokens - counted) / counted < 0.05 and rows == tokens / spec.capacity
+    _, bestfit_rows = estimate_pass(spec_for(corpus, "bestfit"))
+    assert 0 < bestfit_rows < rows
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def setup_dm(**options) -> PretrainingDataModule:
+    dm = PretrainingDataModule(**options)
+    dm.setup("fit")
+    return dm
+
+
+def base_options(corpus: dict, **changes) -> dict:
+    options = dict(train_files=str(corpus["root"] / "data"), tokenizer=str(corpus["root"] / "tokenizer.json"),
+                   seq_len=16, global_batch_size=4, microbatch_size=2, num_workers=0, tokenizer_batch_size=8)
+    options.update(changes)
+    return options
+
+
+@pytest.mark.parametrize("name", ["seq_len", "global_batch_size", "microbatch_size", "tokenizer_batch_size",
+                                  "steps_per_epoch", "val_steps", "bestfit_buffer_size"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_sizes_must_be_positive(corpus: dict, name: str, value: int) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be a positive integer.*got {value}"):
+        PretrainingDataModule(**base_options(corpus, **{name: value}))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"packing": "greedy"}, "packing='greedy' is not valid.*bestfit.*concat"),
+    ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
+    ({"global_batch_size": 6, "microbatch_size": 4}, "global_batch_size=6 is not divisible by microbatch_size=4"),
+])
+def test_bad_options_name_the_value(corpus: dict, change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PretrainingDataModule(**base_options(corpus, **change))
+
+
+def test_no_matching_file_names_the_pattern(corpus: dict, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"train_files='.*nothing/\*\.parquet' matches no file"):
+        setup_dm(**base_options(corpus, train_files=str(tmp_path / "nothing" / "*.parquet")))
+    with pytest.raises(ValueError, match=r"val_files='.*missing' matches no file"):
+        setup_dm(**base_options(corpus, val_files=str(tmp_path / "missing")))
+
+
+def test_missing_text_column_names_file_and_columns(corpus: dict) -> None:
+    with pytest.raises(ValueError, match=r"part-000.parquet' has no column text_column='body'; its columns are \['text', 'id'\]"):
+        setup_dm(**base_options(corpus, text_column="body"))
+
+
+def test_corrupt_parquet_names_the_file(corpus: dict, tmp_path: Path) -> None:
+    write_parquet(tmp_path, make_docs(40), files=1)
+    bad = tmp_path / "zz-corrupt.parquet"
+    bad.write_bytes(b"PAR1 this is not a parquet file at all PAR1")
+    with pytest.raises(ValueError, match="cannot read parquet file '.*zz-corrupt.parquet'"):
+        setup_dm(**base_options(corpus, train_files=str(tmp_path)))
+
+
+def test_tokenizer_without_bos_lists_its_special_tokens(corpus: dict, tmp_path: Path) -> None:
+    train_tokenizer(make_docs(50), tmp_path / "nobos.json", bos=None)
+    with pytest.raises(ValueError, match=r"no token bos_token='<\|bos\|>'.*\['<unk>'\]"):
+        setup_dm(**base_options(corpus, tokenizer=str(tmp_path / "nobos.json")))
+    with pytest.raises(ValueError, match="tokenizer='.*absent.json' is not a file"):
+        setup_dm(**base_options(corpus, tokenizer=str(tmp_path / "absent.json")))
+
+
+def test_too_small_dataset_fails_at_setup_not_in_a_hang(corpus: dict, tmp_path: Path) -> None:
+    write_parquet(tmp_path / "small", ["wa wb wc"] * 10, files=1, row_group_size=5)
+    with pytest.raises(ValueError, match="too small for one optimizer step.*global_batch_size=4"):
+        setup_dm(**base_options(corpus, train_files=str(tmp_path / "small")))
+    with pytest.raises(ValueError, match=r"hold 2 parquet row groups, fewer than the 3 streams"):
+        setup_dm(**base_options(corpus, train_files=str(tmp_path / "small"), num_workers=3, steps_per_epoch=1))
+
+
+def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Path) -> None:
+    write_parquet(tmp_path / "holes", [None, "", "wa wb", None, "wc", ""] * 10, files=1, row_group_size=6)
+    dm = setup_dm(**base_options(corpus, train_files=str(tmp_path / "holes"), seq_len=4, global_batch_size=2,
+                                 microbatch_size=1, steps_per_epoch=3, packing="concat"))
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 6
+    _, _, states = dm.position.committed
+    (state,) = states.values()
+    assert state["empty"] == 2 * state["docs"] // 3 > 0
