@@ -41,6 +41,23 @@ def make_batches(count: int, microbatch: int, seq_len: int) -> list[Batch]:
     return [one() for _ in range(count)]
 
 
+def check_loader_pins_dataclasses(microbatch: int, seq_len: int) -> None:
+    """The DataModule's loader (workers + torch's pin thread) hands out dataclass batches in pinned memory."""
+    samples = [torch.randint(0, 50_000, (seq_len,)) for _ in range(4 * microbatch)]
+
+    def collate(rows: list[torch.Tensor]) -> Batch:
+        ids = torch.stack(rows)
+        return Batch(ids, torch.ones_like(ids), ids.clone())
+
+    for workers in (0, 2):
+        dm = D9DDataModule(samples, collate, global_batch_size=microbatch, microbatch_size=microbatch, num_workers=workers)
+        dm.setup("fit")
+        batch = next(iter(dm.train_dataloader()))
+        pinned = [t.is_pinned() for t in dataclasses.astuple(batch)]
+        print(f"loader with num_workers={workers}: {type(batch).__name__} tensors pinned: {pinned}")
+        assert isinstance(batch, Batch) and all(pinned)
+
+
 def timed(fn, device: torch.device) -> float:
     torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -61,6 +78,7 @@ def main() -> None:
         print("no CUDA device: nothing to measure (on CPU the transfer hook is a pass-through). Run on a GPU machine.")
         return
     device = torch.device("cuda")
+    check_loader_pins_dataclasses(args.microbatch, args.seq_len)
     hook = D9DDataModule(list(range(8)), global_batch_size=8, microbatch_size=8).transfer_batch_to_device
     weight = torch.randn(args.hidden, args.hidden, device=device)
     batches = make_batches(args.steps, args.microbatch, args.seq_len)

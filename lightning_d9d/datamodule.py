@@ -106,8 +106,17 @@ class SteppedDataModule(pl.LightningDataModule):
         return move_batch_to_device(batch, device)
 
     def resolve_pin_memory(self) -> bool:
-        """``pin_memory`` if set, else pin exactly when the trainer's device (or, alone, the machine) has CUDA."""
+        """``pin_memory`` if set, else pin exactly when the trainer's device (or, alone, the machine) has CUDA.
+
+        Raises:
+            ValueError: ``pin_memory=True`` where torch sees no CUDA device (pinning would fail in the loader).
+        """
         if self.pin_memory is not None:
+            if self.pin_memory and not torch.cuda.is_available():
+                raise ValueError(
+                    "pin_memory=True needs a CUDA device, but torch.cuda.is_available() is False; "
+                    "use pin_memory=None (pin exactly when training on CUDA) or False"
+                )
             return bool(self.pin_memory)
         trainer = self._trainer
         if trainer is not None:

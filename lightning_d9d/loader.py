@@ -120,11 +120,9 @@ class TrainLoader:
         )
         if len(index_batches) == 0:
             return
-        loader = make_loader(self.dataset, index_batches, self.collate_fn, self.num_workers)
+        loader = make_loader(self.dataset, index_batches, self.collate_fn, self.num_workers, self.pin_memory)
         pack: list[Any] = []
         for microbatch in loader:
-            if self.pin_memory:
-                microbatch = pin_batch(microbatch)
             if not self.yield_packs:
                 self.position.microbatches += 1
                 yield microbatch
@@ -157,23 +155,55 @@ class ValidationLoader:
     def __iter__(self) -> Iterator[Any]:
         if not self.microbatches:
             return iter(())
-        loader = make_loader(self.dataset, self.microbatches, self.collate_fn, self.num_workers)
-        return (pin_batch(batch) for batch in loader) if self.pin_memory else iter(loader)
+        return iter(make_loader(self.dataset, self.microbatches, self.collate_fn, self.num_workers, self.pin_memory))
 
 
-def make_loader(dataset: Dataset, index_batches: Any, collate_fn: Callable, num_workers: int) -> StatefulDataLoader:
-    """torchdata's ``StatefulDataLoader`` driven by precomputed index batches (its own state is never used)."""
+class PinnableBatch:
+    """Carries any batch through torch's pin-memory thread: torch pins objects that have ``pin_memory()``.
+
+    torch's own pinning skips dataclasses; wrapping lets the loader's background pin thread (used with
+    workers) run our ``pin_batch`` tree walk instead of the training loop's thread.
+    """
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+    def pin_memory(self, device: Any = None) -> PinnableBatch:
+        return PinnableBatch(pin_batch(self.batch))
+
+
+class _CollateForPinning:
+    """``collate_fn`` whose result is wrapped in ``PinnableBatch`` (a class, so workers can pickle it)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[Any]) -> PinnableBatch:
+        return PinnableBatch(self.collate_fn(samples))
+
+
+def make_loader(
+    dataset: Dataset, index_batches: Any, collate_fn: Callable, num_workers: int, pin_memory: bool = False
+) -> Iterator[Any]:
+    """Batches from torchdata's ``StatefulDataLoader`` driven by precomputed index batches, pinned if asked.
+
+    The loader's own ``state_dict`` is never used: the position lives in ``TrainPosition``.
+    """
     with warnings.catch_warnings():
         # torchdata 0.11 calls the deprecated torch.set_vital on every construction; the warning is noise.
         warnings.filterwarnings("ignore", message=".*set_vital.*")
-        return StatefulDataLoader(
+        loader = StatefulDataLoader(
             dataset,
             batch_sampler=index_batches,
-            collate_fn=collate_fn,
+            collate_fn=_CollateForPinning(collate_fn) if pin_memory else collate_fn,
             num_workers=num_workers,
+            pin_memory=pin_memory,
             # Its snapshots feed only its own state_dict, which we never use; turning them off saves work.
             snapshot_every_n_steps=None if num_workers else 1,
         )
+    return (wrapped.batch for wrapped in loader) if pin_memory else iter(loader)
 
 
 class _LazyIterator:

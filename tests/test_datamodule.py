@@ -12,6 +12,7 @@ import torch
 from harness import LengthDataset, pad_collate
 
 from lightning_d9d import D9DDataModule, move_batch_to_device
+from lightning_d9d.loader import PinnableBatch, _CollateForPinning
 from lightning_d9d.pin import map_tensors
 from lightning_d9d.shard import validation_microbatches
 
@@ -107,6 +108,20 @@ def test_dataclass_batches_keep_their_type_through_pin_walk_and_transfer() -> No
 def test_pin_memory_is_off_on_cpu_and_can_be_forced() -> None:
     assert make_dm().resolve_pin_memory() is torch.cuda.is_available()
     assert make_dm(pin_memory=False).resolve_pin_memory() is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_forcing_pin_memory_without_cuda_is_one_clear_error() -> None:
+    dm = make_dm(pin_memory=True)
+    dm.setup("fit")
+    with pytest.raises(ValueError, match="pin_memory=True needs a CUDA device"):
+        dm.train_dataloader()
+
+
+def test_pinnable_batch_survives_worker_pickling() -> None:
+    collate = _CollateForPinning(pad_collate)
+    wrapped = pickle.loads(pickle.dumps(collate))([{"id": 1, "tokens": torch.ones(2)}])
+    assert isinstance(wrapped, PinnableBatch) and wrapped.batch["ids"].tolist() == [1]
 
 
 def test_yield_packs_hands_out_one_list_of_m_microbatches_per_step() -> None:
