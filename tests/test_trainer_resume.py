@@ -203,3 +203,13 @@ def test_accumulate_grad_batches_that_disagrees_is_rejected(tmp_path: Path) -> N
     trainer = pl.Trainer(accelerator="cpu", accumulate_grad_batches=3, max_steps=1, logger=False, enable_checkpointing=False)
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=3\) disagrees with the 8 microbatches per step"):
         trainer.fit(RecordingModule(str(tmp_path)), datamodule=dm)
+
+
+def test_elastic_resume_with_another_microbatch_size(reference: dict, tmp_path: Path) -> None:
+    run_training(
+        {**BASE, "microbatch_size": 4, "record_dir": str(tmp_path), "ckpt_path": str(reference["ckpt"] / "mid-e0-b43.ckpt")}
+    )
+    resumed = read_records(tmp_path)
+    assert {len(r["ids"]) for r in resumed} == {4}
+    combined = before_step(reference["records"], 5) + resumed
+    assert samples_per_step(combined) == samples_per_step(reference["records"])
