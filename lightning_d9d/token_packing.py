@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -148,23 +148,29 @@ class BestFitPacker:
         self.crops = 0
         self.tokens_cropped = 0  # tokenized, then dropped with a cropped document's remainder
         self.tokens_emitted = 0
+        self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.count
 
-    def add(self, tokens: np.ndarray, length: int, key: tuple[int, int], seq: int | None = None) -> None:
+    def add(self, tokens: np.ndarray | None, length: int, key: tuple[int, int], seq: int | None = None,
+            checksum: int = 0) -> None:
         """Buffer one document.
 
         Args:
-            tokens: the document's first ``min(length, capacity)`` tokens (starting with BOS).
+            tokens: the document's first ``min(length, capacity)`` tokens (starting with BOS); ``None`` when
+                restoring lazily (the ``fetch`` given to :meth:`restore` supplies them when first picked).
             length: the document's full token count (orders the buffer; only a prefix is kept).
             key: two integers that locate the document in the source, for the state.
             seq: the insertion number (only given when restoring a saved buffer).
+            checksum: the saved prefix checksum (only given with ``tokens=None``).
         """
         keep = min(length, self.capacity)
-        if len(tokens) < keep:
-            raise ValueError(f"document prefix has {len(tokens)} tokens, expected {keep}")
-        tokens = tokens[:keep]
+        if tokens is not None:
+            if len(tokens) < keep:
+                raise ValueError(f"document prefix has {len(tokens)} tokens, expected {keep}")
+            tokens = tokens[:keep]
+            checksum = prefix_hash(tokens) if length > self.capacity else 0
         if seq is None:
             seq = self.next_seq
             self.next_seq += 1
@@ -174,7 +180,7 @@ class BestFitPacker:
             self._used = np.concatenate([self._used, np.zeros(grow, bool)])
             self._free = list(range(2 * grow - 1, grow - 1, -1))
         slot = self._free.pop()
-        self._meta[slot] = (seq, length, key[0], key[1], prefix_hash(tokens) if length > self.capacity else 0)
+        self._meta[slot] = (seq, length, key[0], key[1], checksum)
         self._used[slot] = True
         bucket = self._by_length.get(length)
         if bucket is None:
@@ -190,6 +196,8 @@ class BestFitPacker:
         if not bucket:
             del self._by_length[length]
             del self._lengths[index]
+        if tokens is None:  # restored lazily: fetch and verify it now
+            tokens = self._materialize(self._meta[slot].copy())
         self._used[slot] = False
         self._free.append(slot)
         self.count -= 1
@@ -230,17 +238,31 @@ class BestFitPacker:
         meta = self._meta[self._used]
         return meta[np.argsort(meta[:, 0], kind="stable")]
 
-    def restore(self, meta: np.ndarray, prefixes: Sequence[np.ndarray], next_seq: int) -> None:
-        """Rebuild a buffer from :meth:`snapshot` rows and each document's prefix tokens (same order).
+    def restore(self, meta: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Rebuild a buffer from :meth:`snapshot` rows, lazily.
+
+        Picks need only lengths and insertion numbers, so the buffer is usable at once; a document's tokens are
+        fetched (``fetch(meta_row) -> prefix``) only when it is picked, so the first batch after a resume
+        re-tokenizes a few documents, not the whole buffer.
 
         Raises:
-            ValueError: a prefix does not match its saved checksum (the tokenizer or data changed).
+            ValueError: (when a fetched document is picked) its prefix does not match its saved length or
+                checksum — the data or the tokenizer changed since the checkpoint.
         """
         if self.count:
             raise RuntimeError("restore() needs an empty packer")
-        for row, tokens in zip(meta, prefixes):
+        self._fetch = fetch
+        for row in meta:
             seq, length, key0, key1, checksum = (int(v) for v in row)
-            self.add(tokens, length, (key0, key1), seq=seq)
-            if length > self.capacity and prefix_hash(tokens[:self.capacity]) != checksum:
-                raise ValueError(f"buffered document {(key0, key1)} does not match its saved checksum")
+            self.add(None, length, (key0, key1), seq=seq, checksum=checksum)
         self.next_seq = next_seq
+
+    def _materialize(self, row: np.ndarray) -> np.ndarray:
+        seq, length, key0, key1, checksum = (int(v) for v in row)
+        tokens = np.asarray(self._fetch(row), np.int32)
+        expected = min(length, self.capacity)
+        if len(tokens) < expected or (length > self.capacity and prefix_hash(tokens[:expected]) != checksum) \
+                or (length <= self.capacity and len(tokens) != length):
+            raise ValueError(f"buffered document {(key0, key1)} does not match its saved length {length} / checksum "
+                             "(did the data files or the tokenizer change since the checkpoint?)")
+        return tokens[:expected]

@@ -13,10 +13,12 @@ State: every microbatch comes with the stream's position *after* it, as a few in
   plus ``offset`` into its tokens (concat). On resume that chunk is re-read and re-tokenized; the carried-over
   tokens are recomputed, not saved.
 * best-fit's buffer as one ``(documents, 5)`` int64 tensor: insertion number, token length, row group, row,
-  and a checksum of the row-sized prefix. On resume each buffered document is re-read; a document longer than a
-  row is re-tokenized only from a text prefix long enough for its first row's worth of tokens, and the
-  checksum proves the prefix is byte-identical (else it falls back to the whole text). That keeps the first
-  batch after a resume fast even when the buffer holds the corpus's longest documents.
+  and a checksum of the row-sized prefix. On resume the buffer is rebuilt from these rows at once (a pick
+  needs only lengths); each document's text is re-read and its tokens are recomputed only when it is picked.
+  A document longer than a row is re-tokenized only from a text prefix long enough for its first row's worth
+  of tokens, and the checksum proves the prefix is byte-identical (else the prefix doubles, up to the whole
+  text). So the first batch after a resume costs a few documents' tokenization, not the buffer's, even when
+  the buffer holds the corpus's longest documents.
 * counters (documents read, empty/null documents skipped, tokens tokenized / emitted / cropped).
 
 Trade-off: the state is small (tens of KiB for a 1000-document buffer) and restoring it costs one re-read and a
@@ -26,6 +28,7 @@ bounded re-tokenization; saving the tokens themselves would cost MiBs per worker
 from __future__ import annotations
 
 import queue
+from collections import Counter
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -214,47 +217,60 @@ class TokenStream:
 
     # ---------------------------------------------------------------- restoring best-fit's buffer
     def _restore_bestfit(self, packer: BestFitPacker, meta: np.ndarray) -> None:
+        """Rebuild best-fit's buffer from its saved rows: texts are re-read now, tokens when first picked."""
         spec = self.spec
-        tok = load_tokenizer(spec.tokenizer_json)
         cap = spec.capacity
-        texts: list[str] = []
-        for group in np.unique(meta[:, 2]):
-            rows = spec.index.read_texts(int(group))
+        texts: dict[tuple[int, int], str] = {}
+        for group in np.unique(meta[:, 2]).tolist():
+            rows = spec.index.read_texts(group)
             for i in np.flatnonzero(meta[:, 2] == group):
-                texts.append((i, rows[int(meta[i, 3])]))
-        texts = [t for _, t in sorted(texts, key=lambda it: it[0])]
-        prefixes: list[np.ndarray | None] = [None] * len(meta)
-        # Long documents: tokenize a text prefix sized from the document's own chars/token, generous enough
-        # that the first row's tokens are final; the checksum decides, doubling the prefix until it matches.
-        cut = [len(t) if meta[i, 1] <= cap else int(len(t) * (cap + 64) / meta[i, 1] * 1.25) + 256
-               for i, t in enumerate(texts)]
-        pending = list(range(len(meta)))
-        while pending:
-            encs = tok.encode_batch_fast([texts[i][:cut[i]] for i in pending])
-            retry = []
-            for i, enc in zip(pending, encs):
-                ids = enc.ids
-                length, whole = int(meta[i, 1]), cut[i] >= len(texts[i])
-                prefix = np.empty(min(len(ids) + 1, cap), np.int32)
-                prefix[0] = spec.bos_id
-                prefix[1:] = ids[:cap - 1]
-                if whole and len(ids) + 1 != length:
-                    raise ValueError(f"cannot resume: document at row {int(meta[i, 3])} of row group "
-                                     f"{int(meta[i, 2])} now has {len(ids) + 1} tokens, the checkpoint says {length} "
-                                     "(did the data files or the tokenizer change?)")
-                if length <= cap:
-                    prefixes[i] = prefix
-                elif (whole or len(ids) + 1 >= cap + 16) and prefix_hash(prefix) == int(meta[i, 4]):
-                    prefixes[i] = prefix
-                elif whole:
-                    raise ValueError(f"cannot resume: document at row {int(meta[i, 3])} of row group "
-                                     f"{int(meta[i, 2])} no longer matches its checksum (did the data files or the "
-                                     "tokenizer change?)")
-                else:
-                    cut[i] = min(2 * cut[i], len(texts[i]))
-                    retry.append(i)
-            pending = retry
-        packer.restore(meta, prefixes, int(self.state["next_seq"]))
+                row, length = int(meta[i, 3]), int(meta[i, 1])
+                text = rows[row] or ""
+                # A long document needs only a text prefix: keep a generous one, re-read the rest if ever needed.
+                texts[(group, row)] = text if length <= cap else text[:16 * self._prefix_chars(text, length)]
+
+        uses = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))  # a small corpus may buffer a doc twice
+
+        def fetch(row: np.ndarray) -> np.ndarray:
+            group, index, length = int(row[2]), int(row[3]), int(row[1])
+            text = texts[(group, index)]
+            uses[(group, index)] -= 1
+            if not uses[(group, index)]:
+                del texts[(group, index)]
+            if length <= cap:
+                return self._with_bos(load_tokenizer(spec.tokenizer_json).encode_batch_fast([text])[0].ids)
+            return self._long_prefix(group, index, text, length, int(row[4]))
+
+        packer.restore(meta, int(self.state["next_seq"]), fetch)
+
+    def _prefix_chars(self, text: str, length: int) -> int:
+        # Characters that should hold the first row's tokens, from the document's own chars/token, with margin.
+        return int(len(text) * (self.spec.capacity + 64) / length * 1.25) + 256
+
+    def _with_bos(self, ids: list[int]) -> np.ndarray:
+        prefix = np.empty(min(len(ids) + 1, self.spec.capacity), np.int32)
+        prefix[0] = self.spec.bos_id
+        prefix[1:] = ids[:self.spec.capacity - 1]
+        return prefix
+
+    def _long_prefix(self, group: int, row: int, text: str, length: int, checksum: int) -> np.ndarray:
+        """The first row's tokens of a long document, tokenizing only a prefix of its text.
+
+        A prefix's tokens can differ from the whole text's near the cut, so the cut leaves a margin and the
+        saved checksum decides; on a mismatch the prefix doubles, up to the whole text (always exact).
+        """
+        tok, cap = load_tokenizer(self.spec.tokenizer_json), self.spec.capacity
+        cut = self._prefix_chars(text, length)
+        full = None
+        while True:
+            if cut >= len(text) and full is None:
+                full = text = self.spec.index.read_texts(group)[row] or ""  # the kept prefix ran out: re-read
+            ids = tok.encode_batch_fast([text[:cut]])[0].ids
+            prefix = self._with_bos(ids)
+            whole = cut >= len(text)
+            if whole or (len(ids) + 1 >= cap + 16 and prefix_hash(prefix) == checksum):
+                return prefix  # the packer verifies the checksum (a whole text that mismatches raises there)
+            cut *= 2
 
     # ---------------------------------------------------------------- packing
     def _emit(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

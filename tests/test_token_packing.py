@@ -114,10 +114,13 @@ def test_bestfit_snapshot_restore_continues_identically() -> None:
             by_seq[seq] = doc
             seq += 1
     restored = BestFitPacker(capacity, buffer_size)
-    restored.restore(meta, [by_seq[int(s)][:capacity] for s in meta[:, 0]], next_seq)
+    fetched = []
+    restored.restore(meta, next_seq, lambda row: fetched.append(int(row[0])) or by_seq[int(row[0])][:capacity])
+    assert fetched == []  # nothing is fetched until picked
     packer, cursor[0] = restored, at
     second = packer.take(35, refill)
     np.testing.assert_array_equal(np.concatenate([first, second]), full)
+    assert 0 < len(fetched) == len(set(fetched)) <= len(meta)
 
 
 def test_bestfit_restore_rejects_a_changed_prefix() -> None:
@@ -126,8 +129,10 @@ def test_bestfit_restore_rejects_a_changed_prefix() -> None:
     meta = packer.snapshot()
     changed = make_doc(1, 20)[:8].copy()
     changed[3] += 1
-    with pytest.raises(ValueError, match="checksum"):
-        BestFitPacker(8, 2).restore(meta, [changed], 1)
+    restored = BestFitPacker(8, 1)
+    restored.restore(meta, 1, lambda row: changed)
+    with pytest.raises(ValueError, match=r"document \(0, 0\) does not match its saved length 20 / checksum"):
+        restored.take(1, lambda: None)
 
 
 def test_concat_is_the_token_stream_cut_into_rows() -> None:

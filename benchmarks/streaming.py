@@ -1,0 +1,296 @@
+"""Streaming benchmark: PretrainingDataModule's token streams vs the bare tokenizer and the reference loaders.
+
+Run: ``python benchmarks/streaming.py`` (``--help`` for sizes). Nothing is downloaded: the corpus is the Python
+standard library's own ``.py`` sources plus the ``pydoc_data`` help topics, written to parquet here, and the
+tokenizer is a byte-level BPE trained here on that text.
+
+Two corpora from the same text: *long* (one document per file/topic, many longer than a row) and *short* (the
+same text split at blank lines). For each, side by side in one process, best of ``--runs`` runs, each timed
+from its first batch for ``--seconds``:
+
+* ``bare``: ``Tokenizer.encode_batch_fast`` over the documents in memory (all cores), tokens produced per s;
+* ``ours concat`` / ``ours bestfit``: ``token_stream.TokenStream`` (parquet → tokens → rows, the code the
+  DataModule runs per worker), tokens *emitted in rows* per s;
+* ``ref concat`` / ``ref bestfit``: straightforward ports of the reference loader (nanochat's deque concat
+  loader; its best-fit with a Python scan of a 1000-document buffer, dropping the cropped remainder).
+
+Best-fit drops the remainder of every cropped document, so it emits only a share of what it tokenizes (its
+*yield*); the targets are ``concat >= 0.9 x bare``, ``bestfit >= 0.85 x yield x concat`` and ``bestfit >=
+ref bestfit``, and on short documents ``bestfit >= 0.8 x concat``. It also times the first batch after a resume
+from a state taken at the end of the bestfit run (its buffer then holds the corpus's longest documents).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_d9d.parquet_source import RowGroupIndex, resolve_files  # noqa: E402
+from lightning_d9d.token_stream import StreamSpec, TokenStream  # noqa: E402
+
+BOS = "<|bos|>"
+
+
+# ------------------------------------------------------------------------------------------------ corpus
+def stdlib_texts(max_mb: float) -> list[str]:
+    """Help topics, then stdlib sources (tests excluded), in a fixed order, up to ``max_mb`` MB of text."""
+    import pydoc_data.topics
+
+    texts = list(pydoc_data.topics.topics.values())
+    root = sysconfig.get_paths()["stdlib"]
+    for path in sorted(glob.glob(f"{root}/**/*.py", recursive=True)):
+        if "/test" in path or "site-packages" in path or "idlelib" in path:
+            continue
+        with open(path, encoding="utf-8", errors="replace") as file:
+            texts.append(file.read())
+    out, size = [], 0
+    for text in texts:
+        if size > max_mb * 1e6:
+            break
+        out.append(text)
+        size += len(text)
+    return out
+
+
+def write_corpus(directory: Path, docs: list[str], row_group_size: int) -> list[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": docs}), directory / "part-000.parquet", row_group_size=row_group_size)
+    return resolve_files(str(directory))
+
+
+def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=[BOS], show_progress=False))
+    return tok
+
+
+# ------------------------------------------------------------------------------------------------ reference ports
+def ref_document_batches(files: list[str], batch_size: int):
+    """nanochat's document_batches for rank 0 of 1: files in order, row groups in order, forever."""
+    while True:
+        for path in files:
+            pf = pq.ParquetFile(path)
+            for rg in range(pf.num_row_groups):
+                docs = pf.read_row_group(rg).column("text").to_pylist()
+                for i in range(0, len(docs), batch_size):
+                    yield docs[i:i + batch_size]
+
+
+def ref_concat(files: list[str], tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict):
+    """nanochat's original loader: a deque of tokens, B*T+1 popped per batch."""
+    batches = ref_document_batches(files, batch_size)
+    needed = B * T + 1
+    token_buffer: deque = deque()
+    while True:
+        while len(token_buffer) < needed:
+            token_lists = [[bos] + e.ids for e in tok.encode_batch_fast(next(batches))]
+            for tokens in token_lists:
+                token_buffer.extend(tokens)
+                stats["tokenized"] += len(tokens)
+        tokens = [token_buffer.popleft() for _ in range(needed)]
+        scratch = torch.tensor(tokens, dtype=torch.long)
+        stats["emitted"] += needed
+        yield scratch[:-1].view(B, T), scratch[1:].view(B, T)
+
+
+def ref_bestfit(files: list[str], tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict,
+                buffer_size: int = 1000):
+    """nanochat's best-fit loader: Python scan of the buffer per pick, cropped remainder dropped."""
+    batches = ref_document_batches(files, batch_size)
+    row_capacity = T + 1
+    doc_buffer: list[list[int]] = []
+
+    def refill_buffer() -> None:
+        for tokens in ([bos] + e.ids for e in tok.encode_batch_fast(next(batches))):
+            doc_buffer.append(tokens)
+            stats["tokenized"] += len(tokens)
+
+    row_buffer = torch.empty((B, row_capacity), dtype=torch.long)
+    while True:
+        for row_idx in range(B):
+            pos = 0
+            while pos < row_capacity:
+                while len(doc_buffer) < buffer_size:
+                    refill_buffer()
+                remaining = row_capacity - pos
+                best_idx, best_len = -1, 0
+                for i, doc in enumerate(doc_buffer):
+                    doc_len = len(doc)
+                    if doc_len <= remaining and doc_len > best_len:
+                        best_idx, best_len = i, doc_len
+                if best_idx >= 0:
+                    doc = doc_buffer.pop(best_idx)
+                    row_buffer[row_idx, pos:pos + len(doc)] = torch.tensor(doc, dtype=torch.long)
+                    pos += len(doc)
+                else:
+                    shortest_idx = min(range(len(doc_buffer)), key=lambda i: len(doc_buffer[i]))
+                    doc = doc_buffer.pop(shortest_idx)
+                    row_buffer[row_idx, pos:pos + remaining] = torch.tensor(doc[:remaining], dtype=torch.long)
+                    stats["cropped"] += len(doc) - remaining
+                    pos += remaining
+        stats["emitted"] += B * row_capacity
+        yield row_buffer[:, :-1].clone(), row_buffer[:, 1:].clone()
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def timed(make_iter, seconds: float, tokens_of) -> dict:
+    """Iterate from a fresh iterator; time from the first batch for ``seconds``; emitted tokens per second."""
+    iterator = make_iter()
+    first = next(iterator)
+    start, base, emitted = time.perf_counter(), tokens_of(first), 0
+    last = first
+    while time.perf_counter() - start < seconds:
+        last = next(iterator)
+        emitted += 1
+    elapsed = time.perf_counter() - start
+    close = getattr(iterator, "close", None)
+    if close:
+        close()
+    return {"elapsed": elapsed, "batches": emitted, "first": first, "last": last, "base": base}
+
+
+def best_of(runs: int, fn) -> dict:
+    results = [fn() for _ in range(runs)]
+    return max(results, key=lambda r: r["tps"])
+
+
+def measure_bare(tok: Tokenizer, docs: list[str], batch_size: int, seconds: float) -> dict:
+    tokens, start, i = 0, time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        batch = docs[i:i + batch_size] or docs[:batch_size]
+        i = i + batch_size if i + batch_size < len(docs) else 0
+        tokens += sum(len(e) for e in tok.encode_batch_fast(batch)) + len(batch)  # + BOS, as the loaders count
+    return {"tps": tokens / (time.perf_counter() - start)}
+
+
+def measure_ours(spec: StreamSpec, seconds: float) -> dict:
+    rows = spec.microbatch_size * spec.capacity
+    run = timed(lambda: iter(TokenStream(spec, 0)), seconds, lambda batch: batch[3])
+    s0, s1 = run["first"][3], run["last"][3]
+    emitted = run["batches"] * rows
+    tokenized = s1["tokens"] - s0["tokens"]
+    return {"tps": emitted / run["elapsed"], "yield": emitted / max(1, tokenized),
+            "dropped": (s1["cropped"] - s0["cropped"]) / max(1, tokenized), "state": s1}
+
+
+def measure_ref(loader, files, tok, bos, B, T, batch_size, seconds) -> dict:
+    stats = {"tokenized": 0, "emitted": 0, "cropped": 0}
+    marks = {}
+
+    def make():
+        gen = loader(files, tok, bos, B, T, batch_size, stats)
+
+        def wrapped():
+            first = next(gen)
+            marks["start"] = dict(stats)
+            yield first
+            yield from gen
+        return wrapped()
+
+    run = timed(make, seconds, lambda _: None)
+    tokenized = stats["tokenized"] - marks["start"]["tokenized"]
+    emitted = stats["emitted"] - marks["start"]["emitted"]
+    return {"tps": emitted / run["elapsed"], "yield": emitted / max(1, tokenized),
+            "dropped": (stats["cropped"] - marks["start"]["cropped"]) / max(1, tokenized)}
+
+
+def time_resume(spec: StreamSpec, state: dict) -> float:
+    start = time.perf_counter()
+    iterator = iter(TokenStream(spec, 0, state))
+    next(iterator)
+    elapsed = time.perf_counter() - start
+    iterator.close()
+    return elapsed
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=4.0, help="MB of stdlib text in the corpus")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--tokenizer-batch", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seconds", type=float, default=4.0, help="timed seconds per run")
+    parser.add_argument("--runs", type=int, default=3, help="runs per configuration (best is kept)")
+    parser.add_argument("--skip-ref", action="store_true", help="skip the reference ports")
+    args = parser.parse_args()
+
+    texts = stdlib_texts(args.mb)
+    short = [p for t in texts for p in t.split("\n\n") if p.strip()]
+    print(f"corpus: {len(texts)} long documents / {len(short)} short, {sum(map(len, texts)) / 1e6:.1f} MB; "
+          f"{os.cpu_count()} CPUs; seq_len={args.seq_len}, microbatch={args.microbatch}")
+    t0 = time.perf_counter()
+    tok = train_tokenizer(texts, args.vocab)
+    print(f"tokenizer: byte-level BPE, vocab {args.vocab}, trained in {time.perf_counter() - t0:.1f}s")
+    bos = tok.token_to_id(BOS)
+    B, T, tb = args.microbatch, args.seq_len, args.tokenizer_batch
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, docs, rg in (("long", texts, 64), ("short", short, 1024)):
+            files = write_corpus(Path(tmp) / name, docs, rg)
+            index = RowGroupIndex.scan(files, "text")
+
+            def spec(packing: str) -> StreamSpec:
+                return StreamSpec(index=index, tokenizer_json=tok.to_str(), bos_id=bos, seq_len=T, microbatch_size=B,
+                                  packing=packing, seed=0, shuffle=True, num_streams=1, tokenizer_batch_size=tb,
+                                  buffer_size=1000)
+
+            r = results[name] = {}
+            # Interleave configurations run by run, so machine noise hits them alike.
+            runs: dict[str, list] = {k: [] for k in ("bare", "concat", "bestfit", "ref_concat", "ref_bestfit")}
+            for _ in range(args.runs):
+                runs["bare"].append(measure_bare(tok, docs, tb, args.seconds))
+                runs["concat"].append(measure_ours(spec("concat"), args.seconds))
+                runs["bestfit"].append(measure_ours(spec("bestfit"), args.seconds))
+                if not args.skip_ref:
+                    runs["ref_concat"].append(measure_ref(ref_concat, files, tok, bos, B, T, tb, args.seconds))
+                    runs["ref_bestfit"].append(measure_ref(ref_bestfit, files, tok, bos, B, T, tb, args.seconds))
+            for key, values in runs.items():
+                if values:
+                    r[key] = max(values, key=lambda v: v["tps"])
+            r["resume_s"] = time_resume(spec("bestfit"), r["bestfit"]["state"])
+            r["resume_concat_s"] = time_resume(spec("concat"), r["concat"]["state"])
+            report(name, r)
+    print("\nsummary (tokens/s emitted in rows; bare = tokens produced by the tokenizer):")
+    for name, r in results.items():
+        line = ", ".join(f"{k} {v['tps'] / 1e3:.0f}K" for k, v in r.items() if isinstance(v, dict))
+        print(f"  {name}: {line}")
+
+
+def report(name: str, r: dict) -> None:
+    bare, concat, bestfit = r["bare"]["tps"], r["concat"]["tps"], r["bestfit"]["tps"]
+    y = r["bestfit"]["yield"]
+    print(f"\n== {name} documents ==")
+    print(f"  bare tokenizer      {bare / 1e3:9.0f}K tokens/s")
+    print(f"  ours concat         {concat / 1e3:9.0f}K tokens/s   {concat / bare:.2f}x bare        (target >= 0.90)")
+    print(f"  ours bestfit        {bestfit / 1e3:9.0f}K tokens/s   yield {y:.2f}; {bestfit / (y * concat):.2f}x "
+          f"yield x concat (target >= 0.85); {bestfit / concat:.2f}x concat")
+    if "ref_concat" in r:
+        rc, rb = r["ref_concat"]["tps"], r["ref_bestfit"]["tps"]
+        print(f"  ref concat          {rc / 1e3:9.0f}K tokens/s   ours is {concat / rc:.2f}x")
+        print(f"  ref bestfit         {rb / 1e3:9.0f}K tokens/s   ours is {bestfit / rb:.2f}x (target >= 1.00); "
+              f"ref yield {r['ref_bestfit']['yield']:.2f}, it drops {r['ref_bestfit']['dropped']:.1%} of the "
+              "tokenizer's work (cropped remainders)")
+    print(f"  ours bestfit drops  {r['bestfit']['dropped']:.1%} of tokenized tokens; first batch after resume: "
+          f"bestfit {r['resume_s']:.2f}s, concat {r['resume_concat_s']:.2f}s")
+
+
+if __name__ == "__main__":
+    main()
