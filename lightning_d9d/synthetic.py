@@ -1,0 +1,81 @@
+"""SyntheticTokenDataset: a deterministic, learnable token dataset that needs no files and no download.
+
+Algorithm: sample ``i`` is generated on demand from a generator seeded with ``(seed, i)``: a length drawn from
+a log-normal distribution (heavy-tailed like real documents, clipped to ``[min_length, max_length]``), then a
+sequence that follows a simple rule — start at a random token and add a random stride from a small set, modulo
+the vocabulary — so a language model's loss visibly falls on it. Lengths are also exposed whole, as the
+``token_counts`` column (``column_names`` / ``with_format``, like a Hugging Face dataset) and per index through
+``sort_key``, so D9DDataModule can sort by either.
+
+Trade-off: samples are recomputed on every access (a few microseconds each) instead of stored, so any size
+costs no memory beyond the lengths array (8 bytes per sample, computed once, vectorised).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+_STRIDES = np.array([1, 2, 3, 5, 7])
+
+
+class SyntheticTokenDataset(Dataset):
+    """Map-style dataset of ``{"input_ids": int64 tensor}`` samples with heavy-tailed lengths.
+
+    Args:
+        num_samples: dataset length.
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        min_length: shortest sample (at least 2, so there is a next-token target).
+        max_length: longest sample.
+        median_length: median of the log-normal length distribution before clipping.
+        seed: makes samples and lengths reproducible.
+
+    Raises:
+        ValueError: non-positive sizes, ``min_length < 2`` or ``min_length > max_length``.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 4096,
+        vocab_size: int = 512,
+        min_length: int = 2,
+        max_length: int = 128,
+        median_length: int = 32,
+        seed: int = 0,
+    ):
+        for name, value in (("num_samples", num_samples), ("vocab_size", vocab_size), ("median_length", median_length)):
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 2 <= min_length <= max_length:
+            raise ValueError(f"need 2 <= min_length <= max_length, got min_length={min_length}, max_length={max_length}")
+        self.num_samples, self.vocab_size, self.seed = num_samples, vocab_size, seed
+        lengths = np.random.default_rng([seed, 0x1E17]).lognormal(np.log(median_length), 0.8, size=num_samples)
+        self.lengths = np.clip(np.rint(lengths), min_length, max_length).astype(np.int64)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = int(index)
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        rng = np.random.default_rng([self.seed, index])
+        start, stride = rng.integers(self.vocab_size), rng.choice(_STRIDES)
+        tokens = (start + stride * np.arange(self.lengths[index])) % self.vocab_size
+        return {"input_ids": torch.from_numpy(tokens.astype(np.int64))}
+
+    def sort_key(self, index: int) -> int:
+        """The sample's length (per index; ``sort_key="token_counts"`` reads all lengths at once instead)."""
+        return int(self.lengths[index])
+
+    @property
+    def column_names(self) -> list[str]:
+        """Columns readable whole through :meth:`with_format` (mirrors ``datasets.Dataset``)."""
+        return ["token_counts"]
+
+    def with_format(self, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
+        """``{"token_counts": lengths}``, so ``with_format("numpy")["token_counts"]`` works as on datasets."""
+        return {"token_counts": self.lengths}
