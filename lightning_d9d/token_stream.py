@@ -30,6 +30,7 @@ from __future__ import annotations
 import queue
 from collections import Counter
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -133,87 +134,107 @@ class TokenStream:
         self._stop = threading.Event()
 
     # ---------------------------------------------------------------- reading and tokenizing
-    def _chunks(self, start: tuple[int, int, int], counters: tuple[int, int, int]) -> Iterator[_Chunk]:
+    def _raw_chunks(self, start: tuple[int, int, int]) -> Iterator[tuple[int, int, int, int, list]]:
+        """``(pass, slot, row, group, texts)`` for every chunk from ``start`` on, forever (reading only)."""
         spec = self.spec
-        tok = load_tokenizer(spec.tokenizer_json)
-        bos, cap, size = spec.bos_id, spec.capacity, spec.tokenizer_batch_size
+        size = spec.tokenizer_batch_size
         pass_index, slot, row = start
-        docs, empty_total, tokens_total = counters
         while True:
             groups = deal(pass_order(len(spec.index), spec.seed, pass_index, spec.shuffle), self.stream,
                           spec.num_streams)
             if len(groups) == 0:
                 raise ValueError(f"stream {self.stream} of {spec.num_streams} gets no row group: the files hold "
                                  f"{len(spec.index)} row groups, fewer than ranks x workers")
-            tokens_at_pass_start = tokens_total
+            found_text = False
             while slot < len(groups):
                 group = int(groups[slot])
                 texts = spec.index.read_texts(group)
+                found_text = found_text or any(texts[row:])
                 while row < len(texts):
-                    raw = texts[row:row + size]
-                    keep = [i for i, text in enumerate(raw) if text]  # None and "" are skipped, and counted
-                    encs = tok.encode_batch_fast([raw[i] for i in keep]) if keep else []
-                    ids = [e.ids for e in encs]
-                    lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
-                    if spec.packing == "concat":
-                        payload = np.fromiter(chain.from_iterable(chain((bos,), x) for x in ids), np.int32,
-                                              int(lengths.sum()))
-                    else:
-                        payload = []
-                        for x in ids:
-                            prefix = np.empty(min(len(x) + 1, cap), np.int32)
-                            prefix[0] = bos
-                            prefix[1:] = x[:cap - 1]
-                            payload.append(prefix)
-                    yield _Chunk(pass_index, slot, row, group, (docs, empty_total, tokens_total),
-                                 np.asarray(keep, np.int64) + row, lengths, payload, len(raw), len(raw) - len(keep))
-                    docs += len(raw)
-                    empty_total += len(raw) - len(keep)
-                    tokens_total += int(lengths.sum())
+                    yield pass_index, slot, row, group, texts[row:row + size]
                     row += size
                 slot, row = slot + 1, 0
-            if tokens_total == tokens_at_pass_start:
+            if not found_text and start[1:] == (0, 0):
                 raise ValueError(f"stream {self.stream}: a whole pass over its row groups {groups.tolist()} found no "
                                  f"non-empty text in column {spec.index.text_column!r}")
-            pass_index, slot = pass_index + 1, 0
+            pass_index, slot, start = pass_index + 1, 0, (pass_index + 1, 0, 0)
 
-    def _background(self, chunks: Iterator[_Chunk]) -> Iterator[_Chunk]:
-        """Run ``chunks`` in a thread, ``prefetch`` chunks ahead; errors re-raise in the consumer."""
+    def _tokenize(self, raw: tuple[int, int, int, int, list]) -> _Chunk:
+        """Tokenize one chunk (``encode_batch_fast`` releases the GIL) and lay its tokens out for the packer."""
+        spec = self.spec
+        bos, cap = spec.bos_id, spec.capacity
+        pass_index, slot, row, group, texts = raw
+        keep = [i for i, text in enumerate(texts) if text]  # None and "" are skipped, and counted
+        encs = load_tokenizer(spec.tokenizer_json).encode_batch_fast([texts[i] for i in keep]) if keep else []
+        ids = [e.ids for e in encs]
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids)) + 1
+        if spec.packing == "concat":
+            # All ids in one pass, then a BOS slotted in front of each document (vectorised).
+            flat = np.fromiter(chain.from_iterable(ids), np.int32, int(lengths.sum()) - len(ids))
+            starts = np.concatenate([[0], np.cumsum(lengths[:-1] - 1)]) if len(ids) else np.zeros(0, np.int64)
+            payload = np.insert(flat, starts, bos)
+        else:
+            payload = []
+            for x in ids:
+                prefix = np.empty(min(len(x) + 1, cap), np.int32)
+                prefix[0] = bos
+                prefix[1:] = x[:cap - 1]
+                payload.append(prefix)
+        return _Chunk(pass_index, slot, row, group, (0, 0, 0), np.asarray(keep, np.int64) + row, lengths, payload,
+                      len(texts), len(texts) - len(keep))
+
+    def _chunks(self, start: tuple[int, int, int], counters: tuple[int, int, int]) -> Iterator[_Chunk]:
+        """Tokenized chunks in order, with running counters; read and tokenized ahead in threads.
+
+        One thread reads row groups and submits chunks to a pool of two tokenizing threads: while one chunk's
+        ids are converted to numpy (holding the GIL), the next one is being tokenized (not holding it). Results
+        are taken strictly in submission order, so timing never changes what is produced.
+        """
+        docs, empty, tokens = counters
+        for chunk in self._ordered(self._raw_chunks(start)):
+            chunk.counters = (docs, empty, tokens)
+            docs += chunk.raw_docs
+            empty += chunk.empty
+            tokens += int(chunk.lengths.sum())
+            yield chunk
+
+    def _ordered(self, raw: Iterator[tuple]) -> Iterator[_Chunk]:
         if self.spec.prefetch <= 0:
-            yield from chunks
+            for item in raw:
+                yield self._tokenize(item)
             return
         out: queue.Queue = queue.Queue(maxsize=self.spec.prefetch)
         stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"token-stream-{self.stream}")
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def produce() -> None:
             try:
-                for chunk in chunks:
-                    while not stop.is_set():
-                        try:
-                            out.put(chunk, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                for item in raw:
+                    if not put(pool.submit(self._tokenize, item)):
                         return
             except BaseException as err:  # handed to the consumer, which raises it
-                while not stop.is_set():
-                    try:
-                        out.put(err, timeout=0.1)
-                        return
-                    except queue.Full:
-                        continue
+                put(err)
 
-        thread = threading.Thread(target=produce, name=f"token-stream-{self.stream}", daemon=True)
+        thread = threading.Thread(target=produce, name=f"token-stream-{self.stream}-reader", daemon=True)
         thread.start()
         try:
             while True:
                 item = out.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield item.result()
         finally:
             stop.set()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- restoring best-fit's buffer
     def _restore_bestfit(self, packer: BestFitPacker, meta: np.ndarray) -> None:
@@ -274,9 +295,8 @@ class TokenStream:
 
     # ---------------------------------------------------------------- packing
     def _emit(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows64 = torch.from_numpy(rows.astype(np.int64))
-        inputs = rows64[:, :-1].contiguous()
-        targets = rows64[:, 1:].contiguous()
+        inputs = torch.from_numpy(rows[:, :-1].astype(np.int64))  # one contiguous copy each
+        targets = torch.from_numpy(rows[:, 1:].astype(np.int64))
         positions = torch.from_numpy(position_ids(rows[:, :-1], self.spec.bos_id))
         return inputs, targets, positions
 
@@ -284,7 +304,7 @@ class TokenStream:
         spec, state = self.spec, dict(self.state)
         start = (state["pass"], state["slot"], state["row"])
         counters = tuple(state[c] for c in _COUNTERS)
-        chunks = self._background(self._chunks(start, counters))
+        chunks = self._chunks(start, counters)
         try:
             if spec.packing == "concat":
                 yield from self._iter_concat(chunks, state)
