@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -222,7 +223,9 @@ class TextDataModule(D9DDataModule):
     @property
     def vocab_size(self) -> int:
         """The tokenizer's vocabulary size, special tokens included (builds the demo corpus if selected)."""
-        return int(_load_tokenizer(self.resolved_paths()[1], self.max_length).get_vocab_size(with_added_tokens=True))
+        path = self.resolved_paths()[1]
+        tokenizer = _load_tokenizer(path, _file_sha256(path), self.max_length)
+        return int(tokenizer.get_vocab_size(with_added_tokens=True))
 
     @property
     def longest_padded_length(self) -> int:
@@ -254,11 +257,12 @@ class TextDataModule(D9DDataModule):
             )
         if len(raw) == 0:
             raise ValueError(f"dataset {self.dataset!r} split {split!r} is empty")
-        tokenize = _TokenizeBatch(tokenizer_path, self.text_column, self.max_length)
+        tokenizer_digest = _file_sha256(tokenizer_path)
+        tokenize = _TokenizeBatch(tokenizer_path, tokenizer_digest, self.text_column, self.max_length)
         # datasets would fingerprint the function by pickling it, which sees the tokenizer's path but not its
         # content: an edited tokenizer.json would silently reuse stale token ids. Hash the content instead.
         fingerprint = Hasher.hash(
-            [raw._fingerprint, _file_sha256(tokenizer_path), self.max_length, self.text_column, _TOKENIZE_RECIPE_VERSION]
+            [raw._fingerprint, tokenizer_digest, self.max_length, self.text_column, _TOKENIZE_RECIPE_VERSION]
         )
         tokenized = raw.map(
             tokenize,
@@ -273,7 +277,7 @@ class TextDataModule(D9DDataModule):
             raise ValueError(
                 f"dataset {self.dataset!r} split {split!r} has no document of {_MIN_TOKENS} or more tokens"
             )
-        self.collator.pad_token_id = _pad_token_id(tokenizer_path)
+        self.collator.pad_token_id = _pad_token_id(tokenizer_path, tokenizer_digest)
         # Samples are {"input_ids": np.ndarray}; D9DDataModule reads token_counts itself, as a whole column.
         return tokenized.with_format("numpy", columns=["input_ids"])
 
@@ -283,11 +287,12 @@ class _TokenizeBatch:
     """The batched map function: texts → truncated token ids and their counts (picklable for num_proc)."""
 
     tokenizer_path: str
+    tokenizer_digest: str
     text_column: str
     max_length: int
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        tokenizer = _load_tokenizer(self.tokenizer_path, self.max_length)
+        tokenizer = _load_tokenizer(self.tokenizer_path, self.tokenizer_digest, self.max_length)
         texts = [text if isinstance(text, str) else "" for text in batch[self.text_column]]
         ids = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
         kept = [row for row in ids if len(row) >= _MIN_TOKENS]
@@ -295,7 +300,8 @@ class _TokenizeBatch:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_tokenizer(path: str, max_length: int) -> Any:
+def _load_tokenizer(path: str, digest: str, max_length: int) -> Any:
+    """The tokenizer at ``path``, cached per process; ``digest`` (its content hash) keys out edited files."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(path)
@@ -304,8 +310,8 @@ def _load_tokenizer(path: str, max_length: int) -> Any:
     return tokenizer
 
 
-def _pad_token_id(tokenizer_path: str) -> int:
-    tokenizer = _load_tokenizer(tokenizer_path, 1)
+def _pad_token_id(tokenizer_path: str, digest: str) -> int:
+    tokenizer = _load_tokenizer(tokenizer_path, digest, 1)
     if tokenizer.padding is not None:
         return int(tokenizer.padding["pad_id"])
     for token in _PAD_TOKEN_CANDIDATES:
@@ -324,32 +330,60 @@ def _file_sha256(path: str) -> str:
 
 
 def _load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
-    """Open one split of raw text from a saved dataset, a single data file, or anything load_dataset takes."""
+    """Open one split of raw text from a saved dataset, a single data file, or anything load_dataset takes.
+
+    Raises:
+        ValueError: the source cannot be loaded, lacks the split, or is empty (naming ``name`` and the split).
+    """
     import datasets
 
     local = Path(path).expanduser()
     if local.is_dir() and ((local / "dataset_dict.json").exists() or (local / "state.json").exists()):
-        saved = datasets.load_from_disk(str(local))
-        if isinstance(saved, datasets.DatasetDict):
-            if split not in saved:
-                raise ValueError(f"split {split!r} is not in saved dataset {name!r}; its splits are {list(saved)}")
-            return saved[split]
-        if split != "train":
-            raise ValueError(
-                f"saved dataset {name!r} is a single Dataset without splits; it serves only split='train', "
-                f"got {split!r}"
-            )
-        return saved
+        return _load_saved_split(local, split, name)
+    # datasets cannot build an empty split (it fails with unrelated messages, or a bare StopIteration), so
+    # recognise empty local files first and say so.
+    if local.is_file() and local.stat().st_size == 0:
+        raise ValueError(f"dataset {name!r} split {split!r} is empty (the file has no data)")
+    if local.is_dir() and data_files is None:
+        files = [child for child in local.rglob("*") if child.is_file() and not child.name.startswith(".")]
+        if files and all(child.stat().st_size == 0 for child in files):
+            raise ValueError(f"dataset {name!r} split {split!r} is empty (all its files are empty)")
     try:
         if local.is_file():
             builder = _BUILDER_BY_EXTENSION.get(local.suffix.lower())
             if builder is None:
                 raise ValueError(f"unknown data file type {local.suffix!r} (known: {sorted(_BUILDER_BY_EXTENSION)})")
             return datasets.load_dataset(builder, data_files=str(local), split=split, cache_dir=cache_dir)
-        return datasets.load_dataset(str(local) if local.exists() else path, data_files=data_files, split=split,
-                                     cache_dir=cache_dir)
-    except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
-        raise ValueError(f"could not load split {split!r} of dataset {name!r}: {error}") from error
+        source = str(local) if local.exists() else path
+        return datasets.load_dataset(source, data_files=data_files, split=split, cache_dir=cache_dir)
+    except (
+        FileNotFoundError,
+        ConnectionError,
+        ValueError,
+        StopIteration,
+        datasets.exceptions.DatasetNotFoundError,
+        datasets.exceptions.DatasetGenerationError,
+    ) as error:
+        raise ValueError(f"could not load split {split!r} of dataset {name!r}: {error!r}") from error
+
+
+def _load_saved_split(folder: Path, split: str, name: str) -> Any:
+    """A split of a ``save_to_disk`` folder (a DatasetDict, or a single Dataset serving ``split="train"``)."""
+    import datasets
+
+    if (folder / "dataset_dict.json").exists():
+        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        if split not in splits:
+            raise ValueError(f"split {split!r} is not in saved dataset {name!r}; its splits are {splits}")
+        folder = folder / split
+    elif split != "train":
+        raise ValueError(
+            f"saved dataset {name!r} is a single Dataset without splits; it serves only split='train', got {split!r}"
+        )
+    if not json.loads((folder / "state.json").read_text()).get("_data_files"):
+        # datasets.load_from_disk fails with an IndexError on a saved dataset of zero rows.
+        raise ValueError(f"dataset {name!r} split {split!r} is empty")
+    return datasets.load_from_disk(str(folder))
 
 
 def _check_local_path(dataset: str) -> None:
