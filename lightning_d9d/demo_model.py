@@ -88,7 +88,22 @@ class TinyGPT(pl.LightningModule):
         super().__init__()
         if width % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide width={width}")
-        self.save_hyperparameters()
+        # The CLI passes jsonargparse's PositiveInt (an int subclass); saved as such, checkpoints could not be
+        # loaded with torch.load(weights_only=True), which Lightning uses. Store plain numbers.
+        self.save_hyperparameters(
+            {
+                "vocab_size": int(vocab_size),
+                "max_positions": int(max_positions),
+                "width": int(width),
+                "num_layers": int(num_layers),
+                "num_heads": int(num_heads),
+                "dropout": float(dropout),
+                "learning_rate": float(learning_rate),
+                "weight_decay": float(weight_decay),
+                "warmup_steps": int(warmup_steps),
+                "min_learning_rate_ratio": float(min_learning_rate_ratio),
+            }
+        )
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.position_embedding = nn.Embedding(max_positions, width)
         self.blocks = nn.ModuleList(_Block(width, num_heads, dropout) for _ in range(num_layers))

@@ -204,19 +204,21 @@ class TextDataModule(D9DDataModule):
         _check_local_path(dataset)
         self.dataset, self.tokenizer = dataset, tokenizer
         self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
-        self.num_proc, self.cache_dir = num_proc, cache_dir
-        self.collator = CausalLMCollator(pad_to_multiple_of=pad_to_multiple_of, padding_side=padding_side)
+        self.num_proc, self.cache_dir = _plain_int(num_proc), cache_dir
+        self.collator = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
         super().__init__(
             train_dataset=functools.partial(self._tokenized_split, "split"),
             collate_fn=self.collator,
-            global_batch_size=global_batch_size,
-            microbatch_size=microbatch_size,
-            sort_buffer_size=sort_buffer_size,
+            # Plain ints: the CLI passes jsonargparse's int subclasses, which would end up in the checkpoint's
+            # state and make it unloadable with torch.load(weights_only=True).
+            global_batch_size=_plain_int(global_batch_size),
+            microbatch_size=_plain_int(microbatch_size),
+            sort_buffer_size=_plain_int(sort_buffer_size),
             sort_key="token_counts",
             val_dataset=functools.partial(self._tokenized_split, "val_split") if val_split is not None else None,
-            seed=seed,
+            seed=_plain_int(seed),
             shuffle=shuffle,
-            num_workers=num_workers,
+            num_workers=_plain_int(num_workers),
             pin_memory=pin_memory,
         )
 
@@ -393,6 +395,11 @@ def _check_local_path(dataset: str) -> None:
     looks_like_path = dataset.startswith(("/", "./", "../", "~", ".\\", "..\\"))
     if looks_like_path and not Path(dataset).expanduser().exists():
         raise FileNotFoundError(f"dataset path {dataset!r} does not exist")
+
+
+def _plain_int(value: Any) -> Any:
+    """``int(value)`` for int subclasses (and numpy ints) so they pickle as plain ints; other values unchanged."""
+    return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
 
 
 def _require_positive(name: str, value: Any) -> int:
