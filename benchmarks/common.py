@@ -1,0 +1,51 @@
+"""Helpers shared by the scale benchmarks: a dataset of any length that costs nothing, and peak-RSS probes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+class IndexDataset:
+    """A map-style dataset of ``size`` samples whose sample ``i`` is ``i``: O(1) memory for any size.
+
+    It isolates the cost of the order and the loader from the cost of reading data.
+
+    Args:
+        size: the dataset length (e.g. 10⁹).
+        column: an optional numpy-backed sort-key column (e.g. a ``np.memmap``), exposed the way a Hugging
+            Face dataset exposes one (``column_names`` and ``with_format("numpy")[name]``), so that
+            ``D9DDataModule(sort_key="length")`` reads keys vectorised instead of calling Python per index.
+    """
+
+    def __init__(self, size: int, column: np.ndarray | None = None):
+        self.size = size
+        self._column = column
+        self.column_names = ["length"] if column is not None else None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int | str) -> int | np.ndarray:
+        if isinstance(index, str):  # column access, as on datasets.Dataset.with_format("numpy")
+            assert self._column is not None and index == "length"
+            return self._column
+        return index
+
+    def with_format(self, kind: str) -> IndexDataset:
+        assert kind == "numpy"
+        return self
+
+
+def process_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field in KiB (``VmRSS``: now; ``VmHWM``: peak since the last reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5), so a later peak belongs to what ran after."""
+    Path("/proc/self/clear_refs").write_text("5")

@@ -1,0 +1,36 @@
+"""Smoke test of the benchmarks: each script's ``--quick`` run exits 0 and prints its table.
+
+Timing and padding targets are not asserted here (they belong to the benchmark output and the README): a
+loaded CI machine must not fail the suite on a slow run. What this catches is a benchmark that no longer runs
+against the current public API.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+# script -> text that only its table prints (a header cell and a verdict line)
+EXPECTED = {
+    "padding.py": ("d9d-style", "ours/d9d"),
+    "overhead.py": ("ours (sorted)", "median ratio"),
+    "order_scale.py": ("torch.randperm", "peak RSS"),
+    "resume_cost.py": ("resume @1e7 s", "naive skip"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_quick_benchmark_runs(script: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True, timeout=110, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for text in EXPECTED[script]:
+        assert text in done.stdout, done.stdout
+    assert "PASS" in done.stdout or "FAIL" in done.stdout, done.stdout
