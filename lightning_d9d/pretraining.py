@@ -181,7 +181,7 @@ class PretrainingDataModule(SteppedDataModule):
                         f"global_batch_size={self.global_batch_size} rows; add data, lower seq_len or "
                         "global_batch_size, or set steps_per_epoch to cycle the data")
             self.fingerprint = self._fingerprint(index, tokenizer_json)
-        if self.val_files is not None and self.val_spec is None:
+        if self.val_files is not None and (self.val_spec is None or self.val_spec.num_streams != streams):
             index = RowGroupIndex.scan(resolve_files(self.val_files, "val_files"), self.text_column)
             self._check_enough_groups(index, streams, "val_files")
             self.val_spec = self._spec(index, tokenizer_json, bos_id, shuffle=False, streams=streams)
@@ -210,6 +210,16 @@ class PretrainingDataModule(SteppedDataModule):
             return []
         spec = self._require(self.val_spec)
         return TokenValidationLoader(spec, self.rank, self.num_workers, self.val_steps, self._make_batch)
+
+    def stream_stats(self) -> dict[str, int]:
+        """This rank's stream counters so far, summed over its streams.
+
+        Keys: ``docs`` read, ``empty`` (empty or null texts skipped), ``tokens`` tokenized, ``emitted`` (tokens in
+        rows), ``crops`` (best-fit documents cropped) and ``cropped`` (their dropped remainder tokens). Best-fit's
+        yield is ``emitted / tokens``. Counters are as of the latest microbatch (and survive a resume).
+        """
+        keys = ("docs", "empty", "tokens", "emitted", "crops", "cropped")
+        return {key: sum(int(state.get(key, 0)) for state in self.position.states.values()) for key in keys}
 
     def teardown(self, stage: str) -> None:
         if self._loader is not None:

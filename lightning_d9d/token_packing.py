@@ -56,8 +56,8 @@ def prefix_hash(tokens: np.ndarray) -> int:
 class ConcatPacker:
     """Concatenate BOS-prefixed documents into one stream and cut it into rows of ``capacity`` tokens.
 
-    Documents arrive in chunks (one tokenizer batch each), each tagged with a caller-chosen ``key``; the
-    position of the next unemitted token is reported as ``(key of its chunk, offset into that chunk)``.
+    Documents arrive in chunks, each tagged with a caller-chosen ``ref``; the position of the next unemitted
+    token is reported as ``(ref of its chunk, document index in the chunk, offset in the document)``.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -67,7 +67,8 @@ class ConcatPacker:
         self._tokens = np.empty(0, np.int32)
         self._pos = 0
         self._chunk_starts: list[int] = []  # offset of each buffered chunk in _tokens
-        self._chunk_keys: list[object] = []
+        self._chunk_docs: list[np.ndarray] = []  # each chunk's document offsets, relative to the chunk
+        self._chunk_refs: list[object] = []
         self.tokens_emitted = 0
 
     @property
@@ -75,13 +76,14 @@ class ConcatPacker:
         """Tokens buffered and not yet emitted."""
         return len(self._tokens) - self._pos
 
-    def add(self, tokens: np.ndarray, key: object, skip: int = 0) -> None:
+    def add(self, tokens: np.ndarray, doc_starts: np.ndarray, ref: object, skip: int = 0) -> None:
         """Append one chunk's tokens (BOS-prefixed documents, concatenated).
 
         Args:
             tokens: 1-D int32 token ids.
-            key: what the caller needs to find this chunk again.
-            skip: tokens of this chunk already emitted (used once, when resuming inside a chunk).
+            doc_starts: where each document starts in ``tokens`` (ascending, the first is 0).
+            ref: what the caller needs to find this chunk again.
+            skip: tokens of this chunk already emitted (used once, when resuming inside a document).
         """
         # Drop fully consumed chunks, keeping the one that holds the next token.
         first_live = bisect.bisect_right(self._chunk_starts, self._pos) - 1
@@ -90,16 +92,16 @@ class ConcatPacker:
             self._tokens = self._tokens[cut:]
             self._pos -= cut
             self._chunk_starts = [s - cut for s in self._chunk_starts[first_live:]]
-            self._chunk_keys = self._chunk_keys[first_live:]
-        if not self._chunk_starts:  # empty buffer: start fresh, honouring a resume offset
-            self._tokens = np.asarray(tokens, np.int32)
-            self._pos = skip
+            self._chunk_docs = self._chunk_docs[first_live:]
+            self._chunk_refs = self._chunk_refs[first_live:]
+        if self._chunk_starts:
+            self._chunk_starts.append(len(self._tokens))
+            self._tokens = np.concatenate([self._tokens, np.asarray(tokens, np.int32)])
+        else:
             self._chunk_starts = [0]
-            self._chunk_keys = [key]
-            return
-        self._chunk_starts.append(len(self._tokens))
-        self._chunk_keys.append(key)
-        self._tokens = np.concatenate([self._tokens, np.asarray(tokens, np.int32)])
+            self._tokens = np.asarray(tokens, np.int32)
+        self._chunk_docs.append(np.asarray(doc_starts, np.int64))
+        self._chunk_refs.append(ref)
         self._pos += skip
 
     def take(self, num_rows: int) -> np.ndarray | None:
@@ -112,14 +114,20 @@ class ConcatPacker:
         self.tokens_emitted += need
         return rows
 
-    def position(self) -> tuple[object, int]:
-        """``(key, offset)``: the chunk holding the next unemitted token and that token's offset in it."""
+    def position(self) -> tuple[object, int, int]:
+        """``(ref, document, offset)`` of the next unemitted token.
+
+        When every buffered token was emitted, it is the position just after the last buffered document:
+        ``(ref of the last chunk, its number of documents, 0)``.
+        """
         if not self._chunk_starts:
             raise RuntimeError("the packer holds no chunk yet")
+        if self._pos == len(self._tokens):
+            return self._chunk_refs[-1], len(self._chunk_docs[-1]), 0
         i = bisect.bisect_right(self._chunk_starts, self._pos) - 1
-        if self._pos == len(self._tokens):  # everything emitted: the next token is the next chunk's first
-            return self._chunk_keys[-1], self._pos - self._chunk_starts[-1]
-        return self._chunk_keys[i], self._pos - self._chunk_starts[i]
+        offset = self._pos - self._chunk_starts[i]
+        doc = int(np.searchsorted(self._chunk_docs[i], offset, side="right")) - 1
+        return self._chunk_refs[i], doc, offset - int(self._chunk_docs[i][doc])
 
 
 class BestFitPacker:
@@ -206,8 +214,9 @@ class BestFitPacker:
     def take(self, num_rows: int, refill: Callable[[], None]) -> np.ndarray:
         """Pack ``num_rows`` rows; ``refill()`` must add at least one document each call.
 
-        The buffer is topped up to ``buffer_size`` before every pick (as the reference does), so the choice
-        always sees a full buffer.
+        The buffer is topped up to ``buffer_size`` before every pick, so the choice always sees a full buffer.
+        (The reference tops up a whole tokenizer batch at a time; refilling one document per call makes the
+        result independent of how the caller batches its tokenization.)
         """
         out = np.empty((num_rows, self.capacity), np.int32)
         for r in range(num_rows):

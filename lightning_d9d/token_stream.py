@@ -1,17 +1,19 @@
 """Token stream: one resumable, endless stream of packed microbatches per (rank, worker).
 
 Algorithm: the stream walks its share of row groups (``parquet_source.deal``) pass after pass, reads each row
-group's text column, and cuts it into chunks of ``tokenizer_batch_size`` rows. A background thread reads and
-tokenizes ahead (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core), while the consuming
-thread packs rows (``token_packing``) and emits microbatches of ``inputs``/``targets``/``position_ids``. Chunks
-always start at the same row offsets (multiples of the batch size within a row group), so what is buffered
-never depends on timing.
+group's text column, and cuts it into chunks of ``tokenizer_batch_size`` rows. A reader thread reads ahead and
+hands chunks to two tokenizing threads (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core,
+so one chunk is tokenized while the previous one's ids are converted to numpy); the consuming thread takes the
+chunks strictly in order and packs rows (``token_packing``) into microbatches of ``inputs``/``targets``/
+``position_ids``; nothing it produces depends on timing.
 
 State: every microbatch comes with the stream's position *after* it, as a few integers:
 
-* ``pass``/``slot``/``row``: the chunk to read next (best-fit), or the chunk holding the next unemitted token
-  plus ``offset`` into its tokens (concat). On resume that chunk is re-read and re-tokenized; the carried-over
-  tokens are recomputed, not saved.
+* ``pass``/``slot``/``row``: the next document to add to best-fit's buffer, or the document holding concat's
+  next unemitted token plus ``offset`` into its tokens. On resume reading restarts at that document; the
+  carried-over tokens are recomputed, not saved. Packers take documents one at a time, so what they hold
+  never depends on how documents were batched for the tokenizer: after a start or resume the batches grow
+  1, 2, 4, ... up to ``tokenizer_batch_size``, so the first microbatch waits for a few documents only.
 * best-fit's buffer as one ``(documents, 5)`` int64 tensor: insertion number, token length, row group, row,
   and a checksum of the row-sized prefix. On resume the buffer is rebuilt from these rows at once (a pick
   needs only lengths); each document's text is re-read and its tokens are recomputed only when it is picked.
@@ -107,6 +109,12 @@ class _Chunk:
     raw_docs: int
     empty: int
 
+    def counters_before(self, doc: int) -> tuple[int, int, int]:
+        """(documents, empty ones, tokens) read before non-empty document ``doc`` of this chunk."""
+        raw_before = int(self.doc_rows[doc]) - self.row
+        return (self.counters[0] + raw_before, self.counters[1] + raw_before - doc,
+                self.counters[2] + int(self.lengths[:doc].sum()))
+
 
 def _initial_state() -> dict[str, Any]:
     return {"pass": 0, "slot": 0, "row": 0, "offset": 0, "docs": 0, "empty": 0, "tokens": 0,
@@ -137,7 +145,7 @@ class TokenStream:
     def _raw_chunks(self, start: tuple[int, int, int]) -> Iterator[tuple[int, int, int, int, list]]:
         """``(pass, slot, row, group, texts)`` for every chunk from ``start`` on, forever (reading only)."""
         spec = self.spec
-        size = spec.tokenizer_batch_size
+        size = 1  # grows to tokenizer_batch_size: the first batch (also after a resume) waits for few documents
         pass_index, slot, row = start
         while True:
             groups = deal(pass_order(len(spec.index), spec.seed, pass_index, spec.shuffle), self.stream,
@@ -153,6 +161,7 @@ class TokenStream:
                 while row < len(texts):
                     yield pass_index, slot, row, group, texts[row:row + size]
                     row += size
+                    size = min(2 * size, spec.tokenizer_batch_size)
                 slot, row = slot + 1, 0
             if not found_text and start[1:] == (0, 0):
                 raise ValueError(f"stream {self.stream}: a whole pass over its row groups {groups.tolist()} found no "
@@ -313,6 +322,27 @@ class TokenStream:
         finally:
             chunks.close()
 
+    def _position(self, chunk: _Chunk, doc: int) -> dict[str, int]:
+        """The stream position *at* non-empty document ``doc`` of ``chunk`` (``doc == n``: just after the last)."""
+        if doc < len(chunk.doc_rows):
+            docs, empty, tokens = chunk.counters_before(doc)
+            return {"pass": chunk.pass_index, "slot": chunk.slot, "row": int(chunk.doc_rows[doc]), "docs": docs,
+                    "empty": empty, "tokens": tokens}
+        docs, empty, tokens = chunk.counters_before(doc - 1)
+        pass_index, slot, row = self._advance(chunk.pass_index, chunk.slot, chunk.group, int(chunk.doc_rows[-1]) + 1)
+        return {"pass": pass_index, "slot": slot, "row": row, "docs": docs + 1, "empty": empty,
+                "tokens": tokens + int(chunk.lengths[doc - 1])}
+
+    def _advance(self, pass_index: int, slot: int, group: int, row: int) -> tuple[int, int, int]:
+        """Normalise a position whose row may be past its row group's end (to the next row group or pass)."""
+        spec = self.spec
+        if row < int(spec.index.num_rows[group]):
+            return pass_index, slot, row
+        slots_per_pass = len(range(self.stream, len(spec.index), spec.num_streams))
+        if slot + 1 < slots_per_pass:
+            return pass_index, slot + 1, 0
+        return pass_index + 1, 0, 0
+
     def _iter_concat(self, chunks: Iterator[_Chunk], state: dict[str, Any]) -> Iterator:
         spec = self.spec
         packer = ConcatPacker(spec.capacity)
@@ -321,12 +351,14 @@ class TokenStream:
             rows = packer.take(spec.microbatch_size)
             while rows is None:
                 chunk = next(chunks)
-                packer.add(chunk.payload, (chunk.pass_index, chunk.slot, chunk.row, chunk.counters), skip=skip)
-                skip = 0
+                if len(chunk.doc_rows):  # a chunk of only empty texts adds nothing
+                    starts = np.concatenate([[0], np.cumsum(chunk.lengths[:-1])])
+                    packer.add(chunk.payload, starts, chunk, skip=skip)
+                    skip = 0
                 rows = packer.take(spec.microbatch_size)
-            (pass_index, slot, row, counters), offset = packer.position()
-            state.update({"pass": pass_index, "slot": slot, "row": row, "offset": offset})
-            state.update(zip(_COUNTERS, counters))
+            chunk, doc, offset = packer.position()
+            state.update(self._position(chunk, doc))
+            state["offset"] = offset
             state["batches"] += 1
             state["emitted"] += rows.size
             yield (*self._emit(rows), self._public(state))
@@ -338,35 +370,26 @@ class TokenStream:
         if "buffer" in state and len(state["buffer"]):
             self._restore_bestfit(packer, np.asarray(state["buffer"], np.int64).reshape(-1, 5))
         packer.next_seq = state["next_seq"]
+        current: list[Any] = [None, 0]  # the chunk being added to the buffer, and its next document
 
         def refill() -> None:
-            chunk = next(chunks)
-            for row, length, prefix in zip(chunk.doc_rows.tolist(), chunk.lengths.tolist(), chunk.payload):
-                packer.add(prefix, length, (chunk.group, row))
-            state["pass"], state["slot"], state["row"] = self._after(chunk)
-            state["docs"] = chunk.counters[0] + chunk.raw_docs
-            state["empty"] = chunk.counters[1] + chunk.empty
-            state["tokens"] = chunk.counters[2] + int(chunk.lengths.sum())
+            """Add the next document (one per call: the buffer then never depends on chunk sizes)."""
+            chunk, doc = current
+            while chunk is None or doc >= len(chunk.doc_rows):
+                chunk, doc = next(chunks), 0
+            packer.add(chunk.payload[doc], int(chunk.lengths[doc]), (chunk.group, int(chunk.doc_rows[doc])))
+            current[:] = chunk, doc + 1
 
         while True:
             rows = packer.take(spec.microbatch_size, refill)
+            if current[0] is not None:
+                state.update(self._position(current[0], current[1]))
             state["batches"] += 1
             state["emitted"] += rows.size
             state["crops"], state["cropped"], state["next_seq"] = packer.crops, packer.tokens_cropped, packer.next_seq
             out = self._public(state)
             out["buffer"] = torch.from_numpy(packer.snapshot())
             yield (*self._emit(rows), out)
-
-    def _after(self, chunk: _Chunk) -> tuple[int, int, int]:
-        """The position of the chunk that follows ``chunk``: same row group, next row group, or next pass."""
-        spec = self.spec
-        row = chunk.row + spec.tokenizer_batch_size
-        if row < int(spec.index.num_rows[chunk.group]):
-            return chunk.pass_index, chunk.slot, row
-        slots_per_pass = len(range(self.stream, len(spec.index), spec.num_streams))
-        if chunk.slot + 1 < slots_per_pass:
-            return chunk.pass_index, chunk.slot + 1, 0
-        return chunk.pass_index + 1, 0, 0
 
     @staticmethod
     def _public(state: dict[str, Any]) -> dict[str, Any]:

@@ -246,3 +246,5 @@ def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Pa
     _, _, states = dm.position.committed
     (state,) = states.values()
     assert state["empty"] == 2 * state["docs"] // 3 > 0
+    stats = dm.stream_stats()
+    assert stats["empty"] == state["empty"] and stats["emitted"] == 6 * 5 and stats["crops"] == 0

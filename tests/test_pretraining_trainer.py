@@ -140,6 +140,8 @@ def test_epochs_are_step_counts_and_the_stream_continues_across_them(data: Path)
     first, second = list(loader), list(loader)
     assert len(first) == len(second) == 6
     assert dm.position.committed[:2] == (1, 3)
+    stats = dm.stream_stats()  # best-fit reports its crops
+    assert stats["crops"] > 0 and stats["emitted"] == 12 * 2 * 17 and stats["tokens"] > stats["emitted"]
     assert not any(torch.equal(a.inputs, b.inputs) for a in first for b in second)
     # The default epoch is one pass's worth, estimated from footers and a sample.
     estimated = make_dm(data, steps_per_epoch=None, packing="concat")

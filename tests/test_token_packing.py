@@ -140,7 +140,8 @@ def test_concat_is_the_token_stream_cut_into_rows() -> None:
     docs = [make_doc(i, int(n)) for i, n in enumerate(rng.integers(1, 50, 200))]
     packer, rows, chunk = ConcatPacker(17), [], 0
     for start in range(0, len(docs), 7):
-        packer.add(np.concatenate(docs[start:start + 7]), key=chunk)
+        part = docs[start:start + 7]
+        packer.add(np.concatenate(part), np.cumsum([0] + [len(d) for d in part[:-1]]), ref=chunk)
         chunk += 1
         while (taken := packer.take(3)) is not None:
             rows.append(taken.copy())
@@ -150,20 +151,26 @@ def test_concat_is_the_token_stream_cut_into_rows() -> None:
     assert len(stream) - len(emitted) < 3 * 17
 
 
-def test_concat_position_resumes_inside_a_chunk() -> None:
+def test_concat_position_names_the_document_and_offset_of_the_next_token() -> None:
     docs = [make_doc(i, 9) for i in range(40)]
-    chunks = [np.concatenate(docs[i:i + 4]) for i in range(0, 40, 4)]
+    starts = np.arange(4) * 9
     packer = ConcatPacker(5)
-    packer.add(chunks[0], key=0)
-    packer.add(chunks[1], key=1)
+    packer.add(np.concatenate(docs[0:4]), starts, ref="a")
+    packer.add(np.concatenate(docs[4:8]), starts, ref="b")
     packer.take(2)
+    assert packer.position() == ("a", 1, 1)  # 10 tokens emitted: document 1 of chunk a, its token 1
     packer.take(3)
-    (key, offset) = packer.position()
-    assert (key, offset) == (0, 25)
+    assert packer.position() == ("a", 2, 7)
+    packer.take(4)
+    assert packer.position() == ("b", 1, 0)
+    # Resume: re-add from that document with the offset skipped, and the rows continue identically.
     resumed = ConcatPacker(5)
-    resumed.add(chunks[key], key=key, skip=offset)
-    resumed.add(chunks[key + 1], key=key + 1)
-    np.testing.assert_array_equal(resumed.take(2), packer.take(2))
+    resumed.add(np.concatenate(docs[5:12]), np.arange(7) * 9, ref="c")
+    np.testing.assert_array_equal(resumed.take(3), packer.take(3))
+    exact = ConcatPacker(5)
+    exact.add(np.concatenate([make_doc(0, 5), make_doc(1, 5)]), np.array([0, 5]), ref="d")
+    exact.take(2)
+    assert exact.position() == ("d", 2, 0)  # all emitted: just after the last document
 
 
 def test_position_ids_restart_at_row_start_and_every_bos() -> None:
