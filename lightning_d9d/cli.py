@@ -9,7 +9,7 @@ per step, padding and the first microbatch's shapes.
 How ``inspect`` measures: it runs ``prepare_data``/``setup`` as a world-size-1 DataModule (the order does not
 depend on world size, and microbatches are the same contiguous slices of each global batch at any world size),
 reads the first ``--steps`` global batches, and counts real tokens from the batch's ``attention_mask`` (a field
-or a key); microbatches per step are computed for the world size the trainer config asks for
+or a key; a batch of packed rows without one counts every position); microbatches per step are computed for the world size the trainer config asks for
 (``num_nodes × devices``). Trade-off: the padding share is measured on those first steps, not on the whole
 epoch, so inspecting a huge dataset stays fast; raise ``--steps`` for a tighter figure.
 """
@@ -121,7 +121,7 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
             f"padding: {100.0 * (1 - real_tokens / positions):.2f} %",
         ]
     else:
-        lines.append("tokens per step, padding: n/a (the batch has no attention_mask)")
+        lines.append("tokens per step, padding: n/a (the batch has no attention_mask, input_ids or inputs)")
     lines.append("first microbatch:")
     lines += [f"  {line}" for line in describe_batch(first)]
     return "\n".join(lines)
@@ -134,10 +134,19 @@ def count_tokens(batch: Any) -> tuple[int, int] | None:
         if any(part is None for part in parts):
             return None
         return sum(p[0] for p in parts), sum(p[1] for p in parts)  # type: ignore[index]
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else getattr(batch, "attention_mask", None)
-    if not isinstance(mask, torch.Tensor):
-        return None
-    return int(mask.sum()), mask.numel()
+    mask = _field(batch, "attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return int(mask.sum()), mask.numel()
+    # Packed rows (e.g. the pretraining DataModule's inputs/targets) have no padding: every position is a token.
+    for name in ("input_ids", "inputs"):
+        ids = _field(batch, name)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            return ids.numel(), ids.numel()
+    return None
+
+
+def _field(batch: Any, name: str) -> Any:
+    return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
 
 
 def describe_batch(batch: Any, name: str = "batch") -> list[str]:

@@ -3,7 +3,8 @@
 Algorithm: token + learned position embeddings, ``num_layers`` pre-norm blocks (causal self-attention through
 ``F.scaled_dot_product_attention``, then a GELU MLP), a final LayerNorm and an output layer tied to the token
 embedding. It consumes :class:`~lightning_d9d.text.TextBatch`, whose labels are already shifted
-(``labels[t] = input_ids[t + 1]``, ``-100`` where there is no target), so the loss needs no shifting.
+(``labels[t] = input_ids[t + 1]``, ``-100`` where there is no target), so the loss needs no shifting; packed
+rows (a batch with ``inputs``/``targets``/``position_ids``, as the pretraining DataModule yields) work too.
 
 Attention masks both the future and padding keys, and positions count real tokens only, so right and left
 padding give the same logits for the real tokens. Logged with ``self.log(..., prog_bar=True)``: the training
@@ -18,6 +19,7 @@ loss. For a demo that is the simpler, standard choice; length sorting makes micr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -50,6 +52,28 @@ class _Block(nn.Module):
         )
         hidden = hidden + self.attention_out(attended.transpose(1, 2).reshape(batch, length, width))
         return hidden + self.mlp(self.mlp_norm(hidden))
+
+
+@dataclasses.dataclass
+class _Tokens:
+    """The fields the model needs, from a TextBatch (padded) or a packed-rows batch (``inputs``/``targets``)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, batch: Any) -> _Tokens:
+        if isinstance(batch, TextBatch) or hasattr(batch, "attention_mask"):
+            return cls(batch.input_ids, batch.attention_mask, batch.labels)
+        if hasattr(batch, "inputs") and hasattr(batch, "targets"):
+            # Packed rows have no padding; attention stays causal over the whole row (documents see earlier
+            # documents of the row), the usual simplification of packed pretraining.
+            return cls(batch.inputs, torch.ones_like(batch.inputs), batch.targets, getattr(batch, "position_ids", None))
+        raise TypeError(
+            f"TinyGPT takes a TextBatch or a batch with inputs/targets (packed rows), got {type(batch).__name__}"
+        )
 
 
 class TinyGPT(pl.LightningModule):
@@ -119,12 +143,20 @@ class TinyGPT(pl.LightningModule):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, vocab_size]`` for token ids ``[B, T]`` with a 1/0 attention mask ``[B, T]``."""
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab_size]`` for token ids ``[B, T]`` with a 1/0 attention mask ``[B, T]``.
+
+        ``position_ids`` default to counting real tokens, so a left-padded sample gets the same positions as a
+        right-padded one; packed rows pass their own (restarting at each document).
+        """
         length = input_ids.shape[1]
         real = attention_mask.bool()
-        # Positions count real tokens, so a left-padded sample gets the same positions as a right-padded one.
-        positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        if position_ids is None:
+            positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        else:
+            positions = position_ids.clamp(max=self.hparams.max_positions - 1)
         hidden = self.token_embedding(input_ids) + self.position_embedding(positions)
         causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
         allowed = causal & real[:, None, :]
@@ -135,27 +167,30 @@ class TinyGPT(pl.LightningModule):
             hidden = block(hidden, allowed)
         return self.final_norm(hidden) @ self.token_embedding.weight.T
 
-    def _loss(self, batch: TextBatch) -> torch.Tensor:
-        logits = self(batch.input_ids, batch.attention_mask)
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, _Tokens]:
+        tokens = _Tokens.of(batch)
+        logits = self(tokens.input_ids, tokens.attention_mask, tokens.position_ids)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.labels.flatten(), ignore_index=IGNORE_INDEX)
+        return loss, tokens
 
-    def training_step(self, batch: TextBatch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, tokens = self._loss(batch)
         now = time.perf_counter()
+        real_tokens = int(tokens.attention_mask.sum())
         if self._fit_started_at is None:
             self._fit_started_at = now
         else:  # the first microbatch only starts the clock: its tokens have no elapsed time to divide by
-            self._tokens_since_start += batch.num_tokens
+            self._tokens_since_start += real_tokens
         elapsed = max(now - self._fit_started_at, 1e-9)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/padding_pct", 100.0 * batch.padding_fraction, prog_bar=True)
+        self.log("train/padding_pct", 100.0 * (1 - real_tokens / tokens.attention_mask.numel()), prog_bar=True)
         self.log("train/tokens_per_s", self._tokens_since_start / elapsed, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: TextBatch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, tokens = self._loss(batch)
         # Token-weighted mean over the whole validation set, so microbatch sizes do not bias it.
-        self.log("val/loss", loss, prog_bar=True, batch_size=int((batch.labels != IGNORE_INDEX).sum()))
+        self.log("val/loss", loss, prog_bar=True, batch_size=max(int((tokens.labels != IGNORE_INDEX).sum()), 1))
         return loss
 
     def on_fit_start(self) -> None:
@@ -166,7 +201,7 @@ class TinyGPT(pl.LightningModule):
                 f"the tokenizer has {vocab_size} tokens but TinyGPT(vocab_size={self.hparams.vocab_size}); "
                 f"set model.init_args.vocab_size >= {vocab_size}"
             )
-        longest = getattr(datamodule, "longest_padded_length", None)
+        longest = getattr(datamodule, "longest_padded_length", None) or getattr(datamodule, "seq_len", None)
         if longest is not None and longest > self.hparams.max_positions:
             raise ValueError(
                 f"batches can be {longest} tokens long but TinyGPT(max_positions={self.hparams.max_positions}); "

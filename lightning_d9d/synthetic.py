@@ -3,17 +3,14 @@
 Algorithm: sample ``i`` is generated on demand from a generator seeded with ``(seed, i)``: a length drawn from
 a log-normal distribution (heavy-tailed like real documents, clipped to ``[min_length, max_length]``), then a
 sequence that follows a simple rule — start at a random token and add a random stride from a small set, modulo
-the vocabulary — so a language model's loss visibly falls on it. Lengths are also exposed whole, as the
-``token_counts`` column (``column_names`` / ``with_format``, like a Hugging Face dataset) and per index through
-``sort_key``, so D9DDataModule can sort by either.
+the vocabulary — so a language model's loss visibly falls on it. Lengths are computed once for all samples
+(vectorised) and served per index by ``sort_key``, which D9DDataModule uses for length sorting.
 
 Trade-off: samples are recomputed on every access (a few microseconds each) instead of stored, so any size
 costs no memory beyond the lengths array (8 bytes per sample, computed once, vectorised).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import torch
@@ -68,14 +65,5 @@ class SyntheticTokenDataset(Dataset):
         return {"input_ids": torch.from_numpy(tokens.astype(np.int64))}
 
     def sort_key(self, index: int) -> int:
-        """The sample's length (per index; ``sort_key="token_counts"`` reads all lengths at once instead)."""
+        """The sample's length: D9DDataModule sorts by it when its ``sort_key`` is left at ``None``."""
         return int(self.lengths[index])
-
-    @property
-    def column_names(self) -> list[str]:
-        """Columns readable whole through :meth:`with_format` (mirrors ``datasets.Dataset``)."""
-        return ["token_counts"]
-
-    def with_format(self, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
-        """``{"token_counts": lengths}``, so ``with_format("numpy")["token_counts"]`` works as on datasets."""
-        return {"token_counts": self.lengths}
