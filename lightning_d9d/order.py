@@ -4,7 +4,8 @@ Algorithm:
 1. A seeded bijection on ``[0, N)`` (a Feistel network with cycle walking) maps an epoch position to a
    sample index. It is evaluated on demand for any slice of positions, so the order of a 10⁹-sample dataset
    costs no O(N) memory and no O(N) start-up, unlike ``torch.randperm``.
-2. Without length sorting, global batch ``s`` is positions ``[s·G, (s+1)·G)`` through the bijection.
+2. Without length sorting, global batch ``s`` is positions ``[s·G, (s+1)·G)`` through the bijection
+   (evaluated for a block of batches at a time, so the per-batch cost is a slice).
 3. With length sorting, the permuted sequence is cut into windows of ``K·G`` samples
    (``K = sort_buffer_size // G``); each window is sorted by sort key (ties broken at random), cut into K
    global batches of G neighbours, and the K batches are visited in a seeded random order.
@@ -27,10 +28,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 # Feistel rounds: 4 rounds of a strong mixing function make a well-shuffled permutation; more buys nothing.
 _FEISTEL_ROUNDS = 4
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Unsorted orders evaluate the bijection for this many positions at once: one numpy call per block.
+_UNSORTED_BLOCK_SAMPLES = 4096
 
 
 def _mix64(values: np.ndarray) -> np.ndarray:
@@ -107,12 +110,30 @@ def resolve_sort_keys(dataset: Any, sort_key: str | Callable[[int], Any] | None)
             )
         if sort_key not in column_names:
             raise ValueError(f"sort_key column {sort_key!r} is not in the dataset; its columns are {column_names}")
-        # One vectorised read of the whole column (Arrow -> numpy), never a Python loop over rows.
-        column = np.asarray(dataset.with_format("numpy")[sort_key])
-        return lambda indices: column[indices]
+        return _arrow_column_lookup(dataset, sort_key)
     if callable(sort_key):
         return _per_index_lookup(sort_key)
     raise ValueError(f"sort_key must be None, a column name or a callable(index); got {sort_key!r}")
+
+
+def _arrow_column_lookup(dataset: Any, name: str) -> KeyLookup:
+    """Vectorised reads of one column of a Hugging Face dataset, straight from its (memory-mapped) Arrow table.
+
+    Each window's keys are an Arrow ``take``: no Python loop over rows, and no O(N) copy of the column, so
+    a 10⁹-row dataset costs only the pages the windows touch. ``select``/``shuffle`` views are honoured through
+    the dataset's indices mapping.
+    """
+    column = dataset.data.column(name)
+    indices_mapping = getattr(dataset, "_indices", None)
+    rows_of = indices_mapping.column(0) if indices_mapping is not None else None
+
+    def lookup(indices: np.ndarray) -> np.ndarray:
+        rows = pa.array(np.asarray(indices, dtype=np.int64))
+        if rows_of is not None:
+            rows = rows_of.take(rows)
+        return column.take(rows).to_numpy(zero_copy_only=False)
+
+    return lookup
 
 
 def _per_index_lookup(function: Callable[[int], Any]) -> KeyLookup:
@@ -207,38 +228,45 @@ class GlobalBatchOrder:
         self.key_lookup = key_lookup
         self.steps_per_epoch = num_samples // global_batch_size
         self.batches_per_window = None if sort_buffer_size is None else sort_buffer_size // global_batch_size
-        self._cached_window: tuple[tuple[int, int], np.ndarray] | None = None
+        # Without sorting, positions are still evaluated a block at a time (~4096 samples) for speed.
+        self._batches_per_window = self.batches_per_window or max(1, _UNSORTED_BLOCK_SAMPLES // global_batch_size)
+        self._permutation: tuple[int, SeededPermutation] | None = None
+        self._cached_window: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
 
     def _positions_to_indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         if not self.shuffle:
             return positions.astype(np.int64)
-        return SeededPermutation(self.num_samples, (self.seed, epoch))(positions)
+        if self._permutation is None or self._permutation[0] != epoch:
+            # Deriving round keys costs ~100 µs (SeedSequence): once per epoch, not per batch.
+            self._permutation = (epoch, SeededPermutation(self.num_samples, (self.seed, epoch)))
+        return self._permutation[1](positions)
 
     def global_batch(self, epoch: int, step: int) -> np.ndarray:
         """The G sample indices of global batch ``step`` of ``epoch`` (in sorted order when sorting)."""
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} outside the epoch's {self.steps_per_epoch} steps")
-        size = self.global_batch_size
-        if self.batches_per_window is None:
-            return self._positions_to_indices(epoch, np.arange(step * size, (step + 1) * size))
-        window, within = divmod(step, self.batches_per_window)
-        sorted_window, batch_order = self._window(epoch, window)
+        window, within = divmod(step, self._batches_per_window)
+        window_indices, batch_order = self._window(epoch, window)
         slot = int(batch_order[within])
-        return sorted_window[slot * size : (slot + 1) * size]
+        return window_indices[slot * self.global_batch_size : (slot + 1) * self.global_batch_size]
 
     def _window(self, epoch: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """The window's sample indices (sorted by key when sorting) and the order its batches are visited in."""
         if self._cached_window is not None and self._cached_window[0] == (epoch, window):
             return self._cached_window[1]
-        assert self.batches_per_window is not None and self.key_lookup is not None
-        window_samples = self.batches_per_window * self.global_batch_size
+        window_samples = self._batches_per_window * self.global_batch_size
         start = window * window_samples
         # The last window is short: it ends where the epoch's whole global batches end.
         stop = min(start + window_samples, self.steps_per_epoch * self.global_batch_size)
         indices = self._positions_to_indices(epoch, np.arange(start, stop))
-        rng = np.random.default_rng((self.seed, epoch, window))
-        tie_break = rng.random(len(indices)) if self.shuffle else np.arange(len(indices))
-        sorted_window = indices[argsort_keys(self.key_lookup(indices), tie_break)]
         num_batches = len(indices) // self.global_batch_size
-        batch_order = rng.permutation(num_batches) if self.shuffle else np.arange(num_batches)
-        self._cached_window = ((epoch, window), (sorted_window, batch_order))
-        return sorted_window, batch_order
+        if self.batches_per_window is None or self.key_lookup is None:
+            # Unsorted: a block of consecutive positions, visited in position order.
+            batch_order = np.arange(num_batches)
+        else:
+            rng = np.random.default_rng((self.seed, epoch, window))
+            tie_break = rng.random(len(indices)) if self.shuffle else np.arange(len(indices))
+            indices = indices[argsort_keys(self.key_lookup(indices), tie_break)]
+            batch_order = rng.permutation(num_batches) if self.shuffle else np.arange(num_batches)
+        self._cached_window = ((epoch, window), (indices, batch_order))
+        return indices, batch_order

@@ -296,3 +296,18 @@ def test_simulated_ranks_partition_each_step() -> None:
         expected = sorted(i for mb in single[step * 16 : (step + 1) * 16] for i in mb)
         got = sorted(i for rank in per_rank for mb in rank[step * 4 : (step + 1) * 4] for i in mb)
         assert got == expected
+
+
+def test_column_sort_keys_follow_a_shuffled_or_selected_view() -> None:
+    lengths = LengthDataset(300).lengths
+    view = datasets.Dataset.from_dict({"id": list(range(300)), "n": lengths.tolist()}).shuffle(seed=1).select(range(200))
+    view_lengths = [int(lengths[row["id"]]) for row in view]
+
+    def collate(rows: list[dict]) -> dict:
+        return {"ids": torch.tensor([row["id"] for row in rows])}
+
+    by_column = make_dm(dataset=view, collate_fn=collate, sort_key="n")
+    by_callable = make_dm(dataset=view, collate_fn=collate, sort_key=lambda i: view_lengths[i])
+    for dm in (by_column, by_callable):
+        dm.setup("fit")
+    assert ids_of(by_column.train_dataloader()) == ids_of(by_callable.train_dataloader())
