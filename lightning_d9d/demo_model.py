@@ -112,22 +112,15 @@ class TinyGPT(pl.LightningModule):
         super().__init__()
         if width % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide width={width}")
-        # The CLI passes jsonargparse's PositiveInt (an int subclass); saved as such, checkpoints could not be
-        # loaded with torch.load(weights_only=True), which Lightning uses. Store plain numbers.
-        self.save_hyperparameters(
-            {
-                "vocab_size": int(vocab_size),
-                "max_positions": int(max_positions),
-                "width": int(width),
-                "num_layers": int(num_layers),
-                "num_heads": int(num_heads),
-                "dropout": float(dropout),
-                "learning_rate": float(learning_rate),
-                "weight_decay": float(weight_decay),
-                "warmup_steps": int(warmup_steps),
-                "min_learning_rate_ratio": float(min_learning_rate_ratio),
-            }
-        )
+        # Without arguments Lightning records what the CLI gave (with its class_path, so `validate --ckpt_path`
+        # can re-parse the checkpoint's hyperparameters). The CLI's values are jsonargparse's PositiveInt (an int
+        # subclass), which torch.load(weights_only=True) refuses to unpickle: store them as plain numbers.
+        self.save_hyperparameters()
+        for name, value in list(self.hparams.items()):
+            if isinstance(value, int) and not isinstance(value, bool) and type(value) is not int:
+                self.hparams[name] = int(value)
+            elif isinstance(value, float) and type(value) is not float:
+                self.hparams[name] = float(value)
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.position_embedding = nn.Embedding(max_positions, width)
         self.blocks = nn.ModuleList(_Block(width, num_heads, dropout) for _ in range(num_layers))

@@ -169,3 +169,16 @@ def test_demo_fit_writes_checkpoints_and_resumes_exactly(offline_env: dict[str, 
     assert final_whole["global_step"] == final_resumed["global_step"] == 6
     for name, tensor in final_whole["state_dict"].items():
         torch.testing.assert_close(final_resumed["state_dict"][name], tensor, msg=name)
+
+    # `validate` re-parses the checkpoint's hyperparameters (class_path included) and evaluates its weights.
+    previous = os.getcwd()
+    try:
+        os.chdir(whole)
+        run_cli(["validate", "--config", str(DEMO), "--ckpt_path", str(whole / "checkpoints" / "last.ckpt"),
+                 "--model.init_args.width=32", "--model.init_args.num_layers=1", "--model.init_args.num_heads=2",
+                 "--data.init_args.max_length=32", "--data.init_args.global_batch_size=8",
+                 "--data.init_args.microbatch_size=4", "--data.init_args.sort_buffer_size=64",
+                 "--data.init_args.num_workers=0", "--trainer.enable_progress_bar=false",
+                 "--trainer.limit_val_batches=4"])
+    finally:
+        os.chdir(previous)
