@@ -167,6 +167,9 @@ class TextDataModule(D9DDataModule):
             ``$HF_DATASETS_CACHE``). Tokenized splits of a ``save_to_disk`` folder are cached next to it.
         shuffle: ``False`` keeps dataset order.
         pin_memory: ``None`` pins exactly when training on CUDA.
+        yield_packs: each batch is the list of one optimizer step's microbatches (for manual optimization).
+        on_order_mismatch: resuming from a checkpoint of another order (seed, data, G, buffer): ``"raise"``, or
+            ``"restart_epoch"`` to start that epoch over with the new order.
 
     Raises:
         ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
@@ -195,6 +198,8 @@ class TextDataModule(D9DDataModule):
         cache_dir: str | None = None,
         shuffle: bool = True,
         pin_memory: bool | None = None,
+        yield_packs: bool = False,
+        on_order_mismatch: Literal["raise", "restart_epoch"] = "raise",
     ):
         self.max_length = _require_positive("max_length", max_length)
         if num_proc is not None:
@@ -220,6 +225,8 @@ class TextDataModule(D9DDataModule):
             shuffle=shuffle,
             num_workers=_plain_int(num_workers),
             pin_memory=pin_memory,
+            yield_packs=yield_packs,
+            on_order_mismatch=on_order_mismatch,
         )
 
     @property
