@@ -20,7 +20,8 @@ ref bestfit``, and on short documents ``bestfit >= 0.8 x concat``. Each loader's
 and closes at tokenizer-batch boundaries (``timed``), so it holds whole tokenizer batches: on long documents a
 single batch of 128 files is ~0.5 M tokens, and a fixed-length window would count tokens tokenized before it.
 The machine's other load moves all figures; configurations are interleaved run by run so that it hits them
-alike. It also times the first batch after a resume
+alike, and tokens per CPU-second (all threads of this process) are printed too: they are hardly moved by other
+processes, and show each loader's own cost per token. It also times the first batch after a resume
 from a state taken at the end of the bestfit run (its buffer then holds the corpus's longest documents).
 """
 
@@ -166,7 +167,7 @@ def timed(iterator, seconds: float, marker) -> dict:
     previous = marker()
     while marker() == previous:  # open at a boundary
         next(iterator)
-    start, opened, batches = time.perf_counter(), marker(), 0
+    start, cpu, opened, batches = time.perf_counter(), time.process_time(), marker(), 0
     previous = opened
     while True:
         next(iterator)
@@ -175,21 +176,21 @@ def timed(iterator, seconds: float, marker) -> dict:
         if current != previous and now - start >= seconds or now - start >= 8 * seconds:
             break
         previous = current
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if hasattr(iterator, "close"):
         iterator.close()
-    return {"elapsed": elapsed, "batches": batches, "opened": opened}
+    return {"elapsed": elapsed, "cpu": cpu, "batches": batches, "opened": opened}
 
 
 def measure_bare(tok: Tokenizer, docs: list[str], batch_size: int, seconds: float) -> dict:
     tok.encode_batch_fast(docs[:batch_size])  # its first batch, like the loaders' (the window starts after it)
-    tokens, start, i = 0, time.perf_counter(), batch_size
+    tokens, start, cpu, i = 0, time.perf_counter(), time.process_time(), batch_size
     while time.perf_counter() - start < seconds:
         batch = docs[i:i + batch_size] or docs[:batch_size]
         i = i + batch_size if i + batch_size < len(docs) else 0
         tokens += sum(len(e) for e in tok.encode_batch_fast(batch)) + len(batch)  # + BOS, as the loaders count
     rate = tokens / (time.perf_counter() - start)
-    return {"tps": rate, "work": rate}
+    return {"tps": rate, "work": rate, "work_cpu": tokens / (time.process_time() - cpu)}
 
 
 def measure_ours(spec: StreamSpec, seconds: float) -> dict:
@@ -212,7 +213,8 @@ def measure_ours(spec: StreamSpec, seconds: float) -> dict:
     s0, s1 = marks[run["opened"]], last["state"]
     emitted = s1["emitted"] - s0["emitted"]
     tokenized = s1["tokens"] - s0["tokens"]
-    return {"tps": emitted / run["elapsed"], "work": tokenized / run["elapsed"], "state": s1}
+    return {"tps": emitted / run["elapsed"], "work": tokenized / run["elapsed"], "work_cpu": tokenized / run["cpu"],
+            "state": s1}
 
 
 def measure_ref(loader, files, tok, bos, B, T, batch_size, seconds) -> dict:
@@ -227,7 +229,7 @@ def measure_ref(loader, files, tok, bos, B, T, batch_size, seconds) -> dict:
     s0 = marks[run["opened"]]
     tokenized = stats["tokenized"] - s0["tokenized"]
     emitted = stats["emitted"] - s0["emitted"]
-    return {"tps": emitted / run["elapsed"], "work": tokenized / run["elapsed"]}
+    return {"tps": emitted / run["elapsed"], "work": tokenized / run["elapsed"], "work_cpu": tokenized / run["cpu"]}
 
 
 def long_run_yield(tok: Tokenizer, docs: list[str], capacity: int, buffer_size: int = 1000) -> float:
@@ -325,13 +327,15 @@ def report(name: str, r: dict) -> None:
     bare, concat, bestfit, y = r["bare"]["tps"], r["concat"], r["bestfit"], r["yield"]
     print(f"\n== {name} documents ==   best-fit long-run yield {y:.2f}: cropping drops {1 - y:.0%} of the "
           "tokenizer's work (the reference's best-fit drops the same remainders)")
-    print("                       rows tokens/s   tokenized/s")
+    print("                       rows tokens/s   tokenized/s   tokenized/CPU-s")
     for key, label in (("concat", "ours concat"), ("bestfit", "ours bestfit"), ("ref_concat", "ref concat"),
                        ("ref_bestfit", "ref bestfit")):
         if key in r:
-            print(f"  {label:<18} {r[key]['tps'] / 1e3:10.0f}K {r[key]['work'] / 1e3:12.0f}K")
-    print(f"  {'bare tokenizer':<18} {'':>11} {bare / 1e3:12.0f}K")
-    print(f"  concat / bare                          {concat['tps'] / bare:.2f}  (target >= 0.90)")
+            print(f"  {label:<18} {r[key]['tps'] / 1e3:10.0f}K {r[key]['work'] / 1e3:12.0f}K "
+                  f"{r[key]['work_cpu'] / 1e3:14.0f}K")
+    print(f"  {'bare tokenizer':<18} {'':>11} {bare / 1e3:12.0f}K {r['bare']['work_cpu'] / 1e3:14.0f}K")
+    print(f"  concat / bare                          {concat['tps'] / bare:.2f}  (target >= 0.90; per CPU-s: "
+          f"{concat['work_cpu'] / r['bare']['work_cpu']:.2f})")
     print(f"  bestfit / (yield x concat), steady     {bestfit['work'] / concat['work']:.2f}  (target >= 0.85; "
           "= bestfit's tokenizing rate / concat's)")
     if name == "short":
