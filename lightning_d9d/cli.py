@@ -9,8 +9,8 @@ per step, padding and the first microbatch's shapes.
 How ``inspect`` measures: it runs ``prepare_data``/``setup`` as a world-size-1 DataModule (the order does not
 depend on world size, and microbatches are the same contiguous slices of each global batch at any world size),
 reads the first ``--steps`` global batches, and counts real tokens from the batch's ``attention_mask`` (a field
-or a key; a batch of packed rows without one counts every position); microbatches per step are computed for the world size the trainer config asks for
-(``num_nodes × devices``). Trade-off: the padding share is measured on those first steps, not on the whole
+or a key; a batch of packed rows without one counts every position); microbatches per step are computed for the
+world size the trainer config asks for (``num_nodes × devices``). Trade-off: the padding share is measured on those first steps, not on the whole
 epoch, so inspecting a huge dataset stays fast; raise ``--steps`` for a tighter figure.
 """
 
@@ -43,8 +43,12 @@ class D9DCLI(LightningCLI):
         # A resumed run writes its config into a new log version, but a user who pins the log dir would hit
         # LightningCLI's "config.yaml already exists" refusal; overwriting keeps resume a one-flag change.
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        super().__init__(model_class=kwargs.pop("model_class", None), datamodule_class=kwargs.pop("datamodule_class", None),
-                         args=args, **kwargs)
+        super().__init__(
+            model_class=kwargs.pop("model_class", None),
+            datamodule_class=kwargs.pop("datamodule_class", None),
+            args=args,
+            **kwargs,
+        )
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)

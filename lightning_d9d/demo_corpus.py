@@ -143,7 +143,9 @@ def _train_tokenizer(texts: list[str], path: Path) -> None:
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     # The end-of-document token is added by the tokenizer itself (add_special_tokens=True), so any consumer
     # of tokenizer.json - TextDataModule included - gets it, and truncation keeps it.
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"$A {EOS_TOKEN}", special_tokens=[(EOS_TOKEN, eos_id)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {EOS_TOKEN}", special_tokens=[(EOS_TOKEN, eos_id)]
+    )
     tokenizer.save(str(path))
 
 

@@ -41,7 +41,9 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.attention_out = nn.Linear(width, width)
         self.mlp_norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
 
     def forward(self, hidden: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         batch, length, width = hidden.shape

@@ -47,7 +47,9 @@ class SyntheticTokenDataset(Dataset):
             if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 2 <= min_length <= max_length:
-            raise ValueError(f"need 2 <= min_length <= max_length, got min_length={min_length}, max_length={max_length}")
+            raise ValueError(
+                f"need 2 <= min_length <= max_length, got min_length={min_length}, max_length={max_length}"
+            )
         self.num_samples, self.vocab_size, self.seed = num_samples, vocab_size, seed
         lengths = np.random.default_rng([seed, 0x1E17]).lognormal(np.log(median_length), 0.8, size=num_samples)
         self.lengths = np.clip(np.rint(lengths), min_length, max_length).astype(np.int64)

@@ -25,7 +25,9 @@ RECORD_ENV = "LIGHTNING_D9D_TEST_RECORD"
 class BatchRecorder(pl.Callback):
     """Appends (optimizer step, epoch, batch_idx, checksum of input_ids) of every training microbatch to a file."""
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         digest = hashlib.sha256(batch.input_ids.numpy().tobytes()).hexdigest()[:16]
         record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx, "sha": digest}
         with open(os.environ[RECORD_ENV], "a") as file:
