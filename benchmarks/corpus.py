@@ -120,6 +120,22 @@ def load_corpus() -> Corpus:
     return corpus
 
 
+def load_demo_corpus() -> Corpus:
+    """The package's demo corpus (Python help topics + stdlib docstrings) in its own BPE tokens.
+
+    A second, natural-language-like real corpus beside the code corpus: lighter tail, what the demo trains on.
+    """
+    from tokenizers import Tokenizer
+
+    from lightning_d9d.demo_corpus import build_demo_corpus, demo_texts
+
+    tokenizer = Tokenizer.from_file(build_demo_corpus().tokenizer_path)
+    train, _ = demo_texts()
+    documents = [np.asarray(encoding.ids, dtype=np.int32) + 1 for encoding in tokenizer.encode_batch_fast(train)]
+    offsets = np.concatenate([[0], np.cumsum([len(document) for document in documents])])
+    return Corpus(np.concatenate(documents), offsets.astype(np.int64))
+
+
 class TokenDataset(Dataset):
     """Map-style dataset of the corpus: ``dataset[i]`` is document ``i``'s token ids as an int64 tensor.
 

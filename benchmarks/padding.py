@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from corpus import TokenDataset, describe_lengths, load_corpus, pad_collate
+from corpus import TokenDataset, describe_lengths, load_corpus, load_demo_corpus, pad_collate
 from lightning_d9d import D9DDataModule
 
 MICROBATCH = 8
@@ -141,15 +141,17 @@ def main() -> int:
     multiples = (1, 4, 16, 64) if args.quick else BUFFER_MULTIPLES
 
     began = time.perf_counter()
-    corpus = load_corpus()
-    print(corpus.describe())
     print(f"microbatch m={MICROBATCH}, global batch G={GLOBAL_BATCH}, {epochs} epoch(s) per cell; padding fraction.")
     print("bound = each window sorted and cut contiguously, simulated: the least any window sort can pad.")
-    for max_tokens in (None,) if args.quick else (None, *TRUNCATIONS):
-        dataset = TokenDataset(corpus, max_tokens)
-        label = "whole documents" if max_tokens is None else f"truncated to {max_tokens} tokens (a context length)"
-        print(f"\n[{label}] {describe_lengths(dataset.lengths)}")
-        table(dataset, multiples, epochs)
+    corpora = [("stdlib code, cut at every def, whitespace tokens", load_corpus())]
+    if not args.quick:
+        corpora.append(("demo corpus: Python help topics + stdlib docstrings, BPE tokens", load_demo_corpus()))
+    for name, corpus in corpora:
+        for max_tokens in (None,) if args.quick else (None, *TRUNCATIONS):
+            dataset = TokenDataset(corpus, max_tokens)
+            label = "whole documents" if max_tokens is None else f"truncated to {max_tokens} tokens (a context length)"
+            print(f"\n[{name}; {label}] {describe_lengths(dataset.lengths)}")
+            table(dataset, multiples, epochs)
     print(f"\nelapsed {time.perf_counter() - began:.1f} s")
     return 0
 
