@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -122,6 +123,15 @@ class SteppedDataModule(pl.LightningDataModule):
         if trainer is not None:
             return trainer.strategy.root_device.type == "cuda"
         return torch.cuda.is_available()
+
+    def restores_training_position(self) -> bool:
+        """Whether a checkpoint's data state matters now: not under ``Trainer.validate/test/predict``.
+
+        Those load the DataModule state too, but never use the training position, so a checkpoint from
+        another data order must not stop them.
+        """
+        trainer = self._trainer
+        return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
     def align_lightning_progress(self, trainer: pl.Trainer) -> None:
         """Set Lightning's restored in-epoch batch counters to the restored data position.
@@ -317,6 +327,8 @@ class D9DDataModule(SteppedDataModule):
             ValueError: a state from a different order (seed, dataset, G, buffer), unless
                 ``on_order_mismatch="restart_epoch"``; a malformed state.
         """
+        if not self.restores_training_position():
+            return
         epoch, step, saved_fingerprint = check_state(state_dict)
         fingerprint = self._require_fingerprint()
         differences = fingerprint.mismatches(saved_fingerprint)

@@ -213,3 +213,23 @@ def test_elastic_resume_with_another_microbatch_size(reference: dict, tmp_path: 
     assert {len(r["ids"]) for r in resumed} == {4}
     combined = before_step(reference["records"], 5) + resumed
     assert samples_per_step(combined) == samples_per_step(reference["records"])
+
+
+def test_validate_from_a_checkpoint_of_another_order_is_not_refused(reference: dict, tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from harness import LengthDataset, RecordingModule, pad_collate
+
+    from lightning_d9d import D9DDataModule
+
+    checkpoint = str(reference["ckpt"] / "epoch=0-step=5.ckpt")
+    other_seed = D9DDataModule(
+        LengthDataset(SIZE), pad_collate, global_batch_size=GLOBAL_BATCH, microbatch_size=MICROBATCH,
+        sort_buffer_size=64, seed=99, val_dataset=LengthDataset(37, seed=1),
+    )
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    trainer.validate(RecordingModule(str(tmp_path)), datamodule=other_seed, ckpt_path=checkpoint)
+    assert sorted(i for r in read_records(tmp_path, "val") for i in r["ids"]) == list(range(37))
+    with pytest.raises(ValueError, match="seed: checkpoint 0 vs now 99"):
+        pl.Trainer(accelerator="cpu", logger=False, max_epochs=2).fit(
+            RecordingModule(str(tmp_path)), datamodule=other_seed, ckpt_path=checkpoint
+        )
