@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 import numpy as np
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch.utils.data import Dataset
 
 from lightning_d9d.loader import TrainLoader, ValidationLoader
@@ -183,14 +184,14 @@ class D9DDataModule(SteppedDataModule):
         self,
         train_dataset: DatasetOrFactory,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        global_batch_size: int = 256,
-        microbatch_size: int = 4,
-        sort_buffer_size: int | None = None,
+        global_batch_size: PositiveInt = 256,
+        microbatch_size: PositiveInt = 4,
+        sort_buffer_size: PositiveInt | None = None,
         sort_key: str | Callable[[int], Any] | None = None,
         val_dataset: DatasetOrFactory | None = None,
         seed: int = 0,
         shuffle: bool = True,
-        num_workers: int = 0,
+        num_workers: NonNegativeInt = 0,
         pin_memory: bool | None = None,
         yield_packs: bool = False,
         on_order_mismatch: Literal["raise", "restart_epoch"] = "raise",
@@ -203,14 +204,16 @@ class D9DDataModule(SteppedDataModule):
                 f"global_batch_size={global_batch_size} is not divisible by microbatch_size={microbatch_size}"
             )
         if sort_buffer_size is not None:
-            _positive_int("sort_buffer_size", sort_buffer_size)
+            sort_buffer_size = _positive_int("sort_buffer_size", sort_buffer_size)
             if sort_buffer_size < global_batch_size:
                 raise ValueError(
                     f"sort_buffer_size={sort_buffer_size} is smaller than global_batch_size={global_batch_size}; "
                     "use None (no sorting) or a multiple of global_batch_size (16x or more pads least)"
                 )
-        if not isinstance(num_workers, int) or num_workers < 0:
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        # Plain ints (not jsonargparse's PositiveInt subclasses), so checkpoints load with weights_only=True.
+        num_workers, seed = int(num_workers), int(seed)
         if on_order_mismatch not in ("raise", "restart_epoch"):
             raise ValueError(f"on_order_mismatch must be 'raise' or 'restart_epoch', got {on_order_mismatch!r}")
         self._train_source, self._val_source = train_dataset, val_dataset

@@ -184,3 +184,19 @@ def test_demo_fit_writes_checkpoints_and_resumes_exactly(offline_env: dict[str, 
                  "--trainer.limit_val_batches=4"])
     finally:
         os.chdir(previous)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("--data.init_args.global_batch_size=0", "global_batch_size"),
+        ("--data.init_args.microbatch_size=-2", "microbatch_size"),
+        ("--data.init_args.num_workers=-1", "num_workers"),
+        ("--data.init_args.on_order_mismatch=ignore", "on_order_mismatch"),
+    ],
+)
+def test_d9d_config_rejects_bad_values_at_parse_time(override: str, field: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(["fit", "--config", str(REPO / "configs" / "d9d.yaml"), override, "--print_config"])
+    assert exit_info.value.code not in (0, None)
+    assert field in capsys.readouterr().err
