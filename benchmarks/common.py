@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 
 class IndexDataset:
@@ -15,27 +16,22 @@ class IndexDataset:
     Args:
         size: the dataset length (e.g. 10⁹).
         column: an optional numpy-backed sort-key column (e.g. a ``np.memmap``), exposed the way a Hugging
-            Face dataset exposes one (``column_names`` and ``with_format("numpy")[name]``), so that
-            ``D9DDataModule(sort_key="length")`` reads keys vectorised instead of calling Python per index.
+            Face dataset exposes one (``column_names`` and an Arrow table ``data`` wrapping the array without a
+            copy), so that ``D9DDataModule(sort_key="length")`` gathers a window's keys with Arrow ``take``
+            instead of calling Python per index.
     """
 
     def __init__(self, size: int, column: np.ndarray | None = None):
         self.size = size
-        self._column = column
         self.column_names = ["length"] if column is not None else None
+        # pa.array over a numeric numpy array shares its buffer: a memmap stays on disk until pages are read.
+        self.data = pa.table({"length": pa.array(column)}) if column is not None else None
 
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, index: int | str) -> int | np.ndarray:
-        if isinstance(index, str):  # column access, as on datasets.Dataset.with_format("numpy")
-            assert self._column is not None and index == "length"
-            return self._column
+    def __getitem__(self, index: int) -> int:
         return index
-
-    def with_format(self, kind: str) -> IndexDataset:
-        assert kind == "numpy"
-        return self
 
 
 def process_kib(field: str) -> int:
