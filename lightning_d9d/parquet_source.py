@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import posixpath
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -139,6 +139,8 @@ class RowGroupIndex:
     group_in_file: np.ndarray
     num_rows: np.ndarray
     _open: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _pid: int = field(default_factory=os.getpid, repr=False, compare=False)
 
     @classmethod
     def scan(cls, files: list[str], text_column: str) -> RowGroupIndex:
@@ -172,10 +174,16 @@ class RowGroupIndex:
         return int(self.num_rows.sum())
 
     def __getstate__(self) -> dict:
-        # Open file handles do not travel to worker processes; each process reopens lazily.
+        # Open file handles and locks do not travel to worker processes; each process makes its own.
         state = dict(self.__dict__)
-        state["_open"] = OrderedDict()
+        state["_open"], state["_lock"], state["_pid"] = OrderedDict(), None, -1
         return state
+
+    def _local(self) -> threading.Lock:
+        """This process's lock (a forked or unpickled copy gets fresh handles and a fresh lock)."""
+        if self._pid != os.getpid():
+            self._open, self._lock, self._pid = OrderedDict(), threading.Lock(), os.getpid()
+        return self._lock
 
     def read_texts(self, group: int) -> list[str | None]:
         """Read the text column of one global row group as Python strings (``None`` for nulls).
@@ -185,14 +193,18 @@ class RowGroupIndex:
         """
         file_index = int(self.file_of[group])
         path = self.files[file_index]
-        pf = self._open.pop(file_index, None) or open_parquet(path)
-        self._open[file_index] = pf
-        while len(self._open) > 8:  # a few handles: files are read a row group at a time, in shuffled order
-            self._open.popitem(last=False)
-        try:
-            table = pf.read_row_group(int(self.group_in_file[group]), columns=[self.text_column])
-        except (pa.ArrowException, OSError) as err:
-            raise ValueError(f"cannot read row group {int(self.group_in_file[group])} of parquet file {path!r}: {err}") from err
+        # One reader at a time per process: streams of one process may share this index (a resumed stream's
+        # reader can overlap its predecessor's last read), and a ParquetFile is not meant for concurrent use.
+        with self._local():
+            pf = self._open.pop(file_index, None) or open_parquet(path)
+            self._open[file_index] = pf
+            while len(self._open) > 8:  # a few handles: files are read a row group at a time, in shuffled order
+                self._open.popitem(last=False)
+            try:
+                table = pf.read_row_group(int(self.group_in_file[group]), columns=[self.text_column])
+            except (pa.ArrowException, OSError) as err:
+                raise ValueError(f"cannot read row group {int(self.group_in_file[group])} of parquet file "
+                                 f"{path!r}: {err}") from err
         return table.column(0).to_pylist()
 
 
