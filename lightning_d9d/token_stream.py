@@ -237,7 +237,12 @@ class TokenStream:
         thread.start()
         try:
             while True:
-                item = out.get()
+                try:
+                    item = out.get(timeout=1.0)
+                except queue.Empty:
+                    if not thread.is_alive() and out.empty():  # never wait on a reader that is gone
+                        raise RuntimeError(f"token stream {self.stream}: its reader thread ended unexpectedly")
+                    continue
                 if isinstance(item, BaseException):
                     raise item
                 yield item.result()
