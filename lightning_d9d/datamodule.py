@@ -29,7 +29,13 @@ from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch.utils.data import Dataset
 
 from lightning_d9d.loader import TrainLoader, ValidationLoader
-from lightning_d9d.order import GlobalBatchOrder, argsort_keys, keys_digest, resolve_sort_keys
+from lightning_d9d.order import (
+    GlobalBatchOrder,
+    argsort_keys,
+    check_sort_buffer_size,
+    keys_digest,
+    resolve_sort_keys,
+)
 from lightning_d9d.shard import microbatches_per_step, validation_microbatches
 from lightning_d9d.state import OrderFingerprint, TrainPosition, check_state
 from lightning_d9d.transfer import move_batch_to_device
@@ -161,9 +167,9 @@ class D9DDataModule(SteppedDataModule):
         global_batch_size: samples per optimizer step, summed over all ranks and accumulation (G).
         microbatch_size: samples per forward/backward on one rank (m).
         sort_buffer_size: ``None`` for no length sorting; else samples are sorted by key within windows of this
-            many samples (rounded down to a multiple of G). 16×G keeps padding around 2 %.
+            many samples (rounded down to a multiple of G). Larger pads less (README: padding vs buffer).
         sort_key: ``None`` (use ``dataset.sort_key(index)`` if it exists), a callable ``(index) -> key``, or
-            the name of a column of a Hugging Face dataset (read once, vectorised).
+            the name of a column of a Hugging Face dataset (each window's keys read with one Arrow ``take``).
         val_dataset: optional validation dataset (or factory); every sample is evaluated exactly once per run.
         seed: the order's seed. The order of epoch e is a pure function of seed, e, the data and G/buffer.
         shuffle: ``False`` keeps dataset order (epochs then repeat).
@@ -205,11 +211,7 @@ class D9DDataModule(SteppedDataModule):
             )
         if sort_buffer_size is not None:
             sort_buffer_size = _positive_int("sort_buffer_size", sort_buffer_size)
-            if sort_buffer_size < global_batch_size:
-                raise ValueError(
-                    f"sort_buffer_size={sort_buffer_size} is smaller than global_batch_size={global_batch_size}; "
-                    "use None (no sorting) or a multiple of global_batch_size (16x or more pads least)"
-                )
+            check_sort_buffer_size(sort_buffer_size, self.global_batch_size)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         # Plain ints (not jsonargparse's PositiveInt subclasses), so checkpoints load with weights_only=True.

@@ -178,6 +178,15 @@ def keys_digest(lookup: KeyLookup | None, num_samples: int, samples: int = 64) -
     return hashlib.sha256(repr(lookup(indices).tolist()).encode()).hexdigest()[:16]
 
 
+def check_sort_buffer_size(sort_buffer_size: int, global_batch_size: int) -> None:
+    """Raises ValueError when the sort window cannot hold one global batch."""
+    if sort_buffer_size < global_batch_size:
+        raise ValueError(
+            f"sort_buffer_size={sort_buffer_size} is smaller than global_batch_size={global_batch_size}; "
+            "use None (no sorting) or a multiple of global_batch_size (16x or more pads least)"
+        )
+
+
 class GlobalBatchOrder:
     """The epoch's global batches: ``order.global_batch(epoch, step)`` is an int64 array of G sample indices.
 
@@ -211,11 +220,7 @@ class GlobalBatchOrder:
                 f"(global_batch_size={global_batch_size}); use a smaller global_batch_size or more data"
             )
         if sort_buffer_size is not None:
-            if sort_buffer_size < global_batch_size:
-                raise ValueError(
-                    f"sort_buffer_size={sort_buffer_size} is smaller than global_batch_size={global_batch_size}; "
-                    "use None (no sorting) or a multiple of global_batch_size (16x or more pads least)"
-                )
+            check_sort_buffer_size(sort_buffer_size, global_batch_size)
             if key_lookup is None:
                 raise ValueError(
                     f"sort_buffer_size={sort_buffer_size} asks for length sorting, but no sort key was found: pass "
