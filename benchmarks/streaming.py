@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import os
 import sys
 import sysconfig
@@ -45,7 +46,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_d9d.parquet_source import RowGroupIndex, resolve_files  # noqa: E402
+from lightning_d9d.parquet_source import RowGroupIndex, pass_order, resolve_files  # noqa: E402
 from lightning_d9d.token_packing import BestFitPacker  # noqa: E402
 from lightning_d9d.token_stream import StreamSpec, TokenStream  # noqa: E402
 
@@ -88,20 +89,19 @@ def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
 
 
 # ------------------------------------------------------------------------------------------------ reference ports
-def ref_document_batches(files: list[str], batch_size: int):
-    """nanochat's document_batches for rank 0 of 1: files in order, row groups in order, forever."""
-    while True:
-        for path in files:
-            pf = pq.ParquetFile(path)
-            for rg in range(pf.num_row_groups):
-                docs = pf.read_row_group(rg).column("text").to_pylist()
-                for i in range(0, len(docs), batch_size):
-                    yield docs[i:i + batch_size]
+def ref_document_batches(index: RowGroupIndex, batch_size: int):
+    """nanochat's document_batches for rank 0 of 1, forever; row groups in the same per-pass order as our
+    stream's (the reference reads files in order), so that every loader tokenizes the same documents."""
+    for pass_index in itertools.count():
+        for group in pass_order(len(index), 0, pass_index).tolist():
+            docs = index.read_texts(group)
+            for i in range(0, len(docs), batch_size):
+                yield docs[i:i + batch_size]
 
 
-def ref_concat(files: list[str], tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict):
+def ref_concat(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict):
     """nanochat's original loader: a deque of tokens, B*T+1 popped per batch."""
-    batches = ref_document_batches(files, batch_size)
+    batches = ref_document_batches(index, batch_size)
     needed = B * T + 1
     token_buffer: deque = deque()
     while True:
@@ -116,10 +116,10 @@ def ref_concat(files: list[str], tok: Tokenizer, bos: int, B: int, T: int, batch
         yield scratch[:-1].view(B, T), scratch[1:].view(B, T)
 
 
-def ref_bestfit(files: list[str], tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict,
+def ref_bestfit(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict,
                 buffer_size: int = 1000):
     """nanochat's best-fit loader: Python scan of the buffer per pick, cropped remainder dropped."""
-    batches = ref_document_batches(files, batch_size)
+    batches = ref_document_batches(index, batch_size)
     row_capacity = T + 1
     doc_buffer: list[list[int]] = []
 
@@ -217,7 +217,7 @@ def measure_ours(spec: StreamSpec, seconds: float) -> dict:
             "state": s1}
 
 
-def measure_ref(loader, files, tok, bos, B, T, batch_size, seconds) -> dict:
+def measure_ref(loader, index, tok, bos, B, T, batch_size, seconds) -> dict:
     stats = {"tokenized": 0, "emitted": 0, "cropped": 0}
     marks = {}
 
@@ -225,7 +225,7 @@ def measure_ref(loader, files, tok, bos, B, T, batch_size, seconds) -> dict:
         marks.setdefault(stats["tokenized"], dict(stats))
         return stats["tokenized"]
 
-    run = timed(loader(files, tok, bos, B, T, batch_size, stats), seconds, marker)
+    run = timed(loader(index, tok, bos, B, T, batch_size, stats), seconds, marker)
     s0 = marks[run["opened"]]
     tokenized = stats["tokenized"] - s0["tokenized"]
     emitted = stats["emitted"] - s0["emitted"]
@@ -294,6 +294,8 @@ def main() -> None:
         for name, docs, rg in (("long", texts, 128), ("short", short, 1024)):
             files = write_corpus(Path(tmp) / name, docs, rg)
             index = RowGroupIndex.scan(files, "text")
+            # The bare tokenizer gets the documents in the order our stream reads them (pass 0, seed 0).
+            in_order = [t for g in pass_order(len(index), 0, 0).tolist() for t in index.read_texts(g) if t]
 
             def spec(packing: str) -> StreamSpec:
                 return StreamSpec(index=index, tokenizer_json=tok.to_str(), bos_id=bos, seq_len=T, microbatch_size=B,
@@ -304,12 +306,12 @@ def main() -> None:
             # Interleave configurations run by run, so machine noise hits them alike.
             runs: dict[str, list] = {k: [] for k in ("bare", "concat", "bestfit", "ref_concat", "ref_bestfit")}
             for _ in range(args.runs):
-                runs["bare"].append(measure_bare(tok, docs, tb, args.seconds))
+                runs["bare"].append(measure_bare(tok, in_order, tb, args.seconds))
                 runs["concat"].append(measure_ours(spec("concat"), args.seconds))
                 runs["bestfit"].append(measure_ours(spec("bestfit"), args.seconds))
                 if not args.skip_ref:
-                    runs["ref_concat"].append(measure_ref(ref_concat, files, tok, bos, B, T, tb, args.seconds))
-                    runs["ref_bestfit"].append(measure_ref(ref_bestfit, files, tok, bos, B, T, tb, args.seconds))
+                    runs["ref_concat"].append(measure_ref(ref_concat, index, tok, bos, B, T, tb, args.seconds))
+                    runs["ref_bestfit"].append(measure_ref(ref_bestfit, index, tok, bos, B, T, tb, args.seconds))
             for key, values in runs.items():
                 if values:
                     r[key] = max(values, key=lambda v: v["tps"])

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_d9d.parquet_source import stream_id
