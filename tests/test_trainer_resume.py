@@ -200,7 +200,10 @@ def test_accumulate_grad_batches_that_disagrees_is_rejected(tmp_path: Path) -> N
     from lightning_d9d import D9DDataModule
 
     dm = D9DDataModule(LengthDataset(64), pad_collate, global_batch_size=16, microbatch_size=2)
-    trainer = pl.Trainer(accelerator="cpu", accumulate_grad_batches=3, max_steps=1, logger=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", accumulate_grad_batches=3, max_steps=1, logger=False, enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=3\) disagrees with the 8 microbatches per step"):
         trainer.fit(RecordingModule(str(tmp_path)), datamodule=dm)
 
@@ -226,10 +229,10 @@ def test_validate_from_a_checkpoint_of_another_order_is_not_refused(reference: d
         LengthDataset(SIZE), pad_collate, global_batch_size=GLOBAL_BATCH, microbatch_size=MICROBATCH,
         sort_buffer_size=64, seed=99, val_dataset=LengthDataset(37, seed=1),
     )
-    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
     trainer.validate(RecordingModule(str(tmp_path)), datamodule=other_seed, ckpt_path=checkpoint)
     assert sorted(i for r in read_records(tmp_path, "val") for i in r["ids"]) == list(range(37))
     with pytest.raises(ValueError, match="seed: checkpoint 0 vs now 99"):
-        pl.Trainer(accelerator="cpu", logger=False, max_epochs=2).fit(
+        pl.Trainer(accelerator="cpu", logger=False, max_epochs=2, default_root_dir=str(tmp_path)).fit(
             RecordingModule(str(tmp_path)), datamodule=other_seed, ckpt_path=checkpoint
         )
