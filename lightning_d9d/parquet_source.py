@@ -42,7 +42,9 @@ def _filesystem_for(spec: str) -> tuple[pafs.FileSystem, str]:
         try:
             import fsspec
         except ImportError as err:
-            raise ValueError(f"cannot open {spec!r}: pyarrow does not know its scheme and fsspec is not installed") from err
+            raise ValueError(
+                f"cannot open {spec!r}: pyarrow does not know its scheme and fsspec is not installed"
+            ) from err
         fs, path = fsspec.core.url_to_fs(spec)
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
@@ -102,7 +104,8 @@ def resolve_files(spec: str | os.PathLike | Sequence[str | os.PathLike], what: s
         if not matched:
             raise ValueError(
                 f"{what}={os.fspath(item)!r} matches no file: give an existing directory (its *.parquet files "
-                "are used), a glob such as 'data/*.parquet', a parquet file, or a URL such as 's3://bucket/data/*.parquet'"
+                "are used), a glob such as 'data/*.parquet', a parquet file, or a URL such as "
+                "'s3://bucket/data/*.parquet'"
             )
         files.extend(m for m in matched if m not in files)
     return files
@@ -155,7 +158,9 @@ class RowGroupIndex:
             pf = open_parquet(path)
             names = pf.schema_arrow.names
             if text_column not in names:
-                raise ValueError(f"parquet file {path!r} has no column text_column={text_column!r}; its columns are {names}")
+                raise ValueError(
+                    f"parquet file {path!r} has no column text_column={text_column!r}; its columns are {names}"
+                )
             for g in range(pf.metadata.num_row_groups):
                 file_of.append(file_index)
                 group_in_file.append(g)

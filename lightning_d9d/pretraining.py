@@ -200,8 +200,9 @@ class PretrainingDataModule(SteppedDataModule):
         spec = self._require(self.train_spec)
         if self._loader is not None:
             self._loader.close()
-        self._loader = TokenTrainLoader(spec, self.rank, self.num_workers, self.steps_per_epoch * self.microbatches_per_step,
-                                        self.microbatches_per_step, self.position, self._start_point, self._make_batch)
+        per_step = self.microbatches_per_step
+        self._loader = TokenTrainLoader(spec, self.rank, self.num_workers, self.steps_per_epoch * per_step, per_step,
+                                        self.position, self._start_point, self._make_batch)
         return self._loader
 
     def val_dataloader(self) -> TokenValidationLoader | list:

@@ -61,7 +61,8 @@ def test_each_pass_deals_every_row_group_to_exactly_one_rank_and_worker(corpus: 
         streams = world * max(1, workers)
         for pass_index in range(3):
             order = pass_order(groups, 7, pass_index)
-            dealt = [deal(order, stream_id(r, w, workers), streams) for r in range(world) for w in range(max(1, workers))]
+            dealt = [deal(order, stream_id(r, w, workers), streams)
+                     for r in range(world) for w in range(max(1, workers))]
             together = np.concatenate(dealt)
             assert sorted(together.tolist()) == list(range(groups))  # each once, none missing
             assert max(map(len, dealt)) - min(map(len, dealt)) <= 1
@@ -209,7 +210,8 @@ def test_no_matching_file_names_the_pattern(corpus: dict, tmp_path: Path) -> Non
 
 
 def test_missing_text_column_names_file_and_columns(corpus: dict) -> None:
-    with pytest.raises(ValueError, match=r"part-000.parquet' has no column text_column='body'; its columns are \['text', 'id'\]"):
+    message = r"part-000.parquet' has no column text_column='body'; its columns are \['text', 'id'\]"
+    with pytest.raises(ValueError, match=message):
         setup_dm(**base_options(corpus, text_column="body"))
 
 
