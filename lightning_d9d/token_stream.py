@@ -2,8 +2,8 @@
 
 Algorithm: the stream walks its share of row groups (``parquet_source.deal``) pass after pass, reads each row
 group's text column, and cuts it into chunks of ``tokenizer_batch_size`` rows. A reader thread reads ahead and
-hands chunks to two tokenizing threads (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core,
-so one chunk is tokenized while the previous one's ids are converted to numpy); the consuming thread takes the
+hands chunks to one tokenizing thread (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core);
+the consuming thread converts each chunk's ids to numpy while the next chunk is being tokenized, takes the
 chunks strictly in order and packs rows (``token_packing``) into microbatches of ``inputs``/``targets``/
 ``position_ids``; nothing it produces depends on timing.
 
@@ -23,8 +23,9 @@ State: every microbatch comes with the stream's position *after* it, as a few in
   the buffer holds the corpus's longest documents.
 * counters (documents read, empty/null documents skipped, tokens tokenized / emitted / cropped).
 
-Trade-off: the state is small (tens of KiB for a 1000-document buffer) and restoring it costs one re-read and a
-bounded re-tokenization; saving the tokens themselves would cost MiBs per worker.
+Trade-off: the state is small (tens of KiB for a 1000-document buffer) and restoring it costs re-reading the
+buffered documents' row groups and re-tokenizing each document when it is picked (prefixes only for long
+ones); saving the tokens themselves would cost MiBs per worker.
 """
 
 from __future__ import annotations
