@@ -107,7 +107,7 @@ class TrainLoader:
 
     def __iter__(self) -> Iterator[Any]:
         # Lazy: iter() may run before the resume state is loaded (Lightning probes iterability early).
-        return _LazyIterator(self._epoch_batches)
+        return LazyIterator(self._epoch_batches)
 
     def _epoch_batches(self) -> Iterator[Any]:
         epoch, start = self.start_point()
@@ -206,14 +206,18 @@ def make_loader(
     return (wrapped.batch for wrapped in loader) if pin_memory else iter(loader)
 
 
-class _LazyIterator:
-    """Defers creating the epoch's batch generator to the first ``next()``."""
+class LazyIterator:
+    """Defers creating the epoch's batch generator to the first ``next()``.
+
+    ``iter()`` may run before the resume state is loaded (Lightning probes iterability early); the position is
+    read only when the first batch is really asked for.
+    """
 
     def __init__(self, factory: Callable[[], Iterator[Any]]):
         self._factory: Callable[[], Iterator[Any]] | None = factory
         self._batches: Iterator[Any] | None = None
 
-    def __iter__(self) -> _LazyIterator:
+    def __iter__(self) -> LazyIterator:
         return self
 
     def __next__(self) -> Any:

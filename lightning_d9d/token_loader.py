@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_d9d.loader import LazyIterator
 from lightning_d9d.parquet_source import stream_id
 from lightning_d9d.token_stream import StreamSpec, TokenStream
 
@@ -122,7 +123,7 @@ class TokenTrainLoader:
         return self.microbatches_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        return _LazyIterator(self._epoch_batches)
+        return LazyIterator(self._epoch_batches)
 
     def close(self) -> None:
         """Stop the streams (and their worker processes)."""
@@ -157,27 +158,10 @@ class TokenValidationLoader:
         return self.num_microbatches
 
     def __iter__(self) -> Iterator[Any]:
-        return _LazyIterator(self._batches)
+        return LazyIterator(self._batches)
 
     def _batches(self) -> Iterator[Any]:
         streams = rank_stream_iterator(self.spec, self.rank, self.num_workers, {})
         for _ in range(self.num_microbatches):
             inputs, targets, positions, _sid, _state = next(streams)
             yield self.make_batch(inputs, targets, positions)
-
-
-class _LazyIterator:
-    """Defers building the epoch's generator to the first ``next()`` (after any resume state is loaded)."""
-
-    def __init__(self, factory: Callable[[], Iterator[Any]]):
-        self._factory: Callable[[], Iterator[Any]] | None = factory
-        self._batches: Iterator[Any] | None = None
-
-    def __iter__(self) -> _LazyIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._batches is None:
-            assert self._factory is not None
-            self._batches, self._factory = self._factory(), None
-        return next(self._batches)
