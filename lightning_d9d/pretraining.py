@@ -257,7 +257,7 @@ class PretrainingDataModule(SteppedDataModule):
             ValueError: the checkpoint was made with other data/tokenizer/seq_len/packing/seed/global batch
                 (naming each differing value), or another world size / num_workers / microbatch_size.
         """
-        if not state_dict:
+        if not state_dict or not self.restores_training_position():
             return
         if state_dict.get("version") != STATE_VERSION:
             raise ValueError(f"unknown PretrainingDataModule state version {state_dict.get('version')!r}; "
