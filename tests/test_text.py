@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers  # noqa: E402
 
