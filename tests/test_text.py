@@ -10,11 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers  # noqa: E402
-
-from lightning_d9d.text import IGNORE_INDEX, CausalLMCollator, TextBatch, TextDataModule  # noqa: E402
+from lightning_d9d.text import IGNORE_INDEX, CausalLMCollator, TextBatch, TextDataModule
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 
