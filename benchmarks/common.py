@@ -45,3 +45,9 @@ def process_kib(field: str) -> int:
 def reset_peak_rss() -> None:
     """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5), so a later peak belongs to what ran after."""
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def print_verdicts(verdicts: list[tuple[bool, str]]) -> None:
+    """One ``PASS: …`` / ``FAIL: …`` line per (passed, description) against a target."""
+    for passed, text in verdicts:
+        print(f"{'PASS' if passed else 'FAIL'}: {text}")

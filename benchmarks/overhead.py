@@ -33,6 +33,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from corpus import TokenDataset, load_corpus, pad_collate
+from common import print_verdicts
 from lightning_d9d import D9DDataModule
 
 MICROBATCH = 8
@@ -136,8 +137,7 @@ def main() -> int:
                 verdicts.append(
                     (paired <= TARGET, f"{name}, {num_workers} workers: paired ratio {paired:.3f} (target <= {TARGET})")
                 )
-    for passed, text in verdicts:
-        print(f"{'PASS' if passed else 'FAIL'}: {text}")
+    print_verdicts(verdicts)
     print(f"elapsed {time.perf_counter() - began:.1f} s")
     return 0
 

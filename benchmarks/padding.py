@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from corpus import TokenDataset, describe_lengths, load_corpus, load_demo_corpus, pad_collate
+from common import print_verdicts
 from lightning_d9d import D9DDataModule
 
 MICROBATCH = 8
@@ -127,8 +128,7 @@ def table(dataset: TokenDataset, multiples: tuple[int, ...], epochs: int) -> lis
             f"ours/d9d-style <= {TARGET_RATIO} for every buffer >= 4G (worst {ratios[worst]:.3f} at {worst}G)",
         )
     )
-    for passed, text in verdicts:
-        print(f"{'PASS' if passed else 'FAIL'}: {text}")
+    print_verdicts(verdicts)
     return [passed for passed, _ in verdicts]
 
 

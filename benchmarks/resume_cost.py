@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import IndexDataset
+from common import IndexDataset, print_verdicts
 from lightning_d9d import D9DDataModule
 
 SIZE = 10**8
@@ -142,8 +142,7 @@ def main() -> int:
         verdicts.append((max(pickled, saved) < TARGET_STATE_BYTES, f"{name}: state {pickled} B pickled, {saved} B "
                          f"added to a torch.save file; torch.save of the bare state dict is {torch_saved_bytes(reference.state_dict())} B (target < {TARGET_STATE_BYTES} B)"))  # fmt: skip
     print(f"naive @1e7 = naive skip s/mb x {naive_batches:,} microbatches (extrapolated from a {skip}-microbatch skip)")
-    for passed, text in verdicts:
-        print(f"{'PASS' if passed else 'FAIL'}: {text}")
+    print_verdicts(verdicts)
     print(f"elapsed {time.perf_counter() - began:.1f} s")
     return 0
 
