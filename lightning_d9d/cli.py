@@ -109,9 +109,12 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     real_tokens = positions = 0
     counted = True
     steps = min(steps, datamodule.steps_per_epoch)
-    for _ in range(steps * per_step_here):
+    # With yield_packs each batch is already one step's pack of microbatches.
+    packs = bool(getattr(datamodule, "yield_packs", False))
+    for _ in range(steps * (1 if packs else per_step_here)):
         batch = next(batches)
-        first = batch if first is None else first
+        if first is None:
+            first = batch[0] if packs else batch
         counts = count_tokens(batch)
         if counts is None:
             counted = False

@@ -93,16 +93,21 @@ class SteppedDataModule(pl.LightningDataModule):
             return
         per_step = self.microbatches_per_step
         module = getattr(trainer, "lightning_module", None)
-        if module is not None and module.automatic_optimization and not self.yield_packs and per_step > 1:
-            if trainer.accumulate_grad_batches == 1:
-                trainer.accumulate_grad_batches = per_step
-            elif trainer.accumulate_grad_batches != per_step:
-                raise ValueError(
-                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) disagrees with the "
-                    f"{per_step} microbatches per step that global_batch_size={self.global_batch_size}, "
-                    f"world_size={self.world_size} and microbatch_size={self.microbatch_size} give; leave it at 1 "
-                    f"({type(self).__name__} sets it) or set it to {per_step}"
+        if module is not None and module.automatic_optimization:
+            # A pack is a whole optimizer step already; otherwise Lightning accumulates the M microbatches.
+            expected = 1 if self.yield_packs else per_step
+            if trainer.accumulate_grad_batches not in (1, expected):
+                what = (
+                    "yield_packs=True hands out one whole optimizer step per batch"
+                    if self.yield_packs
+                    else f"global_batch_size={self.global_batch_size}, world_size={self.world_size} and "
+                    f"microbatch_size={self.microbatch_size} give {per_step} microbatches per step"
                 )
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) disagrees with the data: "
+                    f"{what}; leave it at 1 ({type(self).__name__} sets it) or set it to {expected}"
+                )
+            trainer.accumulate_grad_batches = expected
         # Lightning warns that a mid-epoch checkpoint is unreliable unless the *loader* is stateful; ours is
         # exact through the DataModule's state instead, so the warning would only mislead.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
@@ -195,7 +200,7 @@ class D9DDataModule(SteppedDataModule):
         sort_buffer_size: PositiveInt | None = None,
         sort_key: str | Callable[[int], Any] | None = None,
         val_dataset: DatasetOrFactory | None = None,
-        seed: int = 0,
+        seed: NonNegativeInt = 0,
         shuffle: bool = True,
         num_workers: NonNegativeInt = 0,
         pin_memory: bool | None = None,
@@ -214,6 +219,8 @@ class D9DDataModule(SteppedDataModule):
             check_sort_buffer_size(sort_buffer_size, self.global_batch_size)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         # Plain ints (not jsonargparse's PositiveInt subclasses), so checkpoints load with weights_only=True.
         num_workers, seed = int(num_workers), int(seed)
         if on_order_mismatch not in ("raise", "restart_epoch"):
@@ -264,9 +271,10 @@ class D9DDataModule(SteppedDataModule):
             sort_keys_digest=keys_digest(key_lookup, num_samples),
         )
         if key_lookup is not None:
-            # Fail now, not mid-epoch, on keys that cannot be sorted.
-            probe = np.arange(min(num_samples, 64))
-            argsort_keys(key_lookup(probe), np.zeros(len(probe)))
+            # Fail now, not mid-epoch, on keys that cannot be sorted: column keys were checked whole when
+            # resolved; per-index keys (Python calls) are checked on a sample spread over the dataset.
+            probe = np.unique(np.linspace(0, num_samples - 1, num=min(num_samples, 256)).astype(np.int64))
+            argsort_keys(key_lookup(probe), np.zeros(len(probe)), probe)
         per_step = self.microbatches_per_step  # validates divisibility by W·m
         if stage in (None, "fit"):
             self.position = TrainPosition(microbatches_per_step=per_step)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 # Feistel rounds: 4 rounds of a strong mixing function make a well-shuffled permutation; more buys nothing.
 _FEISTEL_ROUNDS = 4
@@ -124,6 +125,7 @@ def _arrow_column_lookup(dataset: Any, name: str) -> KeyLookup:
     the dataset's indices mapping.
     """
     column = dataset.data.column(name)
+    _check_sortable_column(column, name)
     indices_mapping = getattr(dataset, "_indices", None)
     rows_of = indices_mapping.column(0) if indices_mapping is not None else None
 
@@ -136,29 +138,49 @@ def _arrow_column_lookup(dataset: Any, name: str) -> KeyLookup:
     return lookup
 
 
+def _check_sortable_column(column: pa.ChunkedArray, name: str) -> None:
+    """Raises TypeError for a key column with nulls, NaNs or a non-numeric type (null counts are metadata)."""
+    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+        raise TypeError(f"sort_key column {name!r} has type {column.type}; sort keys must be integers or floats")
+    bad = pc.is_null(column, nan_is_null=True) if column.null_count or pa.types.is_floating(column.type) else None
+    if bad is not None and pc.any(bad).as_py():
+        row = pc.index(bad, True).as_py()
+        raise TypeError(
+            f"sort_key column {name!r} has a null/NaN key at row {row}; sort keys must be numbers for every sample"
+        )
+
+
 def _per_index_lookup(function: Callable[[int], Any]) -> KeyLookup:
     def lookup(indices: np.ndarray) -> np.ndarray:
         keys = [function(int(index)) for index in indices]
         array = np.asarray(keys) if keys and not isinstance(keys[0], (tuple, list)) else None
-        if array is None or array.dtype == object or array.ndim != 1:
-            out = np.empty(len(keys), dtype=object)
-            out[:] = keys
-            return out
-        return array
+        if array is not None and array.ndim == 1 and array.dtype.kind in "biuf":
+            return array
+        # Anything else (strings, tuples, mixed types) is compared as Python objects, so that keys of mixed
+        # types raise instead of being silently coerced (numpy would turn [1, "x"] into strings).
+        out = np.empty(len(keys), dtype=object)
+        out[:] = keys
+        return out
 
     return lookup
 
 
-def argsort_keys(keys: np.ndarray, tie_break: np.ndarray) -> np.ndarray:
-    """Indices that sort ``keys`` ascending, ties ordered by ``tie_break``.
+def argsort_keys(keys: np.ndarray, tie_break: np.ndarray, indices: np.ndarray | None = None) -> np.ndarray:
+    """Positions that sort ``keys`` ascending, ties ordered by ``tie_break``.
+
+    Args:
+        keys: one key per sample.
+        tie_break: a secondary key per sample.
+        indices: the samples' dataset indices, only to name an offending sample in errors.
 
     Raises:
-        TypeError: keys that cannot be compared with each other (e.g. ``None`` beside numbers).
+        TypeError: keys that cannot be compared with each other (e.g. ``None`` or NaN beside numbers).
     """
     if keys.dtype != object and keys.dtype.kind in "biuf":
         if keys.dtype.kind == "f" and np.isnan(keys).any():
-            bad = keys[np.isnan(keys)][0]
-            raise TypeError(f"sort key {bad!r} is not comparable; sort keys must be numbers or comparable values")
+            position = int(np.flatnonzero(np.isnan(keys))[0])
+            where = f" (sample {int(indices[position])})" if indices is not None else ""
+            raise TypeError(f"sort key nan{where} is not comparable; sort keys must be numbers or comparable values")
         return np.lexsort((tie_break, keys))
     try:
         return np.asarray(sorted(range(len(keys)), key=lambda i: (keys[i], tie_break[i])), dtype=np.int64)
@@ -271,7 +293,7 @@ class GlobalBatchOrder:
         else:
             rng = np.random.default_rng((self.seed, epoch, window))
             tie_break = rng.random(len(indices)) if self.shuffle else np.arange(len(indices))
-            indices = indices[argsort_keys(self.key_lookup(indices), tie_break)]
+            indices = indices[argsort_keys(self.key_lookup(indices), tie_break, indices)]
             batch_order = rng.permutation(num_batches) if self.shuffle else np.arange(num_batches)
         self._cached_window = ((epoch, window), (indices, batch_order))
         return indices, batch_order

@@ -161,6 +161,12 @@ class RowGroupIndex:
                 raise ValueError(
                     f"parquet file {path!r} has no column text_column={text_column!r}; its columns are {names}"
                 )
+            column_type = pf.schema_arrow.field(text_column).type
+            if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+                raise ValueError(
+                    f"parquet file {path!r}: column text_column={text_column!r} has type {column_type}; "
+                    "it must hold strings (text)"
+                )
             for g in range(pf.metadata.num_row_groups):
                 file_of.append(file_index)
                 group_in_file.append(g)

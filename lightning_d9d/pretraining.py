@@ -134,6 +134,8 @@ class PretrainingDataModule(SteppedDataModule):
             raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.num_workers, self.seed, self.pin_memory = num_workers, int(seed), pin_memory
         self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
 

@@ -103,6 +103,17 @@ def test_inspect_the_plain_d9d_config(capsys: pytest.CaptureFixture[str]) -> Non
     assert "batch.input_ids: (16, " in report
 
 
+def test_inspect_with_packs_reads_whole_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    config = ["--config", str(REPO / "configs" / "d9d.yaml"), "--steps", "2", "--trainer.devices=1"]
+    run_cli(["inspect", *config])
+    plain = capsys.readouterr().out
+    run_cli(["inspect", *config, "--data.init_args.yield_packs=true"])
+    packed = capsys.readouterr().out
+    tokens = [line for line in plain.splitlines() if line.startswith(("tokens per step", "padding"))]
+    assert tokens and tokens == [line for line in packed.splitlines() if line.startswith(("tokens per step", "padding"))]
+    assert "batch.input_ids: (16, " in packed
+
+
 # ---------------------------------------------------------------------------------------------------- demo run
 def demo_fit(
     workdir: Path, env: dict[str, str], record: Path, max_steps: int, extra: list[str] = (), in_process: bool = False

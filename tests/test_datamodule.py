@@ -239,6 +239,7 @@ def test_restart_epoch_option_accepts_another_order() -> None:
         ({"sort_buffer_size": 8}, "sort_buffer_size=8 is smaller than global_batch_size=16"),
         ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
         ({"on_order_mismatch": "ignore"}, "on_order_mismatch must be 'raise' or 'restart_epoch', got 'ignore'"),
+        ({"seed": -1}, "seed must be an integer >= 0, got -1"),
     ],
 )
 def test_bad_constructor_arguments_name_the_value(options: dict, message: str) -> None:
@@ -259,6 +260,17 @@ class MixedKeys(NoKeys):
         return None if index % 7 == 0 else index
 
 
+class LateStringKey(NoKeys):
+    """Numbers everywhere but one string deep in the data: numpy would coerce them all to strings."""
+
+    def sort_key(self, index: int):
+        return "x" if index == 99 else index
+
+
+def table_with_lengths(lengths: list) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"n": lengths})
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
@@ -271,6 +283,22 @@ class MixedKeys(NoKeys):
             r"sort_key column 'len' is not in the dataset; its columns are \['n'\]",
         ),
         ({"dataset": MixedKeys()}, TypeError, "sort keys are not comparable with each other"),
+        ({"dataset": LateStringKey()}, TypeError, r"sort keys are not comparable with each other \(key types seen: \['int', 'str'\]"),
+        (
+            {"dataset": table_with_lengths([5] * 90 + [None] + [5] * 9), "sort_key": "n"},
+            TypeError,
+            "sort_key column 'n' has a null/NaN key at row 90",
+        ),
+        (
+            {"dataset": table_with_lengths([5.0] * 95 + [float("nan")] * 5), "sort_key": "n"},
+            TypeError,
+            "sort_key column 'n' has a null/NaN key at row 95",
+        ),
+        (
+            {"dataset": table_with_lengths(["a"] * 100), "sort_key": "n"},
+            TypeError,
+            "sort_key column 'n' has type string; sort keys must be integers or floats",
+        ),
         ({"dataset": 42}, TypeError, "train_dataset must be a map-style dataset"),
     ],
 )

@@ -196,6 +196,7 @@ def test_sizes_must_be_positive(corpus: dict, name: str, value: int) -> None:
     ({"packing": "greedy"}, "packing='greedy' is not valid.*bestfit.*concat"),
     ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
     ({"global_batch_size": 6, "microbatch_size": 4}, "global_batch_size=6 is not divisible by microbatch_size=4"),
+    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
 ])
 def test_bad_options_name_the_value(corpus: dict, change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -213,6 +214,12 @@ def test_missing_text_column_names_file_and_columns(corpus: dict) -> None:
     message = r"part-000.parquet' has no column text_column='body'; its columns are \['text', 'id'\]"
     with pytest.raises(ValueError, match=message):
         setup_dm(**base_options(corpus, text_column="body"))
+
+
+def test_non_text_column_names_file_and_type(corpus: dict) -> None:
+    message = r"part-000.parquet': column text_column='id' has type int64; it must hold strings"
+    with pytest.raises(ValueError, match=message):
+        setup_dm(**base_options(corpus, text_column="id"))
 
 
 def test_corrupt_parquet_names_the_file(corpus: dict, tmp_path: Path) -> None:

@@ -193,19 +193,32 @@ def test_elastic_resume_one_rank_to_two(reference: dict, tmp_path: Path) -> None
     assert_exactly_once_per_epoch(combined)
 
 
-def test_accumulate_grad_batches_that_disagrees_is_rejected(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("microbatch_size", "packs", "accumulate", "message"),
+    [
+        (2, False, 3, r"accumulate_grad_batches=3\) disagrees with the data: .* give 8 microbatches per step"),
+        (16, False, 3, r"accumulate_grad_batches=3\) disagrees with the data: .* give 1 microbatches per step"),
+        (2, True, 8, r"accumulate_grad_batches=8\) disagrees with the data: yield_packs=True hands out one whole"),
+    ],
+)
+def test_accumulate_grad_batches_that_disagrees_is_rejected(
+    tmp_path: Path, microbatch_size: int, packs: bool, accumulate: int, message: str
+) -> None:
     import lightning.pytorch as pl
     from harness import LengthDataset, RecordingModule, pad_collate
 
     from lightning_d9d import D9DDataModule
 
-    dm = D9DDataModule(LengthDataset(64), pad_collate, global_batch_size=16, microbatch_size=2)
+    dm = D9DDataModule(
+        LengthDataset(64), pad_collate, global_batch_size=16, microbatch_size=microbatch_size, yield_packs=packs
+    )
+    module = RecordingModule(str(tmp_path))  # automatic optimization, even with packs: the error must say why
     trainer = pl.Trainer(
-        accelerator="cpu", accumulate_grad_batches=3, max_steps=1, logger=False, enable_checkpointing=False,
+        accelerator="cpu", accumulate_grad_batches=accumulate, max_steps=1, logger=False, enable_checkpointing=False,
         default_root_dir=str(tmp_path),
     )
-    with pytest.raises(ValueError, match=r"accumulate_grad_batches=3\) disagrees with the 8 microbatches per step"):
-        trainer.fit(RecordingModule(str(tmp_path)), datamodule=dm)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module, datamodule=dm)
 
 
 def test_elastic_resume_with_another_microbatch_size(reference: dict, tmp_path: Path) -> None:
