@@ -20,13 +20,14 @@ import dataclasses
 import os
 import re
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from lightning_d9d.demo_corpus import stdlib_sources
 
 # Bump when the corpus recipe changes: it is part of the cache key.
 _FORMAT_VERSION = 1
@@ -73,20 +74,11 @@ def _cache_path() -> Path:
 
 
 def _documents() -> list[str]:
-    """The stdlib's source cut at every ``def`` line, in a deterministic (sorted) file order."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    """The stdlib's source (tests included) cut at every ``def`` line, in a deterministic (sorted) file order."""
     documents: list[str] = []
-    for root, dirs, files in os.walk(stdlib):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
-        for name in sorted(files):
-            if not name.endswith(".py"):
-                continue
-            try:
-                source = Path(root, name).read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue  # a handful of test files are deliberately in other encodings
-            starts = [match.start() for match in _DEF_LINE.finditer(source)]
-            documents.extend(source[a:b] for a, b in zip(starts, [*starts[1:], len(source)]))
+    for source in stdlib_sources(_SKIPPED_DIRS):
+        starts = [match.start() for match in _DEF_LINE.finditer(source)]
+        documents.extend(source[a:b] for a, b in zip(starts, [*starts[1:], len(source)]))
     return documents
 
 

@@ -99,23 +99,35 @@ def _topic_documents() -> Iterator[str]:
             yield "\n\n".join(document)
 
 
-def _docstring_documents() -> Iterator[str]:
-    """Docstrings of the standard library, in a deterministic (sorted) file order."""
+def stdlib_sources(skipped_dirs: frozenset[str] = _SKIPPED_STDLIB_DIRS) -> Iterator[str]:
+    """The text of every ``.py`` file of this interpreter's standard library, in a deterministic order.
+
+    Folders are walked sorted, skipping ``skipped_dirs``; files that are not UTF-8 (a few test files, on
+    purpose) or cannot be read are passed over.
+    """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for root, dirs, files in os.walk(stdlib):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_STDLIB_DIRS)
+        dirs[:] = sorted(d for d in dirs if d not in skipped_dirs)
         for file_name in sorted(files):
-            if not file_name.endswith(".py"):
-                continue
-            try:
-                tree = ast.parse(Path(root, file_name).read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-                continue  # a few stdlib files are templates or in other encodings; they add nothing
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    docstring = ast.get_docstring(node)
-                    if docstring and len(docstring) >= _MIN_DOCSTRING_CHARS:
-                        yield docstring
+            if file_name.endswith(".py"):
+                try:
+                    yield Path(root, file_name).read_text(encoding="utf-8")
+                except (UnicodeDecodeError, OSError):
+                    continue
+
+
+def _docstring_documents() -> Iterator[str]:
+    """Docstrings of the standard library, in a deterministic (sorted) file order."""
+    for source in stdlib_sources():
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue  # a few stdlib files are templates; they add nothing
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                docstring = ast.get_docstring(node)
+                if docstring and len(docstring) >= _MIN_DOCSTRING_CHARS:
+                    yield docstring
 
 
 def demo_texts() -> tuple[list[str], list[str]]:
