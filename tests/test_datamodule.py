@@ -339,3 +339,17 @@ def test_column_sort_keys_follow_a_shuffled_or_selected_view() -> None:
     for dm in (by_column, by_callable):
         dm.setup("fit")
     assert ids_of(by_column.train_dataloader()) == ids_of(by_callable.train_dataloader())
+
+
+def test_a_loop_broken_off_mid_epoch_continues_where_it_stopped() -> None:
+    full = make_dm()
+    full.setup("fit")
+    epoch = ids_of(full.train_dataloader())
+    dm = make_dm()
+    dm.setup("fit")
+    first = []
+    for batch in dm.train_dataloader():
+        first.append(batch["ids"].tolist())
+        if len(first) == 7:
+            break
+    assert first + ids_of(dm.train_dataloader()) == epoch
