@@ -173,12 +173,15 @@ class BestFitPacker:
             seq: the insertion number (only given when restoring a saved buffer).
             checksum: the saved prefix checksum (only given with ``tokens=None``).
         """
-        keep = min(length, self.capacity)
+        capacity = self.capacity
+        keep = length if length < capacity else capacity
         if tokens is not None:
-            if len(tokens) < keep:
-                raise ValueError(f"document prefix has {len(tokens)} tokens, expected {keep}")
-            tokens = tokens[:keep]
-            checksum = prefix_hash(tokens) if length > self.capacity else 0
+            size = len(tokens)
+            if size != keep:
+                if size < keep:
+                    raise ValueError(f"document prefix has {size} tokens, expected {keep}")
+                tokens = tokens[:keep]
+            checksum = prefix_hash(tokens) if length > capacity else 0
         if seq is None:
             seq = self.next_seq
             self.next_seq += 1

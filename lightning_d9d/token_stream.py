@@ -192,12 +192,12 @@ class TokenStream:
             starts = np.concatenate([[0], np.cumsum(lengths[:-1] - 1)]) if len(ids) else np.zeros(0, np.int64)
             payload = np.insert(flat, starts, bos)
         else:
-            payload = []
-            for x in ids:
-                prefix = np.empty(min(len(x) + 1, cap), np.int32)
-                prefix[0] = bos
-                prefix[1:] = x[:cap - 1]
-                payload.append(prefix)
+            # One flat array of BOS + row-sized prefixes, one conversion for the chunk; documents are views of it.
+            ends = np.cumsum(np.minimum(lengths, cap)).tolist()
+            head = [bos]
+            flat = np.fromiter(chain.from_iterable(chain.from_iterable(
+                (head, x if len(x) < cap else x[:cap - 1]) for x in ids)), np.int32, ends[-1] if ends else 0)
+            payload = [flat[s:e] for s, e in zip([0, *ends[:-1]], ends)]
         return _Chunk(pass_index, slot, row, group, (0, 0, 0), np.asarray(keep, np.int64) + row, lengths, payload,
                       len(texts), len(texts) - len(keep))
 
@@ -388,13 +388,19 @@ class TokenStream:
         packer.next_seq = state["next_seq"]
         current: list[Any] = [None, 0]  # the chunk being added to the buffer, and its next document
 
+        # The current chunk's documents as plain Python lists (converted once per chunk, not per document).
+        lists: list[Any] = [[], [], [], 0]  # payload, lengths, rows, group
+
         def refill() -> None:
             """Add the next document (one per call: the buffer then never depends on chunk sizes)."""
             chunk, doc = current
-            while chunk is None or doc >= len(chunk.doc_rows):
-                chunk, doc = next(chunks), 0
-            packer.add(chunk.payload[doc], int(chunk.lengths[doc]), (chunk.group, int(chunk.doc_rows[doc])))
-            current[:] = chunk, doc + 1
+            if chunk is None or doc >= len(lists[1]):
+                while chunk is None or doc >= len(chunk.doc_rows):
+                    chunk, doc = next(chunks), 0
+                lists[:] = chunk.payload, chunk.lengths.tolist(), chunk.doc_rows.tolist(), chunk.group
+            packer.add(lists[0][doc], lists[1][doc], (lists[3], lists[2][doc]))
+            current[0] = chunk
+            current[1] = doc + 1
 
         while True:
             rows = packer.take(spec.microbatch_size, refill)
