@@ -39,14 +39,9 @@ from lightning_d9d.order import (
 from lightning_d9d.shard import microbatches_per_step, validation_microbatches
 from lightning_d9d.state import OrderFingerprint, TrainPosition, check_state
 from lightning_d9d.transfer import move_batch_to_device
+from lightning_d9d.validation import non_negative_int, positive_int
 
 DatasetOrFactory = Dataset | Callable[[], Dataset]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 class SteppedDataModule(pl.LightningDataModule):
@@ -208,21 +203,16 @@ class D9DDataModule(SteppedDataModule):
         on_order_mismatch: Literal["raise", "restart_epoch"] = "raise",
     ):
         super().__init__()
-        self.global_batch_size = _positive_int("global_batch_size", global_batch_size)
-        self.microbatch_size = _positive_int("microbatch_size", microbatch_size)
+        self.global_batch_size = positive_int("global_batch_size", global_batch_size)
+        self.microbatch_size = positive_int("microbatch_size", microbatch_size)
         if self.global_batch_size % self.microbatch_size:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by microbatch_size={microbatch_size}"
             )
         if sort_buffer_size is not None:
-            sort_buffer_size = _positive_int("sort_buffer_size", sort_buffer_size)
+            sort_buffer_size = positive_int("sort_buffer_size", sort_buffer_size)
             check_sort_buffer_size(sort_buffer_size, self.global_batch_size)
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-        # Plain ints (not jsonargparse's PositiveInt subclasses), so checkpoints load with weights_only=True.
-        num_workers, seed = int(num_workers), int(seed)
+        num_workers, seed = non_negative_int("num_workers", num_workers), non_negative_int("seed", seed)
         if on_order_mismatch not in ("raise", "restart_epoch"):
             raise ValueError(f"on_order_mismatch must be 'raise' or 'restart_epoch', got {on_order_mismatch!r}")
         self._train_source, self._val_source = train_dataset, val_dataset

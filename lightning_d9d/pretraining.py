@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -38,6 +37,7 @@ from lightning_d9d.parquet_source import RowGroupIndex, resolve_files
 from lightning_d9d.pin import pin_batch
 from lightning_d9d.token_loader import StreamPosition, TokenTrainLoader, TokenValidationLoader
 from lightning_d9d.token_stream import PACKINGS, StreamSpec, estimate_pass
+from lightning_d9d.validation import non_negative_int, positive_int
 
 STATE_VERSION = 1
 
@@ -58,14 +58,6 @@ class PretrainingBatch:
 
     def __len__(self) -> int:
         return len(self.inputs)
-
-
-def _positive_int(name: str, value: Any, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
-    return int(value)
 
 
 class PretrainingDataModule(SteppedDataModule):
@@ -116,27 +108,24 @@ class PretrainingDataModule(SteppedDataModule):
         pin_memory: bool | None = None,
     ):
         super().__init__()
-        self.seq_len = _positive_int("seq_len", seq_len)
-        self.global_batch_size = _positive_int("global_batch_size", global_batch_size)
-        self.microbatch_size = _positive_int("microbatch_size", microbatch_size)
-        self.tokenizer_batch_size = _positive_int("tokenizer_batch_size", tokenizer_batch_size)
-        self.bestfit_buffer_size = _positive_int("bestfit_buffer_size", bestfit_buffer_size)
-        self._steps_per_epoch_arg = _positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
-        self._val_steps_arg = _positive_int("val_steps", val_steps, allow_none=True)
+        self.seq_len = positive_int("seq_len", seq_len)
+        self.global_batch_size = positive_int("global_batch_size", global_batch_size)
+        self.microbatch_size = positive_int("microbatch_size", microbatch_size)
+        self.tokenizer_batch_size = positive_int("tokenizer_batch_size", tokenizer_batch_size)
+        self.bestfit_buffer_size = positive_int("bestfit_buffer_size", bestfit_buffer_size)
+        self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
+        self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
         if self.global_batch_size % self.microbatch_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by microbatch_size="
                              f"{microbatch_size}")
         if packing not in PACKINGS:
             raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         if not isinstance(text_column, str) or not text_column:
             raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-        self.num_workers, self.seed, self.pin_memory = num_workers, int(seed), pin_memory
+        self.num_workers = non_negative_int("num_workers", num_workers)
+        self.seed, self.pin_memory = non_negative_int("seed", seed), pin_memory
         self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
 
         self.train_spec: StreamSpec | None = None
@@ -163,7 +152,7 @@ class PretrainingDataModule(SteppedDataModule):
             raise ValueError(f"the tokenizer has no token bos_token={self.bos_token!r}; its added/special tokens are "
                              f"{special}: pass one of them as bos_token or add it to the tokenizer")
         tokenizer_json = tokenizer.to_str()
-        per_step = self.microbatches_per_step  # validates G % (W·m)
+        self.microbatches_per_step  # raises early when G is not divisible by W·m
         streams = self.world_size * self.streams_per_rank
         if self.train_spec is None or stage in (None, "fit"):
             files = resolve_files(self.train_files, "train_files")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lightning_d9d.validation import positive_int
+
 
 def microbatches_per_step(global_batch_size: int, world_size: int, microbatch_size: int) -> int:
     """M: how many microbatches of ``microbatch_size`` one rank runs per optimizer step.
@@ -30,8 +32,7 @@ def microbatches_per_step(global_batch_size: int, world_size: int, microbatch_si
         ("world_size", world_size),
         ("microbatch_size", microbatch_size),
     ):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(name, value)
     per_step = world_size * microbatch_size
     if global_batch_size % per_step:
         valid = [per_step * k for k in range(1, 4)]

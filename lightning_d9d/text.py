@@ -38,6 +38,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveInt
 from lightning_d9d.datamodule import D9DDataModule
 from lightning_d9d.demo_corpus import DEMO, build_demo_corpus
 from lightning_d9d.pin import pin_batch
+from lightning_d9d.validation import positive_int
 
 IGNORE_INDEX = -100
 """Label of positions without a target (padding and each document's last token); PyTorch's CE default."""
@@ -111,7 +112,7 @@ class CausalLMCollator:
     padding_side: Literal["left", "right"] = "right"
 
     def __post_init__(self) -> None:
-        _require_positive("pad_to_multiple_of", self.pad_to_multiple_of)
+        positive_int("pad_to_multiple_of", self.pad_to_multiple_of)
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {self.padding_side!r}")
 
@@ -201,9 +202,9 @@ class TextDataModule(D9DDataModule):
         yield_packs: bool = False,
         on_order_mismatch: Literal["raise", "restart_epoch"] = "raise",
     ):
-        self.max_length = _require_positive("max_length", max_length)
+        self.max_length = positive_int("max_length", max_length)
         if num_proc is not None:
-            _require_positive("num_proc", num_proc)
+            positive_int("num_proc", num_proc)
         if tokenizer != DEMO and not Path(tokenizer).expanduser().is_file():
             raise FileNotFoundError(f"tokenizer file {tokenizer!r} does not exist (expected a tokenizer.json)")
         _check_local_path(dataset)
@@ -407,9 +408,3 @@ def _check_local_path(dataset: str) -> None:
 def _plain_int(value: Any) -> Any:
     """``int(value)`` for int subclasses (and numpy ints) so they pickle as plain ints; other values unchanged."""
     return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
-
-
-def _require_positive(name: str, value: Any) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
