@@ -21,6 +21,7 @@ EXPECTED = {
     "overhead.py": ("ours (sorted)", "median ratio"),
     "order_scale.py": ("torch.randperm", "peak RSS"),
     "resume_cost.py": ("resume @1e7 s", "naive skip"),
+    "streaming.py": ("bare vs bare", "own work / tokenizer's"),
 }
 
 
