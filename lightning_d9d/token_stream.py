@@ -53,11 +53,25 @@ _tokenizer_cache: dict[str, Tokenizer] = {}
 
 
 def load_tokenizer(tokenizer_json: str) -> Tokenizer:
-    """Parse a serialized tokenizer once per process (parsing a large vocabulary takes a while)."""
+    """Parse a serialized tokenizer once per process (parsing a large vocabulary takes a while).
+
+    Padding and truncation saved in the JSON are switched off: a document must come out whole and unpadded
+    (a ``tokenizer.json`` saved with ``truncation: {max_length: 512}`` would silently cut every document).
+    """
     tok = _tokenizer_cache.get(tokenizer_json)
     if tok is None:
-        tok = _tokenizer_cache[tokenizer_json] = Tokenizer.from_str(tokenizer_json)
+        tok = Tokenizer.from_str(tokenizer_json)
+        tok.no_padding()
+        tok.no_truncation()
+        _tokenizer_cache[tokenizer_json] = tok
     return tok
+
+
+def encode_documents(tok: Tokenizer, texts: list[str]) -> list:
+    """``encode_batch_fast`` without the post-processor's special tokens: the stream prepends BOS itself, and a
+    template such as Llama's ``"<s> $A"`` would otherwise put a second BOS (or a BERT-style ``[SEP]``) in every
+    document."""
+    return tok.encode_batch_fast(texts, add_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -173,7 +187,7 @@ class TokenStream:
         """Tokenize one chunk's non-empty texts (``encode_batch_fast`` releases the GIL, uses every core)."""
         texts = raw[4]
         keep = [i for i, text in enumerate(texts) if text]  # None and "" are skipped, and counted
-        encs = load_tokenizer(self.spec.tokenizer_json).encode_batch_fast([texts[i] for i in keep]) if keep else []
+        encs = encode_documents(load_tokenizer(self.spec.tokenizer_json), [texts[i] for i in keep]) if keep else []
         return raw, keep, encs
 
     def _tokenize(self, raw: tuple[int, int, int, int, list]) -> _Chunk:
@@ -298,7 +312,7 @@ class TokenStream:
             if not uses[(group, index)]:
                 del texts[(group, index)]
             if length <= cap:
-                return self._with_bos(load_tokenizer(spec.tokenizer_json).encode_batch_fast([text])[0].ids)
+                return self._with_bos(encode_documents(load_tokenizer(spec.tokenizer_json), [text])[0].ids)
             return self._long_prefix(group, index, text, length, int(row[4]))
 
         packer.restore(meta, int(self.state["next_seq"]), fetch)
@@ -325,7 +339,7 @@ class TokenStream:
         while True:
             if cut >= len(text) and full is None:
                 full = text = self.spec.index.read_texts(group)[row] or ""  # the kept prefix ran out: re-read
-            ids = tok.encode_batch_fast([text[:cut]])[0].ids
+            ids = encode_documents(tok, [text[:cut]])[0].ids
             prefix = self._with_bos(ids)
             whole = cut >= len(text)
             if whole or (len(ids) + 1 >= cap + 16 and prefix_hash(prefix) == checksum):
@@ -450,7 +464,7 @@ def estimate_pass(spec: StreamSpec, sample_groups: int = 8, sample_docs: int = 4
         texts = index.read_texts(int(group))[:per_group]
         raw += len(texts)
         kept = [t for t in texts if t]
-        lengths.extend(len(e) + 1 for e in tok.encode_batch_fast(kept))
+        lengths.extend(len(e) + 1 for e in encode_documents(tok, kept))
     tokens = sum(lengths) / max(1, raw) * index.total_rows
     if not lengths:
         return 0.0, 0.0

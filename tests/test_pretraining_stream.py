@@ -103,6 +103,32 @@ def test_concat_rows_decode_back_to_the_documents_in_stream_order(corpus: dict) 
     assert state["empty"] > 0 and state["docs"] > state["empty"]
 
 
+@pytest.mark.parametrize("packing", ["concat", "bestfit"])
+def test_tokenizer_post_processor_truncation_and_padding_do_not_reach_the_rows(corpus: dict, packing: str) -> None:
+    # A tokenizer.json as found in the wild: a template that adds BOS itself (Llama-style "<s> $A"), and
+    # truncation and padding saved on. The stream must still put exactly one BOS per document, whole and unpadded.
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    plain = corpus["tok"]
+    dressed = Tokenizer.from_str(plain.to_str())
+    bos = plain.token_to_id(BOS)
+    dressed.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos)])
+    dressed.enable_truncation(5)
+    dressed.enable_padding(length=40, pad_id=0, pad_token="<unk>")
+    assert dressed.encode("wa" + " wb" * 9).ids[0] == bos and len(dressed.encode("wa").ids) == 40  # really dressed
+    rows = {}
+    for name, tok in (("plain", plain), ("dressed", dressed)):
+        spec = spec_for(corpus, packing, streams=2)
+        spec = StreamSpec(**{**spec.__dict__, "tokenizer_json": tok.to_str()})
+        rows[name] = [inputs for inputs, _, _, _ in take(TokenStream(spec, 0), 40)]
+    for a, b in zip(rows["plain"], rows["dressed"]):
+        assert torch.equal(a, b)
+    inputs = torch.cat(rows["plain"])
+    assert (inputs == bos).any()
+    assert not ((inputs[:, 1:] == bos) & (inputs[:, :-1] == bos)).any()  # every document has words: never BOS, BOS
+
+
 def test_bestfit_rows_start_at_bos_and_positions_restart_there(corpus: dict) -> None:
     spec = spec_for(corpus, "bestfit")
     out = take(TokenStream(spec, 1), 80)
@@ -148,9 +174,9 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
         def __init__(self, tok):
             self.tok = tok
 
-        def encode_batch_fast(self, texts):
+        def encode_batch_fast(self, texts, **options):
             encoded.extend(len(t) for t in texts)
-            return self.tok.encode_batch_fast(texts)
+            return self.tok.encode_batch_fast(texts, **options)
 
     monkeypatch.setattr(token_stream, "load_tokenizer", lambda s: Spy(real(s)))
     resumed = take(TokenStream(spec, 0, state), 19)
