@@ -66,7 +66,8 @@ class PretrainingDataModule(SteppedDataModule):
     Args:
         train_files: a directory, a glob, a file, a ``s3://``/``gs://``/``file://`` (or any fsspec) URL of
             those, or a list of them.
-        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
+        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``. Documents are encoded without its
+            post-processor's special tokens, truncation or padding: each document is ``bos_token`` + its tokens.
         seq_len: tokens per row of ``inputs`` (each row is cut from ``seq_len + 1`` tokens).
         global_batch_size: rows per optimizer step, summed over ranks and accumulation (G).
         microbatch_size: rows per forward/backward on one rank (m).
