@@ -1,8 +1,9 @@
 """Streaming benchmark: PretrainingDataModule's token streams vs the bare tokenizer and the reference loaders.
 
-Run: ``python benchmarks/streaming.py`` (~5 min on 2 cores; ``--help`` for sizes, ``--quick`` for a smoke test). Nothing is downloaded: the corpus is the Python
-standard library's own ``.py`` sources plus the ``pydoc_data`` help topics, written to parquet here, and the
-tokenizer is a byte-level BPE trained here on that text.
+Run: ``python benchmarks/streaming.py`` (~5 min on 2 cores; ``--help`` for sizes, ``--quick`` for a smoke
+test). Nothing is downloaded: the corpus is the Python standard library's own ``.py`` sources plus the
+``pydoc_data`` help topics, written to parquet here, and the tokenizer is a byte-level BPE trained here on that
+text.
 
 Two corpora from the same text: *long* (one document per file/topic, many longer than a row) and *short* (the
 same text split at blank lines). For each, side by side in one process, best of ``--runs`` runs, each timed
@@ -19,7 +20,7 @@ Best-fit drops the remainder of every cropped document, so it emits only a share
 ref bestfit``, and on short documents ``bestfit >= 0.8 x concat``. Each loader's window opens
 and closes at tokenizer-batch boundaries (``timed``), so it holds whole tokenizer batches: on long documents a
 single batch of 128 files is ~0.5 M tokens, and a fixed-length window would count tokens tokenized before it.
-The machine's other load moves all figures (on a shared 2-core VM, the same bare run varies by +-15 %);
+The machine's other load moves all figures (on a shared 2-core VM, the same bare run varies by up to 20 %);
 configurations are interleaved run by run so that it hits them alike, and many short runs give each a chance
 at a quiet window (best of runs is kept). Two figures show how large that noise is and what our own code
 costs, independent of it:
@@ -176,11 +177,10 @@ def thread_cpu() -> tuple[float, float] | None:
     Threads that have ended are not counted, so take both readings while the loader runs.
     """
     python_ids = {t.native_id for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     ours = other = 0.0
     try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
+        tasks, tick = os.listdir("/proc/self/task"), os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError):
         return None
     for tid in tasks:
         try:
@@ -374,8 +374,8 @@ def main() -> None:
                     runs["ref_concat"].append(measure_ref(ref_concat, index, tok, bos, B, T, tb, args.seconds))
                     runs["ref_bestfit"].append(measure_ref(ref_bestfit, index, tok, bos, B, T, tb, args.seconds))
                 runs["bare_again"].append(measure_bare(shared_tok, in_order, tb, args.seconds))
-            r["noise_floor"] = min(best(runs["bare"]), best(runs["bare_again"])) / max(
-                best(runs["bare"]), best(runs["bare_again"]))
+            slower, faster = sorted((best(runs["bare"]), best(runs["bare_again"])))
+            r["noise_floor"] = slower / faster
             runs["bare"] += runs.pop("bare_again")  # bare's best is over both slots: conservative for ours
             for key, values in runs.items():
                 if values:

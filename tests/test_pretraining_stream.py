@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from pathlib import Path
 
@@ -119,8 +120,7 @@ def test_tokenizer_post_processor_truncation_and_padding_do_not_reach_the_rows(c
     assert dressed.encode("wa" + " wb" * 9).ids[0] == bos and len(dressed.encode("wa").ids) == 40  # really dressed
     rows = {}
     for name, tok in (("plain", plain), ("dressed", dressed)):
-        spec = spec_for(corpus, packing, streams=2)
-        spec = StreamSpec(**{**spec.__dict__, "tokenizer_json": tok.to_str()})
+        spec = dataclasses.replace(spec_for(corpus, packing, streams=2), tokenizer_json=tok.to_str())
         rows[name] = [inputs for inputs, _, _, _ in take(TokenStream(spec, 0), 40)]
     for a, b in zip(rows["plain"], rows["dressed"]):
         assert torch.equal(a, b)
