@@ -252,7 +252,7 @@ def measure_ours(spec: StreamSpec, seconds: float) -> dict:
 
     def batches():
         for batch in stream:
-            last["state"] = batch[3]
+            last["state"] = batch[1]
             yield batch
 
     iterator = batches()

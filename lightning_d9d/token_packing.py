@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 
 def position_ids(inputs: np.ndarray, bos_id: int) -> np.ndarray:
@@ -46,6 +47,22 @@ def position_ids(inputs: np.ndarray, bos_id: int) -> np.ndarray:
     index = np.broadcast_to(np.arange(width, dtype=np.int64), (rows, width))
     starts = np.where(inputs == bos_id, index, 0)  # column 0 is a start either way
     return index - np.maximum.accumulate(starts, axis=1)
+
+
+def microbatch_tensors(rows: np.ndarray, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(inputs, targets, position_ids)`` int64 tensors of a microbatch of packed rows.
+
+    Args:
+        rows: ``(microbatch_size, seq_len + 1)`` token ids.
+        bos_id: the BOS token id (position ids restart there).
+
+    Returns:
+        ``inputs = rows[:, :-1]``, ``targets = rows[:, 1:]`` (the next token) and ``position_ids(inputs)``,
+        each ``(microbatch_size, seq_len)`` and contiguous.
+    """
+    inputs = torch.from_numpy(rows[:, :-1].astype(np.int64))  # one contiguous copy each
+    targets = torch.from_numpy(rows[:, 1:].astype(np.int64))
+    return inputs, targets, torch.from_numpy(position_ids(rows[:, :-1], bos_id))
 
 
 def prefix_hash(tokens: np.ndarray) -> int:

@@ -5,8 +5,10 @@ group's text column, and cuts it into chunks of ``tokenizer_batch_size`` rows. A
 hands chunks to one tokenizing thread (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core);
 the consuming thread converts each chunk's ids to numpy while the next chunk is being tokenized (the spent
 ``Encoding`` objects go back to the tokenizing thread, which frees them between two calls), takes the chunks
-strictly in order and packs rows (``token_packing``) into microbatches of ``inputs``/``targets``/
-``position_ids``; nothing it produces depends on timing.
+strictly in order and packs rows (``token_packing``) into microbatches of ``seq_len + 1``-token int32 rows;
+nothing it produces depends on timing. The rows stay compact int32 numpy until the consuming process: from a
+DataLoader worker they travel pickled through its pipe, which measured cheaper than the three int64
+shared-memory tensors per microbatch built from them (``token_loader``).
 
 State: every microbatch comes with the stream's position *after* it, as a few integers:
 
@@ -41,11 +43,10 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from lightning_d9d.parquet_source import RowGroupIndex, deal, pass_order
-from lightning_d9d.token_packing import BestFitPacker, ConcatPacker, position_ids, prefix_hash
+from lightning_d9d.token_packing import BestFitPacker, ConcatPacker, prefix_hash
 
 PACKINGS = ("bestfit", "concat")
 _COUNTERS = ("docs", "empty", "tokens")
@@ -138,7 +139,10 @@ def _initial_state() -> dict[str, Any]:
 
 
 class TokenStream:
-    """An endless iterator of ``(inputs, targets, position_ids, state)`` microbatches for one stream.
+    """An endless iterator of ``(rows, state)`` microbatches for one stream.
+
+    ``rows`` is ``(microbatch_size, seq_len + 1)`` int32 tokens (``token_packing.microbatch_tensors`` turns it
+    into ``inputs``/``targets``/``position_ids``); ``state`` is the stream's position after it.
 
     Args:
         spec: the stream's configuration.
@@ -348,13 +352,7 @@ class TokenStream:
             cut *= 2
 
     # ---------------------------------------------------------------- packing
-    def _emit(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs = torch.from_numpy(rows[:, :-1].astype(np.int64))  # one contiguous copy each
-        targets = torch.from_numpy(rows[:, 1:].astype(np.int64))
-        positions = torch.from_numpy(position_ids(rows[:, :-1], self.spec.bos_id))
-        return inputs, targets, positions
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    def __iter__(self) -> Iterator[tuple[np.ndarray, dict[str, Any]]]:
         spec, state = self.spec, dict(self.state)
         start = (state["pass"], state["slot"], state["row"])
         counters = tuple(state[c] for c in _COUNTERS)
@@ -406,7 +404,7 @@ class TokenStream:
             state["offset"] = offset
             state["batches"] += 1
             state["emitted"] += rows.size
-            yield (*self._emit(rows), self._public(state))
+            yield rows, self._public(state)
 
     def _iter_bestfit(self, chunks: Iterator[_Chunk], state: dict[str, Any]) -> Iterator:
         spec = self.spec
@@ -439,8 +437,8 @@ class TokenStream:
             state["emitted"] += rows.size
             state["crops"], state["cropped"], state["next_seq"] = packer.crops, packer.tokens_cropped, packer.next_seq
             out = self._public(state)
-            out["buffer"] = torch.from_numpy(packer.snapshot())
-            yield (*self._emit(rows), out)
+            out["buffer"] = packer.snapshot()
+            yield rows, out
 
     @staticmethod
     def _public(state: dict[str, Any]) -> dict[str, Any]:

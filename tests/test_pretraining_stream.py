@@ -12,6 +12,7 @@ import torch
 
 from lightning_d9d.parquet_source import RowGroupIndex, deal, pass_order, resolve_files, stream_id
 from lightning_d9d.pretraining import PretrainingDataModule
+from lightning_d9d.token_packing import microbatch_tensors
 from lightning_d9d.token_stream import StreamSpec, TokenStream, estimate_pass
 
 from pretraining_helpers import BOS, make_docs, train_tokenizer, write_parquet
@@ -36,10 +37,11 @@ def spec_for(corpus: dict, packing: str, streams: int = 2, seq_len: int = 24, **
 
 
 def take(stream: TokenStream, n: int) -> list:
+    """``n`` microbatches as ``(inputs, targets, position_ids, state)``, the tensors the loader builds."""
     iterator = iter(stream)
     out = [next(iterator) for _ in range(n)]
     iterator.close()
-    return out
+    return [(*microbatch_tensors(rows, stream.spec.bos_id), state) for rows, state in out]
 
 
 # ---------------------------------------------------------------------------------------------- source
@@ -163,9 +165,9 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
     spec = spec_for(corpus, "bestfit", seq_len=12, buffer_size=24)
     full = take(TokenStream(spec, 0), 40)
     state = full[20][3]
-    buffer = state["buffer"].numpy()
+    buffer = state["buffer"]
     assert (buffer[:, 1] > spec.capacity).any()  # long documents are buffered
-    assert state["buffer"].numel() * 8 + 200 < 1 << 20
+    assert state["buffer"].nbytes + 200 < 1 << 20
     encoded: list[int] = []
     from lightning_d9d import token_stream
     real = token_stream.load_tokenizer
