@@ -77,7 +77,9 @@ class PretrainingDataModule(SteppedDataModule):
         packing: ``"bestfit"`` (every row starts at BOS, cropping) or ``"concat"`` (one stream, no waste).
         steps_per_epoch: optimizer steps per Lightning epoch; ``None``: one pass's worth, estimated.
         val_steps: validation microbatches per rank per validation run; ``None``: one pass's worth, estimated.
-        num_workers: DataLoader worker processes per rank (each runs one stream); 0 runs one stream in-process.
+        num_workers: DataLoader worker processes per rank; each runs one stream and tokenizes on one core, so
+            this is the number of cores a rank tokenizes on. 0 runs one stream in the training process, whose
+            tokenizer then uses every core.
         tokenizer_batch_size: documents per ``encode_batch_fast`` call.
         seed: seeds the row-group order of every pass.
         bestfit_buffer_size: documents best-fit chooses from.

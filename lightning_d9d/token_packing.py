@@ -44,9 +44,13 @@ def position_ids(inputs: np.ndarray, bos_id: int) -> np.ndarray:
         mid-document counts that fragment from 0).
     """
     rows, width = inputs.shape
-    index = np.broadcast_to(np.arange(width, dtype=np.int64), (rows, width))
-    starts = np.where(inputs == bos_id, index, 0)  # column 0 is a start either way
-    return index - np.maximum.accumulate(starts, axis=1)
+    size = rows * width
+    starts = inputs.ravel() == bos_id
+    starts[::width] = True  # column 0 is a start either way
+    start_at = np.flatnonzero(starts)
+    # Each token's position is its distance from the last start at or before it (one repeat, no scan).
+    last_start = np.repeat(start_at, np.diff(start_at, append=size))
+    return (np.arange(size, dtype=np.int64) - last_start).reshape(rows, width)
 
 
 def microbatch_tensors(rows: np.ndarray, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

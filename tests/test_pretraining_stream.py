@@ -12,6 +12,7 @@ import torch
 
 from lightning_d9d.parquet_source import RowGroupIndex, deal, pass_order, resolve_files, stream_id
 from lightning_d9d.pretraining import PretrainingDataModule
+from lightning_d9d.token_loader import rank_stream_iterator
 from lightning_d9d.token_packing import microbatch_tensors
 from lightning_d9d.token_stream import StreamSpec, TokenStream, estimate_pass
 
@@ -186,6 +187,28 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
     longest = max(len(t) for g in range(len(spec.index)) for t in spec.index.read_texts(g) if t)
     assert max(encoded) < longest  # the longest buffered documents were not re-tokenized whole
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit"])
+def test_worker_processes_hand_over_exactly_their_streams_rows_round_robin(corpus: dict, packing: str) -> None:
+    """Rows cross from the DataLoader workers as compact int32 arrays, each stream's in its own order."""
+    spec = spec_for(corpus, packing, streams=4)  # 2 ranks x 2 workers; this is rank 1
+    loader = rank_stream_iterator(spec, rank=1, num_workers=2, states={})
+    got = [next(loader) for _ in range(40)]
+    del loader
+    for sid in (stream_id(1, 0, 2), stream_id(1, 1, 2)):
+        iterator = iter(TokenStream(spec, sid))
+        expected = [next(iterator) for _ in range(20)]
+        iterator.close()
+        mine = [(rows, state) for rows, s, state in got if s == sid]
+        assert len(mine) == 20
+        for (rows, state), (want_rows, want_state) in zip(mine, expected):
+            assert rows.dtype == np.int32 and rows.shape == (2, spec.capacity)
+            np.testing.assert_array_equal(rows, want_rows)
+            assert state.keys() == want_state.keys()
+            for key in state:
+                np.testing.assert_array_equal(state[key], want_state[key])
+    assert [s for _, s, _ in got[:4]] == [stream_id(1, 0, 2), stream_id(1, 1, 2)] * 2
 
 
 def test_estimated_pass_is_close_to_the_counted_tokens(corpus: dict) -> None:
