@@ -1,32 +1,36 @@
 """Streaming benchmark: PretrainingDataModule's token streams vs the bare tokenizer and the reference loaders.
 
-Run: ``python benchmarks/streaming.py`` (~5 min on 2 cores; ``--help`` for sizes, ``--quick`` for a smoke
+Run: ``python benchmarks/streaming.py`` (~8 min on 2 cores; ``--help`` for sizes, ``--quick`` for a smoke
 test). Nothing is downloaded: the corpus is the Python standard library's own ``.py`` sources plus the
 ``pydoc_data`` help topics, written to parquet here, and the tokenizer is a byte-level BPE trained here on that
 text.
 
 Two corpora from the same text: *long* (one document per file/topic, many longer than a row) and *short* (the
 same text split at blank lines). For each, side by side in one process, best of ``--runs`` runs, each timed
-from its first batch for ``--seconds``:
+from its first batch for ``--long-seconds`` / ``--seconds`` (a tokenizer batch of long documents is ~0.6 M
+tokens, so their rows come in bursts and need the longer window):
 
 * ``bare``: ``Tokenizer.encode_batch_fast`` over the documents in memory (all cores), tokens produced per s;
-* ``ours concat`` / ``ours bestfit``: ``token_stream.TokenStream`` (parquet → tokens → rows, the code the
-  DataModule runs per worker), tokens *emitted in rows* per s;
+* ``DataModule``: the public path, ``PretrainingDataModule(..., num_workers=2).train_dataloader()`` iterated
+  (each worker tokenizes on one core), tokens *emitted in rows* per s;
+* ``in-process stream``: ``token_stream.TokenStream`` in this process (what ``num_workers=0`` runs; the
+  tokenizer's own pool uses all cores);
 * ``ref concat`` / ``ref bestfit``: straightforward ports of the reference loader (nanochat's deque concat
   loader; its best-fit with a Python scan of a 1000-document buffer, dropping the cropped remainder).
 
 Best-fit drops the remainder of every cropped document, so it emits only a share of what it tokenizes (its
 *yield*); the targets are ``concat >= 0.9 x bare``, ``bestfit >= 0.85 x yield x concat`` and ``bestfit >=
-ref bestfit``, and on short documents ``bestfit >= 0.8 x concat``. Each loader's window opens
-and closes at tokenizer-batch boundaries (``timed``), so it holds whole tokenizer batches: on long documents a
-single batch of 128 files is ~0.5 M tokens, and a fixed-length window would count tokens tokenized before it.
-The machine's other load moves all figures (on a shared 2-core VM, the same bare run varies by up to 20 %);
-configurations are interleaved run by run so that it hits them alike, and many short runs give each a chance
-at a quiet window (best of runs is kept). Two figures show how large that noise is and what our own code
-costs, independent of it:
+ref bestfit``, and on short documents ``bestfit >= 0.8 x concat``, each checked for both paths. The
+in-process stream's window opens and closes at tokenizer-batch boundaries (``timed``), so it holds whole
+tokenizer batches; the DataModule's counts what the training process received (``stream_stats()``), so rows
+its workers prefetched are not counted. The machine's other load moves all figures (on a shared 2-core VM, the
+same bare run varies by up to 20 %); configurations are interleaved run by run so that it hits them alike
+(best of runs is kept). Three figures show how large that noise is and what our own code costs:
 
 * ``bare vs bare``: the bare tokenizer runs first and last in every round; the ratio of the two slots' bests
   is the noise floor of every other ratio;
+* ``median per round``: each concat run against the better bare run of its own round, the median over rounds
+  (hardly moved by slow drifts in the machine's load);
 * ``CPU per token by thread`` (Linux): the tokenizer's own threads vs this process's Python threads (reading,
   laying out, packing; for ``bare``, only the call itself), so "nothing else may cost more than 10 %" is
   measured directly as (our Python threads - bare's call) / the tokenizer threads' CPU per token.
