@@ -174,6 +174,15 @@ def ref_bestfit(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, 
 
 
 # ------------------------------------------------------------------------------------------------ timing
+def proc_stat(path: str) -> tuple[int, float] | None:
+    """``(parent pid, CPU seconds: utime + stime)`` from a Linux ``/proc/.../stat`` file; None if unreadable."""
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
 def thread_cpu() -> tuple[float, float] | None:
     """CPU seconds so far of ``(this process's Python threads, its other threads)``; None off Linux.
 
@@ -184,19 +193,17 @@ def thread_cpu() -> tuple[float, float] | None:
     python_ids = {t.native_id for t in threading.enumerate()}
     ours = other = 0.0
     try:
-        tasks, tick = os.listdir("/proc/self/task"), os.sysconf("SC_CLK_TCK")
-    except (OSError, AttributeError):
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
         return None
     for tid in tasks:
-        try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+        stat = proc_stat(f"/proc/self/task/{tid}/stat")
+        if stat is None:
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
         if int(tid) in python_ids:
-            ours += cpu
+            ours += stat[1]
         else:
-            other += cpu
+            other += stat[1]
     return ours, other
 
 
@@ -277,20 +284,17 @@ def measure_ours(spec: StreamSpec, seconds: float) -> dict:
 
 
 def process_tree_cpu() -> float:
-    """CPU seconds so far of this process and its live children (the DataLoader workers); Linux only, else 0."""
+    """CPU seconds so far of this process and its live children (the DataLoader workers); off Linux, this
+    process alone."""
     total = time.process_time()
     try:
         pids = [p for p in os.listdir("/proc") if p.isdigit()]
-        tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, AttributeError):
+    except OSError:
         return total
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid():
-            total += (int(fields[11]) + int(fields[12])) / tick
+        stat = proc_stat(f"/proc/{pid}/stat")
+        if stat is not None and stat[0] == os.getpid():
+            total += stat[1]
     return total
 
 
@@ -372,7 +376,7 @@ def time_resume(spec: StreamSpec, state: dict) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ main
-PATHS = (("dm", "DataModule, 2 workers"), ("", "in-process stream"))  # key prefix, label
+PATHS = (("dm_", "DataModule, {workers} workers"), ("", "in-process stream"))  # result-key prefix, label
 
 
 def main() -> None:
@@ -455,7 +459,7 @@ def main() -> None:
     for name, r in results.items():
         line = ", ".join(f"{k} {v['tps'] / 1e3:.0f}K" for k, v in r.items() if isinstance(v, dict) and "tps" in v)
         print(f"  {name}: {line}; bestfit yield {r['yield']:.2f}")
-    print_verdicts(verdicts(results))
+    print_verdicts(verdicts(results, args.workers))
 
 
 def best(values: list[dict]) -> float:
@@ -477,13 +481,14 @@ def own_share(r: dict, key: str) -> float | None:
     return (r[key]["python_ns"] - r["bare"]["python_ns"]) / r["bare"]["pool_ns"]
 
 
-def verdicts(results: dict) -> list[tuple[bool, str]]:
+def verdicts(results: dict, workers: int) -> list[tuple[bool, str]]:
     out = []
     for name, r in results.items():
         for prefix, label in PATHS:
-            concat, bestfit = r[prefix + ("_" if prefix else "") + "concat"], r[prefix + ("_" if prefix else "") + "bestfit"]
+            label = label.format(workers=workers)
+            concat, bestfit = r[prefix + "concat"], r[prefix + "bestfit"]
             ratio = concat["tps"] / r["bare"]["tps"]
-            paired = r["paired"][prefix + ("_" if prefix else "") + "concat"]
+            paired = r["paired"][prefix + "concat"]
             out.append((ratio >= 0.9, f"{name}, {label}: concat {ratio:.2f}x the bare tokenizer (target >= 0.90; "
                                       f"median per round {paired:.2f}; bare vs bare {r['noise_floor']:.2f})"))
             steady = bestfit["work"] / concat["work"]
@@ -509,8 +514,8 @@ def report(name: str, r: dict, workers: int) -> None:
     print(f"\n== {name} documents ==   best-fit long-run yield {y:.2f}: cropping drops {1 - y:.0%} of the "
           "tokenizer's work (the reference's best-fit drops the same remainders)")
     print("                                   rows tokens/s   tokenized/s   tokenized/CPU-s")
-    labels = (("dm_concat", f"concat, DataModule {workers} workers"), ("dm_bestfit", f"bestfit, DataModule {workers} w."),
-              ("concat", "concat, in-process stream"), ("bestfit", "bestfit, in-process stream"),
+    labels = (("dm_concat", f"concat, DataModule {workers} workers"),
+              ("dm_bestfit", f"bestfit, DataModule {workers} w."), ("concat", "concat, in-process stream"), ("bestfit", "bestfit, in-process stream"),
               ("ref_concat", "ref concat"), ("ref_bestfit", "ref bestfit"))
     for key, label in labels:
         if key in r:
@@ -521,10 +526,9 @@ def report(name: str, r: dict, workers: int) -> None:
     for key in ("bare", "dm_concat", "dm_bestfit", "concat", "bestfit"):
         print(f"    {key:<10} " + " ".join(f"{v / 1e3:.0f}" for v in r[key]["all_tps"]))
     print(f"  bare vs bare, the noise floor of every ratio: {r['noise_floor']:.2f}")
-    for prefix, label in PATHS:
-        key = prefix + ("_" if prefix else "")
+    for key, label in PATHS:
         concat, bestfit = r[key + "concat"], r[key + "bestfit"]
-        print(f"  -- {label}")
+        print(f"  -- {label.format(workers=workers)}")
         print(f"  concat / bare                          {concat['tps'] / bare:.2f}  (target >= 0.90; median per "
               f"round {r['paired'][key + 'concat']:.2f}; per CPU-s: {concat['work_cpu'] / r['bare']['work_cpu']:.2f})")
         print(f"  bestfit / (yield x concat), steady     {bestfit['work'] / concat['work']:.2f}  (target >= 0.85; "

@@ -2,13 +2,13 @@
 
 Algorithm: the stream walks its share of row groups (``parquet_source.deal``) pass after pass, reads each row
 group's text column, and cuts it into chunks of ``tokenizer_batch_size`` rows. A reader thread reads ahead and
-hands chunks to one tokenizing thread (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core);
-the consuming thread converts each chunk's ids to numpy while the next chunk is being tokenized (the spent
-``Encoding`` objects go back to the tokenizing thread, which frees them between two calls), takes the chunks
-strictly in order and packs rows (``token_packing``) into microbatches of ``seq_len + 1``-token int32 rows;
-nothing it produces depends on timing. The rows stay compact int32 numpy until the consuming process: from a
-DataLoader worker they travel pickled through its pipe, which measured cheaper than the three int64
-shared-memory tensors per microbatch built from them (``token_loader``).
+hands chunks to one tokenizing thread (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core, or
+one core in a DataLoader worker: ``token_loader``); the consuming thread converts each chunk's ids to numpy
+while the next chunk is being tokenized (the spent ``Encoding`` objects go back to the tokenizing thread, which
+frees them between two calls), takes the chunks strictly in order and packs rows (``token_packing``) into
+microbatches of ``seq_len + 1``-token int32 rows; nothing it produces depends on timing. The rows stay compact
+int32 numpy until the consuming process: from a DataLoader worker they travel pickled through its pipe, which
+measured cheaper than the three int64 shared-memory tensors per microbatch built from them (``token_loader``).
 
 State: every microbatch comes with the stream's position *after* it, as a few integers:
 
