@@ -12,10 +12,12 @@ at the first microbatch of an optimizer step; Lightning's own batch counters are
 
 Workers: each DataLoader worker tokenizes on one core (its tokenizer's own thread pool is switched off), so
 ``num_workers`` is the number of cores a rank tokenizes on; ``num_workers=0`` runs the one stream in this
-process, where ``encode_batch_fast`` uses every core. A worker sends each microbatch as its compact int32 rows
-(``seq_len + 1`` tokens each) pickled through its pipe; this process expands them into ``inputs``/``targets``/
-``position_ids`` (``token_packing.microbatch_tensors``). Three int64 tensors per microbatch crossing as
-shared-memory files cost the workers about a quarter of their throughput (measured, 2 workers on 2 cores).
+process, where ``encode_batch_fast`` uses every core. A worker's calls also end at ``WORKER_CHUNK_CHARS``
+characters of text, so its rows come steadily rather than in bursts of a whole batch. A worker sends each
+microbatch as its compact int32 rows (``seq_len + 1`` tokens each) pickled through its pipe; this process
+expands them into ``inputs``/``targets``/``position_ids`` (``token_packing.microbatch_tensors``). Three int64
+tensors per microbatch crossing as shared-memory files cost the workers about a quarter of their throughput
+(measured, 2 workers on 2 cores).
 
 Trade-off: the worker processes live as long as the loader's iterator (across epochs, because a stream never
 restarts at an epoch boundary); a resume or a new ``fit`` restarts them from the committed states, which costs
@@ -27,7 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -38,6 +40,11 @@ from lightning_d9d.token_packing import microbatch_tensors
 from lightning_d9d.token_stream import StreamSpec, TokenStream
 
 StreamStates = dict[int, dict[str, Any]]
+
+# A worker's tokenizer calls hold at most this much text (about 75K tokens of English or code, ~0.1 s on one
+# core): 128 long documents can be 4 MB, which made a worker's rows come in ~1.5 s bursts and held ~70 MB of
+# Encodings per call in flight; a call's size buys no speed on one core. Rows never depend on it.
+WORKER_CHUNK_CHARS = 1 << 18
 
 
 @dataclass
@@ -103,6 +110,8 @@ def rank_stream_iterator(spec: StreamSpec, rank: int, num_workers: int, states: 
         states: saved stream states by global stream number (missing: start from the beginning).
     """
     streams = max(1, num_workers)
+    if num_workers > 0:
+        spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS)
     consumed = sum(int(states[stream_id(rank, w, num_workers)]["batches"]) for w in range(streams)
                    if stream_id(rank, w, num_workers) in states)
     dataset = _WorkerStreams(spec, rank, num_workers, states, rotation=consumed % streams)

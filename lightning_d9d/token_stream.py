@@ -1,14 +1,15 @@
 """Token stream: one resumable, endless stream of packed microbatches per (rank, worker).
 
 Algorithm: the stream walks its share of row groups (``parquet_source.deal``) pass after pass, reads each row
-group's text column, and cuts it into chunks of ``tokenizer_batch_size`` rows. A reader thread reads ahead and
-hands chunks to one tokenizing thread (``Tokenizer.encode_batch_fast`` releases the GIL and uses every core, or
-one core in a DataLoader worker: ``token_loader``); the consuming thread converts each chunk's ids to numpy
-while the next chunk is being tokenized (the spent ``Encoding`` objects go back to the tokenizing thread, which
-frees them between two calls), takes the chunks strictly in order and packs rows (``token_packing``) into
-microbatches of ``seq_len + 1``-token int32 rows; nothing it produces depends on timing. The rows stay compact
-int32 numpy until the consuming process: from a DataLoader worker they travel pickled through its pipe, which
-measured cheaper than the three int64 shared-memory tensors per microbatch built from them (``token_loader``).
+group's text column, and cuts it into chunks of ``tokenizer_batch_size`` rows (fewer where ``chunk_chars``
+caps a chunk's text). A reader thread reads ahead and hands chunks to one tokenizing thread
+(``Tokenizer.encode_batch_fast`` releases the GIL and uses every core, or one core in a DataLoader worker:
+``token_loader``); the consuming thread converts each chunk's ids to numpy while the next chunk is being
+tokenized (the spent ``Encoding`` objects go back to the tokenizing thread, which frees them between two
+calls), takes the chunks strictly in order and packs rows (``token_packing``) into microbatches of
+``seq_len + 1``-token int32 rows; nothing it produces depends on timing. The rows stay compact int32 numpy until
+the consuming process: from a DataLoader worker they travel pickled through its pipe, which measured cheaper
+than the three int64 shared-memory tensors per microbatch built from them (``token_loader``).
 
 State: every microbatch comes with the stream's position *after* it, as a few integers:
 
@@ -90,9 +91,13 @@ class StreamSpec:
         seed: seeds the per-pass row-group order.
         shuffle: reshuffle row groups every pass (``False``: file order, for validation).
         num_streams: total streams (ranks x workers) the row groups are dealt to.
-        tokenizer_batch_size: documents per ``encode_batch_fast`` call (and per chunk).
+        tokenizer_batch_size: documents per ``encode_batch_fast`` call (and per chunk), at most.
         buffer_size: best-fit's document buffer.
         prefetch: chunks the background reader may run ahead (0: no thread, read inline).
+        chunk_chars: a chunk also ends before its text passes this many characters (0: no limit; a single
+            longer document is a chunk of its own). A tokenizer on one core gains nothing from large calls,
+            whereas a call's size sets how bursty the rows come and how much memory its ``Encoding`` objects
+            hold: ``token_loader`` sets it for DataLoader workers.
     """
 
     index: RowGroupIndex
@@ -107,6 +112,7 @@ class StreamSpec:
     tokenizer_batch_size: int = 128
     buffer_size: int = 1000
     prefetch: int = 4
+    chunk_chars: int = 0
 
     @property
     def capacity(self) -> int:
@@ -125,6 +131,7 @@ class _Chunk:
     payload: Any  # concat: 1-D int32 tokens; bestfit: list of row-sized prefixes
     raw_docs: int
     empty: int
+    before: dict[str, int] | None = None  # the position just after the last document of earlier chunks
 
     def counters_before(self, doc: int) -> tuple[int, int, int]:
         """(documents, empty ones, tokens) read before non-empty document ``doc`` of this chunk."""
@@ -178,9 +185,15 @@ class TokenStream:
                 group = int(groups[slot])
                 texts = spec.index.read_texts(group)
                 found_text = found_text or any(texts[row:])
+                # chars[i]: characters of texts[:i], to end a chunk before it passes chunk_chars.
+                chars = np.cumsum([0] + [len(t) if t else 0 for t in texts]) if spec.chunk_chars else None
                 while row < len(texts):
-                    yield pass_index, slot, row, group, texts[row:row + size]
-                    row += size
+                    end = min(row + size, len(texts))
+                    if chars is not None:
+                        fits = int(np.searchsorted(chars, chars[row] + spec.chunk_chars, side="right")) - 1
+                        end = max(row + 1, min(end, fits))
+                    yield pass_index, slot, row, group, texts[row:end]
+                    row = end
                     size = min(2 * size, spec.tokenizer_batch_size)
                 slot, row = slot + 1, 0
             if not found_text and start[1:] == (0, 0):
@@ -231,11 +244,14 @@ class TokenStream:
         changes what is produced.
         """
         docs, empty, tokens = counters
+        before = {"pass": start[0], "slot": start[1], "row": start[2], "docs": docs, "empty": empty, "tokens": tokens}
         for chunk in self._ordered(self._raw_chunks(start)):
-            chunk.counters = (docs, empty, tokens)
+            chunk.counters, chunk.before = (docs, empty, tokens), before
             docs += chunk.raw_docs
             empty += chunk.empty
             tokens += int(chunk.lengths.sum())
+            if len(chunk.doc_rows):
+                before = self._position(chunk, len(chunk.doc_rows))
             yield chunk
 
     def _ordered(self, raw: Iterator[tuple]) -> Iterator[_Chunk]:
@@ -365,14 +381,23 @@ class TokenStream:
         finally:
             chunks.close()
 
-    def _position(self, chunk: _Chunk, doc: int) -> dict[str, int]:
-        """The stream position *at* non-empty document ``doc`` of ``chunk`` (``doc == n``: just after the last)."""
-        if doc < len(chunk.doc_rows):
+    def _position(self, chunk: _Chunk, doc: int, inside: bool = False) -> dict[str, int]:
+        """The stream position before non-empty document ``doc`` of ``chunk`` (``doc == n``: after the last).
+
+        ``inside``: a position inside document ``doc`` (concat's offset > 0) names that document's row. Between
+        documents it is the row just after the previous document, whose following empty rows are not yet read:
+        a chunk boundary can fall anywhere among them, so only this form keeps states independent of how
+        documents were batched for the tokenizer.
+        """
+        if inside:
             docs, empty, tokens = chunk.counters_before(doc)
             return {"pass": chunk.pass_index, "slot": chunk.slot, "row": int(chunk.doc_rows[doc]), "docs": docs,
                     "empty": empty, "tokens": tokens}
+        if doc == 0:
+            return dict(chunk.before)
         docs, empty, tokens = chunk.counters_before(doc - 1)
-        pass_index, slot, row = self._advance(chunk.pass_index, chunk.slot, chunk.group, int(chunk.doc_rows[-1]) + 1)
+        row_after = int(chunk.doc_rows[doc - 1]) + 1
+        pass_index, slot, row = self._advance(chunk.pass_index, chunk.slot, chunk.group, row_after)
         return {"pass": pass_index, "slot": slot, "row": row, "docs": docs + 1, "empty": empty,
                 "tokens": tokens + int(chunk.lengths[doc - 1])}
 
@@ -400,7 +425,7 @@ class TokenStream:
                     skip = 0
                 rows = packer.take(spec.microbatch_size)
             chunk, doc, offset = packer.position()
-            state.update(self._position(chunk, doc))
+            state.update(self._position(chunk, doc, inside=offset > 0))
             state["offset"] = offset
             state["batches"] += 1
             state["emitted"] += rows.size

@@ -190,6 +190,39 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
 
 
 @pytest.mark.parametrize("packing", ["concat", "bestfit"])
+def test_capping_each_tokenizer_calls_text_changes_no_row_or_state(corpus: dict, packing: str, monkeypatch) -> None:
+    """Workers cap a call's text (``chunk_chars``); rows, states and resume never depend on how documents were
+    batched for the tokenizer."""
+    plain = spec_for(corpus, packing, seq_len=40)
+    capped = dataclasses.replace(plain, chunk_chars=600)
+    full = take(TokenStream(plain, 0), 80)
+    calls: list[tuple[int, int]] = []  # (documents, characters) per encode call
+    from lightning_d9d import token_stream
+    real = token_stream.load_tokenizer
+
+    class Spy:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode_batch_fast(self, texts, **options):
+            calls.append((len(texts), sum(map(len, texts))))
+            return self.tok.encode_batch_fast(texts, **options)
+
+    monkeypatch.setattr(token_stream, "load_tokenizer", lambda s: Spy(real(s)))
+    resumed_at = 30
+    for got, want in ((take(TokenStream(capped, 0), 80), full),
+                      (take(TokenStream(capped, 0, full[resumed_at][3]), 49), full[resumed_at + 1:])):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+            assert a[3].keys() == b[3].keys()
+            for key in a[3]:
+                np.testing.assert_array_equal(a[3][key], b[3][key], err_msg=key)
+    assert all(docs == 1 or chars <= 600 for docs, chars in calls), calls
+    assert any(docs > 1 for docs, _ in calls) and any(chars > 600 for _, chars in calls)  # a long doc alone
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit"])
 def test_worker_processes_hand_over_exactly_their_streams_rows_round_robin(corpus: dict, packing: str) -> None:
     """Rows cross from the DataLoader workers as compact int32 arrays, each stream's in its own order."""
     spec = spec_for(corpus, packing, streams=4)  # 2 ranks x 2 workers; this is rank 1
