@@ -7,8 +7,9 @@ text.
 
 Two corpora from the same text: *long* (one document per file/topic, many longer than a row) and *short* (the
 same text split at blank lines). For each, side by side in one process, best of ``--runs`` runs, each timed
-from its first batch for ``--long-seconds`` / ``--seconds`` (a tokenizer batch of long documents is ~0.6 M
-tokens, so their rows come in bursts and need the longer window):
+from its first batch for ``--long-seconds`` / ``--seconds`` (the in-process stream's tokenizer batch of 128 long
+documents is ~0.6 M tokens, so its rows come in bursts and need the longer window; workers cap each call at 256K
+characters, ~75K tokens):
 
 * ``bare``: ``Tokenizer.encode_batch_fast`` over the documents in memory (all cores), tokens produced per s;
 * ``DataModule``: the public path, ``PretrainingDataModule(..., num_workers=2).train_dataloader()`` iterated
@@ -388,8 +389,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per run, short documents")
     parser.add_argument("--long-seconds", type=float, default=8.0,
-                        help="timed seconds per run, long documents (a tokenizer batch of them is ~0.6 M tokens, "
-                             "so rows come in bursts: a short window measures the bursts, not the rate)")
+                        help="timed seconds per run, long documents (an in-process tokenizer batch of them is ~0.6 M "
+                             "tokens, so rows come in bursts: a short window measures the bursts, not the rate)")
     parser.add_argument("--runs", type=int, default=4, help="runs per configuration (best is kept)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the DataModule path")
     parser.add_argument("--skip-ref", action="store_true", help="skip the reference ports")
@@ -534,7 +535,9 @@ def report(name: str, r: dict, workers: int) -> None:
         print(f"  bestfit / (yield x concat), steady     {bestfit['work'] / concat['work']:.2f}  (target >= 0.85; "
               "= bestfit's tokenizing rate / concat's)")
         if name == "short":
-            print(f"  bestfit / concat, rows                 {bestfit['tps'] / concat['tps']:.2f}  (target >= 0.80)")
+            print(f"  bestfit / concat, rows                 {bestfit['tps'] / concat['tps']:.2f}  (target >= 0.80; = the "
+                  f"line above x bestfit's rows / tokenized in the window, {bestfit['tps'] / bestfit['work']:.2f}: "
+                  "documents longer than a row pile up in its buffer, as in the reference)")
         if "ref_bestfit" in r:
             print(f"  bestfit / ref bestfit, tokenizing      {bestfit['work'] / r['ref_bestfit']['work']:.2f}  "
                   f"(target >= 1.00; rows in the window: {bestfit['tps'] / r['ref_bestfit']['tps']:.2f})")
