@@ -12,8 +12,9 @@ documents is ~0.6 M tokens, so its rows come in bursts and need the longer windo
 characters, ~75K tokens):
 
 * ``bare``: ``Tokenizer.encode_batch_fast`` over the documents in memory (all cores), tokens produced per s;
-* ``DataModule``: the public path, ``PretrainingDataModule(..., num_workers=2).train_dataloader()`` iterated
-  (each worker tokenizes on one core), tokens *emitted in rows* per s;
+* ``DataModule``: the public path, ``PretrainingDataModule(..., num_workers=W).train_dataloader()`` iterated
+  (each worker tokenizes on one core; ``--workers`` defaults to the cores this process may use, as many as the
+  bare tokenizer's pool), tokens *emitted in rows* per s;
 * ``in-process stream``: ``token_stream.TokenStream`` in this process (what ``num_workers=0`` runs; the
   tokenizer's own pool uses all cores);
 * ``ref concat`` / ``ref bestfit``: straightforward ports of the reference loader (nanochat's deque concat
@@ -175,6 +176,14 @@ def ref_bestfit(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, 
 
 
 # ------------------------------------------------------------------------------------------------ timing
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all CPUs where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def proc_stat(path: str) -> tuple[int, float] | None:
     """``(parent pid, CPU seconds: utime + stime)`` from a Linux ``/proc/.../stat`` file; None if unreadable."""
     try:
@@ -392,7 +401,9 @@ def main() -> None:
                         help="timed seconds per run, long documents (an in-process tokenizer batch of them is ~0.6 M "
                              "tokens, so rows come in bursts: a short window measures the bursts, not the rate)")
     parser.add_argument("--runs", type=int, default=4, help="runs per configuration (best is kept)")
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the DataModule path")
+    parser.add_argument("--workers", type=int, default=available_cores(),
+                        help="DataLoader workers of the DataModule path (default: the cores this process may use, "
+                             "as many as the bare tokenizer uses)")
     parser.add_argument("--skip-ref", action="store_true", help="skip the reference ports")
     parser.add_argument("--quick", action="store_true", help="a 2 MB corpus, 1 short run each (smoke test)")
     args = parser.parse_args()
@@ -402,7 +413,7 @@ def main() -> None:
     texts = stdlib_texts(args.mb)
     short = [p for t in texts for p in t.split("\n\n") if p.strip()]
     print(f"corpus: {len(texts)} long documents / {len(short)} short, {sum(map(len, texts)) / 1e6:.1f} MB; "
-          f"{os.cpu_count()} CPUs; seq_len={args.seq_len}, microbatch={args.microbatch}, "
+          f"{available_cores()} cores; seq_len={args.seq_len}, microbatch={args.microbatch}, "
           f"DataModule num_workers={args.workers}")
     t0 = time.perf_counter()
     tok = train_tokenizer(texts[:: max(1, len(texts) // 300)], args.vocab)  # a sample is enough for a BPE
@@ -415,7 +426,8 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, docs, rg, seconds in (("long", texts, 128, args.long_seconds), ("short", short, 1024, args.seconds)):
-            files = write_corpus(Path(tmp) / name, docs, rg)
+            # Smaller row groups where needed, so that every worker's stream gets at least four.
+            files = write_corpus(Path(tmp) / name, docs, min(rg, max(1, len(docs) // (4 * args.workers))))
             index = RowGroupIndex.scan(files, "text")
             # The bare tokenizer gets the documents in the order our stream reads them (pass 0, seed 0).
             in_order = [t for g in pass_order(len(index), 0, 0).tolist() for t in index.read_texts(g) if t]
