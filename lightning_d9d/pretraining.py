@@ -81,7 +81,8 @@ class PretrainingDataModule(SteppedDataModule):
             this is the number of cores a rank tokenizes on. 0 runs one stream in the training process, whose
             tokenizer then uses every core.
         tokenizer_batch_size: documents per ``encode_batch_fast`` call, at most (a worker's call also ends at
-            256K characters of text: on one core a larger call is no faster, only burstier).
+            ``token_loader.WORKER_CHUNK_CHARS`` characters of text: on one core a larger call is no faster, only
+            burstier).
         seed: seeds the row-group order of every pass.
         bestfit_buffer_size: documents best-fit chooses from.
         pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.

@@ -106,11 +106,11 @@ def rank_stream_iterator(spec: StreamSpec, rank: int, num_workers: int, states: 
         spec: the streams' configuration (``spec.num_streams`` must be ``world_size * max(1, num_workers)``).
         rank: this rank.
         num_workers: DataLoader worker processes (0: the one stream runs in this process, with its reader
-            thread).
+            thread). Workers cap each tokenizer call at ``WORKER_CHUNK_CHARS`` unless ``spec.chunk_chars`` is set.
         states: saved stream states by global stream number (missing: start from the beginning).
     """
     streams = max(1, num_workers)
-    if num_workers > 0:
+    if num_workers > 0 and not spec.chunk_chars:
         spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS)
     consumed = sum(int(states[stream_id(rank, w, num_workers)]["batches"]) for w in range(streams)
                    if stream_id(rank, w, num_workers) in states)

@@ -13,11 +13,13 @@ than the three int64 shared-memory tensors per microbatch built from them (``tok
 
 State: every microbatch comes with the stream's position *after* it, as a few integers:
 
-* ``pass``/``slot``/``row``: the next document to add to best-fit's buffer, or the document holding concat's
-  next unemitted token plus ``offset`` into its tokens. On resume reading restarts at that document; the
-  carried-over tokens are recomputed, not saved. Packers take documents one at a time, so what they hold
-  never depends on how documents were batched for the tokenizer: after a start or resume the batches grow
-  1, 2, 4, ... up to ``tokenizer_batch_size``, so the first microbatch waits for a few documents only.
+* ``pass``/``slot``/``row``: where reading resumes. Inside a document (concat's next unemitted token, ``offset``
+  tokens into it) it is that document's row; between documents it is the row just after the last document
+  taken (which may be an empty row, not yet counted). On resume reading restarts there; the carried-over
+  tokens are recomputed, not saved. Packers take documents one at a time and positions never name a chunk
+  boundary, so neither what packers hold nor any state depends on how documents were batched for the
+  tokenizer: after a start or resume the batches grow 1, 2, 4, ... up to ``tokenizer_batch_size``, so the
+  first microbatch waits for a few documents only.
 * best-fit's buffer as one ``(documents, 5)`` int64 tensor: insertion number, token length, row group, row,
   and a checksum of the row-sized prefix. On resume the buffer is rebuilt from these rows at once (a pick
   needs only lengths); each document's text is re-read and its tokens are recomputed only when it is picked.
@@ -131,7 +133,9 @@ class _Chunk:
     payload: Any  # concat: 1-D int32 tokens; bestfit: list of row-sized prefixes
     raw_docs: int
     empty: int
-    before: dict[str, int] | None = None  # the position just after the last document of earlier chunks
+    # The position just after the last document of earlier chunks, or where reading started (which may be
+    # inside this chunk's first document, after a resume).
+    before: dict[str, int] | None = None
 
     def counters_before(self, doc: int) -> tuple[int, int, int]:
         """(documents, empty ones, tokens) read before non-empty document ``doc`` of this chunk."""
@@ -163,6 +167,8 @@ class TokenStream:
     def __init__(self, spec: StreamSpec, stream: int, state: dict[str, Any] | None = None) -> None:
         if spec.packing not in PACKINGS:
             raise ValueError(f"packing={spec.packing!r} is not one of {PACKINGS}")
+        if spec.chunk_chars < 0:
+            raise ValueError(f"chunk_chars={spec.chunk_chars} must be >= 0 (0: no limit)")
         self.spec = spec
         self.stream = stream
         self.state = dict(state) if state is not None else _initial_state()

@@ -16,7 +16,7 @@ from lightning_d9d.token_loader import rank_stream_iterator
 from lightning_d9d.token_packing import microbatch_tensors
 from lightning_d9d.token_stream import StreamSpec, TokenStream, estimate_pass
 
-from pretraining_helpers import BOS, make_docs, train_tokenizer, write_parquet
+from pretraining_helpers import BOS, WORDS, make_docs, train_tokenizer, write_parquet
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +162,25 @@ def test_resume_from_any_microbatch_is_byte_identical(corpus: dict, packing: str
             assert {k: v for k, v in a[3].items() if k != "buffer"} == {k: v for k, v in b[3].items() if k != "buffer"}
 
 
+def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
+    """Record the texts of every ``encode_batch_fast`` call the token streams make from now on."""
+    from lightning_d9d import token_stream
+
+    calls: list[list[str]] = []
+    real = token_stream.load_tokenizer
+
+    class Spy:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode_batch_fast(self, texts, **options):
+            calls.append(list(texts))
+            return self.tok.encode_batch_fast(texts, **options)
+
+    monkeypatch.setattr(token_stream, "load_tokenizer", lambda s: Spy(real(s)))
+    return calls
+
+
 def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict, monkeypatch) -> None:
     spec = spec_for(corpus, "bestfit", seq_len=12, buffer_size=24)
     full = take(TokenStream(spec, 0), 40)
@@ -169,57 +188,63 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
     buffer = state["buffer"]
     assert (buffer[:, 1] > spec.capacity).any()  # long documents are buffered
     assert state["buffer"].nbytes + 200 < 1 << 20
-    encoded: list[int] = []
-    from lightning_d9d import token_stream
-    real = token_stream.load_tokenizer
-
-    class Spy:
-        def __init__(self, tok):
-            self.tok = tok
-
-        def encode_batch_fast(self, texts, **options):
-            encoded.extend(len(t) for t in texts)
-            return self.tok.encode_batch_fast(texts, **options)
-
-    monkeypatch.setattr(token_stream, "load_tokenizer", lambda s: Spy(real(s)))
+    calls = spy_on_tokenizer_calls(monkeypatch)
     resumed = take(TokenStream(spec, 0, state), 19)
     for a, b in zip(full[21:], resumed):
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
     longest = max(len(t) for g in range(len(spec.index)) for t in spec.index.read_texts(g) if t)
-    assert max(encoded) < longest  # the longest buffered documents were not re-tokenized whole
+    assert max(len(t) for texts in calls for t in texts) < longest  # the longest were not re-tokenized whole
+
+
+def assert_same_microbatches(got: list, want: list) -> None:
+    """Identical tensors and identical states (best-fit's buffer included), microbatch by microbatch."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+        assert a[3].keys() == b[3].keys()
+        for key in a[3]:
+            np.testing.assert_array_equal(a[3][key], b[3][key], err_msg=key)
 
 
 @pytest.mark.parametrize("packing", ["concat", "bestfit"])
-def test_capping_each_tokenizer_calls_text_changes_no_row_or_state(corpus: dict, packing: str, monkeypatch) -> None:
-    """Workers cap a call's text (``chunk_chars``); rows, states and resume never depend on how documents were
-    batched for the tokenizer."""
-    plain = spec_for(corpus, packing, seq_len=40)
-    capped = dataclasses.replace(plain, chunk_chars=600)
-    full = take(TokenStream(plain, 0), 80)
-    calls: list[tuple[int, int]] = []  # (documents, characters) per encode call
-    from lightning_d9d import token_stream
-    real = token_stream.load_tokenizer
+def test_how_documents_are_batched_for_the_tokenizer_changes_no_row_or_state(corpus: dict, packing: str,
+                                                                             monkeypatch, tmp_path: Path) -> None:
+    """Workers cap a call's text (``chunk_chars``); rows, states and resume from any of them must not depend on
+    where calls end, even where a state points at an empty row that one batching has read and another not."""
+    if packing == "concat":
+        # concat's states fall between documents only where a microbatch ends exactly at one: documents of 5
+        # tokens (BOS + 4 words) fill a 2 x 25-token microbatch exactly, and every third row is empty or null.
+        rng = np.random.default_rng(5)
+        docs = [None if i % 6 == 2 else "" if i % 6 == 5 else " ".join(rng.choice(WORDS, 4)) for i in range(600)]
+        write_parquet(tmp_path / "aligned", docs, files=3, row_group_size=20)
+        index = RowGroupIndex.scan(resolve_files(str(tmp_path / "aligned")), "text")
+        plain, cap = spec_for({**corpus, "index": index}, packing, streams=4, seq_len=24), 40
+    else:
+        plain, cap = spec_for(corpus, packing, streams=4, seq_len=40), 600
+    n = 120
+    full = take(TokenStream(plain, 1), n)
+    assert len({state["pass"] for *_, state in full}) > 1, "the run must cross a pass boundary"
 
-    class Spy:
-        def __init__(self, tok):
-            self.tok = tok
+    def text_at(state: dict) -> str | None:
+        groups = deal(pass_order(len(plain.index), plain.seed, state["pass"], plain.shuffle), 1, plain.num_streams)
+        texts = plain.index.read_texts(int(groups[state["slot"]]))
+        return texts[state["row"]] if state["row"] < len(texts) else "(end)"
 
-        def encode_batch_fast(self, texts, **options):
-            calls.append((len(texts), sum(map(len, texts))))
-            return self.tok.encode_batch_fast(texts, **options)
+    assert any(not text_at(state) for *_, state in full), "no state points at an empty row: the case is untested"
 
-    monkeypatch.setattr(token_stream, "load_tokenizer", lambda s: Spy(real(s)))
-    resumed_at = 30
-    for got, want in ((take(TokenStream(capped, 0), 80), full),
-                      (take(TokenStream(capped, 0, full[resumed_at][3]), 49), full[resumed_at + 1:])):
-        assert len(got) == len(want)
-        for a, b in zip(got, want):
-            assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
-            assert a[3].keys() == b[3].keys()
-            for key in a[3]:
-                np.testing.assert_array_equal(a[3][key], b[3][key], err_msg=key)
-    assert all(docs == 1 or chars <= 600 for docs, chars in calls), calls
-    assert any(docs > 1 for docs, _ in calls) and any(chars > 600 for _, chars in calls)  # a long doc alone
+    calls = spy_on_tokenizer_calls(monkeypatch)
+    capped = dataclasses.replace(plain, chunk_chars=cap)
+    assert_same_microbatches(take(TokenStream(capped, 1), n), full)
+    sizes = [(len(texts), sum(map(len, texts))) for texts in calls]
+    assert all(docs == 1 or chars <= cap for docs, chars in sizes), sizes
+    assert any(docs > 1 for docs, _ in sizes)
+    assert any(chars > cap for _, chars in sizes) == (packing == "bestfit")  # only that corpus has longer docs
+    one_per_call = dataclasses.replace(plain, tokenizer_batch_size=1)  # a call boundary after every document
+    for variant in (capped, one_per_call):
+        if variant is one_per_call:
+            assert_same_microbatches(take(TokenStream(variant, 1), n), full)
+        for cut in (17, 45, 90):
+            assert_same_microbatches(take(TokenStream(variant, 1, full[cut][3]), n - cut - 1), full[cut + 1:])
 
 
 @pytest.mark.parametrize("packing", ["concat", "bestfit"])
