@@ -361,3 +361,9 @@ def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Pa
     assert state["empty"] == 2 * state["docs"] // 3 > 0
     stats = dm.stream_stats()
     assert stats["empty"] == state["empty"] and stats["emitted"] == 6 * 5 and stats["crops"] == 0
+
+
+def test_negative_chunk_chars_names_the_value(corpus: dict) -> None:
+    spec = dataclasses.replace(spec_for(corpus, "concat"), chunk_chars=-1)
+    with pytest.raises(ValueError, match=r"chunk_chars=-1 must be >= 0 \(0: no limit\)"):
+        TokenStream(spec, 0)
