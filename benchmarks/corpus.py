@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_d9d.demo_corpus import stdlib_sources
+from lightning_d9d.demo.corpus import stdlib_sources
 
 # Bump when the corpus recipe changes: it is part of the cache key.
 _FORMAT_VERSION = 1
@@ -119,7 +119,7 @@ def load_demo_corpus() -> Corpus:
     """
     from tokenizers import Tokenizer
 
-    from lightning_d9d.demo_corpus import build_demo_corpus, demo_texts
+    from lightning_d9d.demo.corpus import build_demo_corpus, demo_texts
 
     tokenizer = Tokenizer.from_file(build_demo_corpus().tokenizer_path)
     train, _ = demo_texts()

@@ -50,7 +50,9 @@ def check_loader_pins_dataclasses(microbatch: int, seq_len: int) -> None:
         return Batch(ids, torch.ones_like(ids), ids.clone())
 
     for workers in (0, 2):
-        dm = D9DDataModule(samples, collate, global_batch_size=microbatch, microbatch_size=microbatch, num_workers=workers)
+        dm = D9DDataModule(
+            samples, collate, global_batch_size=microbatch, microbatch_size=microbatch, num_workers=workers
+        )
         dm.setup("fit")
         batch = next(iter(dm.train_dataloader()))
         pinned = [t.is_pinned() for t in dataclasses.astuple(batch)]
@@ -134,7 +136,10 @@ def main() -> None:
         hidden = 1 - (ms[variant] - ms["compute"]) / ms[copy]
         print(f"{variant:>15}: copy {ms[copy]:.3f} ms, {100 * max(0.0, hidden):.0f} % of it hidden behind compute")
     print(f"pinned vs unpinned step time: {ms['pinned step'] / ms['unpinned step']:.3f}x")
-    print(f"H2D bandwidth: pageable {bytes_per_batch / ms['copy pageable'] / 1e6:.1f} GB/s, pinned {bytes_per_batch / ms['copy pinned'] / 1e6:.1f} GB/s")
+    print(
+        f"H2D bandwidth: pageable {bytes_per_batch / ms['copy pageable'] / 1e6:.1f} GB/s, "
+        f"pinned {bytes_per_batch / ms['copy pinned'] / 1e6:.1f} GB/s"
+    )
 
 
 if __name__ == "__main__":

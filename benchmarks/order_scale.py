@@ -55,6 +55,7 @@ def python_key(index: int) -> int:
 def _first_batch(case: str, key_file: str | None) -> tuple[float, float, Any]:
     """Build a DataModule for ``case``; return (setup seconds, first-batch seconds, the batch)."""
     from common import IndexDataset
+
     from lightning_d9d import D9DDataModule
 
     if case == "memmap":
@@ -78,7 +79,6 @@ def _first_batch(case: str, key_file: str | None) -> tuple[float, float, Any]:
 def child(case: str, key_file: str | None, randperm_size: int) -> dict[str, Any]:
     """Run one case in this (fresh) process and return its figures."""
     import torch
-
     from common import process_kib, reset_peak_rss
 
     if case == "randperm":
@@ -125,7 +125,7 @@ def write_key_file(path: str) -> float:
 
     began = time.perf_counter()
     lengths = np.minimum(load_corpus().lengths, np.iinfo(np.uint16).max).astype(np.uint16)
-    chunk = np.tile(lengths, -(-2**24 // len(lengths)))[: 2**24]
+    chunk = np.tile(lengths, -(-(2**24) // len(lengths)))[: 2**24]
     with open(path, "wb") as file:
         for start in range(0, SIZE, len(chunk)):
             chunk[: SIZE - start].tofile(file)

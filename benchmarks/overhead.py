@@ -30,10 +30,10 @@ import warnings
 from collections.abc import Callable, Iterable
 
 import torch
+from common import print_verdicts
+from corpus import TokenDataset, load_corpus, pad_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from corpus import TokenDataset, load_corpus, pad_collate
-from common import print_verdicts
 from lightning_d9d import D9DDataModule
 
 MICROBATCH = 8

@@ -25,9 +25,9 @@ import argparse
 import time
 
 import numpy as np
-
-from corpus import TokenDataset, describe_lengths, load_corpus, load_demo_corpus, pad_collate
 from common import print_verdicts
+from corpus import TokenDataset, describe_lengths, load_corpus, load_demo_corpus, pad_collate
+
 from lightning_d9d import D9DDataModule
 
 MICROBATCH = 8

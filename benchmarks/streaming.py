@@ -63,12 +63,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import print_verdicts  # noqa: E402
+from common import print_verdicts
 
-from lightning_d9d.parquet_source import RowGroupIndex, pass_order, resolve_files  # noqa: E402
-from lightning_d9d.pretraining import PretrainingDataModule  # noqa: E402
-from lightning_d9d.token_packing import BestFitPacker  # noqa: E402
-from lightning_d9d.token_stream import StreamSpec, TokenStream, load_tokenizer  # noqa: E402
+from lightning_d9d.datamodules.pretraining import PretrainingDataModule
+from lightning_d9d.streaming.packing import BestFitPacker
+from lightning_d9d.streaming.source import RowGroupIndex, pass_order, resolve_files
+from lightning_d9d.streaming.stream import StreamSpec, TokenStream, load_tokenizer
 
 BOS = "<|bos|>"
 
@@ -116,7 +116,7 @@ def ref_document_batches(index: RowGroupIndex, batch_size: int):
         for group in pass_order(len(index), 0, pass_index).tolist():
             docs = index.read_texts(group)
             for i in range(0, len(docs), batch_size):
-                yield docs[i:i + batch_size]
+                yield docs[i : i + batch_size]
 
 
 def ref_concat(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict):
@@ -126,7 +126,7 @@ def ref_concat(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, b
     token_buffer: deque = deque()
     while True:
         while len(token_buffer) < needed:
-            token_lists = [[bos] + e.ids for e in tok.encode_batch_fast(next(batches))]
+            token_lists = [[bos, *e.ids] for e in tok.encode_batch_fast(next(batches))]
             for tokens in token_lists:
                 token_buffer.extend(tokens)
                 stats["tokenized"] += len(tokens)
@@ -136,15 +136,23 @@ def ref_concat(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, b
         yield scratch[:-1].view(B, T), scratch[1:].view(B, T)
 
 
-def ref_bestfit(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict,
-                buffer_size: int = 1000):
+def ref_bestfit(
+    index: RowGroupIndex,
+    tok: Tokenizer,
+    bos: int,
+    B: int,
+    T: int,
+    batch_size: int,
+    stats: dict,
+    buffer_size: int = 1000,
+):
     """nanochat's best-fit loader: Python scan of the buffer per pick, cropped remainder dropped."""
     batches = ref_document_batches(index, batch_size)
     row_capacity = T + 1
     doc_buffer: list[list[int]] = []
 
     def refill_buffer() -> None:
-        for tokens in ([bos] + e.ids for e in tok.encode_batch_fast(next(batches))):
+        for tokens in ([bos, *e.ids] for e in tok.encode_batch_fast(next(batches))):
             doc_buffer.append(tokens)
             stats["tokenized"] += len(tokens)
 
@@ -163,12 +171,12 @@ def ref_bestfit(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, 
                         best_idx, best_len = i, doc_len
                 if best_idx >= 0:
                     doc = doc_buffer.pop(best_idx)
-                    row_buffer[row_idx, pos:pos + len(doc)] = torch.tensor(doc, dtype=torch.long)
+                    row_buffer[row_idx, pos : pos + len(doc)] = torch.tensor(doc, dtype=torch.long)
                     pos += len(doc)
                 else:
                     shortest_idx = min(range(len(doc_buffer)), key=lambda i: len(doc_buffer[i]))
                     doc = doc_buffer.pop(shortest_idx)
-                    row_buffer[row_idx, pos:pos + remaining] = torch.tensor(doc[:remaining], dtype=torch.long)
+                    row_buffer[row_idx, pos : pos + remaining] = torch.tensor(doc[:remaining], dtype=torch.long)
                     stats["cropped"] += len(doc) - remaining
                     pos += remaining
         stats["emitted"] += B * row_capacity
@@ -242,15 +250,20 @@ def timed(iterator, seconds: float, marker) -> dict:
         next(iterator)
         batches += 1
         now, current = time.perf_counter(), marker()
-        if current != previous and now - start >= seconds or now - start >= 8 * seconds:
+        if (current != previous and now - start >= seconds) or now - start >= 8 * seconds:
             break
         previous = current
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     threads_after = thread_cpu()
     if hasattr(iterator, "close"):
         iterator.close()
-    return {"elapsed": elapsed, "cpu": cpu, "batches": batches, "opened": opened,
-            "threads": (threads_before, threads_after)}
+    return {
+        "elapsed": elapsed,
+        "cpu": cpu,
+        "batches": batches,
+        "opened": opened,
+        "threads": (threads_before, threads_after),
+    }
 
 
 def measure_bare(tok: Tokenizer, docs: list[str], batch_size: int, seconds: float) -> dict:
@@ -260,13 +273,17 @@ def measure_bare(tok: Tokenizer, docs: list[str], batch_size: int, seconds: floa
     threads_before = thread_cpu()
     tokens, start, cpu, i = 0, time.perf_counter(), time.process_time(), batch_size
     while time.perf_counter() - start < seconds:
-        batch = docs[i:i + batch_size] or docs[:batch_size]
+        batch = docs[i : i + batch_size] or docs[:batch_size]
         i = i + batch_size if i + batch_size < len(docs) else 0
         encodings = tok.encode_batch_fast(batch, add_special_tokens=False)
         tokens += sum(map(len, encodings)) + len(batch)  # + BOS, as the loaders count
     rate = tokens / (time.perf_counter() - start)
-    return {"tps": rate, "work": rate, "work_cpu": tokens / (time.process_time() - cpu),
-            **cpu_split(threads_before, thread_cpu(), tokens)}
+    return {
+        "tps": rate,
+        "work": rate,
+        "work_cpu": tokens / (time.process_time() - cpu),
+        **cpu_split(threads_before, thread_cpu(), tokens),
+    }
 
 
 def measure_ours(spec: StreamSpec, seconds: float) -> dict:
@@ -289,8 +306,13 @@ def measure_ours(spec: StreamSpec, seconds: float) -> dict:
     s0, s1 = marks[run["opened"]], last["state"]
     emitted = s1["emitted"] - s0["emitted"]
     tokenized = s1["tokens"] - s0["tokens"]
-    return {"tps": emitted / run["elapsed"], "work": tokenized / run["elapsed"], "work_cpu": tokenized / run["cpu"],
-            "state": s1, **cpu_split(*run["threads"], tokenized)}
+    return {
+        "tps": emitted / run["elapsed"],
+        "work": tokenized / run["elapsed"],
+        "work_cpu": tokenized / run["cpu"],
+        "state": s1,
+        **cpu_split(*run["threads"], tokenized),
+    }
 
 
 def process_tree_cpu() -> float:
@@ -308,8 +330,16 @@ def process_tree_cpu() -> float:
     return total
 
 
-def measure_datamodule(files: list[str], tokenizer: Tokenizer, packing: str, num_workers: int, B: int, T: int,
-                       batch_size: int, seconds: float) -> dict:
+def measure_datamodule(
+    files: list[str],
+    tokenizer: Tokenizer,
+    packing: str,
+    num_workers: int,
+    B: int,
+    T: int,
+    batch_size: int,
+    seconds: float,
+) -> dict:
     """The public path: ``PretrainingDataModule(...).train_dataloader()``, iterated as Lightning would.
 
     Timed from its first batch of every stream (one per worker) for ``seconds``: the workers' start-up is untimed,
@@ -317,9 +347,18 @@ def measure_datamodule(files: list[str], tokenizer: Tokenizer, packing: str, num
     read from ``stream_stats()`` (as of the batches consumed, so batches the workers prefetched are not
     counted). CPU is this process plus its workers.
     """
-    dm = PretrainingDataModule(files, tokenizer, seq_len=T, global_batch_size=B, microbatch_size=B,
-                               packing=packing, num_workers=num_workers, steps_per_epoch=10**9,
-                               tokenizer_batch_size=batch_size, pin_memory=False)
+    dm = PretrainingDataModule(
+        files,
+        tokenizer,
+        seq_len=T,
+        global_batch_size=B,
+        microbatch_size=B,
+        packing=packing,
+        num_workers=num_workers,
+        steps_per_epoch=10**9,
+        tokenizer_batch_size=batch_size,
+        pin_memory=False,
+    )
     dm.setup("fit")
     iterator = iter(dm.train_dataloader())
     for _ in range(max(1, num_workers)):
@@ -365,7 +404,7 @@ def long_run_yield(tok: Tokenizer, docs: list[str], capacity: int, buffer_size: 
 
     def refill() -> None:
         length = next(fed)
-        packer.add(zeros[:min(length, capacity)], length, (0, 0))
+        packer.add(zeros[: min(length, capacity)], length, (0, 0))
 
     try:
         while True:
@@ -397,13 +436,21 @@ def main() -> None:
     parser.add_argument("--tokenizer-batch", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per run, short documents")
-    parser.add_argument("--long-seconds", type=float, default=8.0,
-                        help="timed seconds per run, long documents (an in-process tokenizer batch of them is ~0.6 M "
-                             "tokens, so rows come in bursts: a short window measures the bursts, not the rate)")
+    parser.add_argument(
+        "--long-seconds",
+        type=float,
+        default=8.0,
+        help="timed seconds per run, long documents (an in-process tokenizer batch of them is ~0.6 M "
+        "tokens, so rows come in bursts: a short window measures the bursts, not the rate)",
+    )
     parser.add_argument("--runs", type=int, default=4, help="runs per configuration (best is kept)")
-    parser.add_argument("--workers", type=int, default=available_cores(),
-                        help="DataLoader workers of the DataModule path (default: the cores this process may use, "
-                             "as many as the bare tokenizer uses)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=available_cores(),
+        help="DataLoader workers of the DataModule path (default: the cores this process may use, "
+        "as many as the bare tokenizer uses)",
+    )
     parser.add_argument("--skip-ref", action="store_true", help="skip the reference ports")
     parser.add_argument("--quick", action="store_true", help="a 2 MB corpus, 1 short run each (smoke test)")
     args = parser.parse_args()
@@ -412,9 +459,11 @@ def main() -> None:
 
     texts = stdlib_texts(args.mb)
     short = [p for t in texts for p in t.split("\n\n") if p.strip()]
-    print(f"corpus: {len(texts)} long documents / {len(short)} short, {sum(map(len, texts)) / 1e6:.1f} MB; "
-          f"{available_cores()} cores; seq_len={args.seq_len}, microbatch={args.microbatch}, "
-          f"DataModule num_workers={args.workers}")
+    print(
+        f"corpus: {len(texts)} long documents / {len(short)} short, {sum(map(len, texts)) / 1e6:.1f} MB; "
+        f"{available_cores()} cores; seq_len={args.seq_len}, microbatch={args.microbatch}, "
+        f"DataModule num_workers={args.workers}"
+    )
     t0 = time.perf_counter()
     tok = train_tokenizer(texts[:: max(1, len(texts) // 300)], args.vocab)  # a sample is enough for a BPE
     print(f"tokenizer: byte-level BPE, vocab {args.vocab}, trained in {time.perf_counter() - t0:.1f}s")
@@ -433,10 +482,20 @@ def main() -> None:
             # The bare tokenizer gets the documents in the order our stream reads them (pass 0, seed 0).
             in_order = [t for g in pass_order(len(index), 0, 0).tolist() for t in index.read_texts(g) if t]
 
-            def spec(packing: str) -> StreamSpec:
-                return StreamSpec(index=index, tokenizer_json=tok.to_str(), bos_id=bos, seq_len=T, microbatch_size=B,
-                                  packing=packing, seed=0, shuffle=True, num_streams=1, tokenizer_batch_size=tb,
-                                  buffer_size=1000)
+            def spec(packing: str, index: RowGroupIndex = index) -> StreamSpec:
+                return StreamSpec(
+                    index=index,
+                    tokenizer_json=tok.to_str(),
+                    bos_id=bos,
+                    seq_len=T,
+                    microbatch_size=B,
+                    packing=packing,
+                    seed=0,
+                    shuffle=True,
+                    num_streams=1,
+                    tokenizer_batch_size=tb,
+                    buffer_size=1000,
+                )
 
             r = results[name] = {}
             # Interleave configurations run by run, so machine noise hits them alike; bare runs first and last.
@@ -445,8 +504,9 @@ def main() -> None:
             for _ in range(args.runs):
                 runs["bare"].append(measure_bare(shared_tok, in_order, tb, seconds))
                 for packing in ("concat", "bestfit"):
-                    runs[f"dm_{packing}"].append(measure_datamodule(files, tok, packing, args.workers, B, T, tb,
-                                                                    seconds))
+                    runs[f"dm_{packing}"].append(
+                        measure_datamodule(files, tok, packing, args.workers, B, T, tb, seconds)
+                    )
                     runs[packing].append(measure_ours(spec(packing), seconds))
                 if not args.skip_ref:
                     runs["ref_concat"].append(measure_ref(ref_concat, index, tok, bos, B, T, tb, seconds))
@@ -457,8 +517,10 @@ def main() -> None:
             # Per round, each loader against the better of that round's two bare runs: the median of these paired
             # ratios is hardly moved by slow drifts in the machine's load (best-of is the headline).
             round_bare = [max(a["tps"], b["tps"]) for a, b in zip(runs["bare"], runs["bare_again"])]
-            r["paired"] = {key: float(np.median([v["tps"] / b for v, b in zip(runs[key], round_bare)]))
-                           for key in ("dm_concat", "concat")}
+            r["paired"] = {
+                key: float(np.median([v["tps"] / b for v, b in zip(runs[key], round_bare)]))
+                for key in ("dm_concat", "concat")
+            }
             runs["bare"] += runs.pop("bare_again")  # bare's best is over both slots: conservative for ours
             for key, values in runs.items():
                 if values:
@@ -503,8 +565,13 @@ def verdicts(results: dict, workers: int) -> list[tuple[bool, str]]:
             concat, bestfit = r[prefix + "concat"], r[prefix + "bestfit"]
             ratio = concat["tps"] / r["bare"]["tps"]
             paired = r["paired"][prefix + "concat"]
-            out.append((ratio >= 0.9, f"{name}, {label}: concat {ratio:.2f}x the bare tokenizer (target >= 0.90; "
-                                      f"median per round {paired:.2f}; bare vs bare {r['noise_floor']:.2f})"))
+            out.append(
+                (
+                    ratio >= 0.9,
+                    f"{name}, {label}: concat {ratio:.2f}x the bare tokenizer (target >= 0.90; "
+                    f"median per round {paired:.2f}; bare vs bare {r['noise_floor']:.2f})",
+                )
+            )
             steady = bestfit["work"] / concat["work"]
             out.append((steady >= 0.85, f"{name}, {label}: bestfit {steady:.2f} x yield x concat (target >= 0.85)"))
             if name == "short":
@@ -512,12 +579,20 @@ def verdicts(results: dict, workers: int) -> list[tuple[bool, str]]:
                 out.append((rows >= 0.8, f"{name}, {label}: bestfit rows {rows:.2f}x concat (target >= 0.80)"))
             if "ref_bestfit" in r:
                 vs_ref = bestfit["work"] / r["ref_bestfit"]["work"]
-                out.append((vs_ref >= 1.0, f"{name}, {label}: bestfit tokenizes {vs_ref:.2f}x the reference "
-                                           "best-fit (target >= 1.00)"))
+                out.append(
+                    (
+                        vs_ref >= 1.0,
+                        f"{name}, {label}: bestfit tokenizes {vs_ref:.2f}x the reference best-fit (target >= 1.00)",
+                    )
+                )
         share = own_share(r, "concat")
         if share is not None:
-            out.append((share < 0.10, f"{name}: concat's own Python work {share:.1%} of the tokenizer's CPU per "
-                                      "token (target < 10 %)"))
+            out.append(
+                (
+                    share < 0.10,
+                    f"{name}: concat's own Python work {share:.1%} of the tokenizer's CPU per token (target < 10 %)",
+                )
+            )
         resume = max(r["resume_s"], r["resume_concat_s"])
         out.append((resume < 3.0, f"{name}: first batch after a resume {resume:.2f}s (target < 3 s)"))
     return out
@@ -525,17 +600,25 @@ def verdicts(results: dict, workers: int) -> list[tuple[bool, str]]:
 
 def report(name: str, r: dict, workers: int) -> None:
     bare, y = r["bare"]["tps"], r["yield"]
-    print(f"\n== {name} documents ==   best-fit long-run yield {y:.2f}: cropping drops {1 - y:.0%} of the "
-          "tokenizer's work (the reference's best-fit drops the same remainders)")
+    print(
+        f"\n== {name} documents ==   best-fit long-run yield {y:.2f}: cropping drops {1 - y:.0%} of the "
+        "tokenizer's work (the reference's best-fit drops the same remainders)"
+    )
     print("                                   rows tokens/s   tokenized/s   tokenized/CPU-s")
-    labels = (("dm_concat", f"concat, DataModule {workers} workers"),
-              ("dm_bestfit", f"bestfit, DataModule {workers} w."), ("concat", "concat, in-process stream"),
-              ("bestfit", "bestfit, in-process stream"),
-              ("ref_concat", "ref concat"), ("ref_bestfit", "ref bestfit"))
+    labels = (
+        ("dm_concat", f"concat, DataModule {workers} workers"),
+        ("dm_bestfit", f"bestfit, DataModule {workers} w."),
+        ("concat", "concat, in-process stream"),
+        ("bestfit", "bestfit, in-process stream"),
+        ("ref_concat", "ref concat"),
+        ("ref_bestfit", "ref bestfit"),
+    )
     for key, label in labels:
         if key in r:
-            print(f"  {label:<30} {r[key]['tps'] / 1e3:10.0f}K {r[key]['work'] / 1e3:12.0f}K "
-                  f"{r[key]['work_cpu'] / 1e3:14.0f}K")
+            print(
+                f"  {label:<30} {r[key]['tps'] / 1e3:10.0f}K {r[key]['work'] / 1e3:12.0f}K "
+                f"{r[key]['work_cpu'] / 1e3:14.0f}K"
+            )
     print(f"  {'bare tokenizer':<30} {'':>11} {bare / 1e3:12.0f}K {r['bare']['work_cpu'] / 1e3:14.0f}K")
     print("  every run, K tokens/s (rows; bare: tokenized; bare lists its first-slot runs, then its last-slot runs):")
     for key in ("bare", "dm_concat", "dm_bestfit", "concat", "bestfit"):
@@ -544,25 +627,35 @@ def report(name: str, r: dict, workers: int) -> None:
     for key, label in PATHS:
         concat, bestfit = r[key + "concat"], r[key + "bestfit"]
         print(f"  -- {label.format(workers=workers)}")
-        print(f"  concat / bare                          {concat['tps'] / bare:.2f}  (target >= 0.90; median per "
-              f"round {r['paired'][key + 'concat']:.2f}; per CPU-s: {concat['work_cpu'] / r['bare']['work_cpu']:.2f})")
-        print(f"  bestfit / (yield x concat), steady     {bestfit['work'] / concat['work']:.2f}  (target >= 0.85; "
-              "= bestfit's tokenizing rate / concat's)")
+        print(
+            f"  concat / bare                          {concat['tps'] / bare:.2f}  (target >= 0.90; median per "
+            f"round {r['paired'][key + 'concat']:.2f}; per CPU-s: {concat['work_cpu'] / r['bare']['work_cpu']:.2f})"
+        )
+        print(
+            f"  bestfit / (yield x concat), steady     {bestfit['work'] / concat['work']:.2f}  (target >= 0.85; "
+            "= bestfit's tokenizing rate / concat's)"
+        )
         if name == "short":
             rows, window_yield = bestfit["tps"] / concat["tps"], bestfit["tps"] / bestfit["work"]
-            print(f"  bestfit / concat, rows                 {rows:.2f}  (target >= 0.80; = the line above x bestfit's "
-                  f"rows / tokenized in the window, {window_yield:.2f}: documents longer than a row pile up in its "
-                  "buffer, as in the reference)")
+            print(
+                f"  bestfit / concat, rows                 {rows:.2f}  (target >= 0.80; = the line above x bestfit's "
+                f"rows / tokenized in the window, {window_yield:.2f}: documents longer than a row pile up in its "
+                "buffer, as in the reference)"
+            )
         if "ref_bestfit" in r:
-            print(f"  bestfit / ref bestfit, tokenizing      {bestfit['work'] / r['ref_bestfit']['work']:.2f}  "
-                  f"(target >= 1.00; rows in the window: {bestfit['tps'] / r['ref_bestfit']['tps']:.2f})")
+            print(
+                f"  bestfit / ref bestfit, tokenizing      {bestfit['work'] / r['ref_bestfit']['work']:.2f}  "
+                f"(target >= 1.00; rows in the window: {bestfit['tps'] / r['ref_bestfit']['tps']:.2f})"
+            )
             print(f"  concat / ref concat                    {concat['tps'] / r['ref_concat']['tps']:.2f}")
     if "python_ns" in r["bare"]:
         print("  in-process, CPU per token (median)   Python threads   tokenizer threads   own work / tokenizer's")
         for key, label in (("bare", "bare tokenizer"), ("concat", "ours concat"), ("bestfit", "ours bestfit")):
             share = own_share(r, key) if key != "bare" else None
-            print(f"    {label:<28} {r[key]['python_ns']:10.0f} ns {r[key]['pool_ns']:15.0f} ns"
-                  + (f" {share:18.1%}" if share is not None else "   (the call itself)"))
+            print(
+                f"    {label:<28} {r[key]['python_ns']:10.0f} ns {r[key]['pool_ns']:15.0f} ns"
+                + (f" {share:18.1%}" if share is not None else "   (the call itself)")
+            )
     print(f"  first batch after a resume: bestfit {r['resume_s']:.2f}s, concat {r['resume_concat_s']:.2f}s")
 
 

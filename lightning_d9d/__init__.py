@@ -1,25 +1,83 @@
 """lightning_d9d: correct and fast training data loading for PyTorch Lightning.
 
 order → shard → load → pack → pin → transfer, with the data position saved in every checkpoint.
+
+Layout (one file per stage; only ``datamodules``, ``cli`` and the demo model import Lightning):
+
+* ``mapstyle``: the map-style path — ``order`` (seeded, length-sorted global batches), ``shard`` (microbatches
+  dealt to ranks), ``loader`` (torchdata's ``StatefulDataLoader`` fed with precomputed index batches);
+* ``streaming``: the pretraining path — ``source`` (parquet files and row groups), ``reader`` (texts, by
+  position), ``tokenize`` (prefetching tokenizer, no state), ``packing`` (rows from documents), ``stream``
+  (the three composed, with state), ``loader`` (streams of one rank, in workers);
+* ``text``: tokenizing text datasets once (``tokenize``) and padding microbatches (``collate``);
+* ``device``: ``pin`` and ``transfer``; ``resume``: the position and fingerprint every DataModule saves;
+* ``datamodules``: the Lightning-facing layer; ``demo``: the embedded corpus, tiny model and synthetic data.
+
+The public names below are imported on first use, so that importing a stage does not import Lightning.
 """
 
-from lightning_d9d.datamodule import D9DDataModule, SteppedDataModule
-from lightning_d9d.order import GlobalBatchOrder, SeededPermutation
-from lightning_d9d.pin import pin_batch
-from lightning_d9d.pretraining import PretrainingBatch, PretrainingDataModule
-from lightning_d9d.text import CausalLMCollator, TextBatch, TextDataModule
-from lightning_d9d.transfer import move_batch_to_device
+from __future__ import annotations
 
-__all__ = [
-    "CausalLMCollator",
-    "D9DDataModule",
-    "GlobalBatchOrder",
-    "PretrainingBatch",
-    "PretrainingDataModule",
-    "SeededPermutation",
-    "SteppedDataModule",
-    "TextBatch",
-    "TextDataModule",
-    "move_batch_to_device",
-    "pin_batch",
-]
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
+
+_EXPORTS = {
+    "D9DDataModule": "lightning_d9d.datamodules.d9d",
+    "SteppedDataModule": "lightning_d9d.datamodules.base",
+    "TextDataModule": "lightning_d9d.datamodules.text",
+    "PretrainingDataModule": "lightning_d9d.datamodules.pretraining",
+    "PretrainingBatch": "lightning_d9d.datamodules.pretraining",
+    "CausalLMCollator": "lightning_d9d.text.collate",
+    "TextBatch": "lightning_d9d.text.collate",
+    "GlobalBatchOrder": "lightning_d9d.mapstyle.order",
+    "SeededPermutation": "lightning_d9d.mapstyle.order",
+    "pin_batch": "lightning_d9d.device.pin",
+    "move_batch_to_device": "lightning_d9d.device.transfer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_d9d' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+# Modules of the first layout, kept importable so that configs and checkpoints naming them still load.
+_MOVED_MODULES = {
+    "lightning_d9d.datamodule": "lightning_d9d.datamodules.d9d",
+    "lightning_d9d.pretraining": "lightning_d9d.datamodules.pretraining",
+    "lightning_d9d.demo_model": "lightning_d9d.demo.model",
+    "lightning_d9d.demo_corpus": "lightning_d9d.demo.corpus",
+    "lightning_d9d.synthetic": "lightning_d9d.demo.synthetic",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves an old module path to the module that now holds its contents (the same module object)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module(_MOVED_MODULES[spec.name])
+
+    def exec_module(self, module: Any) -> None:
+        """Nothing to run: the module was imported under its new name."""
+
+
+if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())

@@ -10,8 +10,10 @@ How ``inspect`` measures: it runs ``prepare_data``/``setup`` as a world-size-1 D
 depend on world size, and microbatches are the same contiguous slices of each global batch at any world size),
 reads the first ``--steps`` global batches, and counts real tokens from the batch's ``attention_mask`` (a field
 or a key; a batch of packed rows without one counts every position); microbatches per step are computed for the
-world size the trainer config asks for (``num_nodes × devices``). Trade-off: the padding share is measured on those first steps, not on the whole
-epoch, so inspecting a huge dataset stays fast; raise ``--steps`` for a tighter figure.
+world size the trainer config asks for (``num_nodes × devices``).
+
+Trade-off: the padding share is measured on those first steps, not on the whole epoch, so inspecting a huge
+dataset stays fast; raise ``--steps`` for a tighter figure.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lightning_d9d.shard import microbatches_per_step
+from lightning_d9d.checks import microbatches_per_step
 
 INSPECT = "inspect"
 _INSPECT_HELP = "Print steps per epoch, microbatches and tokens per step, padding and the first batch's shapes."

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_d9d import D9DDataModule  # noqa: E402
+from lightning_d9d import D9DDataModule
 
 
 class LengthDataset(torch.utils.data.Dataset):
@@ -66,7 +66,13 @@ class RecordingModule(pl.LightningModule):
 
     def _record(self, kind: str, batch_idx: int, ids: list[int]) -> None:
         path = Path(self.record_dir) / f"{kind}-rank{self.global_rank}.jsonl"
-        line = {"epoch": self.current_epoch, "step": self.global_step, "rank": self.global_rank, "batch_idx": batch_idx, "ids": ids}
+        line = {
+            "epoch": self.current_epoch,
+            "step": self.global_step,
+            "rank": self.global_rank,
+            "batch_idx": batch_idx,
+            "ids": ids,
+        }
         with path.open("a") as file:
             file.write(json.dumps(line) + "\n")
 

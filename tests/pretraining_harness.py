@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_d9d.pretraining import PretrainingBatch, PretrainingDataModule  # noqa: E402
+from lightning_d9d.datamodules.pretraining import PretrainingBatch, PretrainingDataModule
 
 
 def digest(batch: PretrainingBatch) -> str:
@@ -39,8 +39,15 @@ class RecordingModule(pl.LightningModule):
 
     def _write(self, kind: str, batch: PretrainingBatch, batch_idx: int) -> None:
         assert batch.inputs.dtype == torch.int64 and batch.inputs.shape == batch.targets.shape
-        line = {"run": self.run, "kind": kind, "epoch": self.current_epoch, "step": self.global_step,
-                "batch_idx": batch_idx, "rank": self.global_rank, "digest": digest(batch)}
+        line = {
+            "run": self.run,
+            "kind": kind,
+            "epoch": self.current_epoch,
+            "step": self.global_step,
+            "batch_idx": batch_idx,
+            "rank": self.global_rank,
+            "digest": digest(batch),
+        }
         with open(f"{self.record_file}.rank{self.global_rank}", "a") as file:
             file.write(json.dumps(line) + "\n")
 
@@ -71,23 +78,45 @@ class SaveAtBatch(pl.Callback):
 def fit(config: dict[str, Any], run: dict[str, Any]) -> None:
     """One fit. ``config``: data/module settings; ``run``: name, max_steps, ckpt_path, every_n_steps, save_at."""
     dm = PretrainingDataModule(
-        train_files=config["train_files"], tokenizer=config["tokenizer"], seq_len=config.get("seq_len", 16),
-        global_batch_size=config.get("global_batch_size", 8), microbatch_size=config.get("microbatch_size", 2),
-        val_files=config.get("val_files"), packing=config.get("packing", "bestfit"),
-        steps_per_epoch=config.get("steps_per_epoch"), val_steps=config.get("val_steps"),
-        num_workers=config.get("num_workers", 0), tokenizer_batch_size=config.get("tokenizer_batch_size", 8),
-        bestfit_buffer_size=config.get("bestfit_buffer_size", 40), seed=config.get("seed", 0),
+        train_files=config["train_files"],
+        tokenizer=config["tokenizer"],
+        seq_len=config.get("seq_len", 16),
+        global_batch_size=config.get("global_batch_size", 8),
+        microbatch_size=config.get("microbatch_size", 2),
+        val_files=config.get("val_files"),
+        packing=config.get("packing", "bestfit"),
+        steps_per_epoch=config.get("steps_per_epoch"),
+        val_steps=config.get("val_steps"),
+        num_workers=config.get("num_workers", 0),
+        tokenizer_batch_size=config.get("tokenizer_batch_size", 8),
+        bestfit_buffer_size=config.get("bestfit_buffer_size", 40),
+        seed=config.get("seed", 0),
     )
     callbacks: list[pl.Callback] = []
     if run.get("every_n_steps"):
-        callbacks.append(ModelCheckpoint(dirpath=config["ckpt_dir"], filename="{step}", save_top_k=-1,
-                                         every_n_train_steps=run["every_n_steps"], save_last=False))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=config["ckpt_dir"],
+                filename="{step}",
+                save_top_k=-1,
+                every_n_train_steps=run["every_n_steps"],
+                save_last=False,
+            )
+        )
     if run.get("save_at"):
         callbacks.append(SaveAtBatch(config["ckpt_dir"], run["save_at"]))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=config.get("devices", 1), strategy="ddp" if config.get("devices", 1) > 1 else "auto",
-        max_steps=run["max_steps"], max_epochs=-1, callbacks=callbacks, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=bool(callbacks), num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=config.get("devices", 1),
+        strategy="ddp" if config.get("devices", 1) > 1 else "auto",
+        max_steps=run["max_steps"],
+        max_epochs=-1,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        num_sanity_val_steps=0,
         check_val_every_n_epoch=config.get("check_val_every_n_epoch", 1),
     )
     model = RecordingModule(config["record_file"], run["name"])

@@ -110,7 +110,9 @@ def test_inspect_with_packs_reads_whole_steps(capsys: pytest.CaptureFixture[str]
     run_cli(["inspect", *config, "--data.init_args.yield_packs=true"])
     packed = capsys.readouterr().out
     tokens = [line for line in plain.splitlines() if line.startswith(("tokens per step", "padding"))]
-    assert tokens and tokens == [line for line in packed.splitlines() if line.startswith(("tokens per step", "padding"))]
+    assert tokens and tokens == [
+        line for line in packed.splitlines() if line.startswith(("tokens per step", "padding"))
+    ]
     assert "batch.input_ids: (16, " in packed
 
 
@@ -127,11 +129,19 @@ def demo_fit(
         {"class_path": "test_cli.BatchRecorder"},
     ]
     args = [
-        "fit", "--config", str(DEMO),
-        "--model.init_args.width=32", "--model.init_args.num_layers=1", "--model.init_args.num_heads=2",
-        "--data.init_args.max_length=32", "--data.init_args.global_batch_size=8", "--data.init_args.microbatch_size=4",
+        "fit",
+        "--config",
+        str(DEMO),
+        "--model.init_args.width=32",
+        "--model.init_args.num_layers=1",
+        "--model.init_args.num_heads=2",
+        "--data.init_args.max_length=32",
+        "--data.init_args.global_batch_size=8",
+        "--data.init_args.microbatch_size=4",
         "--data.init_args.sort_buffer_size=64",
-        f"--trainer.max_steps={max_steps}", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
+        f"--trainer.max_steps={max_steps}",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
         f"--trainer.callbacks={json.dumps(callbacks)}",
         *extra,
     ]
@@ -187,12 +197,25 @@ def test_demo_fit_writes_checkpoints_and_resumes_exactly(offline_env: dict[str, 
     previous = os.getcwd()
     try:
         os.chdir(whole)
-        run_cli(["validate", "--config", str(DEMO), "--ckpt_path", str(whole / "checkpoints" / "last.ckpt"),
-                 "--model.init_args.width=32", "--model.init_args.num_layers=1", "--model.init_args.num_heads=2",
-                 "--data.init_args.max_length=32", "--data.init_args.global_batch_size=8",
-                 "--data.init_args.microbatch_size=4", "--data.init_args.sort_buffer_size=64",
-                 "--data.init_args.num_workers=0", "--trainer.enable_progress_bar=false",
-                 "--trainer.limit_val_batches=4"])
+        run_cli(
+            [
+                "validate",
+                "--config",
+                str(DEMO),
+                "--ckpt_path",
+                str(whole / "checkpoints" / "last.ckpt"),
+                "--model.init_args.width=32",
+                "--model.init_args.num_layers=1",
+                "--model.init_args.num_heads=2",
+                "--data.init_args.max_length=32",
+                "--data.init_args.global_batch_size=8",
+                "--data.init_args.microbatch_size=4",
+                "--data.init_args.sort_buffer_size=64",
+                "--data.init_args.num_workers=0",
+                "--trainer.enable_progress_bar=false",
+                "--trainer.limit_val_batches=4",
+            ]
+        )
     finally:
         os.chdir(previous)
 
@@ -206,7 +229,9 @@ def test_demo_fit_writes_checkpoints_and_resumes_exactly(offline_env: dict[str, 
         ("--data.init_args.on_order_mismatch=ignore", "on_order_mismatch"),
     ],
 )
-def test_d9d_config_rejects_bad_values_at_parse_time(override: str, field: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_d9d_config_rejects_bad_values_at_parse_time(
+    override: str, field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run_cli(["fit", "--config", str(REPO / "configs" / "d9d.yaml"), override, "--print_config"])
     assert exit_info.value.code not in (0, None)

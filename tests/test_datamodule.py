@@ -12,9 +12,9 @@ import torch
 from harness import LengthDataset, pad_collate
 
 from lightning_d9d import D9DDataModule, move_batch_to_device
-from lightning_d9d.loader import PinnableBatch, _CollateForPinning
-from lightning_d9d.pin import map_tensors
-from lightning_d9d.shard import validation_microbatches
+from lightning_d9d.device.pin import map_tensors
+from lightning_d9d.mapstyle.loader import CollateWithContext, PinnableBatch
+from lightning_d9d.mapstyle.shard import validation_microbatches
 
 
 def make_dm(**overrides) -> D9DDataModule:
@@ -119,7 +119,7 @@ def test_forcing_pin_memory_without_cuda_is_one_clear_error() -> None:
 
 
 def test_pinnable_batch_survives_worker_pickling() -> None:
-    collate = _CollateForPinning(pad_collate)
+    collate = CollateWithContext(pad_collate, pin=True)
     wrapped = pickle.loads(pickle.dumps(collate))([{"id": 1, "tokens": torch.ones(2)}])
     assert isinstance(wrapped, PinnableBatch) and wrapped.batch["ids"].tolist() == [1]
 
@@ -198,9 +198,9 @@ def test_restored_epoch_end_rolls_into_the_next_epoch() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"seed": 4}, "seed: checkpoint 3 vs now 4"),
-        ({"dataset": LengthDataset(151)}, "num_samples: checkpoint 150 vs now 151"),
-        ({"global_batch_size": 32}, "global_batch_size: checkpoint 16 vs now 32"),
+        ({"seed": 4}, "seed: checkpoint 3, this run 4"),
+        ({"dataset": LengthDataset(151)}, "num_samples: checkpoint 150, this run 151"),
+        ({"global_batch_size": 32}, "global_batch_size: checkpoint 16, this run 32"),
         ({"dataset": LengthDataset(150, seed=9)}, "sort_keys_digest: checkpoint"),
     ],
 )
@@ -235,10 +235,13 @@ def test_restart_epoch_option_accepts_another_order() -> None:
     [
         ({"global_batch_size": 0}, "global_batch_size must be a positive integer, got 0"),
         ({"microbatch_size": -1}, "microbatch_size must be a positive integer, got -1"),
-        ({"global_batch_size": 18}, "global_batch_size=18 is not divisible by microbatch_size=4"),
+        ({"global_batch_size": 18}, "global_batch_size=18 is not divisible by world_size × microbatch_size = 1 × 4"),
         ({"sort_buffer_size": 8}, "sort_buffer_size=8 is smaller than global_batch_size=16"),
         ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
-        ({"on_order_mismatch": "ignore"}, "on_order_mismatch must be 'raise' or 'restart_epoch', got 'ignore'"),
+        (
+            {"on_order_mismatch": "ignore"},
+            "on_order_mismatch must be one of \\[.raise., .restart_epoch.\\], got .ignore.",
+        ),
         ({"seed": -1}, "seed must be an integer >= 0, got -1"),
     ],
 )
@@ -274,7 +277,11 @@ def table_with_lengths(lengths: list) -> datasets.Dataset:
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"dataset": LengthDataset(10)}, ValueError, "the training dataset has 10 samples, fewer than one global batch"),
+        (
+            {"dataset": LengthDataset(10)},
+            ValueError,
+            "the training dataset has 10 samples, fewer than one global batch",
+        ),
         ({"dataset": NoKeys()}, ValueError, "sort_buffer_size=64 asks for length sorting, but no sort key was found"),
         ({"dataset": NoKeys(), "sort_key": "length"}, ValueError, "sort_key='length' names a column, but the dataset"),
         (
@@ -283,7 +290,11 @@ def table_with_lengths(lengths: list) -> datasets.Dataset:
             r"sort_key column 'len' is not in the dataset; its columns are \['n'\]",
         ),
         ({"dataset": MixedKeys()}, TypeError, "sort keys are not comparable with each other"),
-        ({"dataset": LateStringKey()}, TypeError, r"sort keys are not comparable with each other \(key types seen: \['int', 'str'\]"),
+        (
+            {"dataset": LateStringKey()},
+            TypeError,
+            r"sort keys are not comparable with each other \(key types seen: \['int', 'str'\]",
+        ),
         (
             {"dataset": table_with_lengths([5] * 90 + [None] + [5] * 9), "sort_key": "n"},
             TypeError,
@@ -328,7 +339,9 @@ def test_simulated_ranks_partition_each_step() -> None:
 
 def test_column_sort_keys_follow_a_shuffled_or_selected_view() -> None:
     lengths = LengthDataset(300).lengths
-    view = datasets.Dataset.from_dict({"id": list(range(300)), "n": lengths.tolist()}).shuffle(seed=1).select(range(200))
+    view = (
+        datasets.Dataset.from_dict({"id": list(range(300)), "n": lengths.tolist()}).shuffle(seed=1).select(range(200))
+    )
     view_lengths = [int(lengths[row["id"]]) for row in view]
 
     def collate(rows: list[dict]) -> dict:

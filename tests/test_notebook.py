@@ -12,8 +12,12 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "explore.ipynb"
 
 def test_explore_notebook_executes_every_cell(tmp_path: Path) -> None:
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "commit it without outputs"
-    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
+        "commit it without outputs"
+    )
+    NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     printed = "".join(
         output.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
     )

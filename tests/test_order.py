@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_d9d import GlobalBatchOrder, SeededPermutation
-from lightning_d9d.loader import _IndexBatches
-from lightning_d9d.shard import microbatches_per_step, rank_microbatches, snake_owner
+from lightning_d9d.checks import microbatches_per_step
+from lightning_d9d.mapstyle.loader import _IndexBatches
+from lightning_d9d.mapstyle.shard import rank_microbatches, snake_owner
 
 
 @given(size=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1))
@@ -45,7 +46,9 @@ def layouts(draw: st.DrawFn) -> dict:
         "world": world,
         "global_batch": global_batch,
         "size": size,
-        "buffer": None if buffer_batches is None else buffer_batches * global_batch + draw(st.integers(0, global_batch - 1)),
+        "buffer": None
+        if buffer_batches is None
+        else buffer_batches * global_batch + draw(st.integers(0, global_batch - 1)),
         "seed": draw(st.integers(0, 1000)),
     }
 
@@ -67,7 +70,8 @@ def step_sets(by_rank: list[list[list[int]]], world: int, microbatch: int, globa
     per_step = global_batch // (world * microbatch)
     steps = len(by_rank[0]) // per_step
     return [
-        sorted(i for rank in by_rank for mb in rank[s * per_step : (s + 1) * per_step] for i in mb) for s in range(steps)
+        sorted(i for rank in by_rank for mb in rank[s * per_step : (s + 1) * per_step] for i in mb)
+        for s in range(steps)
     ]
 
 
@@ -79,7 +83,9 @@ def test_each_epoch_is_exactly_once_and_equal_per_rank(layout: dict) -> None:
     for epoch in (0, 1):
         by_rank = epoch_by_rank(layout, epoch, world, microbatch)
         counts = {len(rank) for rank in by_rank}
-        assert counts == {steps * global_batch // (world * microbatch)}, "every rank runs the same number of microbatches"
+        assert counts == {steps * global_batch // (world * microbatch)}, (
+            "every rank runs the same number of microbatches"
+        )
         assert all(len(mb) == microbatch for rank in by_rank for mb in rank)
         seen = [i for rank in by_rank for mb in rank for i in mb]
         assert len(seen) == steps * global_batch and len(set(seen)) == len(seen)
@@ -94,8 +100,15 @@ def test_global_batches_do_not_depend_on_world_size_or_microbatch_size(
     global_batch = layout["global_batch"]
     if global_batch % (other_world * other_microbatch):
         other_world, other_microbatch = 1, 1
-    reference = step_sets(epoch_by_rank(layout, 2, layout["world"], layout["microbatch"]), layout["world"], layout["microbatch"], global_batch)
-    other = step_sets(epoch_by_rank(layout, 2, other_world, other_microbatch), other_world, other_microbatch, global_batch)
+    reference = step_sets(
+        epoch_by_rank(layout, 2, layout["world"], layout["microbatch"]),
+        layout["world"],
+        layout["microbatch"],
+        global_batch,
+    )
+    other = step_sets(
+        epoch_by_rank(layout, 2, other_world, other_microbatch), other_world, other_microbatch, global_batch
+    )
     assert reference == other
 
 

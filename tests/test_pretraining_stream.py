@@ -9,14 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from lightning_d9d.parquet_source import RowGroupIndex, deal, pass_order, resolve_files, stream_id
-from lightning_d9d.pretraining import PretrainingDataModule
-from lightning_d9d.token_loader import rank_stream_iterator
-from lightning_d9d.token_packing import microbatch_tensors
-from lightning_d9d.token_stream import StreamSpec, TokenStream, estimate_pass
-
 from pretraining_helpers import BOS, WORDS, make_docs, train_tokenizer, write_parquet
+
+from lightning_d9d.datamodules.pretraining import PretrainingDataModule
+from lightning_d9d.streaming.loader import rank_stream_iterator
+from lightning_d9d.streaming.packing import microbatch_tensors
+from lightning_d9d.streaming.source import RowGroupIndex, deal, pass_order, resolve_files, stream_id
+from lightning_d9d.streaming.stream import StreamSpec, TokenStream, estimate_pass
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +32,15 @@ def spec_for(corpus: dict, packing: str, streams: int = 2, seq_len: int = 24, **
     tok = corpus["tok"]
     options = dict(microbatch_size=2, seed=0, shuffle=True, tokenizer_batch_size=8, buffer_size=16)
     options.update(kw)
-    return StreamSpec(index=corpus["index"], tokenizer_json=tok.to_str(), bos_id=tok.token_to_id(BOS), seq_len=seq_len,
-                      packing=packing, num_streams=streams, **options)
+    return StreamSpec(
+        index=corpus["index"],
+        tokenizer_json=tok.to_str(),
+        bos_id=tok.token_to_id(BOS),
+        seq_len=seq_len,
+        packing=packing,
+        num_streams=streams,
+        **options,
+    )
 
 
 def take(stream: TokenStream, n: int) -> list:
@@ -75,8 +81,9 @@ def test_each_pass_deals_every_row_group_to_exactly_one_rank_and_worker(corpus: 
         streams = world * max(1, workers)
         for pass_index in range(3):
             order = pass_order(groups, 7, pass_index)
-            dealt = [deal(order, stream_id(r, w, workers), streams)
-                     for r in range(world) for w in range(max(1, workers))]
+            dealt = [
+                deal(order, stream_id(r, w, workers), streams) for r in range(world) for w in range(max(1, workers))
+            ]
             together = np.concatenate(dealt)
             assert sorted(together.tolist()) == list(range(groups))  # each once, none missing
             assert max(map(len, dealt)) - min(map(len, dealt)) <= 1
@@ -95,7 +102,7 @@ def test_streams_read_their_dealt_row_groups_in_order_and_cycle_passes(corpus: d
     finally:
         del spec.index.read_texts
     expected = np.concatenate([deal(pass_order(len(spec.index), 0, p), 1, 3) for p in range(4)]).tolist()
-    assert read == expected[:len(read)] and len(read) > len(spec.index) // 3  # went past a pass boundary
+    assert read == expected[: len(read)] and len(read) > len(spec.index) // 3  # went past a pass boundary
 
 
 # ---------------------------------------------------------------------------------------------- content
@@ -111,7 +118,7 @@ def test_concat_rows_decode_back_to_the_documents_in_stream_order(corpus: dict) 
     order = np.concatenate([deal(pass_order(len(spec.index), 0, p), 0, 2) for p in range(3)])
     expected = [t for g in order for t in spec.index.read_texts(int(g)) if t]
     decoded = [tok.decode(piece[1:].tolist()) for piece in pieces]
-    assert decoded[:-1] == expected[:len(decoded) - 1]
+    assert decoded[:-1] == expected[: len(decoded) - 1]
     assert expected[len(decoded) - 1].startswith(decoded[-1])  # the last document is cut by the last row
     state = out[-1][3]
     assert state["empty"] > 0 and state["docs"] > state["empty"]
@@ -165,12 +172,12 @@ def test_resume_from_any_microbatch_is_byte_identical(corpus: dict, packing: str
     assert len(passes) > 1, "the run must cross a pass boundary"
     for cut in [0, 1, 17, 63, 64, 90]:
         state = pickle.loads(pickle.dumps(full[cut][3]))  # what a checkpoint would carry
-        assert_same_microbatches(take(TokenStream(spec, 1, state), 120 - cut - 1), full[cut + 1:])
+        assert_same_microbatches(take(TokenStream(spec, 1, state), 120 - cut - 1), full[cut + 1 :])
 
 
 def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
     """Record the texts of every ``encode_batch_fast`` call the token streams make from now on."""
-    from lightning_d9d import token_stream
+    from lightning_d9d.streaming import stream as token_stream
 
     calls: list[list[str]] = []
     real = token_stream.load_tokenizer
@@ -203,8 +210,9 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
 
 
 @pytest.mark.parametrize("packing", ["concat", "bestfit"])
-def test_how_documents_are_batched_for_the_tokenizer_changes_no_row_or_state(corpus: dict, packing: str,
-                                                                             monkeypatch, tmp_path: Path) -> None:
+def test_how_documents_are_batched_for_the_tokenizer_changes_no_row_or_state(
+    corpus: dict, packing: str, monkeypatch, tmp_path: Path
+) -> None:
     """Workers cap a call's text (``chunk_chars``); rows, states and resume from any of them must not depend on
     where calls end, even where a state points at an empty row that one batching has read and another not."""
     if packing == "concat":
@@ -239,7 +247,7 @@ def test_how_documents_are_batched_for_the_tokenizer_changes_no_row_or_state(cor
     assert_same_microbatches(take(TokenStream(one_per_call, 1), n), full)
     for variant in (capped, one_per_call):
         for cut in (17, 45, 90):
-            assert_same_microbatches(take(TokenStream(variant, 1, full[cut][3]), n - cut - 1), full[cut + 1:])
+            assert_same_microbatches(take(TokenStream(variant, 1, full[cut][3]), n - cut - 1), full[cut + 1 :])
 
 
 @pytest.mark.parametrize("packing", ["concat", "bestfit"])
@@ -282,26 +290,49 @@ def setup_dm(**options) -> PretrainingDataModule:
 
 
 def base_options(corpus: dict, **changes) -> dict:
-    options = dict(train_files=str(corpus["root"] / "data"), tokenizer=str(corpus["root"] / "tokenizer.json"),
-                   seq_len=16, global_batch_size=4, microbatch_size=2, num_workers=0, tokenizer_batch_size=8)
+    options = dict(
+        train_files=str(corpus["root"] / "data"),
+        tokenizer=str(corpus["root"] / "tokenizer.json"),
+        seq_len=16,
+        global_batch_size=4,
+        microbatch_size=2,
+        num_workers=0,
+        tokenizer_batch_size=8,
+    )
     options.update(changes)
     return options
 
 
-@pytest.mark.parametrize("name", ["seq_len", "global_batch_size", "microbatch_size", "tokenizer_batch_size",
-                                  "steps_per_epoch", "val_steps", "bestfit_buffer_size"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "seq_len",
+        "global_batch_size",
+        "microbatch_size",
+        "tokenizer_batch_size",
+        "steps_per_epoch",
+        "val_steps",
+        "bestfit_buffer_size",
+    ],
+)
 @pytest.mark.parametrize("value", [0, -1])
 def test_sizes_must_be_positive(corpus: dict, name: str, value: int) -> None:
     with pytest.raises(ValueError, match=f"{name} must be a positive integer.*got {value}"):
         PretrainingDataModule(**base_options(corpus, **{name: value}))
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"packing": "greedy"}, "packing='greedy' is not valid.*bestfit.*concat"),
-    ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
-    ({"global_batch_size": 6, "microbatch_size": 4}, "global_batch_size=6 is not divisible by microbatch_size=4"),
-    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"packing": "greedy"}, "packing='greedy' is not valid.*bestfit.*concat"),
+        ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
+        (
+            {"global_batch_size": 6, "microbatch_size": 4},
+            "global_batch_size=6 is not divisible by world_size × microbatch_size = 1 × 4",
+        ),
+        ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+    ],
+)
 def test_bad_options_name_the_value(corpus: dict, change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PretrainingDataModule(**base_options(corpus, **change))
@@ -352,8 +383,17 @@ def test_too_small_dataset_fails_at_setup_not_in_a_hang(corpus: dict, tmp_path: 
 
 def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Path) -> None:
     write_parquet(tmp_path / "holes", [None, "", "wa wb", None, "wc", ""] * 10, files=1, row_group_size=6)
-    dm = setup_dm(**base_options(corpus, train_files=str(tmp_path / "holes"), seq_len=4, global_batch_size=2,
-                                 microbatch_size=1, steps_per_epoch=3, packing="concat"))
+    dm = setup_dm(
+        **base_options(
+            corpus,
+            train_files=str(tmp_path / "holes"),
+            seq_len=4,
+            global_batch_size=2,
+            microbatch_size=1,
+            steps_per_epoch=3,
+            packing="concat",
+        )
+    )
     batches = list(dm.train_dataloader())
     assert len(batches) == 6
     _, _, states = dm.position.committed

@@ -15,13 +15,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pretraining_harness
 import pytest
 import torch
-
-from lightning_d9d.pretraining import PretrainingDataModule
-
-import pretraining_harness
 from pretraining_helpers import make_docs, train_tokenizer, write_parquet
+
+from lightning_d9d.datamodules.pretraining import PretrainingDataModule
 
 HARNESS = Path(__file__).with_name("pretraining_harness.py")
 
@@ -37,9 +36,20 @@ def data(tmp_path_factory) -> Path:
 
 
 def config(data: Path, tmp: Path, **changes) -> dict:
-    base = dict(train_files=str(data / "train"), val_files=str(data / "val"), tokenizer=str(data / "tokenizer.json"),
-                record_file=str(tmp / "records.jsonl"), ckpt_dir=str(tmp / "ckpt"), seq_len=16, global_batch_size=8,
-                microbatch_size=2, val_steps=2, steps_per_epoch=7, tokenizer_batch_size=8, bestfit_buffer_size=24)
+    base = dict(
+        train_files=str(data / "train"),
+        val_files=str(data / "val"),
+        tokenizer=str(data / "tokenizer.json"),
+        record_file=str(tmp / "records.jsonl"),
+        ckpt_dir=str(tmp / "ckpt"),
+        seq_len=16,
+        global_batch_size=8,
+        microbatch_size=2,
+        val_steps=2,
+        steps_per_epoch=7,
+        tokenizer_batch_size=8,
+        bestfit_buffer_size=24,
+    )
     base.update(changes)
     return base
 
@@ -56,8 +66,9 @@ def saved_state(path: str) -> dict:
     return torch.load(path, weights_only=True)["PretrainingDataModule"]
 
 
-def assert_resumes_match(records: list[dict], resumed_runs: dict[str, int], max_steps: int, per_step: int,
-                         ranks: int = 1) -> None:
+def assert_resumes_match(
+    records: list[dict], resumed_runs: dict[str, int], max_steps: int, per_step: int, ranks: int = 1
+) -> None:
     """Every resumed run trains exactly the uninterrupted run's microbatches from its step to ``max_steps``."""
     key = lambda r: (r["rank"], r["epoch"], r["step"], r["batch_idx"])  # noqa: E731
     full = {key(r): r["digest"] for r in records if r["run"] == "full" and r["kind"] == "train"}
@@ -110,23 +121,32 @@ def test_two_ddp_ranks_resume_exactly(data: Path, tmp_path: Path) -> None:
     ]
     cfg = config(data, tmp_path, devices=2, num_workers=2, packing="bestfit", steps_per_epoch=5, runs=runs)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    result = subprocess.run([sys.executable, str(HARNESS), json.dumps(cfg)], capture_output=True, text=True,
-                            timeout=240, env=env)
+    result = subprocess.run(
+        [sys.executable, str(HARNESS), json.dumps(cfg)], capture_output=True, text=True, timeout=240, env=env
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     state = saved_state(str(ckpt / "step=12.ckpt"))
     assert state["layout"] == {"world_size": 2, "num_workers": 2, "microbatch_size": 2}
     assert [sorted(rank) for rank in state["ranks"]] == [[0, 1], [2, 3]]  # rank 0's file holds every stream
     assert max(s["pass"] for rank in state["ranks"] for s in rank.values()) >= 1
     assert len(pickle.dumps(state)) < 2 * (1 << 20)  # < 1 MiB per rank
-    assert_resumes_match(read_records(cfg, ranks=2), {"mid_epoch": 4, "mid_window": 6, "later_pass": 12}, 14, 2,
-                         ranks=2)
+    assert_resumes_match(
+        read_records(cfg, ranks=2), {"mid_epoch": 4, "mid_window": 6, "later_pass": 12}, 14, 2, ranks=2
+    )
 
 
 # ------------------------------------------------------------------------------------ without a Trainer
 def make_dm(data: Path, **changes) -> PretrainingDataModule:
-    options = dict(train_files=str(data / "train"), tokenizer=str(data / "tokenizer.json"), seq_len=16,
-                   global_batch_size=4, microbatch_size=2, num_workers=0, tokenizer_batch_size=8,
-                   bestfit_buffer_size=24)
+    options = dict(
+        train_files=str(data / "train"),
+        tokenizer=str(data / "tokenizer.json"),
+        seq_len=16,
+        global_batch_size=4,
+        microbatch_size=2,
+        num_workers=0,
+        tokenizer_batch_size=8,
+        bestfit_buffer_size=24,
+    )
     options.update(changes)
     dm = PretrainingDataModule(**options)
     dm.setup("fit")
@@ -152,16 +172,17 @@ def test_a_state_from_other_settings_names_both_values(data: Path) -> None:
     dm = make_dm(data, steps_per_epoch=3)
     list(dm.train_dataloader())
     state = dm.state_dict()
-    with pytest.raises(ValueError, match="seed: checkpoint '0', this run '1'"):
+    with pytest.raises(ValueError, match="seed: checkpoint 0, this run 1"):
         make_dm(data, seed=1, steps_per_epoch=3).load_state_dict(state)
-    with pytest.raises(ValueError, match="seq_len: checkpoint '16', this run '32'.*packing: checkpoint 'bestfit', "
-                                         "this run 'concat'"):
+    with pytest.raises(
+        ValueError, match="seq_len: checkpoint 16, this run 32.*packing: checkpoint 'bestfit', this run 'concat'"
+    ):
         make_dm(data, seq_len=32, packing="concat", steps_per_epoch=3).load_state_dict(state)
-    with pytest.raises(ValueError, match="global_batch_size: checkpoint '4', this run '8'"):
+    with pytest.raises(ValueError, match="global_batch_size: checkpoint 4, this run 8"):
         make_dm(data, global_batch_size=8, steps_per_epoch=3).load_state_dict(state)
     with pytest.raises(ValueError, match="files: checkpoint '2 files.*this run '1 files"):
         make_dm(data, train_files=str(data / "train" / "part-000.parquet"), steps_per_epoch=3).load_state_dict(state)
-    with pytest.raises(ValueError, match="num_workers=0 in the checkpoint, 2 now.*elastic resume is not supported"):
+    with pytest.raises(ValueError, match="num_workers: checkpoint 0, this run 2.*elastic resume is not supported"):
         make_dm(data, num_workers=2, steps_per_epoch=3).load_state_dict(state)
     resumed = make_dm(data, steps_per_epoch=3)
     resumed.load_state_dict(state)

@@ -21,6 +21,6 @@ def test_ci_runs_exactly_the_readmes_test_command() -> None:
 
 
 def test_readme_names_no_local_paths() -> None:
-    for path in [ROOT / "README.md", *ROOT.glob("lightning_d9d/*.py"), *ROOT.glob("configs/*.yaml")]:
+    for path in [ROOT / "README.md", *ROOT.glob("lightning_d9d/**/*.py"), *ROOT.glob("configs/*.yaml")]:
         text = path.read_text()
         assert "/work/" not in text and "/root/" not in text and "/tmp/" not in text, path

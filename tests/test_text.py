@@ -12,9 +12,30 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from lightning_d9d.text import IGNORE_INDEX, CausalLMCollator, TextBatch, TextDataModule
+from lightning_d9d import TextDataModule
+from lightning_d9d.text.collate import IGNORE_INDEX, CausalLMCollator, TextBatch
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+]
 
 
 def make_texts(count: int, seed: int = 0) -> list[str]:
@@ -30,7 +51,9 @@ def train_tokenizer(texts: list[str], path: Path, vocab_size: int = 300) -> Path
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
@@ -207,7 +230,7 @@ def test_jsonl_file_and_saved_dataset_sources(corpus: dict, tmp_path: Path) -> N
 
 
 def test_tiny_gpt_loss_is_the_same_for_left_and_right_padding(corpus: dict, tmp_path: Path) -> None:
-    from lightning_d9d.demo_model import TinyGPT
+    from lightning_d9d.demo.model import TinyGPT
 
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=300, max_positions=64, width=32, num_layers=1, num_heads=2).eval()

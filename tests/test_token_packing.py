@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_d9d.token_packing import BestFitPacker, ConcatPacker, position_ids
+from lightning_d9d.streaming.packing import BestFitPacker, ConcatPacker, position_ids
 
 BOS = 0
 
@@ -22,7 +22,7 @@ def make_doc(i: int, length: int) -> np.ndarray:
 def reference_bestfit(docs: list[np.ndarray], capacity: int, rows: int, buffer_size: int, batch: int):
     """The reference's best-fit (a Python scan of the buffer per pick), ported as is."""
     doc_buffer: list[np.ndarray] = []
-    source = iter([docs[i:i + batch] for i in range(0, len(docs), batch)])
+    source = iter([docs[i : i + batch] for i in range(0, len(docs), batch)])
     out, crops = [], 0
     for _ in range(rows):
         row, pos = np.empty(capacity, np.int32), 0
@@ -36,7 +36,7 @@ def reference_bestfit(docs: list[np.ndarray], capacity: int, rows: int, buffer_s
                     best_idx, best_len = i, len(doc)
             if best_idx >= 0:
                 doc = doc_buffer.pop(best_idx)
-                row[pos:pos + len(doc)] = doc
+                row[pos : pos + len(doc)] = doc
                 pos += len(doc)
             else:
                 shortest = min(range(len(doc_buffer)), key=lambda i: len(doc_buffer[i]))
@@ -50,7 +50,7 @@ def reference_bestfit(docs: list[np.ndarray], capacity: int, rows: int, buffer_s
 
 def run_bestfit(docs: list[np.ndarray], capacity: int, rows: int, buffer_size: int, batch: int):
     packer = BestFitPacker(capacity, buffer_size)
-    chunks = iter([docs[i:i + batch] for i in range(0, len(docs), batch)])
+    chunks = iter([docs[i : i + batch] for i in range(0, len(docs), batch)])
     consumed = [0]
 
     def refill() -> None:
@@ -62,8 +62,12 @@ def run_bestfit(docs: list[np.ndarray], capacity: int, rows: int, buffer_size: i
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 70), min_size=400, max_size=400), capacity=st.integers(2, 40),
-       buffer_size=st.integers(1, 30), batch=st.integers(1, 9))
+@given(
+    lengths=st.lists(st.integers(1, 70), min_size=400, max_size=400),
+    capacity=st.integers(2, 40),
+    buffer_size=st.integers(1, 30),
+    batch=st.integers(1, 9),
+)
 def test_bestfit_picks_exactly_what_the_reference_scan_picks(lengths, capacity, buffer_size, batch) -> None:
     docs = [make_doc(i, n) for i, n in enumerate(lengths)]
     rows = 20
@@ -83,7 +87,7 @@ def test_bestfit_reports_crops_and_dropped_tokens() -> None:
     for row in got:
         starts = np.flatnonzero(row == BOS)
         assert starts[0] == 0
-        for a, b in zip(starts, list(starts[1:]) + [len(row)]):
+        for a, b in zip(starts, [*starts[1:], len(row)]):
             piece = row[a:b]
             doc_id = (piece[1] - 1) // 1000 if len(piece) > 1 else None
             if doc_id is not None:
@@ -96,7 +100,7 @@ def test_bestfit_snapshot_restore_continues_identically() -> None:
     full, _ = run_bestfit(docs, capacity, 60, buffer_size, batch)
 
     packer = BestFitPacker(capacity, buffer_size)
-    chunks = [docs[i:i + batch] for i in range(0, len(docs), batch)]
+    chunks = [docs[i : i + batch] for i in range(0, len(docs), batch)]
     cursor = [0]
 
     def refill() -> None:
@@ -138,16 +142,15 @@ def test_bestfit_restore_rejects_a_changed_prefix() -> None:
 def test_concat_is_the_token_stream_cut_into_rows() -> None:
     rng = np.random.default_rng(1)
     docs = [make_doc(i, int(n)) for i, n in enumerate(rng.integers(1, 50, 200))]
-    packer, rows, chunk = ConcatPacker(17), [], 0
-    for start in range(0, len(docs), 7):
-        part = docs[start:start + 7]
+    packer, rows = ConcatPacker(17), []
+    for chunk, start in enumerate(range(0, len(docs), 7)):
+        part = docs[start : start + 7]
         packer.add(np.concatenate(part), np.cumsum([0] + [len(d) for d in part[:-1]]), ref=chunk)
-        chunk += 1
         while (taken := packer.take(3)) is not None:
             rows.append(taken.copy())
     stream = np.concatenate(docs)
     emitted = np.concatenate(rows).ravel()
-    np.testing.assert_array_equal(emitted, stream[:len(emitted)])
+    np.testing.assert_array_equal(emitted, stream[: len(emitted)])
     assert len(stream) - len(emitted) < 3 * 17
 
 

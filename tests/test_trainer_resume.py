@@ -119,12 +119,24 @@ def test_yield_packs_resume_is_exact(tmp_path: Path) -> None:
     full = read_records(tmp_path / "full")
     assert_exactly_once_per_epoch(full)
     assert {r["batch_idx"] for r in full if r["epoch"] == 0} == set(range(STEPS_PER_EPOCH)), "one batch per step"
-    run_training({**BASE, "packs": True, "record_dir": str(tmp_path / "resumed"), "ckpt_path": str(tmp_path / "ckpt" / "epoch=0-step=7.ckpt")})
+    run_training(
+        {
+            **BASE,
+            "packs": True,
+            "record_dir": str(tmp_path / "resumed"),
+            "ckpt_path": str(tmp_path / "ckpt" / "epoch=0-step=7.ckpt"),
+        }
+    )
     assert trained(before_step(full, 7) + read_records(tmp_path / "resumed")) == trained(full)
 
 
 def test_sigkill_mid_epoch_then_resume_from_last_trains_every_sample_once(reference: dict, tmp_path: Path) -> None:
-    config = {**BASE, "record_dir": str(tmp_path / "killed"), "ckpt_dir": str(tmp_path / "ckpt"), "every_n_train_steps": 3}
+    config = {
+        **BASE,
+        "record_dir": str(tmp_path / "killed"),
+        "ckpt_dir": str(tmp_path / "ckpt"),
+        "every_n_train_steps": 3,
+    }
     killed = subprocess.run(
         [sys.executable, str(HARNESS), json.dumps({**config, "kill_at_step": 8})], capture_output=True, timeout=240
     )
@@ -132,7 +144,11 @@ def test_sigkill_mid_epoch_then_resume_from_last_trains_every_sample_once(refere
     last = tmp_path / "ckpt" / "last.ckpt"
     assert last.exists()
     subprocess.run(
-        [sys.executable, str(HARNESS), json.dumps({**config, "record_dir": str(tmp_path / "resumed"), "ckpt_path": "last"})],
+        [
+            sys.executable,
+            str(HARNESS),
+            json.dumps({**config, "record_dir": str(tmp_path / "resumed"), "ckpt_path": "last"}),
+        ],
         check=True,
         capture_output=True,
         timeout=240,
@@ -172,7 +188,14 @@ def test_ddp_ranks_train_disjoint_equal_shares_of_the_same_global_batches(ddp_re
 
 
 def test_ddp_resume_is_exact_on_every_rank(ddp_reference: dict, tmp_path: Path) -> None:
-    run_ddp({**BASE, "record_dir": str(tmp_path), "ckpt_path": str(ddp_reference["ckpt"] / "epoch=0-step=5.ckpt"), "estimated": True})
+    run_ddp(
+        {
+            **BASE,
+            "record_dir": str(tmp_path),
+            "ckpt_path": str(ddp_reference["ckpt"] / "epoch=0-step=5.ckpt"),
+            "estimated": True,
+        }
+    )
     combined = before_step(ddp_reference["records"], 5) + read_records(tmp_path)
     assert trained(sorted(combined, key=lambda r: (r["epoch"], r["step"], r["rank"], r["batch_idx"]))) == trained(
         ddp_reference["records"]
@@ -180,7 +203,9 @@ def test_ddp_resume_is_exact_on_every_rank(ddp_reference: dict, tmp_path: Path) 
 
 
 def test_elastic_resume_two_ranks_to_one(ddp_reference: dict, tmp_path: Path) -> None:
-    run_training({**BASE, "record_dir": str(tmp_path), "ckpt_path": str(ddp_reference["ckpt"] / "epoch=1-step=15.ckpt")})
+    run_training(
+        {**BASE, "record_dir": str(tmp_path), "ckpt_path": str(ddp_reference["ckpt"] / "epoch=1-step=15.ckpt")}
+    )
     combined = before_step(ddp_reference["records"], 15) + read_records(tmp_path)
     assert samples_per_step(combined) == samples_per_step(ddp_reference["records"])
     assert_exactly_once_per_epoch(combined)
@@ -214,7 +239,11 @@ def test_accumulate_grad_batches_that_disagrees_is_rejected(
     )
     module = RecordingModule(str(tmp_path))  # automatic optimization, even with packs: the error must say why
     trainer = pl.Trainer(
-        accelerator="cpu", accumulate_grad_batches=accumulate, max_steps=1, logger=False, enable_checkpointing=False,
+        accelerator="cpu",
+        accumulate_grad_batches=accumulate,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
         default_root_dir=str(tmp_path),
     )
     with pytest.raises(ValueError, match=message):
@@ -223,7 +252,12 @@ def test_accumulate_grad_batches_that_disagrees_is_rejected(
 
 def test_elastic_resume_with_another_microbatch_size(reference: dict, tmp_path: Path) -> None:
     run_training(
-        {**BASE, "microbatch_size": 4, "record_dir": str(tmp_path), "ckpt_path": str(reference["ckpt"] / "mid-e0-b43.ckpt")}
+        {
+            **BASE,
+            "microbatch_size": 4,
+            "record_dir": str(tmp_path),
+            "ckpt_path": str(reference["ckpt"] / "mid-e0-b43.ckpt"),
+        }
     )
     resumed = read_records(tmp_path)
     assert {len(r["ids"]) for r in resumed} == {4}
@@ -239,13 +273,18 @@ def test_validate_from_a_checkpoint_of_another_order_is_not_refused(reference: d
 
     checkpoint = str(reference["ckpt"] / "epoch=0-step=5.ckpt")
     other_seed = D9DDataModule(
-        LengthDataset(SIZE), pad_collate, global_batch_size=GLOBAL_BATCH, microbatch_size=MICROBATCH,
-        sort_buffer_size=64, seed=99, val_dataset=LengthDataset(37, seed=1),
+        LengthDataset(SIZE),
+        pad_collate,
+        global_batch_size=GLOBAL_BATCH,
+        microbatch_size=MICROBATCH,
+        sort_buffer_size=64,
+        seed=99,
+        val_dataset=LengthDataset(37, seed=1),
     )
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
     trainer.validate(RecordingModule(str(tmp_path)), datamodule=other_seed, ckpt_path=checkpoint)
     assert sorted(i for r in read_records(tmp_path, "val") for i in r["ids"]) == list(range(37))
-    with pytest.raises(ValueError, match="seed: checkpoint 0 vs now 99"):
+    with pytest.raises(ValueError, match="seed: checkpoint 0, this run 99"):
         pl.Trainer(accelerator="cpu", logger=False, max_epochs=2, default_root_dir=str(tmp_path)).fit(
             RecordingModule(str(tmp_path)), datamodule=other_seed, ckpt_path=checkpoint
         )

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_d9d.pin import map_tensors
+from lightning_d9d.device.pin import map_tensors
 
 
 def move_batch_to_device(batch: Any, device: torch.device | str) -> Any:

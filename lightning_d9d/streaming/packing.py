@@ -130,7 +130,7 @@ class ConcatPacker:
         need = num_rows * self.capacity
         if self.available < need:
             return None
-        rows = self._tokens[self._pos:self._pos + need].reshape(num_rows, self.capacity)
+        rows = self._tokens[self._pos : self._pos + need].reshape(num_rows, self.capacity)
         self._pos += need
         self.tokens_emitted += need
         return rows
@@ -182,8 +182,9 @@ class BestFitPacker:
     def __len__(self) -> int:
         return self.count
 
-    def add(self, tokens: np.ndarray | None, length: int, key: tuple[int, int], seq: int | None = None,
-            checksum: int = 0) -> None:
+    def add(
+        self, tokens: np.ndarray | None, length: int, key: tuple[int, int], seq: int | None = None, checksum: int = 0
+    ) -> None:
         """Buffer one document.
 
         Args:
@@ -255,7 +256,7 @@ class BestFitPacker:
                 i = bisect.bisect_right(self._lengths, remaining) - 1
                 if i >= 0:  # the largest document that fits entirely
                     tokens, length = self._pop(i)
-                    out[r, pos:pos + length] = tokens
+                    out[r, pos : pos + length] = tokens
                     pos += length
                 else:  # nothing fits: crop the shortest to fill the row exactly
                     tokens, length = self._pop(0)
@@ -291,11 +292,16 @@ class BestFitPacker:
         self.next_seq = next_seq
 
     def _materialize(self, row: np.ndarray) -> np.ndarray:
-        seq, length, key0, key1, checksum = (int(v) for v in row)
+        _seq, length, key0, key1, checksum = (int(v) for v in row)
         tokens = np.asarray(self._fetch(row), np.int32)
         expected = min(length, self.capacity)
-        if len(tokens) < expected or (length > self.capacity and prefix_hash(tokens[:expected]) != checksum) \
-                or (length <= self.capacity and len(tokens) != length):
-            raise ValueError(f"buffered document {(key0, key1)} does not match its saved length {length} / checksum "
-                             "(did the data files or the tokenizer change since the checkpoint?)")
+        if (
+            len(tokens) < expected
+            or (length > self.capacity and prefix_hash(tokens[:expected]) != checksum)
+            or (length <= self.capacity and len(tokens) != length)
+        ):
+            raise ValueError(
+                f"buffered document {(key0, key1)} does not match its saved length {length} / checksum "
+                "(did the data files or the tokenizer change since the checkpoint?)"
+            )
         return tokens[:expected]

@@ -18,31 +18,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from lightning_d9d.validation import positive_int
-
-
-def microbatches_per_step(global_batch_size: int, world_size: int, microbatch_size: int) -> int:
-    """M: how many microbatches of ``microbatch_size`` one rank runs per optimizer step.
-
-    Raises:
-        ValueError: non-positive sizes, or G not divisible by ``world_size × microbatch_size``.
-    """
-    for name, value in (
-        ("global_batch_size", global_batch_size),
-        ("world_size", world_size),
-        ("microbatch_size", microbatch_size),
-    ):
-        positive_int(name, value)
-    per_step = world_size * microbatch_size
-    if global_batch_size % per_step:
-        valid = [per_step * k for k in range(1, 4)]
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by world_size × microbatch_size = "
-            f"{world_size} × {microbatch_size} = {per_step}; use a multiple of {per_step} (e.g. {valid}) "
-            f"or another microbatch_size"
-        )
-    return global_batch_size // per_step
-
 
 def snake_owner(microbatch: int, world_size: int) -> int:
     """The rank that receives microbatch number ``microbatch`` of a step under snake dealing."""
@@ -60,5 +35,7 @@ def validation_microbatches(
     ordered_indices: np.ndarray, world_size: int, rank: int, microbatch_size: int
 ) -> list[np.ndarray]:
     """This rank's share of an exactly-once validation pass: round-robin over consecutive microbatches."""
-    chunks = [ordered_indices[start : start + microbatch_size] for start in range(0, len(ordered_indices), microbatch_size)]
+    chunks = [
+        ordered_indices[start : start + microbatch_size] for start in range(0, len(ordered_indices), microbatch_size)
+    ]
     return chunks[rank::world_size]

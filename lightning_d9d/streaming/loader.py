@@ -34,10 +34,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_d9d.loader import LazyIterator
-from lightning_d9d.parquet_source import stream_id
-from lightning_d9d.token_packing import microbatch_tensors
-from lightning_d9d.token_stream import StreamSpec, TokenStream
+from lightning_d9d.epoch_iterator import EpochIterator, collect_before_fork, shutdown_workers
+from lightning_d9d.resume import TrainPosition
+from lightning_d9d.streaming.packing import microbatch_tensors
+from lightning_d9d.streaming.source import stream_id
+from lightning_d9d.streaming.stream import StreamSpec, TokenStream
 
 StreamStates = dict[int, dict[str, Any]]
 
@@ -48,26 +49,22 @@ WORKER_CHUNK_CHARS = 1 << 18
 
 
 @dataclass
-class StreamPosition:
+class StreamPosition(TrainPosition):
     """Where one rank's streams are: the single place the data position lives.
 
     Attributes:
-        epoch: the current Lightning epoch.
-        microbatches: microbatches handed out in this epoch.
         states: the latest state of each of this rank's streams (by global stream number).
         committed: ``(epoch, step, states)`` at the last optimizer-step boundary (what checkpoints save).
         generation: bumped whenever the position is replaced (resume), which invalidates running streams.
     """
 
-    epoch: int = 0
-    microbatches: int = 0
     states: StreamStates = field(default_factory=dict)
     committed: tuple[int, int, StreamStates] = (0, 0, {})
     generation: int = 0
 
     def restart(self, epoch: int, step: int, states: StreamStates, microbatches_per_step: int) -> None:
         """Jump to ``step`` of ``epoch`` with the given stream states (a resume)."""
-        self.epoch, self.microbatches = epoch, step * microbatches_per_step
+        self.start(epoch, step, microbatches_per_step)
         self.states = dict(states)
         self.committed = (epoch, step, dict(states))
         self.generation += 1
@@ -112,8 +109,11 @@ def rank_stream_iterator(spec: StreamSpec, rank: int, num_workers: int, states: 
     streams = max(1, num_workers)
     if num_workers > 0 and not spec.chunk_chars:
         spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS)
-    consumed = sum(int(states[stream_id(rank, w, num_workers)]["batches"]) for w in range(streams)
-                   if stream_id(rank, w, num_workers) in states)
+    consumed = sum(
+        int(states[stream_id(rank, w, num_workers)]["batches"])
+        for w in range(streams)
+        if stream_id(rank, w, num_workers) in states
+    )
     dataset = _WorkerStreams(spec, rank, num_workers, states, rotation=consumed % streams)
     if num_workers == 0:
         return iter(dataset)
@@ -122,8 +122,8 @@ def rank_stream_iterator(spec: StreamSpec, rank: int, num_workers: int, states: 
         # collate_fn=_as_is: the default would turn the numpy rows into tensors in the worker, and each tensor
         # then crosses to this process as a shared-memory file; a pickled 33 KB array through the worker's pipe
         # is cheaper (measured, 2 workers, long documents: ~500K -> ~680K tokens per worker CPU-second).
-        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=4,
-                            collate_fn=_as_is)
+        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=4, collate_fn=_as_is)
+    collect_before_fork()
     return iter(loader)
 
 
@@ -142,9 +142,17 @@ class TokenTrainLoader:
         make_batch: turns ``(inputs, targets, position_ids)`` into the batch handed to training (and pins it).
     """
 
-    def __init__(self, spec: StreamSpec, rank: int, num_workers: int, microbatches_per_epoch: int,
-                 microbatches_per_step: int, position: StreamPosition,
-                 start_point: Callable[[], tuple[int, int]], make_batch: Callable[..., Any]):
+    def __init__(
+        self,
+        spec: StreamSpec,
+        rank: int,
+        num_workers: int,
+        microbatches_per_epoch: int,
+        microbatches_per_step: int,
+        position: StreamPosition,
+        start_point: Callable[[], tuple[int, int]],
+        make_batch: Callable[..., Any],
+    ):
         self.spec, self.rank, self.num_workers = spec, rank, num_workers
         self.microbatches_per_epoch, self.microbatches_per_step = microbatches_per_epoch, microbatches_per_step
         self.position, self.start_point, self.make_batch = position, start_point, make_batch
@@ -154,20 +162,35 @@ class TokenTrainLoader:
         # The full epoch even after a mid-epoch resume: Lightning adds its restored count to what it fetches.
         return self.microbatches_per_epoch
 
+    def state_dict(self) -> dict[str, Any]:
+        """Empty: the position is the DataModule's state, which Lightning saves in the same checkpoint.
+
+        Having ``state_dict``/``load_state_dict`` tells Lightning that this loader resumes exactly, so it does
+        not warn that a mid-epoch checkpoint cannot be resumed.
+        """
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load here: the DataModule restored the position (see ``state_dict``)."""
+
     def __iter__(self) -> Iterator[Any]:
-        return LazyIterator(self._epoch_batches)
+        return EpochIterator(self._epoch_batches)
 
     def close(self) -> None:
-        """Stop the streams (and their worker processes)."""
-        self._running = None
+        """Stop the streams (and their worker processes, now)."""
+        running, self._running = self._running, None
+        if running is not None:
+            shutdown_workers(running[1])
 
     def _epoch_batches(self) -> Iterator[Any]:
         epoch, start = self.start_point()
         position, per_step = self.position, self.microbatches_per_step
         position.epoch, position.microbatches = epoch, start
         if self._running is None or self._running[0] != position.generation:
-            self._running = (position.generation,
-                             rank_stream_iterator(self.spec, self.rank, self.num_workers, position.states))
+            self._running = (
+                position.generation,
+                rank_stream_iterator(self.spec, self.rank, self.num_workers, position.states),
+            )
         streams = self._running[1]
         while position.microbatches < self.microbatches_per_epoch:
             rows, sid, state = next(streams)
@@ -181,8 +204,9 @@ class TokenTrainLoader:
 class TokenValidationLoader:
     """A sized iterable of ``num_microbatches`` validation microbatches, the same ones on every run."""
 
-    def __init__(self, spec: StreamSpec, rank: int, num_workers: int, num_microbatches: int,
-                 make_batch: Callable[..., Any]):
+    def __init__(
+        self, spec: StreamSpec, rank: int, num_workers: int, num_microbatches: int, make_batch: Callable[..., Any]
+    ):
         self.spec, self.rank, self.num_workers = spec, rank, num_workers
         self.num_microbatches, self.make_batch = num_microbatches, make_batch
 
@@ -190,10 +214,16 @@ class TokenValidationLoader:
         return self.num_microbatches
 
     def __iter__(self) -> Iterator[Any]:
-        return LazyIterator(self._batches)
+        return EpochIterator(self._batches)
+
+    def close(self) -> None:
+        """Nothing outlives an iteration here: each validation pass stops its workers when it ends or is freed."""
 
     def _batches(self) -> Iterator[Any]:
         streams = rank_stream_iterator(self.spec, self.rank, self.num_workers, {})
-        for _ in range(self.num_microbatches):
-            rows, _sid, _state = next(streams)
-            yield self.make_batch(*microbatch_tensors(rows, self.spec.bos_id))
+        try:
+            for _ in range(self.num_microbatches):
+                rows, _sid, _state = next(streams)
+                yield self.make_batch(*microbatch_tensors(rows, self.spec.bos_id))
+        finally:
+            shutdown_workers(streams)

@@ -32,14 +32,30 @@ from typing import Any, Literal
 import torch
 from tokenizers import Tokenizer
 
-from lightning_d9d.datamodule import SteppedDataModule
-from lightning_d9d.parquet_source import RowGroupIndex, resolve_files
-from lightning_d9d.pin import pin_batch
-from lightning_d9d.token_loader import StreamPosition, TokenTrainLoader, TokenValidationLoader
-from lightning_d9d.token_stream import PACKINGS, StreamSpec, estimate_pass
-from lightning_d9d.validation import non_negative_int, positive_int
+from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
+from lightning_d9d.datamodules.base import SteppedDataModule
+from lightning_d9d.device.pin import pin_batch
+from lightning_d9d.resume import Fingerprint
+from lightning_d9d.streaming.loader import StreamPosition, TokenTrainLoader, TokenValidationLoader
+from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.stream import PACKINGS, StreamSpec, estimate_pass
 
 STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StreamFingerprint(Fingerprint):
+    """What decides the rows a stream yields (how documents are batched for the tokenizer does not)."""
+
+    files: str
+    text_column: str
+    tokenizer: str
+    bos_token: str
+    seq_len: int
+    packing: str
+    seed: int
+    global_batch_size: int
+    bestfit_buffer_size: int
 
 
 @dataclass
@@ -120,9 +136,7 @@ class PretrainingDataModule(SteppedDataModule):
         self.bestfit_buffer_size = positive_int("bestfit_buffer_size", bestfit_buffer_size)
         self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
-        if self.global_batch_size % self.microbatch_size:
-            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by microbatch_size="
-                             f"{microbatch_size}")
+        microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
         if packing not in PACKINGS:
             raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
         if not isinstance(text_column, str) or not text_column:
@@ -138,10 +152,8 @@ class PretrainingDataModule(SteppedDataModule):
         self.steps_per_epoch: int | None = None
         self.val_steps: int | None = None
         self.estimated_pass_tokens: float | None = None
-        self.fingerprint: dict[str, str] | None = None
+        self.fingerprint: StreamFingerprint | None = None
         self.position = StreamPosition()
-        self.restored: tuple[int, int] | None = None
-        self._loader: TokenTrainLoader | None = None
 
     @property
     def streams_per_rank(self) -> int:
@@ -154,10 +166,12 @@ class PretrainingDataModule(SteppedDataModule):
         bos_id = tokenizer.token_to_id(self.bos_token)
         if bos_id is None:
             special = sorted(t.content for t in tokenizer.get_added_tokens_decoder().values())
-            raise ValueError(f"the tokenizer has no token bos_token={self.bos_token!r}; its added/special tokens are "
-                             f"{special}: pass one of them as bos_token or add it to the tokenizer")
+            raise ValueError(
+                f"the tokenizer has no token bos_token={self.bos_token!r}; its added/special tokens are "
+                f"{special}: pass one of them as bos_token or add it to the tokenizer"
+            )
         tokenizer_json = tokenizer.to_str()
-        self.microbatches_per_step  # raises early when G is not divisible by W·m
+        _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
         streams = self.world_size * self.streams_per_rank
         if self.train_spec is None or stage in (None, "fit"):
             files = resolve_files(self.train_files, "train_files")
@@ -175,7 +189,8 @@ class PretrainingDataModule(SteppedDataModule):
                         f"train_files are too small for one optimizer step: about {tokens:.0f} tokens "
                         f"({rows:.1f} rows of seq_len+1={self.seq_len + 1}) per pass, but one step takes "
                         f"global_batch_size={self.global_batch_size} rows; add data, lower seq_len or "
-                        "global_batch_size, or set steps_per_epoch to cycle the data")
+                        "global_batch_size, or set steps_per_epoch to cycle the data"
+                    )
             self.fingerprint = self._fingerprint(index, tokenizer_json)
         if self.val_files is not None and (self.val_spec is None or self.val_spec.num_streams != streams):
             index = RowGroupIndex.scan(resolve_files(self.val_files, "val_files"), self.text_column)
@@ -187,19 +202,28 @@ class PretrainingDataModule(SteppedDataModule):
                 _, rows = estimate_pass(self.val_spec)
                 self.val_steps = max(1, int(rows // (self.world_size * self.microbatch_size)))
         if stage in (None, "fit"):
-            self.position = StreamPosition(generation=self.position.generation + 1)
-            self.restored = None
-            self.configure_trainer()
+            self.start_fit(
+                StreamPosition(
+                    microbatches_per_step=self.microbatches_per_step, generation=self.position.generation + 1
+                )
+            )
 
     def train_dataloader(self) -> TokenTrainLoader:
         """This rank's training loader: a sized iterable of ``PretrainingBatch`` (one epoch per iteration)."""
         spec = self._require(self.train_spec)
-        if self._loader is not None:
-            self._loader.close()
         per_step = self.microbatches_per_step
-        self._loader = TokenTrainLoader(spec, self.rank, self.num_workers, self.steps_per_epoch * per_step, per_step,
-                                        self.position, self._start_point, self._make_batch)
-        return self._loader
+        return self.track_loader(
+            TokenTrainLoader(
+                spec,
+                self.rank,
+                self.num_workers,
+                self.steps_per_epoch * per_step,
+                per_step,
+                self.position,
+                self.start_point,
+                self._make_batch,
+            )
+        )
 
     def val_dataloader(self) -> TokenValidationLoader | list:
         """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files)."""
@@ -218,74 +242,50 @@ class PretrainingDataModule(SteppedDataModule):
         keys = ("docs", "empty", "tokens", "emitted", "crops", "cropped")
         return {key: sum(int(state.get(key, 0)) for state in self.position.states.values()) for key in keys}
 
-    def teardown(self, stage: str) -> None:
-        if self._loader is not None:
-            self._loader.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's stream states at the last optimizer step, and the fingerprint (< 100 KiB per stream).
+    def extra_state(self) -> dict[str, Any]:
+        """Every rank's stream states at the last optimizer step (< 100 KiB per stream), and the layout.
 
         Under DDP it gathers all ranks' states (it runs on every rank while a checkpoint is saved), because
         Lightning writes only rank 0's checkpoint and every rank loads that one.
         """
-        if self.fingerprint is None:
-            return {}
-        epoch, step, states = self.position.committed
+        _epoch, _step, states = self.position.committed
         mine = {int(sid): _to_saveable(state) for sid, state in states.items()}
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
             ranks: list[Any] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(ranks, mine)
         else:
             ranks = [mine]
-        return {
-            "version": STATE_VERSION,
-            "epoch": epoch,
-            "step": step,
-            "fingerprint": dict(self.fingerprint),
-            "layout": self._layout(),
-            "ranks": ranks,
-        }
+        return {"version": STATE_VERSION, "layout": self._layout(), "ranks": ranks}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
         """Restore every stream of this rank to the checkpoint's last optimizer step.
 
         Raises:
-            ValueError: the checkpoint was made with other data/tokenizer/seq_len/packing/seed/global batch
-                (naming each differing value), or another world size / num_workers / microbatch_size.
+            ValueError: an unknown state version, or another world size / num_workers / microbatch_size.
         """
-        if not state_dict or not self.restores_training_position():
+        if state is None:
+            self.position.restart(epoch, step, {}, self.microbatches_per_step)
             return
-        if state_dict.get("version") != STATE_VERSION:
-            raise ValueError(f"unknown PretrainingDataModule state version {state_dict.get('version')!r}; "
-                             f"expected {STATE_VERSION}")
-        fingerprint = self._require(self.fingerprint)
-        saved = state_dict["fingerprint"]
-        diffs = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}" for key, value in fingerprint.items()
-                 if saved.get(key) != value]
-        if diffs:
-            raise ValueError("the checkpoint's data stream does not match this PretrainingDataModule ("
-                             + "; ".join(diffs) + "). Resume with the same settings, or start a new run")
-        layout, saved_layout = self._layout(), state_dict["layout"]
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"unknown PretrainingDataModule state version {state.get('version')!r}; expected {STATE_VERSION}"
+            )
+        layout, saved_layout = self._layout(), state["layout"]
         if layout != saved_layout:
-            diffs = [f"{key}={saved_layout.get(key)} in the checkpoint, {value} now" for key, value in layout.items()
-                     if saved_layout.get(key) != value]
-            raise ValueError("cannot resume the token streams on another layout (" + "; ".join(diffs) + "): the "
-                             "rows each rank trains depend on it. Resume with the checkpoint's world_size, "
-                             "num_workers and microbatch_size (elastic resume is not supported yet)")
-        epoch, step = int(state_dict["epoch"]), int(state_dict["step"])
-        states = {int(sid): dict(state) for sid, state in state_dict["ranks"][self.rank].items()}
+            diffs = [
+                f"{key}: checkpoint {saved_layout.get(key)!r}, this run {value!r}"
+                for key, value in layout.items()
+                if saved_layout.get(key) != value
+            ]
+            raise ValueError(
+                "cannot resume the token streams on another layout (" + "; ".join(diffs) + "): the "
+                "rows each rank trains depend on it. Resume with the checkpoint's world_size, "
+                "num_workers and microbatch_size (elastic resume is not supported yet)"
+            )
+        states = {int(sid): dict(state) for sid, state in state["ranks"][self.rank].items()}
         self.position.restart(epoch, step, states, self.microbatches_per_step)
-        self.restored = (epoch, step)
 
     # ------------------------------------------------------------------ internals
-    def _start_point(self) -> tuple[int, int]:
-        """(epoch, microbatch in epoch) where the next epoch iteration starts; called at its first ``next()``."""
-        position, per_epoch = self.position, self.steps_per_epoch * self.microbatches_per_step
-        self.restored = None
-        if position.microbatches >= per_epoch:
-            return position.epoch + 1, 0
-        return position.epoch, position.microbatches
-
     def _make_batch(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> PretrainingBatch:
         batch = PretrainingBatch(inputs, targets, positions)
         return pin_batch(batch) if self._pin else batch
@@ -295,10 +295,19 @@ class PretrainingDataModule(SteppedDataModule):
         return self.resolve_pin_memory()
 
     def _spec(self, index: RowGroupIndex, tokenizer_json: str, bos_id: int, shuffle: bool, streams: int) -> StreamSpec:
-        return StreamSpec(index=index, tokenizer_json=tokenizer_json, bos_id=bos_id, seq_len=self.seq_len,
-                          microbatch_size=self.microbatch_size, packing=self.packing, seed=self.seed,
-                          shuffle=shuffle, num_streams=streams, tokenizer_batch_size=self.tokenizer_batch_size,
-                          buffer_size=self.bestfit_buffer_size)
+        return StreamSpec(
+            index=index,
+            tokenizer_json=tokenizer_json,
+            bos_id=bos_id,
+            seq_len=self.seq_len,
+            microbatch_size=self.microbatch_size,
+            packing=self.packing,
+            seed=self.seed,
+            shuffle=shuffle,
+            num_streams=streams,
+            tokenizer_batch_size=self.tokenizer_batch_size,
+            buffer_size=self.bestfit_buffer_size,
+        )
 
     def _check_enough_groups(self, index: RowGroupIndex, streams: int, what: str) -> None:
         if len(index) < streams:
@@ -306,7 +315,8 @@ class PretrainingDataModule(SteppedDataModule):
                 f"{what} hold {len(index)} parquet row groups, fewer than the {streams} streams that read them "
                 f"(world_size={self.world_size} x max(1, num_workers={self.num_workers})), so a rank would get no "
                 "data: add data, write smaller row groups (pyarrow.parquet.write_table(..., row_group_size=...)), "
-                "or use fewer workers")
+                "or use fewer workers"
+            )
 
     def _load_tokenizer(self) -> Tokenizer:
         if isinstance(self.tokenizer, Tokenizer):
@@ -319,27 +329,25 @@ class PretrainingDataModule(SteppedDataModule):
         except Exception as err:  # tokenizers raises a bare Exception on bad JSON
             raise ValueError(f"tokenizer={path!r} is not a valid tokenizers JSON file: {err}") from err
 
-    def _fingerprint(self, index: RowGroupIndex, tokenizer_json: str) -> dict[str, str]:
+    def _fingerprint(self, index: RowGroupIndex, tokenizer_json: str) -> StreamFingerprint:
         files = hashlib.sha256()
         for path in index.files:
             files.update(path.encode() + b"\0")
         files.update(index.num_rows.tobytes())
-        return {
-            "files": f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}",
-            "text_column": self.text_column,
-            "tokenizer": f"sha256 {hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]}",
-            "bos_token": self.bos_token,
-            "seq_len": str(self.seq_len),
-            "packing": self.packing,
-            "seed": str(self.seed),
-            "global_batch_size": str(self.global_batch_size),
-            "tokenizer_batch_size": str(self.tokenizer_batch_size),
-            "bestfit_buffer_size": str(self.bestfit_buffer_size),
-        }
+        return StreamFingerprint(
+            files=f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}",
+            text_column=self.text_column,
+            tokenizer=f"sha256 {hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]}",
+            bos_token=self.bos_token,
+            seq_len=self.seq_len,
+            packing=self.packing,
+            seed=self.seed,
+            global_batch_size=self.global_batch_size,
+            bestfit_buffer_size=self.bestfit_buffer_size,
+        )
 
     def _layout(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "num_workers": self.num_workers,
-                "microbatch_size": self.microbatch_size}
+        return {"world_size": self.world_size, "num_workers": self.num_workers, "microbatch_size": self.microbatch_size}
 
     @staticmethod
     def _require(value: Any) -> Any:

@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from lightning_d9d.parquet_source import RowGroupIndex, deal, pass_order
-from lightning_d9d.token_packing import BestFitPacker, ConcatPacker, prefix_hash
+from lightning_d9d.streaming.packing import BestFitPacker, ConcatPacker, prefix_hash
+from lightning_d9d.streaming.source import RowGroupIndex, deal, pass_order
 
 PACKINGS = ("bestfit", "concat")
 _COUNTERS = ("docs", "empty", "tokens")
@@ -140,13 +140,28 @@ class _Chunk:
     def counters_before(self, doc: int) -> tuple[int, int, int]:
         """(documents, empty ones, tokens) read before non-empty document ``doc`` of this chunk."""
         raw_before = int(self.doc_rows[doc]) - self.row
-        return (self.counters[0] + raw_before, self.counters[1] + raw_before - doc,
-                self.counters[2] + int(self.lengths[:doc].sum()))
+        return (
+            self.counters[0] + raw_before,
+            self.counters[1] + raw_before - doc,
+            self.counters[2] + int(self.lengths[:doc].sum()),
+        )
 
 
 def _initial_state() -> dict[str, Any]:
-    return {"pass": 0, "slot": 0, "row": 0, "offset": 0, "docs": 0, "empty": 0, "tokens": 0,
-            "batches": 0, "emitted": 0, "crops": 0, "cropped": 0, "next_seq": 0}
+    return {
+        "pass": 0,
+        "slot": 0,
+        "row": 0,
+        "offset": 0,
+        "docs": 0,
+        "empty": 0,
+        "tokens": 0,
+        "batches": 0,
+        "emitted": 0,
+        "crops": 0,
+        "cropped": 0,
+        "next_seq": 0,
+    }
 
 
 class TokenStream:
@@ -181,11 +196,14 @@ class TokenStream:
         size = 1  # grows to tokenizer_batch_size: the first batch (also after a resume) waits for few documents
         pass_index, slot, row = start
         while True:
-            groups = deal(pass_order(len(spec.index), spec.seed, pass_index, spec.shuffle), self.stream,
-                          spec.num_streams)
+            groups = deal(
+                pass_order(len(spec.index), spec.seed, pass_index, spec.shuffle), self.stream, spec.num_streams
+            )
             if len(groups) == 0:
-                raise ValueError(f"stream {self.stream} of {spec.num_streams} gets no row group: the files hold "
-                                 f"{len(spec.index)} row groups, fewer than ranks x workers")
+                raise ValueError(
+                    f"stream {self.stream} of {spec.num_streams} gets no row group: the files hold "
+                    f"{len(spec.index)} row groups, fewer than ranks x workers"
+                )
             found_text = False
             while slot < len(groups):
                 group = int(groups[slot])
@@ -203,8 +221,10 @@ class TokenStream:
                     size = min(2 * size, spec.tokenizer_batch_size)
                 slot, row = slot + 1, 0
             if not found_text and start[1:] == (0, 0):
-                raise ValueError(f"stream {self.stream}: a whole pass over its row groups {groups.tolist()} found no "
-                                 f"non-empty text in column {spec.index.text_column!r}")
+                raise ValueError(
+                    f"stream {self.stream}: a whole pass over its row groups {groups.tolist()} found no "
+                    f"non-empty text in column {spec.index.text_column!r}"
+                )
             pass_index, slot, start = pass_index + 1, 0, (pass_index + 1, 0, 0)
 
     def _encode(self, raw: tuple[int, int, int, int, list]) -> tuple[tuple, list[int], list]:
@@ -228,17 +248,29 @@ class TokenStream:
         # and freed in turn, so the Python ints in flight stay a document's worth (reused while cache-hot)
         # instead of the chunk's (128 long documents: ~600K ints, ~25 MB).
         if spec.packing == "concat":
-            payload = np.fromiter(chain.from_iterable(chain.from_iterable((head, e.ids) for e in encs)), np.int32,
-                                  int(lengths.sum()))
+            payload = np.fromiter(
+                chain.from_iterable(chain.from_iterable((head, e.ids) for e in encs)), np.int32, int(lengths.sum())
+            )
         else:
             # Best-fit keeps only each document's row-sized prefix; documents are views of one flat array.
             ends = np.cumsum(np.minimum(lengths, cap)).tolist()
-            prefixes = chain.from_iterable((head, e.ids if n <= cap else e.ids[:cap - 1])
-                                           for e, n in zip(encs, lengths.tolist()))
+            prefixes = chain.from_iterable(
+                (head, e.ids if n <= cap else e.ids[: cap - 1]) for e, n in zip(encs, lengths.tolist())
+            )
             flat = np.fromiter(chain.from_iterable(prefixes), np.int32, ends[-1] if ends else 0)
             payload = [flat[s:e] for s, e in zip([0, *ends[:-1]], ends)]
-        return _Chunk(pass_index, slot, row, group, (0, 0, 0), np.asarray(keep, np.int64) + row, lengths, payload,
-                      len(texts), len(texts) - len(keep))
+        return _Chunk(
+            pass_index,
+            slot,
+            row,
+            group,
+            (0, 0, 0),
+            np.asarray(keep, np.int64) + row,
+            lengths,
+            payload,
+            len(texts),
+            len(texts) - len(keep),
+        )
 
     def _chunks(self, start: tuple[int, int, int], counters: tuple[int, int, int]) -> Iterator[_Chunk]:
         """Tokenized chunks in order, with running counters; read and tokenized ahead in threads.
@@ -304,7 +336,9 @@ class TokenStream:
                     item = out.get(timeout=1.0)
                 except queue.Empty:
                     if not thread.is_alive() and out.empty():  # never wait on a reader that is gone
-                        raise RuntimeError(f"token stream {self.stream}: its reader thread ended unexpectedly")
+                        raise RuntimeError(
+                            f"token stream {self.stream}: its reader thread ended unexpectedly"
+                        ) from None
                     continue
                 if isinstance(item, BaseException):
                     raise item
@@ -328,7 +362,7 @@ class TokenStream:
                 row, length = int(meta[i, 3]), int(meta[i, 1])
                 text = rows[row] or ""
                 # A long document needs only a text prefix: keep a generous one, re-read the rest if ever needed.
-                texts[(group, row)] = text if length <= cap else text[:16 * self._prefix_chars(text, length)]
+                texts[(group, row)] = text if length <= cap else text[: 16 * self._prefix_chars(text, length)]
 
         uses = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))  # a small corpus may buffer a doc twice
 
@@ -351,7 +385,7 @@ class TokenStream:
     def _with_bos(self, ids: list[int]) -> np.ndarray:
         prefix = np.empty(min(len(ids) + 1, self.spec.capacity), np.int32)
         prefix[0] = self.spec.bos_id
-        prefix[1:] = ids[:self.spec.capacity - 1]
+        prefix[1:] = ids[: self.spec.capacity - 1]
         return prefix
 
     def _long_prefix(self, group: int, row: int, text: str, length: int, checksum: int) -> np.ndarray:
@@ -397,15 +431,27 @@ class TokenStream:
         """
         if inside:
             docs, empty, tokens = chunk.counters_before(doc)
-            return {"pass": chunk.pass_index, "slot": chunk.slot, "row": int(chunk.doc_rows[doc]), "docs": docs,
-                    "empty": empty, "tokens": tokens}
+            return {
+                "pass": chunk.pass_index,
+                "slot": chunk.slot,
+                "row": int(chunk.doc_rows[doc]),
+                "docs": docs,
+                "empty": empty,
+                "tokens": tokens,
+            }
         if doc == 0:
             return dict(chunk.before)
         docs, empty, tokens = chunk.counters_before(doc - 1)
         row_after = int(chunk.doc_rows[doc - 1]) + 1
         pass_index, slot, row = self._advance(chunk.pass_index, chunk.slot, chunk.group, row_after)
-        return {"pass": pass_index, "slot": slot, "row": row, "docs": docs + 1, "empty": empty,
-                "tokens": tokens + int(chunk.lengths[doc - 1])}
+        return {
+            "pass": pass_index,
+            "slot": slot,
+            "row": row,
+            "docs": docs + 1,
+            "empty": empty,
+            "tokens": tokens + int(chunk.lengths[doc - 1]),
+        }
 
     def _advance(self, pass_index: int, slot: int, group: int, row: int) -> tuple[int, int, int]:
         """Normalise a position whose row may be past its row group's end (to the next row group or pass)."""
@@ -516,7 +562,7 @@ def _bestfit_yield(lengths: list[int], capacity: int, buffer_size: int) -> float
 
     def refill() -> None:
         for length in fed:
-            packer.add(zeros[:min(length, capacity)], length, (0, 0))
+            packer.add(zeros[: min(length, capacity)], length, (0, 0))
             return
         raise _Exhausted
 

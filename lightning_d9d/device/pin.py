@@ -28,9 +28,7 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return fn(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         changes = {
-            field.name: map_tensors(getattr(batch, field.name), fn)
-            for field in dataclasses.fields(batch)
-            if field.init
+            field.name: map_tensors(getattr(batch, field.name), fn) for field in dataclasses.fields(batch) if field.init
         }
         return dataclasses.replace(batch, **changes)
     if isinstance(batch, dict):

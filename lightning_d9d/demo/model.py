@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch import nn
 
-from lightning_d9d.text import IGNORE_INDEX, TextBatch
+from lightning_d9d.text.collate import IGNORE_INDEX, TextBatch
 
 
 class _Block(nn.Module):

@@ -70,8 +70,11 @@ def _expand(spec: str) -> list[str]:
             infos = []
         # "**/" may also match nothing (pattern a/**/b.parquet matches a/b.parquet), like pathlib's glob.
         patterns = {path, path.replace("/**/", "/")}
-        found = [i.path for i in infos if i.type == pafs.FileType.File
-                 and any(fnmatch.fnmatchcase(i.path, p) for p in patterns)]
+        found = [
+            i.path
+            for i in infos
+            if i.type == pafs.FileType.File and any(fnmatch.fnmatchcase(i.path, p) for p in patterns)
+        ]
         return [_rejoin(spec, p) for p in sorted(found)]
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.Directory:
@@ -171,8 +174,13 @@ class RowGroupIndex:
                 file_of.append(file_index)
                 group_in_file.append(g)
                 num_rows.append(pf.metadata.row_group(g).num_rows)
-        index = cls(list(files), text_column, np.asarray(file_of, np.int64), np.asarray(group_in_file, np.int64),
-                    np.asarray(num_rows, np.int64))
+        index = cls(
+            list(files),
+            text_column,
+            np.asarray(file_of, np.int64),
+            np.asarray(group_in_file, np.int64),
+            np.asarray(num_rows, np.int64),
+        )
         if index.total_rows == 0:
             raise ValueError(f"the parquet files {files} hold no rows")
         return index
@@ -214,8 +222,9 @@ class RowGroupIndex:
             try:
                 table = pf.read_row_group(int(self.group_in_file[group]), columns=[self.text_column])
             except (pa.ArrowException, OSError) as err:
-                raise ValueError(f"cannot read row group {int(self.group_in_file[group])} of parquet file "
-                                 f"{path!r}: {err}") from err
+                raise ValueError(
+                    f"cannot read row group {int(self.group_in_file[group])} of parquet file {path!r}: {err}"
+                ) from err
         return table.column(0).to_pylist()
 
 

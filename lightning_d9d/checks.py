@@ -1,0 +1,73 @@
+"""Argument checks shared by every stage: one message shape, so a bad value always names itself the same way.
+
+``microbatches_per_step`` is the one divisibility rule of a step, ``G = W·M·m``, for every DataModule.
+
+jsonargparse's ``PositiveInt``/``NonNegativeInt`` reject bad values while a CLI config is parsed; these checks
+give Python callers the same errors and return plain ``int`` (so checkpoints load with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def plain_int(value: Any) -> Any:
+    """``int(value)`` for int subclasses (and numpy ints) so they pickle as plain ints; other values unchanged.
+
+    The CLI passes jsonargparse's ``PositiveInt`` (an int subclass), which would end up in a checkpoint's data
+    state and make it unloadable with ``torch.load(weights_only=True)``.
+    """
+    return int(value) if _is_int(value) else value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: Any, allow_none: bool = False) -> int | None:
+    """``value`` as a plain int.
+
+    Raises:
+        ValueError: ``value`` is not an integer >= 1 (or ``None`` where ``allow_none``), naming ``name``.
+    """
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    """``value`` as a plain int.
+
+    Raises:
+        ValueError: ``value`` is not an integer >= 0, naming ``name``.
+    """
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def microbatches_per_step(global_batch_size: int, world_size: int, microbatch_size: int) -> int:
+    """M: how many microbatches of ``microbatch_size`` one rank runs per optimizer step.
+
+    Raises:
+        ValueError: non-positive sizes, or G not divisible by ``world_size × microbatch_size``.
+    """
+    for name, value in (
+        ("global_batch_size", global_batch_size),
+        ("world_size", world_size),
+        ("microbatch_size", microbatch_size),
+    ):
+        positive_int(name, value)
+    per_step = world_size * microbatch_size
+    if global_batch_size % per_step:
+        valid = [per_step * k for k in range(1, 4)]
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by world_size × microbatch_size = "
+            f"{world_size} × {microbatch_size} = {per_step}; use a multiple of {per_step} (e.g. {valid}) "
+            f"or another microbatch_size"
+        )
+    return global_batch_size // per_step

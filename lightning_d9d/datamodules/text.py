@@ -1,0 +1,160 @@
+"""TextDataModule: raw text (any ``datasets`` source) → cached token ids → sorted, padded causal-LM microbatches.
+
+Pipeline: ``prepare_data`` (once per node) tokenizes the split with one batched ``datasets.map``
+(:mod:`lightning_d9d.text.tokenize`); ``setup`` (every rank) opens that cache, memory-mapped; D9DDataModule
+orders, sorts (by the ``token_counts`` column, read as a whole), shards and packs; the collator
+(:mod:`lightning_d9d.text.collate`) pads each microbatch. ``dataset="demo"`` / ``tokenizer="demo"`` select the
+demo corpus (:mod:`lightning_d9d.demo.corpus`), built on first use from text that ships with Python.
+
+Trade-off: tokenizing ahead of training (once, cached) costs a pass over the data before the first step, but
+makes the lengths known, which is what length sorting and exact resume build on; streams that tokenize on the
+fly are the pretraining DataModule's job.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Literal
+
+from jsonargparse.typing import NonNegativeInt, PositiveInt
+
+from lightning_d9d.checks import plain_int, positive_int
+from lightning_d9d.datamodules.base import OnOrderMismatch
+from lightning_d9d.datamodules.d9d import D9DDataModule
+from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
+from lightning_d9d.text.collate import CausalLMCollator
+from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, tokenized_split
+
+
+class TextDataModule(D9DDataModule):
+    """Causal-LM batches from raw text: ``datasets`` + a ``tokenizers`` tokenizer, on top of D9DDataModule.
+
+    Same order, sharding, packing, exact resume and transfer as :class:`D9DDataModule`; the datasets are the
+    tokenized splits, sorted by their ``token_counts`` column. ``dataset="demo"`` / ``tokenizer="demo"`` select
+    the corpus and tokenizer built from Python's own documentation (:mod:`lightning_d9d.demo_corpus`).
+
+    Args:
+        dataset: anything ``datasets.load_dataset`` accepts (a hub name, a folder of parquet/json/csv/text
+            files), a single such file, a ``save_to_disk`` folder (Dataset or DatasetDict), or ``"demo"``.
+        tokenizer: path of a ``tokenizer.json`` (``tokenizers.Tokenizer.from_file``), or ``"demo"``. Its
+            post-processor decides special tokens (e.g. an end-of-document token); padding settings are ignored.
+        text_column: the column holding the text.
+        split: the training split (datasets split syntax such as ``"train[:90%]"`` works for loaded datasets).
+        val_split: optional validation split, evaluated exactly once per validation run.
+        data_files: passed to ``load_dataset`` (e.g. a glob) when ``dataset`` is a builder name or folder.
+        max_length: documents are truncated to this many tokens (special tokens included).
+        global_batch_size: samples per optimizer step over all ranks and accumulation.
+        microbatch_size: samples per forward/backward on one rank.
+        sort_buffer_size: samples sorted by length together (``None``: no sorting); 16×G or more pads least.
+        num_workers: DataLoader worker processes (does not change the order).
+        seed: the order's seed.
+        pad_to_multiple_of: padded length is rounded up to a multiple of this.
+        padding_side: ``"right"`` or ``"left"``.
+        num_proc: processes for tokenization in ``prepare_data`` (``None``: one).
+        cache_dir: datasets cache folder for ``load_dataset`` (``None``: datasets' default,
+            ``$HF_DATASETS_CACHE``). Tokenized splits of a ``save_to_disk`` folder are cached next to it.
+        shuffle: ``False`` keeps dataset order.
+        pin_memory: ``None`` pins exactly when training on CUDA.
+        yield_packs: each batch is the list of one optimizer step's microbatches (for manual optimization).
+        on_order_mismatch: resuming from a checkpoint of another order (seed, data, G, buffer): ``"raise"``, or
+            ``"restart_epoch"`` to start that epoch over with the new order.
+
+    Raises:
+        ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
+            parsing); a missing text column, an empty split, a dataset that cannot be loaded (in
+            ``prepare_data``/``setup``).
+        FileNotFoundError: a tokenizer file or local dataset path that does not exist.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "demo",
+        tokenizer: str = "demo",
+        text_column: str = "text",
+        split: str = "train",
+        val_split: str | None = None,
+        data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+        max_length: PositiveInt = 2048,
+        global_batch_size: PositiveInt = 256,
+        microbatch_size: PositiveInt = 4,
+        sort_buffer_size: PositiveInt | None = 16384,
+        num_workers: NonNegativeInt = 2,
+        seed: int = 0,
+        pad_to_multiple_of: PositiveInt = 8,
+        padding_side: Literal["left", "right"] = "right",
+        num_proc: PositiveInt | None = None,
+        cache_dir: str | None = None,
+        shuffle: bool = True,
+        pin_memory: bool | None = None,
+        yield_packs: bool = False,
+        on_order_mismatch: OnOrderMismatch = "raise",
+    ):
+        self.max_length = positive_int("max_length", max_length)
+        if num_proc is not None:
+            positive_int("num_proc", num_proc)
+        if tokenizer != DEMO and not Path(tokenizer).expanduser().is_file():
+            raise FileNotFoundError(f"tokenizer file {tokenizer!r} does not exist (expected a tokenizer.json)")
+        if dataset != DEMO:
+            check_local_path(dataset)
+        self.dataset, self.tokenizer = dataset, tokenizer
+        self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
+        self.num_proc, self.cache_dir = plain_int(num_proc), cache_dir
+        self.collator = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
+        super().__init__(
+            train_dataset=functools.partial(self._tokenized_split, "split"),
+            collate_fn=self.collator,
+            # Plain ints: the CLI passes jsonargparse's int subclasses, which would end up in the checkpoint's
+            # state and make it unloadable with torch.load(weights_only=True).
+            global_batch_size=plain_int(global_batch_size),
+            microbatch_size=plain_int(microbatch_size),
+            sort_buffer_size=plain_int(sort_buffer_size),
+            sort_key="token_counts",
+            val_dataset=functools.partial(self._tokenized_split, "val_split") if val_split is not None else None,
+            seed=plain_int(seed),
+            shuffle=shuffle,
+            num_workers=plain_int(num_workers),
+            pin_memory=pin_memory,
+            yield_packs=yield_packs,
+            on_order_mismatch=on_order_mismatch,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary size, special tokens included (builds the demo corpus if selected)."""
+        path = self.resolved_paths()[1]
+        tokenizer = load_tokenizer(path, file_sha256(path), self.max_length)
+        return int(tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def longest_padded_length(self) -> int:
+        """The longest ``T`` a batch can have: ``max_length`` rounded up to ``pad_to_multiple_of``."""
+        multiple = self.collator.pad_to_multiple_of
+        return -(-self.max_length // multiple) * multiple
+
+    # ------------------------------------------------------------------ loading and tokenization
+    def resolved_paths(self) -> tuple[str, str]:
+        """(dataset, tokenizer file) with ``"demo"`` replaced by the built demo corpus' paths."""
+        dataset, tokenizer = self.dataset, self.tokenizer
+        if DEMO in (dataset, tokenizer):
+            corpus = build_demo_corpus()
+            dataset = corpus.dataset_path if dataset == DEMO else dataset
+            tokenizer = corpus.tokenizer_path if tokenizer == DEMO else tokenizer
+        return dataset, str(Path(tokenizer).expanduser())
+
+    def _tokenized_split(self, which: Literal["split", "val_split"]) -> Any:
+        """Load split ``getattr(self, which)`` and tokenize it, or open the cached result of an earlier run."""
+        dataset_path, tokenizer_path = self.resolved_paths()
+        tokenized = tokenized_split(
+            dataset_path,
+            getattr(self, which),
+            tokenizer_path,
+            self.text_column,
+            self.max_length,
+            data_files=self.data_files,
+            cache_dir=self.cache_dir,
+            num_proc=self.num_proc,
+            name=self.dataset,
+        )
+        self.collator.pad_token_id = tokenized.pad_token_id
+        return tokenized.dataset

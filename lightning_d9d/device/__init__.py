@@ -1,0 +1,1 @@
+"""Pinning host memory and moving batches to the training device."""

@@ -1,0 +1,65 @@
+"""Epoch iterators that start lazily and stop their worker processes deterministically.
+
+Two things every training loader of this package needs, in one place:
+
+* **Start at the first ``next()``.** ``iter()`` may run before the resume state is loaded (Lightning probes
+  iterability early, e.g. through ``estimated_stepping_batches``), so the position is read only when the first
+  batch is really asked for.
+* **Stop on time.** A loop broken off in a notebook, a new loader, ``teardown`` or an exception must stop the
+  DataLoader's worker processes there and then. Left to the garbage collector, a suspended generator that
+  holds a DataLoader iterator is freed whenever a collection happens to run, possibly inside a worker forked
+  later for another loader, where torch's ``__del__`` fails with "can only test a child process". So the epoch
+  iterator holds no reference cycle (it is freed the moment the loop drops it), closes its generator when
+  freed or closed, and the generator's ``finally`` shuts the workers down; and garbage is collected in this
+  process before new workers are forked.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+
+class EpochIterator:
+    """Defers creating the epoch's batch generator to the first ``next()``, and closes it when freed.
+
+    Args:
+        factory: returns the epoch's generator; called once, at the first ``next()``.
+    """
+
+    def __init__(self, factory: Callable[[], Generator[Any, None, None]]):
+        self._factory: Callable[[], Generator[Any, None, None]] | None = factory
+        self._batches: Generator[Any, None, None] | None = None
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._batches is None:
+            if self._factory is None:
+                raise StopIteration
+            self._batches, self._factory = self._factory(), None
+        return next(self._batches)
+
+    def close(self) -> None:
+        """Stop the epoch now: its generator's ``finally`` blocks run (and stop its workers)."""
+        self._factory = None
+        batches, self._batches = self._batches, None
+        if batches is not None:
+            batches.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def shutdown_workers(iterator: Iterator[Any] | None) -> None:
+    """Stop a torch DataLoader iterator's worker processes now (a no-op for in-process iterators)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def collect_before_fork() -> None:
+    """Free this process's unreachable objects before forking workers, so no child inherits them as garbage."""
+    gc.collect()

@@ -1,0 +1,354 @@
+"""Load and pack: turn this rank's share of the order into collated (and pinned) microbatches or packs.
+
+Algorithm: at the first ``next()`` of an epoch the loader asks where to start (epoch, microbatch), builds a
+lazy iterable of index lists — this rank's microbatches of the remaining global batches — and hands it to
+torchdata's ``StatefulDataLoader`` as its ``batch_sampler``. Workers only fetch ``dataset[i]`` and collate;
+the order is decided in the main process, so it cannot depend on ``num_workers``. Each microbatch handed out
+advances the one position counter; with ``yield_packs`` the M microbatches of a step are handed out together.
+
+Why a plain sized iterable and not the DataLoader itself: Lightning would otherwise (a) re-instantiate it
+under DDP with its own distributed sampler and (b) save and restore the DataLoader's internal state, which
+goes wrong in several measured ways (see the project README). A sized iterable without ``state_dict`` is left
+alone; its length also stops Lightning's prefetcher from reading a batch ahead, so "handed out" equals
+"consumed by training".
+
+Errors: a sample or ``collate_fn`` that raises is reported with the microbatch's sample indices and where it
+sits (epoch, step, rank), the original exception chained; an epoch that comes up short of the microbatches its
+plan holds (a dataset that raised ``StopIteration``, say) raises instead of ending the epoch quietly.
+
+Trade-off: a new ``StatefulDataLoader`` (and worker pool) is started at each epoch or resume, which costs a
+worker start-up per epoch, but makes resume cost independent of the position: no batch is replayed to skip.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_d9d.device.pin import pin_batch
+from lightning_d9d.epoch_iterator import EpochIterator, collect_before_fork, shutdown_workers
+from lightning_d9d.mapstyle.order import GlobalBatchOrder
+from lightning_d9d.mapstyle.shard import rank_microbatches
+from lightning_d9d.resume import TrainPosition
+
+
+class DataLoadingError(RuntimeError):
+    """A sample or ``collate_fn`` raised; the message names the microbatch's samples and where it sits."""
+
+
+class MicrobatchIndices(list):
+    """A microbatch's sample indices, with where it sits in training (``"epoch 0, step 3, rank 1"``)."""
+
+    def __init__(self, indices: Any, where: str = ""):
+        super().__init__(indices)
+        self.where = where
+
+    def __reduce__(self) -> tuple:
+        return MicrobatchIndices, (list(self), self.where)
+
+
+class _IndexBatches:
+    """This rank's microbatches (lists of sample indices) from a start point to the end of the epoch, lazily."""
+
+    def __init__(
+        self,
+        order: GlobalBatchOrder,
+        epoch: int,
+        start_microbatch: int,
+        world_size: int,
+        rank: int,
+        microbatch_size: int,
+        microbatches_per_step: int,
+    ):
+        self._order, self._epoch, self._start = order, epoch, start_microbatch
+        self._world_size, self._rank, self._microbatch_size = world_size, rank, microbatch_size
+        self._per_step = microbatches_per_step
+
+    def __len__(self) -> int:
+        return max(0, self._order.steps_per_epoch * self._per_step - self._start)
+
+    def __iter__(self) -> Iterator[MicrobatchIndices]:
+        first_step, skip = divmod(self._start, self._per_step)
+        for step in range(first_step, self._order.steps_per_epoch):
+            global_batch = self._order.global_batch(self._epoch, step)
+            mine = rank_microbatches(global_batch, self._world_size, self._rank, self._microbatch_size)
+            where = f"epoch {self._epoch}, step {step}, rank {self._rank}"
+            for microbatch in mine[skip:]:
+                yield MicrobatchIndices(microbatch.tolist(), where)
+            skip = 0
+
+
+class TrainLoader:
+    """The training loader: a sized iterable of microbatches (or packs of M microbatches) for one rank.
+
+    Args:
+        dataset: map-style dataset (``dataset[i]`` returns one sample).
+        collate_fn: list of samples -> microbatch.
+        order: the epoch order (shared by all ranks).
+        world_size, rank: data-parallel topology.
+        microbatch_size: samples per microbatch (m).
+        microbatches_per_step: M = G / (W·m).
+        position: the shared position counter this loader advances.
+        start_point: called at the first ``next()`` of an epoch; returns ``(epoch, microbatch)`` to start at.
+        num_workers: DataLoader workers.
+        pin_memory: pin each batch (only where an accelerator exists).
+        yield_packs: hand out a list of M microbatches per optimizer step instead of single microbatches.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate_fn: Callable[[list[Any]], Any],
+        order: GlobalBatchOrder,
+        world_size: int,
+        rank: int,
+        microbatch_size: int,
+        microbatches_per_step: int,
+        position: TrainPosition,
+        start_point: Callable[[], tuple[int, int]],
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        yield_packs: bool = False,
+    ):
+        self.dataset, self.collate_fn, self.order = dataset, collate_fn, order
+        self.world_size, self.rank, self.microbatch_size = world_size, rank, microbatch_size
+        self.microbatches_per_step = microbatches_per_step
+        self.position, self.start_point = position, start_point
+        self.num_workers, self.pin_memory, self.yield_packs = num_workers, pin_memory, yield_packs
+
+    def __len__(self) -> int:
+        # Always the full epoch: Lightning adds its own restored batch count to what it fetches after a resume.
+        steps = self.order.steps_per_epoch
+        return steps if self.yield_packs else steps * self.microbatches_per_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty: the position is the DataModule's state, which Lightning saves in the same checkpoint.
+
+        Having ``state_dict``/``load_state_dict`` tells Lightning that this loader resumes exactly, so it does
+        not warn that a mid-epoch checkpoint cannot be resumed.
+        """
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load here: the DataModule restored the position (see ``state_dict``)."""
+
+    def __iter__(self) -> EpochIterator:
+        # Lazy: iter() may run before the resume state is loaded (Lightning probes iterability early). A new
+        # epoch iteration stops the previous one's workers.
+        self.close()
+        epoch_iterator = EpochIterator(self._epoch_batches)
+        self._live = weakref.ref(epoch_iterator)  # weak: the iterator must be freed as soon as its loop drops it
+        return epoch_iterator
+
+    def close(self) -> None:
+        """Stop the epoch iteration in progress, if any (its worker processes exit now)."""
+        live = getattr(self, "_live", None)
+        epoch_iterator = live() if live is not None else None
+        if epoch_iterator is not None:
+            epoch_iterator.close()
+        self._live = None
+
+    def _epoch_batches(self) -> Generator[Any, None, None]:
+        epoch, start = self.start_point()
+        self.position.start(epoch, 0, self.microbatches_per_step)
+        self.position.microbatches = start
+        if self.yield_packs and start % self.microbatches_per_step:
+            raise ValueError(f"cannot start packs mid-step (microbatch {start} with M={self.microbatches_per_step})")
+        index_batches = _IndexBatches(
+            self.order, epoch, start, self.world_size, self.rank, self.microbatch_size, self.microbatches_per_step
+        )
+        expected = len(index_batches)
+        if expected == 0:
+            return
+        loader = make_loader(self.dataset, index_batches, self.collate_fn, self.num_workers, self.pin_memory)
+        pack: list[Any] = []
+        received = 0
+        try:
+            for microbatch in loader:
+                received += 1
+                if not self.yield_packs:
+                    self.position.microbatches += 1
+                    yield microbatch
+                    continue
+                pack.append(microbatch)
+                if len(pack) == self.microbatches_per_step:
+                    self.position.microbatches += len(pack)
+                    yield pack
+                    pack = []
+        finally:
+            shutdown_workers(getattr(loader, "batches", None))
+        if received < expected:
+            raise RuntimeError(
+                f"epoch {epoch} on rank {self.rank} ended after {received} of its {expected} microbatches: the "
+                "DataLoader stopped early (a StopIteration raised by the dataset, a sampler or collate_fn ends "
+                "a DataLoader quietly); no samples may go missing, so this is an error"
+            )
+
+
+class ValidationLoader:
+    """Sized iterable over this rank's validation microbatches (exactly-once across ranks, no padding)."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate_fn: Callable[[list[Any]], Any],
+        microbatches: list[np.ndarray],
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ):
+        self.dataset, self.collate_fn = dataset, collate_fn
+        self.microbatches = [
+            MicrobatchIndices(microbatch.tolist(), f"validation microbatch {number}")
+            for number, microbatch in enumerate(microbatches)
+        ]
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+
+    def __len__(self) -> int:
+        return len(self.microbatches)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.microbatches:
+            return iter(())
+        return EpochIterator(self._batches)
+
+    def close(self) -> None:
+        """Nothing outlives an iteration here: each validation pass stops its workers when it ends or is freed."""
+
+    def _batches(self) -> Generator[Any, None, None]:
+        loader = make_loader(self.dataset, self.microbatches, self.collate_fn, self.num_workers, self.pin_memory)
+        received = 0
+        try:
+            for batch in loader:
+                received += 1
+                yield batch
+        finally:
+            shutdown_workers(getattr(loader, "batches", None))
+        if received < len(self.microbatches):
+            raise RuntimeError(
+                f"validation ended after {received} of its {len(self.microbatches)} microbatches: the DataLoader "
+                "stopped early (a StopIteration raised by the dataset or collate_fn ends a DataLoader quietly)"
+            )
+
+
+class PinnableBatch:
+    """Carries any batch through torch's pin-memory thread: torch pins objects that have ``pin_memory()``.
+
+    torch's own pinning skips dataclasses; wrapping lets the loader's background pin thread (used with
+    workers) run our ``pin_batch`` tree walk instead of the training loop's thread.
+    """
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+    def pin_memory(self, device: Any = None) -> PinnableBatch:
+        return PinnableBatch(pin_batch(self.batch))
+
+
+class _Samples(list):
+    """A microbatch's samples, still carrying their indices and place, for ``collate_fn``'s error message."""
+
+    def __init__(self, samples: list[Any], indices: MicrobatchIndices):
+        super().__init__(samples)
+        self.indices = indices
+
+
+class FetchWithContext(Dataset):
+    """The dataset as the DataLoader sees it: a sample that raises names its index, microbatch and place.
+
+    It keeps the dataset's own batched ``__getitems__`` (Hugging Face datasets read a microbatch in one call).
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> _Samples:
+        where = getattr(indices, "where", "")
+        place = f"microbatch {list(indices)}" + (f" ({where})" if where else "")
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is not None:
+            try:
+                samples = getitems(list(indices))
+            except BaseException as error:
+                raise DataLoadingError(f"reading {place} failed: {type(error).__name__}: {error}") from error
+        else:
+            samples = []
+            for index in indices:
+                try:
+                    samples.append(self.dataset[index])
+                except BaseException as error:
+                    raise DataLoadingError(
+                        f"dataset[{index}] of {place} failed: {type(error).__name__}: {error}"
+                    ) from error
+        return _Samples(samples, indices if isinstance(indices, MicrobatchIndices) else MicrobatchIndices(indices))
+
+
+class CollateWithContext:
+    """``collate_fn`` that names the microbatch's samples and place when it raises; wraps it for pinning too.
+
+    A class, so that workers can pickle it.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], pin: bool = False):
+        self.collate_fn, self.pin = collate_fn, pin
+
+    def __call__(self, samples: list[Any]) -> Any:
+        try:
+            batch = self.collate_fn(list(samples) if isinstance(samples, _Samples) else samples)
+        except BaseException as error:
+            indices = getattr(samples, "indices", None)
+            where = getattr(indices, "where", "")
+            place = f"microbatch {list(indices)}" + (f" ({where})" if where else "") if indices is not None else ""
+            raise DataLoadingError(f"collate_fn failed on {place}: {type(error).__name__}: {error}") from error
+        return PinnableBatch(batch) if self.pin else batch
+
+
+class _Unwrapped:
+    """Iterates a DataLoader, unwrapping pinned batches; keeps the DataLoader iterator to stop its workers."""
+
+    def __init__(self, batches: Iterator[Any], pinned: bool):
+        self.batches, self.pinned = batches, pinned
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        return batch.batch if self.pinned else batch
+
+
+def make_loader(
+    dataset: Dataset, index_batches: Any, collate_fn: Callable, num_workers: int, pin_memory: bool = False
+) -> _Unwrapped:
+    """Batches from torchdata's ``StatefulDataLoader`` driven by precomputed index batches, pinned if asked.
+
+    The loader's own ``state_dict`` is never used: the position lives in ``TrainPosition``.
+    """
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls the deprecated torch.set_vital on every construction; the warning is noise.
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        loader = StatefulDataLoader(
+            FetchWithContext(dataset),
+            batch_sampler=index_batches,
+            collate_fn=CollateWithContext(collate_fn, pin=pin_memory),
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            # Its snapshots feed only its own state_dict, which we never use; turning them off saves work.
+            snapshot_every_n_steps=None if num_workers else 1,
+        )
+    if num_workers:
+        collect_before_fork()
+    return _Unwrapped(iter(loader), pin_memory)

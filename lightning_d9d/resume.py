@@ -1,0 +1,114 @@
+"""Resume: where training is in the data, and a fingerprint of what decides the data, for every DataModule.
+
+Algorithm: every DataModule of this package defines its training data as a pure function of its settings and
+the data, so the position ``(epoch, step)`` — global optimizer steps consumed in the epoch — is all that a
+resume needs for the map-style path; the remaining batches are recomputed, never replayed (the streaming path
+adds its streams' positions, still positions, never tokens). ``step`` counts microbatches handed to the training
+loop, divided by microbatches per step and rounded down: a checkpoint taken inside an accumulation window
+(whose gradients are not in the checkpoint) resumes at the start of that optimizer step and replays its
+microbatches, so no optimizer step is ever short.
+
+The position is counted in global steps, not per-rank microbatches, so it is the same on every rank (rank 0's
+saved copy is valid for all) and stays valid when world size, microbatch size or worker count change.
+
+A :class:`Fingerprint` holds exactly what changes the data (and nothing that does not, so an exact resume is
+never refused); a resume into a run whose fingerprint differs raises one error that names each differing field
+with the checkpoint's value and this run's.
+
+Trade-off: fingerprints summarise large inputs (sampled sort keys, parquet footers) instead of hashing every
+byte, so a change that leaves every summarised value intact is not told apart; hashing everything would cost
+O(data) at every resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """Base of every DataModule's fingerprint: a frozen dataclass of plain values (ints, strings, bools, None).
+
+    Subclasses declare the fields that decide their data.
+    """
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def mismatches(self, saved: dict[str, Any]) -> list[str]:
+        """``field: checkpoint X, this run Y`` for every field that differs from a saved fingerprint."""
+        differences = []
+        for field in dataclasses.fields(self):
+            now = getattr(self, field.name)
+            then = saved.get(field.name, "<missing>")
+            if now != then:
+                differences.append(f"{field.name}: checkpoint {then!r}, this run {now!r}")
+        return differences
+
+
+def mismatch_error(owner: str, differences: list[str], epoch: int) -> ValueError:
+    """The one error for a checkpoint whose data does not match this run's (naming every differing field)."""
+    return ValueError(
+        f"the checkpoint's data does not match this {owner} ({'; '.join(differences)}). Resume with the same "
+        f"settings, or pass on_order_mismatch='restart_epoch' to start epoch {epoch} over with this run's data"
+    )
+
+
+@dataclasses.dataclass
+class TrainPosition:
+    """The one place that knows where training is: epoch, and microbatches this rank handed out in that epoch.
+
+    ``microbatches`` is this rank's count; ``step`` turns it into whole global optimizer steps.
+    """
+
+    epoch: int = 0
+    microbatches: int = 0
+    microbatches_per_step: int = 1
+
+    @property
+    def step(self) -> int:
+        return self.microbatches // self.microbatches_per_step
+
+    def start(self, epoch: int, step: int, microbatches_per_step: int) -> None:
+        """Stand at the first microbatch of global step ``step`` of ``epoch``."""
+        self.epoch, self.microbatches_per_step = epoch, microbatches_per_step
+        self.microbatches = step * microbatches_per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedPosition:
+    """The common part of every saved data state: ``{"epoch", "step", "fingerprint"}``."""
+
+    epoch: int
+    step: int
+    fingerprint: dict[str, Any]
+
+    @classmethod
+    def read(cls, state: Any) -> SavedPosition:
+        """Validate a saved data state.
+
+        Raises:
+            ValueError: a state that is not what a lightning_d9d DataModule's ``state_dict()`` writes.
+        """
+        if not isinstance(state, dict) or not {"epoch", "step", "fingerprint"} <= state.keys():
+            raise ValueError(
+                "not a lightning_d9d data state: expected a dict with 'epoch', 'step' and 'fingerprint', got "
+                f"{_short(state)}"
+            )
+        epoch, step, fingerprint = state["epoch"], state["step"], state["fingerprint"]
+        if not isinstance(epoch, int) or not isinstance(step, int) or epoch < 0 or step < 0:
+            raise ValueError(
+                f"data state has invalid position epoch={epoch!r}, step={step!r}: both must be integers >= 0"
+            )
+        if not isinstance(fingerprint, dict):
+            raise ValueError(f"data state has an invalid fingerprint {_short(fingerprint)}: expected a dict")
+        return cls(epoch, step, dict(fingerprint))
+
+    def to_dict(self, fingerprint: Fingerprint) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step, "fingerprint": fingerprint.to_dict()}
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

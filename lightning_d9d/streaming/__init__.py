@@ -1,0 +1,1 @@
+"""The streaming path: parquet → batched tokenization → packed token rows, resumable by position."""

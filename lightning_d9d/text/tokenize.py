@@ -1,0 +1,253 @@
+"""Tokenize: raw text from any ``datasets`` source into a cached, memory-mapped table of token ids.
+
+Algorithm: ``tokenized_split`` loads one split (a hub name, a folder or file of parquet/json/csv/text, or a
+``save_to_disk`` folder) and tokenizes it with one batched ``Dataset.map`` into two columns, ``input_ids`` and
+``token_counts``. Documents are truncated to ``max_length`` tokens; documents with fewer than two tokens are
+dropped (they have no next-token target, and length sorting would gather them into all-padding microbatches).
+The map's fingerprint is derived from the raw data's fingerprint, the tokenizer file's SHA-256, max_length,
+the text column and this module's recipe version, so datasets' cache is hit on every later run and missed
+exactly when one of them changes.
+
+Trade-off: truncation keeps the first ``max_length`` tokens of a long document and drops the rest, which is the
+usual fine-tuning convention and keeps one document per row (so the sort key is the true length); pretraining
+on long documents is the streaming path's job, where packing wastes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+# Bump when the tokenization recipe changes, so caches written by an older recipe are not reused.
+_TOKENIZE_RECIPE_VERSION = 1
+MIN_TOKENS = 2
+"""Documents with fewer tokens have no next-token target and are dropped."""
+# Extensions that name a single data file and the datasets builder that reads it.
+_BUILDER_BY_EXTENSION = {
+    ".parquet": "parquet",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".txt": "text",
+    ".arrow": "arrow",
+}
+_PAD_TOKEN_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSplit:
+    """One tokenized split and what a collator needs to know about its tokenizer.
+
+    Attributes:
+        dataset: a ``datasets.Dataset`` with columns ``input_ids`` and ``token_counts``, formatted so that a
+            sample is ``{"input_ids": np.ndarray}`` (the map-style order reads ``token_counts`` as a column).
+        pad_token_id: the tokenizer's padding id (or a likely pad token's, else 0: padding is masked anyway).
+    """
+
+    dataset: Any
+    pad_token_id: int
+
+
+def tokenized_split(
+    dataset_path: str,
+    split: str,
+    tokenizer_path: str,
+    text_column: str,
+    max_length: int,
+    data_files: Any = None,
+    cache_dir: str | None = None,
+    num_proc: int | None = None,
+    name: str | None = None,
+) -> TokenizedSplit:
+    """Load one split and tokenize it, or open the cached result of an earlier run with the same inputs.
+
+    Args:
+        dataset_path: anything ``datasets.load_dataset`` accepts, a single data file, or a ``save_to_disk``
+            folder.
+        split: the split (datasets' split syntax such as ``"train[:90%]"`` works for loaded datasets).
+        tokenizer_path: a ``tokenizer.json`` file.
+        text_column: the column holding the text.
+        max_length: documents are truncated to this many tokens (special tokens included).
+        data_files: passed to ``load_dataset``.
+        cache_dir: datasets' cache folder for ``load_dataset``.
+        num_proc: processes for the tokenizing map.
+        name: how to name the dataset in messages (default: ``dataset_path``).
+
+    Raises:
+        ValueError: a source that cannot be loaded, lacks the split or the column, is empty, holds no text in
+            the column (naming its type), has no document of 2 or more tokens, or a tokenizer file that
+            ``tokenizers`` cannot read (naming the file).
+    """
+    from datasets.fingerprint import Hasher
+
+    name = name or dataset_path
+    raw = _load_raw_split(dataset_path, split, data_files, cache_dir, name)
+    if text_column not in raw.column_names:
+        raise ValueError(
+            f"text_column {text_column!r} is not a column of dataset {name!r} split {split!r}; "
+            f"its columns are {raw.column_names}"
+        )
+    _check_text_column(raw, text_column, name, split)
+    if len(raw) == 0:
+        raise ValueError(f"dataset {name!r} split {split!r} is empty")
+    tokenizer_digest = file_sha256(tokenizer_path)
+    load_tokenizer(tokenizer_path, tokenizer_digest, max_length)  # a bad file fails here, before any map
+    tokenize = _TokenizeBatch(tokenizer_path, tokenizer_digest, text_column, max_length)
+    # datasets would fingerprint the function by pickling it, which sees the tokenizer's path but not its
+    # content: an edited tokenizer.json would silently reuse stale token ids. Hash the content instead.
+    fingerprint = Hasher.hash([raw._fingerprint, tokenizer_digest, max_length, text_column, _TOKENIZE_RECIPE_VERSION])
+    tokenized = raw.map(
+        tokenize,
+        batched=True,
+        batch_size=1_000,
+        num_proc=num_proc,
+        remove_columns=raw.column_names,
+        new_fingerprint=fingerprint,
+        desc=f"Tokenizing {Path(name).name or name} [{split}]",
+    )
+    if len(tokenized) == 0:
+        raise ValueError(f"dataset {name!r} split {split!r} has no document of {MIN_TOKENS} or more tokens")
+    return TokenizedSplit(
+        tokenized.with_format("numpy", columns=["input_ids"]), pad_token_id(tokenizer_path, tokenizer_digest)
+    )
+
+
+def _check_text_column(raw: Any, text_column: str, name: str, split: str) -> None:
+    """Raises ValueError unless the column holds strings (a list column would tokenize as empty documents)."""
+    feature = raw.features[text_column]
+    dtype = getattr(feature, "dtype", None)
+    if dtype not in ("string", "large_string"):
+        raise ValueError(
+            f"text_column {text_column!r} of dataset {name!r} split {split!r} has type {feature}; it must hold "
+            "strings (one document per row): pick the text column, or join list items into one string first"
+        )
+
+
+@dataclasses.dataclass
+class _TokenizeBatch:
+    """The batched map function: texts → truncated token ids and their counts (picklable for num_proc)."""
+
+    tokenizer_path: str
+    tokenizer_digest: str
+    text_column: str
+    max_length: int
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        tokenizer = load_tokenizer(self.tokenizer_path, self.tokenizer_digest, self.max_length)
+        texts = [text if text is not None else "" for text in batch[self.text_column]]  # nulls are empty
+        ids = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
+        kept = [row for row in ids if len(row) >= MIN_TOKENS]
+        return {"input_ids": kept, "token_counts": [len(row) for row in kept]}
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str, digest: str, max_length: int) -> Any:
+    """The tokenizer at ``path``, cached per process; ``digest`` (its content hash) keys out edited files.
+
+    Raises:
+        ValueError: the file is not a tokenizer ``tokenizers`` can read (naming the file and its error).
+    """
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
+        raise ValueError(
+            f"tokenizer file {path!r} is not a tokenizers JSON file ({error}); save one with "
+            "tokenizers.Tokenizer.save or transformers' tokenizer.save_pretrained (its tokenizer.json)"
+        ) from error
+    tokenizer.no_padding()  # a tokenizer.json saved with padding on would pad every document to one length
+    tokenizer.enable_truncation(max_length)  # keeps the post-processor's special tokens within max_length
+    return tokenizer
+
+
+def pad_token_id(tokenizer_path: str, digest: str) -> int:
+    """The tokenizer's padding id, else the id of a usual pad token, else 0 (padding is masked anyway)."""
+    tokenizer = load_tokenizer(tokenizer_path, digest, 1)
+    if tokenizer.padding is not None:
+        return int(tokenizer.padding["pad_id"])
+    for token in _PAD_TOKEN_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return int(token_id)
+    return 0  # any id works: padding is masked out of attention and labels
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
+    """Open one split of raw text from a saved dataset, a single data file, or anything load_dataset takes.
+
+    Raises:
+        ValueError: the source cannot be loaded, lacks the split, or is empty (naming ``name`` and the split).
+    """
+    import datasets
+
+    local = Path(path).expanduser()
+    if local.is_dir() and ((local / "dataset_dict.json").exists() or (local / "state.json").exists()):
+        return _load_saved_split(local, split, name)
+    # datasets cannot build an empty split (it fails with unrelated messages, or a bare StopIteration), so
+    # recognise empty local files first and say so.
+    if local.is_file() and local.stat().st_size == 0:
+        raise ValueError(f"dataset {name!r} split {split!r} is empty (the file has no data)")
+    if local.is_dir() and data_files is None:
+        files = [child for child in local.rglob("*") if child.is_file() and not child.name.startswith(".")]
+        if files and all(child.stat().st_size == 0 for child in files):
+            raise ValueError(f"dataset {name!r} split {split!r} is empty (all its files are empty)")
+    try:
+        if local.is_file():
+            builder = _BUILDER_BY_EXTENSION.get(local.suffix.lower())
+            if builder is None:
+                raise ValueError(f"unknown data file type {local.suffix!r} (known: {sorted(_BUILDER_BY_EXTENSION)})")
+            return datasets.load_dataset(builder, data_files=str(local), split=split, cache_dir=cache_dir)
+        source = str(local) if local.exists() else path
+        return datasets.load_dataset(source, data_files=data_files, split=split, cache_dir=cache_dir)
+    except (
+        FileNotFoundError,
+        ConnectionError,
+        ValueError,
+        StopIteration,
+        datasets.exceptions.DatasetNotFoundError,
+        datasets.exceptions.DatasetGenerationError,
+    ) as error:
+        raise ValueError(f"could not load split {split!r} of dataset {name!r}: {error!r}") from error
+
+
+def _load_saved_split(folder: Path, split: str, name: str) -> Any:
+    """A split of a ``save_to_disk`` folder (a DatasetDict, or a single Dataset serving ``split="train"``)."""
+    import datasets
+
+    if (folder / "dataset_dict.json").exists():
+        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        if split not in splits:
+            raise ValueError(f"split {split!r} is not in saved dataset {name!r}; its splits are {splits}")
+        folder = folder / split
+    elif split != "train":
+        raise ValueError(
+            f"saved dataset {name!r} is a single Dataset without splits; it serves only split='train', got {split!r}"
+        )
+    if not json.loads((folder / "state.json").read_text()).get("_data_files"):
+        # datasets.load_from_disk fails with an IndexError on a saved dataset of zero rows.
+        raise ValueError(f"dataset {name!r} split {split!r} is empty")
+    return datasets.load_from_disk(str(folder))
+
+
+def check_local_path(dataset: str) -> None:
+    """A value written as a path (absolute, ./, ../, ~) must exist; hub names like ``org/name`` are not paths.
+
+    Raises:
+        FileNotFoundError: ``dataset`` is written as a path that does not exist.
+    """
+    looks_like_path = dataset.startswith(("/", "./", "../", "~", ".\\", "..\\"))
+    if looks_like_path and not Path(dataset).expanduser().exists():
+        raise FileNotFoundError(f"dataset path {dataset!r} does not exist")
