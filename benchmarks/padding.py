@@ -125,7 +125,7 @@ def table(dataset: TokenDataset, multiples: tuple[int, ...], epochs: int) -> lis
     verdicts.append(
         (
             ratios[worst] <= TARGET_RATIO,
-            f"ours/d9d-style <= {TARGET_RATIO} for every buffer >= 4G (worst {ratios[worst]:.3f} at {worst}G)",
+            f"ours/d9d-style for every buffer >= 4G: worst {ratios[worst]:.3f} at {worst}G (target <= {TARGET_RATIO})",
         )
     )
     print_verdicts(verdicts)

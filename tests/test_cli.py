@@ -4,34 +4,19 @@ weights as an uninterrupted run)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
+from support import BatchRecorder
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 DEMO = REPO / "configs" / "demo.yaml"
-RECORD_ENV = "LIGHTNING_D9D_TEST_RECORD"
-
-
-class BatchRecorder(pl.Callback):
-    """Appends (optimizer step, epoch, batch_idx, checksum of input_ids) of every training microbatch to a file."""
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        digest = hashlib.sha256(batch.input_ids.numpy().tobytes()).hexdigest()[:16]
-        record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx, "sha": digest}
-        with open(os.environ[RECORD_ENV], "a") as file:
-            file.write(json.dumps(record) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +111,7 @@ def demo_fit(
             "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
             "init_args": {"dirpath": str(workdir / "checkpoints"), "every_n_train_steps": 3, "save_last": True},
         },
-        {"class_path": "test_cli.BatchRecorder"},
+        {"class_path": "support.BatchRecorder"},
     ]
     args = [
         "fit",
@@ -147,19 +132,19 @@ def demo_fit(
     ]
     if in_process:  # the same code path without another interpreter start (imports cost seconds on 2 cores)
         previous = os.getcwd()
-        os.environ[RECORD_ENV] = str(record)
+        os.environ[BatchRecorder.ENV] = str(record)
         try:
             os.chdir(workdir)
             run_cli(args)
         finally:
             os.chdir(previous)
-            del os.environ[RECORD_ENV]
+            del os.environ[BatchRecorder.ENV]
         return
     python_path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, "-m", "lightning_d9d.cli", *args],
         cwd=workdir,
-        env={**os.environ, **env, RECORD_ENV: str(record), "PYTHONPATH": python_path},
+        env={**os.environ, **env, BatchRecorder.ENV: str(record), "PYTHONPATH": python_path},
         capture_output=True,
         text=True,
         timeout=300,

@@ -6,10 +6,11 @@ import dataclasses
 import pickle
 
 import datasets
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from harness import LengthDataset, pad_collate
+from support import LengthDataset, pad_collate
 
 from lightning_d9d import D9DDataModule, move_batch_to_device
 from lightning_d9d.device.pin import map_tensors
@@ -105,9 +106,17 @@ def test_dataclass_batches_keep_their_type_through_pin_walk_and_transfer() -> No
     assert move_batch_to_device(tree, "cpu") is tree
 
 
-def test_pin_memory_is_off_on_cpu_and_can_be_forced() -> None:
-    assert make_dm().resolve_pin_memory() is torch.cuda.is_available()
+def test_pin_memory_follows_the_trainers_device_and_can_be_forced_off() -> None:
+    dm = make_dm()
+    dm.trainer = pl.Trainer(accelerator="cpu", logger=False)
+    assert dm.resolve_pin_memory() is False  # a CPU trainer never pins, even where CUDA exists
     assert make_dm(pin_memory=False).resolve_pin_memory() is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only machine")
+def test_pin_memory_is_off_without_an_accelerator() -> None:
+    batch = next(iter(make_dm(num_workers=0).train_dataloader_for_rank(0, 1)))
+    assert not batch["tokens"].is_pinned()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")

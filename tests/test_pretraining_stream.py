@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pretraining_helpers import BOS, WORDS, make_docs, train_tokenizer, write_parquet
+from support import BOS, WORDS, make_docs, train_tokenizer, write_parquet
 
 from lightning_d9d.datamodules.pretraining import PretrainingDataModule
 from lightning_d9d.streaming.loader import rank_stream_iterator

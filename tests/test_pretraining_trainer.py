@@ -7,22 +7,15 @@ its inputs/targets/position_ids, and a resumed run must train exactly the uninte
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
-import pretraining_harness
 import pytest
 import torch
-from pretraining_helpers import make_docs, train_tokenizer, write_parquet
+from support import fit, fit_in_processes, make_docs, read_records, train_tokenizer, write_parquet
 
-from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-
-HARNESS = Path(__file__).with_name("pretraining_harness.py")
+from lightning_d9d import PretrainingDataModule
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +28,11 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
-def config(data: Path, tmp: Path, **changes) -> dict:
-    base = dict(
+def config(data: Path, tmp: Path, runs: list[dict], devices: int = 1, **changes) -> dict:
+    options = dict(
         train_files=str(data / "train"),
         val_files=str(data / "val"),
         tokenizer=str(data / "tokenizer.json"),
-        record_file=str(tmp / "records.jsonl"),
-        ckpt_dir=str(tmp / "ckpt"),
         seq_len=16,
         global_batch_size=8,
         microbatch_size=2,
@@ -50,19 +41,22 @@ def config(data: Path, tmp: Path, **changes) -> dict:
         tokenizer_batch_size=8,
         bestfit_buffer_size=24,
     )
-    base.update(changes)
-    return base
+    options.update(changes)
+    return {
+        "data": "pretraining",
+        "options": options,
+        "record_dir": str(tmp / "records"),
+        "ckpt_dir": str(tmp / "ckpt"),
+        "devices": devices,
+        "runs": runs,
+    }
 
 
-def read_records(cfg: dict, ranks: int = 1) -> list[dict]:
-    records = []
-    for rank in range(ranks):
-        with open(f"{cfg['record_file']}.rank{rank}") as file:
-            records.extend(json.loads(line) for line in file)
-    return records
+def all_records(cfg: dict) -> list[dict]:
+    return read_records(cfg["record_dir"]) + read_records(cfg["record_dir"], "val")
 
 
-def saved_state(path: str) -> dict:
+def saved_state(path: Path) -> dict:
     return torch.load(path, weights_only=True)["PretrainingDataModule"]
 
 
@@ -95,44 +89,38 @@ def test_single_device_resume_is_exact(data: Path, tmp_path: Path, num_workers: 
     ckpt = tmp_path / "ckpt"
     # G=8, m=2 -> M=4 microbatches per step; 7 steps (28 microbatches) per epoch.
     runs = [
-        dict(name="full", max_steps=24, every_n_steps=7, save_at=[[0, 9], [2, 15]]),
-        dict(name="epoch_end", max_steps=24, ckpt_path=str(ckpt / "step=7.ckpt")),
+        dict(name="full", max_steps=24, every_n_train_steps=7, save_at=[[0, 9], [2, 15]]),
+        dict(name="epoch_end", max_steps=24, ckpt_path=str(ckpt / "epoch=0-step=7.ckpt")),
         dict(name="mid_window", max_steps=24, ckpt_path=str(ckpt / "mid-e0-b9.ckpt")),  # step 2, 2nd microbatch
         dict(name="later_pass", max_steps=24, ckpt_path=str(ckpt / "mid-e2-b15.ckpt")),  # step 18, window end
     ]
-    cfg = config(data, tmp_path, num_workers=num_workers, packing=packing, runs=runs)
-    pretraining_harness.main(cfg)
-    later = saved_state(str(ckpt / "mid-e2-b15.ckpt"))
+    cfg = config(data, tmp_path, runs, num_workers=num_workers, packing=packing)
+    fit(cfg)
+    later = saved_state(ckpt / "mid-e2-b15.ckpt")
     assert (later["epoch"], later["step"]) == (2, 4)
     assert max(state["pass"] for state in later["ranks"][0].values()) >= 1, "must resume across a pass boundary"
-    mid = saved_state(str(ckpt / "mid-e0-b9.ckpt"))
+    mid = saved_state(ckpt / "mid-e0-b9.ckpt")
     assert (mid["epoch"], mid["step"]) == (0, 2)  # the partial window is not saved: resume at its step
-    assert_resumes_match(read_records(cfg), {"epoch_end": 7, "mid_window": 2, "later_pass": 18}, 24, 4)
+    assert_resumes_match(all_records(cfg), {"epoch_end": 7, "mid_window": 2, "later_pass": 18}, 24, 4)
 
 
 def test_two_ddp_ranks_resume_exactly(data: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     # 2 ranks x 2 workers = 4 streams; G=8, m=2 -> M=2 per rank; 5 steps (10 microbatches) per epoch.
     runs = [
-        dict(name="full", max_steps=14, every_n_steps=4, save_at=[[1, 2]]),
-        dict(name="mid_epoch", max_steps=14, ckpt_path=str(ckpt / "step=4.ckpt")),
+        dict(name="full", max_steps=14, every_n_train_steps=4, save_at=[[1, 2]]),
+        dict(name="mid_epoch", max_steps=14, ckpt_path=str(ckpt / "epoch=0-step=4.ckpt")),
         dict(name="mid_window", max_steps=14, ckpt_path=str(ckpt / "mid-e1-b2.ckpt")),  # step 6, 1st microbatch
-        dict(name="later_pass", max_steps=14, ckpt_path=str(ckpt / "step=12.ckpt")),
+        dict(name="later_pass", max_steps=14, ckpt_path=str(ckpt / "epoch=2-step=12.ckpt")),
     ]
-    cfg = config(data, tmp_path, devices=2, num_workers=2, packing="bestfit", steps_per_epoch=5, runs=runs)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    result = subprocess.run(
-        [sys.executable, str(HARNESS), json.dumps(cfg)], capture_output=True, text=True, timeout=240, env=env
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    state = saved_state(str(ckpt / "step=12.ckpt"))
+    cfg = config(data, tmp_path, runs, devices=2, num_workers=2, packing="bestfit", steps_per_epoch=5)
+    fit_in_processes(cfg)
+    state = saved_state(ckpt / "epoch=2-step=12.ckpt")
     assert state["layout"] == {"world_size": 2, "num_workers": 2, "microbatch_size": 2}
     assert [sorted(rank) for rank in state["ranks"]] == [[0, 1], [2, 3]]  # rank 0's file holds every stream
     assert max(s["pass"] for rank in state["ranks"] for s in rank.values()) >= 1
     assert len(pickle.dumps(state)) < 2 * (1 << 20)  # < 1 MiB per rank
-    assert_resumes_match(
-        read_records(cfg, ranks=2), {"mid_epoch": 4, "mid_window": 6, "later_pass": 12}, 14, 2, ranks=2
-    )
+    assert_resumes_match(all_records(cfg), {"mid_epoch": 4, "mid_window": 6, "later_pass": 12}, 14, 2, ranks=2)
 
 
 # ------------------------------------------------------------------------------------ without a Trainer

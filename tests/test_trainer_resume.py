@@ -6,33 +6,52 @@ records appended to the records before the checkpoint must equal the uninterrupt
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
-from harness import read_records, run_training, samples_per_step
+from support import LengthDataset, RecordingModule, fit, fit_in_processes, pad_collate, read_records
 
-HARNESS = Path(__file__).with_name("harness.py")
+from lightning_d9d import D9DDataModule
+
 SIZE, GLOBAL_BATCH, MICROBATCH = 200, 16, 2
 STEPS_PER_EPOCH = SIZE // GLOBAL_BATCH  # 12
-BASE = {"size": SIZE, "global_batch_size": GLOBAL_BATCH, "microbatch_size": MICROBATCH, "max_epochs": 2}
+OPTIONS = {"size": SIZE, "global_batch_size": GLOBAL_BATCH, "microbatch_size": MICROBATCH}
 
 
-def run_ddp(config: dict[str, Any], timeout: int = 240) -> None:
-    """Fit in real processes (Lightning's DDP launcher re-runs the script for rank 1), gloo on CPU."""
-    result = subprocess.run(
-        [sys.executable, str(HARNESS), json.dumps({**config, "devices": 2})],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def run(
+    record_dir: Path | str,
+    devices: int = 1,
+    ckpt_dir: Path | None = None,
+    packs: bool = False,
+    options: dict | None = None,
+    **fit_options: Any,
+) -> list[dict]:
+    """One fit of the D9DDataModule over ``LengthDataset``; returns its training records."""
+    config = {
+        "data": "d9d",
+        "options": {**OPTIONS, "yield_packs": packs, **(options or {})},
+        "record_dir": str(record_dir),
+        "ckpt_dir": str(ckpt_dir) if ckpt_dir else None,
+        "devices": devices,
+        "packs": packs,
+        "runs": [{"max_epochs": 2, **fit_options}],
+    }
+    if devices > 1 or "kill_at_step" in fit_options:
+        fit_in_processes(config, expect_returncode=-9 if "kill_at_step" in fit_options else 0)
+    else:
+        fit(config)
+    return read_records(record_dir)
+
+
+def samples_per_step(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[int]]:
+    """(epoch, global step) -> sorted sample ids trained in that optimizer step, over all ranks."""
+    steps: dict[tuple[int, int], list[int]] = {}
+    for record in records:
+        steps.setdefault((record["epoch"], record["step"]), []).extend(record["ids"])
+    return {key: sorted(ids) for key, ids in steps.items()}
 
 
 def trained(records: list[dict]) -> list[tuple]:
@@ -57,18 +76,15 @@ def assert_exactly_once_per_epoch(records: list[dict]) -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """An uninterrupted 2-epoch run, checkpointing after every optimizer step, at epoch ends and mid-window."""
     root = tmp_path_factory.mktemp("reference")
-    config = {
-        **BASE,
-        "record_dir": str(root / "records"),
-        "ckpt_dir": str(root / "ckpt"),
-        "every_n_train_steps": 1,
-        "epoch_end_ckpt": True,
-        # batch_idx 43 is microbatch 4 of 8 in step 5: a save inside an accumulation window.
-        "save_at": [[0, 43]],
-        "val_size": 37,
-    }
-    run_training(config)
-    return {"records": read_records(root / "records"), "ckpt": root / "ckpt", "root": root}
+    records = run(
+        root / "records",
+        ckpt_dir=root / "ckpt",
+        options={"val_size": 37},
+        every_n_train_steps=1,
+        epoch_end_ckpt=True,
+        save_at=[[0, 43]],  # batch_idx 43 is microbatch 4 of 8 in step 5: a save inside an accumulation window
+    )
+    return {"records": records, "ckpt": root / "ckpt", "root": root}
 
 
 def test_uninterrupted_epochs_are_exactly_once_with_m_microbatches_per_step(reference: dict) -> None:
@@ -83,8 +99,7 @@ def test_uninterrupted_epochs_are_exactly_once_with_m_microbatches_per_step(refe
 
 
 def test_worker_count_does_not_change_what_is_trained(reference: dict, tmp_path: Path) -> None:
-    run_training({**BASE, "record_dir": str(tmp_path), "num_workers": 2})
-    assert trained(read_records(tmp_path)) == trained(reference["records"])
+    assert trained(run(tmp_path, options={"num_workers": 2})) == trained(reference["records"])
 
 
 @pytest.mark.parametrize(
@@ -100,61 +115,28 @@ def test_worker_count_does_not_change_what_is_trained(reference: dict, tmp_path:
 def test_resume_continues_with_exactly_the_uninterrupted_batches(
     reference: dict, tmp_path: Path, checkpoint: str, covered_steps: int, num_workers: int, estimated: bool
 ) -> None:
-    run_training(
-        {
-            **BASE,
-            "record_dir": str(tmp_path),
-            "ckpt_path": str(reference["ckpt"] / checkpoint),
-            "num_workers": num_workers,
-            "estimated": estimated,
-        }
+    resumed = run(
+        tmp_path,
+        options={"num_workers": num_workers},
+        ckpt_path=str(reference["ckpt"] / checkpoint),
+        estimated=estimated,
     )
-    resumed = read_records(tmp_path)
     assert trained(before_step(reference["records"], covered_steps) + resumed) == trained(reference["records"])
 
 
 def test_yield_packs_resume_is_exact(tmp_path: Path) -> None:
-    config = {**BASE, "packs": True, "ckpt_dir": str(tmp_path / "ckpt"), "every_n_train_steps": 7}
-    run_training({**config, "record_dir": str(tmp_path / "full")})
-    full = read_records(tmp_path / "full")
+    full = run(tmp_path / "full", ckpt_dir=tmp_path / "ckpt", packs=True, every_n_train_steps=7)
     assert_exactly_once_per_epoch(full)
     assert {r["batch_idx"] for r in full if r["epoch"] == 0} == set(range(STEPS_PER_EPOCH)), "one batch per step"
-    run_training(
-        {
-            **BASE,
-            "packs": True,
-            "record_dir": str(tmp_path / "resumed"),
-            "ckpt_path": str(tmp_path / "ckpt" / "epoch=0-step=7.ckpt"),
-        }
-    )
-    assert trained(before_step(full, 7) + read_records(tmp_path / "resumed")) == trained(full)
+    resumed = run(tmp_path / "resumed", packs=True, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=7.ckpt"))
+    assert trained(before_step(full, 7) + resumed) == trained(full)
 
 
 def test_sigkill_mid_epoch_then_resume_from_last_trains_every_sample_once(reference: dict, tmp_path: Path) -> None:
-    config = {
-        **BASE,
-        "record_dir": str(tmp_path / "killed"),
-        "ckpt_dir": str(tmp_path / "ckpt"),
-        "every_n_train_steps": 3,
-    }
-    killed = subprocess.run(
-        [sys.executable, str(HARNESS), json.dumps({**config, "kill_at_step": 8})], capture_output=True, timeout=240
-    )
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    last = tmp_path / "ckpt" / "last.ckpt"
-    assert last.exists()
-    subprocess.run(
-        [
-            sys.executable,
-            str(HARNESS),
-            json.dumps({**config, "record_dir": str(tmp_path / "resumed"), "ckpt_path": "last"}),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=240,
-    )
-    before = before_step(read_records(tmp_path / "killed"), 6)  # last.ckpt was written after step 6
-    combined = before + read_records(tmp_path / "resumed")
+    killed = run(tmp_path / "killed", ckpt_dir=tmp_path / "ckpt", every_n_train_steps=3, kill_at_step=8)
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+    resumed = run(tmp_path / "resumed", ckpt_dir=tmp_path / "ckpt", every_n_train_steps=3, ckpt_path="last")
+    combined = before_step(killed, 6) + resumed  # last.ckpt was written after step 6
     assert_exactly_once_per_epoch(combined)
     assert trained(combined) == trained(reference["records"])
 
@@ -162,15 +144,8 @@ def test_sigkill_mid_epoch_then_resume_from_last_trains_every_sample_once(refere
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("ddp")
-    config = {
-        **BASE,
-        "record_dir": str(root / "records"),
-        "ckpt_dir": str(root / "ckpt"),
-        "every_n_train_steps": 5,
-        "val_size": 37,
-    }
-    run_ddp(config)
-    return {"records": read_records(root / "records"), "ckpt": root / "ckpt", "root": root}
+    records = run(root / "records", devices=2, ckpt_dir=root / "ckpt", options={"val_size": 37}, every_n_train_steps=5)
+    return {"records": records, "ckpt": root / "ckpt", "root": root}
 
 
 def test_ddp_ranks_train_disjoint_equal_shares_of_the_same_global_batches(ddp_reference: dict, reference: dict) -> None:
@@ -188,34 +163,31 @@ def test_ddp_ranks_train_disjoint_equal_shares_of_the_same_global_batches(ddp_re
 
 
 def test_ddp_resume_is_exact_on_every_rank(ddp_reference: dict, tmp_path: Path) -> None:
-    run_ddp(
-        {
-            **BASE,
-            "record_dir": str(tmp_path),
-            "ckpt_path": str(ddp_reference["ckpt"] / "epoch=0-step=5.ckpt"),
-            "estimated": True,
-        }
-    )
-    combined = before_step(ddp_reference["records"], 5) + read_records(tmp_path)
-    assert trained(sorted(combined, key=lambda r: (r["epoch"], r["step"], r["rank"], r["batch_idx"]))) == trained(
-        ddp_reference["records"]
-    )
+    resumed = run(tmp_path, devices=2, ckpt_path=str(ddp_reference["ckpt"] / "epoch=0-step=5.ckpt"), estimated=True)
+    combined = before_step(ddp_reference["records"], 5) + resumed
+    order = sorted(combined, key=lambda r: (r["epoch"], r["step"], r["rank"], r["batch_idx"]))
+    assert trained(order) == trained(ddp_reference["records"])
 
 
 def test_elastic_resume_two_ranks_to_one(ddp_reference: dict, tmp_path: Path) -> None:
-    run_training(
-        {**BASE, "record_dir": str(tmp_path), "ckpt_path": str(ddp_reference["ckpt"] / "epoch=1-step=15.ckpt")}
-    )
-    combined = before_step(ddp_reference["records"], 15) + read_records(tmp_path)
+    resumed = run(tmp_path, ckpt_path=str(ddp_reference["ckpt"] / "epoch=1-step=15.ckpt"))
+    combined = before_step(ddp_reference["records"], 15) + resumed
     assert samples_per_step(combined) == samples_per_step(ddp_reference["records"])
     assert_exactly_once_per_epoch(combined)
 
 
 def test_elastic_resume_one_rank_to_two(reference: dict, tmp_path: Path) -> None:
-    run_ddp({**BASE, "record_dir": str(tmp_path), "ckpt_path": str(reference["ckpt"] / "mid-e0-b43.ckpt")})
-    combined = before_step(reference["records"], 5) + read_records(tmp_path)
+    resumed = run(tmp_path, devices=2, ckpt_path=str(reference["ckpt"] / "mid-e0-b43.ckpt"))
+    combined = before_step(reference["records"], 5) + resumed
     assert samples_per_step(combined) == samples_per_step(reference["records"])
     assert_exactly_once_per_epoch(combined)
+
+
+def test_elastic_resume_with_another_microbatch_size(reference: dict, tmp_path: Path) -> None:
+    resumed = run(tmp_path, options={"microbatch_size": 4}, ckpt_path=str(reference["ckpt"] / "mid-e0-b43.ckpt"))
+    assert {len(r["ids"]) for r in resumed} == {4}
+    combined = before_step(reference["records"], 5) + resumed
+    assert samples_per_step(combined) == samples_per_step(reference["records"])
 
 
 @pytest.mark.parametrize(
@@ -229,11 +201,6 @@ def test_elastic_resume_one_rank_to_two(reference: dict, tmp_path: Path) -> None
 def test_accumulate_grad_batches_that_disagrees_is_rejected(
     tmp_path: Path, microbatch_size: int, packs: bool, accumulate: int, message: str
 ) -> None:
-    import lightning.pytorch as pl
-    from harness import LengthDataset, RecordingModule, pad_collate
-
-    from lightning_d9d import D9DDataModule
-
     dm = D9DDataModule(
         LengthDataset(64), pad_collate, global_batch_size=16, microbatch_size=microbatch_size, yield_packs=packs
     )
@@ -250,27 +217,7 @@ def test_accumulate_grad_batches_that_disagrees_is_rejected(
         trainer.fit(module, datamodule=dm)
 
 
-def test_elastic_resume_with_another_microbatch_size(reference: dict, tmp_path: Path) -> None:
-    run_training(
-        {
-            **BASE,
-            "microbatch_size": 4,
-            "record_dir": str(tmp_path),
-            "ckpt_path": str(reference["ckpt"] / "mid-e0-b43.ckpt"),
-        }
-    )
-    resumed = read_records(tmp_path)
-    assert {len(r["ids"]) for r in resumed} == {4}
-    combined = before_step(reference["records"], 5) + resumed
-    assert samples_per_step(combined) == samples_per_step(reference["records"])
-
-
 def test_validate_from_a_checkpoint_of_another_order_is_not_refused(reference: dict, tmp_path: Path) -> None:
-    import lightning.pytorch as pl
-    from harness import LengthDataset, RecordingModule, pad_collate
-
-    from lightning_d9d import D9DDataModule
-
     checkpoint = str(reference["ckpt"] / "epoch=0-step=5.ckpt")
     other_seed = D9DDataModule(
         LengthDataset(SIZE),

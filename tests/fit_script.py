@@ -1,0 +1,10 @@
+"""``python tests/fit_script.py '<json config>'``: run ``support.fit`` as a script (Lightning's DDP launcher
+re-runs the main script in each rank's process, so a multi-process fit needs one)."""
+
+import json
+import sys
+
+from support import fit
+
+if __name__ == "__main__":
+    fit(json.loads(sys.argv[1]))

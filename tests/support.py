@@ -1,0 +1,365 @@
+"""What the tests share: real test data, one recording module, one checkpoint callback, one fit.
+
+* Data: ``LengthDataset`` (map-style, heavy-tailed lengths), ``make_docs``/``write_parquet`` (real parquet
+  files), ``make_texts`` and ``train_tokenizer`` (a real ``tokenizers`` tokenizer trained on the test text).
+* ``RecordingModule``: trains one weight and appends one JSON line per microbatch it trains or validates
+  (run, kind, epoch, global step, batch_idx, rank, the sample ids when the batch carries them, and a digest of
+  every tensor) to ``<record_dir>/records-rank<R>.jsonl``.
+* ``BatchRecorder``: the same records as a callback, for the CLI's runs of the demo model.
+* ``SaveAtBatch``: saves a checkpoint at given (epoch, batch_idx) points, mid accumulation window like a
+  time-based checkpoint would.
+* ``fit(config)``: builds a D9DDataModule or a PretrainingDataModule from a JSON-able config and runs every fit
+  of ``config["runs"]`` in turn; ``tests/fit_script.py`` runs it as a script, because Lightning's DDP launcher
+  re-runs the main script in each rank's process (so DDP start-up is paid once for several fits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_d9d import D9DDataModule, PretrainingDataModule
+
+TESTS = Path(__file__).resolve().parent
+BOS = "<|bos|>"
+WORDS = [f"w{chr(97 + i)}{chr(97 + j)}" for i in range(26) for j in range(8)]  # 208 distinct "words"
+
+
+# ------------------------------------------------------------------------------------------------ test data
+class LengthDataset(torch.utils.data.Dataset):
+    """N samples with heavy-tailed (log-normal) lengths; a sample is its id and a row of ``length`` ones."""
+
+    def __init__(self, size: int, seed: int = 0):
+        self.lengths = np.clip(np.random.default_rng(seed).lognormal(3.0, 1.0, size).astype(np.int64), 1, 2000)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"id": index, "tokens": torch.ones(int(self.lengths[index]))}
+
+    def sort_key(self, index: int) -> int:
+        return int(self.lengths[index])
+
+
+def pad_collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    longest = max(len(sample["tokens"]) for sample in samples)
+    tokens = torch.zeros(len(samples), longest)
+    for row, sample in enumerate(samples):
+        tokens[row, : len(sample["tokens"])] = sample["tokens"]
+    return {"ids": torch.tensor([sample["id"] for sample in samples]), "tokens": tokens}
+
+
+def make_docs(
+    n: int,
+    seed: int = 0,
+    long_every: int = 7,
+    max_words: int = 60,
+    long_words: int = 400,
+    empties: bool = True,
+) -> list[str | None]:
+    """Documents of random words; every ``long_every``-th is long; some are empty or null."""
+    rng = random.Random(seed)
+    docs: list[str | None] = []
+    for i in range(n):
+        if empties and i % 23 == 5:
+            docs.append(None if i % 2 else "")
+            continue
+        length = rng.randint(long_words // 2, long_words) if i % long_every == 3 else rng.randint(1, max_words)
+        docs.append(" ".join(rng.choice(WORDS) for _ in range(length)))
+    return docs
+
+
+def make_texts(count: int, seed: int = 0) -> list[str]:
+    """Documents with heavy-tailed word counts (like real text), plus an empty one that must be dropped."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(12), 0.9, size=count), 1, 200).astype(int)
+    texts = [" ".join(rng.choice(WORDS[:19], size=n)) for n in lengths]
+    texts[3] = ""
+    return texts
+
+
+def write_parquet(
+    directory: Path, docs: list[str | None], files: int = 3, row_group_size: int = 20, column: str = "text"
+) -> list[Path]:
+    """Split ``docs`` over ``files`` parquet files with small row groups."""
+    directory.mkdir(parents=True, exist_ok=True)
+    per_file = -(-len(docs) // files)
+    paths = []
+    for f in range(files):
+        part = docs[f * per_file : (f + 1) * per_file]
+        path = directory / f"part-{f:03d}.parquet"
+        table = pa.table({column: pa.array(part, pa.string()), "id": list(range(len(part)))})
+        pq.write_table(table, path, row_group_size=row_group_size)
+        paths.append(path)
+    return paths
+
+
+def train_tokenizer(
+    texts: list[str | None],
+    path: Path | None = None,
+    kind: str = "word",
+    bos: str | None = BOS,
+    vocab_size: int = 300,
+) -> Tokenizer:
+    """A real tokenizer trained on ``texts``, saved to ``path`` if given.
+
+    ``kind="word"``: WordLevel over whitespace-split words, with ``<unk>`` and ``bos`` as special tokens
+    (decoding joins words with spaces). ``kind="bpe"``: byte-level BPE with ``<pad>`` and ``<eos>``, whose
+    post-processor appends ``<eos>`` to every document (as a fine-tuning tokenizer would).
+    """
+    texts = [text for text in texts if text]
+    if kind == "word":
+        tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        special = ["<unk>"] + ([bos] if bos else [])
+        tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=special, show_progress=False))
+    elif kind == "bpe":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<pad>", "<eos>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(texts, trainer=trainer)
+        eos = tokenizer.token_to_id("<eos>")
+        tokenizer.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", eos)])
+    else:
+        raise ValueError(f"kind must be 'word' or 'bpe', got {kind!r}")
+    if path is not None:
+        tokenizer.save(str(path))
+    return tokenizer
+
+
+# ------------------------------------------------------------------------------------------------ recording
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of a batch (dict, dataclass, list), in a fixed order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if dataclasses.is_dataclass(batch):
+        return [t for field in dataclasses.fields(batch) for t in tensors_of(getattr(batch, field.name))]
+    if isinstance(batch, dict):
+        return [t for key in sorted(batch) for t in tensors_of(batch[key])]
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in tensors_of(item)]
+    return []
+
+
+def digest(batch: Any) -> str:
+    h = hashlib.sha256()
+    for tensor in tensors_of(batch):
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+class RecordingModule(pl.LightningModule):
+    """Trains one weight and appends one JSON line per trained or validated microbatch.
+
+    Args:
+        record_dir: where ``records-rank<R>.jsonl`` (and ``val-rank<R>.jsonl``) are appended to.
+        run: a name written into every record.
+        packs: batches are packs of microbatches (manual optimization, one optimizer step per pack).
+        use_estimated_steps: ask for ``trainer.estimated_stepping_batches`` in ``configure_optimizers``
+            (Lightning issue #20550 made the loader's state go unloaded when this was done).
+        kill_at_step: SIGKILL this process at this global step, like a preempted job.
+    """
+
+    def __init__(
+        self,
+        record_dir: str,
+        run: str = "",
+        packs: bool = False,
+        use_estimated_steps: bool = False,
+        kill_at_step: int | None = None,
+    ):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.record_dir, self.run, self.packs = record_dir, run, packs
+        self.use_estimated_steps, self.kill_at_step = use_estimated_steps, kill_at_step
+        self.automatic_optimization = not packs
+
+    def _record(self, kind: str, batch: Any, batch_idx: int) -> None:
+        line: dict[str, Any] = {
+            "run": self.run,
+            "kind": kind,
+            "epoch": self.current_epoch,
+            "step": self.global_step,
+            "rank": self.global_rank,
+            "batch_idx": batch_idx,
+            "digest": digest(batch),
+        }
+        if isinstance(batch, dict) and "ids" in batch:
+            line["ids"] = batch["ids"].tolist()
+        prefix = "records" if kind == "train" else "val"
+        with open(Path(self.record_dir) / f"{prefix}-rank{self.global_rank}.jsonl", "a") as file:
+            file.write(json.dumps(line) + "\n")
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        scale = sum(float(t.float().sum()) for t in tensors_of(batch)) / 1e4
+        return ((self.weight - scale) ** 2).mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        if self.kill_at_step is not None and self.global_step == self.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # die like a preempted job: no cleanup, no final checkpoint
+        if not self.packs:
+            self._record("train", batch, batch_idx)
+            return self._loss(batch)
+        optimizer = self.optimizers()
+        for microbatch in batch:
+            self._record("train", microbatch, batch_idx)
+            self.manual_backward(self._loss(microbatch) / len(batch))
+        optimizer.step()
+        optimizer.zero_grad()
+        return None
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._record("val", batch, batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.use_estimated_steps:
+            assert self.trainer.estimated_stepping_batches > 0
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class SaveAtBatch(pl.Callback):
+    """Saves ``mid-e<epoch>-b<batch_idx>.ckpt`` at given (epoch, batch_idx) points, possibly mid-window."""
+
+    def __init__(self, dirpath: str, points: list[list[int]]):
+        self.dirpath, self.points = dirpath, {tuple(point) for point in points}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        batch_idx = args[-1]
+        if (trainer.current_epoch, batch_idx) in self.points:
+            trainer.save_checkpoint(f"{self.dirpath}/mid-e{trainer.current_epoch}-b{batch_idx}.ckpt")
+
+
+class BatchRecorder(pl.Callback):
+    """Appends (optimizer step, epoch, batch_idx, digest) of every training microbatch to ``$<ENV>``.
+
+    For runs whose module is not a ``RecordingModule`` (the CLI's demo model): name it in ``trainer.callbacks``.
+    """
+
+    ENV = "LIGHTNING_D9D_TEST_RECORD"
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": idx, "sha": digest(batch)}
+        with open(os.environ[self.ENV], "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def read_records(record_dir: str | Path, kind: str = "train", run: str | None = None) -> list[dict[str, Any]]:
+    """Every record of ``kind`` (``"train"`` or ``"val"``) over all ranks, in training order."""
+    prefix = "records" if kind == "train" else "val"
+    records = []
+    for path in sorted(Path(record_dir).glob(f"{prefix}-rank*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    if run is not None:
+        records = [r for r in records if r["run"] == run]
+    return sorted(records, key=lambda r: (r["run"], r["epoch"], r["step"], r["rank"], r["batch_idx"]))
+
+
+# ------------------------------------------------------------------------------------------------ fitting
+def build_datamodule(config: dict[str, Any]) -> pl.LightningDataModule:
+    """A D9DDataModule over ``LengthDataset`` (``config["data"] == "d9d"``) or a PretrainingDataModule."""
+    options = dict(config.get("options", {}))
+    if config.get("data", "d9d") == "d9d":
+        size, val_size = options.pop("size", 200), options.pop("val_size", None)
+        options.setdefault("sort_buffer_size", 64)
+        return D9DDataModule(
+            LengthDataset(size),
+            pad_collate,
+            val_dataset=LengthDataset(val_size, seed=1) if val_size else None,
+            **options,
+        )
+    return PretrainingDataModule(**options)
+
+
+def make_trainer(run: dict[str, Any], devices: int = 1, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+    """One CPU Trainer (DDP on gloo for ``devices > 1``), without logger or progress bar."""
+    callbacks = callbacks or []
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_epochs=run.get("max_epochs", -1 if "max_steps" in run else 2),
+        max_steps=run.get("max_steps", -1),
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=run.get("record_dir"),
+        **run.get("trainer", {}),
+    )
+
+
+def fit(config: dict[str, Any]) -> None:
+    """Run every fit of ``config["runs"]`` in turn.
+
+    ``config``: ``data`` ("d9d" or "pretraining"), ``options`` (the DataModule's arguments), ``devices``,
+    ``record_dir``, ``ckpt_dir``, ``packs``, and ``runs``: a list of dicts with ``name``, ``max_epochs`` or
+    ``max_steps``, ``ckpt_path``, ``every_n_train_steps``, ``epoch_end_ckpt``, ``save_at``, ``estimated``,
+    ``kill_at_step``, ``options`` (overrides of the DataModule's arguments for this run), ``trainer``.
+    """
+    record_dir = config["record_dir"]
+    Path(record_dir).mkdir(parents=True, exist_ok=True)
+    for run in config["runs"]:
+        callbacks: list[pl.Callback] = []
+        ckpt_dir = config.get("ckpt_dir")
+        if ckpt_dir and run.get("every_n_train_steps"):
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=ckpt_dir,
+                    filename="{epoch}-{step}",
+                    every_n_train_steps=run["every_n_train_steps"],
+                    save_top_k=-1,
+                    save_last=True,
+                )
+            )
+        if ckpt_dir and run.get("epoch_end_ckpt"):
+            callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="end-{epoch}", save_top_k=-1))
+        if ckpt_dir and run.get("save_at"):
+            callbacks.append(SaveAtBatch(ckpt_dir, run["save_at"]))
+        datamodule = build_datamodule({**config, "options": {**config.get("options", {}), **run.get("options", {})}})
+        module = RecordingModule(
+            record_dir,
+            run.get("name", ""),
+            packs=config.get("packs", False),
+            use_estimated_steps=run.get("estimated", False),
+            kill_at_step=run.get("kill_at_step"),
+        )
+        trainer = make_trainer({**run, "record_dir": record_dir}, config.get("devices", 1), callbacks)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=run.get("ckpt_path"))
+
+
+def fit_in_processes(config: dict[str, Any], timeout: int = 300, expect_returncode: int = 0) -> None:
+    """``fit(config)`` in a fresh Python process (DDP when ``config["devices"] > 1``: real processes, gloo)."""
+    result = subprocess.run(
+        [sys.executable, str(TESTS / "fit_script.py"), json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == expect_returncode, result.stderr[-4000:]
