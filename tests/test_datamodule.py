@@ -115,7 +115,9 @@ def test_pin_memory_follows_the_trainers_device_and_can_be_forced_off() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only machine")
 def test_pin_memory_is_off_without_an_accelerator() -> None:
-    batch = next(iter(make_dm(num_workers=0).train_dataloader_for_rank(0, 1)))
+    dm = make_dm(num_workers=0)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader_for_rank(0, 1)))
     assert not batch["tokens"].is_pinned()
 
 
@@ -302,7 +304,7 @@ def table_with_lengths(lengths: list) -> datasets.Dataset:
         (
             {"dataset": LateStringKey()},
             TypeError,
-            r"sort keys are not comparable with each other \(key types seen: \['int', 'str'\]",
+            r"sample 99 has sort key 'x' \(key types seen: \['int', 'str'\]",
         ),
         (
             {"dataset": table_with_lengths([5] * 90 + [None] + [5] * 9), "sort_key": "n"},

@@ -186,10 +186,22 @@ def argsort_keys(keys: np.ndarray, tie_break: np.ndarray, indices: np.ndarray | 
         return np.asarray(sorted(range(len(keys)), key=lambda i: (keys[i], tie_break[i])), dtype=np.int64)
     except TypeError as error:
         examples = sorted({type(key).__name__ for key in keys})
+        position = _odd_key_position(keys)
+        where = f"sample {int(indices[position])}" if indices is not None else f"key number {position}"
         raise TypeError(
-            f"sort keys are not comparable with each other (key types seen: {examples}): {error}; "
-            "sort keys must be numbers or mutually comparable values"
+            f"sort keys are not comparable with each other: {where} has sort key {keys[position]!r} "
+            f"(key types seen: {examples}; {error}); sort keys must be numbers or mutually comparable values"
         ) from None
+
+
+def _odd_key_position(keys: np.ndarray) -> int:
+    """The first key that is None, NaN, or of a type other than the most common one (the likely culprit)."""
+    types = [type(key) for key in keys]
+    common = max(set(types), key=types.count)
+    for position, key in enumerate(keys):
+        if key is None or (isinstance(key, float) and key != key) or type(key) is not common:
+            return position
+    return 0
 
 
 def keys_digest(lookup: KeyLookup | None, num_samples: int, samples: int = 64) -> str:
