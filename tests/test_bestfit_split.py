@@ -11,9 +11,11 @@ from __future__ import annotations
 import pydoc_data.topics
 from collections import Counter
 from collections.abc import Callable
+from itertools import pairwise
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -117,7 +119,7 @@ def parse_rows(tokens: np.ndarray, flags: np.ndarray, docs: list[np.ndarray], ca
         starts = [*np.flatnonzero(flags[r] & START).tolist(), capacity]
         assert starts[0] == 0, f"row {r} does not start a piece at column 0"
         after_non_final = False
-        for a, b in zip(starts, starts[1:]):
+        for a, b in pairwise(starts):
             segment = row[a:b]
             if segment[0] == PAD and (flags[r, a] & NO_TARGET):
                 assert b == capacity and (segment == PAD).all(), f"row {r}: padding is not one run at the row end"
@@ -134,6 +136,7 @@ def parse_rows(tokens: np.ndarray, flags: np.ndarray, docs: list[np.ndarray], ca
             pieces[(d, p0 // capacity)] += 1
             expected[r, a] = START | (NO_TARGET if p0 > 0 or after_non_final else 0)
             after_non_final = p0 + len(segment) < len(docs[d])
+            assert not after_non_final or (a, b) == (0, capacity), f"row {r}: a non-final chunk shares its row"
     return pieces, expected
 
 
@@ -186,14 +189,17 @@ def test_every_piece_is_emitted_whole_once_and_nothing_is_lost() -> None:
     assert pieces + buffered == all_pieces(added, capacity)  # every piece of every added document, once
     # Whole documents sit in one row each; split ones are their chunks in chunk order.
     whole = [i for i, d in enumerate(added) if len(d) <= capacity and (i, 0) in pieces]
-    split_done = [i for i, d in enumerate(added) if len(d) > capacity and all((i, k) in pieces for k in range(-(-len(d) // capacity)))]
+    split_done = [
+        i
+        for i, d in enumerate(added)
+        if len(d) > capacity and all((i, k) in pieces for k in range(-(-len(d) // capacity)))
+    ]
     assert len(whole) > 500 and len(split_done) > 300
-    emitted = {}
+    emitted: dict[int, list[tuple[int, int]]] = {}  # document -> (position of a piece's first token, row)
     for r, row in enumerate(tokens):
         doc, pos = decode(row)
-        for c in np.flatnonzero(flags[r] & START).tolist():
-            if not flags[r, c] & NO_TARGET or row[c] != PAD:
-                emitted.setdefault(int(doc[c]), []).append((int(pos[c]), r))
+        for c in np.flatnonzero((flags[r] & START) & (row != PAD)).tolist():
+            emitted.setdefault(int(doc[c]), []).append((int(pos[c]), r))
     for i in whole:
         assert len(emitted[i]) == 1 and emitted[i][0][0] == 0
     for i in split_done:
@@ -204,7 +210,9 @@ def test_every_piece_is_emitted_whole_once_and_nothing_is_lost() -> None:
     # Multiset of tokens: emitted + still buffered == added.
     meta = packer.snapshot()
     still = [source.fetch(row) for row in meta]
-    real = tokens[(flags & NO_TARGET == 0) | (tokens != PAD)]
+    padding = tokens == PAD  # no document token is PAD
+    assert ((flags[padding] & NO_TARGET) != 0).all()
+    real = tokens[~padding]
     np.testing.assert_array_equal(np.sort(np.concatenate([real, *still])), np.sort(np.concatenate(added)))
 
 
@@ -236,64 +244,52 @@ def test_padding_is_no_target_and_positions_restart_at_every_piece() -> None:
     docs = [make_doc(i, n) for i, n in enumerate(random_lengths(rng, 800, capacity))]
     tokens, flags, _, _ = run(docs, capacity, [4] * 30, 12)
     inputs, targets, positions = split_microbatch_tensors(tokens, flags)
-    assert inputs.dtype == targets.dtype == positions.dtype == np.int64 or inputs.dtype.is_floating_point is False
+    assert inputs.dtype == targets.dtype == positions.dtype == torch.int64
+    assert inputs.shape == targets.shape == positions.shape == (120, capacity - 1)
     np.testing.assert_array_equal(inputs.numpy(), tokens[:, :-1])
     _, expected_flags = parse_rows(tokens, flags, docs, capacity)
     masked = (expected_flags[:, 1:] & NO_TARGET) != 0
-    expected_targets = np.where(masked, IGNORE_INDEX, tokens[:, 1:])
-    np.testing.assert_array_equal(targets.numpy(), expected_targets)
+    np.testing.assert_array_equal(targets.numpy(), np.where(masked, IGNORE_INDEX, tokens[:, 1:]))
     np.testing.assert_array_equal(positions.numpy(), expected_positions(flags)[:, :-1])
-    padded = (tokens[:, 1:] == PAD) & ((flags[:, 1:] & NO_TARGET) != 0)
-    assert padded.any() and (targets.numpy()[padded] == IGNORE_INDEX).all()
-    # Kept targets: inside a piece, and a document's first token after a whole document or a final chunk.
-    kept_bos = (flags[:, 1:] & START).astype(bool) & ~masked
-    assert kept_bos.any()
+    padding = (tokens[:, 1:] == PAD) & ((flags[:, 1:] & START) != 0)
+    assert padding.any()
+    # Targets kept: every token inside a piece, and the first token of a document after a whole one.
+    starts = (flags[:, 1:] & START) != 0
+    first_of_doc = starts & (decode(tokens[:, 1:])[1] == 0)
+    assert first_of_doc.any() and (targets.numpy()[first_of_doc] == tokens[:, 1:][first_of_doc]).all()
+    assert (targets.numpy()[~starts & (tokens[:, 1:] != PAD)] != IGNORE_INDEX).all()
+    continuation = starts & (decode(tokens[:, 1:])[1] > 0) & (tokens[:, 1:] != PAD)
+    assert continuation.any() and (targets.numpy()[continuation] == IGNORE_INDEX).all()
 
 
 def test_split_microbatch_tensors_on_a_hand_written_row() -> None:
     s, n = START, NO_TARGET
-    # doc A (BOS 0, 5, 6) | continuation chunk (7, 8) of a document that goes on | BOS 0, 9 | padding 2, 2
+    # A document (BOS 0, 5, 6) | a final continuation chunk (7, 8) | a document (BOS 0, 9) | padding (2, 2).
     tokens = np.array([[0, 5, 6, 7, 8, 0, 9, 2, 2]], np.int32)
-    flags = np.array([[s, 0, 0, s | n, 0, s | n, 0, s | n, n]], np.uint8)
+    flags = np.array([[s, 0, 0, s | n, 0, s, 0, s | n, n]], np.uint8)
     inputs, targets, positions = split_microbatch_tensors(tokens, flags)
     assert inputs.tolist() == [[0, 5, 6, 7, 8, 0, 9, 2]]
-    assert targets.tolist() == [[5, 6, -100, 8, -100, 9, -100, -100]]
+    assert targets.tolist() == [[5, 6, -100, 8, 0, 9, -100, -100]]
     assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 0]]
     assert inputs.is_contiguous() and targets.is_contiguous() and positions.is_contiguous()
     with pytest.raises(ValueError, match="same"):
         split_microbatch_tensors(tokens, flags[:, :-1])
 
 
-def test_a_split_document_keeps_bos_target_only_after_its_end() -> None:
+def test_flags_of_a_split_document_in_order() -> None:
     capacity = 10
-    # Buffer of 1: documents are packed in order. Doc 0 (25 tokens) -> chunks of 10, 10, 5; doc 1 (5 tokens).
+    # A buffer of 1 packs documents in order. Document 0 (25 tokens) -> chunks of 10, 10, 5.
     docs = [make_doc(0, 25), make_doc(1, 5), make_doc(2, 3), make_doc(3, 10), make_doc(4, 4)]
-    tokens, flags, _, _ = run(docs, capacity, [4], 1)
+    tokens, flags, packer, _ = run(docs, capacity, [4], 1)
     s, n = START, NO_TARGET
-    assert flags[0, 0] == s and flags[1, 0] == s | n  # chunk 0 starts with BOS; chunk 1 continues
-    # Row 2: the final chunk (5 tokens), then doc 1 (5 tokens): doc 1's BOS is a target ("document ends").
+    assert flags[0].tolist() == [s] + [0] * 9  # chunk 0 starts at its BOS
+    assert flags[1].tolist() == [s | n] + [0] * 9  # chunk 1 continues: no target at its first token
+    # The final chunk, then document 1, whose first token stays a target ("the document ends here").
     assert flags[2].tolist() == [s | n, 0, 0, 0, 0, s, 0, 0, 0, 0]
-    # Row 3: doc 2 (3 tokens), then doc 3 (10) does not fit -> doc 3 waits (buffer of 1): padding.
+    # Document 2, then document 3 (10 tokens) does not fit: padding, and document 3 waits for the next row.
     assert flags[3].tolist() == [s, 0, 0, s | n, n, n, n, n, n, n]
-    assert (tokens[3, 3:] == PAD).all()
-
-
-def test_whatever_follows_a_non_final_chunk_is_no_target() -> None:
-    capacity = 8
-    # Buffer 3 holds doc 0's three chunks (8, 8, 2); the 2-token final chunk and short docs fill the gaps.
-    docs = [make_doc(0, 18), make_doc(1, 5), make_doc(2, 17), make_doc(3, 3), make_doc(4, 2)] + [
-        make_doc(5 + i, 8) for i in range(20)
-    ]
-    tokens, flags, _, _ = run(docs, capacity, [6], 3)
-    _, expected = parse_rows(tokens, flags, docs, capacity)
-    np.testing.assert_array_equal(flags, expected)
-    # Some piece follows a non-final chunk in its row (doc 2's chunk of 1 is final, its chunk 0 of 8 is not).
-    doc, pos = decode(tokens)
-    assert any(
-        flags[r, c] & START and flags[r, c] & NO_TARGET and pos[r, c] % capacity == 0 and pos[r, c] == 0
-        for r in range(len(tokens))
-        for c in range(1, capacity)
-    ) or (flags[:, 1:] & NO_TARGET).any()
+    assert (tokens[3, 3:] == PAD).all() and packer.snapshot()[:, 1].tolist() == [10]
+    np.testing.assert_array_equal(np.concatenate([tokens[0], tokens[1], tokens[2, :5]]), docs[0])
 
 
 # ------------------------------------------------------------------------------------------------ state
@@ -312,10 +308,11 @@ def test_resume_from_any_snapshot_continues_identically() -> None:
     partly_emitted = 0
     for step in range(len(takes) - 1):
         meta, next_seq, counters, cursor = states[step]
-        buffered = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))
-        split_buffered = {key for key, k, f in zip(zip(meta[:, 2].tolist(), meta[:, 3].tolist()), meta[:, 4], meta[:, 5]) if k > 0 or not f}
-        partly_emitted += any(meta[(meta[:, 2] == k0) & (meta[:, 3] == k1), 4].min() > 0 for k0, k1 in split_buffered)
-        assert sum(buffered.values()) == len(meta)
+        # A split document with some chunks emitted and a later one buffered: its chunk 0 is gone.
+        first_chunk: dict[tuple[int, int], int] = {}
+        for key0, key1, chunk in meta[:, 2:5].tolist():
+            first_chunk[(key0, key1)] = min(chunk, first_chunk.get((key0, key1), chunk))
+        partly_emitted += any(chunk > 0 for chunk in first_chunk.values())
         resumed = BestFitSplitPacker(capacity, PAD, buffer_size)
         fetched: list[int] = []
         again = Source(docs, resumed, cursor)
@@ -350,7 +347,9 @@ def test_restore_rejects_a_changed_chunk_or_length() -> None:
     changed = make_doc(0, 20)
     changed[9] += 1  # inside chunk 1 only
     restored = BestFitSplitPacker(capacity, PAD, 1)
-    restored.restore(meta, packer.next_seq, lambda row: (changed if row[2] == 3 else make_doc(1, 5))[8 * row[4] :][: row[1]])
+    restored.restore(
+        meta, packer.next_seq, lambda row: (changed if row[2] == 3 else make_doc(1, 5))[8 * row[4] :][: row[1]]
+    )
     restored.take(1, lambda: None)  # chunk 0 still matches
     with pytest.raises(ValueError, match=r"piece 1 of document \(3, 4\) does not match its saved length 8 / checksum"):
         restored.take(1, lambda: None)
@@ -373,16 +372,16 @@ def test_restore_refuses_a_bad_state() -> None:
 
 
 def test_refill_must_add_exactly_one_document() -> None:
-    packer = BestFitSplitPacker(8, PAD, 2)
     with pytest.raises(RuntimeError, match="added 0"):
-        packer.take(1, lambda: None)
+        BestFitSplitPacker(8, PAD, 2).take(1, lambda: None)
+    packer = BestFitSplitPacker(8, PAD, 2)
 
     def two() -> None:
         packer.add(make_doc(0, 3), (0, 0))
         packer.add(make_doc(1, 3), (0, 1))
 
     with pytest.raises(RuntimeError, match="added 2"):
-        BestFitSplitPacker(8, PAD, 2).take(1, two) if False else packer.take(1, two)
+        packer.take(1, two)
 
 
 @pytest.mark.parametrize("bad", [0, 1, -3])
@@ -393,73 +392,74 @@ def test_rejects_rows_without_room_and_empty_documents(bad: int) -> None:
         BestFitSplitPacker(8, PAD, buffer_size=0)
     with pytest.raises(ValueError, match="non-empty 1-D"):
         BestFitSplitPacker(8, PAD).add(np.zeros(0, np.int32), (0, 0))
+    with pytest.raises(ValueError, match=r"non-empty 1-D token array, got shape \(2, 3\)"):
+        BestFitSplitPacker(8, PAD).add(np.zeros((2, 3), np.int32), (0, 0))
 
 
 # ------------------------------------------------------------------------------------------------ real text
 @pytest.fixture(scope="module")
-def real_docs() -> tuple[list[np.ndarray], int]:
-    texts = sorted(pydoc_data.topics.topics.values())[:160]
+def real_text() -> tuple[list[str], Tokenizer, int, int]:
+    texts = [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<bos>"], show_progress=False))
-    bos = tok.token_to_id("<bos>")
-    return texts, tok, bos
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<bos>", "<pad>"], show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return texts, tok, tok.token_to_id("<bos>"), tok.token_to_id("<pad>")
 
 
 def feed_real(texts: list[str], tok: Tokenizer, bos: int, batch: int, packer: BestFitSplitPacker) -> Callable:
-    """A refill that tokenizes ``batch`` texts per call to the tokenizer and adds one document per refill."""
+    """A refill that tokenizes ``batch`` texts per tokenizer call and adds one document per refill."""
     pending: list[np.ndarray] = []
     cursor = [0]
 
     def refill() -> None:
         if not pending:
-            start = cursor[0] % len(texts)
-            for enc in tok.encode_batch_fast(texts[start : start + batch], add_special_tokens=False):
-                doc = np.empty(len(enc.ids) + 1, np.int32)
+            for enc in tok.encode_batch_fast(texts[cursor[0] : cursor[0] + batch], add_special_tokens=False):
+                doc = np.empty(len(enc.ids) + 1, np.int32)  # one numpy conversion per document
                 doc[0], doc[1:] = bos, enc.ids
                 pending.append(doc)
-        packer.add(pending.pop(0), (cursor[0] % len(texts), 0))
+        packer.add(pending.pop(0), (cursor[0], 0))
         cursor[0] += 1
 
     return refill
 
 
-def test_real_text_rows_do_not_depend_on_tokenizer_batches_and_hold_every_chunk(real_docs) -> None:
-    texts, tok, bos = real_docs
-    capacity, rows = 129, 120
+def test_real_text_rows_do_not_depend_on_tokenizer_batches_and_hold_every_chunk(real_text) -> None:
+    texts, tok, bos, pad = real_text
+    capacity, rows = 129, 150
     results = []
     for batch in (1, 7, 64):
-        packer = BestFitSplitPacker(capacity, bos, 24)
-        refill = feed_real(texts, tok, bos, batch, packer)
-        tokens, flags = packer.take(rows, refill)
+        packer = BestFitSplitPacker(capacity, pad, 24)
+        tokens, flags = packer.take(rows, feed_real(texts, tok, bos, batch, packer))
         results.append((tokens, flags, packer.snapshot(), packer.counters))
     for other in results[1:]:
-        for a, b in zip(results[0], other):
-            if isinstance(a, np.ndarray):
-                np.testing.assert_array_equal(a, b)
-            else:
-                assert a == b
+        np.testing.assert_array_equal(other[0], results[0][0])
+        np.testing.assert_array_equal(other[1], results[0][1])
+        np.testing.assert_array_equal(other[2], results[0][2])
+        assert other[3] == results[0][3]
     tokens, flags, meta, counters = results[0]
-    assert counters.split_docs > 10 and counters.padding < 0.05 * tokens.size
+    assert 10 < counters.split_docs < counters.docs < len(texts)
 
-    # Every emitted piece is a chunk of a document, each chunk once (emitted or still buffered).
-    docs = [np.concatenate([[bos], e.ids]).astype(np.int32) for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
-    chunks: dict[bytes, list[tuple[int, int]]] = {}
-    for i, d in enumerate(docs[: counters.docs]):
-        for k in range(-(-len(d) // capacity)):
-            chunks.setdefault(d[k * capacity : (k + 1) * capacity].tobytes(), []).append((i, k))
+    docs = [np.array([bos, *e.ids], np.int32) for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+    chunks = {
+        (i, k): d[k * capacity : (k + 1) * capacity]
+        for i, d in enumerate(docs[: counters.docs])
+        for k in range(-(-len(d) // capacity))
+    }
+    by_bytes = {piece.tobytes(): key for key, piece in chunks.items()}
+    assert len(by_bytes) == len(chunks)  # every chunk is told apart by its tokens
     seen: Counter = Counter()
     for r in range(rows):
         starts = [*np.flatnonzero(flags[r] & START).tolist(), capacity]
-        for a, b in zip(starts, starts[1:]):
-            if flags[r, a] & NO_TARGET and tokens[r, a] == bos and (flags[r, a:b] & NO_TARGET).all() and b == capacity:
-                if (tokens[r, a:b] == bos).all() and chunks.get(tokens[r, a:b].tobytes()) is None:
-                    continue  # padding (pad_id = bos here)
-            owners = chunks.get(tokens[r, a:b].tobytes())
-            assert owners, f"row {r} columns {a}:{b} are no document chunk"
-            seen[owners[0]] += 1
-            assert (flags[r, a] & NO_TARGET != 0) == (owners[0][1] > 0 or (a > 0 and prev_non_final)), (r, a)
-            i, k = owners[0]
-            prev_non_final = (k + 1) * capacity < len(docs[i])
-    buffered = Counter((int(k0), int(c)) for k0, c in meta[:, [2, 4]])
-    assert seen + buffered == Counter((i, k) for i, d in enumerate(docs[: counters.docs]) for k in range(-(-len(d) // capacity)))
+        for a, b in pairwise(starts):
+            if tokens[r, a] == pad:
+                assert b == capacity and (tokens[r, a:] == pad).all() and (flags[r, a:] & NO_TARGET).all()
+                continue
+            key = by_bytes.get(tokens[r, a:b].tobytes())
+            assert key is not None, f"row {r} columns {a}:{b} are no document chunk"
+            seen[key] += 1
+            assert bool(flags[r, a] & NO_TARGET) == (key[1] > 0), f"row {r} column {a}: target flag of chunk {key}"
+            assert not (flags[r, a + 1 : b] & (START | NO_TARGET)).any()
+    buffered = Counter((key0, chunk) for key0, chunk in meta[:, [2, 4]].tolist())
+    assert seen + buffered == Counter(chunks.keys())
+    assert max(seen.values()) == 1

@@ -1,6 +1,6 @@
 """Token packing: turn tokenized documents into rows of ``seq_len + 1`` tokens, and position ids for them.
 
-Two packers, both fed documents that already start with BOS:
+Three packers, all fed documents that already start with BOS:
 
 * ``ConcatPacker`` (the reference's original loader): documents are concatenated into one stream, which is cut
   into rows. Nothing is wasted; rows usually start mid-document. The stream is a numpy array, and a row is a
@@ -8,28 +8,53 @@ Two packers, both fed documents that already start with BOS:
 * ``BestFitPacker`` (the reference's best-fit loader): every row starts at a document's BOS. Each row is filled
   with the *largest* buffered document that still fits; when none fits, the *shortest* buffered document is
   cropped to fill the row exactly and its remainder is dropped (no padding, ever). Ties go to the document
-  that entered the buffer first, which is exactly the choice of the reference's linear scan. Instead of that
-  scan (O(buffer) Python steps per pick), the buffer is kept as a sorted list of the distinct lengths present
-  plus a FIFO per length, so a pick is one ``bisect`` (O(log buffer)) and a refill is an ``insort``.
+  that entered the buffer first, which is exactly the choice of the reference's linear scan.
+* ``BestFitSplitPacker`` (best-fit without cropping, as in "Fewer Truncations Improve Language Modeling"): a
+  document longer than a row is split into consecutive row-sized chunks (the last one shorter), and every
+  document or chunk is a *piece*. Each row is filled with the largest buffered piece that still fits (ties:
+  the oldest); when none fits, the rest of the row is padding. Nothing is cropped or dropped, and a document
+  that fits in a row is never cut. Besides the tokens it emits per-token flags: where a piece (or a padding
+  run) starts, so that positions restart there, and which tokens must not be targets: padding, and the first
+  token of a continuation chunk (its predecessor in the row is another document). A token after a non-final
+  chunk would be no target either (the document goes on elsewhere, so "the document ends here" would be
+  false), but a non-final chunk is a whole row, so nothing in its row follows it. A BOS after a whole
+  document or a final chunk stays a target, as in the other packings ("the document ends here").
+  ``split_microbatch_tensors`` turns tokens and flags into ``inputs``/``targets``/``position_ids``.
+
+Both best-fit packers keep their buffer as a sorted list of the distinct lengths present plus a FIFO per
+length, so a pick is one ``bisect`` (O(log buffer)) and a refill is an ``insort``, instead of the reference's
+scan (O(buffer) Python steps per pick). Each buffered item's state is one row of integers in a slot table,
+so a snapshot is one masked copy of it.
 
 Trade-off: best-fit trades tokens for alignment: its *yield* (tokens emitted / tokens tokenized) is below 1,
 and far below on long-document corpora, because every cropped remainder is thrown away. Only a row-sized
 prefix of each buffered document is kept (the rest can never be emitted), which bounds memory by
-``buffer_size * (seq_len + 1)`` tokens.
+``buffer_size * (seq_len + 1)`` tokens. Best-fit-split keeps every token and pays in padding instead, which
+is small when the buffer holds many short pieces to fill gaps with (long documents yield short final chunks
+too); its rows start at a BOS less often (a row-sized chunk of a long document fills a row on its own), and
+a long document's chunks lose the attention to their predecessors. Its buffer counts pieces, so a long
+document briefly pushes it past ``buffer_size`` (all of a document's chunks enter at once).
 
-State: both packers describe their content by *positions* (opaque integer keys given by the caller) rather
+State: the packers describe their content by *positions* (opaque integer keys given by the caller) rather
 than tokens, so the caller can save a few integers and rebuild the content from the source on resume.
 """
 
 from __future__ import annotations
 
 import bisect
+import struct
 import zlib
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+START = 1  # flag bit: this token starts a piece (or a padding run); positions restart here
+NO_TARGET = 2  # flag bit: this token must not be the training target of the token before it
+IGNORE_INDEX = -100  # the target of a token with nothing to predict (PyTorch's cross-entropy default)
 
 
 def position_ids(inputs: np.ndarray, bos_id: int) -> np.ndarray:
@@ -43,12 +68,20 @@ def position_ids(inputs: np.ndarray, bos_id: int) -> np.ndarray:
         ``(rows, seq_len)`` int64 positions, suitable for block-causal / varlen attention (a row that starts
         mid-document counts that fragment from 0).
     """
-    rows, width = inputs.shape
+    return _restart_positions(inputs == bos_id)
+
+
+def _restart_positions(starts: np.ndarray) -> np.ndarray:
+    """Each token's distance from the last start at or before it in its row (column 0 is always a start).
+
+    ``starts`` (a boolean ``(rows, width)`` array the caller no longer needs) gets its column 0 set.
+    """
+    rows, width = starts.shape
     size = rows * width
-    starts = inputs.ravel() == bos_id
-    starts[::width] = True  # column 0 is a start either way
-    start_at = np.flatnonzero(starts)
-    # Each token's position is its distance from the last start at or before it (one repeat, no scan).
+    flat = starts.reshape(-1)
+    flat[::width] = True
+    start_at = np.flatnonzero(flat)
+    # One repeat of each start over the run it opens, no scan.
     last_start = np.repeat(start_at, np.diff(start_at, append=size))
     return (np.arange(size, dtype=np.int64) - last_start).reshape(rows, width)
 
@@ -69,9 +102,35 @@ def microbatch_tensors(rows: np.ndarray, bos_id: int) -> tuple[torch.Tensor, tor
     return inputs, targets, torch.from_numpy(position_ids(rows[:, :-1], bos_id))
 
 
+def split_microbatch_tensors(tokens: np.ndarray, flags: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(inputs, targets, position_ids)`` int64 tensors of a microbatch from :class:`BestFitSplitPacker`.
+
+    Args:
+        tokens: ``(microbatch_size, seq_len + 1)`` token ids.
+        flags: the same shape, ``START`` / ``NO_TARGET`` bits per token (uint8).
+
+    Returns:
+        ``inputs = tokens[:, :-1]``; ``targets = tokens[:, 1:]`` with ``IGNORE_INDEX`` (-100) wherever the target
+        token has ``NO_TARGET``; positions that count from 0 at column 0 and at every ``START`` (a padding run
+        counts from 0 too). Each ``(microbatch_size, seq_len)`` and contiguous.
+
+    Raises:
+        ValueError: ``tokens`` and ``flags`` differ in shape, or are not 2-D with at least 2 columns.
+    """
+    if tokens.shape != flags.shape or tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(
+            f"tokens {tokens.shape} and flags {flags.shape} must be the same (rows, seq_len + 1) shape, seq_len >= 1"
+        )
+    inputs = tokens[:, :-1].astype(np.int64)
+    targets = tokens[:, 1:].astype(np.int64)
+    targets[(flags[:, 1:] & NO_TARGET) != 0] = IGNORE_INDEX
+    positions = _restart_positions((flags[:, :-1] & START) != 0)
+    return torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions)
+
+
 def prefix_hash(tokens: np.ndarray) -> int:
     """A 32-bit checksum of a token prefix, used to verify a prefix rebuilt on resume."""
-    return zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+    return zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32))  # crc32 reads the buffer itself, no copy
 
 
 class ConcatPacker:
@@ -151,6 +210,72 @@ class ConcatPacker:
         return self._chunk_refs[i], doc, offset - int(self._chunk_docs[i][doc])
 
 
+class _PieceBuffer:
+    """Buffered items by length, for best-fit picks, each with one row of integers describing it.
+
+    The distinct lengths present are kept sorted (``lengths``), each with a FIFO of its items (``by_length``),
+    so the largest item that fits a space is one ``bisect`` and ties go to the item buffered first. Each item
+    owns a slot of an int64 table holding its row, so a snapshot is a few whole-table numpy operations, not a
+    conversion of Python objects; a row is written with one ``struct.pack_into`` (a numpy row assignment from
+    a tuple costs more than the rest of a pick of a short document).
+    """
+
+    def __init__(self, columns: int, slots: int) -> None:
+        self.lengths: list[int] = []
+        self.by_length: dict[int, deque] = {}  # length -> FIFO of (slot, payload)
+        self.count = 0
+        self.table = np.zeros((slots, columns), np.int64)
+        self.used = bytearray(slots)  # 1 where a slot holds a buffered item (a numpy view is made per snapshot)
+        self.free = list(range(slots - 1, -1, -1))
+        self.row_bytes = 8 * columns
+        self.pack_into = struct.Struct(f"={columns}q").pack_into
+
+    def grow(self) -> None:
+        """Double the slots (call when ``free`` is empty)."""
+        size = len(self.table)
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self.used.extend(bytes(size))
+        self.free = list(range(2 * size - 1, size - 1, -1))
+
+    def push(self, length: int, row: tuple[int, ...], payload: Any) -> None:
+        """Buffer one item of ``length`` (its sort key) described by ``row``; ``payload`` comes back on pop."""
+        if not self.free:
+            self.grow()
+        slot = self.free.pop()
+        self.pack_into(self.table, slot * self.row_bytes, *row)
+        self.used[slot] = 1
+        bucket = self.by_length.get(length)
+        if bucket is None:
+            bucket = self.by_length[length] = deque()
+            bisect.insort(self.lengths, length)
+        bucket.append((slot, payload))
+        self.count += 1
+
+    def pop(self, index: int) -> tuple[int, Any, int]:
+        """Remove the oldest item of the ``index``-th smallest length: ``(length, payload, slot)``.
+
+        The slot's row stays readable (``table[slot]``) until the next :meth:`push`.
+        """
+        length = self.lengths[index]
+        bucket = self.by_length[length]
+        slot, payload = bucket.popleft()
+        if not bucket:
+            del self.by_length[length]
+            del self.lengths[index]
+        self.used[slot] = 0
+        self.free.append(slot)
+        self.count -= 1
+        return length, payload, slot
+
+    def snapshot(self) -> np.ndarray:
+        """The rows of the buffered items, sorted by their first column (a unique insertion number >= 0)."""
+        slots = np.flatnonzero(np.frombuffer(self.used, np.bool_))
+        # Sorting insertion numbers with the slot in the low bits is a plain sort, cheaper than an argsort.
+        shift = max(1, len(self.table) - 1).bit_length()
+        keys = np.sort((self.table[slots, 0] << shift) | slots)
+        return self.table[keys & ((1 << shift) - 1)]
+
+
 class BestFitPacker:
     """Pack rows that all start at BOS: largest fitting document first, crop the shortest when none fits.
 
@@ -167,20 +292,20 @@ class BestFitPacker:
             raise ValueError(f"bestfit buffer_size must be > 0, got {buffer_size}")
         self.capacity = capacity
         self.buffer_size = buffer_size
-        self._lengths: list[int] = []  # distinct lengths present, sorted
-        self._by_length: dict[int, deque] = {}  # length -> FIFO of (slot, prefix tokens)
-        self._meta = np.zeros((max(16, 2 * buffer_size), len(self.META_COLUMNS)), np.int64)
-        self._used = np.zeros(len(self._meta), bool)
-        self._free = list(range(len(self._meta) - 1, -1, -1))
-        self.count = 0
+        self._buffer = _PieceBuffer(len(self.META_COLUMNS), max(16, 2 * buffer_size))
         self.next_seq = 0
         self.crops = 0
         self.tokens_cropped = 0  # tokenized, then dropped with a cropped document's remainder
         self.tokens_emitted = 0
         self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
 
+    @property
+    def count(self) -> int:
+        """Documents buffered."""
+        return self._buffer.count
+
     def __len__(self) -> int:
-        return self.count
+        return self._buffer.count
 
     def add(
         self, tokens: np.ndarray | None, length: int, key: tuple[int, int], seq: int | None = None, checksum: int = 0
@@ -207,33 +332,12 @@ class BestFitPacker:
         if seq is None:
             seq = self.next_seq
             self.next_seq += 1
-        if not self._free:
-            grow = len(self._meta)
-            self._meta = np.concatenate([self._meta, np.zeros_like(self._meta)])
-            self._used = np.concatenate([self._used, np.zeros(grow, bool)])
-            self._free = list(range(2 * grow - 1, grow - 1, -1))
-        slot = self._free.pop()
-        self._meta[slot] = (seq, length, key[0], key[1], checksum)
-        self._used[slot] = True
-        bucket = self._by_length.get(length)
-        if bucket is None:
-            bucket = self._by_length[length] = deque()
-            bisect.insort(self._lengths, length)
-        bucket.append((slot, tokens))
-        self.count += 1
+        self._buffer.push(length, (seq, length, key[0], key[1], checksum), tokens)
 
     def _pop(self, index: int) -> tuple[np.ndarray, int]:
-        length = self._lengths[index]
-        bucket = self._by_length[length]
-        slot, tokens = bucket.popleft()
-        if not bucket:
-            del self._by_length[length]
-            del self._lengths[index]
+        length, tokens, slot = self._buffer.pop(index)
         if tokens is None:  # restored lazily: fetch and verify it now
-            tokens = self._materialize(self._meta[slot].copy())
-        self._used[slot] = False
-        self._free.append(slot)
-        self.count -= 1
+            tokens = self._materialize(self._buffer.table[slot].copy())
         return tokens, length
 
     def take(self, num_rows: int, refill: Callable[[], None]) -> np.ndarray:
@@ -244,16 +348,17 @@ class BestFitPacker:
         result independent of how the caller batches its tokenization.)
         """
         out = np.empty((num_rows, self.capacity), np.int32)
+        buffer, lengths = self._buffer, self._buffer.lengths
         for r in range(num_rows):
             pos = 0
             while pos < self.capacity:
-                while self.count < self.buffer_size:
-                    before = self.count
+                while buffer.count < self.buffer_size:
+                    before = buffer.count
                     refill()
-                    if self.count == before:
+                    if buffer.count == before:
                         raise RuntimeError("refill() added no document")
                 remaining = self.capacity - pos
-                i = bisect.bisect_right(self._lengths, remaining) - 1
+                i = bisect.bisect_right(lengths, remaining) - 1
                 if i >= 0:  # the largest document that fits entirely
                     tokens, length = self._pop(i)
                     out[r, pos : pos + length] = tokens
@@ -269,8 +374,7 @@ class BestFitPacker:
 
     def snapshot(self) -> np.ndarray:
         """The buffered documents as ``(count, 5)`` int64 rows of ``META_COLUMNS``, in insertion order."""
-        meta = self._meta[self._used]
-        return meta[np.argsort(meta[:, 0], kind="stable")]
+        return self._buffer.snapshot()
 
     def restore(self, meta: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray]) -> None:
         """Rebuild a buffer from :meth:`snapshot` rows, lazily.
@@ -283,7 +387,7 @@ class BestFitPacker:
             ValueError: (when a fetched document is picked) its prefix does not match its saved length or
                 checksum — the data or the tokenizer changed since the checkpoint.
         """
-        if self.count:
+        if self._buffer.count:
             raise RuntimeError("restore() needs an empty packer")
         self._fetch = fetch
         for row in meta:
@@ -305,3 +409,226 @@ class BestFitPacker:
                 "(did the data files or the tokenizer change since the checkpoint?)"
             )
         return tokens[:expected]
+
+
+@dataclass(frozen=True)
+class SplitPackerCounters:
+    """What a :class:`BestFitSplitPacker` has done so far (save it with the state, set it back on resume).
+
+    Attributes:
+        docs: documents added.
+        split_docs: documents longer than a row, split into chunks.
+        chunks: pieces that came from split documents.
+        tokens_emitted: non-padding tokens in the rows taken.
+        padding: padding tokens in the rows taken.
+    """
+
+    docs: int = 0
+    split_docs: int = 0
+    chunks: int = 0
+    tokens_emitted: int = 0
+    padding: int = 0
+
+
+class BestFitSplitPacker:
+    """Pack rows from whole documents and row-sized chunks of longer ones, best fit first, padding the rest.
+
+    A document of at most ``capacity`` tokens is one piece; a longer one is split into the pieces
+    ``tokens[k * capacity : (k + 1) * capacity]``. Each buffered piece is described by one row of integers
+    (``META_COLUMNS``): insertion number, length, the two caller keys of its document, its chunk index, whether
+    it is the document's last piece, and a checksum of its tokens for pieces of split documents (0 for whole
+    documents, whose length check is enough). That row is all its state needs.
+
+    Args:
+        capacity: tokens per row (``seq_len + 1``).
+        pad_id: the token id written at padding positions (any valid id: padding is never a target, and its
+            flags mark it).
+        buffer_size: pieces the buffer is topped up to before every pick.
+
+    Raises:
+        ValueError: ``capacity <= 1`` or ``buffer_size <= 0``.
+    """
+
+    META_COLUMNS = ("seq", "length", "key0", "key1", "chunk", "final", "hash")
+
+    def __init__(self, capacity: int, pad_id: int, buffer_size: int = 1000) -> None:
+        if capacity <= 1:
+            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
+        if buffer_size <= 0:
+            raise ValueError(f"bestfit_split buffer_size must be > 0, got {buffer_size}")
+        self.capacity = capacity
+        self.pad_id = pad_id
+        self.buffer_size = buffer_size
+        self._buffer = _PieceBuffer(len(self.META_COLUMNS), max(16, 2 * buffer_size))
+        self._padding_run = np.full(capacity, pad_id, np.int32)
+        self.next_seq = 0
+        self.docs = 0
+        self.split_docs = 0
+        self.chunks = 0
+        self.tokens_emitted = 0
+        self.padding = 0
+        self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        """Pieces buffered."""
+        return self._buffer.count
+
+    @property
+    def counters(self) -> SplitPackerCounters:
+        """The counters, to save with the state; assigning a saved value sets them back."""
+        return SplitPackerCounters(self.docs, self.split_docs, self.chunks, self.tokens_emitted, self.padding)
+
+    @counters.setter
+    def counters(self, value: SplitPackerCounters) -> None:
+        self.docs, self.split_docs, self.chunks = value.docs, value.split_docs, value.chunks
+        self.tokens_emitted, self.padding = value.tokens_emitted, value.padding
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Tokens in the buffered pieces (added, not yet emitted)."""
+        return int(self.snapshot()[:, 1].sum())
+
+    def add(self, tokens: np.ndarray, key: tuple[int, int]) -> None:
+        """Buffer one whole document: one piece, or all its chunks when it is longer than a row.
+
+        Args:
+            tokens: the document's 1-D token ids, starting with BOS (int32; other integer types are converted).
+            key: two integers that locate the document in the source, for the state.
+
+        Raises:
+            ValueError: ``tokens`` is empty or not 1-D.
+        """
+        tokens = np.asarray(tokens, np.int32)
+        length = len(tokens)
+        if tokens.ndim != 1 or length == 0:
+            raise ValueError(f"a document must be a non-empty 1-D token array, got shape {tokens.shape}")
+        capacity, seq, push = self.capacity, self.next_seq, self._buffer.push
+        key0, key1 = key
+        if length <= capacity:
+            push(length, (seq, length, key0, key1, 0, 1, 0), (tokens, False))
+            self.next_seq = seq + 1
+        else:
+            pieces = -(-length // capacity)
+            last = pieces - 1
+            for chunk in range(pieces):
+                piece = tokens[chunk * capacity : (chunk + 1) * capacity]
+                size = len(piece)
+                row = (seq + chunk, size, key0, key1, chunk, int(chunk == last), prefix_hash(piece))
+                push(size, row, (piece, chunk > 0))
+            self.next_seq = seq + pieces
+            self.split_docs += 1
+            self.chunks += pieces
+        self.docs += 1
+
+    def take(self, num_rows: int, refill: Callable[[], None]) -> tuple[np.ndarray, np.ndarray]:
+        """Pack ``num_rows`` rows; ``refill()`` must add exactly one document (:meth:`add`) per call.
+
+        The buffer is topped up to ``buffer_size`` pieces before every pick, one document per call, so the
+        rows never depend on how the caller batches its tokenization.
+
+        Returns:
+            ``(tokens, flags)``: ``(num_rows, capacity)`` int32 token ids and uint8 ``START`` / ``NO_TARGET``
+            bits (:func:`split_microbatch_tensors` turns them into tensors).
+
+        Raises:
+            RuntimeError: a ``refill()`` call did not add exactly one document.
+            ValueError: a piece restored by :meth:`restore` no longer matches its saved length or checksum.
+        """
+        capacity, size = self.capacity, self.buffer_size
+        buffer = self._buffer
+        lengths, pop = buffer.lengths, buffer.pop
+        find = bisect.bisect_right
+        parts: list[np.ndarray] = []  # the rows' pieces and padding runs, in order, concatenated once at the end
+        starts: list[int] = []  # flat offsets where a piece or a padding run starts
+        blocked: list[int] = []  # flat offsets of continuation chunks' first tokens (no target)
+        padded: list[int] = []  # flat offset of each row's padding run
+        row_start = 0
+        for _ in range(num_rows):
+            pos = 0
+            while True:
+                while buffer.count < size:
+                    docs = self.docs
+                    refill()
+                    if self.docs != docs + 1:
+                        raise RuntimeError(f"refill() must add exactly one document, it added {self.docs - docs}")
+                i = find(lengths, capacity - pos) - 1
+                if i < 0:  # nothing fits: pad the rest of the row
+                    parts.append(self._padding_run[: capacity - pos])
+                    starts.append(row_start + pos)
+                    padded.append(row_start + pos)
+                    break
+                length, (piece, continuation), slot = pop(i)
+                if piece is None:  # restored lazily: fetch and verify it now
+                    piece = self._materialize(buffer.table[slot].copy())
+                parts.append(piece)
+                at = row_start + pos
+                starts.append(at)
+                if continuation:  # its predecessor in the row is another document
+                    blocked.append(at)
+                pos += length
+                if pos == capacity:
+                    break
+            row_start += capacity
+        total = num_rows * capacity
+        tokens = np.concatenate(parts).reshape(num_rows, capacity) if parts else np.empty((0, capacity), np.int32)
+        flags = np.zeros(total, np.uint8)
+        flags[starts] = START
+        flags[blocked] |= NO_TARGET
+        pad = 0
+        for at in padded:
+            end = at - at % capacity + capacity
+            flags[at:end] |= NO_TARGET
+            pad += end - at
+        self.padding += pad
+        self.tokens_emitted += total - pad
+        return tokens, flags.reshape(num_rows, capacity)
+
+    def snapshot(self) -> np.ndarray:
+        """The buffered pieces as ``(pieces, 7)`` int64 rows of ``META_COLUMNS``, in insertion order."""
+        return self._buffer.snapshot()
+
+    def restore(self, meta: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Rebuild a buffer from :meth:`snapshot` rows, lazily (counters are set back with :attr:`counters`).
+
+        Picks need only lengths and insertion numbers, so the buffer is usable at once; a piece's tokens are
+        fetched only when it is picked, so the first batch after a resume re-tokenizes a few documents, not the
+        whole buffer.
+
+        Args:
+            meta: rows from :meth:`snapshot`.
+            next_seq: :attr:`next_seq` when the snapshot was taken.
+            fetch: ``fetch(meta_row) -> tokens`` of the piece the int64 row describes: tokens
+                ``[chunk * capacity, chunk * capacity + length)`` of document ``(key0, key1)``.
+
+        Raises:
+            RuntimeError: the packer is not empty.
+            ValueError: ``meta`` is not ``(pieces, 7)`` or names a piece that does not fit this packer's rows;
+                (when a restored piece is picked) its tokens do not match the saved length or checksum.
+        """
+        if self._buffer.count:
+            raise RuntimeError("restore() needs an empty packer")
+        meta = np.asarray(meta, np.int64)
+        if meta.ndim != 2 or meta.shape[1] != len(self.META_COLUMNS):
+            raise ValueError(f"bestfit_split state must be (pieces, {len(self.META_COLUMNS)}), got {meta.shape}")
+        if len(meta) and not ((meta[:, 1] >= 1) & (meta[:, 1] <= self.capacity)).all():
+            raise ValueError(
+                f"bestfit_split state holds pieces of {int(meta[:, 1].min())}..{int(meta[:, 1].max())} tokens, "
+                f"rows here hold {self.capacity} (was seq_len changed since the checkpoint?)"
+            )
+        self._fetch = fetch
+        for row in meta[np.argsort(meta[:, 0], kind="stable")].tolist():
+            _seq, length, _key0, _key1, chunk, _final, _checksum = row
+            self._buffer.push(length, tuple(row), (None, chunk > 0))
+        self.next_seq = next_seq
+
+    def _materialize(self, meta: np.ndarray) -> np.ndarray:
+        _seq, length, key0, key1, chunk, final, checksum = meta.tolist()
+        tokens = np.asarray(self._fetch(meta), np.int32)
+        split = chunk > 0 or not final
+        if len(tokens) != length or (split and prefix_hash(tokens) != checksum):
+            raise ValueError(
+                f"buffered piece {chunk} of document {(key0, key1)} does not match its saved length {length}"
+                + (" / checksum" if split else "")
+                + f" (got {len(tokens)} tokens; did the data files or the tokenizer change since the checkpoint?)"
+            )
+        return tokens
