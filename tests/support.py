@@ -197,6 +197,7 @@ class RecordingModule(pl.LightningModule):
         self.record_dir, self.run, self.packs = record_dir, run, packs
         self.use_estimated_steps, self.kill_at_step = use_estimated_steps, kill_at_step
         self.automatic_optimization = not packs
+        Path(record_dir).mkdir(parents=True, exist_ok=True)
 
     def _record(self, kind: str, batch: Any, batch_idx: int) -> None:
         line: dict[str, Any] = {

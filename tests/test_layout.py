@@ -1,0 +1,198 @@
+"""The package's shape: stages that do not import Lightning, old class paths that still load, and workers
+that stop when a loop is broken off, at ``teardown`` and when training raises."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from support import TESTS, LengthDataset, RecordingModule, make_docs, pad_collate, train_tokenizer, write_parquet
+
+from lightning_d9d import D9DDataModule, PretrainingDataModule
+
+STAGES = [
+    "lightning_d9d.checks",
+    "lightning_d9d.resume",
+    "lightning_d9d.epoch_iterator",
+    "lightning_d9d.device.pin",
+    "lightning_d9d.device.transfer",
+    "lightning_d9d.mapstyle.order",
+    "lightning_d9d.mapstyle.shard",
+    "lightning_d9d.mapstyle.loader",
+    "lightning_d9d.text.collate",
+    "lightning_d9d.text.tokenize",
+    "lightning_d9d.streaming.source",
+    "lightning_d9d.streaming.packing",
+    "lightning_d9d.streaming.stream",
+    "lightning_d9d.streaming.loader",
+    "lightning_d9d.demo.corpus",
+    "lightning_d9d.demo.synthetic",
+]
+
+
+def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=TESTS,
+    )
+
+
+def test_no_stage_imports_lightning() -> None:
+    done = run_python(
+        f"""
+        import importlib, sys
+        for name in {STAGES!r}:
+            importlib.import_module(name)
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning")))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("lightning_d9d.text.TextDataModule", "lightning_d9d.datamodules.text.TextDataModule"),
+        (
+            "lightning_d9d.pretraining.PretrainingDataModule",
+            "lightning_d9d.datamodules.pretraining.PretrainingDataModule",
+        ),
+        ("lightning_d9d.datamodule.D9DDataModule", "lightning_d9d.datamodules.d9d.D9DDataModule"),
+        ("lightning_d9d.demo_model.TinyGPT", "lightning_d9d.demo.model.TinyGPT"),
+        ("lightning_d9d.synthetic.SyntheticTokenDataset", "lightning_d9d.demo.synthetic.SyntheticTokenDataset"),
+        ("lightning_d9d.demo_corpus.build_demo_corpus", "lightning_d9d.demo.corpus.build_demo_corpus"),
+    ],
+)
+def test_class_paths_of_the_first_layout_still_resolve(old: str, new: str) -> None:
+    from jsonargparse._util import import_object
+
+    assert import_object(old) is import_object(new)
+
+
+def test_a_config_with_old_class_paths_still_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_d9d.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "d9d.yaml"
+    with pytest.raises(SystemExit) as done:
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--model.class_path=lightning_d9d.demo_model.TinyGPT",
+                "--data.init_args.train_dataset.class_path=lightning_d9d.synthetic.SyntheticTokenDataset",
+                "--print_config",
+            ]
+        )
+    assert done.value.code == 0
+    assert "lightning_d9d.demo_model.TinyGPT" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ shutdown
+@pytest.fixture(scope="module")
+def parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("shutdown")
+    docs = make_docs(400, seed=3)
+    write_parquet(root / "train", docs, files=2, row_group_size=25)
+    train_tokenizer(docs, root / "tokenizer.json")
+    return root
+
+
+def test_breaking_out_of_loops_stops_workers_without_the_garbage_collector(parquet: Path) -> None:
+    """With the garbage collector off, a loop broken off must still stop its workers at once (nothing may wait
+    for a collection, which could otherwise run inside a later loader's forked worker and fail there)."""
+    done = run_python(
+        f"""
+        import gc, multiprocessing, time
+        from support import LengthDataset, pad_collate
+        from lightning_d9d import D9DDataModule, PretrainingDataModule
+
+        gc.disable()
+
+        def streaming():
+            dm = PretrainingDataModule(train_files={str(parquet / "train")!r},
+                                       tokenizer={str(parquet / "tokenizer.json")!r}, seq_len=32,
+                                       global_batch_size=8, microbatch_size=4, num_workers=2, steps_per_epoch=20)
+            dm.setup("fit")
+            return dm
+
+        def mapstyle():
+            dm = D9DDataModule(LengthDataset(400), pad_collate, global_batch_size=16, microbatch_size=4,
+                               num_workers=2)
+            dm.setup("fit")
+            return dm
+
+        for make in (streaming, streaming, mapstyle, mapstyle, streaming):
+            for number, batch in enumerate(make().train_dataloader()):
+                if number == 2:
+                    break
+            deadline = time.monotonic() + 10
+            while multiprocessing.active_children() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print(make.__name__, "workers left:", len(multiprocessing.active_children()))
+        gc.enable()
+        gc.collect()
+        """,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("workers left: 0") == 5, done.stdout
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def live_workers(seconds: float = 5.0) -> list:
+    """DataLoader worker processes still alive after giving them ``seconds`` to exit."""
+    deadline = time.monotonic() + seconds
+    while (children := multiprocessing.active_children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return children
+
+
+@pytest.mark.parametrize("kind", ["mapstyle", "streaming"])
+def test_teardown_stops_the_workers_of_a_loop_broken_off(parquet: Path, kind: str) -> None:
+    if kind == "mapstyle":
+        dm = D9DDataModule(LengthDataset(400), pad_collate, global_batch_size=16, microbatch_size=4, num_workers=2)
+    else:
+        dm = PretrainingDataModule(
+            train_files=str(parquet / "train"),
+            tokenizer=str(parquet / "tokenizer.json"),
+            seq_len=32,
+            global_batch_size=8,
+            microbatch_size=4,
+            num_workers=2,
+            steps_per_epoch=20,
+        )
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    batches = iter(loader)
+    next(batches)
+    assert multiprocessing.active_children(), "the workers run while the loop is live"
+    dm.teardown("fit")
+    assert live_workers() == []
+
+
+class FailingModule(RecordingModule):
+    def training_step(self, batch, batch_idx):  # type: ignore[override]
+        if batch_idx == 3:
+            raise RuntimeError("boom in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_in_training_stops_the_workers(tmp_path: Path) -> None:
+    dm = D9DDataModule(LengthDataset(400), pad_collate, global_batch_size=16, microbatch_size=4, num_workers=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        trainer.fit(FailingModule(str(tmp_path)), datamodule=dm)
+    assert live_workers() == []
