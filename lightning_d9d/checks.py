@@ -71,3 +71,33 @@ def microbatches_per_step(global_batch_size: int, world_size: int, microbatch_si
             f"or another microbatch_size"
         )
     return global_batch_size // per_step
+
+
+def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int, world_size: int) -> int:
+    """M = P / W with token budgets: P = ``global_batch_tokens / microbatch_tokens`` microbatches per step.
+
+    Raises:
+        ValueError: non-positive budgets, a ``global_batch_tokens`` that is not a multiple of
+            ``microbatch_tokens``, or P not divisible by ``world_size``.
+    """
+    for name, value in (
+        ("global_batch_tokens", global_batch_tokens),
+        ("microbatch_tokens", microbatch_tokens),
+        ("world_size", world_size),
+    ):
+        positive_int(name, value)
+    if global_batch_tokens % microbatch_tokens:
+        valid = [microbatch_tokens * k for k in (1, 2, 4, 8)]
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens} is not a multiple of microbatch_tokens={microbatch_tokens}: "
+            f"a step is a whole number of microbatches; use a multiple of {microbatch_tokens} (e.g. {valid})"
+        )
+    per_step = global_batch_tokens // microbatch_tokens
+    if per_step % world_size:
+        valid = [world_size * k * microbatch_tokens for k in range(1, 4)]
+        raise ValueError(
+            f"global_batch_tokens / microbatch_tokens = {global_batch_tokens} / {microbatch_tokens} = {per_step} "
+            f"microbatches per step do not divide among world_size={world_size} ranks; use a global_batch_tokens "
+            f"that is a multiple of world_size × microbatch_tokens = {world_size * microbatch_tokens} (e.g. {valid})"
+        )
+    return per_step // world_size

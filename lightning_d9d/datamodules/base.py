@@ -2,8 +2,10 @@
 
 This layer (``lightning_d9d.datamodules``) is the only one that imports Lightning. Its base class owns:
 
-* **steps**: ``M = G / (W·m)`` microbatches per rank per optimizer step, set as
-  ``trainer.accumulate_grad_batches`` (an explicit, different value is an error);
+* **steps**: ``M = G / (W·m)`` microbatches per rank per optimizer step (``M = P / W`` with token budgets,
+  ``P = global_batch_tokens / microbatch_tokens``), set as ``trainer.accumulate_grad_batches`` (an explicit,
+  different value is an error); ``steps_in_epoch(epoch)`` may differ between epochs (token budgets pack each
+  epoch's samples into its own number of steps);
 * **the resume contract** (:mod:`lightning_d9d.resume`): ``state_dict()`` is ``{"epoch", "step",
   "fingerprint"}`` plus what a subclass adds; ``load_state_dict`` compares fingerprints (one error format,
   naming every differing field), checks the step, and stands the position at that step; one ``start_point``
@@ -32,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_d9d.checks import microbatches_per_step
+from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
 from lightning_d9d.device.transfer import move_batch_to_device
 from lightning_d9d.resume import Fingerprint, SavedPosition, TrainPosition, mismatch_error
 
@@ -50,13 +52,16 @@ Loader = TypeVar("Loader", bound=ClosableLoader)
 class SteppedDataModule(pl.LightningDataModule):
     """Base of every lightning_d9d DataModule: steps, the resume contract, counters, pinning, shutdown.
 
-    Subclasses set ``global_batch_size``, ``microbatch_size``, ``pin_memory``, ``yield_packs`` and
-    ``on_order_mismatch``; in ``setup`` they set ``fingerprint`` and call ``start_fit()`` for the fit stage;
-    they define ``steps_per_epoch`` and may add to the state with ``extra_state``/``restore_extra_state``.
+    Subclasses set ``global_batch_size`` and ``microbatch_size`` (or ``global_batch_tokens`` and
+    ``microbatch_tokens``), ``pin_memory``, ``yield_packs`` and ``on_order_mismatch``; in ``setup`` they set
+    ``fingerprint`` and call ``start_fit()`` for the fit stage; they define ``steps_per_epoch`` (and
+    ``steps_in_epoch`` where epochs differ) and may add to the state with ``extra_state``/``restore_extra_state``.
     """
 
-    global_batch_size: int
-    microbatch_size: int
+    global_batch_size: int | None
+    microbatch_size: int | None
+    global_batch_tokens: int | None = None  # token budgets: set instead of global_batch_size/microbatch_size
+    microbatch_tokens: int | None = None
     pin_memory: bool | None = None
     yield_packs: bool = False
     on_order_mismatch: OnOrderMismatch = "raise"
@@ -82,8 +87,14 @@ class SteppedDataModule(pl.LightningDataModule):
 
     @property
     def microbatches_per_step(self) -> int:
-        """M = G / (W·m): microbatches one rank runs per optimizer step."""
+        """M = G / (W·m), or P / W with token budgets: microbatches one rank runs per optimizer step."""
+        if self.global_batch_tokens is not None:
+            return token_microbatches_per_step(self.global_batch_tokens, self.microbatch_tokens, self.world_size)
         return microbatches_per_step(self.global_batch_size, self.world_size, self.microbatch_size)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Optimizer steps of ``epoch``; the same for every epoch unless a subclass says otherwise."""
+        return self.steps_per_epoch
 
     @property
     def batches_per_step(self) -> int:
@@ -112,6 +123,9 @@ class SteppedDataModule(pl.LightningDataModule):
                 what = (
                     "yield_packs=True hands out one whole optimizer step per batch"
                     if self.yield_packs
+                    else f"global_batch_tokens={self.global_batch_tokens}, microbatch_tokens={self.microbatch_tokens} "
+                    f"and world_size={self.world_size} give {per_step} microbatches per step"
+                    if self.global_batch_tokens is not None
                     else f"global_batch_size={self.global_batch_size}, world_size={self.world_size} and "
                     f"microbatch_size={self.microbatch_size} give {per_step} microbatches per step"
                 )
@@ -160,10 +174,10 @@ class SteppedDataModule(pl.LightningDataModule):
                 stacklevel=2,
             )
             step = 0
-        if step > self.steps_per_epoch:
+        if step > self.steps_in_epoch(saved.epoch):
             raise ValueError(
                 f"the checkpoint's step {step} of epoch {saved.epoch} is beyond this run's "
-                f"{self.steps_per_epoch} steps per epoch"
+                f"{self.steps_in_epoch(saved.epoch)} steps in that epoch"
             )
         self.restore_extra_state(state_dict if not differences else None, saved.epoch, step)
         self.restored = (saved.epoch, step)
@@ -185,16 +199,16 @@ class SteppedDataModule(pl.LightningDataModule):
         """
         trainer, position = self._trainer, self.position
         per_step = self.microbatches_per_step
-        per_epoch = self.steps_per_epoch * per_step
         restored, self.restored = self.restored, None
         if trainer is not None:
             epoch = trainer.current_epoch
             if restored is not None and restored[0] == epoch:
                 return epoch, restored[1] * per_step
+            per_epoch = self.steps_in_epoch(epoch) * per_step
             if restored is None and position.epoch == epoch and position.microbatches < per_epoch:
                 return epoch, position.microbatches
             return epoch, 0
-        if position.microbatches >= per_epoch:
+        if position.microbatches >= self.steps_in_epoch(position.epoch) * per_step:
             return position.epoch + 1, 0
         return position.epoch, position.microbatches
 
