@@ -1,7 +1,7 @@
 """Best-fit-split packing: against a straightforward port of the algorithm, and its invariants on long runs.
 
 The packer never reads token values, so most tests give every token a value that names its document and
-position (``token_of``), the first one included (it stands where BOS would be): every row can then be parsed
+position (``make_doc``), the first one included (it stands where BOS would be): every row can then be parsed
 back into the pieces it holds and checked against the documents. One test runs real text through a real
 ``tokenizers`` BPE, with a real BOS.
 """

@@ -10,7 +10,7 @@ Three packers, all fed documents that already start with BOS:
   cropped to fill the row exactly and its remainder is dropped (no padding, ever). Ties go to the document
   that entered the buffer first, which is exactly the choice of the reference's linear scan.
 * ``BestFitSplitPacker`` (best-fit without cropping, as in "Fewer Truncations Improve Language Modeling"): a
-  document longer than a row is split into consecutive row-sized chunks (the last one shorter), and every
+  document longer than a row is split into consecutive row-sized chunks (the last may be shorter), and every
   document or chunk is a *piece*. Each row is filled with the largest buffered piece that still fits (ties:
   the oldest); when none fits, the rest of the row is padding. Nothing is cropped or dropped, and a document
   that fits in a row is never cut. Besides the tokens it emits per-token flags: where a piece (or a padding
@@ -24,7 +24,7 @@ Three packers, all fed documents that already start with BOS:
 Both best-fit packers keep their buffer as a sorted list of the distinct lengths present plus a FIFO per
 length, so a pick is one ``bisect`` (O(log buffer)) and a refill is an ``insort``, instead of the reference's
 scan (O(buffer) Python steps per pick). Each buffered item's state is one row of integers in a slot table,
-so a snapshot is one masked copy of it.
+so a snapshot is a few whole-table numpy operations whatever the buffer holds.
 
 Trade-off: best-fit trades tokens for alignment: its *yield* (tokens emitted / tokens tokenized) is below 1,
 and far below on long-document corpora, because every cropped remainder is thrown away. Only a row-sized
@@ -33,7 +33,8 @@ prefix of each buffered document is kept (the rest can never be emitted), which 
 is small when the buffer holds many short pieces to fill gaps with (long documents yield short final chunks
 too); its rows start at a BOS less often (a row-sized chunk of a long document fills a row on its own), and
 a long document's chunks lose the attention to their predecessors. Its buffer counts pieces, so a long
-document briefly pushes it past ``buffer_size`` (all of a document's chunks enter at once).
+document briefly pushes it past ``buffer_size`` (all of a document's chunks enter at once, as views of its
+token array): memory is about ``(buffer_size + the longest document's chunks) * (seq_len + 1)`` tokens.
 
 State: the packers describe their content by *positions* (opaque integer keys given by the caller) rather
 than tokens, so the caller can save a few integers and rebuild the content from the source on resume.
@@ -216,8 +217,8 @@ class _PieceBuffer:
     The distinct lengths present are kept sorted (``lengths``), each with a FIFO of its items (``by_length``),
     so the largest item that fits a space is one ``bisect`` and ties go to the item buffered first. Each item
     owns a slot of an int64 table holding its row, so a snapshot is a few whole-table numpy operations, not a
-    conversion of Python objects; a row is written with one ``struct.pack_into`` (a numpy row assignment from
-    a tuple costs more than the rest of a pick of a short document).
+    conversion of Python objects. A row is written with one ``struct.pack_into``, cheaper than a numpy row
+    assignment from a tuple: short documents make this a per-few-dozen-tokens cost.
     """
 
     def __init__(self, columns: int, slots: int) -> None:
@@ -268,7 +269,7 @@ class _PieceBuffer:
         return length, payload, slot
 
     def snapshot(self) -> np.ndarray:
-        """The rows of the buffered items, sorted by their first column (a unique insertion number >= 0)."""
+        """The rows of the buffered items, sorted by their first column (a unique insertion number)."""
         slots = np.flatnonzero(np.frombuffer(self.used, np.bool_))
         # Sorting insertion numbers with the slot in the low bits is a plain sort, cheaper than an argsort.
         shift = max(1, len(self.table) - 1).bit_length()
@@ -485,7 +486,7 @@ class BestFitSplitPacker:
 
     @property
     def buffered_tokens(self) -> int:
-        """Tokens in the buffered pieces (added, not yet emitted)."""
+        """Tokens in the buffered pieces (added, not yet emitted); costs a :meth:`snapshot`."""
         return int(self.snapshot()[:, 1].sum())
 
     def add(self, tokens: np.ndarray, key: tuple[int, int]) -> None:
