@@ -4,12 +4,14 @@ order → shard → load → pack → pin → transfer, with the data position s
 
 Layout (one file per stage; only ``datamodules``, ``cli`` and the demo model import Lightning):
 
-* ``mapstyle``: the map-style path — ``order`` (seeded, length-sorted global batches), ``shard`` (microbatches
-  dealt to ranks), ``loader`` (torchdata's ``StatefulDataLoader`` fed with precomputed index batches);
+* ``mapstyle``: the map-style path — ``order`` (seeded, length-sorted global batches), ``plan`` (token-budget
+  epochs: samples packed into microbatches of at most ``microbatch_tokens``, padded or padding-free),
+  ``shard`` (microbatches dealt to ranks), ``loader`` (torchdata's ``StatefulDataLoader`` fed with precomputed
+  index batches);
 * ``streaming``: the pretraining path — ``source`` (parquet files and row groups), ``reader`` (texts, by
   position), ``tokenize`` (prefetching tokenizer, no state), ``packing`` (rows from documents), ``stream``
   (the three composed, with state), ``loader`` (streams of one rank, in workers);
-* ``text``: tokenizing text datasets once (``tokenize``) and padding microbatches (``collate``);
+* ``text``: tokenizing text datasets once (``tokenize``) and padding or flattening microbatches (``collate``);
 * ``device``: ``pin`` and ``transfer``; ``resume``: the position and fingerprint every DataModule saves;
 * ``datamodules``: the Lightning-facing layer; ``demo``: the embedded corpus, tiny model and synthetic data.
 
@@ -31,7 +33,10 @@ _EXPORTS = {
     "PretrainingDataModule": "lightning_d9d.datamodules.pretraining",
     "PretrainingBatch": "lightning_d9d.datamodules.pretraining",
     "CausalLMCollator": "lightning_d9d.text.collate",
+    "FlatteningCollator": "lightning_d9d.text.collate",
+    "FlatBatch": "lightning_d9d.text.collate",
     "TextBatch": "lightning_d9d.text.collate",
+    "TokenBudget": "lightning_d9d.mapstyle.plan",
     "GlobalBatchOrder": "lightning_d9d.mapstyle.order",
     "SeededPermutation": "lightning_d9d.mapstyle.order",
     "pin_batch": "lightning_d9d.device.pin",

@@ -3,8 +3,8 @@
 ``lightning-d9d fit|validate|test|predict --config configs/x.yaml`` behave exactly as LightningCLI's subcommands
 (model and data in subclass mode: ``class_path`` + ``init_args`` in YAML, so one command serves every
 DataModule of this package and the user's own). ``lightning-d9d inspect --config configs/x.yaml`` builds the
-data without training and prints what one epoch will look like: steps per epoch, microbatches per step, tokens
-per step, padding and the first microbatch's shapes.
+data without training and prints what one epoch will look like: steps per epoch, microbatches, samples and
+tokens per step, padding (and, with token budgets, the fill of the budget) and the first microbatch's shapes.
 
 How ``inspect`` measures: it runs ``prepare_data``/``setup`` as a world-size-1 DataModule (the order does not
 depend on world size, and microbatches are the same contiguous slices of each global batch at any world size),
@@ -12,8 +12,12 @@ reads the first ``--steps`` global batches, and counts real tokens from the batc
 or a key; a batch of packed rows without one counts every position); microbatches per step are computed for the
 world size the trainer config asks for (``num_nodes × devices``).
 
-Trade-off: the padding share is measured on those first steps, not on the whole epoch, so inspecting a huge
-dataset stays fast; raise ``--steps`` for a tighter figure.
+With token budgets the figures come from the epoch's plan itself (which samples form each microbatch, and
+their lengths): steps of the first two epochs, samples and tokens per step (mean, min, max), the fill (real
+tokens over ``microbatch_tokens`` per microbatch) and, when padded, the padding inside the budget.
+
+Trade-off: with sample counts the padding share is measured on those first steps, not on the whole epoch, so
+inspecting a huge dataset stays fast; raise ``--steps`` for a tighter figure.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lightning_d9d.checks import microbatches_per_step
+from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
 
 INSPECT = "inspect"
 _INSPECT_HELP = "Print steps per epoch, microbatches and tokens per step, padding and the first batch's shapes."
@@ -91,6 +95,8 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     datamodule.prepare_data()
     datamodule.setup("fit")
     lines = [f"data: {type(datamodule).__module__}.{type(datamodule).__qualname__}", f"world size: {world_size}"]
+    if getattr(datamodule, "plan", None) is not None:
+        return "\n".join(lines + describe_token_plan(datamodule, world_size))
     global_batch_size = getattr(datamodule, "global_batch_size", None)
     microbatch_size = getattr(datamodule, "microbatch_size", None)
     batches: Iterator[Any] = iter(datamodule.train_dataloader())
@@ -106,6 +112,7 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
         f"{microbatches_per_step(global_batch_size, world_size, microbatch_size)} microbatch(es) per step "
         f"x {microbatch_size} samples",
         f"microbatches per step per rank: {microbatches_per_step(global_batch_size, world_size, microbatch_size)}",
+        f"samples per step: {global_batch_size}",
     ]
     first: Any = None
     real_tokens = positions = 0
@@ -134,6 +141,38 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     lines.append("first microbatch:")
     lines += [f"  {line}" for line in describe_batch(first)]
     return "\n".join(lines)
+
+
+def describe_token_plan(datamodule: Any, world_size: int) -> list[str]:
+    """The token-budget lines of ``inspect``: read from the epoch plan (``datamodule.plan``), plus one batch."""
+    plan, budget = datamodule.plan, datamodule.budget
+    figures = plan.describe(0)
+    per_rank = token_microbatches_per_step(budget.global_batch_tokens, budget.microbatch_tokens, world_size)
+    samples_mean, samples_min, samples_max = figures["samples_per_step"]
+    tokens_mean, tokens_min, tokens_max = figures["tokens_per_step"]
+    mode = "padding-free (sum of lengths)" if budget.padding_free else "padded (samples × padded longest)"
+    lines = [
+        f"steps per epoch: {figures['steps']} (epoch 1: {plan.steps_in_epoch(1)}; token-budget epochs differ a little)",
+        f"step: {budget.global_batch_tokens} tokens = {world_size} rank(s) x {per_rank} microbatch(es) per step x "
+        f"{budget.microbatch_tokens} tokens, {mode}",
+        f"microbatches per step per rank: {per_rank}",
+        f"samples per step: {samples_mean:,.1f} mean ({samples_min}-{samples_max})",
+        f"tokens per step: {tokens_mean:,.0f} real mean ({tokens_min:,}-{tokens_max:,}) "
+        f"of {budget.global_batch_tokens:,}",
+        f"fill: {100.0 * figures['fill']:.2f} % of microbatch_tokens are real tokens",
+    ]
+    if not budget.padding_free:
+        used = figures["budget_used"]
+        lines.append(
+            f"padding: {100.0 * (1 - figures['fill'] / used):.2f} % of the padded positions "
+            f"(padded microbatches use {100.0 * used:.2f} % of microbatch_tokens)"
+        )
+    else:
+        lines.append("padding: 0.00 % (padding-free)")
+    lines.append(f"dropped in epoch 0: {figures['dropped_samples']} samples (fewer than one step's worth)")
+    lines.append("first microbatch:")
+    lines += [f"  {line}" for line in describe_batch(next(iter(datamodule.train_dataloader())))]
+    return lines
 
 
 def count_tokens(batch: Any) -> tuple[int, int] | None:

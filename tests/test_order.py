@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from lightning_d9d import GlobalBatchOrder, SeededPermutation
 from lightning_d9d.checks import microbatches_per_step
 from lightning_d9d.mapstyle.loader import _IndexBatches
-from lightning_d9d.mapstyle.shard import rank_microbatches, snake_owner
+from lightning_d9d.mapstyle.shard import GlobalBatchSchedule, rank_microbatches, snake_owner
 
 
 @given(size=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1))
@@ -63,7 +63,8 @@ def epoch_by_rank(layout: dict, epoch: int, world: int, microbatch: int) -> list
         layout["size"], layout["global_batch"], layout["buffer"], lambda idx: keys[idx], layout["seed"]
     )
     per_step = microbatches_per_step(layout["global_batch"], world, microbatch)
-    return [list(_IndexBatches(order, epoch, 0, world, rank, microbatch, per_step)) for rank in range(world)]
+    schedule = GlobalBatchSchedule(order, microbatch)
+    return [list(_IndexBatches(schedule, epoch, 0, world, rank, per_step)) for rank in range(world)]
 
 
 def step_sets(by_rank: list[list[list[int]]], world: int, microbatch: int, global_batch: int) -> list[list[int]]:

@@ -63,7 +63,7 @@ def epoch_batches(dm: TextDataModule) -> list[TextBatch]:
 
 # ---------------------------------------------------------------------------------------------------- collate
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_collate_pads_to_multiple_and_shifts_labels(padding_side: str) -> None:
+def test_collate_pads_to_multiple_with_hugging_face_labels(padding_side: str) -> None:
     collate = CausalLMCollator(pad_token_id=0, pad_to_multiple_of=8, padding_side=padding_side)
     samples = [{"input_ids": np.array([5, 6, 7])}, {"input_ids": np.arange(10, 21)}]  # lengths 3 and 11
     batch = collate(samples)
@@ -78,11 +78,18 @@ def test_collate_pads_to_multiple_and_shifts_labels(padding_side: str) -> None:
         assert real[span].all()
         assert torch.equal(batch.input_ids[row, span], ids)
         assert (batch.input_ids[row][~real] == 0).all()
-        # labels[t] = input_ids[t + 1] inside the sample, -100 at its last token and at padding.
+        # labels are the input ids (the model shifts), -100 at padding; after left padding also at the
+        # sample's first token, which would be predicted from a padding position.
         expected = torch.full((16,), IGNORE_INDEX)
-        start = span.start
-        expected[start : start + len(ids) - 1] = ids[1:]
+        expected[span] = ids
+        if padding_side == "left":
+            expected[span.start] = IGNORE_INDEX
         assert torch.equal(batch.labels[row], expected)
+        # After a causal LM's shift every sample has exactly len - 1 targets, its own next tokens.
+        shifted = batch.labels[row, 1:]
+        assert torch.equal(shifted[shifted != IGNORE_INDEX], ids[1:])
+        assert torch.equal(batch.input_ids[row, :-1][shifted != IGNORE_INDEX], ids[:-1])
+    assert batch.step_label_tokens == batch.label_tokens == (3 - 1) + (11 - 1)
     assert batch.num_tokens == 14
     assert batch.padding_fraction == pytest.approx(1 - 14 / 32)
 
@@ -117,7 +124,7 @@ def test_batches_hold_the_tokenized_documents(corpus: dict, tmp_path: Path) -> N
             seen.add(tuple(ids.tolist()))
             assert len(ids) <= 64
             real_labels = batch.labels[row][batch.labels[row] != IGNORE_INDEX]
-            assert torch.equal(real_labels, ids[1:])
+            assert torch.equal(real_labels, ids)  # Hugging Face convention: the model shifts
     assert seen <= expected
     assert dm.train_dataset.column_names == ["input_ids", "token_counts"]
     counts = np.asarray(dm.train_dataset.with_format("numpy")["token_counts"])
@@ -196,8 +203,9 @@ def test_tiny_gpt_loss_is_the_same_for_left_and_right_padding(corpus: dict, tmp_
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=300, max_positions=64, width=32, num_layers=1, num_heads=2).eval()
     samples = [{"input_ids": np.array([5, 6, 7, 8])}, {"input_ids": np.arange(10, 21)}]
-    losses = [model._loss(CausalLMCollator(padding_side=side)(samples))[0] for side in ("left", "right")]
-    torch.testing.assert_close(losses[0], losses[1])
+    losses = [model._loss(CausalLMCollator(padding_side=side)(samples))[:2] for side in ("left", "right")]
+    torch.testing.assert_close(losses[0][0], losses[1][0])
+    assert int(losses[0][1]) == int(losses[1][1]) == 3 + 10
 
 
 # ---------------------------------------------------------------------------------------------------- bad input

@@ -1,10 +1,14 @@
-"""TextDataModule: raw text (any ``datasets`` source) → cached token ids → sorted, padded causal-LM microbatches.
+"""TextDataModule: raw text (any ``datasets`` source) → cached token ids → sorted causal-LM microbatches, padded
+or padding-free.
 
 Pipeline: ``prepare_data`` (once per node) tokenizes the split with one batched ``datasets.map``
 (:mod:`lightning_d9d.text.tokenize`); ``setup`` (every rank) opens that cache, memory-mapped; D9DDataModule
-orders, sorts (by the ``token_counts`` column, read as a whole), shards and packs; the collator
-(:mod:`lightning_d9d.text.collate`) pads each microbatch. ``dataset="demo"`` / ``tokenizer="demo"`` select the
-demo corpus (:mod:`lightning_d9d.demo.corpus`), built on first use from text that ships with Python.
+orders, sorts (by the ``token_counts`` column, read as a whole), shards and packs — by sample counts or by
+token budgets; the collator (:mod:`lightning_d9d.text.collate`) pads each microbatch, or with
+``padding_free=True`` flattens it into one row. Every batch carries ``step_label_tokens``, its optimizer step's
+predicted tokens over all ranks, and Hugging Face-style labels (the model shifts). ``dataset="demo"`` /
+``tokenizer="demo"`` select the demo corpus (:mod:`lightning_d9d.demo.corpus`), built on first use from text
+that ships with Python.
 
 Trade-off: tokenizing ahead of training (once, cached) costs a pass over the data before the first step, but
 makes the lengths known, which is what length sorting and exact resume build on; streams that tokenize on the
@@ -23,7 +27,7 @@ from lightning_d9d.checks import plain_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch
 from lightning_d9d.datamodules.d9d import D9DDataModule
 from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
-from lightning_d9d.text.collate import CausalLMCollator
+from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
 from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, tokenized_split
 
 
@@ -31,8 +35,19 @@ class TextDataModule(D9DDataModule):
     """Causal-LM batches from raw text: ``datasets`` + a ``tokenizers`` tokenizer, on top of D9DDataModule.
 
     Same order, sharding, packing, exact resume and transfer as :class:`D9DDataModule`; the datasets are the
-    tokenized splits, sorted by their ``token_counts`` column. ``dataset="demo"`` / ``tokenizer="demo"`` select
-    the corpus and tokenizer built from Python's own documentation (:mod:`lightning_d9d.demo_corpus`).
+    tokenized splits, sorted by their ``token_counts`` column. Pass exactly one of ``global_batch_size``
+    (sample counts) and ``global_batch_tokens`` (token budgets). Batches are
+    :class:`~lightning_d9d.text.collate.TextBatch` (padded) or :class:`~lightning_d9d.text.collate.FlatBatch`
+    (``padding_free=True``), both with Hugging Face-style ``labels`` and ``step_label_tokens``.
+
+    Loss normalisation: a model that sums its token losses over a microbatch and divides by
+    ``step_label_tokens`` trains on the exact per-token mean of the optimizer step. DDP averages gradients over
+    the W ranks and Lightning's automatic optimization divides each microbatch's loss by
+    ``accumulate_grad_batches`` (M), so return ``loss_sum / step_label_tokens × W × M`` (manual optimization
+    with ``yield_packs``: × W); Hugging Face models: ``num_items_in_batch=step_label_tokens``, then × W × M.
+
+    ``dataset="demo"`` / ``tokenizer="demo"`` select the corpus and tokenizer built from Python's own
+    documentation (:mod:`lightning_d9d.demo_corpus`).
 
     Args:
         dataset: anything ``datasets.load_dataset`` accepts (a hub name, a folder of parquet/json/csv/text
@@ -44,9 +59,10 @@ class TextDataModule(D9DDataModule):
         val_split: optional validation split, evaluated exactly once per validation run.
         data_files: passed to ``load_dataset`` (e.g. a glob) when ``dataset`` is a builder name or folder.
         max_length: documents are truncated to this many tokens (special tokens included).
-        global_batch_size: samples per optimizer step over all ranks and accumulation.
-        microbatch_size: samples per forward/backward on one rank.
+        global_batch_size: samples per optimizer step over all ranks and accumulation (sample counts).
+        microbatch_size: samples per forward/backward on one rank (sample counts; default 4).
         sort_buffer_size: samples sorted by length together (``None``: no sorting); 16×G or more pads least.
+            With token budgets: samples packed together per window.
         num_workers: DataLoader worker processes (does not change the order).
         seed: the order's seed.
         pad_to_multiple_of: padded length is rounded up to a multiple of this.
@@ -59,6 +75,12 @@ class TextDataModule(D9DDataModule):
         yield_packs: each batch is the list of one optimizer step's microbatches (for manual optimization).
         on_order_mismatch: resuming from a checkpoint of another order (seed, data, G, buffer): ``"raise"``, or
             ``"restart_epoch"`` to start that epoch over with the new order.
+        global_batch_tokens: tokens per optimizer step over all ranks and accumulation (token budgets).
+        microbatch_tokens: tokens per microbatch: sample count × longest sample rounded up to
+            ``pad_to_multiple_of`` when padded, the sum of lengths when padding-free; at least the longest
+            document (``max_length`` bounds it).
+        padding_free: one flattened row per microbatch (``FlatBatch``: ``input_ids``, ``labels``,
+            ``position_ids`` restarting per document, ``cu_seqlens``, ``max_seqlen``). Token budgets only.
 
     Raises:
         ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
@@ -76,8 +98,8 @@ class TextDataModule(D9DDataModule):
         val_split: str | None = None,
         data_files: str | list[str] | dict[str, str | list[str]] | None = None,
         max_length: PositiveInt = 2048,
-        global_batch_size: PositiveInt = 256,
-        microbatch_size: PositiveInt = 4,
+        global_batch_size: PositiveInt | None = None,
+        microbatch_size: PositiveInt | None = None,
         sort_buffer_size: PositiveInt | None = 16384,
         num_workers: NonNegativeInt = 2,
         seed: int = 0,
@@ -89,6 +111,9 @@ class TextDataModule(D9DDataModule):
         pin_memory: bool | None = None,
         yield_packs: bool = False,
         on_order_mismatch: OnOrderMismatch = "raise",
+        global_batch_tokens: PositiveInt | None = None,
+        microbatch_tokens: PositiveInt | None = None,
+        padding_free: bool = False,
     ):
         self.max_length = positive_int("max_length", max_length)
         if num_proc is not None:
@@ -100,7 +125,10 @@ class TextDataModule(D9DDataModule):
         self.dataset, self.tokenizer = dataset, tokenizer
         self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
         self.num_proc, self.cache_dir = plain_int(num_proc), cache_dir
-        self.collator = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
+        self.padded_collator = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
+        self.collator: CausalLMCollator | FlatteningCollator = (
+            FlatteningCollator() if padding_free else self.padded_collator
+        )
         super().__init__(
             train_dataset=functools.partial(self._tokenized_split, "split"),
             collate_fn=self.collator,
@@ -117,6 +145,10 @@ class TextDataModule(D9DDataModule):
             pin_memory=pin_memory,
             yield_packs=yield_packs,
             on_order_mismatch=on_order_mismatch,
+            global_batch_tokens=plain_int(global_batch_tokens),
+            microbatch_tokens=plain_int(microbatch_tokens),
+            padding_free=padding_free,
+            pad_to_multiple_of=None if padding_free else int(pad_to_multiple_of),
         )
 
     @property
@@ -128,8 +160,11 @@ class TextDataModule(D9DDataModule):
 
     @property
     def longest_padded_length(self) -> int:
-        """The longest ``T`` a batch can have: ``max_length`` rounded up to ``pad_to_multiple_of``."""
-        multiple = self.collator.pad_to_multiple_of
+        """The longest document a batch row can hold (positions restart per document when padding-free):
+        ``max_length``, rounded up to ``pad_to_multiple_of`` when padded."""
+        if self.padding_free:
+            return self.max_length
+        multiple = self.padded_collator.pad_to_multiple_of
         return -(-self.max_length // multiple) * multiple
 
     # ------------------------------------------------------------------ loading and tokenization
@@ -156,5 +191,5 @@ class TextDataModule(D9DDataModule):
             num_proc=self.num_proc,
             name=self.dataset,
         )
-        self.collator.pad_token_id = tokenized.pad_token_id
+        self.padded_collator.pad_token_id = tokenized.pad_token_id
         return tokenized.dataset

@@ -2,19 +2,32 @@
 
 Algorithm: token + learned position embeddings, ``num_layers`` pre-norm blocks (causal self-attention through
 ``F.scaled_dot_product_attention``, then a GELU MLP), a final LayerNorm and an output layer tied to the token
-embedding. It consumes :class:`~lightning_d9d.text.TextBatch`, whose labels are already shifted
-(``labels[t] = input_ids[t + 1]``, ``-100`` where there is no target), so the loss needs no shifting; packed
-rows (a batch with ``inputs``/``targets``/``position_ids``, as the pretraining DataModule yields) work too.
+embedding. It consumes :class:`~lightning_d9d.text.TextBatch` (padded) and
+:class:`~lightning_d9d.text.FlatBatch` (padding-free), whose labels follow Hugging Face's convention (the input
+ids, ``-100`` where nothing is predicted): the model shifts them, logits at ``t`` predicting ``labels[t + 1]``.
+Packed rows (a batch with ``inputs``/``targets``/``position_ids``, as the pretraining DataModule yields, targets
+already shifted) work too.
 
-Attention masks both the future and padding keys, and positions count real tokens only, so right and left
-padding give the same logits for the real tokens. Logged with ``self.log(..., prog_bar=True)``: the training
-loss, the padding share of the microbatch, and tokens per second (real tokens since the start of fitting over
-wall time, data loading included). The optimizer is AdamW with a linear warm-up and a cosine decay over
+Attention masks the future and padding keys, and in a flattened row every other document (block-diagonal
+causal attention, the dense-mask form of what varlen kernels compute); positions count real tokens only (a
+flattened row's ``position_ids`` restart per document), so the same samples give the same logits padded left,
+right or flattened.
+
+Loss: the summed token losses of the microbatch over its batch's ``step_label_tokens`` (the predicted tokens of
+the whole optimizer step over all ranks), times ``world_size × accumulate_grad_batches``: DDP averages gradients
+over the W ranks and Lightning's automatic optimization divides every microbatch's loss by
+``accumulate_grad_batches``, so the gradient that reaches the optimizer is exactly that of the step's per-token
+mean, however the step's tokens fall on microbatches and ranks. A batch without ``step_label_tokens`` falls back
+to its own per-token mean.
+
+Logged with ``self.log(..., prog_bar=True)``: the microbatch's per-token loss, the padding share of the
+microbatch, and tokens per second (real tokens since the start of fitting over wall time, data loading
+included). The optimizer is AdamW with a linear warm-up and a cosine decay over
 ``trainer.estimated_stepping_batches``.
 
-Trade-off: the loss is the mean over the microbatch's tokens, and Lightning averages microbatches within an
-optimizer step; microbatches with fewer tokens therefore weigh slightly more per token than in a token-weighted
-loss. For a demo that is the simpler, standard choice; length sorting makes microbatch token counts similar.
+Trade-off: flattened rows use a dense ``T × T`` mask, so on CPU attention costs ``T²`` per row where the padded
+microbatch costs ``count × longest²``; varlen kernels on a GPU skip the masked blocks. The MLP and output layer,
+which dominate at this width, never see a padding position in a flattened row.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ import torch.nn.functional as F
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch import nn
 
-from lightning_d9d.text.collate import IGNORE_INDEX, TextBatch
+from lightning_d9d.text.collate import IGNORE_INDEX, FlatBatch, TextBatch
 
 
 class _Block(nn.Module):
@@ -58,23 +71,45 @@ class _Block(nn.Module):
 
 @dataclasses.dataclass
 class _Tokens:
-    """The fields the model needs, from a TextBatch (padded) or a packed-rows batch (``inputs``/``targets``)."""
+    """The fields the model needs from a TextBatch, a FlatBatch, or a packed-rows batch (``inputs``/``targets``)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None  # [1, T] for a flattened row: attention stays inside a document
+    shifted: bool = False  # labels already hold the next token (packed rows)
+    step_label_tokens: int | None = None
 
     @classmethod
     def of(cls, batch: Any) -> _Tokens:
+        step_label_tokens = getattr(batch, "step_label_tokens", None)
+        if isinstance(batch, FlatBatch) or hasattr(batch, "cu_seqlens"):
+            lengths = torch.diff(batch.cu_seqlens.long())
+            documents = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[None]
+            return cls(
+                batch.input_ids,
+                torch.ones_like(batch.input_ids),
+                batch.labels,
+                batch.position_ids,
+                documents,
+                step_label_tokens=step_label_tokens,
+            )
         if isinstance(batch, TextBatch) or hasattr(batch, "attention_mask"):
-            return cls(batch.input_ids, batch.attention_mask, batch.labels)
+            return cls(batch.input_ids, batch.attention_mask, batch.labels, step_label_tokens=step_label_tokens)
         if hasattr(batch, "inputs") and hasattr(batch, "targets"):
             # Packed rows have no padding; attention stays causal over the whole row (documents see earlier
             # documents of the row), the usual simplification of packed pretraining.
-            return cls(batch.inputs, torch.ones_like(batch.inputs), batch.targets, getattr(batch, "position_ids", None))
+            return cls(
+                batch.inputs,
+                torch.ones_like(batch.inputs),
+                batch.targets,
+                getattr(batch, "position_ids", None),
+                shifted=True,
+            )
         raise TypeError(
-            f"TinyGPT takes a TextBatch or a batch with inputs/targets (packed rows), got {type(batch).__name__}"
+            f"TinyGPT takes a TextBatch, a FlatBatch or a batch with inputs/targets (packed rows), got "
+            f"{type(batch).__name__}"
         )
 
 
@@ -139,12 +174,17 @@ class TinyGPT(pl.LightningModule):
             nn.init.zeros_(module.bias)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab_size]`` for token ids ``[B, T]`` with a 1/0 attention mask ``[B, T]``.
 
         ``position_ids`` default to counting real tokens, so a left-padded sample gets the same positions as a
-        right-padded one; packed rows pass their own (restarting at each document).
+        right-padded one; flattened and packed rows pass their own (restarting at each document).
+        ``document_ids`` (``[B, T]``) keep attention inside each document of a flattened row.
         """
         length = input_ids.shape[1]
         real = attention_mask.bool()
@@ -155,6 +195,8 @@ class TinyGPT(pl.LightningModule):
         hidden = self.token_embedding(input_ids) + self.position_embedding(positions)
         causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
         allowed = causal & real[:, None, :]
+        if document_ids is not None:
+            allowed &= document_ids[:, :, None] == document_ids[:, None, :]
         # Every query may see itself, so a padding query never has an all-masked row (which would give NaN).
         allowed |= torch.eye(length, dtype=torch.bool, device=input_ids.device)
         allowed = allowed[:, None]  # broadcast over heads
@@ -162,14 +204,34 @@ class TinyGPT(pl.LightningModule):
             hidden = block(hidden, allowed)
         return self.final_norm(hidden) @ self.token_embedding.weight.T
 
-    def _loss(self, batch: Any) -> tuple[torch.Tensor, _Tokens]:
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, _Tokens]:
+        """(summed token loss, predicted tokens, fields) of one microbatch; the labels are shifted here."""
         tokens = _Tokens.of(batch)
-        logits = self(tokens.input_ids, tokens.attention_mask, tokens.position_ids)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.labels.flatten(), ignore_index=IGNORE_INDEX)
-        return loss, tokens
+        logits = self(tokens.input_ids, tokens.attention_mask, tokens.position_ids, tokens.document_ids)
+        targets = tokens.labels
+        if not tokens.shifted:
+            logits, targets = logits[:, :-1], targets[:, 1:]
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss_sum, (targets != IGNORE_INDEX).sum(), tokens
+
+    def step_loss(self, loss_sum: torch.Tensor, count: torch.Tensor, step_label_tokens: int | None) -> torch.Tensor:
+        """The loss to return from ``training_step`` so that the optimizer sees the step's per-token mean.
+
+        ``loss_sum / step_label_tokens`` summed over every microbatch of the step on every rank is that mean;
+        DDP averages gradients over ``world_size`` ranks and automatic optimization divides each microbatch's
+        loss by ``accumulate_grad_batches``, so both are multiplied back.
+        """
+        if step_label_tokens is None:
+            return loss_sum / count.clamp(min=1)
+        trainer = self._trainer
+        world_size = trainer.world_size if trainer is not None else 1
+        accumulated = trainer.accumulate_grad_batches if trainer is not None and self.automatic_optimization else 1
+        return loss_sum * (world_size * accumulated / max(int(step_label_tokens), 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, tokens = self._loss(batch)
+        loss_sum, count, tokens = self._loss(batch)
         now = time.perf_counter()
         real_tokens = int(tokens.attention_mask.sum())
         if self._fit_started_at is None:
@@ -177,15 +239,16 @@ class TinyGPT(pl.LightningModule):
         else:  # the first microbatch only starts the clock: its tokens have no elapsed time to divide by
             self._tokens_since_start += real_tokens
         elapsed = max(now - self._fit_started_at, 1e-9)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss_sum.detach() / count.clamp(min=1), prog_bar=True)
         self.log("train/padding_pct", 100.0 * (1 - real_tokens / tokens.attention_mask.numel()), prog_bar=True)
         self.log("train/tokens_per_s", self._tokens_since_start / elapsed, prog_bar=True)
-        return loss
+        return self.step_loss(loss_sum, count, tokens.step_label_tokens)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, tokens = self._loss(batch)
+        loss_sum, count, _ = self._loss(batch)
+        loss = loss_sum / count.clamp(min=1)
         # Token-weighted mean over the whole validation set, so microbatch sizes do not bias it.
-        self.log("val/loss", loss, prog_bar=True, batch_size=max(int((tokens.labels != IGNORE_INDEX).sum()), 1))
+        self.log("val/loss", loss, prog_bar=True, batch_size=max(int(count), 1))
         return loss
 
     def on_fit_start(self) -> None:

@@ -1,10 +1,16 @@
 """Load and pack: turn this rank's share of the order into collated (and pinned) microbatches or packs.
 
 Algorithm: at the first ``next()`` of an epoch the loader asks where to start (epoch, microbatch), builds a
-lazy iterable of index lists — this rank's microbatches of the remaining global batches — and hands it to
-torchdata's ``StatefulDataLoader`` as its ``batch_sampler``. Workers only fetch ``dataset[i]`` and collate;
-the order is decided in the main process, so it cannot depend on ``num_workers``. Each microbatch handed out
-advances the one position counter; with ``yield_packs`` the M microbatches of a step are handed out together.
+lazy iterable of index lists — this rank's microbatches of the remaining steps, read from a schedule (the
+sample-count :class:`~lightning_d9d.mapstyle.shard.GlobalBatchSchedule` or the token-budget
+:class:`~lightning_d9d.mapstyle.plan.TokenPlan`) — and hands it to torchdata's ``StatefulDataLoader`` as its
+``batch_sampler``. Workers only fetch ``dataset[i]`` and collate; the order is decided in the main process, so
+it cannot depend on ``num_workers``. Each microbatch handed out advances the one position counter; with
+``yield_packs`` the M microbatches of a step are handed out together.
+
+Each step's predicted tokens over all ranks (``step_label_tokens``, from the schedule) are written into every
+batch that has a ``step_label_tokens`` field or key, in the main process after collation: workers never need
+to know which step a microbatch belongs to.
 
 Why a plain sized iterable and not the DataLoader itself: Lightning would otherwise (a) re-instantiate it
 under DDP with its own distributed sampler and (b) save and restore the DataLoader's internal state, which
@@ -22,10 +28,11 @@ worker start-up per epoch, but makes resume cost independent of the position: no
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -33,9 +40,20 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_d9d.device.pin import pin_batch
 from lightning_d9d.epoch_iterator import EpochIterator, collect_before_fork, shutdown_workers
-from lightning_d9d.mapstyle.order import GlobalBatchOrder
-from lightning_d9d.mapstyle.shard import rank_microbatches
 from lightning_d9d.resume import TrainPosition
+
+STEP_LABEL_TOKENS = "step_label_tokens"
+"""The field (or key) of a batch that the loader fills with its step's predicted tokens over all ranks."""
+
+
+class StepSchedule(Protocol):
+    """What the training loader reads: steps per epoch, a rank's microbatches of a step, the step's label count."""
+
+    def steps_in_epoch(self, epoch: int) -> int: ...
+
+    def rank_microbatches(self, epoch: int, step: int, world_size: int, rank: int) -> list[np.ndarray]: ...
+
+    def step_label_tokens(self, epoch: int, step: int) -> int | None: ...
 
 
 class DataLoadingError(RuntimeError):
@@ -58,30 +76,42 @@ class _IndexBatches:
 
     def __init__(
         self,
-        order: GlobalBatchOrder,
+        schedule: StepSchedule,
         epoch: int,
         start_microbatch: int,
         world_size: int,
         rank: int,
-        microbatch_size: int,
         microbatches_per_step: int,
     ):
-        self._order, self._epoch, self._start = order, epoch, start_microbatch
-        self._world_size, self._rank, self._microbatch_size = world_size, rank, microbatch_size
-        self._per_step = microbatches_per_step
+        self._schedule, self._epoch, self._start = schedule, epoch, start_microbatch
+        self._world_size, self._rank, self._per_step = world_size, rank, microbatches_per_step
 
     def __len__(self) -> int:
-        return max(0, self._order.steps_per_epoch * self._per_step - self._start)
+        return max(0, self._schedule.steps_in_epoch(self._epoch) * self._per_step - self._start)
 
     def __iter__(self) -> Iterator[MicrobatchIndices]:
         first_step, skip = divmod(self._start, self._per_step)
-        for step in range(first_step, self._order.steps_per_epoch):
-            global_batch = self._order.global_batch(self._epoch, step)
-            mine = rank_microbatches(global_batch, self._world_size, self._rank, self._microbatch_size)
+        for step in range(first_step, self._schedule.steps_in_epoch(self._epoch)):
+            mine = self._schedule.rank_microbatches(self._epoch, step, self._world_size, self._rank)
             where = f"epoch {self._epoch}, step {step}, rank {self._rank}"
             for microbatch in mine[skip:]:
                 yield MicrobatchIndices(microbatch.tolist(), where)
             skip = 0
+
+
+def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
+    """``batch`` with its ``step_label_tokens`` field or key set to ``value`` (batches without one unchanged)."""
+    if value is None:
+        return batch
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type) and hasattr(batch, STEP_LABEL_TOKENS):
+        try:
+            setattr(batch, STEP_LABEL_TOKENS, value)
+        except dataclasses.FrozenInstanceError:
+            return dataclasses.replace(batch, **{STEP_LABEL_TOKENS: value})
+        return batch
+    if isinstance(batch, dict) and STEP_LABEL_TOKENS in batch:
+        batch[STEP_LABEL_TOKENS] = value
+    return batch
 
 
 class TrainLoader:
@@ -90,12 +120,13 @@ class TrainLoader:
     Args:
         dataset: map-style dataset (``dataset[i]`` returns one sample).
         collate_fn: list of samples -> microbatch.
-        order: the epoch order (shared by all ranks).
+        schedule: the steps of every epoch (shared by all ranks).
         world_size, rank: data-parallel topology.
-        microbatch_size: samples per microbatch (m).
-        microbatches_per_step: M = G / (W·m).
+        microbatches_per_step: M (this rank's microbatches per step).
         position: the shared position counter this loader advances.
         start_point: called at the first ``next()`` of an epoch; returns ``(epoch, microbatch)`` to start at.
+        length_epoch: returns the epoch whose length ``len()`` reports (epochs may differ in length); ``None``:
+            the position's epoch.
         num_workers: DataLoader workers.
         pin_memory: pin each batch (only where an accelerator exists).
         yield_packs: hand out a list of M microbatches per optimizer step instead of single microbatches.
@@ -105,26 +136,27 @@ class TrainLoader:
         self,
         dataset: Dataset,
         collate_fn: Callable[[list[Any]], Any],
-        order: GlobalBatchOrder,
+        schedule: StepSchedule,
         world_size: int,
         rank: int,
-        microbatch_size: int,
         microbatches_per_step: int,
         position: TrainPosition,
         start_point: Callable[[], tuple[int, int]],
+        length_epoch: Callable[[], int] | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
         yield_packs: bool = False,
     ):
-        self.dataset, self.collate_fn, self.order = dataset, collate_fn, order
-        self.world_size, self.rank, self.microbatch_size = world_size, rank, microbatch_size
+        self.dataset, self.collate_fn, self.schedule = dataset, collate_fn, schedule
+        self.world_size, self.rank = world_size, rank
         self.microbatches_per_step = microbatches_per_step
-        self.position, self.start_point = position, start_point
+        self.position, self.start_point, self.length_epoch = position, start_point, length_epoch
         self.num_workers, self.pin_memory, self.yield_packs = num_workers, pin_memory, yield_packs
 
     def __len__(self) -> int:
         # Always the full epoch: Lightning adds its own restored batch count to what it fetches after a resume.
-        steps = self.order.steps_per_epoch
+        epoch = self.length_epoch() if self.length_epoch is not None else self.position.epoch
+        steps = self.schedule.steps_in_epoch(epoch)
         return steps if self.yield_packs else steps * self.microbatches_per_step
 
     def state_dict(self) -> dict[str, Any]:
@@ -161,7 +193,7 @@ class TrainLoader:
         if self.yield_packs and start % self.microbatches_per_step:
             raise ValueError(f"cannot start packs mid-step (microbatch {start} with M={self.microbatches_per_step})")
         index_batches = _IndexBatches(
-            self.order, epoch, start, self.world_size, self.rank, self.microbatch_size, self.microbatches_per_step
+            self.schedule, epoch, start, self.world_size, self.rank, self.microbatches_per_step
         )
         expected = len(index_batches)
         if expected == 0:
@@ -169,8 +201,13 @@ class TrainLoader:
         loader = make_loader(self.dataset, index_batches, self.collate_fn, self.num_workers, self.pin_memory)
         pack: list[Any] = []
         received = 0
+        label_tokens: tuple[int, int | None] = (-1, None)  # (step, its count): asked once per step
         try:
             for microbatch in loader:
+                step = (start + received) // self.microbatches_per_step
+                if label_tokens[0] != step:
+                    label_tokens = (step, self.schedule.step_label_tokens(epoch, step))
+                microbatch = attach_step_label_tokens(microbatch, label_tokens[1])
                 received += 1
                 if not self.yield_packs:
                     self.position.microbatches += 1

@@ -10,13 +10,23 @@ Validation is different: every sample must be evaluated exactly once, so nothing
 duplicates. The (sorted) validation set is cut into microbatches (the last may be short) and dealt round-robin;
 rank counts differ by at most one microbatch.
 
+``GlobalBatchSchedule`` is the sample-count training schedule the loader reads (the token-budget one is
+:class:`lightning_d9d.mapstyle.plan.TokenPlan`): steps per epoch, a rank's microbatches of a step, and the
+step's predicted tokens when the sort keys are lengths.
+
 Trade-off: snake dealing is not an optimal bin packing (that would need keys and a solver per step), but it
 is free and keeps the per-rank token spread within one microbatch's worth.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from lightning_d9d.mapstyle.order import GlobalBatchOrder
 
 
 def snake_owner(microbatch: int, world_size: int) -> int:
@@ -39,3 +49,37 @@ def validation_microbatches(
         ordered_indices[start : start + microbatch_size] for start in range(0, len(ordered_indices), microbatch_size)
     ]
     return chunks[rank::world_size]
+
+
+class GlobalBatchSchedule:
+    """The sample-count schedule: ``floor(N / G)`` steps per epoch, each the order's global batch cut into m's.
+
+    Args:
+        order: the epoch order (global batches of G samples).
+        microbatch_size: m.
+        lengths: optional vectorised ``indices -> lengths`` (the sort keys, when they are sample lengths); gives
+            each step's predicted tokens, ``length - 1`` per sample.
+    """
+
+    def __init__(
+        self,
+        order: GlobalBatchOrder,
+        microbatch_size: int,
+        lengths: Callable[[np.ndarray], np.ndarray] | None = None,
+    ):
+        self.order, self.microbatch_size, self.lengths = order, microbatch_size, lengths
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.order.steps_per_epoch
+
+    def rank_microbatches(self, epoch: int, step: int, world_size: int, rank: int) -> list[np.ndarray]:
+        return rank_microbatches(self.order.global_batch(epoch, step), world_size, rank, self.microbatch_size)
+
+    def step_label_tokens(self, epoch: int, step: int) -> int | None:
+        """Predicted tokens of the step over all ranks, or ``None`` when the sort keys are not lengths."""
+        if self.lengths is None:
+            return None
+        keys = np.asarray(self.lengths(self.order.global_batch(epoch, step)))
+        if keys.dtype == object or keys.dtype.kind not in "biuf":
+            return None
+        return int(np.maximum(keys.astype(np.int64) - 1, 0).sum())

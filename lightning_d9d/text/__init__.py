@@ -1,12 +1,13 @@
-"""The text path: tokenize a text dataset once (``tokenize``) and collate its samples into microbatches."""
+"""The text path: tokenize a text dataset once (``tokenize``) and collate its samples into microbatches, padded or
+flattened (``collate``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_d9d.text.collate import IGNORE_INDEX, CausalLMCollator, TextBatch
+from lightning_d9d.text.collate import IGNORE_INDEX, CausalLMCollator, FlatBatch, FlatteningCollator, TextBatch
 
-__all__ = ["IGNORE_INDEX", "CausalLMCollator", "TextBatch"]
+__all__ = ["IGNORE_INDEX", "CausalLMCollator", "FlatBatch", "FlatteningCollator", "TextBatch"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,11 +1,25 @@
-"""Collate: pad a microbatch of token-id samples into a causal-LM batch.
+"""Collate: a microbatch of token-id samples into a causal-LM batch, padded or flattened (padding-free).
 
-Algorithm: the samples of a microbatch (consecutive in length-sorted order, so of similar length) are padded
-to the longest one, rounded up to ``pad_to_multiple_of``; the attention mask marks real tokens and the labels
-mark the positions that have a next-token target.
+Algorithm: ``CausalLMCollator`` pads the samples of a microbatch (consecutive in length-sorted order, so of
+similar length) to the longest one, rounded up to ``pad_to_multiple_of``, with an attention mask of the real
+tokens. ``FlatteningCollator`` concatenates them into one row without padding, with ``position_ids`` that
+restart at 0 for each document and ``cu_seqlens``/``max_seqlen`` for variable-length attention (the
+conventions of flash-attention's varlen kernels and Hugging Face's ``DataCollatorWithFlattening``).
+
+Labels follow the Hugging Face convention in both: ``labels`` are the input ids, ``-100`` where nothing is to be
+predicted — padding, and each document's first token when documents share a row (flattened) or follow padding
+(left padding) — and the *model shifts them* (logits at ``t`` predict ``labels[t + 1]``), as every Hugging Face
+causal LM does when given ``labels``. After that shift each document of ``n`` tokens has ``n - 1`` targets.
+
+``step_label_tokens`` is the number of those targets in the whole optimizer step over all ranks: a collator
+alone writes its own microbatch's count (a microbatch collated on its own is a step of one), and the training
+loader replaces it with the step's count from the plan, so a model divides its summed loss by it and gets the
+step's exact per-token mean without a collective.
 
 Trade-off: padding costs compute on the padded positions; the length sorting of the map-style order keeps it
 small, and rounding up to a multiple of 8 buys tensor-core friendly shapes for a few more padded positions.
+Flattening wastes nothing but needs attention that keeps documents apart (varlen kernels, or a block-diagonal
+mask) and a row length that changes from microbatch to microbatch.
 """
 
 from __future__ import annotations
@@ -21,27 +35,32 @@ from lightning_d9d.checks import positive_int
 from lightning_d9d.device.pin import pin_batch
 
 IGNORE_INDEX = -100
-"""Label of positions without a target (padding and each document's last token); PyTorch's CE default."""
+"""Label of positions without a target (padding, a flattened document's first token); PyTorch's CE default."""
 
 
 @dataclasses.dataclass
 class TextBatch:
     """One causal-LM microbatch, ``B`` samples padded to ``T`` positions.
 
-    Label convention (already shifted, so the model does not shift): ``labels[b, t] = input_ids[b, t + 1]`` when
-    both positions ``t`` and ``t + 1`` are real tokens, else ``-100`` (ignored by ``F.cross_entropy``). The last
-    real token of every sample and all padding have ``-100``. The loss is then simply
-    ``F.cross_entropy(logits.flatten(0, 1), labels.flatten())``.
+    Label convention (Hugging Face's; the model shifts): ``labels[b, t] = input_ids[b, t]`` at real tokens and
+    ``-100`` at padding — and, with left padding, at each sample's first token, which would otherwise be
+    predicted from a padding position. Logits at ``t`` predict ``labels[b, t + 1]``, so
+    ``model(input_ids=..., attention_mask=..., labels=batch.labels)`` of a Hugging Face causal LM trains on
+    exactly the ``n - 1`` next-token targets of every sample.
 
     Attributes:
         input_ids: ``int64 [B, T]`` token ids, padding filled with the tokenizer's pad id.
         attention_mask: ``int64 [B, T]``, 1 at real tokens, 0 at padding.
-        labels: ``int64 [B, T]`` next-token targets as described above.
+        labels: ``int64 [B, T]`` as described above.
+        step_label_tokens: next-token targets of the whole optimizer step over all ranks (``n - 1`` per
+            sample): divide the summed loss by it (Hugging Face: ``num_items_in_batch``). Set by the training
+            loader; a microbatch collated alone carries its own count.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
+    step_label_tokens: int | None = None
 
     def pin_memory(self) -> TextBatch:
         """Pinned copy; lets a plain ``torch.utils.data.DataLoader(pin_memory=True)`` pin this dataclass too."""
@@ -53,9 +72,72 @@ class TextBatch:
         return int(self.attention_mask.sum())
 
     @property
+    def label_tokens(self) -> int:
+        """Next-token targets of this microbatch (after the model's shift)."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    @property
     def padding_fraction(self) -> float:
         """Share of the ``B × T`` positions that are padding."""
         return 1.0 - self.num_tokens / max(self.attention_mask.numel(), 1)
+
+
+@dataclasses.dataclass
+class FlatBatch:
+    """One padding-free causal-LM microbatch: its documents concatenated into a single row of ``T`` tokens.
+
+    The conventions of flash-attention's varlen kernels and Hugging Face's ``DataCollatorWithFlattening``:
+    Hugging Face causal LMs given ``input_ids``, ``position_ids`` and ``labels`` (no attention mask) keep the
+    documents apart and compute exactly the per-document loss.
+
+    Attributes:
+        input_ids: ``int64 [1, T]`` the documents, one after the other.
+        labels: ``int64 [1, T]`` the input ids, ``-100`` at each document's first token (the model shifts).
+        position_ids: ``int64 [1, T]`` positions restarting at 0 for each document.
+        cu_seqlens: ``int32 [D + 1]`` cumulative document lengths with a leading 0.
+        max_seqlen: the longest document's length.
+        step_label_tokens: next-token targets of the whole optimizer step over all ranks (see ``TextBatch``).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    step_label_tokens: int | None = None
+
+    def pin_memory(self) -> FlatBatch:
+        """Pinned copy (see ``TextBatch.pin_memory``)."""
+        return pin_batch(self)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the row (all real)."""
+        return int(self.input_ids.numel())
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def label_tokens(self) -> int:
+        """Next-token targets of this microbatch (after the model's shift)."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def flash_attention_kwargs(self) -> dict[str, Any]:
+        """The varlen keyword arguments Hugging Face models accept beside ``position_ids``."""
+        return {
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen,
+        }
+
+
+def _sequences(samples: Sequence[dict[str, Any]]) -> tuple[list[np.ndarray], np.ndarray]:
+    sequences = [np.asarray(sample["input_ids"], dtype=np.int64) for sample in samples]
+    lengths = np.fromiter((len(sequence) for sequence in sequences), dtype=np.int64, count=len(sequences))
+    return sequences, lengths
 
 
 @dataclasses.dataclass
@@ -83,8 +165,7 @@ class CausalLMCollator:
             raise ValueError(f"padding_side must be 'left' or 'right', got {self.padding_side!r}")
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> TextBatch:
-        sequences = [np.asarray(sample["input_ids"], dtype=np.int64) for sample in samples]
-        lengths = np.fromiter((len(sequence) for sequence in sequences), dtype=np.int64, count=len(sequences))
+        sequences, lengths = _sequences(samples)
         longest = int(lengths.max(initial=0))
         width = max(-(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of, 1)
         positions = np.arange(width)
@@ -95,11 +176,42 @@ class CausalLMCollator:
         input_ids = np.full((len(sequences), width), self.pad_token_id, dtype=np.int64)
         # Row-major order of the True cells equals the concatenated samples' order, on either padding side.
         input_ids[real] = np.concatenate(sequences) if sequences else np.empty(0, dtype=np.int64)
-        labels = np.full_like(input_ids, IGNORE_INDEX)
-        has_target = real[:, :-1] & real[:, 1:]
-        labels[:, :-1] = np.where(has_target, input_ids[:, 1:], IGNORE_INDEX)
+        labels = np.where(real, input_ids, IGNORE_INDEX)
+        if self.padding_side == "left":
+            # A left-padded sample's first token would be predicted from the padding before it.
+            first = width - lengths
+            starts = first[first < width]
+            labels[np.flatnonzero(first < width), starts] = IGNORE_INDEX
         return TextBatch(
             input_ids=torch.from_numpy(input_ids),
             attention_mask=torch.from_numpy(real.astype(np.int64)),
             labels=torch.from_numpy(labels),
+            step_label_tokens=int(np.maximum(lengths - 1, 0).sum()),
+        )
+
+
+@dataclasses.dataclass
+class FlatteningCollator:
+    """Concatenate a list of ``{"input_ids": 1-D ints}`` samples into one padding-free :class:`FlatBatch` row.
+
+    Picklable (a plain dataclass), so it runs in DataLoader worker processes. Pair it with token budgets and
+    ``padding_free=True``, so that each row holds at most ``microbatch_tokens`` tokens.
+    """
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> FlatBatch:
+        sequences, lengths = _sequences(samples)
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        total = int(cu_seqlens[-1])
+        input_ids = np.concatenate(sequences) if sequences else np.empty(0, dtype=np.int64)
+        starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)
+        position_ids = np.arange(total, dtype=np.int64) - starts
+        labels = input_ids.copy()
+        labels[cu_seqlens[:-1][lengths > 0]] = IGNORE_INDEX
+        return FlatBatch(
+            input_ids=torch.from_numpy(input_ids)[None],
+            labels=torch.from_numpy(labels)[None],
+            position_ids=torch.from_numpy(position_ids)[None],
+            cu_seqlens=torch.from_numpy(cu_seqlens),
+            max_seqlen=int(lengths.max(initial=0)),
+            step_label_tokens=int(np.maximum(lengths - 1, 0).sum()),
         )

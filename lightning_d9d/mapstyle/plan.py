@@ -1,0 +1,526 @@
+"""Plan: token-budget epochs — which samples form each microbatch of each optimizer step, from lengths alone.
+
+An optimizer step is ``P = global_batch_tokens / microbatch_tokens`` microbatches over all ranks, each within
+``microbatch_tokens``: counted as *samples × padded longest sample* when microbatches are padded, as the *sum
+of lengths* when they are padding-free (one flattened row per microbatch). The plan of an epoch is a pure
+function of (seed, epoch, lengths, budgets, buffer, padding mode): it never sees the world size or the worker
+count, so the same steps are trained on 1 GPU or 8, and a resume on another world size continues them.
+
+Algorithm (one pass over the lengths per epoch, vectorised per window; Python loops run per microbatch, never
+per sample):
+
+1. The epoch's order is the seeded Feistel bijection of :mod:`lightning_d9d.mapstyle.order` (or dataset
+   order without shuffling), evaluated a block at a time, cut into windows of ``sort_buffer_size`` samples.
+2. Each window (plus what the previous window carried over, see 4) is packed into microbatches:
+
+   * **padded**: the window is sorted by length (a stable sort of a random permutation: ties fall at random)
+     and cut greedily into runs of consecutive samples, each as long as ``count × padded longest <= budget``
+     allows. Because a sub-run of a feasible run is feasible, the greedy cut gives the fewest microbatches
+     of any cut into consecutive runs; microbatches hold length neighbours, so they pad little.
+   * **padding-free**: *largest fit first*, bin by bin: a microbatch starts with the longest remaining
+     sample, then repeatedly takes the longest remaining length that still fits — all remaining samples of
+     that length at once, as many as fit. Samples of equal length are interchangeable, so the search runs
+     over the window's distinct lengths (a sorted list, ``bisect``), and a microbatch costs a handful of
+     steps however many short samples it takes. Short samples fill the gaps the long ones leave, so
+     microbatches come out nearly full.
+
+3. Without ``sort_buffer_size`` samples keep the epoch order and are packed next-fit (each microbatch takes
+   the following samples while they fit): no reordering, but more waste.
+4. A window's last microbatches are filled from whatever its end left (padded: the last run; padding-free:
+   trailing microbatches under 99 % full); their samples are carried into the next window instead, where
+   fresh samples complete them. The last window of the epoch keeps everything.
+5. The epoch's microbatches, in packing order, are grouped into steps of ``P`` consecutive ones (padded steps
+   then hold length neighbours, like the sample-count order's global batches); fewer than ``P`` left at the
+   end are dropped (different samples each epoch). The steps are visited in a seeded random order: the whole
+   epoch is planned at once, so a global shuffle of steps costs one permutation.
+6. Rank ``r`` of ``W`` trains the step's microbatches ``k`` with ``snake_owner(k, W) == r``
+   (:mod:`lightning_d9d.mapstyle.shard`): ``M = P / W`` each, the only part that depends on ``W``.
+
+Each step's number of predicted tokens over all ranks (``step_label_tokens``: ``length - 1`` per sample, the
+labels left after a causal LM's shift) is a by-product, so a loss can be normalised by the whole step without a
+collective.
+
+Trade-off: the number of microbatches (so of steps) differs a little between epochs, which Lightning must be
+told about (the DataModule reloads the train loader every epoch); and planning reads every length once at set-up
+(O(N) memory: the lengths and one epoch's order, 4 bytes per sample each), where the sample-count order reads
+keys window by window. Largest-fit-first is not an optimal bin packing — best-fit decreasing fills a little
+tighter on some inputs, but places samples one at a time (a Python step per sample).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from lightning_d9d.checks import positive_int
+from lightning_d9d.mapstyle.order import SeededPermutation
+from lightning_d9d.mapstyle.shard import snake_owner
+
+PLAN_VERSION = 1
+"""Bumped when the planning algorithm changes: it is part of the resume fingerprint."""
+# Lengths are read and the bijection evaluated this many samples at a time: bounded memory for any N.
+_BLOCK = 1 << 18
+# Padding-free microbatches filled below this share at the end of a window are completed in the next window.
+_CARRY_BELOW = 0.99
+# Without sorting, samples are packed next-fit in blocks of this many (the open microbatch carries over).
+_UNSORTED_WINDOW = 1 << 16
+
+KeyLookup = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBudget:
+    """The budgets of a token-budget step and how a microbatch's tokens are counted against them.
+
+    Args:
+        global_batch_tokens: tokens of one optimizer step over all ranks and accumulation.
+        microbatch_tokens: tokens of one microbatch (one forward/backward on one rank).
+        padding_free: ``True``: a microbatch costs the sum of its lengths (a collate that concatenates);
+            ``False``: its sample count × its longest sample rounded up to ``pad_to_multiple_of``.
+        pad_to_multiple_of: the padded length's rounding (the collate's), padded microbatches only.
+
+    Raises:
+        ValueError: non-positive values, or ``global_batch_tokens`` not a multiple of ``microbatch_tokens``.
+    """
+
+    global_batch_tokens: int
+    microbatch_tokens: int
+    padding_free: bool = False
+    pad_to_multiple_of: int = 1
+
+    def __post_init__(self) -> None:
+        positive_int("global_batch_tokens", self.global_batch_tokens)
+        positive_int("microbatch_tokens", self.microbatch_tokens)
+        positive_int("pad_to_multiple_of", self.pad_to_multiple_of)
+        if self.global_batch_tokens % self.microbatch_tokens:
+            valid = [self.microbatch_tokens * k for k in (1, 2, 4, 8)]
+            raise ValueError(
+                f"global_batch_tokens={self.global_batch_tokens} is not a multiple of microbatch_tokens="
+                f"{self.microbatch_tokens}: a step is a whole number of microbatches; use a multiple of "
+                f"{self.microbatch_tokens} (e.g. {valid})"
+            )
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """P: microbatches of one step over all ranks."""
+        return self.global_batch_tokens // self.microbatch_tokens
+
+    def padded_lengths(self, lengths: np.ndarray) -> np.ndarray:
+        """What each sample costs alone: its length, rounded up to ``pad_to_multiple_of`` when padded."""
+        if self.padding_free or self.pad_to_multiple_of == 1:
+            return lengths
+        multiple = self.pad_to_multiple_of
+        return -(-lengths // multiple) * multiple
+
+    def describe(self) -> str:
+        mode = "padding-free (sum of lengths)" if self.padding_free else "padded (samples × padded longest)"
+        return (
+            f"global_batch_tokens={self.global_batch_tokens}, microbatch_tokens={self.microbatch_tokens}, "
+            f"{self.microbatches_per_step} microbatches per step, {mode}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- lengths
+def read_lengths(lookup: KeyLookup, num_samples: int, what: str = "training") -> np.ndarray:
+    """Every sample's length, read once, a block at a time (int32 unless a length needs more).
+
+    Args:
+        lookup: vectorised ``indices -> lengths`` (the resolved ``sort_key``).
+        num_samples: the dataset length.
+        what: names the dataset in errors (``"training"``, ``"validation"``).
+
+    Raises:
+        TypeError: a length that is not a number, or not a whole number (naming the first such sample).
+        ValueError: a length below 1 (naming the first such sample).
+    """
+    lengths: np.ndarray | None = None
+    for start in range(0, num_samples, _BLOCK):
+        indices = np.arange(start, min(start + _BLOCK, num_samples), dtype=np.int64)
+        block = _whole_lengths(np.asarray(lookup(indices)), indices, what)
+        if lengths is None:
+            lengths = np.empty(num_samples, dtype=np.int32)
+        if block.size and int(block.max()) > np.iinfo(lengths.dtype).max:
+            lengths = lengths.astype(np.int64)
+        lengths[start : start + len(block)] = block
+    return lengths if lengths is not None else np.empty(0, dtype=np.int32)
+
+
+def _whole_lengths(keys: np.ndarray, indices: np.ndarray, what: str) -> np.ndarray:
+    hint = "token budgets count tokens: the sort key must be every sample's length (a whole number >= 1)"
+    if keys.dtype == object or keys.dtype.kind not in "biuf" or keys.ndim != 1:
+        position = next(
+            (i for i, key in enumerate(keys.ravel()) if isinstance(key, bool) or not isinstance(key, (int, float))),
+            0,
+        )
+        value = keys.ravel()[position] if keys.size else None
+        raise TypeError(f"{what} sample {int(indices[position])} has length {value!r} ({type(value).__name__}); {hint}")
+    if keys.dtype.kind == "f":
+        bad = ~np.isfinite(keys) | (keys != np.floor(keys))
+        if bad.any():
+            position = int(np.flatnonzero(bad)[0])
+            raise TypeError(f"{what} sample {int(indices[position])} has length {keys[position].item()!r}; {hint}")
+    small = keys < 1
+    if small.any():
+        position = int(np.flatnonzero(small)[0])
+        raise ValueError(f"{what} sample {int(indices[position])} has length {keys[position].item()!r}; {hint}")
+    return keys.astype(np.int64)
+
+
+def check_lengths_fit(lengths: np.ndarray, budget: TokenBudget, what: str = "training") -> None:
+    """Every sample must fit a microbatch on its own.
+
+    Raises:
+        ValueError: naming the first sample that does not fit (index and length), how many do not, and the
+            longest.
+    """
+    if not len(lengths) or int(budget.padded_lengths(np.int64(lengths.max()))) <= budget.microbatch_tokens:
+        return  # the longest fits: no O(N) temporaries on the way that every run takes
+    costs = budget.padded_lengths(lengths.astype(np.int64))
+    too_long = costs > budget.microbatch_tokens
+    first = int(np.flatnonzero(too_long)[0])
+    longest = int(np.argmax(lengths))
+    rounded = (
+        f" (padded to a multiple of {budget.pad_to_multiple_of}: {int(costs[first])})"
+        if costs[first] != lengths[first]
+        else ""
+    )
+    raise ValueError(
+        f"{what} sample {first} has {int(lengths[first])} tokens{rounded}, more than microbatch_tokens="
+        f"{budget.microbatch_tokens}; {int(too_long.sum())} sample(s) do not fit a microbatch, the longest is "
+        f"sample {longest} with {int(lengths[longest])} tokens. Use microbatch_tokens >= {int(costs.max())} "
+        "(and a global_batch_tokens that is a multiple of it) or truncate the samples (TextDataModule: max_length)"
+    )
+
+
+def lengths_digest(lengths: np.ndarray) -> str:
+    """SHA-256 (16 hex digits) of every length: the plan depends on all of them, so the fingerprint does too."""
+    return hashlib.sha256(
+        np.ascontiguousarray(lengths, dtype="<i8" if lengths.dtype.itemsize > 4 else "<i4")
+    ).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- packers
+@dataclasses.dataclass
+class Packed:
+    """Microbatches of some samples: ``order`` (positions into the packed array) cut into ``sizes`` runs.
+
+    All int64 arrays: ``sizes`` (samples), ``tokens`` (real tokens) and ``costs`` (tokens counted against the
+    budget) have one entry per microbatch.
+    """
+
+    order: np.ndarray
+    sizes: np.ndarray
+    tokens: np.ndarray
+    costs: np.ndarray
+
+
+def _runs(order: np.ndarray, lengths: np.ndarray, costs: np.ndarray, cuts: list[int], padded: bool) -> Packed:
+    """Packed from cut points into ``order`` (lengths and costs given in that order)."""
+    cut = np.asarray(cuts, dtype=np.int64)
+    sizes = np.diff(cut)
+    cumulative = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    tokens = cumulative[cut[1:]] - cumulative[cut[:-1]]
+    run_costs = sizes * np.maximum.reduceat(costs, cut[:-1]) if padded and len(sizes) else tokens
+    return Packed(order, sizes, tokens, run_costs)
+
+
+def pack_padded_sorted(lengths: np.ndarray, budget: TokenBudget) -> Packed:
+    """Greedy runs of consecutive samples of an ascending ``lengths``, each within ``count × padded max``.
+
+    For run start ``i`` the longest feasible run ends at the largest ``j`` with ``j - i + 1 <= cap[j]``
+    (``cap = budget // padded length``), i.e. with ``g[j] = j + 1 - cap[j] <= i``; ``g`` is strictly increasing
+    (``cap`` never increases along ascending lengths), so one ``bisect`` finds each run.
+    """
+    lengths = lengths.astype(np.int64)
+    costs = budget.padded_lengths(lengths)
+    limits = (np.arange(1, len(costs) + 1) - budget.microbatch_tokens // costs).tolist()
+    cuts = [0]
+    while cuts[-1] < len(costs):
+        cuts.append(bisect.bisect_right(limits, cuts[-1], lo=cuts[-1]))
+    return _runs(np.arange(len(costs), dtype=np.int64), lengths, costs, cuts, padded=True)
+
+
+def pack_largest_fit(lengths: np.ndarray, budget: int) -> Packed:
+    """Padding-free bins: each starts with the longest remaining sample and takes the longest that fits next.
+
+    Runs over distinct lengths: taking ``n`` samples of one length is one step, so a bin of many short samples
+    costs few Python steps. Samples of one length are taken in their input order.
+    """
+    lengths = lengths.astype(np.int64)
+    by_length = np.argsort(lengths, kind="stable")
+    ascending = lengths[by_length]
+    first = np.concatenate([[0], np.flatnonzero(np.diff(ascending)) + 1])
+    counts = np.diff(np.concatenate([first, [len(ascending)]]))
+    present, left, next_of = ascending[first].tolist(), counts.tolist(), first.tolist()
+    starts: list[int] = []
+    takes: list[int] = []
+    sizes: list[int] = []
+    tokens: list[int] = []
+    while present:
+        room, taken = budget, 0
+        while True:
+            k = bisect.bisect_right(present, room) - 1
+            if k < 0:
+                break
+            value, available = present[k], left[k]
+            n = room // value
+            if n >= available:
+                n = available
+                starts.append(next_of[k])
+                del present[k], left[k], next_of[k]
+            else:
+                starts.append(next_of[k])
+                next_of[k] += n
+                left[k] = available - n
+            takes.append(n)
+            room -= n * value
+            taken += n
+        sizes.append(taken)
+        tokens.append(budget - room)
+    token_array = np.asarray(tokens, dtype=np.int64)
+    return Packed(by_length[_concat_ranges(starts, takes)], np.asarray(sizes, dtype=np.int64), token_array, token_array)
+
+
+def pack_next_fit(lengths: np.ndarray, budget: TokenBudget) -> Packed:
+    """Samples in their given order, each microbatch taking the following samples while they fit."""
+    lengths = lengths.astype(np.int64)
+    costs = budget.padded_lengths(lengths)
+    cumulative = np.concatenate([[0], np.cumsum(lengths)])
+    cuts = [0]
+    limit = budget.microbatch_tokens
+    while cuts[-1] < len(lengths):
+        start = cuts[-1]
+        if budget.padding_free:
+            stop = bisect.bisect_right(cumulative, cumulative[start] + limit, lo=start + 1) - 1
+        else:
+            ahead = costs[start : start + limit // int(costs[start])]
+            run = np.arange(1, len(ahead) + 1) * np.maximum.accumulate(ahead)
+            stop = start + int(np.searchsorted(run, limit, side="right"))
+        cuts.append(stop)
+    return _runs(np.arange(len(lengths), dtype=np.int64), lengths, costs, cuts, padded=not budget.padding_free)
+
+
+def pack(lengths: np.ndarray, budget: TokenBudget, sort: bool = True) -> Packed:
+    """Microbatches of samples with these lengths under ``budget`` (the packer the plan uses per window)."""
+    if not sort:
+        return pack_next_fit(lengths, budget)
+    if budget.padding_free:
+        return pack_largest_fit(lengths, budget.microbatch_tokens)
+    ascending = np.argsort(lengths, kind="stable")
+    packed = pack_padded_sorted(lengths[ascending], budget)
+    packed.order = ascending[packed.order]
+    return packed
+
+
+def _concat_ranges(starts: list[int], lengths: list[int]) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a Python loop."""
+    start = np.asarray(starts, dtype=np.int64)
+    length = np.asarray(lengths, dtype=np.int64)
+    offsets = np.cumsum(length) - length
+    return np.repeat(start - offsets, length) + np.arange(int(length.sum()), dtype=np.int64)
+
+
+def _carried(packed: Packed, budget: TokenBudget, limit: int, sort: bool) -> int:
+    """How many trailing microbatches of a window to complete in the next window instead."""
+    if not budget.padding_free or not sort:  # only the last run can be short for want of samples
+        return 1 if len(packed.sizes) and packed.sizes[-1] <= limit else 0
+    floor = _CARRY_BELOW * budget.microbatch_tokens
+    count = samples = 0
+    for size, tokens in zip(packed.sizes[::-1].tolist(), packed.tokens[::-1].tolist()):
+        if tokens >= floor or samples + size > limit:
+            break
+        count, samples = count + 1, samples + size
+    return count
+
+
+# ---------------------------------------------------------------------------------------------- the epoch
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    """One epoch's steps: step ``s`` is microbatches ``step_group[s]·P … +P`` of the packing order.
+
+    Attributes:
+        order: sample indices, microbatch after microbatch, in packing order (kept microbatches only).
+        bounds: ``int64 [microbatches + 1]``: microbatch ``k`` is ``order[bounds[k]:bounds[k + 1]]``.
+        tokens: real tokens per microbatch. costs: tokens per microbatch counted against the budget.
+        step_group: packing group of each step, in the order the steps are trained.
+        step_label_tokens: predicted tokens (``length - 1`` per sample) of each step, in training order.
+        microbatches_per_step: P.
+        dropped_samples: samples of the epoch left out (fewer than one step's worth of microbatches).
+        packed_microbatches: microbatches packed, the dropped ones included.
+    """
+
+    order: np.ndarray
+    bounds: np.ndarray
+    tokens: np.ndarray
+    costs: np.ndarray
+    step_group: np.ndarray
+    step_label_tokens: np.ndarray
+    microbatches_per_step: int
+    dropped_samples: int
+    packed_microbatches: int
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_group)
+
+    def microbatch(self, step: int, k: int) -> np.ndarray:
+        """Sample indices of microbatch ``k`` (of P) of step ``step``."""
+        number = int(self.step_group[step]) * self.microbatches_per_step + k
+        return self.order[self.bounds[number] : self.bounds[number + 1]]
+
+    def step_microbatch_numbers(self, step: int) -> np.ndarray:
+        """Packing numbers of the step's P microbatches (index ``tokens``/``costs`` with them)."""
+        first = int(self.step_group[step]) * self.microbatches_per_step
+        return np.arange(first, first + self.microbatches_per_step)
+
+
+def plan_epoch(
+    lengths: np.ndarray,
+    budget: TokenBudget,
+    sort_buffer_size: int | None,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+) -> EpochPlan:
+    """The plan of one epoch (see the module docstring); every sample must fit a microbatch.
+
+    Args:
+        lengths: every sample's length (``read_lengths``).
+        budget: the token budgets and padding mode.
+        sort_buffer_size: samples packed together (sorted by length when padded); ``None``: next-fit in order.
+        seed, epoch: the order's seed and the epoch.
+        shuffle: ``False`` keeps dataset order and visits steps in packing order.
+    """
+    num_samples = len(lengths)
+    permutation = SeededPermutation(num_samples, (seed, epoch)) if shuffle else None
+    window = sort_buffer_size or _UNSORTED_WINDOW
+    sort = sort_buffer_size is not None
+    # Filled in place (4 bytes a sample below 2³¹ samples): no list of pieces to concatenate, no second copy.
+    order = np.empty(num_samples, dtype=np.int32 if num_samples < np.iinfo(np.int32).max else np.int64)
+    written = 0
+    sizes: list[np.ndarray] = []
+    tokens: list[np.ndarray] = []
+    costs: list[np.ndarray] = []
+    carry = np.empty(0, dtype=np.int64)
+    block_size = max(1, _BLOCK // window) * window  # whole windows per block of the bijection
+    for start in range(0, num_samples, block_size):
+        block_positions = np.arange(start, min(start + block_size, num_samples), dtype=np.int64)
+        block = permutation(block_positions) if permutation is not None else block_positions
+        for offset in range(0, len(block), window):
+            last = start + offset + window >= num_samples
+            items = block[offset : offset + window]
+            if len(carry):
+                items = np.concatenate([carry, items])
+            packed = pack(lengths[items], budget, sort=sort)
+            keep = len(packed.sizes) - (0 if last else _carried(packed, budget, window, sort))
+            kept_samples = int(packed.sizes[:keep].sum())
+            ordered = items[packed.order]
+            order[written : written + kept_samples] = ordered[:kept_samples]
+            written += kept_samples
+            carry = ordered[kept_samples:]
+            sizes.append(packed.sizes[:keep])
+            tokens.append(packed.tokens[:keep])
+            costs.append(packed.costs[:keep])
+    size_array, token_array, cost_array = (np.concatenate(parts) for parts in (sizes, tokens, costs))
+    per_step = budget.microbatches_per_step
+    steps = len(size_array) // per_step
+    kept = steps * per_step
+    bounds = np.concatenate([[0], np.cumsum(size_array[:kept])])
+    trained = int(bounds[-1])
+    labels_per_group = (token_array[:kept] - size_array[:kept]).reshape(steps, per_step).sum(axis=1)
+    step_group = np.arange(steps)
+    if shuffle:
+        step_group = np.random.default_rng((seed, epoch, PLAN_VERSION)).permutation(steps)
+    return EpochPlan(
+        order=order[:trained],
+        bounds=bounds,
+        tokens=token_array[:kept],
+        costs=cost_array[:kept],
+        step_group=step_group,
+        step_label_tokens=labels_per_group[step_group],
+        microbatches_per_step=per_step,
+        dropped_samples=num_samples - trained,
+        packed_microbatches=len(size_array),
+    )
+
+
+class TokenPlan:
+    """The training schedule of token-budget epochs: ``steps_in_epoch``, ``rank_microbatches``, label counts.
+
+    Plans each epoch on first use and keeps the last two (a resume asks for one epoch, training walks forward).
+
+    Args:
+        lengths: every training sample's length (checked to fit a microbatch).
+        budget: the token budgets and padding mode.
+        sort_buffer_size: samples packed together per window (``None``: next-fit in order).
+        seed: the order's seed.
+        shuffle: ``False`` keeps dataset order.
+
+    Raises:
+        ValueError: a sample that does not fit a microbatch; data that packs into fewer microbatches than one
+            step (checked on epoch 0).
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        budget: TokenBudget,
+        sort_buffer_size: int | None,
+        seed: int,
+        shuffle: bool = True,
+    ):
+        check_lengths_fit(lengths, budget)
+        self.lengths, self.budget = lengths, budget
+        self.sort_buffer_size, self.seed, self.shuffle = sort_buffer_size, seed, shuffle
+        self._cache: dict[int, EpochPlan] = {}
+        first = self.epoch(0)
+        if first.steps == 0:
+            raise ValueError(
+                f"the training dataset ({len(lengths)} samples, {int(lengths.sum())} tokens) packs into "
+                f"{first.packed_microbatches} microbatches, fewer than one step's {budget.microbatches_per_step} "
+                f"(global_batch_tokens={budget.global_batch_tokens} / microbatch_tokens={budget.microbatch_tokens});"
+                " use a smaller global_batch_tokens or more data"
+            )
+
+    def epoch(self, epoch: int) -> EpochPlan:
+        """The plan of ``epoch`` (planned now if it is not cached)."""
+        plan = self._cache.get(epoch)
+        if plan is None:
+            plan = plan_epoch(self.lengths, self.budget, self.sort_buffer_size, self.seed, epoch, self.shuffle)
+            if len(self._cache) >= 2:
+                self._cache.pop(next(iter(self._cache)))  # the one planned longest ago
+            self._cache[epoch] = plan
+        return plan
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.epoch(epoch).steps
+
+    def rank_microbatches(self, epoch: int, step: int, world_size: int, rank: int) -> list[np.ndarray]:
+        """Rank ``rank``'s M microbatches of ``step``: the step's microbatches ``k`` it owns by snake dealing."""
+        plan = self.epoch(epoch)
+        return [
+            plan.microbatch(step, k) for k in range(plan.microbatches_per_step) if snake_owner(k, world_size) == rank
+        ]
+
+    def step_label_tokens(self, epoch: int, step: int) -> int:
+        return int(self.epoch(epoch).step_label_tokens[step])
+
+    def describe(self, epoch: int = 0) -> dict[str, Any]:
+        """Figures of one epoch's plan: steps, samples and tokens per step, fill of the budget."""
+        plan = self.epoch(epoch)
+        per_step = plan.microbatches_per_step
+        samples = np.diff(plan.bounds).reshape(-1, per_step).sum(axis=1)
+        tokens = plan.tokens.reshape(-1, per_step).sum(axis=1)
+        return {
+            "steps": plan.steps,
+            "samples_per_step": (float(samples.mean()), int(samples.min()), int(samples.max())),
+            "tokens_per_step": (float(tokens.mean()), int(tokens.min()), int(tokens.max())),
+            "fill": float(plan.tokens.sum() / (len(plan.tokens) * self.budget.microbatch_tokens)),
+            "budget_used": float(plan.costs.sum() / (len(plan.costs) * self.budget.microbatch_tokens)),
+            "dropped_samples": plan.dropped_samples,
+        }
