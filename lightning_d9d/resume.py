@@ -34,17 +34,25 @@ class Fingerprint:
     """
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The compared fields, as plain values (tuples as lists)."""
+        return {field.name: _plain(getattr(self, field.name)) for field in dataclasses.fields(self) if field.compare}
 
     def mismatches(self, saved: dict[str, Any]) -> list[str]:
         """``field: checkpoint X, this run Y`` for every field that differs from a saved fingerprint."""
         differences = []
-        for field in dataclasses.fields(self):
-            now = getattr(self, field.name)
-            then = saved.get(field.name, "<missing>")
+        for name, now in self.to_dict().items():
+            then = _plain(saved.get(name, "<missing>"))
             if now != then:
-                differences.append(f"{field.name}: checkpoint {then!r}, this run {now!r}")
+                differences.append(self.describe_difference(name, then, now))
         return differences
+
+    def describe_difference(self, name: str, then: Any, now: Any) -> str:
+        """How a differing field is named in the error (a subclass may say it better for large values)."""
+        return f"{name}: checkpoint {then!r}, this run {now!r}"
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
 def mismatch_error(owner: str, differences: list[str], epoch: int) -> ValueError:
@@ -104,9 +112,6 @@ class SavedPosition:
         if not isinstance(fingerprint, dict):
             raise ValueError(f"data state has an invalid fingerprint {_short(fingerprint)}: expected a dict")
         return cls(epoch, step, dict(fingerprint))
-
-    def to_dict(self, fingerprint: Fingerprint) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step": self.step, "fingerprint": fingerprint.to_dict()}
 
 
 def _short(value: Any, limit: int = 300) -> str:

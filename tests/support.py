@@ -211,6 +211,10 @@ class RecordingModule(pl.LightningModule):
         }
         if isinstance(batch, dict) and "ids" in batch:
             line["ids"] = batch["ids"].tolist()
+        if getattr(batch, "inputs", None) is not None:  # packed rows: a digest per row, to compare steps as multisets
+            line["rows"] = [
+                digest([batch.inputs[i], batch.targets[i], batch.position_ids[i]]) for i in range(len(batch))
+            ]
         prefix = "records" if kind == "train" else "val"
         with open(Path(self.record_dir) / f"{prefix}-rank{self.global_rank}.jsonl", "a") as file:
             file.write(json.dumps(line) + "\n")

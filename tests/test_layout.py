@@ -122,7 +122,8 @@ def test_breaking_out_of_loops_stops_workers_without_the_garbage_collector(parqu
         def streaming():
             dm = PretrainingDataModule(train_files={str(parquet / "train")!r},
                                        tokenizer={str(parquet / "tokenizer.json")!r}, seq_len=32,
-                                       global_batch_size=8, microbatch_size=4, num_workers=2, steps_per_epoch=20)
+                                       global_batch_size=8, microbatch_size=4, num_workers=2, steps_per_epoch=20,
+                                       num_streams=4)
             dm.setup("fit")
             return dm
 
@@ -171,6 +172,7 @@ def test_teardown_stops_the_workers_of_a_loop_broken_off(parquet: Path, kind: st
             microbatch_size=4,
             num_workers=2,
             steps_per_epoch=20,
+            num_streams=4,
         )
     dm.setup("fit")
     loader = dm.train_dataloader()

@@ -1,21 +1,27 @@
-"""Parquet source and token stream, without Lightning: sharding, exact stream content, resume, bad input."""
+"""Parquet source and token streams, without Lightning: dealing, exact stream content, resume, bad input."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pickle
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from support import BOS, WORDS, make_docs, train_tokenizer, write_parquet
 
-from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-from lightning_d9d.streaming.loader import rank_stream_iterator
-from lightning_d9d.streaming.packing import microbatch_tensors
-from lightning_d9d.streaming.source import RowGroupIndex, deal, pass_order, resolve_files, stream_id
-from lightning_d9d.streaming.stream import StreamSpec, TokenStream, estimate_pass
+from lightning_d9d import PretrainingDataModule
+from lightning_d9d.streaming import bestfit_restore, tokenize
+from lightning_d9d.streaming.estimate import estimate_pass
+from lightning_d9d.streaming.loader import rank_blocks, rank_streams
+from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
+from lightning_d9d.streaming.reader import ReadPosition
+from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order, resolve_files
+from lightning_d9d.streaming.stream import PACKINGS, StreamSpec, StreamState, TokenStream
 
 
 @pytest.fixture(scope="module")
@@ -29,36 +35,52 @@ def corpus(tmp_path_factory) -> dict:
 
 
 def spec_for(corpus: dict, packing: str, streams: int = 2, seq_len: int = 24, **kw) -> StreamSpec:
-    tok = corpus["tok"]
-    options = dict(microbatch_size=2, seed=0, shuffle=True, tokenizer_batch_size=8, buffer_size=16)
+    tok, index = corpus["tok"], kw.pop("index", corpus["index"])
+    options = dict(rows_per_block=2, seed=0, shuffle=True, tokenizer_batch_size=8, buffer_size=16)
     options.update(kw)
     return StreamSpec(
-        index=corpus["index"],
+        index=index,
+        units=Units.of(index, streams),
         tokenizer_json=tok.to_str(),
         bos_id=tok.token_to_id(BOS),
         seq_len=seq_len,
         packing=packing,
         num_streams=streams,
+        pad_id=tok.token_to_id("<unk>"),
         **options,
     )
 
 
 def take(stream: TokenStream, n: int) -> list:
-    """``n`` microbatches as ``(inputs, targets, position_ids, state)``, the tensors the loader builds."""
+    """``n`` blocks as ``(inputs, targets, position_ids, state)``, the tensors the loader builds."""
     iterator = iter(stream)
     out = [next(iterator) for _ in range(n)]
     iterator.close()
-    return [(*microbatch_tensors(rows, stream.spec.bos_id), state) for rows, state in out]
+    tensors = []
+    for block, state in out:
+        if block.flags is None:
+            tensors.append((*microbatch_tensors(block.tokens, stream.spec.bos_id), state))
+        else:
+            tensors.append((*split_microbatch_tensors(block.tokens, block.flags), state))
+    return tensors
 
 
-def assert_same_microbatches(got: list, want: list) -> None:
-    """Identical tensors and identical states (best-fit's buffer included), microbatch by microbatch."""
+def assert_same_blocks(got: list, want: list) -> None:
+    """Identical tensors and identical states (best-fit's buffer included), block by block."""
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
-        assert a[3].keys() == b[3].keys()
-        for key in a[3]:
-            np.testing.assert_array_equal(a[3][key], b[3][key], err_msg=key)
+        sa, sb = a[3].to_dict(), b[3].to_dict()
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
+
+
+def unit_text(spec: StreamSpec, stream: int, read: ReadPosition) -> str | None:
+    """The text a position points at ("(end)" past its unit)."""
+    unit = int(spec.stream_units(stream).of_pass(read.pass_index)[read.slot])
+    texts = spec.index.read_texts(int(spec.units.group[unit]))
+    return texts[read.row] if read.row < int(spec.units.stop[unit]) else "(end)"
 
 
 # ---------------------------------------------------------------------------------------------- source
@@ -75,33 +97,40 @@ def test_files_resolve_from_directory_glob_list_and_file_url(corpus: dict) -> No
     assert index.read_texts(0) == corpus["docs"][:20]
 
 
-def test_each_pass_deals_every_row_group_to_exactly_one_rank_and_worker(corpus: dict) -> None:
-    groups = len(corpus["index"])
-    for world, workers in [(1, 0), (1, 2), (2, 2), (3, 1), (2, 0)]:
-        streams = world * max(1, workers)
-        for pass_index in range(3):
-            order = pass_order(groups, 7, pass_index)
-            dealt = [
-                deal(order, stream_id(r, w, workers), streams) for r in range(world) for w in range(max(1, workers))
-            ]
-            together = np.concatenate(dealt)
-            assert sorted(together.tolist()) == list(range(groups))  # each once, none missing
-            assert max(map(len, dealt)) - min(map(len, dealt)) <= 1
-    assert not np.array_equal(pass_order(groups, 7, 0), pass_order(groups, 7, 1))  # reshuffled every pass
-    np.testing.assert_array_equal(pass_order(groups, 7, 1), pass_order(groups, 7, 1))
+@pytest.mark.parametrize("streams", [1, 2, 3, 8, 24, 40])
+def test_each_pass_deals_every_unit_to_exactly_one_stream(corpus: dict, streams: int) -> None:
+    index = corpus["index"]  # 24 row groups of 20 rows
+    units = Units.of(index, streams)
+    assert len(units) >= streams
+    # Units cover every row of every row group exactly once.
+    covered = sorted((g, r) for g, a, b in zip(units.group, units.start, units.stop) for r in range(a, b))
+    assert covered == [(g, r) for g in range(len(index)) for r in range(int(index.num_rows[g]))]
+    for pass_index in range(3):
+        order = pass_order(len(units), 7, pass_index)
+        dealt = [deal(order, s, streams) for s in range(streams)]
+        assert sorted(np.concatenate(dealt).tolist()) == list(range(len(units)))  # each once, none missing
+        assert max(map(len, dealt)) - min(map(len, dealt)) <= 1 and min(map(len, dealt)) >= 1
+    assert not np.array_equal(pass_order(len(units), 7, 0), pass_order(len(units), 7, 1))  # reshuffled
+    np.testing.assert_array_equal(pass_order(len(units), 7, 1), pass_order(len(units), 7, 1))
 
 
-def test_streams_read_their_dealt_row_groups_in_order_and_cycle_passes(corpus: dict) -> None:
+def test_fewer_rows_than_streams_is_an_error_naming_both(corpus: dict, tmp_path: Path) -> None:
+    write_parquet(tmp_path, ["wa wb"] * 5, files=1, row_group_size=5)
+    index = RowGroupIndex.scan(resolve_files(str(tmp_path)), "text")
+    with pytest.raises(ValueError, match="the files hold 5 rows, fewer than num_streams=8"):
+        Units.of(index, 8)
+
+
+def test_streams_read_their_dealt_units_in_order_and_cycle_passes(corpus: dict) -> None:
     spec = spec_for(corpus, "bestfit", streams=3, buffer_size=4)
-    stream = TokenStream(spec, 1)
     read: list[int] = []
     original = spec.index.read_texts
     spec.index.read_texts = lambda group: (read.append(group), original(group))[1]  # type: ignore[method-assign]
     try:
-        take(stream, 60)
+        take(TokenStream(spec, 1), 60)
     finally:
         del spec.index.read_texts
-    expected = np.concatenate([deal(pass_order(len(spec.index), 0, p), 1, 3) for p in range(4)]).tolist()
+    expected = np.concatenate([spec.stream_units(1).of_pass(p) for p in range(4)]).tolist()
     assert read == expected[: len(read)] and len(read) > len(spec.index) // 3  # went past a pass boundary
 
 
@@ -115,16 +144,19 @@ def test_concat_rows_decode_back_to_the_documents_in_stream_order(corpus: dict) 
     tokens = rows.ravel()
     bos = tok.token_to_id(BOS)
     pieces = np.split(tokens, np.flatnonzero(tokens == bos))[1:]  # the stream starts at a BOS
-    order = np.concatenate([deal(pass_order(len(spec.index), 0, p), 0, 2) for p in range(3)])
-    expected = [t for g in order for t in spec.index.read_texts(int(g)) if t]
+    order = np.concatenate([spec.stream_units(0).of_pass(p) for p in range(3)])
+    expected = [t for unit in order for t in spec.index.read_texts(int(spec.units.group[unit])) if t]
     decoded = [tok.decode(piece[1:].tolist()) for piece in pieces]
     assert decoded[:-1] == expected[: len(decoded) - 1]
     assert expected[len(decoded) - 1].startswith(decoded[-1])  # the last document is cut by the last row
-    state = out[-1][3]
-    assert state["empty"] > 0 and state["docs"] > state["empty"]
+    counters = out[-1][3].counters
+    assert counters.empty > 0 and counters.docs == len(decoded)
+    # tokens counts the documents begun, the one inside which the position stands included
+    assert counters.tokens == sum(len(tok.encode(text).ids) + 1 for text in expected[: len(decoded)])
+    assert counters.emitted == 150 * 2 * 25 and counters.tokens >= counters.emitted
 
 
-@pytest.mark.parametrize("packing", ["concat", "bestfit"])
+@pytest.mark.parametrize("packing", PACKINGS)
 def test_tokenizer_post_processor_truncation_and_padding_do_not_reach_the_rows(corpus: dict, packing: str) -> None:
     # A tokenizer.json as found in the wild: a template that adds BOS itself (Llama-style "<s> $A"), and
     # truncation and padding saved on. The stream must still put exactly one BOS per document, whole and unpadded.
@@ -158,29 +190,66 @@ def test_bestfit_rows_start_at_bos_and_positions_restart_there(corpus: dict) -> 
         assert inputs.dtype == targets.dtype == positions.dtype == torch.int64
         assert ((positions == 0) == ((inputs == bos) | (torch.arange(inputs.shape[1]) == 0))).all()
         assert (positions[:, 1:][inputs[:, 1:] != bos] == positions[:, :-1][inputs[:, 1:] != bos] + 1).all()
-    state = out[-1][3]
-    assert state["crops"] > 0 and state["cropped"] > 0
-    assert state["emitted"] == 80 * 2 * 25
+    counters = out[-1][3].counters
+    assert counters.crops > 0 and counters.cropped > 0
+    assert counters.emitted == 80 * 2 * 25
+    buffered = int(out[-1][3].packing.buffer[:, 1].sum())
+    assert counters.tokens == counters.emitted + counters.cropped + buffered  # every token taken is accounted for
+
+
+def test_bestfit_split_keeps_every_document_that_fits_whole_and_pads_rarely(corpus: dict) -> None:
+    spec = spec_for(corpus, "bestfit_split", seq_len=40, buffer_size=24)
+    tok, capacity = corpus["tok"], spec.capacity
+    iterator = iter(TokenStream(spec, 0))
+    blocks = [next(iterator) for _ in range(150)]
+    iterator.close()
+    order = np.concatenate([spec.stream_units(0).of_pass(p) for p in range(4)])
+    documents = [
+        [spec.bos_id, *tok.encode(text).ids]
+        for unit in order
+        for text in spec.index.read_texts(int(spec.units.group[unit]))
+        if text
+    ]
+    pieces = []
+    for block, _ in blocks:
+        _, targets, positions = split_microbatch_tensors(block.tokens, block.flags)
+        for row, flags in zip(block.tokens, block.flags):
+            starts = [*np.flatnonzero(flags & 1).tolist(), capacity]
+            for a, b in itertools.pairwise(starts):
+                if not (flags[a] & 2 and row[a] == spec.pad_id and (flags[a:b] & 2).all()):
+                    pieces.append(row[a:b].tolist())
+        assert (positions[:, 0] == 0).all()
+        assert (targets[torch.from_numpy(block.flags[:, 1:] & 2 != 0)] == -100).all()
+    counters = blocks[-1][1].counters
+    taken = documents[: counters.docs]
+    wholes = {tuple(d) for d in taken if len(d) <= capacity}
+    chunks = {tuple(d[i : i + capacity]) for d in taken if len(d) > capacity for i in range(0, len(d), capacity)}
+    assert counters.split_docs == sum(len(d) > capacity for d in taken) > 0
+    for piece in map(tuple, pieces):
+        # Every piece is a whole document that fits a row, or a row-sized chunk of a longer one (consecutive,
+        # non-overlapping): nothing that fits is ever cut, nothing is cropped.
+        assert piece in wholes or piece in chunks, piece
+    assert len(pieces) == len(set(map(tuple, pieces))) or len(taken) != len(set(map(tuple, taken)))
+    assert sum(piece in wholes for piece in map(tuple, pieces)) > len(wholes) // 2
+    assert counters.padding / (counters.rows * capacity) < 0.05
+    assert counters.emitted + counters.padding == counters.rows * capacity
 
 
 # ---------------------------------------------------------------------------------------------- resume
-@pytest.mark.parametrize("packing", ["concat", "bestfit"])
-def test_resume_from_any_microbatch_is_byte_identical(corpus: dict, packing: str) -> None:
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_resume_from_any_block_is_byte_identical(corpus: dict, packing: str) -> None:
     spec = spec_for(corpus, packing, streams=4, seq_len=40)
     full = take(TokenStream(spec, 1), 120)
-    passes = {state["pass"] for *_, state in full}
-    assert len(passes) > 1, "the run must cross a pass boundary"
+    assert len({state.packing.read.pass_index for *_, state in full}) > 1, "the run must cross a pass boundary"
     for cut in [0, 1, 17, 63, 64, 90]:
-        state = pickle.loads(pickle.dumps(full[cut][3]))  # what a checkpoint would carry
-        assert_same_microbatches(take(TokenStream(spec, 1, state), 120 - cut - 1), full[cut + 1 :])
+        saved = pickle.loads(pickle.dumps(full[cut][3].to_dict()))  # what a checkpoint would carry
+        assert_same_blocks(take(TokenStream(spec, 1, StreamState.from_dict(saved)), 120 - cut - 1), full[cut + 1 :])
 
 
 def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
     """Record the texts of every ``encode_batch_fast`` call the token streams make from now on."""
-    from lightning_d9d.streaming import stream as token_stream
-
     calls: list[list[str]] = []
-    real = token_stream.load_tokenizer
+    real = tokenize.load_tokenizer
 
     class Spy:
         def __init__(self, tok):
@@ -190,7 +259,8 @@ def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
             calls.append(list(texts))
             return self.tok.encode_batch_fast(texts, **options)
 
-    monkeypatch.setattr(token_stream, "load_tokenizer", lambda s: Spy(real(s)))
+    for module in (tokenize, bestfit_restore):
+        monkeypatch.setattr(module, "load_tokenizer", lambda s: Spy(real(s)))
     return calls
 
 
@@ -198,9 +268,9 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
     spec = spec_for(corpus, "bestfit", seq_len=12, buffer_size=24)
     full = take(TokenStream(spec, 0), 40)
     state = full[20][3]
-    buffer = state["buffer"]
+    buffer = state.packing.buffer
     assert (buffer[:, 1] > spec.capacity).any()  # long documents are buffered
-    assert state["buffer"].nbytes + 200 < 1 << 20
+    assert buffer.nbytes + 200 < 1 << 20
     calls = spy_on_tokenizer_calls(monkeypatch)
     resumed = take(TokenStream(spec, 0, state), 19)
     for a, b in zip(full[21:], resumed):
@@ -209,67 +279,62 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
     assert max(len(t) for texts in calls for t in texts) < longest  # the longest were not re-tokenized whole
 
 
-@pytest.mark.parametrize("packing", ["concat", "bestfit"])
+@pytest.mark.parametrize("packing", PACKINGS)
 def test_how_documents_are_batched_for_the_tokenizer_changes_no_row_or_state(
     corpus: dict, packing: str, monkeypatch, tmp_path: Path
 ) -> None:
     """Workers cap a call's text (``chunk_chars``); rows, states and resume from any of them must not depend on
     where calls end, even where a state points at an empty row that one batching has read and another not."""
     if packing == "concat":
-        # concat's states fall between documents only where a microbatch ends exactly at one: documents of 5
-        # tokens (BOS + 4 words) fill a 2 x 25-token microbatch exactly, and every third row is empty or null.
+        # concat's states fall between documents only where a block ends exactly at one: documents of 5
+        # tokens (BOS + 4 words) fill a 2 x 25-token block exactly, and every third row is empty or null.
         rng = np.random.default_rng(5)
         docs = [None if i % 6 == 2 else "" if i % 6 == 5 else " ".join(rng.choice(WORDS, 4)) for i in range(600)]
         write_parquet(tmp_path / "aligned", docs, files=3, row_group_size=20)
         index = RowGroupIndex.scan(resolve_files(str(tmp_path / "aligned")), "text")
-        plain, cap = spec_for({**corpus, "index": index}, packing, streams=4, seq_len=24), 40
+        plain, cap = spec_for(corpus, packing, streams=4, seq_len=24, index=index), 40
     else:
         plain, cap = spec_for(corpus, packing, streams=4, seq_len=40), 600
     n = 120
     full = take(TokenStream(plain, 1), n)
-    assert len({state["pass"] for *_, state in full}) > 1, "the run must cross a pass boundary"
-
-    def text_at(state: dict) -> str | None:
-        groups = deal(pass_order(len(plain.index), plain.seed, state["pass"], plain.shuffle), 1, plain.num_streams)
-        texts = plain.index.read_texts(int(groups[state["slot"]]))
-        return texts[state["row"]] if state["row"] < len(texts) else "(end)"
-
-    assert any(not text_at(state) for *_, state in full), "no state points at an empty row: the case is untested"
+    assert len({state.packing.read.pass_index for *_, state in full}) > 1, "the run must cross a pass boundary"
+    assert any(not unit_text(plain, 1, state.packing.read) for *_, state in full), "no state points at an empty row"
 
     calls = spy_on_tokenizer_calls(monkeypatch)
     capped = dataclasses.replace(plain, chunk_chars=cap)
-    assert_same_microbatches(take(TokenStream(capped, 1), n), full)
+    assert_same_blocks(take(TokenStream(capped, 1), n), full)
     sizes = [(len(texts), sum(map(len, texts))) for texts in calls]
     assert all(docs == 1 or chars <= cap for docs, chars in sizes), sizes
     assert any(docs > 1 for docs, _ in sizes)
-    assert any(chars > cap for _, chars in sizes) == (packing == "bestfit")  # only that corpus has longer docs
+    assert any(chars > cap for _, chars in sizes) == (packing != "concat")  # only that corpus has longer docs
     one_per_call = dataclasses.replace(plain, tokenizer_batch_size=1)  # a call boundary after every document
-    assert_same_microbatches(take(TokenStream(one_per_call, 1), n), full)
+    assert_same_blocks(take(TokenStream(one_per_call, 1), n), full)
     for variant in (capped, one_per_call):
         for cut in (17, 45, 90):
-            assert_same_microbatches(take(TokenStream(variant, 1, full[cut][3]), n - cut - 1), full[cut + 1 :])
+            assert_same_blocks(take(TokenStream(variant, 1, full[cut][3]), n - cut - 1), full[cut + 1 :])
 
 
-@pytest.mark.parametrize("packing", ["concat", "bestfit"])
-def test_worker_processes_hand_over_exactly_their_streams_rows_round_robin(corpus: dict, packing: str) -> None:
-    """Rows cross from the DataLoader workers as compact int32 arrays, each stream's in its own order."""
-    spec = spec_for(corpus, packing, streams=4)  # 2 ranks x 2 workers; this is rank 1
-    loader = rank_stream_iterator(spec, rank=1, num_workers=2, states={})
-    got = [next(loader) for _ in range(40)]
-    del loader
-    for sid in (stream_id(1, 0, 2), stream_id(1, 1, 2)):
-        iterator = iter(TokenStream(spec, sid))
-        expected = [next(iterator) for _ in range(20)]
+@pytest.mark.parametrize("packing", ["concat", "bestfit_split"])
+def test_worker_processes_hand_over_exactly_their_streams_blocks_in_a_fixed_order(corpus: dict, packing: str) -> None:
+    """Blocks cross from the DataLoader workers as compact int32 arrays, each stream's in its own order."""
+    spec = spec_for(corpus, packing, streams=8)
+    streams = rank_streams(8, world_size=2, rank=1)  # rank 1 of 2 owns streams 4..7; 2 workers host 2 each
+    assert streams == [4, 5, 6, 7]
+    blocks = rank_blocks(spec, streams, num_workers=2, states={})
+    got = [next(blocks) for _ in range(40)]
+    del blocks
+    # Worker 0 hosts streams 4 and 6, worker 1 streams 5 and 7; the DataLoader alternates between them.
+    assert [sid for sid, _, _ in got[:8]] == [4, 5, 6, 7] * 2
+    for sid in streams:
+        iterator = iter(TokenStream(dataclasses.replace(spec, chunk_chars=1 << 18), sid))
+        expected = [next(iterator) for _ in range(10)]
         iterator.close()
-        mine = [(rows, state) for rows, s, state in got if s == sid]
-        assert len(mine) == 20
-        for (rows, state), (want_rows, want_state) in zip(mine, expected):
-            assert rows.dtype == np.int32 and rows.shape == (2, spec.capacity)
-            np.testing.assert_array_equal(rows, want_rows)
-            assert state.keys() == want_state.keys()
-            for key in state:
-                np.testing.assert_array_equal(state[key], want_state[key])
-    assert [s for _, s, _ in got[:4]] == [stream_id(1, 0, 2), stream_id(1, 1, 2)] * 2
+        mine = [(block, state) for s, block, state in got if s == sid]
+        assert len(mine) == 10
+        for (block, state), (want, want_state) in zip(mine, expected):
+            assert block.tokens.dtype == np.int32 and block.tokens.shape == (2, spec.capacity)
+            np.testing.assert_array_equal(block.tokens, want.tokens)
+            assert state.counters == want_state.counters and state.packing.read == want_state.packing.read
 
 
 def test_estimated_pass_is_close_to_the_counted_tokens(corpus: dict) -> None:
@@ -280,6 +345,43 @@ def test_estimated_pass_is_close_to_the_counted_tokens(corpus: dict) -> None:
     assert abs(tokens - counted) / counted < 0.05 and rows == tokens / spec.capacity
     _, bestfit_rows = estimate_pass(spec_for(corpus, "bestfit"))
     assert 0 < bestfit_rows < rows
+
+
+# ---------------------------------------------------------------------------------------------- text-free data
+def test_text_free_row_groups_are_skipped_and_counted_on_every_stream(corpus: dict, tmp_path: Path) -> None:
+    """2 of 6 row groups hold only null or empty text; with 3 streams some stream meets passes of only those."""
+    rng = np.random.default_rng(2)
+    texts = [" ".join(rng.choice(WORDS, 6)) for _ in range(40)]
+    groups = [texts[:10], [None] * 10, texts[10:20], [""] * 5 + [None] * 5, texts[20:30], texts[30:]]
+    path = tmp_path / "holes.parquet"
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+        for group in groups:
+            writer.write_table(pa.table({"text": pa.array(group, pa.string())}))
+    dm = PretrainingDataModule(
+        train_files=str(path),
+        tokenizer=str(corpus["root"] / "tokenizer.json"),
+        seq_len=8,
+        global_batch_size=6,
+        microbatch_size=2,
+        num_streams=3,
+        num_workers=3,
+        steps_per_epoch=40,
+    )
+    dm.setup("fit")
+    assert dm.train_spec.index.text_free.tolist() == [False, True, False, True, False, False]
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 40 * 3
+    stats = dm.stream_stats()
+    assert stats["text_free_units"] > 0 and stats["docs"] > 0
+
+
+def test_a_corpus_without_any_text_fails_at_setup(corpus: dict, tmp_path: Path) -> None:
+    write_parquet(tmp_path, [None, ""] * 20, files=2, row_group_size=5)
+    dm = PretrainingDataModule(
+        train_files=str(tmp_path), tokenizer=str(corpus["root"] / "tokenizer.json"), num_streams=4, num_workers=0
+    )
+    with pytest.raises(ValueError, match=r"train_files hold no text: every value of column 'text' in 2 file\(s\)"):
+        dm.setup("fit")
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -296,6 +398,7 @@ def base_options(corpus: dict, **changes) -> dict:
         seq_len=16,
         global_batch_size=4,
         microbatch_size=2,
+        num_streams=2,
         num_workers=0,
         tokenizer_batch_size=8,
     )
@@ -313,6 +416,7 @@ def base_options(corpus: dict, **changes) -> dict:
         "steps_per_epoch",
         "val_steps",
         "bestfit_buffer_size",
+        "num_streams",
     ],
 )
 @pytest.mark.parametrize("value", [0, -1])
@@ -324,18 +428,40 @@ def test_sizes_must_be_positive(corpus: dict, name: str, value: int) -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"packing": "greedy"}, "packing='greedy' is not valid.*bestfit.*concat"),
+        ({"packing": "greedy"}, "packing='greedy' is not valid.*bestfit.*bestfit_split.*concat"),
         ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
         (
             {"global_batch_size": 6, "microbatch_size": 4},
             "global_batch_size=6 is not divisible by world_size × microbatch_size = 1 × 4",
         ),
         ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+        ({"on_order_mismatch": "skip"}, r"on_order_mismatch must be one of \['raise', 'restart_epoch'\]"),
     ],
 )
 def test_bad_options_name_the_value(corpus: dict, change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PretrainingDataModule(**base_options(corpus, **change))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"num_streams": 3, "global_batch_size": 4},
+            r"global_batch_size=4 is not divisible by num_streams=3: .* use num_streams in \[1, 2, 4\]",
+        ),
+        (
+            {"num_streams": 4, "num_workers": 3, "global_batch_size": 8},
+            r"num_workers=3 workers cannot share the 4 streams of each rank \(num_streams=4, world_size=1\).*"
+            r"num_workers in \[0, 1, 2, 4\]",
+        ),
+    ],
+)
+def test_a_layout_that_cannot_share_the_streams_names_k_and_what_is_valid(
+    corpus: dict, change: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        setup_dm(**base_options(corpus, **change))
 
 
 def test_no_matching_file_names_the_pattern(corpus: dict, tmp_path: Path) -> None:
@@ -371,14 +497,17 @@ def test_tokenizer_without_bos_lists_its_special_tokens(corpus: dict, tmp_path: 
         setup_dm(**base_options(corpus, tokenizer=str(tmp_path / "nobos.json")))
     with pytest.raises(ValueError, match="tokenizer='.*absent.json' is not a file"):
         setup_dm(**base_options(corpus, tokenizer=str(tmp_path / "absent.json")))
+    (tmp_path / "bad.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="tokenizer='.*bad.json' is not a valid tokenizers JSON file"):
+        setup_dm(**base_options(corpus, tokenizer=str(tmp_path / "bad.json")))
 
 
 def test_too_small_dataset_fails_at_setup_not_in_a_hang(corpus: dict, tmp_path: Path) -> None:
     write_parquet(tmp_path / "small", ["wa wb wc"] * 10, files=1, row_group_size=5)
     with pytest.raises(ValueError, match="too small for one optimizer step.*global_batch_size=4"):
         setup_dm(**base_options(corpus, train_files=str(tmp_path / "small")))
-    with pytest.raises(ValueError, match=r"hold 2 parquet row groups, fewer than the 3 streams"):
-        setup_dm(**base_options(corpus, train_files=str(tmp_path / "small"), num_workers=3, steps_per_epoch=1))
+    with pytest.raises(ValueError, match=r"the files hold 10 rows, fewer than num_streams=16"):
+        setup_dm(**base_options(corpus, train_files=str(tmp_path / "small"), num_streams=16, global_batch_size=16))
 
 
 def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Path) -> None:
@@ -390,6 +519,7 @@ def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Pa
             seq_len=4,
             global_batch_size=2,
             microbatch_size=1,
+            num_streams=1,
             steps_per_epoch=3,
             packing="concat",
         )
@@ -398,9 +528,10 @@ def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Pa
     assert len(batches) == 6
     _, _, states = dm.position.committed
     (state,) = states.values()
-    assert state["empty"] == 2 * state["docs"] // 3 > 0
+    # Two documents (3 and 2 tokens with BOS) per six rows, four of them empty or null; 30 tokens emitted.
+    assert state.counters.empty == 2 * state.counters.docs - 1 > 0
     stats = dm.stream_stats()
-    assert stats["empty"] == state["empty"] and stats["emitted"] == 6 * 5 and stats["crops"] == 0
+    assert stats["empty"] == state.counters.empty and stats["emitted"] == 6 * 5 and stats["crops"] == 0
 
 
 def test_negative_chunk_chars_names_the_value(corpus: dict) -> None:

@@ -1,24 +1,27 @@
-"""PretrainingDataModule: parquet → tokens → packed rows, streamed, equal on every rank, exactly resumable.
+"""PretrainingDataModule: parquet → tokens → packed rows, streamed, the same global batches on any GPU count.
 
-Pipeline: ``parquet_source`` (files → row groups, a seeded order per pass dealt to (rank, worker)) →
-``token_stream`` (read + ``encode_batch_fast`` ahead in a thread, pack with ``token_packing``) →
-``token_loader`` (one stream per DataLoader worker, round-robin, position committed per optimizer step) →
-pin → transfer. This is the only one of those stages that imports Lightning.
+Pipeline: ``streaming.source`` (files → row groups → units, each pass's units dealt to K streams) →
+``streaming.stream`` (per stream: reader → tokenizing prefetch → packing) → ``streaming.loader`` (the streams a
+rank owns, in DataLoader workers; step ``s`` is rows ``[s·G/K, (s+1)·G/K)`` of every stream) → pin → transfer.
 
-Epochs: the streams never end (each cycles through passes over its row groups, reshuffled every pass), so an
-epoch is a *count*: ``steps_per_epoch`` optimizer steps, i.e. ``steps_per_epoch * M`` microbatches on every
-rank (M = G / (world_size * microbatch_size)). Every rank yields exactly that many: no DDP hang is possible
-from uneven data. The default ``steps_per_epoch`` is one pass's worth, *estimated* from the parquet footers'
-row counts and a tokenized sample (see ``token_stream.estimate_pass``), not counted.
+Topology independence: the K streams are functions of the data and the settings only, and a step takes the
+same rows from each, so the rows of global step ``s`` — as a multiset over ranks and microbatches — do not
+depend on the world size, ``num_workers`` or ``microbatch_size``; one process and eight train the same global
+batches. Valid layouts: the world size divides K, ``num_workers`` divides K / world size, K divides G (see
+``streaming.loader.check_layout``); the default K = 16 serves 1, 2, 4 and 8 ranks with 2 workers each.
 
-Resume: ``state_dict`` holds, for every rank and stream, the stream's position at the last optimizer-step
-boundary (gathered to rank 0 with ``all_gather_object``, because Lightning saves only rank 0's checkpoint and
-every rank loads it), plus a fingerprint of everything that decides the row sequence. Lightning's own restored
-batch counters are aligned to that step (``SteppedDataModule``, shared with ``D9DDataModule``).
+Epochs: the streams never end (each cycles through passes, reshuffled every pass), so an epoch is a *count*:
+``steps_per_epoch`` optimizer steps, i.e. ``steps_per_epoch * M`` microbatches on every rank (M = G / (W·m)), so
+no DDP hang is possible from uneven data. The default ``steps_per_epoch`` is one pass's worth, *estimated* from
+the parquet footers and a tokenized sample (``streaming.estimate``), not counted.
 
-Trade-off: sequence is defined per (world_size, num_workers, microbatch_size) layout; a checkpoint from another
-layout is refused rather than approximately continued (the per-stream state is designed so that an elastic
-re-dealing can be added later).
+Resume: ``state_dict`` holds every stream's state at the last optimizer-step boundary (gathered from all ranks
+with ``all_gather_object``, because Lightning saves only rank 0's checkpoint and every rank loads it) and the
+fingerprint of everything that decides the rows; any layout valid for K restores it, each rank taking the
+streams it now owns. Lightning's own restored batch counters are aligned to that step (``SteppedDataModule``).
+
+Trade-off: a larger K serves more layouts but holds K best-fit buffers and starts K streams after every resume;
+and a stream is a sequence, so a step's rows come from K places of the corpus rather than from a global shuffle.
 """
 
 from __future__ import annotations
@@ -26,28 +29,45 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
-from lightning_d9d.datamodules.base import SteppedDataModule
+from lightning_d9d.datamodules.base import ON_ORDER_MISMATCH, OnOrderMismatch, SteppedDataModule
 from lightning_d9d.device.pin import pin_batch
 from lightning_d9d.resume import Fingerprint
-from lightning_d9d.streaming.loader import StreamPosition, TokenTrainLoader, TokenValidationLoader
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
-from lightning_d9d.streaming.stream import PACKINGS, StreamSpec, estimate_pass
+from lightning_d9d.streaming.estimate import estimate_pass, first_text
+from lightning_d9d.streaming.loader import (
+    StreamPosition,
+    TokenTrainLoader,
+    TokenValidationLoader,
+    check_layout,
+    rank_streams,
+)
+from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
+from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
+from lightning_d9d.streaming.stream import PACKINGS, RowBlock, StreamCounters, StreamSpec, StreamState
+from lightning_d9d.text.tokenize import PAD_TOKEN_CANDIDATES
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+DEFAULT_NUM_STREAMS = 16
 
 
 @dataclass(frozen=True)
 class StreamFingerprint(Fingerprint):
-    """What decides the rows a stream yields (how documents are batched for the tokenizer does not)."""
+    """What decides the rows of every step (how documents are batched for the tokenizer does not).
+
+    ``file_digests`` holds one footer digest per file (row counts, sizes and text statistics of its row
+    groups), so a file rewritten with other text is noticed and named; ``file_labels`` only names files in
+    messages and is not compared.
+    """
 
     files: str
+    file_digests: tuple[int, ...]
     text_column: str
     tokenizer: str
     bos_token: str
@@ -55,7 +75,19 @@ class StreamFingerprint(Fingerprint):
     packing: str
     seed: int
     global_batch_size: int
+    num_streams: int
     bestfit_buffer_size: int
+    file_labels: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def describe_difference(self, name: str, then: Any, now: Any) -> str:
+        if name != "file_digests":
+            return super().describe_difference(name, then, now)
+        if len(then) != len(now):
+            return f"file_digests: checkpoint {len(then)} files, this run {len(now)}"
+        changed = [i for i, (a, b) in enumerate(zip(then, now)) if a != b]
+        names = [self.file_labels[i] if i < len(self.file_labels) else f"file {i}" for i in changed]
+        shown = ", ".join(repr(name) for name in names[:5]) + (" ..." if len(names) > 5 else "")
+        return f"files: {len(changed)} of {len(now)} changed since the checkpoint ({shown})"
 
 
 @dataclass
@@ -64,8 +96,12 @@ class PretrainingBatch:
 
     Attributes:
         inputs: ``(microbatch_size, seq_len)`` int64 token ids.
-        targets: ``(microbatch_size, seq_len)`` int64, ``inputs`` shifted left by one (the next token).
-        position_ids: ``(microbatch_size, seq_len)`` int64, 0 at every row start and at every BOS.
+        targets: ``(microbatch_size, seq_len)`` int64: the next token of each input; ``-100`` (PyTorch's
+            ``ignore_index``) where there is none (``bestfit_split``: padding, and where a continuation chunk
+            follows another document). ``bestfit_split``'s padding inputs are the tokenizer's pad token (or a
+            usual pad token, else any id but BOS).
+        position_ids: ``(microbatch_size, seq_len)`` int64: 0 at every row start and every document start
+            (BOS), and, for ``bestfit_split``, at every chunk start and every padding run, counting up from there.
     """
 
     inputs: torch.Tensor
@@ -77,7 +113,7 @@ class PretrainingBatch:
 
 
 class PretrainingDataModule(SteppedDataModule):
-    """Stream parquet text into packed token rows for ``Trainer.fit``, with exact resume.
+    """Stream parquet text into packed token rows for ``Trainer.fit``: the same global batches on any GPU count.
 
     Args:
         train_files: a directory, a glob, a file, a ``s3://``/``gs://``/``file://`` (or any fsspec) URL of
@@ -90,23 +126,30 @@ class PretrainingDataModule(SteppedDataModule):
         val_files: optional validation files (same forms), read in file order from the start on every run.
         text_column: the column holding the documents.
         bos_token: the token prepended to every document; it must be in the tokenizer's vocabulary.
-        packing: ``"bestfit"`` (every row starts at BOS, cropping) or ``"concat"`` (one stream, no waste).
+        packing: ``"bestfit"`` (every row starts at BOS; a document that does not fit is cropped, its rest
+            dropped), ``"bestfit_split"`` (documents longer than a row are split into row-sized chunks, nothing
+            fitting a row is ever cut, gaps are padded) or ``"concat"`` (one token stream cut into rows).
         steps_per_epoch: optimizer steps per Lightning epoch; ``None``: one pass's worth, estimated.
         val_steps: validation microbatches per rank per validation run; ``None``: one pass's worth, estimated.
-        num_workers: DataLoader worker processes per rank; each runs one stream and tokenizes on one core, so
-            this is the number of cores a rank tokenizes on. 0 runs one stream in the training process, whose
-            tokenizer then uses every core.
+        num_streams: K, the streams the corpus is dealt to; the rows of every step are a function of K and the
+            data, whatever the world size, ``num_workers`` or ``microbatch_size``. The world size must divide K,
+            ``num_workers`` must divide K / world size, and K must divide ``global_batch_size``.
+        num_workers: DataLoader worker processes per rank; each tokenizes on one core and hosts K / (world size
+            · num_workers) streams. 0 runs the rank's streams in the training process, whose tokenizer then uses
+            every core.
         tokenizer_batch_size: documents per ``encode_batch_fast`` call, at most (a worker's call also ends at
-            ``token_loader.WORKER_CHUNK_CHARS`` characters of text: on one core a larger call is no faster, only
-            burstier).
-        seed: seeds the row-group order of every pass.
-        bestfit_buffer_size: documents best-fit chooses from.
+            ``streaming.loader.WORKER_CHUNK_CHARS`` characters of text). It does not change the rows.
+        seed: seeds the unit order of every pass.
+        bestfit_buffer_size: documents (``bestfit``) or pieces (``bestfit_split``) best-fit chooses from.
         pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.
+        on_order_mismatch: resuming from a checkpoint of other data or settings: ``"raise"``, or
+            ``"restart_epoch"`` to start that epoch over with fresh streams.
 
     Raises:
         ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m; in ``setup``, no file
-            matches, a file is not parquet or lacks the column, the tokenizer lacks the BOS token, fewer row
-            groups than ranks × workers, a dataset too small for one step, G not divisible by world_size × m.
+            matches, a file is not parquet or lacks the column, the files hold no text, the tokenizer lacks the
+            BOS token, a layout that cannot share K streams (naming K, the world size, ``num_workers`` and what
+            would be valid), a dataset too small for one step.
     """
 
     def __init__(
@@ -119,14 +162,16 @@ class PretrainingDataModule(SteppedDataModule):
         val_files: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         text_column: str = "text",
         bos_token: str = "<|bos|>",
-        packing: Literal["bestfit", "concat"] = "bestfit",
+        packing: Literal["bestfit", "bestfit_split", "concat"] = "bestfit",
         steps_per_epoch: int | None = None,
         val_steps: int | None = None,
+        num_streams: int = DEFAULT_NUM_STREAMS,
         num_workers: int = 2,
         tokenizer_batch_size: int = 128,
         seed: int = 0,
         bestfit_buffer_size: int = 1000,
         pin_memory: bool | None = None,
+        on_order_mismatch: OnOrderMismatch = "raise",
     ):
         super().__init__()
         self.seq_len = positive_int("seq_len", seq_len)
@@ -134,6 +179,7 @@ class PretrainingDataModule(SteppedDataModule):
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
         self.tokenizer_batch_size = positive_int("tokenizer_batch_size", tokenizer_batch_size)
         self.bestfit_buffer_size = positive_int("bestfit_buffer_size", bestfit_buffer_size)
+        self.num_streams = positive_int("num_streams", num_streams)
         self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
         microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
@@ -141,27 +187,35 @@ class PretrainingDataModule(SteppedDataModule):
             raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
         if not isinstance(text_column, str) or not text_column:
             raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
+        if on_order_mismatch not in ON_ORDER_MISMATCH:
+            raise ValueError(f"on_order_mismatch must be one of {list(ON_ORDER_MISMATCH)}, got {on_order_mismatch!r}")
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
         self.num_workers = non_negative_int("num_workers", num_workers)
         self.seed, self.pin_memory = non_negative_int("seed", seed), pin_memory
+        self.on_order_mismatch = on_order_mismatch
         self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
 
         self.train_spec: StreamSpec | None = None
         self.val_spec: StreamSpec | None = None
-        self.steps_per_epoch: int | None = None
+        self.steps_per_epoch: int | None = None  # type: ignore[assignment]
         self.val_steps: int | None = None
         self.estimated_pass_tokens: float | None = None
         self.fingerprint: StreamFingerprint | None = None
         self.position = StreamPosition()
 
     @property
-    def streams_per_rank(self) -> int:
-        return max(1, self.num_workers)
+    def owned_streams(self) -> list[int]:
+        """The streams this rank reads (a contiguous block of K / world size)."""
+        return rank_streams(self.num_streams, self.world_size, self.rank)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str | None = None) -> None:
-        """Resolve files, read footers, load the tokenizer, size the epoch; under a Trainer set accumulation."""
+        """Resolve files, read footers, load the tokenizer, check the layout, size the epoch.
+
+        Raises:
+            ValueError: see the class docstring.
+        """
         tokenizer = self._load_tokenizer()
         bos_id = tokenizer.token_to_id(self.bos_token)
         if bos_id is None:
@@ -171,13 +225,12 @@ class PretrainingDataModule(SteppedDataModule):
                 f"{special}: pass one of them as bos_token or add it to the tokenizer"
             )
         tokenizer_json = tokenizer.to_str()
+        self._pad_id = padding_id(tokenizer, bos_id)
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
-        streams = self.world_size * self.streams_per_rank
+        check_layout(self.num_streams, self.global_batch_size, self.world_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
-            files = resolve_files(self.train_files, "train_files")
-            index = RowGroupIndex.scan(files, self.text_column)
-            self._check_enough_groups(index, streams, "train_files")
-            self.train_spec = self._spec(index, tokenizer_json, bos_id, shuffle=True, streams=streams)
+            index = self._scan(self.train_files, "train_files")
+            self.train_spec = self._spec(index, tokenizer_json, bos_id, shuffle=True)
             tokens, rows = estimate_pass(self.train_spec)
             self.estimated_pass_tokens = tokens
             if self._steps_per_epoch_arg is not None:
@@ -192,10 +245,9 @@ class PretrainingDataModule(SteppedDataModule):
                         "global_batch_size, or set steps_per_epoch to cycle the data"
                     )
             self.fingerprint = self._fingerprint(index, tokenizer_json)
-        if self.val_files is not None and (self.val_spec is None or self.val_spec.num_streams != streams):
-            index = RowGroupIndex.scan(resolve_files(self.val_files, "val_files"), self.text_column)
-            self._check_enough_groups(index, streams, "val_files")
-            self.val_spec = self._spec(index, tokenizer_json, bos_id, shuffle=False, streams=streams)
+        if self.val_files is not None and self.val_spec is None:
+            index = self._scan(self.val_files, "val_files")
+            self.val_spec = self._spec(index, tokenizer_json, bos_id, shuffle=False)
             if self._val_steps_arg is not None:
                 self.val_steps = self._val_steps_arg
             else:
@@ -212,111 +264,120 @@ class PretrainingDataModule(SteppedDataModule):
         """This rank's training loader: a sized iterable of ``PretrainingBatch`` (one epoch per iteration)."""
         spec = self._require(self.train_spec)
         per_step = self.microbatches_per_step
-        return self.track_loader(
-            TokenTrainLoader(
-                spec,
-                self.rank,
-                self.num_workers,
-                self.steps_per_epoch * per_step,
-                per_step,
-                self.position,
-                self.start_point,
-                self._make_batch,
-            )
+        loader = TokenTrainLoader(
+            spec,
+            self.owned_streams,
+            self.num_workers,
+            self.microbatch_size,
+            self.steps_per_epoch * per_step,
+            per_step,
+            self.position,
+            self.start_point,
+            self._make_batch,
         )
+        return self.track_loader(loader)
 
     def val_dataloader(self) -> TokenValidationLoader | list:
         """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files)."""
         if self.val_files is None:
             return []
         spec = self._require(self.val_spec)
-        return TokenValidationLoader(spec, self.rank, self.num_workers, self.val_steps, self._make_batch)
+        return TokenValidationLoader(
+            spec, self.owned_streams, self.num_workers, self.microbatch_size, self.val_steps, self._make_batch
+        )
 
     def stream_stats(self) -> dict[str, int]:
-        """This rank's stream counters so far, summed over its streams.
+        """This rank's stream counters so far, summed over the streams it owns (see ``StreamCounters``).
 
-        Keys: ``docs`` read, ``empty`` (empty or null texts skipped), ``tokens`` tokenized, ``emitted`` (tokens in
-        rows), ``crops`` (best-fit documents cropped) and ``cropped`` (their dropped remainder tokens). Best-fit's
-        yield is ``emitted / tokens``. Counters are as of the latest microbatch (and survive a resume).
+        Keys: ``docs`` (documents taken by the packer), ``empty`` (null or empty texts skipped),
+        ``text_free_units`` (units skipped for holding no text), ``tokens`` (tokens of the documents taken,
+        BOS included), ``emitted`` (document tokens in rows), ``padding`` (padding tokens in rows,
+        ``bestfit_split``), ``crops``/``cropped`` (documents cropped and their dropped tokens, ``bestfit``),
+        ``split_docs``/``chunks`` (documents split and their pieces, ``bestfit_split``), ``rows``. Counters are
+        as of the latest step handed out, and continue across a resume.
         """
-        keys = ("docs", "empty", "tokens", "emitted", "crops", "cropped")
-        return {key: sum(int(state.get(key, 0)) for state in self.position.states.values()) for key in keys}
+        totals = StreamCounters().to_dict()
+        for state in self.position.states.values():
+            for key, value in state.counters.to_dict().items():
+                totals[key] += value
+        return totals
 
+    # ------------------------------------------------------------------ the resume contract
     def extra_state(self) -> dict[str, Any]:
-        """Every rank's stream states at the last optimizer step (< 100 KiB per stream), and the layout.
+        """Every stream's state at the last optimizer step (gathered from all ranks under DDP).
 
-        Under DDP it gathers all ranks' states (it runs on every rank while a checkpoint is saved), because
-        Lightning writes only rank 0's checkpoint and every rank loads that one.
+        Under DDP it gathers, because it runs on every rank while a checkpoint is saved but Lightning writes only
+        rank 0's checkpoint, which every rank then loads.
         """
         _epoch, _step, states = self.position.committed
-        mine = {int(sid): _to_saveable(state) for sid, state in states.items()}
+        mine = {int(sid): _saveable(state.to_dict()) for sid, state in states.items()}
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
             ranks: list[Any] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(ranks, mine)
         else:
             ranks = [mine]
-        return {"version": STATE_VERSION, "layout": self._layout(), "ranks": ranks}
+        streams = {sid: state for rank in ranks for sid, state in rank.items()}
+        return {"version": STATE_VERSION, "streams": streams}
 
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
-        """Restore every stream of this rank to the checkpoint's last optimizer step.
+        """Restore the streams this rank owns to the checkpoint's last optimizer step.
 
         Raises:
-            ValueError: an unknown state version, or another world size / num_workers / microbatch_size.
+            ValueError: an unknown state version, or a state that lacks a stream this rank owns.
         """
         if state is None:
             self.position.restart(epoch, step, {}, self.microbatches_per_step)
             return
         if state.get("version") != STATE_VERSION:
             raise ValueError(
-                f"unknown PretrainingDataModule state version {state.get('version')!r}; expected {STATE_VERSION}"
+                f"unknown PretrainingDataModule state version {state.get('version')!r} (expected {STATE_VERSION}): "
+                "the checkpoint was written by another version of lightning_d9d"
             )
-        layout, saved_layout = self._layout(), state["layout"]
-        if layout != saved_layout:
-            diffs = [
-                f"{key}: checkpoint {saved_layout.get(key)!r}, this run {value!r}"
-                for key, value in layout.items()
-                if saved_layout.get(key) != value
-            ]
-            raise ValueError(
-                "cannot resume the token streams on another layout (" + "; ".join(diffs) + "): the "
-                "rows each rank trains depend on it. Resume with the checkpoint's world_size, "
-                "num_workers and microbatch_size (elastic resume is not supported yet)"
-            )
-        states = {int(sid): dict(state) for sid, state in state["ranks"][self.rank].items()}
+        saved = state["streams"]
+        missing = [sid for sid in self.owned_streams if sid not in saved and str(sid) not in saved]
+        if missing and step > 0:
+            raise ValueError(f"the checkpoint's data state lacks streams {missing} (it holds {sorted(saved)})")
+        states = {sid: StreamState.from_dict(_loaded(saved.get(sid, saved.get(str(sid))))) for sid in
+                  self.owned_streams if sid not in missing}  # fmt: skip
         self.position.restart(epoch, step, states, self.microbatches_per_step)
 
     # ------------------------------------------------------------------ internals
-    def _make_batch(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> PretrainingBatch:
-        batch = PretrainingBatch(inputs, targets, positions)
+    def _make_batch(self, rows: RowBlock) -> PretrainingBatch:
+        if rows.flags is None:
+            batch = PretrainingBatch(*microbatch_tensors(rows.tokens, self._require(self.train_spec).bos_id))
+        else:
+            batch = PretrainingBatch(*split_microbatch_tensors(rows.tokens, rows.flags))
         return pin_batch(batch) if self._pin else batch
 
     @property
     def _pin(self) -> bool:
         return self.resolve_pin_memory()
 
-    def _spec(self, index: RowGroupIndex, tokenizer_json: str, bos_id: int, shuffle: bool, streams: int) -> StreamSpec:
+    def _scan(self, files: Any, what: str) -> RowGroupIndex:
+        index = RowGroupIndex.scan(resolve_files(files, what), self.text_column)
+        if first_text(index) is None:
+            raise ValueError(
+                f"{what} hold no text: every value of column {self.text_column!r} in {len(index.files)} file(s) "
+                f"({index.total_rows} rows) is null or empty"
+            )
+        return index
+
+    def _spec(self, index: RowGroupIndex, tokenizer_json: str, bos_id: int, shuffle: bool) -> StreamSpec:
         return StreamSpec(
             index=index,
+            units=Units.of(index, self.num_streams),
             tokenizer_json=tokenizer_json,
             bos_id=bos_id,
             seq_len=self.seq_len,
-            microbatch_size=self.microbatch_size,
+            rows_per_block=self.global_batch_size // self.num_streams,
             packing=self.packing,
             seed=self.seed,
             shuffle=shuffle,
-            num_streams=streams,
+            num_streams=self.num_streams,
             tokenizer_batch_size=self.tokenizer_batch_size,
             buffer_size=self.bestfit_buffer_size,
+            pad_id=self._pad_id,
         )
-
-    def _check_enough_groups(self, index: RowGroupIndex, streams: int, what: str) -> None:
-        if len(index) < streams:
-            raise ValueError(
-                f"{what} hold {len(index)} parquet row groups, fewer than the {streams} streams that read them "
-                f"(world_size={self.world_size} x max(1, num_workers={self.num_workers})), so a rank would get no "
-                "data: add data, write smaller row groups (pyarrow.parquet.write_table(..., row_group_size=...)), "
-                "or use fewer workers"
-            )
 
     def _load_tokenizer(self) -> Tokenizer:
         if isinstance(self.tokenizer, Tokenizer):
@@ -330,12 +391,13 @@ class PretrainingDataModule(SteppedDataModule):
             raise ValueError(f"tokenizer={path!r} is not a valid tokenizers JSON file: {err}") from err
 
     def _fingerprint(self, index: RowGroupIndex, tokenizer_json: str) -> StreamFingerprint:
+        labels = index.file_labels()
         files = hashlib.sha256()
-        for path in index.files:
-            files.update(path.encode() + b"\0")
-        files.update(index.num_rows.tobytes())
+        for label, digest in zip(labels, index.file_digests):
+            files.update(f"{label}\0{digest}\0".encode())
         return StreamFingerprint(
             files=f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}",
+            file_digests=tuple(index.file_digests),
             text_column=self.text_column,
             tokenizer=f"sha256 {hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]}",
             bos_token=self.bos_token,
@@ -343,11 +405,10 @@ class PretrainingDataModule(SteppedDataModule):
             packing=self.packing,
             seed=self.seed,
             global_batch_size=self.global_batch_size,
+            num_streams=self.num_streams,
             bestfit_buffer_size=self.bestfit_buffer_size,
+            file_labels=tuple(labels),
         )
-
-    def _layout(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "num_workers": self.num_workers, "microbatch_size": self.microbatch_size}
 
     @staticmethod
     def _require(value: Any) -> Any:
@@ -356,9 +417,36 @@ class PretrainingDataModule(SteppedDataModule):
         return value
 
 
-def _to_saveable(state: dict[str, Any]) -> dict[str, Any]:
-    """Plain ints and an int64 tensor only, so checkpoints load with ``torch.load(weights_only=True)``."""
-    out = {key: int(value) for key, value in state.items() if key != "buffer"}
-    if "buffer" in state:
-        out["buffer"] = torch.as_tensor(state["buffer"], dtype=torch.int64).clone()
-    return out
+def padding_id(tokenizer: Tokenizer, bos_id: int) -> int:
+    """The id ``bestfit_split`` writes at padding: the tokenizer's pad token, else a usual one, else any id but BOS.
+
+    Any valid id works (padding is never a target and its positions restart), but not BOS: a model that finds
+    document starts by BOS would see every padding token as a document.
+    """
+    if tokenizer.padding is not None and tokenizer.padding.get("pad_id") != bos_id:
+        return int(tokenizer.padding["pad_id"])
+    for token in PAD_TOKEN_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None and token_id != bos_id:
+            return int(token_id)
+    return 1 if bos_id == 0 else 0
+
+
+def _saveable(value: Any) -> Any:
+    """Numpy arrays as int64 tensors and ints as plain ints, so checkpoints load with ``weights_only=True``."""
+    if isinstance(value, dict):
+        return {key: _saveable(item) for key, item in value.items()}
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value, np.int64)).clone()
+    if isinstance(value, (np.integer, int)) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def _loaded(value: Any) -> Any:
+    """The inverse of ``_saveable``: tensors back to numpy."""
+    if isinstance(value, dict):
+        return {key: _loaded(item) for key, item in value.items()}
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    return value

@@ -1,51 +1,93 @@
-"""Token loader: one rank's token streams, interleaved into microbatches, with the position that resumes them.
+"""Loader: one rank's share of K topology-independent streams, assembled into the same global steps on any layout.
 
-Algorithm: a rank owns ``max(1, num_workers)`` streams (``token_stream.TokenStream``), one per DataLoader worker
-(or one in-process stream for ``num_workers=0``). torch's DataLoader hands out an ``IterableDataset``'s items
-strictly round-robin over workers, so microbatch ``n`` of the rank (counted since training began) always comes
-from stream ``n % streams``; on resume the workers are *rotated* so that the stream whose turn it is sits in
-worker 0. Each microbatch arrives with its stream's state after it; the loader keeps the latest state of every
-stream and, at every optimizer-step boundary, commits a copy: that committed copy is what a checkpoint saves.
+Algorithm: the corpus is read by ``K = num_streams`` streams (:class:`~lightning_d9d.streaming.stream.TokenStream`),
+each a pure function of its number and the data; global optimizer step ``s`` is the rows
+``[s·R, (s+1)·R)`` of every stream, ``R = G / K``. So the rows of a step — as a multiset over ranks and
+microbatches — never depend on the world size, ``num_workers`` or ``microbatch_size``, and a position saved as
+every stream's state at a step boundary resumes on any layout: each rank takes the streams it now owns.
 
-Why commit only at step boundaries: Lightning does not checkpoint accumulated gradients, so a resume must start
-at the first microbatch of an optimizer step; Lightning's own batch counters are aligned to the same point.
+* Rank ``r`` of ``W`` owns streams ``[r·K/W, (r+1)·K/W)``; with workers, worker ``w`` of ``n`` hosts the
+  rank's streams ``w, w+n, …`` (the same number each).
+* A worker yields, step after step, one block of ``R`` rows per stream it hosts. torch's DataLoader hands out an
+  ``IterableDataset``'s items strictly round-robin over workers, so the training process receives a step's
+  blocks in a fixed order; it concatenates them into the rank's ``G / W`` rows and cuts them into the step's
+  ``M`` microbatches of ``m`` rows.
+* Each block comes with its stream's state after it; when the last microbatch of a step is handed out, the
+  loader commits a copy of every owned stream's state: the position a checkpoint saves. Lightning does not
+  checkpoint accumulated gradients, so a resume starts at the first microbatch of a step.
 
-Workers: each DataLoader worker tokenizes on one core (its tokenizer's own thread pool is switched off), so
-``num_workers`` is the number of cores a rank tokenizes on; ``num_workers=0`` runs the one stream in this
-process, where ``encode_batch_fast`` uses every core. A worker's calls also end at ``WORKER_CHUNK_CHARS``
-characters of text, so its rows come steadily rather than in bursts of a whole batch. A worker sends each
-microbatch as its compact int32 rows (``seq_len + 1`` tokens each) pickled through its pipe; this process
-expands them into ``inputs``/``targets``/``position_ids`` (``token_packing.microbatch_tensors``). Three int64
-tensors per microbatch crossing as shared-memory files cost the workers about a quarter of their throughput
-(measured, 2 workers on 2 cores).
+Workers: a process tokenizes with one thread (:mod:`~lightning_d9d.streaming.tokenize`), shared by every stream
+it hosts; a DataLoader worker's tokenizer uses one core, so ``num_workers`` is the number of cores a rank
+tokenizes on (``num_workers=0`` runs the rank's streams in this process, where the tokenizer uses every core).
+A worker's tokenizer calls also end at ``WORKER_CHUNK_CHARS`` characters of text, so its blocks come steadily
+rather than in bursts. Blocks cross to this process as compact int32 numpy, pickled through the worker's pipe;
+the int64 tensors of a microbatch are built here.
 
-Trade-off: the worker processes live as long as the loader's iterator (across epochs, because a stream never
-restarts at an epoch boundary); a resume or a new ``fit`` restarts them from the committed states, which costs
-one re-read and re-tokenization of the chunk in flight (and best-fit's buffer prefixes) per stream.
+Trade-off: a larger K lets more ranks (and workers) share the streams, at the cost of K best-fit buffers in
+memory (over all ranks) and K streams to start after every resume; rows of one step come from K places in the
+corpus at once. The workers live as long as the loader's iterator (across epochs, since streams never restart
+at an epoch boundary); a resume or a new ``fit`` restarts them from the committed states.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_d9d.epoch_iterator import EpochIterator, collect_before_fork, shutdown_workers
 from lightning_d9d.resume import TrainPosition
-from lightning_d9d.streaming.packing import microbatch_tensors
-from lightning_d9d.streaming.source import stream_id
-from lightning_d9d.streaming.stream import StreamSpec, TokenStream
+from lightning_d9d.streaming.stream import RowBlock, StreamSpec, StreamState, TokenStream
 
-StreamStates = dict[int, dict[str, Any]]
+StreamStates = dict[int, StreamState]
 
 # A worker's tokenizer calls hold at most this much text (about 75K tokens of English or code, ~0.1 s on one
-# core): 128 long documents can be 4 MB, which made a worker's rows come in ~1.5 s bursts and held ~70 MB of
-# Encodings per call in flight; a call's size buys no speed on one core. Rows never depend on it.
+# core): 128 long documents can be MBs, which made a worker's rows come in bursts and held that many Encodings
+# in flight; a call's size buys no speed on one core. Rows never depend on it.
 WORKER_CHUNK_CHARS = 1 << 18
+# Chunks each stream reads and tokenizes ahead; a process hosting many streams keeps fewer per stream.
+_PREFETCH_PER_PROCESS = 8
+
+
+def rank_streams(num_streams: int, world_size: int, rank: int) -> list[int]:
+    """The streams rank ``rank`` of ``world_size`` owns: a contiguous block of ``num_streams / world_size``."""
+    per_rank = num_streams // world_size
+    return list(range(rank * per_rank, (rank + 1) * per_rank))
+
+
+def check_layout(num_streams: int, global_batch_size: int, world_size: int, num_workers: int) -> None:
+    """Raises ValueError unless K streams can be shared by this layout (naming K, W, workers and valid values).
+
+    Valid: the world size divides K (every rank owns whole streams), ``num_workers`` divides K / W (every
+    worker hosts as many streams), and K divides G (every stream gives each step the same number of rows).
+    """
+    if global_batch_size % num_streams:
+        valid = [k for k in range(1, global_batch_size + 1) if global_batch_size % k == 0 and k <= 64]
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by num_streams={num_streams}: every step takes "
+            f"global_batch_size / num_streams rows of each stream; use num_streams in {valid} or a "
+            f"global_batch_size that is a multiple of {num_streams}"
+        )
+    if num_streams % world_size:
+        valid = [w for w in range(1, num_streams + 1) if num_streams % w == 0]
+        raise ValueError(
+            f"num_streams={num_streams} streams cannot be shared by world_size={world_size} ranks: every rank owns "
+            f"num_streams / world_size whole streams; with num_streams={num_streams} the world size can be {valid}, "
+            f"or choose num_streams as a multiple of {world_size} (e.g. {world_size * max(1, num_workers) * 2})"
+        )
+    per_rank = num_streams // world_size
+    if num_workers and per_rank % num_workers:
+        valid = [n for n in range(1, per_rank + 1) if per_rank % n == 0]
+        raise ValueError(
+            f"num_workers={num_workers} workers cannot share the {per_rank} streams of each rank (num_streams="
+            f"{num_streams}, world_size={world_size}): every worker hosts the same number of streams; use "
+            f"num_workers in {[0, *valid]}, or num_streams a multiple of {world_size * num_workers}"
+        )
 
 
 @dataclass
@@ -53,7 +95,7 @@ class StreamPosition(TrainPosition):
     """Where one rank's streams are: the single place the data position lives.
 
     Attributes:
-        states: the latest state of each of this rank's streams (by global stream number).
+        states: the latest state of each stream this rank owns (by stream number).
         committed: ``(epoch, step, states)`` at the last optimizer-step boundary (what checkpoints save).
         generation: bumped whenever the position is replaced (resume), which invalidates running streams.
     """
@@ -70,61 +112,73 @@ class StreamPosition(TrainPosition):
         self.generation += 1
 
 
-class _WorkerStreams(IterableDataset):
-    """The dataset each DataLoader worker iterates: its (rotated) stream, from its saved state."""
+class _HostedStreams(IterableDataset):
+    """What one process hosts of a rank's streams: one block per stream per step, from their saved states."""
 
-    def __init__(self, spec: StreamSpec, rank: int, num_workers: int, states: StreamStates, rotation: int):
-        self.spec, self.rank, self.num_workers = spec, rank, num_workers
-        self.states, self.rotation = states, rotation
+    def __init__(self, spec: StreamSpec, streams: list[int], num_workers: int, states: StreamStates):
+        self.spec, self.streams, self.num_workers, self.states = spec, streams, num_workers, states
 
-    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+    def __iter__(self) -> Iterator[tuple[int, RowBlock, StreamState]]:
         info = get_worker_info()
-        worker = info.id if info is not None else 0
+        hosted = self.streams
         if info is not None:
-            # The workers are the parallelism: each tokenizes on one core. (tokenizers switches its pool off in a
-            # forked child anyway once the parent has used it; when the parent has not, every worker would start
-            # a pool as wide as the machine and they would oversubscribe the cores.) Only this process is set.
+            # The workers are the parallelism: each tokenizes on one core (when the parent has not tokenized
+            # before forking, every worker would otherwise start a pool as wide as the machine). Only this
+            # process is set.
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        local = (worker + self.rotation) % max(1, self.num_workers)
-        sid = stream_id(self.rank, local, self.num_workers)
-        for rows, state in TokenStream(self.spec, sid, self.states.get(sid)):
-            yield rows, sid, state
+            hosted = self.streams[info.id :: self.num_workers]
+        spec = replace(self.spec, prefetch=max(1, min(self.spec.prefetch, _PREFETCH_PER_PROCESS // len(hosted))))
+        iterators = [iter(TokenStream(spec, sid, self.states.get(sid))) for sid in hosted]
+        try:
+            while True:
+                for sid, blocks in zip(hosted, iterators):
+                    block, state = next(blocks)
+                    yield sid, block, state
+        finally:
+            for blocks in iterators:
+                blocks.close()
 
 
 def _as_is(item: Any) -> Any:
-    """The workers' collate function: hand the item over unchanged (numpy rows, plain state)."""
+    """The workers' collate function: hand the item over unchanged (numpy rows, a plain state)."""
     return item
 
 
-def rank_stream_iterator(spec: StreamSpec, rank: int, num_workers: int, states: StreamStates) -> Iterator[tuple]:
-    """Endless ``(rows, stream, state)`` for one rank, continuing from ``states`` (rows: int32 numpy).
+def rank_blocks(spec: StreamSpec, streams: list[int], num_workers: int, states: StreamStates) -> Iterator[tuple]:
+    """Endless ``(stream, block, state)`` of a rank's streams, step after step, continuing from ``states``.
 
     Args:
-        spec: the streams' configuration (``spec.num_streams`` must be ``world_size * max(1, num_workers)``).
-        rank: this rank.
-        num_workers: DataLoader worker processes (0: the one stream runs in this process, with its reader
-            thread). Workers cap each tokenizer call at ``WORKER_CHUNK_CHARS`` unless ``spec.chunk_chars`` is set.
-        states: saved stream states by global stream number (missing: start from the beginning).
+        spec: the streams' configuration.
+        streams: the rank's streams (``rank_streams``).
+        num_workers: DataLoader worker processes (0: the streams run in this process). Workers cap each
+            tokenizer call at ``WORKER_CHUNK_CHARS`` unless ``spec.chunk_chars`` is set.
+        states: saved stream states by stream number (missing: from the beginning).
     """
-    streams = max(1, num_workers)
     if num_workers > 0 and not spec.chunk_chars:
         spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS)
-    consumed = sum(
-        int(states[stream_id(rank, w, num_workers)]["batches"])
-        for w in range(streams)
-        if stream_id(rank, w, num_workers) in states
-    )
-    dataset = _WorkerStreams(spec, rank, num_workers, states, rotation=consumed % streams)
+    dataset = _HostedStreams(spec, streams, num_workers, states)
     if num_workers == 0:
         return iter(dataset)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         # collate_fn=_as_is: the default would turn the numpy rows into tensors in the worker, and each tensor
-        # then crosses to this process as a shared-memory file; a pickled 33 KB array through the worker's pipe
-        # is cheaper (measured, 2 workers, long documents: ~500K -> ~680K tokens per worker CPU-second).
+        # would then cross to this process as a shared-memory file; a pickled array through the pipe is cheaper.
         loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=4, collate_fn=_as_is)
     collect_before_fork()
     return iter(loader)
+
+
+def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, StreamStates]]:
+    """The rank's rows of each step (its streams' blocks, in arrival order) and the streams' states after it."""
+    while True:
+        parts, states = [], {}
+        for _ in range(streams):
+            sid, block, state = next(blocks)
+            parts.append(block)
+            states[sid] = state
+        tokens = np.concatenate([part.tokens for part in parts])
+        flags = None if parts[0].flags is None else np.concatenate([part.flags for part in parts])
+        yield RowBlock(tokens, flags), states
 
 
 class TokenTrainLoader:
@@ -132,31 +186,36 @@ class TokenTrainLoader:
 
     Args:
         spec: the streams' configuration.
-        rank: this rank.
+        streams: the streams this rank owns.
         num_workers: DataLoader worker processes.
+        microbatch_size: rows per microbatch (m).
         microbatches_per_epoch: ``steps_per_epoch * microbatches_per_step``.
         microbatches_per_step: M; states are committed every M microbatches.
         position: the shared position this loader advances.
         start_point: called at the first ``next()`` of an epoch, returns ``(epoch, microbatch)`` to start at
             (the streams continue from ``position.states`` either way).
-        make_batch: turns ``(inputs, targets, position_ids)`` into the batch handed to training (and pins it).
+        make_batch: turns a microbatch's rows (a ``RowBlock``) into the batch handed to training (and pins it).
     """
 
     def __init__(
         self,
         spec: StreamSpec,
-        rank: int,
+        streams: list[int],
         num_workers: int,
+        microbatch_size: int,
         microbatches_per_epoch: int,
         microbatches_per_step: int,
         position: StreamPosition,
         start_point: Callable[[], tuple[int, int]],
-        make_batch: Callable[..., Any],
+        make_batch: Callable[[RowBlock], Any],
     ):
-        self.spec, self.rank, self.num_workers = spec, rank, num_workers
+        self.spec, self.streams, self.num_workers = spec, streams, num_workers
+        self.microbatch_size = microbatch_size
         self.microbatches_per_epoch, self.microbatches_per_step = microbatches_per_epoch, microbatches_per_step
         self.position, self.start_point, self.make_batch = position, start_point, make_batch
-        self._running: tuple[int, Iterator[tuple]] | None = None  # (generation, stream iterator)
+        # (generation, the streams' blocks, the rank's steps of them), and the step being handed out
+        self._running: tuple[int, Iterator[tuple], Iterator[tuple[RowBlock, StreamStates]]] | None = None
+        self._step: tuple[RowBlock, StreamStates] | None = None
 
     def __len__(self) -> int:
         # The full epoch even after a mid-epoch resume: Lightning adds its restored count to what it fetches.
@@ -182,33 +241,44 @@ class TokenTrainLoader:
         if running is not None:
             shutdown_workers(running[1])
 
-    def _epoch_batches(self) -> Iterator[Any]:
+    def _epoch_batches(self) -> Generator[Any, None, None]:
         epoch, start = self.start_point()
-        position, per_step = self.position, self.microbatches_per_step
+        position, per_step, m = self.position, self.microbatches_per_step, self.microbatch_size
         position.epoch, position.microbatches = epoch, start
         if self._running is None or self._running[0] != position.generation:
-            self._running = (
-                position.generation,
-                rank_stream_iterator(self.spec, self.rank, self.num_workers, position.states),
-            )
-        streams = self._running[1]
+            self.close()
+            blocks = rank_blocks(self.spec, self.streams, self.num_workers, position.states)
+            self._running = (position.generation, blocks, steps_of(blocks, len(self.streams)))
+            self._step = None
+        steps = self._running[2]
         while position.microbatches < self.microbatches_per_epoch:
-            rows, sid, state = next(streams)
-            position.states[sid] = state
+            if self._step is None or position.microbatches % per_step == 0:
+                # A loop broken off mid-step continues in the step it left (its rows are kept until it ends).
+                self._step = next(steps)
+                position.states.update(self._step[1])
+            rows = self._step[0]
+            j = position.microbatches % per_step
             position.microbatches += 1
-            if position.microbatches % per_step == 0:
+            if j == per_step - 1:
                 position.committed = (epoch, position.microbatches // per_step, dict(position.states))
-            yield self.make_batch(*microbatch_tensors(rows, self.spec.bos_id))
+            flags = None if rows.flags is None else rows.flags[j * m : (j + 1) * m]
+            yield self.make_batch(RowBlock(rows.tokens[j * m : (j + 1) * m], flags))
 
 
 class TokenValidationLoader:
     """A sized iterable of ``num_microbatches`` validation microbatches, the same ones on every run."""
 
     def __init__(
-        self, spec: StreamSpec, rank: int, num_workers: int, num_microbatches: int, make_batch: Callable[..., Any]
+        self,
+        spec: StreamSpec,
+        streams: list[int],
+        num_workers: int,
+        microbatch_size: int,
+        num_microbatches: int,
+        make_batch: Callable[[RowBlock], Any],
     ):
-        self.spec, self.rank, self.num_workers = spec, rank, num_workers
-        self.num_microbatches, self.make_batch = num_microbatches, make_batch
+        self.spec, self.streams, self.num_workers = spec, streams, num_workers
+        self.microbatch_size, self.num_microbatches, self.make_batch = microbatch_size, num_microbatches, make_batch
 
     def __len__(self) -> int:
         return self.num_microbatches
@@ -219,11 +289,16 @@ class TokenValidationLoader:
     def close(self) -> None:
         """Nothing outlives an iteration here: each validation pass stops its workers when it ends or is freed."""
 
-    def _batches(self) -> Iterator[Any]:
-        streams = rank_stream_iterator(self.spec, self.rank, self.num_workers, {})
+    def _batches(self) -> Generator[Any, None, None]:
+        blocks = rank_blocks(self.spec, self.streams, self.num_workers, {})
+        m, done = self.microbatch_size, 0
         try:
-            for _ in range(self.num_microbatches):
-                rows, _sid, _state = next(streams)
-                yield self.make_batch(*microbatch_tensors(rows, self.spec.bos_id))
+            for rows, _states in steps_of(blocks, len(self.streams)):
+                for first in range(0, len(rows.tokens), m):
+                    if done == self.num_microbatches:
+                        return
+                    flags = None if rows.flags is None else rows.flags[first : first + m]
+                    yield self.make_batch(RowBlock(rows.tokens[first : first + m], flags))
+                    done += 1
         finally:
-            shutdown_workers(streams)
+            shutdown_workers(blocks)

@@ -1,27 +1,34 @@
-"""Parquet source: find the files, list their row groups, deal a seeded order of row groups to streams.
+"""Source: find the parquet files, list their row groups, cut them into units, deal each pass's units to streams.
 
 Algorithm: a file spec (directory, glob, list, or a pyarrow/fsspec URL such as ``s3://bucket/data/*.parquet``)
-is resolved once into a sorted list of files; their footers give every row group and its row count, and are
-checked for the text column. The unit of work is one row group (addressed by its *global* index in that
-list). For pass ``p`` of a shuffled source the order is a permutation seeded by ``(seed, p)``; a
-non-shuffled source (validation) uses file order. Stream ``s`` of ``S`` (``S = world_size * workers``) reads
-``order[s::S]``, so within a pass no row group is read by two streams, and the order of one stream never
-depends on how fast another one runs.
+is resolved once into a sorted list of files; their footers give every row group, its row count and its text
+column's statistics, and are checked for the text column. The unit of work is a *unit*: a row group, or, when
+there are fewer row groups than streams, an equal share of one's rows, so that every stream has work. Pass
+``p`` visits the units in an order seeded by ``(seed, p)`` (a non-shuffled source, for validation, rotates
+file order by ``p``, so that every stream meets every unit over passes); stream ``s`` of ``K`` reads
+``order[s::K]``. Within a pass no unit is read by two streams, and one stream's order never depends on how fast
+another runs, or on how many processes host the streams.
+
+The footers also give each file a digest (row counts, byte sizes and statistics of every row group's text
+column), so a resume notices a file edited in place, at the cost of reading footers only; and row groups that
+the statistics prove text-free (all null or empty) are known without reading them.
 
 Trade-off: dealing whole row groups keeps reads sequential and columnar (one ``read_row_group`` per unit), but
-balance is only as fine as a row group: streams differ by at most one row group per pass. That never shows up
-as unequal batch counts, because each stream cycles through passes forever and the loader cuts epochs by
-step count, not by data exhaustion.
+balance is only as fine as a unit: streams differ by at most one unit per pass. That never shows as unequal
+batch counts, because each stream cycles through passes forever and the loader cuts epochs by step count, not
+by data exhaustion.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -137,6 +144,10 @@ class RowGroupIndex:
         file_of: for each global row group, the index of its file.
         group_in_file: for each global row group, its index inside its file.
         num_rows: for each global row group, its row count (from the footer).
+        file_digests: for each file, a 63-bit digest of its footer (row counts, sizes and text statistics of
+            every row group): it changes when the file is rewritten with other text.
+        text_free: for each global row group, whether its footer statistics prove it holds no text (every value
+            null or empty); ``False`` where statistics are missing.
     """
 
     files: list[str]
@@ -144,6 +155,8 @@ class RowGroupIndex:
     file_of: np.ndarray
     group_in_file: np.ndarray
     num_rows: np.ndarray
+    file_digests: tuple[int, ...] = ()
+    text_free: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     _open: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _pid: int = field(default_factory=os.getpid, repr=False, compare=False)
@@ -156,7 +169,8 @@ class RowGroupIndex:
             ValueError: a file is not valid parquet (the error names it), lacks ``text_column`` (naming the
                 file and its columns), or the files hold no rows at all.
         """
-        file_of, group_in_file, num_rows = [], [], []
+        file_of, group_in_file, num_rows, text_free = [], [], [], []
+        file_digests: list[int] = []
         for file_index, path in enumerate(files):
             pf = open_parquet(path)
             names = pf.schema_arrow.names
@@ -170,16 +184,26 @@ class RowGroupIndex:
                     f"parquet file {path!r}: column text_column={text_column!r} has type {column_type}; "
                     "it must hold strings (text)"
                 )
+            column = names.index(text_column)
+            digest = hashlib.sha256()
             for g in range(pf.metadata.num_row_groups):
+                group = pf.metadata.row_group(g)
                 file_of.append(file_index)
                 group_in_file.append(g)
-                num_rows.append(pf.metadata.row_group(g).num_rows)
+                num_rows.append(group.num_rows)
+                chunk = group.column(column)
+                stats = chunk.statistics if chunk.is_stats_set else None
+                text_free.append(_proves_text_free(stats, group.num_rows))
+                digest.update(repr(_footer_facts(group.num_rows, chunk, stats)).encode())
+            file_digests.append(int.from_bytes(digest.digest()[:8], "little") >> 1)
         index = cls(
             list(files),
             text_column,
             np.asarray(file_of, np.int64),
             np.asarray(group_in_file, np.int64),
             np.asarray(num_rows, np.int64),
+            tuple(file_digests),
+            np.asarray(text_free, bool),
         )
         if index.total_rows == 0:
             raise ValueError(f"the parquet files {files} hold no rows")
@@ -203,6 +227,13 @@ class RowGroupIndex:
         if self._pid != os.getpid():
             self._open, self._lock, self._pid = OrderedDict(), threading.Lock(), os.getpid()
         return self._lock
+
+    def file_labels(self) -> list[str]:
+        """The files relative to their common folder (a corpus moved elsewhere keeps its labels)."""
+        if len(self.files) == 1:
+            return [os.path.basename(self.files[0])]
+        root = os.path.commonpath(self.files)
+        return [os.path.relpath(path, root) for path in self.files]
 
     def read_texts(self, group: int) -> list[str | None]:
         """Read the text column of one global row group as Python strings (``None`` for nulls).
@@ -228,21 +259,86 @@ class RowGroupIndex:
         return table.column(0).to_pylist()
 
 
-def pass_order(num_groups: int, seed: int, pass_index: int, shuffle: bool = True) -> np.ndarray:
-    """The order in which the row groups are visited in one pass: a fresh seeded permutation per pass.
+def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
+    """What a footer says about one row group's text column (any rewrite with other text changes some of it)."""
+    facts: tuple = (num_rows, chunk.total_compressed_size, chunk.total_uncompressed_size)
+    if stats is not None:
+        facts += (stats.null_count if stats.has_null_count else None,)
+        facts += (stats.min, stats.max) if stats.has_min_max else (None, None)
+    return facts
 
-    A pure function of its arguments, so every rank and worker computes the same order without talking.
+
+def _proves_text_free(stats: Any, num_rows: int) -> bool:
+    if stats is None:
+        return False
+    if stats.has_null_count and stats.null_count == num_rows:
+        return True
+    return bool(stats.has_min_max and stats.max == "")
+
+
+@dataclass(frozen=True)
+class Units:
+    """The units streams read: row ranges ``[start, stop)`` of global row groups.
+
+    Attributes:
+        group: each unit's global row group.
+        start: each unit's first row (within its row group).
+        stop: one past each unit's last row.
+    """
+
+    group: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    @classmethod
+    def of(cls, index: RowGroupIndex, num_streams: int) -> Units:
+        """Whole row groups, or, with fewer row groups than ``num_streams``, each split into equal row ranges.
+
+        Raises:
+            ValueError: the files hold fewer rows than ``num_streams`` (some stream would get nothing).
+        """
+        if len(index) >= num_streams:
+            return cls(np.arange(len(index), dtype=np.int64), np.zeros(len(index), np.int64), index.num_rows.copy())
+        if index.total_rows < num_streams:
+            raise ValueError(
+                f"the files hold {index.total_rows} rows, fewer than num_streams={num_streams}: every stream needs "
+                "a row to read; add data or lower num_streams"
+            )
+        parts = -(-num_streams // len(index))
+        groups, starts, stops = [], [], []
+        for group, rows in enumerate(index.num_rows.tolist()):
+            cuts = np.linspace(0, rows, min(parts, rows) + 1).astype(np.int64) if rows else np.zeros(1, np.int64)
+            for start, stop in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+                groups.append(group)
+                starts.append(start)
+                stops.append(stop)
+        if len(groups) < num_streams:
+            # Row groups of very unequal sizes: cut the largest units further until every stream has one.
+            while len(groups) < num_streams:
+                largest = int(np.argmax(np.asarray(stops) - np.asarray(starts)))
+                middle = (starts[largest] + stops[largest]) // 2
+                groups.insert(largest + 1, groups[largest])
+                starts.insert(largest + 1, middle)
+                stops.insert(largest + 1, stops[largest])
+                stops[largest] = middle
+        return cls(np.asarray(groups, np.int64), np.asarray(starts, np.int64), np.asarray(stops, np.int64))
+
+
+def pass_order(num_units: int, seed: int, pass_index: int, shuffle: bool = True) -> np.ndarray:
+    """The order in which the units are visited in one pass: a fresh seeded permutation per pass.
+
+    Without shuffling (validation) it is file order rotated by the pass index, so that a stream whose units
+    hold no text meets other units in the next pass. A pure function of its arguments, so every rank and worker
+    computes the same order without talking.
     """
     if not shuffle:
-        return np.arange(num_groups, dtype=np.int64)
-    return np.random.Generator(np.random.PCG64([seed, pass_index])).permutation(num_groups).astype(np.int64)
+        return np.roll(np.arange(num_units, dtype=np.int64), -(pass_index % max(1, num_units)))
+    return np.random.Generator(np.random.PCG64([seed, pass_index])).permutation(num_units).astype(np.int64)
 
 
 def deal(order: np.ndarray, stream: int, num_streams: int) -> np.ndarray:
-    """The row groups stream ``stream`` of ``num_streams`` reads in a pass (disjoint across streams)."""
+    """The units stream ``stream`` of ``num_streams`` reads in a pass (disjoint across streams)."""
     return order[stream::num_streams]
-
-
-def stream_id(rank: int, worker: int, num_workers: int) -> int:
-    """Global stream number of worker ``worker`` on rank ``rank`` (``num_workers=0`` counts as one stream)."""
-    return rank * max(1, num_workers) + worker

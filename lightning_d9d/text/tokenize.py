@@ -35,7 +35,7 @@ _BUILDER_BY_EXTENSION = {
     ".txt": "text",
     ".arrow": "arrow",
 }
-_PAD_TOKEN_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|endoftext|>", "</s>", "<eos>")
+PAD_TOKEN_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|endoftext|>", "</s>", "<eos>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +170,7 @@ def pad_token_id(tokenizer_path: str, digest: str) -> int:
     tokenizer = load_tokenizer(tokenizer_path, digest, 1)
     if tokenizer.padding is not None:
         return int(tokenizer.padding["pad_id"])
-    for token in _PAD_TOKEN_CANDIDATES:
+    for token in PAD_TOKEN_CANDIDATES:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
             return int(token_id)

@@ -1,0 +1,135 @@
+"""Best-fit restore: rebuild a best-fit buffer from its saved rows, re-reading texts now, tokenizing lazily.
+
+Algorithm: a saved buffer is one integer row per buffered document (``bestfit``) or piece (``bestfit_split``),
+which locates it in the source (row group, row) and gives its length and, for documents longer than a row, a
+checksum of the tokens kept. The packer is usable at once (a pick needs only lengths and insertion numbers);
+the texts of every buffered document are re-read now (one ``read_row_group`` per row group involved), and a
+document is tokenized only when the packer first picks it. So the first block after a resume costs a few
+documents' tokenization, not the buffer's, even when the buffer holds the corpus's longest documents:
+
+* ``bestfit`` keeps a row-sized prefix of a long document, so only a text prefix is tokenized: long enough for
+  the first row's worth of tokens by the document's own characters per token, with a margin; the saved
+  checksum proves the prefix's tokens are the ones an uninterrupted run kept (a prefix's tokens can differ from
+  the whole text's near the cut), else the prefix doubles, up to the whole text;
+* ``bestfit_split`` keeps every chunk of a split document: the document is tokenized whole once and kept
+  while any of its chunks is still buffered.
+
+Trade-off: re-reading the buffered documents' row groups costs a few reads per resume, instead of saving
+MiBs of tokens per stream in every checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lightning_d9d.streaming.packing import BestFitPacker, BestFitSplitPacker, prefix_hash
+from lightning_d9d.streaming.tokenize import encode_documents, load_tokenizer
+
+if TYPE_CHECKING:
+    from lightning_d9d.streaming.stream import StreamSpec
+
+
+def restore_buffer(
+    spec: StreamSpec, packer: BestFitPacker | BestFitSplitPacker, meta: np.ndarray, next_seq: int
+) -> None:
+    """Rebuild ``packer``'s buffer from ``meta`` (its ``snapshot()`` rows), lazily.
+
+    Raises:
+        ValueError: a saved row group cannot be read; (when a restored document is picked) its tokens differ
+            from the saved length or checksum — the data or the tokenizer changed since the checkpoint.
+    """
+    meta = np.asarray(meta, np.int64)
+    if isinstance(packer, BestFitSplitPacker):
+        packer.restore(meta, next_seq, _SplitFetch(spec, meta))
+    else:
+        packer.restore(meta, next_seq, _PrefixFetch(spec, meta))
+
+
+def _read_buffered_texts(spec: StreamSpec, meta: np.ndarray) -> dict[tuple[int, int], str]:
+    """The text of every buffered document, by (row group, row): one read per row group."""
+    texts: dict[tuple[int, int], str] = {}
+    for group in np.unique(meta[:, 2]).tolist():
+        rows = spec.index.read_texts(group)
+        for row in np.unique(meta[meta[:, 2] == group, 3]).tolist():
+            texts[(group, row)] = rows[row] or ""
+    return texts
+
+
+class _PrefixFetch:
+    """``fetch`` for ``bestfit``: the row-sized prefix of a document, from a text prefix where it is long."""
+
+    def __init__(self, spec: StreamSpec, meta: np.ndarray):
+        self.spec = spec
+        capacity = spec.capacity
+        self.texts = _read_buffered_texts(spec, meta)
+        for row in meta.tolist():
+            key, length = (row[2], row[3]), row[1]
+            if length > capacity:  # keep a generous text prefix; the rest is re-read if ever needed
+                text = self.texts[key]
+                self.texts[key] = text[: 16 * self._prefix_chars(text, length)]
+        self.uses = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))  # a small corpus may buffer a doc twice
+
+    def __call__(self, row: np.ndarray) -> np.ndarray:
+        group, index, length = int(row[2]), int(row[3]), int(row[1])
+        key = (group, index)
+        text = self.texts[key]
+        self.uses[key] -= 1
+        if not self.uses[key]:
+            del self.texts[key]
+        if length <= self.spec.capacity:
+            return self._with_bos(encode_documents(load_tokenizer(self.spec.tokenizer_json), [text])[0].ids)
+        return self._long_prefix(group, index, text, length, int(row[4]))
+
+    def _prefix_chars(self, text: str, length: int) -> int:
+        # Characters that should hold the first row's tokens, from the document's own chars/token, with margin.
+        return int(len(text) * (self.spec.capacity + 64) / length * 1.25) + 256
+
+    def _with_bos(self, ids: list[int]) -> np.ndarray:
+        capacity = self.spec.capacity
+        prefix = np.empty(min(len(ids) + 1, capacity), np.int32)
+        prefix[0] = self.spec.bos_id
+        prefix[1:] = ids[: capacity - 1]
+        return prefix
+
+    def _long_prefix(self, group: int, row: int, text: str, length: int, checksum: int) -> np.ndarray:
+        """The first row's tokens of a long document, tokenizing only a prefix of its text."""
+        tokenizer, capacity = load_tokenizer(self.spec.tokenizer_json), self.spec.capacity
+        cut = self._prefix_chars(text, length)
+        full = None
+        while True:
+            if cut >= len(text) and full is None:
+                full = text = self.spec.index.read_texts(group)[row] or ""  # the kept prefix ran out: re-read
+            ids = encode_documents(tokenizer, [text[:cut]])[0].ids
+            prefix = self._with_bos(ids)
+            whole = cut >= len(text)
+            if whole or (len(ids) + 1 >= capacity + 16 and prefix_hash(prefix) == checksum):
+                return prefix  # the packer verifies the checksum (a whole text that mismatches raises there)
+            cut *= 2
+
+
+class _SplitFetch:
+    """``fetch`` for ``bestfit_split``: a piece's tokens, from its document tokenized whole once."""
+
+    def __init__(self, spec: StreamSpec, meta: np.ndarray):
+        self.spec = spec
+        self.texts = _read_buffered_texts(spec, meta)
+        self.uses = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))
+        self.tokens: dict[tuple[int, int], np.ndarray] = {}
+
+    def __call__(self, row: np.ndarray) -> Any:
+        key = (int(row[2]), int(row[3]))
+        chunk, length, capacity = int(row[4]), int(row[1]), self.spec.capacity
+        tokens = self.tokens.get(key)
+        if tokens is None:
+            ids = encode_documents(load_tokenizer(self.spec.tokenizer_json), [self.texts.pop(key)])[0].ids
+            tokens = np.empty(len(ids) + 1, np.int32)
+            tokens[0] = self.spec.bos_id
+            tokens[1:] = ids
+            self.tokens[key] = tokens
+        self.uses[key] -= 1
+        if not self.uses[key]:
+            del self.tokens[key]
+        return tokens[chunk * capacity : chunk * capacity + length]

@@ -1,0 +1,191 @@
+"""Reader: one stream's texts, pass after pass, from any position, in chunks for the tokenizer.
+
+Algorithm: pass ``p`` of stream ``s`` is the units ``deal(pass_order(p), s, K)``; the reader walks them in order,
+reads each unit's rows of the text column and yields :class:`TextChunk` s of up to ``tokenizer_batch_size``
+non-empty documents (fewer where ``chunk_chars`` caps a chunk's text, and growing 1, 2, 4, … after a start, so
+that the first batch after a resume waits for a few documents only). Null and empty texts are skipped; units
+that hold no text at all are skipped too (without reading them where the footer statistics prove it), and
+each document carries how many of either were skipped since the document before it, so that counters are the
+same however documents were batched.
+
+State: a :class:`ReadPosition` ``(pass, slot, row)``: the unit ``slot`` of pass ``pass`` and a row of its row
+group. Reading resumes exactly there; a position is normalised (a row past its unit's end names the next unit,
+or the next pass).
+
+Trade-off: a unit is read whole (one ``read_row_group``) even when reading resumes inside it, which keeps reads
+columnar and simple at the cost of re-reading the rows before the position once per resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order
+
+# A stream that meets this many passes in a row without a single document stops with an error instead of
+# spinning: with text anywhere in the corpus, shuffled passes make that practically impossible.
+MAX_PASSES_WITHOUT_TEXT = 100
+
+
+@dataclass(frozen=True)
+class ReadPosition:
+    """Where a stream reads next: row ``row`` (of its row group) of unit ``slot`` of pass ``pass_index``."""
+
+    pass_index: int = 0
+    slot: int = 0
+    row: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"pass": self.pass_index, "slot": self.slot, "row": self.row}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, int]) -> ReadPosition:
+        return cls(int(state["pass"]), int(state["slot"]), int(state["row"]))
+
+
+@dataclass
+class TextChunk:
+    """Consecutive non-empty documents of one unit, as the reader hands them to the tokenizer.
+
+    Attributes:
+        pass_index, slot: the unit they come from.
+        group: its global row group.
+        rows: each document's row in the row group.
+        texts: the documents.
+        empty_before: for each document, the null or empty rows skipped since the document before it.
+        units_before: for each document, the text-free units skipped since the document before it.
+    """
+
+    pass_index: int
+    slot: int
+    group: int
+    rows: np.ndarray
+    texts: list[str]
+    empty_before: np.ndarray
+    units_before: np.ndarray
+
+    def position_of(self, doc: int) -> ReadPosition:
+        """The position of document ``doc`` (reading from there yields it first)."""
+        return ReadPosition(self.pass_index, self.slot, int(self.rows[doc]))
+
+
+@dataclass(frozen=True)
+class StreamUnits:
+    """The units one stream reads and how they are dealt: enough to walk any pass from any position.
+
+    Attributes:
+        index: the row groups.
+        units: the units (row ranges of row groups).
+        stream: this stream's number.
+        num_streams: K, the streams the units are dealt to.
+        seed: seeds each pass's order.
+        shuffle: reshuffle every pass (``False``: rotated file order, for validation).
+    """
+
+    index: RowGroupIndex
+    units: Units
+    stream: int
+    num_streams: int
+    seed: int
+    shuffle: bool
+
+    def of_pass(self, pass_index: int) -> np.ndarray:
+        return deal(pass_order(len(self.units), self.seed, pass_index, self.shuffle), self.stream, self.num_streams)
+
+    def normalise(self, position: ReadPosition) -> ReadPosition:
+        """The same position with its row inside its unit (past the end: the next unit, or the next pass)."""
+        pass_index, slot, row = position.pass_index, position.slot, position.row
+        slots = self.of_pass(pass_index)
+        while True:
+            if slot < len(slots):
+                unit = int(slots[slot])
+                start, stop = int(self.units.start[unit]), int(self.units.stop[unit])
+                if row < stop:
+                    return ReadPosition(pass_index, slot, max(row, start))
+                slot, row = slot + 1, 0
+                continue
+            pass_index, slot, row = pass_index + 1, 0, 0
+            slots = self.of_pass(pass_index)
+
+
+class TextReader:
+    """Yields a stream's :class:`TextChunk` s from a position on, forever.
+
+    Args:
+        units: what the stream reads.
+        start: where to start (a position yielded with an earlier state).
+        tokenizer_batch_size: documents per chunk, at most.
+        chunk_chars: a chunk also ends before its text passes this many characters (0: no limit; a single
+            longer document is a chunk of its own).
+
+    Raises:
+        ValueError: (when iterated) ``MAX_PASSES_WITHOUT_TEXT`` passes in a row without a document.
+    """
+
+    def __init__(self, units: StreamUnits, start: ReadPosition, tokenizer_batch_size: int, chunk_chars: int = 0):
+        self.units, self.start = units, units.normalise(start)
+        self.tokenizer_batch_size, self.chunk_chars = tokenizer_batch_size, chunk_chars
+
+    def __iter__(self) -> Iterator[TextChunk]:
+        units, index = self.units, self.units.index
+        size = 1  # grows to tokenizer_batch_size
+        pass_index, slot, row = self.start.pass_index, self.start.slot, self.start.row
+        empty_since = units_since = 0  # skipped since the last document handed out
+        passes_without_text = 0
+        while True:
+            slots = units.of_pass(pass_index)
+            found = False
+            while slot < len(slots):
+                unit = int(slots[slot])
+                group, stop = int(units.units.group[unit]), int(units.units.stop[unit])
+                row = max(row, int(units.units.start[unit]))
+                texts = None if index.text_free[group] else index.read_texts(group)
+                if texts is None or not any(texts[int(units.units.start[unit]) : stop]):
+                    units_since += 1  # a text-free unit is counted as one, not as its rows
+                    slot, row = slot + 1, 0
+                    continue
+                if not any(texts[row:stop]):  # resumed after the unit's last document
+                    empty_since += stop - row
+                    slot, row = slot + 1, 0
+                    continue
+                found = True
+                kept = [r for r in range(row, stop) if texts[r]]
+                gaps = np.diff(np.asarray([row - 1, *kept], np.int64)) - 1
+                gaps[0] += empty_since
+                units_before = np.zeros(len(kept), np.int64)
+                units_before[0] = units_since
+                empty_since = stop - 1 - kept[-1]
+                units_since = 0
+                lengths = np.fromiter((len(texts[r]) for r in kept), np.int64, len(kept)) if self.chunk_chars else None
+                first = 0
+                while first < len(kept):
+                    last = min(first + size, len(kept))
+                    if lengths is not None:
+                        last = first + max(1, _fitting(lengths[first:last], self.chunk_chars))
+                    yield TextChunk(
+                        pass_index,
+                        slot,
+                        group,
+                        np.asarray(kept[first:last], np.int64),
+                        [texts[r] for r in kept[first:last]],
+                        gaps[first:last],
+                        units_before[first:last],
+                    )
+                    first = last
+                    size = min(2 * size, self.tokenizer_batch_size)
+                slot, row = slot + 1, 0
+            passes_without_text = 0 if found else passes_without_text + 1
+            if passes_without_text >= MAX_PASSES_WITHOUT_TEXT:
+                raise ValueError(
+                    f"stream {units.stream} of {units.num_streams} read {MAX_PASSES_WITHOUT_TEXT} passes over its "
+                    f"units without a non-empty text in column {index.text_column!r}"
+                )
+            pass_index, slot, row = pass_index + 1, 0, 0
+
+
+def _fitting(lengths: np.ndarray, budget: int) -> int:
+    """How many of the leading documents fit in ``budget`` characters together."""
+    return int(np.searchsorted(np.cumsum(lengths), budget, side="right"))

@@ -1,0 +1,154 @@
+"""Tokenize: the tokenizer as the streams use it, and a prefetching stage that tokenizes chunks ahead, in order.
+
+Algorithm: a stream's reader runs in a thread of its own and submits each chunk of texts to this process's one
+tokenizing thread (``Tokenizer.encode_batch_fast`` releases the GIL; in the training process it uses every
+core, in a DataLoader worker one); the stream's consumer takes the results strictly in submission order, so
+timing never changes what is produced. The stage keeps no state: what it yields is decided by the reader's
+position, so a stream restarts it from there.
+
+Why one tokenizing thread per process, shared by every stream it hosts: concurrent ``encode_batch_fast`` calls
+make the tokenizer's threads fight over the cores, and a process may host many streams. Why the consumer hands
+spent ``Encoding`` objects back to be freed by the tokenizing thread between two calls: that is where a bare
+tokenizer loop frees them too, whereas a free from the consumer runs while the tokenizer allocates the next
+chunk and contends with it for the allocator.
+
+Trade-off: a chunk read ahead and tokenized but not yet packed is work thrown away when a stream stops; each
+stream's lookahead is bounded (``prefetch`` chunks), so little is lost and memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from lightning_d9d.streaming.reader import TextChunk
+
+_tokenizers: dict[str, Tokenizer] = {}
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def load_tokenizer(tokenizer_json: str) -> Tokenizer:
+    """Parse a serialized tokenizer once per process (parsing a large vocabulary takes a while).
+
+    Padding and truncation saved in the JSON are switched off: a document must come out whole and unpadded
+    (a ``tokenizer.json`` saved with ``truncation: {max_length: 512}`` would silently cut every document).
+    """
+    tokenizer = _tokenizers.get(tokenizer_json)
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        _tokenizers[tokenizer_json] = tokenizer
+    return tokenizer
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list:
+    """``encode_batch_fast`` without the post-processor's special tokens.
+
+    The streams prepend BOS themselves; a template such as Llama's ``"<s> $A"`` would otherwise put a second
+    BOS (or a BERT-style ``[SEP]``) in every document.
+    """
+    return tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+
+
+def tokenizing_thread() -> ThreadPoolExecutor:
+    """This process's one tokenizing thread (a forked child makes its own)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-d9d-tokenize"))
+        return _pool[1]
+
+
+@dataclass
+class TokenizedChunk:
+    """A chunk of texts and their encodings (``encodings[i]`` is ``chunk.texts[i]``'s)."""
+
+    chunk: TextChunk
+    encodings: list
+
+    def spend(self) -> None:
+        """The encodings were laid out: free them in the tokenizing thread, between two calls."""
+        self.encodings = []
+
+
+def tokenized(
+    chunks: Iterator[TextChunk], tokenizer_json: str, prefetch: int = 4, name: str = "stream"
+) -> Generator[TokenizedChunk, None, None]:
+    """``chunks``, tokenized ahead in threads, in order.
+
+    Args:
+        chunks: the reader's chunks (iterated in a thread of its own when ``prefetch > 0``).
+        tokenizer_json: the tokenizer, serialized.
+        prefetch: chunks read and tokenized ahead of the consumer (0: inline, no threads).
+        name: names the reader thread.
+
+    Raises:
+        whatever reading or tokenizing raised, in the consumer, at the chunk where it happened.
+    """
+    tokenizer = load_tokenizer(tokenizer_json)
+    if prefetch <= 0:
+        for chunk in chunks:
+            yield TokenizedChunk(chunk, encode_documents(tokenizer, chunk.texts))
+        return
+    out: queue.Queue = queue.Queue(maxsize=prefetch)
+    stop = threading.Event()
+    spent: deque = deque()  # encodings laid out by the consumer, freed by the tokenizing thread
+    pool = tokenizing_thread()
+
+    def encode(chunk: TextChunk) -> TokenizedChunk:
+        while spent:
+            spent.popleft().clear()
+        return TokenizedChunk(chunk, encode_documents(tokenizer, chunk.texts))
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for chunk in chunks:
+                if stop.is_set() or not put(pool.submit(encode, chunk)):
+                    return
+        except BaseException as error:  # handed to the consumer, which raises it
+            put(error)
+
+    reader = threading.Thread(target=produce, name=f"lightning-d9d-{name}-reader", daemon=True)
+    reader.start()
+    try:
+        while True:
+            try:
+                item = out.get(timeout=1.0)
+            except queue.Empty:
+                if not reader.is_alive() and out.empty():  # never wait on a reader that is gone
+                    raise RuntimeError(f"{name}: its reader thread ended unexpectedly") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            result: TokenizedChunk = item.result() if isinstance(item, Future) else item
+            yield result
+            spent.append(result.encodings)
+            result.spend()
+    finally:
+        stop.set()
+        while True:  # drop what was read ahead; futures not yet started are cancelled
+            try:
+                item = out.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Future):
+                item.cancel()
