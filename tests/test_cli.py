@@ -17,6 +17,7 @@ from support import BatchRecorder
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 DEMO = REPO / "configs" / "demo.yaml"
+PADDING_FREE_DEMO = REPO / "configs" / "demo_padding_free.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def run_cli(args: list[str]) -> None:
 
 # ---------------------------------------------------------------------------------------------------- parsing
 def test_the_shipped_configs_include_the_three_of_this_issue() -> None:
-    assert {"demo.yaml", "d9d.yaml", "text.yaml"} <= {path.name for path in CONFIGS}
+    assert {"demo.yaml", "d9d.yaml", "text.yaml", "demo_padding_free.yaml"} <= {path.name for path in CONFIGS}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[path.name for path in CONFIGS])
@@ -80,6 +81,45 @@ def test_inspect_the_demo(offline_env: dict[str, str], capsys: pytest.CaptureFix
     assert "batch.input_ids: (8, " in report and "batch.labels: (8, " in report
 
 
+def test_inspect_the_padding_free_demo_reports_its_plan(
+    offline_env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_cli(["inspect", "--config", str(PADDING_FREE_DEMO), "--data.init_args.num_workers=0"])
+    report = capsys.readouterr().out
+    assert "steps per epoch: " in report and "microbatches per step per rank: 4" in report
+    assert "samples per step: " in report and "tokens per step: " in report and "of 4,096" in report
+    fill = float(report.split("fill: ")[1].split(" %")[0])
+    assert 98.0 <= fill <= 100.0
+    assert "padding: 0.00 % (padding-free)" in report
+    assert "batch.input_ids: (1, " in report and "batch.cu_seqlens: (" in report and "int32" in report
+
+
+def test_padding_free_demo_fits_and_resumes_exactly(offline_env: dict[str, str], tmp_path: Path) -> None:
+    """The padding-free config trains in process and resumes from ``last`` with the same batches and weights."""
+    shrink = ["--data.init_args.global_batch_tokens=1024", "--data.init_args.microbatch_tokens=256"]
+    shrink.append("--data.init_args.num_workers=0")
+    whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
+    whole.mkdir()
+    interrupted.mkdir()
+    demo_fit(whole, offline_env, whole / "record.jsonl", 6, shrink, in_process=True, config=PADDING_FREE_DEMO)
+    demo_fit(interrupted, offline_env, interrupted / "r.jsonl", 3, shrink, in_process=True, config=PADDING_FREE_DEMO)
+    demo_fit(
+        interrupted,
+        offline_env,
+        interrupted / "r.jsonl",
+        6,
+        [*shrink, "--ckpt_path", "last"],
+        in_process=True,
+        config=PADDING_FREE_DEMO,
+    )
+    assert read_records(interrupted / "r.jsonl") == read_records(whole / "record.jsonl")
+    assert len(read_records(whole / "record.jsonl")) == 6 * 4
+    final_whole = torch.load(whole / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    final_resumed = torch.load(interrupted / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    for name, tensor in final_whole["state_dict"].items():
+        torch.testing.assert_close(final_resumed["state_dict"][name], tensor, msg=name)
+
+
 def test_inspect_the_plain_d9d_config(capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(["inspect", "--config", str(REPO / "configs" / "d9d.yaml"), "--steps", "2", "--trainer.devices=1"])
     report = capsys.readouterr().out
@@ -103,7 +143,13 @@ def test_inspect_with_packs_reads_whole_steps(capsys: pytest.CaptureFixture[str]
 
 # ---------------------------------------------------------------------------------------------------- demo run
 def demo_fit(
-    workdir: Path, env: dict[str, str], record: Path, max_steps: int, extra: list[str] = (), in_process: bool = False
+    workdir: Path,
+    env: dict[str, str],
+    record: Path,
+    max_steps: int,
+    extra: list[str] = (),
+    in_process: bool = False,
+    config: Path = DEMO,
 ) -> None:
     """``lightning-d9d fit --config configs/demo.yaml`` with a smaller model and batch, so the test takes seconds."""
     callbacks = [
@@ -113,16 +159,16 @@ def demo_fit(
         },
         {"class_path": "support.BatchRecorder"},
     ]
+    sizes = ["--data.init_args.global_batch_size=8", "--data.init_args.microbatch_size=4"] if config == DEMO else []
     args = [
         "fit",
         "--config",
-        str(DEMO),
+        str(config),
         "--model.init_args.width=32",
         "--model.init_args.num_layers=1",
         "--model.init_args.num_heads=2",
         "--data.init_args.max_length=32",
-        "--data.init_args.global_batch_size=8",
-        "--data.init_args.microbatch_size=4",
+        *sizes,
         "--data.init_args.sort_buffer_size=64",
         f"--trainer.max_steps={max_steps}",
         "--trainer.num_sanity_val_steps=0",
