@@ -68,7 +68,8 @@ from common import print_verdicts
 from lightning_d9d.datamodules.pretraining import PretrainingDataModule
 from lightning_d9d.streaming.packing import BestFitPacker
 from lightning_d9d.streaming.source import RowGroupIndex, pass_order, resolve_files
-from lightning_d9d.streaming.stream import StreamSpec, TokenStream, load_tokenizer
+from lightning_d9d.streaming.stream import StreamSpec, TokenStream
+from lightning_d9d.streaming.tokenize import load_tokenizer
 
 BOS = "<|bos|>"
 

@@ -13,13 +13,13 @@ result is saved with ``datasets.DatasetDict.save_to_disk`` and a byte-level BPE 
 ``<pad>`` and an ``<eos>`` appended to every document) is trained on the train split with ``tokenizers``.
 
 Both are cached in ``$LIGHTNING_D9D_CACHE`` (default ``~/.cache/lightning_d9d/demo``) under a key made from the
-Python version and this module's format version, so the build (~5 s on 2 cores) runs once per machine. Writers
+Python version and this module's format version, so the build (seconds) runs once per machine. Writers
 take a file lock and publish by atomic rename, so concurrent processes (DDP ranks, several nodes on a shared
 file system) never see a half-written corpus.
 
 Trade-off: the corpus depends on the Python version (docstrings change between releases), so two machines with
 different Pythons train on slightly different text; the cache key records that instead of hiding it. It is
-small (~450 K tokens) on purpose: a few epochs of a tiny model fit in minutes on a laptop CPU.
+small on purpose: a few epochs of a tiny model fit in minutes on a laptop CPU.
 """
 
 from __future__ import annotations

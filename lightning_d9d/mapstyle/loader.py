@@ -14,7 +14,7 @@ to know which step a microbatch belongs to.
 
 Why a plain sized iterable and not the DataLoader itself: Lightning would otherwise (a) re-instantiate it
 under DDP with its own distributed sampler and (b) save and restore the DataLoader's internal state, which
-goes wrong in several measured ways (see the project README). A sized iterable without ``state_dict`` is left
+goes wrong in several ways (docs/resume.md lists them). A sized iterable without ``state_dict`` is left
 alone; its length also stops Lightning's prefetcher from reading a batch ahead, so "handed out" equals
 "consumed by training".
 

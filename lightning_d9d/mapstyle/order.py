@@ -276,7 +276,7 @@ class GlobalBatchOrder:
         if not self.shuffle:
             return positions.astype(np.int64)
         if self._permutation is None or self._permutation[0] != epoch:
-            # Deriving round keys costs ~100 µs (SeedSequence): once per epoch, not per batch.
+            # Deriving round keys (SeedSequence) is the costly part: once per epoch, not per batch.
             self._permutation = (epoch, SeededPermutation(self.num_samples, (self.seed, epoch)))
         return self._permutation[1](positions)
 

@@ -46,9 +46,9 @@ from lightning_d9d.streaming.stream import RowBlock, StreamSpec, StreamState, To
 
 StreamStates = dict[int, StreamState]
 
-# A worker's tokenizer calls hold at most this much text (about 75K tokens of English or code, ~0.1 s on one
-# core): 128 long documents can be MBs, which made a worker's rows come in bursts and held that many Encodings
-# in flight; a call's size buys no speed on one core. Rows never depend on it.
+# A worker's tokenizer calls hold at most this much text: a call's size buys no speed on one core, while a call
+# of 128 long documents (MBs of text) makes a worker's rows come in bursts and holds that many Encodings in
+# flight. Rows never depend on it.
 WORKER_CHUNK_CHARS = 1 << 18
 # Chunks each stream reads and tokenizes ahead; a process hosting many streams keeps fewer per stream.
 _PREFETCH_PER_PROCESS = 8

@@ -2,13 +2,13 @@
 
 Three packers, all fed documents that already start with BOS:
 
-* ``ConcatPacker`` (the reference's original loader): documents are concatenated into one stream, which is cut
+* ``ConcatPacker`` (nanochat's original loader): documents are concatenated into one stream, which is cut
   into rows. Nothing is wasted; rows usually start mid-document. The stream is a numpy array, and a row is a
   slice of it, so packing costs one copy per token.
-* ``BestFitPacker`` (the reference's best-fit loader): every row starts at a document's BOS. Each row is filled
+* ``BestFitPacker`` (nanochat's best-fit loader): every row starts at a document's BOS. Each row is filled
   with the *largest* buffered document that still fits; when none fits, the *shortest* buffered document is
   cropped to fill the row exactly and its remainder is dropped (no padding, ever). Ties go to the document
-  that entered the buffer first, which is exactly the choice of the reference's linear scan.
+  that entered the buffer first, which is exactly the choice of nanochat's linear scan.
 * ``BestFitSplitPacker`` (best-fit without cropping, as in "Fewer Truncations Improve Language Modeling"): a
   document longer than a row is split into consecutive row-sized chunks (the last may be shorter), and every
   document or chunk is a *piece*. Each row is filled with the largest buffered piece that still fits (ties:
@@ -22,7 +22,7 @@ Three packers, all fed documents that already start with BOS:
   ``split_microbatch_tensors`` turns tokens and flags into ``inputs``/``targets``/``position_ids``.
 
 Both best-fit packers keep their buffer as a sorted list of the distinct lengths present plus a FIFO per
-length, so a pick is one ``bisect`` (O(log buffer)) and a refill is an ``insort``, instead of the reference's
+length, so a pick is one ``bisect`` (O(log buffer)) and a refill is an ``insort``, instead of nanochat's
 scan (O(buffer) Python steps per pick). Each buffered item's state is one row of integers in a slot table,
 so a snapshot is a few whole-table numpy operations whatever the buffer holds.
 
@@ -345,7 +345,7 @@ class BestFitPacker:
         """Pack ``num_rows`` rows; ``refill()`` must add at least one document each call.
 
         The buffer is topped up to ``buffer_size`` before every pick, so the choice always sees a full buffer.
-        (The reference tops up a whole tokenizer batch at a time; refilling one document per call makes the
+        (nanochat tops up a whole tokenizer batch at a time; refilling one document per call makes the
         result independent of how the caller batches its tokenization.)
         """
         out = np.empty((num_rows, self.capacity), np.int32)
