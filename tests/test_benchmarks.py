@@ -23,9 +23,17 @@ EXPECTED = {
     "order_scale.py": ("torch.randperm", "peak RSS"),
     "resume_cost.py": ("resume @1e7 s", "naive skip"),
     "streaming.py": ("bare vs bare", "own work / tokenizer's"),
+    "token_budget.py": ("budget-free", "padding-free / padded tokens/s"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
-MIN_VERDICTS = {"padding.py": 2, "overhead.py": 4, "order_scale.py": 2, "resume_cost.py": 4, "streaming.py": 10}
+MIN_VERDICTS = {
+    "padding.py": 2,
+    "overhead.py": 4,
+    "order_scale.py": 2,
+    "resume_cost.py": 4,
+    "streaming.py": 10,
+    "token_budget.py": 8,
+}
 
 
 @pytest.mark.timeout(120)

@@ -25,9 +25,10 @@ microbatch, and tokens per second (real tokens since the start of fitting over w
 included). The optimizer is AdamW with a linear warm-up and a cosine decay over
 ``trainer.estimated_stepping_batches``.
 
-Trade-off: flattened rows use a dense ``T × T`` mask, so on CPU attention costs ``T²`` per row where the padded
-microbatch costs ``count × longest²``; varlen kernels on a GPU skip the masked blocks. The MLP and output layer,
-which dominate at this width, never see a padding position in a flattened row.
+Trade-off: a flattened row's attention runs on its documents regrouped as ``[documents, longest document]``
+(exactly block-diagonal causal attention, at ``D × longest²`` instead of the row's ``T²``), which costs a scatter
+and a gather per layer and still computes the masked tail of shorter documents, as a padded microbatch does;
+varlen kernels on a GPU skip it. The embeddings, MLPs and output layer never see a padding position.
 """
 
 from __future__ import annotations
@@ -58,15 +59,49 @@ class _Block(nn.Module):
             nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
         )
 
-    def forward(self, hidden: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        batch, length, width = hidden.shape
+    def forward(self, hidden: torch.Tensor, allowed: torch.Tensor, documents: _Documents | None = None) -> torch.Tensor:
+        width = hidden.shape[-1]
         q, k, v = self.qkv(self.attention_norm(hidden)).split(width, dim=-1)
-        q, k, v = (t.view(batch, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        if documents is not None:  # one flattened row: attention per document
+            q, k, v = (documents.regroup(t[0]) for t in (q, k, v))
+            allowed = documents.allowed
+        rows, span = q.shape[:2]
+        q, k, v = (t.reshape(rows, span, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
         attended = F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, dropout_p=self.dropout if self.training else 0.0
         )
-        hidden = hidden + self.attention_out(attended.transpose(1, 2).reshape(batch, length, width))
+        attended = attended.transpose(1, 2).reshape(rows, span, width)
+        if documents is not None:
+            attended = documents.flatten(attended)[None]
+        hidden = hidden + self.attention_out(attended)
         return hidden + self.mlp(self.mlp_norm(hidden))
+
+
+class _Documents:
+    """The documents of one flattened row, for attention: ``regroup`` lays the row's ``T`` positions out as
+    ``[D, longest, ...]`` (one row per document), ``flatten`` gathers them back. Attention over that layout with
+    a causal, per-document key mask is exactly block-diagonal causal attention over the row, at the cost of the
+    documents (``D × longest²``) instead of the row (``T²``): what a varlen kernel computes, without one.
+    """
+
+    def __init__(self, document_ids: torch.Tensor, offsets: torch.Tensor):
+        self.document_ids, self.offsets = document_ids, offsets
+        count = int(document_ids.max()) + 1 if document_ids.numel() else 0
+        longest = int(offsets.max()) + 1 if offsets.numel() else 1
+        lengths = torch.bincount(document_ids, minlength=count)
+        self.shape = (count, longest)
+        span = torch.arange(longest, device=offsets.device)
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=offsets.device).tril()
+        allowed = causal & (span[None, None, :] < lengths[:, None, None])
+        # Every query may see itself, so a padding query never has an all-masked row (which would give NaN).
+        self.allowed = (allowed | torch.eye(longest, dtype=torch.bool, device=offsets.device))[:, None]
+
+    def regroup(self, row: torch.Tensor) -> torch.Tensor:
+        out = row.new_zeros(*self.shape, *row.shape[1:])
+        return out.index_put((self.document_ids, self.offsets), row)
+
+    def flatten(self, grouped: torch.Tensor) -> torch.Tensor:
+        return grouped[self.document_ids, self.offsets]
 
 
 @dataclasses.dataclass
@@ -184,7 +219,8 @@ class TinyGPT(pl.LightningModule):
 
         ``position_ids`` default to counting real tokens, so a left-padded sample gets the same positions as a
         right-padded one; flattened and packed rows pass their own (restarting at each document).
-        ``document_ids`` (``[B, T]``) keep attention inside each document of a flattened row.
+        ``document_ids`` (``[B, T]``) keep attention inside each document of a flattened row; for one row
+        (``B = 1``, with its ``position_ids``) attention runs per document instead of over the whole row.
         """
         length = input_ids.shape[1]
         real = attention_mask.bool()
@@ -193,15 +229,19 @@ class TinyGPT(pl.LightningModule):
         else:
             positions = position_ids.clamp(max=self.hparams.max_positions - 1)
         hidden = self.token_embedding(input_ids) + self.position_embedding(positions)
-        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-        allowed = causal & real[:, None, :]
-        if document_ids is not None:
-            allowed &= document_ids[:, :, None] == document_ids[:, None, :]
-        # Every query may see itself, so a padding query never has an all-masked row (which would give NaN).
-        allowed |= torch.eye(length, dtype=torch.bool, device=input_ids.device)
-        allowed = allowed[:, None]  # broadcast over heads
+        documents = allowed = None
+        if document_ids is not None and position_ids is not None and input_ids.shape[0] == 1:
+            documents = _Documents(document_ids[0], position_ids[0])
+        else:
+            causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+            allowed = causal & real[:, None, :]
+            if document_ids is not None:
+                allowed &= document_ids[:, :, None] == document_ids[:, None, :]
+            # Every query may see itself, so a padding query never has an all-masked row (which would give NaN).
+            allowed |= torch.eye(length, dtype=torch.bool, device=input_ids.device)
+            allowed = allowed[:, None]  # broadcast over heads
         for block in self.blocks:
-            hidden = block(hidden, allowed)
+            hidden = block(hidden, allowed, documents)
         return self.final_norm(hidden) @ self.token_embedding.weight.T
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, _Tokens]:
