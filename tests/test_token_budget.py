@@ -19,7 +19,7 @@ import torch
 from support import TESTS, LengthDataset, make_texts, pad_collate, train_tokenizer
 
 from lightning_d9d import D9DDataModule, FlatBatch, FlatteningCollator, TextBatch, TextDataModule
-from lightning_d9d.mapstyle.plan import TokenBudget, pack, plan_epoch
+from lightning_d9d.mapstyle.plan import InvalidLengthError, TokenBudget, pack, plan_epoch
 from lightning_d9d.text.collate import IGNORE_INDEX, CausalLMCollator
 
 BUDGET, STEP = 512, 2048  # P = 4 microbatches per step
@@ -335,8 +335,8 @@ class Lengths(torch.utils.data.Dataset):
     [
         ([5] * 30 + ["long"] + [5] * 9, TypeError, r"training sample 30 has length 'long' \(str\); token budgets"),
         ([5] * 12 + [None] + [5] * 27, TypeError, r"training sample 12 has length None \(NoneType\)"),
-        ([5.0] * 7 + [2.5] + [5.0] * 32, TypeError, r"training sample 7 has length 2\.5; token budgets count tokens"),
-        ([5.0] * 3 + [float("nan")] + [5.0] * 36, TypeError, r"training sample 3 has length nan"),
+        ([5.0] * 7 + [2.5] + [5.0] * 32, ValueError, r"training sample 7 has length 2\.5; token budgets count tokens"),
+        ([5.0] * 3 + [float("nan")] + [5.0] * 36, ValueError, r"training sample 3 has length nan"),
         ([5] * 20 + [0] + [5] * 19, ValueError, r"training sample 20 has length 0; .*a whole number >= 1"),
         ([(1, 2)] * 40, TypeError, r"training sample 0 has length \(1, 2\) \(tuple\)"),
     ],
@@ -344,15 +344,16 @@ class Lengths(torch.utils.data.Dataset):
 )
 def test_lengths_that_are_not_whole_numbers_name_the_sample_at_setup(keys: list, error: type, message: str) -> None:
     dm = D9DDataModule(Lengths(keys), pad_collate, global_batch_tokens=64, microbatch_tokens=32)
-    with pytest.raises(error, match=message):
+    with pytest.raises(InvalidLengthError, match=message) as caught:
         dm.setup("fit")
+    assert isinstance(caught.value, error)  # one class, both a ValueError and a TypeError
 
 
 def test_a_column_of_strings_is_refused_as_lengths() -> None:
     table = datasets.Dataset.from_dict({"id": list(range(40)), "n": [str(i) for i in range(40)]})
     dm = D9DDataModule(table, pad_collate, sort_key="n", global_batch_tokens=64, microbatch_tokens=32)
-    with pytest.raises(TypeError, match=r"token budgets read every sample's length from sort_key: sort_key column "
-                                        r"'n' has type string"):  # fmt: skip
+    message = r"token budgets read every sample's length from sort_key: sort_key column 'n' has type string"
+    with pytest.raises(InvalidLengthError, match=message):
         dm.setup("fit")
 
 

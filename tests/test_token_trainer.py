@@ -49,13 +49,21 @@ def plan() -> dict[str, Any]:
     return {"steps": steps, "per_step": per_step}
 
 
-def run(record_dir: Path, devices: int = 1, ckpt_dir: Path | None = None, options: dict | None = None, **fit_options):
+def run(
+    record_dir: Path,
+    devices: int = 1,
+    ckpt_dir: Path | None = None,
+    options: dict | None = None,
+    packs: bool = False,
+    **fit_options: Any,
+) -> list[dict]:
     config = {
         "data": "d9d",
-        "options": {**OPTIONS, **(options or {})},
+        "options": {**OPTIONS, "yield_packs": packs, **(options or {})},
         "record_dir": str(record_dir),
         "ckpt_dir": str(ckpt_dir) if ckpt_dir else None,
         "devices": devices,
+        "packs": packs,
         "runs": [{"max_epochs": EPOCHS, **fit_options}],
     }
     if devices > 1:
@@ -153,6 +161,14 @@ def test_elastic_resume_one_rank_to_two_inside_a_window(reference: dict, plan: d
     resumed = run(tmp_path, devices=2, ckpt_path=str(reference["ckpt"] / "mid-e2-b9.ckpt"))
     combined = before_step(reference["records"], 20) + resumed
     assert by_step(combined, plan["steps"]) == plan["per_step"]
+
+
+def test_yield_packs_hand_out_each_planned_step_whole_and_resume_exactly(plan: dict, tmp_path: Path) -> None:
+    full = run(tmp_path / "full", ckpt_dir=tmp_path / "ckpt", packs=True, every_n_train_steps=11)
+    assert by_step(full, plan["steps"]) == plan["per_step"]
+    assert {r["batch_idx"] for r in full if r["epoch"] == 2} == set(range(plan["steps"][2])), "one batch per step"
+    resumed = run(tmp_path / "resumed", packs=True, ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=11.ckpt"))
+    assert trained(before_step(full, 11) + resumed) == trained(full)
 
 
 class EstimatingModule(RecordingModule):

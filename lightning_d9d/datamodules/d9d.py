@@ -53,6 +53,7 @@ from lightning_d9d.mapstyle.order import (
 )
 from lightning_d9d.mapstyle.plan import (
     PLAN_VERSION,
+    InvalidLengthError,
     TokenBudget,
     TokenPlan,
     check_lengths_fit,
@@ -142,7 +143,9 @@ class D9DDataModule(SteppedDataModule):
             shorter than one step, a missing or non-comparable sort key, a sample longer than
             ``microbatch_tokens`` (naming it), a conflicting ``accumulate_grad_batches`` or
             ``reload_dataloaders_every_n_epochs`` — in ``setup``.
-        TypeError: with token budgets, a length that is not a whole number (naming the sample) — in ``setup``.
+        InvalidLengthError: (a ``ValueError`` and a ``TypeError``) with token budgets, a length that is not a
+            whole number >= 1, or a sort-key column that is not numeric (naming the sample or column) — in
+            ``setup``.
     """
 
     def __init__(
@@ -320,7 +323,7 @@ class D9DDataModule(SteppedDataModule):
         try:
             return resolve_sort_keys(dataset, sort_key)
         except TypeError as error:  # a column that is not numeric
-            raise TypeError(f"token budgets read every sample's length from sort_key: {error}") from error
+            raise InvalidLengthError(f"token budgets read every sample's length from sort_key: {error}") from error
 
     def _reload_train_loader_every_epoch(self) -> None:
         """Epochs of a token plan differ in length, and Lightning reads a loader's length once per load."""

@@ -73,6 +73,10 @@ _UNSORTED_WINDOW = 1 << 16
 KeyLookup = Callable[[np.ndarray], np.ndarray]
 
 
+class InvalidLengthError(ValueError, TypeError):
+    """A sample's length is not a whole number >= 1 (a bad value and, for a string or None, a bad type)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenBudget:
     """The budgets of a token-budget step and how a microbatch's tokens are counted against them.
@@ -135,8 +139,8 @@ def read_lengths(lookup: KeyLookup, num_samples: int, what: str = "training") ->
         what: names the dataset in errors (``"training"``, ``"validation"``).
 
     Raises:
-        TypeError: a length that is not a number, or not a whole number (naming the first such sample).
-        ValueError: a length below 1 (naming the first such sample).
+        InvalidLengthError: (a ``ValueError`` and a ``TypeError``) a length that is not a number, not a whole
+            number, or below 1, naming the first such sample and its value.
     """
     lengths: np.ndarray | None = None
     for start in range(0, num_samples, _BLOCK):
@@ -158,16 +162,20 @@ def _whole_lengths(keys: np.ndarray, indices: np.ndarray, what: str) -> np.ndarr
             0,
         )
         value = keys.ravel()[position] if keys.size else None
-        raise TypeError(f"{what} sample {int(indices[position])} has length {value!r} ({type(value).__name__}); {hint}")
+        raise InvalidLengthError(
+            f"{what} sample {int(indices[position])} has length {value!r} ({type(value).__name__}); {hint}"
+        )
     if keys.dtype.kind == "f":
         bad = ~np.isfinite(keys) | (keys != np.floor(keys))
         if bad.any():
             position = int(np.flatnonzero(bad)[0])
-            raise TypeError(f"{what} sample {int(indices[position])} has length {keys[position].item()!r}; {hint}")
+            raise InvalidLengthError(
+                f"{what} sample {int(indices[position])} has length {keys[position].item()!r}; {hint}"
+            )
     small = keys < 1
     if small.any():
         position = int(np.flatnonzero(small)[0])
-        raise ValueError(f"{what} sample {int(indices[position])} has length {keys[position].item()!r}; {hint}")
+        raise InvalidLengthError(f"{what} sample {int(indices[position])} has length {keys[position].item()!r}; {hint}")
     return keys.astype(np.int64)
 
 
