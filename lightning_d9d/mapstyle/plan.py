@@ -269,25 +269,25 @@ def pack_largest_fit(lengths: np.ndarray, budget: int) -> Packed:
     takes: list[int] = []
     sizes: list[int] = []
     tokens: list[int] = []
+    # Bound once: this loop runs a few times per microbatch, for every microbatch of the epoch.
+    find, start, take = bisect.bisect_right, starts.append, takes.append
     while present:
         room, taken = budget, 0
-        while True:
-            k = bisect.bisect_right(present, room) - 1
-            if k < 0:
-                break
+        k = len(present) - 1  # every sample fits an empty microbatch: it opens with the longest
+        while k >= 0:
             value, available = present[k], left[k]
             n = room // value
+            start(next_of[k])
             if n >= available:
                 n = available
-                starts.append(next_of[k])
                 del present[k], left[k], next_of[k]
             else:
-                starts.append(next_of[k])
                 next_of[k] += n
                 left[k] = available - n
-            takes.append(n)
+            take(n)
             room -= n * value
             taken += n
+            k = find(present, room) - 1
         sizes.append(taken)
         tokens.append(budget - room)
     token_array = np.asarray(tokens, dtype=np.int64)
