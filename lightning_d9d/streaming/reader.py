@@ -19,7 +19,7 @@ columnar and simple at the cost of re-reading the rows before the position once 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -91,9 +91,19 @@ class StreamUnits:
     num_streams: int
     seed: int
     shuffle: bool
+    # A pass's units, by pass: a seeded permutation of every unit costs far more than the lookups that need it
+    # (the reader once per pass, the packer at every block), and a stream walks one or two passes at a time.
+    _passes: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def of_pass(self, pass_index: int) -> np.ndarray:
-        return deal(pass_order(len(self.units), self.seed, pass_index, self.shuffle), self.stream, self.num_streams)
+        slots = self._passes.get(pass_index)
+        if slots is None:
+            if len(self._passes) >= 4:
+                self._passes.clear()
+            order = pass_order(len(self.units), self.seed, pass_index, self.shuffle)
+            slots = self._passes[pass_index] = deal(order, self.stream, self.num_streams)
+            slots.flags.writeable = False  # shared by every caller
+        return slots
 
     def normalise(self, position: ReadPosition) -> ReadPosition:
         """The same position with its row inside its unit (past the end: the next unit, or the next pass)."""

@@ -264,27 +264,39 @@ class _Laid:
 
 
 class _Stage:
-    """What both packing stages share: where they stand and how the counters follow the documents taken."""
+    """What both packing stages share: where they stand and how the counters follow the documents taken.
+
+    Documents taken are tallied in plain integers and folded into the frozen counters once per block: a short
+    document is only a few dozen tokens, so per-document bookkeeping has to be a few additions.
+    """
 
     def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState):
         self.spec, self.units = spec, units
         self.counters, self.blocks_done = state.counters, state.blocks
+        self.taken = [0, 0, 0, 0]  # documents, tokens, empty rows, text-free units taken since the last fold
 
     def after(self, chunk: TextChunk, doc: int) -> ReadPosition:
         """The position just after document ``doc`` of ``chunk`` (its row + 1, normalised)."""
         position = chunk.position_of(doc)
         return self.units.normalise(ReadPosition(position.pass_index, position.slot, position.row + 1))
 
-    def took(self, chunk: TextChunk, doc: int, length: int) -> None:
-        """Count document ``doc`` of ``chunk`` as taken (and the skipped rows and units before it)."""
-        counters = self.counters
+    def took_range(self, chunk: TextChunk, lengths: np.ndarray, first: int, stop: int) -> None:
+        """Count documents ``[first, stop)`` of ``chunk`` as taken (and the rows and units skipped before them)."""
+        taken = self.taken
+        taken[0] += stop - first
+        taken[1] += int(lengths[first:stop].sum())
+        taken[2] += int(chunk.empty_before[first:stop].sum())
+        taken[3] += int(chunk.units_before[first:stop].sum())
+
+    def folded(self, **block: int) -> StreamCounters:
+        """The counters with the documents taken since the last fold, and ``block``'s fields set."""
+        c, (docs, tokens, empty, units) = self.counters, self.taken
+        self.taken[:] = (0, 0, 0, 0)
         self.counters = dataclasses.replace(
-            counters,
-            docs=counters.docs + 1,
-            tokens=counters.tokens + length,
-            empty=counters.empty + int(chunk.empty_before[doc]),
-            text_free_units=counters.text_free_units + int(chunk.units_before[doc]),
-        )
+            c, docs=c.docs + docs, tokens=c.tokens + tokens, empty=c.empty + empty,
+            text_free_units=c.text_free_units + units, **block,
+        )  # fmt: skip
+        return self.counters
 
 
 class _Concat(_Stage):
@@ -301,6 +313,7 @@ class _Concat(_Stage):
         skip, carried = self.start.offset, self.start.offset > 0  # resumed inside a document: already counted
         after_last = self.start.read  # the position after the last document begun (or where reading started)
         pending: list[list[Any]] = []  # [chunk, documents of it counted], oldest first, not yet all begun
+        last_begun: tuple[TextChunk, int] | None = None  # (chunk, document) begun last, once after_last is stale
         while True:
             rows = packer.take(rows_per_block)
             while rows is None:
@@ -315,22 +328,27 @@ class _Concat(_Stage):
             while pending:
                 current, counted = pending[0]
                 upto = begun if current is laid else len(current.lengths)
-                for d in range(counted, upto):
+                if upto > counted:
+                    first = counted
                     if carried:  # the document a resume started inside of was counted before the checkpoint
-                        carried = False
-                    else:
-                        self.took(current.chunk, d, int(current.lengths[d]))
-                    after_last = self.after(current.chunk, d)
+                        carried, first = False, first + 1
+                    self.took_range(current.chunk, current.lengths, first, upto)
+                    last_begun = (current.chunk, upto - 1)
                 if current is not laid:
                     pending.pop(0)
                     continue
                 pending[0][1] = upto
                 break
-            read = laid.chunk.position_of(doc) if offset > 0 else after_last
+            if offset > 0:
+                read = laid.chunk.position_of(doc)
+            else:
+                if last_begun is not None:  # only the last document begun names the position, so only it is placed
+                    after_last, last_begun = self.after(*last_begun), None
+                read = after_last
             self.blocks_done += 1
             c = self.counters
-            self.counters = dataclasses.replace(c, emitted=c.emitted + rows.size, rows=c.rows + len(rows))
-            yield RowBlock(rows), StreamState(ConcatState(read, offset), self.counters, self.blocks_done)
+            counters = self.folded(emitted=c.emitted + rows.size, rows=c.rows + len(rows))
+            yield RowBlock(rows), StreamState(ConcatState(read, offset), counters, self.blocks_done)
 
 
 class _BestFit(_Stage):
@@ -359,18 +377,19 @@ class _BestFit(_Stage):
         read = self.start.read
         cursor: list[Any] = [None, 0]  # the chunk being added to the buffer, and its next document
         # That chunk's documents as Python lists (converted once per chunk, not per document): payload, lengths,
-        # rows, group, starts.
-        lists: list[Any] = [None, [], [], 0, []]
+        # rows, group, starts, empty rows and text-free units before each.
+        lists: list[Any] = [None, [], [], 0, [], [], []]
+        taken = self.taken
 
         def refill() -> None:
             """Add the next document (one per call, so the buffer never depends on chunk sizes)."""
-            nonlocal read
             laid, doc = cursor
             while laid is None or doc >= len(lists[1]):
                 laid, doc = _Laid(next(chunks), spec.bos_id, None if split else spec.capacity), 0
+                chunk = laid.chunk
                 lists[:] = (
-                    laid.payload, laid.lengths.tolist(), laid.chunk.rows.tolist(), laid.chunk.group,
-                    laid.starts.tolist(),
+                    laid.payload, laid.lengths.tolist(), chunk.rows.tolist(), chunk.group, laid.starts.tolist(),
+                    chunk.empty_before.tolist(), chunk.units_before.tolist(),
                 )  # fmt: skip
             length = lists[1][doc]
             if split:
@@ -378,28 +397,32 @@ class _BestFit(_Stage):
                 packer.add(lists[0][start : start + length], (lists[3], lists[2][doc]))
             else:
                 packer.add(lists[0][doc], length, (lists[3], lists[2][doc]))
-            self.took(laid.chunk, doc, length)
-            read = self.after(laid.chunk, doc)
+            taken[0] += 1
+            taken[1] += length
+            taken[2] += lists[5][doc]
+            taken[3] += lists[6][doc]
             cursor[0], cursor[1] = laid, doc + 1
 
         take: Callable[..., Any] = packer.take
         while True:
-            taken = take(spec.rows_per_block, refill)
+            result = take(spec.rows_per_block, refill)
+            if taken[0]:  # only the last document added names the position, so only it is placed
+                read = self.after(cursor[0].chunk, cursor[1] - 1)
             self.blocks_done += 1
             c = self.counters
             if split:
-                tokens, flags = taken
+                tokens, flags = result
                 p = packer.counters
-                self.counters = dataclasses.replace(
-                    c, emitted=p.tokens_emitted, padding=p.padding, split_docs=p.split_docs, chunks=p.chunks,
+                counters = self.folded(
+                    emitted=p.tokens_emitted, padding=p.padding, split_docs=p.split_docs, chunks=p.chunks,
                     rows=c.rows + len(tokens),
                 )  # fmt: skip
                 block = RowBlock(tokens, flags)
             else:
-                self.counters = dataclasses.replace(
-                    c, emitted=c.emitted + taken.size, crops=packer.crops, cropped=packer.tokens_cropped,
-                    rows=c.rows + len(taken),
+                counters = self.folded(
+                    emitted=c.emitted + result.size, crops=packer.crops, cropped=packer.tokens_cropped,
+                    rows=c.rows + len(result),
                 )  # fmt: skip
-                block = RowBlock(taken)
+                block = RowBlock(result)
             state = BestFitState(read, packer.snapshot(), packer.next_seq)
-            yield block, StreamState(state, self.counters, self.blocks_done)
+            yield block, StreamState(state, counters, self.blocks_done)
