@@ -99,6 +99,13 @@ class _IndexBatches:
             skip = 0
 
 
+def carries_step_label_tokens(batch: Any) -> bool:
+    """Whether ``batch`` has a ``step_label_tokens`` field or key (only such batches are told the count)."""
+    if isinstance(batch, dict):
+        return STEP_LABEL_TOKENS in batch
+    return dataclasses.is_dataclass(batch) and hasattr(batch, STEP_LABEL_TOKENS)
+
+
 def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
     """``batch`` with its ``step_label_tokens`` field or key set to ``value`` (batches without one unchanged)."""
     if value is None:
@@ -204,10 +211,11 @@ class TrainLoader:
         label_tokens: tuple[int, int | None] = (-1, None)  # (step, its count): asked once per step
         try:
             for microbatch in loader:
-                step = (start + received) // self.microbatches_per_step
-                if label_tokens[0] != step:
-                    label_tokens = (step, self.schedule.step_label_tokens(epoch, step))
-                microbatch = attach_step_label_tokens(microbatch, label_tokens[1])
+                if carries_step_label_tokens(microbatch):
+                    step = (start + received) // self.microbatches_per_step
+                    if label_tokens[0] != step:
+                        label_tokens = (step, self.schedule.step_label_tokens(epoch, step))
+                    microbatch = attach_step_label_tokens(microbatch, label_tokens[1])
                 received += 1
                 if not self.yield_packs:
                     self.position.microbatches += 1
@@ -313,24 +321,28 @@ class FetchWithContext(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> _Samples:
-        where = getattr(indices, "where", "")
-        place = f"microbatch {list(indices)}" + (f" ({where})" if where else "")
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             try:
                 samples = getitems(list(indices))
             except BaseException as error:
-                raise DataLoadingError(f"reading {place} failed: {type(error).__name__}: {error}") from error
+                raise DataLoadingError(f"reading {_place(indices)} failed: {type(error).__name__}: {error}") from error
         else:
-            samples = []
-            for index in indices:
-                try:
-                    samples.append(self.dataset[index])
-                except BaseException as error:
-                    raise DataLoadingError(
-                        f"dataset[{index}] of {place} failed: {type(error).__name__}: {error}"
-                    ) from error
+            dataset, samples, index = self.dataset, [], None
+            try:
+                for index in indices:
+                    samples.append(dataset[index])
+            except BaseException as error:
+                raise DataLoadingError(
+                    f"dataset[{index}] of {_place(indices)} failed: {type(error).__name__}: {error}"
+                ) from error
         return _Samples(samples, indices if isinstance(indices, MicrobatchIndices) else MicrobatchIndices(indices))
+
+
+def _place(indices: Any) -> str:
+    """``microbatch [..] (epoch e, step s, rank r)`` for an error message."""
+    where = getattr(indices, "where", "")
+    return f"microbatch {list(indices)}" + (f" ({where})" if where else "")
 
 
 class CollateWithContext:
@@ -347,8 +359,7 @@ class CollateWithContext:
             batch = self.collate_fn(list(samples) if isinstance(samples, _Samples) else samples)
         except BaseException as error:
             indices = getattr(samples, "indices", None)
-            where = getattr(indices, "where", "")
-            place = f"microbatch {list(indices)}" + (f" ({where})" if where else "") if indices is not None else ""
+            place = _place(indices) if indices is not None else "a microbatch"
             raise DataLoadingError(f"collate_fn failed on {place}: {type(error).__name__}: {error}") from error
         return PinnableBatch(batch) if self.pin else batch
 

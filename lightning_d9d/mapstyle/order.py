@@ -271,6 +271,7 @@ class GlobalBatchOrder:
         self._batches_per_window = self.batches_per_window or max(1, _UNSORTED_BLOCK_SAMPLES // global_batch_size)
         self._permutation: tuple[int, SeededPermutation] | None = None
         self._cached_window: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
+        self._window_keys = np.empty(0)  # the cached window's sort keys, in its sorted order
 
     def _positions_to_indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         if not self.shuffle:
@@ -305,7 +306,21 @@ class GlobalBatchOrder:
         else:
             rng = np.random.default_rng((self.seed, epoch, window))
             tie_break = rng.random(len(indices)) if self.shuffle else np.arange(len(indices))
-            indices = indices[argsort_keys(self.key_lookup(indices), tie_break, indices)]
+            keys = self.key_lookup(indices)
+            by_key = argsort_keys(keys, tie_break, indices)
+            indices, self._window_keys = indices[by_key], keys[by_key]
             batch_order = rng.permutation(num_batches) if self.shuffle else np.arange(num_batches)
         self._cached_window = ((epoch, window), (indices, batch_order))
         return indices, batch_order
+
+    def global_batch_keys(self, epoch: int, step: int) -> np.ndarray | None:
+        """The sort keys of ``global_batch(epoch, step)``'s samples, in its order (``None`` without sorting).
+
+        They were read to sort the window, so asking again costs no key lookup.
+        """
+        if self.batches_per_window is None or self.key_lookup is None:
+            return None
+        window, within = divmod(step, self._batches_per_window)
+        _, batch_order = self._window(epoch, window)
+        slot = int(batch_order[within])
+        return self._window_keys[slot * self.global_batch_size : (slot + 1) * self.global_batch_size]

@@ -79,7 +79,9 @@ class GlobalBatchSchedule:
         """Predicted tokens of the step over all ranks, or ``None`` when the sort keys are not lengths."""
         if self.lengths is None:
             return None
-        keys = np.asarray(self.lengths(self.order.global_batch(epoch, step)))
+        keys = self.order.global_batch_keys(epoch, step) if self.lengths is self.order.key_lookup else None
+        if keys is None:
+            keys = np.asarray(self.lengths(self.order.global_batch(epoch, step)))
         if keys.dtype == object or keys.dtype.kind not in "biuf":
             return None
         return int(np.maximum(keys.astype(np.int64) - 1, 0).sum())
