@@ -227,7 +227,7 @@ class TrainLoader:
                     yield pack
                     pack = []
         finally:
-            shutdown_workers(getattr(loader, "batches", None))
+            stop(loader)
         if received < expected:
             raise RuntimeError(
                 f"epoch {epoch} on rank {self.rank} ended after {received} of its {expected} microbatches: the "
@@ -273,7 +273,7 @@ class ValidationLoader:
                 received += 1
                 yield batch
         finally:
-            shutdown_workers(getattr(loader, "batches", None))
+            stop(loader)
         if received < len(self.microbatches):
             raise RuntimeError(
                 f"validation ended after {received} of its {len(self.microbatches)} microbatches: the DataLoader "
@@ -298,11 +298,9 @@ class PinnableBatch:
 
 
 class _Samples(list):
-    """A microbatch's samples, still carrying their indices and place, for ``collate_fn``'s error message."""
+    """A microbatch's samples (a list), still carrying their indices and place for ``collate_fn``'s errors."""
 
-    def __init__(self, samples: list[Any], indices: MicrobatchIndices):
-        super().__init__(samples)
-        self.indices = indices
+    indices: Any = None
 
 
 class FetchWithContext(Dataset):
@@ -322,21 +320,23 @@ class FetchWithContext(Dataset):
 
     def __getitems__(self, indices: list[int]) -> _Samples:
         getitems = getattr(self.dataset, "__getitems__", None)
+        samples = _Samples()
         if getitems is not None:
             try:
-                samples = getitems(list(indices))
+                samples.extend(getitems(list(indices)))
             except BaseException as error:
                 raise DataLoadingError(f"reading {_place(indices)} failed: {type(error).__name__}: {error}") from error
         else:
-            dataset, samples, index = self.dataset, [], None
+            dataset, append, index = self.dataset, samples.append, None
             try:
                 for index in indices:
-                    samples.append(dataset[index])
+                    append(dataset[index])
             except BaseException as error:
                 raise DataLoadingError(
                     f"dataset[{index}] of {_place(indices)} failed: {type(error).__name__}: {error}"
                 ) from error
-        return _Samples(samples, indices if isinstance(indices, MicrobatchIndices) else MicrobatchIndices(indices))
+        samples.indices = indices
+        return samples
 
 
 def _place(indices: Any) -> str:
@@ -356,7 +356,7 @@ class CollateWithContext:
 
     def __call__(self, samples: list[Any]) -> Any:
         try:
-            batch = self.collate_fn(list(samples) if isinstance(samples, _Samples) else samples)
+            batch = self.collate_fn(samples)
         except BaseException as error:
             indices = getattr(samples, "indices", None)
             place = _place(indices) if indices is not None else "a microbatch"
@@ -364,26 +364,26 @@ class CollateWithContext:
         return PinnableBatch(batch) if self.pin else batch
 
 
-class _Unwrapped:
-    """Iterates a DataLoader, unwrapping pinned batches; keeps the DataLoader iterator to stop its workers."""
+class _Unpinned:
+    """Iterates a pinning DataLoader, unwrapping its ``PinnableBatch`` es; keeps the iterator to stop its workers."""
 
-    def __init__(self, batches: Iterator[Any], pinned: bool):
-        self.batches, self.pinned = batches, pinned
+    def __init__(self, batches: Iterator[Any]):
+        self.batches = batches
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self.batches)
-        return batch.batch if self.pinned else batch
+        return next(self.batches).batch
 
 
 def make_loader(
     dataset: Dataset, index_batches: Any, collate_fn: Callable, num_workers: int, pin_memory: bool = False
-) -> _Unwrapped:
+) -> Iterator[Any]:
     """Batches from torchdata's ``StatefulDataLoader`` driven by precomputed index batches, pinned if asked.
 
-    The loader's own ``state_dict`` is never used: the position lives in ``TrainPosition``.
+    The loader's own ``state_dict`` is never used: the position lives in ``TrainPosition``. Pass the result to
+    ``stop`` to end its workers.
     """
     with warnings.catch_warnings():
         # torchdata 0.11 calls the deprecated torch.set_vital on every construction; the warning is noise.
@@ -399,4 +399,9 @@ def make_loader(
         )
     if num_workers:
         collect_before_fork()
-    return _Unwrapped(iter(loader), pin_memory)
+    return _Unpinned(iter(loader)) if pin_memory else iter(loader)
+
+
+def stop(batches: Iterator[Any]) -> None:
+    """Stop the worker processes of what ``make_loader`` returned, now."""
+    shutdown_workers(batches.batches if isinstance(batches, _Unpinned) else batches)
