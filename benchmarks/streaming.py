@@ -1,57 +1,66 @@
-"""Streaming benchmark: PretrainingDataModule's token streams vs the bare tokenizer and the reference loaders.
+"""Streaming benchmark: PretrainingDataModule's K-stream loaders vs the bare tokenizer and nanochat's loaders.
 
-Run: ``python benchmarks/streaming.py`` (~8 min on 2 cores; ``--help`` for sizes, ``--quick`` for a smoke
+Run: ``python benchmarks/streaming.py`` (~30 min on 2 cores; ``--help`` for sizes, ``--quick`` for a smoke
 test). Nothing is downloaded: the corpus is the Python standard library's own ``.py`` sources plus the
 ``pydoc_data`` help topics, written to parquet here, and the tokenizer is a byte-level BPE trained here on that
-text.
+text. Results and how to read them: ``docs/benchmarks_streaming.md``.
 
 Two corpora from the same text: *long* (one document per file/topic, many longer than a row) and *short* (the
-same text split at blank lines). For each, side by side in one process, best of ``--runs`` runs, each timed
-from its first batch for ``--long-seconds`` / ``--seconds`` (the in-process stream's tokenizer batch of 128 long
-documents is ~0.6 M tokens, so its rows come in bursts and need the longer window; workers cap each call at 256K
-characters, ~75K tokens):
+same text split at blank lines). Settings: ``seq_len`` 1024, microbatch 8, global batch 64, the default
+``num_streams`` (K = 16) and best-fit buffer (1000), world size 1. Configurations, each in a process of its own:
 
 * ``bare``: ``Tokenizer.encode_batch_fast`` over the documents in memory (all cores), tokens produced per s;
-* ``DataModule``: the public path, ``PretrainingDataModule(..., num_workers=W).train_dataloader()`` iterated
-  (each worker tokenizes on one core; ``--workers`` defaults to the cores this process may use, as many as the
-  bare tokenizer's pool), tokens *emitted in rows* per s;
-* ``in-process stream``: ``token_stream.TokenStream`` in this process (what ``num_workers=0`` runs; the
-  tokenizer's own pool uses all cores);
-* ``ref concat`` / ``ref bestfit``: straightforward ports of the reference loader (nanochat's deque concat
-  loader; its best-fit with a Python scan of a 1000-document buffer, dropping the cropped remainder).
+* the public path ``PretrainingDataModule(...).train_dataloader()`` iterated, for ``concat``, ``bestfit`` and
+  ``bestfit_split``, with ``--workers`` DataLoader workers (each tokenizes on one core; default: the cores this
+  process may use, as many as the bare tokenizer's pool) and in-process (``num_workers=0``: the tokenizer's own
+  pool uses every core); *useful* tokens per s: document tokens in the rows handed out (padding excluded);
+* ``nanochat concat`` / ``nanochat best-fit``: straightforward ports of nanochat's loaders (a deque of tokens; a
+  Python scan of a 1000-document buffer per pick, dropping the cropped remainder), in-process.
 
-Best-fit drops the remainder of every cropped document, so it emits only a share of what it tokenizes (its
-*yield*); the targets are ``concat >= 0.9 x bare``, ``bestfit >= 0.85 x yield x concat`` and ``bestfit >=
-ref bestfit``, and on short documents ``bestfit >= 0.8 x concat``, each checked for both paths. The
-in-process stream's window opens and closes at tokenizer-batch boundaries (``timed``), so it holds whole
-tokenizer batches; the DataModule's counts what the training process received (``stream_stats()``), so rows
-its workers prefetched are not counted. The machine's other load moves all figures (on a shared 2-core VM, the
-same bare run varies by up to 20 %); configurations are interleaved run by run so that it hits them alike
-(best of runs is kept). Three figures show how large that noise is and what our own code costs:
+Timing. Every configuration starts once (a fresh best-fit stream must fill its buffer before its first row:
+K buffers of 1000 documents, on the long corpus several passes of each stream's share; that first step is
+reported, untimed) and is then frozen (``SIGSTOP`` of its process group, DataLoader workers included) except
+during its own windows, which are interleaved round by round: bare first and last in every round, then each
+loader in turn. So the machine's other load hits all configurations alike, an idle configuration costs nothing,
+and a configuration's windows are contiguous slices of one run (no read-ahead piles up while it waits). A
+window runs whole optimizer steps for at least ``--seconds`` (``--long-seconds``); its tokens come from
+``stream_stats()`` (as of the steps handed out, so rows the workers prefetched are not counted). Figures:
 
-* ``bare vs bare``: the bare tokenizer runs first and last in every round; the ratio of the two slots' bests
-  is the noise floor of every other ratio;
-* ``median per round``: each concat run against the better bare run of its own round, the median over rounds
-  (hardly moved by slow drifts in the machine's load);
-* ``CPU per token by thread`` (Linux): the tokenizer's own threads vs this process's Python threads (reading,
-  laying out, packing; for ``bare``, only the call itself), so "nothing else may cost more than 10 %" is
-  measured directly as (our Python threads - bare's call) / the tokenizer threads' CPU per token.
+* *pooled*: a configuration's tokens over all its windows / their time (what the verdicts use: a window's
+  read-ahead at its edges, up to two tokenizer chunks per stream, averages out over a run, not over a window);
+* *median per round*: each loader against the better bare window of its own round, the median over rounds;
+* ``bare vs bare``: bare's first-slot windows against its last-slot ones (pooled), the noise floor of every
+  ratio;
+* ``own work / tokenizer's`` (Linux): in-process concat's CPU per token in this package's Python threads
+  (reading, laying out, packing, the consumer) beyond bare's (the call itself), as a share of the tokenizer
+  threads' CPU per token.
 
-It also times the first batch after a resume from a state taken at the end of the bestfit run (its buffer then
-holds the corpus's longest documents).
+Then, untimed: packing quality over ``--quality-steps`` steps (waste: padding + dropped tokens; rows that start
+with BOS; documents cut: cropped, split, or, for concat, spanning a row boundary), each stream's state size,
+peak RSS of the training process and its workers, and the first batch after a resume from a state saved by the
+2-worker run (best-fit buffers then hold the corpus's longest documents) on other layouts: another
+``num_workers`` and ``microbatch_size``, and other world sizes (a DataModule whose ``rank``/``world_size`` are
+those of a rank of a larger job); each resumed step is compared with the uninterrupted run's rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import glob
+import io
 import itertools
+import multiprocessing
 import os
+import pickle
+import signal
 import sys
 import sysconfig
 import tempfile
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 
@@ -61,17 +70,24 @@ import pyarrow.parquet as pq
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# A child run for another checkout (--old-tree) imports lightning_d9d from there; everything else from this one.
+_TREE = os.environ.get("D9D_BENCH_TREE") or str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, _TREE)
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from common import print_verdicts
 
-from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-from lightning_d9d.streaming.packing import BestFitPacker
-from lightning_d9d.streaming.source import RowGroupIndex, pass_order, resolve_files
-from lightning_d9d.streaming.stream import StreamSpec, TokenStream
-from lightning_d9d.streaming.tokenize import load_tokenizer
-
 BOS = "<|bos|>"
+PACKINGS = ("concat", "bestfit", "bestfit_split")
+# Resume layouts (rank, world size, num_workers, microbatch_size); the saved run is rank 0 of 1 with --workers
+# workers and microbatch 8. "W" stands for --workers.
+LAYOUTS = (
+    ("same layout", 0, 1, "W", 8),
+    ("num_workers 0, microbatch 4", 0, 1, 0, 4),
+    ("rank 1 of 2, microbatch 8", 1, 2, "W", 8),
+    ("rank 3 of 4, num_workers 0, microbatch 16", 3, 4, 0, 16),
+)
+QUICK_LAYOUTS = (LAYOUTS[1], LAYOUTS[2])
 
 
 # ------------------------------------------------------------------------------------------------ corpus
@@ -95,10 +111,10 @@ def stdlib_texts(max_mb: float) -> list[str]:
     return out
 
 
-def write_corpus(directory: Path, docs: list[str], row_group_size: int) -> list[str]:
+def write_corpus(directory: Path, docs: list[str], row_group_size: int) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"text": docs}), directory / "part-000.parquet", row_group_size=row_group_size)
-    return resolve_files(str(directory))
+    return str(directory)
 
 
 def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
@@ -109,10 +125,18 @@ def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
     return tok
 
 
-# ------------------------------------------------------------------------------------------------ reference ports
-def ref_document_batches(index: RowGroupIndex, batch_size: int):
-    """nanochat's document_batches for rank 0 of 1, forever; row groups in the same per-pass order as our
-    stream's (the reference reads files in order), so that every loader tokenizes the same documents."""
+def _index(files: str):
+    from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
+
+    return RowGroupIndex.scan(resolve_files(files), "text")
+
+
+# ------------------------------------------------------------------------------------------------ nanochat ports
+def ref_document_batches(index, batch_size: int):
+    """nanochat's document_batches for rank 0 of 1, forever; row groups in a seeded order per pass (nanochat
+    reads files in order), so that every loader tokenizes the same documents."""
+    from lightning_d9d.streaming.source import pass_order
+
     for pass_index in itertools.count():
         for group in pass_order(len(index), 0, pass_index).tolist():
             docs = index.read_texts(group)
@@ -120,14 +144,14 @@ def ref_document_batches(index: RowGroupIndex, batch_size: int):
                 yield docs[i : i + batch_size]
 
 
-def ref_concat(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict):
+def ref_concat(index, tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict):
     """nanochat's original loader: a deque of tokens, B*T+1 popped per batch."""
     batches = ref_document_batches(index, batch_size)
     needed = B * T + 1
     token_buffer: deque = deque()
     while True:
         while len(token_buffer) < needed:
-            token_lists = [[bos, *e.ids] for e in tok.encode_batch_fast(next(batches))]
+            token_lists = [[bos, *e.ids] for e in tok.encode_batch_fast(next(batches), add_special_tokens=False)]
             for tokens in token_lists:
                 token_buffer.extend(tokens)
                 stats["tokenized"] += len(tokens)
@@ -137,23 +161,14 @@ def ref_concat(index: RowGroupIndex, tok: Tokenizer, bos: int, B: int, T: int, b
         yield scratch[:-1].view(B, T), scratch[1:].view(B, T)
 
 
-def ref_bestfit(
-    index: RowGroupIndex,
-    tok: Tokenizer,
-    bos: int,
-    B: int,
-    T: int,
-    batch_size: int,
-    stats: dict,
-    buffer_size: int = 1000,
-):
+def ref_bestfit(index, tok: Tokenizer, bos: int, B: int, T: int, batch_size: int, stats: dict, buffer_size: int):
     """nanochat's best-fit loader: Python scan of the buffer per pick, cropped remainder dropped."""
     batches = ref_document_batches(index, batch_size)
     row_capacity = T + 1
     doc_buffer: list[list[int]] = []
 
     def refill_buffer() -> None:
-        for tokens in ([bos, *e.ids] for e in tok.encode_batch_fast(next(batches))):
+        for tokens in ([bos, *e.ids] for e in tok.encode_batch_fast(next(batches), add_special_tokens=False)):
             doc_buffer.append(tokens)
             stats["tokenized"] += len(tokens)
 
@@ -184,7 +199,7 @@ def ref_bestfit(
         yield row_buffer[:, :-1].clone(), row_buffer[:, 1:].clone()
 
 
-# ------------------------------------------------------------------------------------------------ timing
+# ------------------------------------------------------------------------------------------------ CPU and memory
 def available_cores() -> int:
     """The cores this process may run on (its CPU affinity; all CPUs where that is unknown)."""
     try:
@@ -202,12 +217,30 @@ def proc_stat(path: str) -> tuple[int, float] | None:
         return None
 
 
+def child_pids() -> list[int]:
+    """This process's live child processes (its DataLoader workers); empty off Linux."""
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    return [pid for pid in pids if (stat := proc_stat(f"/proc/{pid}/stat")) is not None and stat[0] == os.getpid()]
+
+
+def process_tree_cpu() -> float:
+    """CPU seconds so far of this process and its live children; off Linux, this process alone."""
+    total = time.process_time()
+    for pid in child_pids():
+        stat = proc_stat(f"/proc/{pid}/stat")
+        if stat is not None:
+            total += stat[1]
+    return total
+
+
 def thread_cpu() -> tuple[float, float] | None:
     """CPU seconds so far of ``(this process's Python threads, its other threads)``; None off Linux.
 
     The other threads are the tokenizer's (Rust) pool; the Python threads are the caller's: the consumer, the
-    stream's reader and the thread that calls ``encode_batch_fast`` (converting its inputs and outputs).
-    Threads that have ended are not counted, so take both readings while the loader runs.
+    streams' readers and the thread that calls ``encode_batch_fast`` (converting its inputs and outputs).
     """
     python_ids = {t.native_id for t in threading.enumerate()}
     ours = other = 0.0
@@ -226,175 +259,391 @@ def thread_cpu() -> tuple[float, float] | None:
     return ours, other
 
 
-def cpu_split(before, after, tokens: int) -> dict:
-    """Nanoseconds of CPU per token in Python threads and in the tokenizer's threads between two readings."""
-    if before is None or after is None or tokens <= 0:
-        return {}
-    return {"python_ns": (after[0] - before[0]) / tokens * 1e9, "pool_ns": (after[1] - before[1]) / tokens * 1e9}
-
-
-def timed(iterator, seconds: float, marker) -> dict:
-    """Time a loader between two tokenizer-batch boundaries, at least ``seconds`` apart.
-
-    ``marker()`` changes exactly when the loader pulls a new tokenizer batch. The window opens at the first
-    boundary after the first batch and closes at the first boundary after ``seconds``, so it holds whole
-    tokenizer batches (no batch tokenized before the window is counted in it).
-    """
-    next(iterator)
-    previous = marker()
-    while marker() == previous:  # open at a boundary
-        next(iterator)
-    threads_before = thread_cpu()
-    start, cpu, opened, batches = time.perf_counter(), time.process_time(), marker(), 0
-    previous = opened
-    while True:
-        next(iterator)
-        batches += 1
-        now, current = time.perf_counter(), marker()
-        if (current != previous and now - start >= seconds) or now - start >= 8 * seconds:
-            break
-        previous = current
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    threads_after = thread_cpu()
-    if hasattr(iterator, "close"):
-        iterator.close()
-    return {
-        "elapsed": elapsed,
-        "cpu": cpu,
-        "batches": batches,
-        "opened": opened,
-        "threads": (threads_before, threads_after),
-    }
-
-
-def measure_bare(tok: Tokenizer, docs: list[str], batch_size: int, seconds: float) -> dict:
-    # The loaders' call (no post-processor tokens: they prepend BOS themselves); its first batch is untimed, like
-    # the loaders' (their window starts after it).
-    tok.encode_batch_fast(docs[:batch_size], add_special_tokens=False)
-    threads_before = thread_cpu()
-    tokens, start, cpu, i = 0, time.perf_counter(), time.process_time(), batch_size
-    while time.perf_counter() - start < seconds:
-        batch = docs[i : i + batch_size] or docs[:batch_size]
-        i = i + batch_size if i + batch_size < len(docs) else 0
-        encodings = tok.encode_batch_fast(batch, add_special_tokens=False)
-        tokens += sum(map(len, encodings)) + len(batch)  # + BOS, as the loaders count
-    rate = tokens / (time.perf_counter() - start)
-    return {
-        "tps": rate,
-        "work": rate,
-        "work_cpu": tokens / (time.process_time() - cpu),
-        **cpu_split(threads_before, thread_cpu(), tokens),
-    }
-
-
-def measure_ours(spec: StreamSpec, seconds: float) -> dict:
-    stream, last = iter(TokenStream(spec, 0)), {}
-
-    def batches():
-        for batch in stream:
-            last["state"] = batch[1]
-            yield batch
-
-    iterator = batches()
-    marks = {}
-
-    def marker():
-        state = last["state"]
-        marks.setdefault(state["docs"], state)  # the state at each boundary
-        return state["docs"]
-
-    run = timed(iterator, seconds, marker)
-    s0, s1 = marks[run["opened"]], last["state"]
-    emitted = s1["emitted"] - s0["emitted"]
-    tokenized = s1["tokens"] - s0["tokens"]
-    return {
-        "tps": emitted / run["elapsed"],
-        "work": tokenized / run["elapsed"],
-        "work_cpu": tokenized / run["cpu"],
-        "state": s1,
-        **cpu_split(*run["threads"], tokenized),
-    }
-
-
-def process_tree_cpu() -> float:
-    """CPU seconds so far of this process and its live children (the DataLoader workers); off Linux, this
-    process alone."""
-    total = time.process_time()
+def status_kib(pid: int, field: str) -> int:
+    """A ``/proc/<pid>/status`` memory field in KiB (0 where unreadable)."""
     try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
     except OSError:
-        return total
-    for pid in pids:
-        stat = proc_stat(f"/proc/{pid}/stat")
-        if stat is not None and stat[0] == os.getpid():
-            total += stat[1]
-    return total
+        pass
+    return 0
 
 
-def measure_datamodule(
-    files: list[str],
-    tokenizer: Tokenizer,
-    packing: str,
-    num_workers: int,
-    B: int,
-    T: int,
-    batch_size: int,
-    seconds: float,
-) -> dict:
-    """The public path: ``PretrainingDataModule(...).train_dataloader()``, iterated as Lightning would.
+def peak_rss() -> dict:
+    """Peak RSS (VmHWM) of this process and of its live children, in MiB."""
+    workers = [status_kib(pid, "VmHWM") / 1024 for pid in child_pids()]
+    return {"main_mib": status_kib(os.getpid(), "VmHWM") / 1024, "workers_mib": workers}
 
-    Timed from its first batch of every stream (one per worker) for ``seconds``: the workers' start-up is untimed,
-    like bare's first call, and every stream's counters are known when the window opens. Tokens tokenized are
-    read from ``stream_stats()`` (as of the batches consumed, so batches the workers prefetched are not
-    counted). CPU is this process plus its workers.
-    """
-    dm = PretrainingDataModule(
+
+# ------------------------------------------------------------------------------------------------ runners
+class BareRun:
+    """The bare tokenizer over the documents in memory, in the order one pass of the streams reads them."""
+
+    def __init__(self, files: str, tokenizer: str, batch_size: int, **_: object):
+        from lightning_d9d.streaming.source import pass_order
+
+        index = _index(files)
+        self.docs = [t for g in pass_order(len(index), 0, 0).tolist() for t in index.read_texts(g) if t]
+        self.tok, self.batch_size, self.i = Tokenizer.from_file(tokenizer), batch_size, 0
+        self.tok.encode_batch_fast(self.docs[:batch_size], add_special_tokens=False)  # untimed, like first steps
+        self.info: dict = {}
+
+    def window(self, seconds: float) -> dict:
+        docs, size = self.docs, self.batch_size
+        threads_before, cpu, tokens = thread_cpu(), process_tree_cpu(), 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            batch = docs[self.i : self.i + size]
+            self.i = self.i + size if self.i + size < len(docs) else 0
+            encodings = self.tok.encode_batch_fast(batch, add_special_tokens=False)
+            tokens += sum(map(len, encodings)) + len(batch)  # + BOS, as the loaders count
+        elapsed = time.perf_counter() - start
+        return {
+            "elapsed": elapsed,
+            "useful": tokens,
+            "work": tokens,
+            "cpu": process_tree_cpu() - cpu,
+            "threads": (threads_before, thread_cpu()),
+        }
+
+    def close(self) -> None:
+        pass
+
+
+class RefRun:
+    """A nanochat port; windows open and close when it pulls a tokenizer batch, so they hold whole batches."""
+
+    def __init__(self, files: str, tokenizer: str, kind: str, seq_len: int, microbatch: int, batch_size: int,
+                 buffer: int, **_: object):  # fmt: skip
+        tok = Tokenizer.from_file(tokenizer)
+        self.stats = {"tokenized": 0, "emitted": 0, "cropped": 0}
+        args = (_index(files), tok, tok.token_to_id(BOS), microbatch, seq_len, batch_size, self.stats)
+        self.it = ref_concat(*args) if kind == "concat" else ref_bestfit(*args, buffer_size=buffer)
+        start = time.perf_counter()
+        next(self.it)
+        self.info = {"first_step_s": time.perf_counter() - start}
+
+    def window(self, seconds: float) -> dict:
+        stats, it = self.stats, self.it
+        first = stats["tokenized"]
+        while stats["tokenized"] == first:  # open right after a tokenizer batch
+            next(it)
+        s0, threads_before, cpu, start = dict(stats), thread_cpu(), process_tree_cpu(), time.perf_counter()
+        while True:
+            before = stats["tokenized"]
+            next(it)
+            now = time.perf_counter() - start
+            if (stats["tokenized"] != before and now >= seconds) or now >= 8 * seconds:
+                break
+        return {
+            "elapsed": time.perf_counter() - start,
+            "useful": stats["emitted"] - s0["emitted"],
+            "work": stats["tokenized"] - s0["tokenized"],
+            "cropped": stats["cropped"] - s0["cropped"],
+            "cpu": process_tree_cpu() - cpu,
+            "threads": (threads_before, thread_cpu()),
+        }
+
+    def quality(self, _steps: int) -> dict:
+        s = self.stats
+        return {"cropped": s["cropped"], "emitted": s["emitted"], "tokenized": s["tokenized"]}
+
+    def close(self) -> None:
+        self.it.close()
+
+
+def _datamodule(files: str, tokenizer: str, packing: str, workers: int, seq_len: int, global_batch: int,
+                microbatch: int, batch_size: int, buffer: int, num_streams: int | None, rank: int = 0,
+                world_size: int = 1):  # fmt: skip
+    """A PretrainingDataModule, as rank ``rank`` of ``world_size`` (its owned streams, M and layout checks follow)."""
+    from lightning_d9d.datamodules.pretraining import PretrainingDataModule
+
+    class AtRank(PretrainingDataModule):
+        @property
+        def rank(self) -> int:
+            return rank
+
+        @property
+        def world_size(self) -> int:
+            return world_size
+
+    kwargs = {"num_streams": num_streams} if num_streams else {}
+    return AtRank(
         files,
         tokenizer,
-        seq_len=T,
-        global_batch_size=B,
-        microbatch_size=B,
+        seq_len=seq_len,
+        global_batch_size=global_batch,
+        microbatch_size=microbatch,
         packing=packing,
-        num_workers=num_workers,
+        num_workers=workers,
         steps_per_epoch=10**9,
         tokenizer_batch_size=batch_size,
+        bestfit_buffer_size=buffer,
         pin_memory=False,
+        **kwargs,
     )
-    dm.setup("fit")
-    iterator = iter(dm.train_dataloader())
-    for _ in range(max(1, num_workers)):
-        next(iterator)
-    before, cpu, start = dm.stream_stats(), process_tree_cpu(), time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        next(iterator)
-    elapsed, after = time.perf_counter() - start, dm.stream_stats()
-    cpu = process_tree_cpu() - cpu
-    dm.teardown("fit")
-    del iterator
-    emitted, tokenized = after["emitted"] - before["emitted"], after["tokens"] - before["tokens"]
-    return {"tps": emitted / elapsed, "work": tokenized / elapsed, "work_cpu": tokenized / cpu}
 
 
-def measure_ref(loader, index, tok, bos, B, T, batch_size, seconds) -> dict:
-    stats = {"tokenized": 0, "emitted": 0, "cropped": 0}
-    marks = {}
+def _apply_patches(patches: dict) -> None:
+    """Set ``module.attribute`` values (diagnostic variants: --variant); workers forked later inherit them."""
+    import importlib
 
-    def marker():
-        marks.setdefault(stats["tokenized"], dict(stats))
-        return stats["tokenized"]
-
-    run = timed(loader(index, tok, bos, B, T, batch_size, stats), seconds, marker)
-    s0 = marks[run["opened"]]
-    tokenized = stats["tokenized"] - s0["tokenized"]
-    emitted = stats["emitted"] - s0["emitted"]
-    return {"tps": emitted / run["elapsed"], "work": tokenized / run["elapsed"], "work_cpu": tokenized / run["cpu"]}
+    for target, value in patches.items():
+        module, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, value)
 
 
-def long_run_yield(tok: Tokenizer, docs: list[str], capacity: int, buffer_size: int = 1000) -> float:
+def _rows_of(batches: list) -> np.ndarray:
+    """A step's rows as int64 ``(rows, 3 * seq_len)``: inputs, targets and position ids side by side."""
+    return np.concatenate(
+        [np.concatenate([b.inputs.numpy(), b.targets.numpy(), b.position_ids.numpy()], axis=1) for b in batches]
+    )
+
+
+class DataModuleRun:
+    """The public path: ``PretrainingDataModule(...).train_dataloader()``, iterated as Lightning would."""
+
+    def __init__(self, files: str, tokenizer: str, packing: str, workers: int, seq_len: int, global_batch: int,
+                 microbatch: int, batch_size: int, buffer: int, num_streams: int | None = None,
+                 patches: dict | None = None, **_: object):  # fmt: skip
+        _apply_patches(patches or {})
+        self.dm = _datamodule(files, tokenizer, packing, workers, seq_len, global_batch, microbatch, batch_size,
+                              buffer, num_streams)  # fmt: skip
+        start = time.perf_counter()
+        self.dm.setup("fit")
+        setup_s = time.perf_counter() - start
+        self.per_step = global_batch // microbatch
+        self.iterator = iter(self.dm.train_dataloader())
+        start = time.perf_counter()
+        self.step()
+        self.info = {"setup_s": setup_s, "first_step_s": time.perf_counter() - start}
+
+    def step(self) -> list:
+        return [next(self.iterator) for _ in range(self.per_step)]
+
+    def window(self, seconds: float) -> dict:
+        dm = self.dm
+        s0, threads_before, cpu, steps = dm.stream_stats(), thread_cpu(), process_tree_cpu(), 0
+        start = time.perf_counter()
+        while True:
+            self.step()
+            steps += 1
+            if time.perf_counter() - start >= seconds:
+                break
+        elapsed, s1 = time.perf_counter() - start, dm.stream_stats()
+        return {
+            "elapsed": elapsed,
+            "steps": steps,
+            "useful": s1["emitted"] - s0["emitted"],
+            "work": s1["tokens"] - s0["tokens"],
+            "cpu": process_tree_cpu() - cpu,
+            "threads": (threads_before, thread_cpu()),
+        }
+
+    def quality(self, steps: int) -> dict:
+        """Rows that start with BOS / hold none, over ``steps`` steps; the streams' counters since their start."""
+        bos = self.dm.train_spec.bos_id
+        rows = bos_start = no_bos = bos_tokens = 0
+        for _ in range(steps):
+            for batch in self.step():
+                is_bos = batch.inputs.numpy() == bos
+                rows += len(is_bos)
+                bos_start += int(is_bos[:, 0].sum())
+                no_bos += int((~is_bos.any(axis=1)).sum())
+                bos_tokens += int(is_bos.sum())
+        counters = self.dm.stream_stats()
+        buffered = 0
+        for state in self.dm.position.states.values():
+            buffer = getattr(state.packing, "buffer", None)
+            buffered += 0 if buffer is None else len(buffer)
+        return {"rows": rows, "bos_start": bos_start, "no_bos": no_bos, "bos_tokens": bos_tokens,
+                "counters": counters, "buffered": buffered}  # fmt: skip
+
+    def state(self) -> dict:
+        """The checkpointed data state at this step boundary, its size per stream, and the next step's rows."""
+        state = self.dm.state_dict()
+        committed = self.dm.position.committed[2]
+        sizes = [len(pickle.dumps(s.to_dict(), protocol=pickle.HIGHEST_PROTOCOL)) for s in committed.values()]
+        saved = io.BytesIO()
+        torch.save(state, saved)
+        return {"state": state, "sizes": sizes, "checkpoint_bytes": saved.tell(), "rows": _rows_of(self.step())}
+
+    def rss(self) -> dict:
+        return peak_rss()
+
+    def close(self) -> None:
+        self.dm.teardown("fit")
+
+
+class ResumeRun:
+    """A fresh DataModule on another layout, restored from a saved state: the time to its first batch."""
+
+    def __init__(self, files: str, tokenizer: str, packing: str, seq_len: int, global_batch: int, batch_size: int,
+                 buffer: int, state: dict, rows: np.ndarray, layout: tuple, num_streams: int | None = None,
+                 **_: object):  # fmt: skip
+        _label, rank, world_size, workers, microbatch = layout
+        dm = _datamodule(files, tokenizer, packing, workers, seq_len, global_batch, microbatch, batch_size, buffer,
+                         num_streams, rank, world_size)  # fmt: skip
+        start = time.perf_counter()
+        dm.setup("fit")
+        setup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        dm.load_state_dict(state)
+        iterator = iter(dm.train_dataloader())
+        batches = [next(iterator)]
+        first_s = time.perf_counter() - start
+        batches += [next(iterator) for _ in range(dm.microbatches_per_step - 1)]
+        dm.teardown("fit")
+        share = len(rows) // world_size
+        expected = rows[rank * share : (rank + 1) * share]
+        got = _rows_of(batches)
+
+        def multiset(a: np.ndarray) -> list[bytes]:
+            return sorted(row.tobytes() for row in a)
+
+        self.info = {"setup_s": setup_s, "first_s": first_s, "match": multiset(got) == multiset(expected)}
+
+    def close(self) -> None:
+        pass
+
+
+RUNNERS = {"bare": BareRun, "ref": RefRun, "dm": DataModuleRun, "resume": ResumeRun}
+
+
+# ------------------------------------------------------------------------------------------------ processes
+class Inline:
+    """A runner in this process (``--quick``: no process start-up to pay, timings meaningless anyway)."""
+
+    def __init__(self, kind: str, cfg: dict):
+        self.runner = RUNNERS[kind](**cfg)
+        self.info = self.runner.info
+
+    def call(self, command: str, *args: object) -> object:
+        return getattr(self.runner, command)(*args)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _serve(conn, kind: str, cfg: dict) -> None:
+    os.setpgrp()  # its own process group, DataLoader workers included, so it can be frozen as one
+    # A spawned process defaults to spawning its own children; a training script's DataLoader workers start the
+    # platform's default way (fork on Linux), so these do too.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    try:
+        runner = RUNNERS[kind](**cfg)
+        conn.send(("ok", runner.info))
+        while True:
+            command, args = conn.recv()
+            if command == "quit":
+                break
+            conn.send(("ok", getattr(runner, command)(*args)))
+        runner.close()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+_CHILDREN: list[Child] = []
+
+
+class Child:
+    """A runner in a fresh process (spawned: its tokenizer pool starts unused), frozen between calls."""
+
+    def __init__(self, kind: str, cfg: dict, tree: str | None = None):
+        context = multiprocessing.get_context("spawn")
+        self.conn, theirs = context.Pipe()
+        previous = os.environ.get("D9D_BENCH_TREE")
+        os.environ["D9D_BENCH_TREE"] = tree or _TREE
+        try:
+            # Not a daemon: daemonic processes may not start DataLoader workers.
+            self.process = context.Process(target=_serve, args=(theirs, kind, cfg))
+            self.process.start()
+        finally:
+            if previous is None:
+                del os.environ["D9D_BENCH_TREE"]
+            else:
+                os.environ["D9D_BENCH_TREE"] = previous
+        theirs.close()
+        _CHILDREN.append(self)
+        self.info = self._receive()
+        self._signal(signal.SIGSTOP)
+
+    def _receive(self) -> object:
+        tag, value = self.conn.recv()
+        if tag == "error":
+            raise RuntimeError(f"benchmark child failed:\n{value}")
+        return value
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def call(self, command: str, *args: object) -> object:
+        self._signal(signal.SIGCONT)
+        try:
+            self.conn.send((command, args))
+            return self._receive()
+        finally:
+            self._signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        self._signal(signal.SIGCONT)
+        try:
+            self.conn.send(("quit", ()))
+            self.process.join(120)
+        except (BrokenPipeError, OSError):
+            pass
+        if self.process.is_alive():
+            self._signal(signal.SIGKILL)
+            self.process.join()
+        if self in _CHILDREN:
+            _CHILDREN.remove(self)
+
+
+@atexit.register
+def _kill_children() -> None:
+    for child in list(_CHILDREN):
+        child._signal(signal.SIGCONT)
+        child._signal(signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------ figures
+def pooled(windows: list[dict], key: str = "useful") -> float:
+    return sum(w[key] for w in windows) / sum(w["elapsed"] for w in windows)
+
+
+def rates(windows: list[dict], key: str = "useful") -> list[float]:
+    return [w[key] / w["elapsed"] for w in windows]
+
+
+def cpu_split(windows: list[dict]) -> dict:
+    """Per-thread CPU per token tokenized, pooled over windows (Linux): Python threads vs the tokenizer's."""
+    python = pool = tokens = 0.0
+    for w in windows:
+        before, after = w["threads"]
+        if before is None or after is None:
+            return {}
+        python += after[0] - before[0]
+        pool += after[1] - before[1]
+        tokens += w["work"]
+    return {"python_ns": python / tokens * 1e9, "pool_ns": pool / tokens * 1e9} if tokens else {}
+
+
+def own_share(r: dict, key: str) -> float | None:
+    """CPU our Python threads add per token, beyond bare's call itself, as a share of the tokenizer's own."""
+    ours, bare = r["split"].get(key, {}), r["split"]["bare"]
+    if "python_ns" not in ours or "python_ns" not in bare or not bare["pool_ns"]:
+        return None
+    return (ours["python_ns"] - bare["python_ns"]) / bare["pool_ns"]
+
+
+def long_run_yield(tok: Tokenizer, docs: list[str], capacity: int, buffer_size: int) -> float:
     """Best-fit's steady-state yield on this corpus: the real packer run over 20 buffers' worth of documents
     drawn (seeded) from the corpus's length distribution (lengths estimated from chars with a tokenized
-    sample's chars/token), counting only documents that left the buffer. A short timed window cannot show it:
-    a 1000-document buffer takes most of a small corpus to fill and keeps the longest documents."""
+    sample's chars/token), counting only documents that left the buffer."""
+    from lightning_d9d.streaming.packing import BestFitPacker
+
     sample = docs[:: max(1, len(docs) // 300)]
     ratio = sum(map(len, sample)) / sum(len(e) + 1 for e in tok.encode_batch_fast(sample))
     lengths = [max(1, round(len(d) / ratio)) + 1 for d in docs]
@@ -412,21 +661,353 @@ def long_run_yield(tok: Tokenizer, docs: list[str], capacity: int, buffer_size: 
             packer.take(1, refill)
     except StopIteration:
         pass
-    left_buffer = packer.tokens_emitted + packer.tokens_cropped
-    return packer.tokens_emitted / max(1, left_buffer)
+    return packer.tokens_emitted / max(1, packer.tokens_emitted + packer.tokens_cropped)
 
 
-def time_resume(spec: StreamSpec, state: dict) -> float:
-    start = time.perf_counter()
-    iterator = iter(TokenStream(spec, 0, state))
-    next(iterator)
-    elapsed = time.perf_counter() - start
-    iterator.close()
-    return elapsed
+def quality_figures(q: dict, packing: str, capacity: int) -> dict:
+    """Waste, rows that start with BOS and documents cut, from the rows and the streams' counters."""
+    c = q["counters"]
+    row_tokens = c["rows"] * capacity
+    dropped = c["cropped"]
+    if packing == "concat":
+        # A row that begins inside a document is a cut through it; a row without any document start lies inside
+        # one document, which was counted at the row before, so each cut document counts once.
+        cut = (q["rows"] - q["bos_start"] - q["no_bos"]) / max(1, q["bos_tokens"])
+    elif packing == "bestfit":
+        cut = c["crops"] / max(1, c["docs"] - q["buffered"])
+    else:
+        cut = c["split_docs"] / max(1, c["docs"])
+    return {
+        "waste_rows": (c["padding"] + dropped) / max(1, row_tokens),
+        "waste_tokenized": (c["padding"] + dropped) / max(1, c["emitted"] + c["padding"] + dropped),
+        "bos_start": q["bos_start"] / max(1, q["rows"]),
+        "cut": cut,
+        "rows": c["rows"],
+        "sampled_rows": q["rows"],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ one corpus
+def run_corpus(name: str, files: str, tok: Tokenizer, texts: list[str], args: argparse.Namespace) -> dict:
+    seconds = args.long_seconds if name == "long" else args.seconds
+    base = {"files": files, "tokenizer": args.tokenizer_path, "seq_len": args.seq_len,
+            "global_batch": args.global_batch, "microbatch": args.microbatch, "batch_size": args.tokenizer_batch,
+            "buffer": args.buffer}  # fmt: skip
+    make = Inline if args.inline else Child
+    configs: dict[str, tuple[str, dict, str | None]] = {"bare": ("bare", {}, None)}
+    for path, workers in (("w", args.workers), ("ip", 0)):
+        for packing in PACKINGS:
+            configs[f"{path}_{packing}"] = ("dm", {"packing": packing, "workers": workers}, None)
+    if not args.skip_ref:
+        configs["ref_concat"] = ("ref", {"kind": "concat"}, None)
+        configs["ref_bestfit"] = ("ref", {"kind": "bestfit"}, None)
+    for packing in args.compare_packings:
+        if args.old_tree and packing != "bestfit_split":
+            configs[f"old_w_{packing}"] = ("dm", {"packing": packing, "workers": args.workers}, args.old_tree)
+        if args.compare_k:
+            cfg = {"packing": packing, "workers": args.workers, "num_streams": args.compare_k}
+            configs[f"k{args.compare_k}_w_{packing}"] = ("dm", cfg, None)
+    for label, patches in args.variant:
+        for packing in args.compare_packings:
+            cfg = {"packing": packing, "workers": args.workers, "patches": patches}
+            configs[f"{label}_w_{packing}"] = ("dm", cfg, None)
+
+    r: dict = {"windows": {key: [] for key in configs}, "bare_last": [], "info": {}}
+    handles: dict = {}
+    try:
+        for key, (kind, cfg, tree) in configs.items():  # one at a time: start-up figures are not shared
+            start = time.perf_counter()
+            handles[key] = make(kind, {**base, **cfg}, tree) if not args.inline else make(kind, {**base, **cfg})
+            r["info"][key] = {**handles[key].info, "start_s": time.perf_counter() - start}
+            print(f"  started {key}: {_fmt_info(r['info'][key])}", flush=True)
+        loaders = [key for key in configs if key != "bare"]
+        for round_index in range(args.runs):
+            r["windows"]["bare"].append(handles["bare"].call("window", seconds))
+            for key in loaders:
+                r["windows"][key].append(handles[key].call("window", seconds))
+            r["bare_last"].append(handles["bare"].call("window", seconds))
+            line = " ".join(f"{k} {rates(v)[-1] / 1e3:.0f}K" for k, v in r["windows"].items())
+            print(f"  round {round_index + 1}: {line}, bare again {rates(r['bare_last'])[-1] / 1e3:.0f}K", flush=True)
+        r["quality"] = {}
+        for key in configs:
+            if key.startswith(("w_", "ip_", "ref_")):
+                r["quality"][key] = handles[key].call("quality", args.quality_steps)
+        r["rss"] = {key: handles[key].call("rss") for key in configs if key.startswith(("w_", "ip_"))}
+        r["states"] = {packing: handles[f"w_{packing}"].call("state") for packing in PACKINGS}
+    finally:
+        for handle in handles.values():
+            handle.close()
+    r["resume"] = {}
+    for packing in PACKINGS:
+        saved = r["states"][packing]
+        for layout in QUICK_LAYOUTS if args.quick else LAYOUTS:
+            layout = tuple(args.workers if v == "W" else v for v in layout)
+            cfg = {**base, "packing": packing, "state": saved["state"], "rows": saved["rows"], "layout": layout}
+            r["resume"][(packing, layout[0])] = make("resume", cfg).info
+    r["yield"] = long_run_yield(tok, texts, args.seq_len + 1, args.buffer)
+    return r
+
+
+def _fmt_info(info: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in info.items() if isinstance(v, float))
+
+
+def figures(r: dict) -> dict:
+    """Pooled rates, per-round ratios and medians, the noise floor."""
+    w = r["windows"]
+    bare_all = w["bare"] + r["bare_last"]
+    f: dict = {"bare": pooled(bare_all), "rate": {}, "work": {}, "work_cpu": {}, "round": {}, "split": {}}
+    first, last = pooled(w["bare"]), pooled(r["bare_last"])
+    f["noise_floor"] = min(first, last) / max(first, last)
+    round_bare = [max(a, b) for a, b in zip(rates(w["bare"]), rates(r["bare_last"]))]
+    for key, windows in w.items():
+        if key == "bare":
+            windows = bare_all
+        f["rate"][key] = pooled(windows)
+        f["work"][key] = pooled(windows, "work")
+        f["work_cpu"][key] = sum(x["work"] for x in windows) / max(1e-9, sum(x["cpu"] for x in windows))
+        f["split"][key] = cpu_split(windows)
+        if key != "bare":
+            f["round"][key] = {"useful": rates(windows), "work": rates(windows, "work"), "bare": round_bare}
+    return f
+
+
+def paired_median(f: dict, key: str, other: str | None = None, what: str = "useful", other_what: str = "useful"):
+    """Median over rounds of key's rate / other's rate in the same round (other: the round's better bare)."""
+    mine = f["round"][key][what]
+    theirs = f["round"][key]["bare"] if other is None else f["round"][other][other_what]
+    return float(np.median([a / b for a, b in zip(mine, theirs)]))
+
+
+def ratio(f: dict, key: str, other: str, what: str = "useful", other_what: str = "useful") -> tuple[float, float]:
+    """(pooled ratio, median per round) of two configurations' rates."""
+    table = {"useful": f["rate"], "work": f["work"]}
+    return table[what][key] / table[other_what][other], paired_median(f, key, other, what, other_what)
+
+
+PATHS = (("w", "DataModule, {workers} workers"), ("ip", "in-process (num_workers=0)"))
+
+
+def verdicts(results: dict, args: argparse.Namespace) -> list[tuple[bool, str]]:
+    out = []
+    for name, r in results.items():
+        f, q = r["figures"], r["qualities"]
+        concat_bare = f["rate"]["w_concat"] / f["bare"]
+        out.append(
+            (
+                concat_bare >= 0.9,
+                f"{name}, DataModule {args.workers} workers: concat {concat_bare:.2f}x the bare tokenizer (target >= "
+                f"0.90; median per round {paired_median(f, 'w_concat'):.2f}; bare vs bare {f['noise_floor']:.2f})",
+            )
+        )
+        for prefix, label in PATHS:
+            label = label.format(workers=args.workers)
+            pooled_ratio, median = ratio(f, f"{prefix}_bestfit", f"{prefix}_concat", "work", "work")
+            out.append(
+                (
+                    pooled_ratio >= 0.85,
+                    f"{name}, {label}: bestfit tokenizes {pooled_ratio:.2f}x concat's rate, i.e. rows "
+                    f"{pooled_ratio:.2f} x yield x concat (target >= 0.85; median per round {median:.2f})",
+                )
+            )
+            if "ref_bestfit" in f["rate"]:
+                pooled_ratio, median = ratio(f, f"{prefix}_bestfit", "ref_bestfit", "work", "work")
+                out.append(
+                    (
+                        pooled_ratio >= 1.0,
+                        f"{name}, {label}: bestfit tokenizes {pooled_ratio:.2f}x nanochat's best-fit port (target "
+                        f">= 1.00; median per round {median:.2f})",
+                    )
+                )
+            if name == "short":
+                pooled_ratio, median = ratio(f, f"{prefix}_bestfit", f"{prefix}_concat")
+                out.append(
+                    (
+                        pooled_ratio >= 0.8,
+                        f"{name}, {label}: bestfit rows {pooled_ratio:.2f}x concat's (target >= 0.80; median per "
+                        f"round {median:.2f})",
+                    )
+                )
+            pooled_ratio, median = ratio(f, f"{prefix}_bestfit_split", f"{prefix}_concat")
+            out.append(
+                (
+                    pooled_ratio >= 0.9,
+                    f"{name}, {label}: bestfit_split useful tokens/s {pooled_ratio:.2f}x concat's (target >= 0.90; "
+                    f"median per round {median:.2f})",
+                )
+            )
+            if "ref_bestfit" in f["rate"]:
+                pooled_ratio, median = ratio(f, f"{prefix}_bestfit_split", "ref_bestfit")
+                out.append(
+                    (
+                        pooled_ratio >= 2.0,
+                        f"{name}, {label}: bestfit_split useful tokens/s {pooled_ratio:.2f}x nanochat's best-fit "
+                        f"port (target >= 2.00; median per round {median:.2f})",
+                    )
+                )
+        waste = q["w_bestfit_split"]["waste_rows"]
+        out.append(
+            (
+                waste <= 0.01,
+                f"{name}: bestfit_split padding + dropped {waste:.2%} of row tokens (target <= 1 %; buffer "
+                f"{args.buffer}, {q['w_bestfit_split']['rows']} rows)",
+            )
+        )
+        for packing in PACKINGS:
+            resumes = {label: v for (p, label), v in r["resume"].items() if p == packing}
+            worst = max(v["first_s"] for v in resumes.values())
+            out.append(
+                (
+                    worst <= 3.0,
+                    f"{name}, {packing}: first batch after a resume {worst:.2f}s at worst over {len(resumes)} "
+                    "layouts (target <= 3 s)",
+                )
+            )
+        matches = [v["match"] for v in r["resume"].values()]
+        out.append(
+            (
+                all(matches),
+                f"{name}: {sum(matches)} of {len(matches)} resumed steps train the uninterrupted run's rows (target: "
+                "all)",
+            )
+        )
+        sizes = {packing: max(r["states"][packing]["sizes"]) / 1024 for packing in PACKINGS}
+        worst = max(sizes.values())
+        shown = ", ".join(f"{p} {v:.1f}" for p, v in sizes.items())
+        out.append(
+            (
+                worst <= 64,
+                f"{name}: state {worst:.1f} KiB per stream at worst ({shown}; buffer {args.buffer}; target <= 64 KiB)",
+            )
+        )
+        share = own_share(f, "ip_concat")
+        if share is not None:
+            out.append(
+                (
+                    share < 0.10,
+                    f"{name}: in-process concat's own Python work {share:.1%} of the tokenizer's CPU per token "
+                    "(target < 10 %)",
+                )
+            )
+    return out
+
+
+LABELS = {
+    "w_concat": "concat, {w} workers",
+    "w_bestfit": "bestfit, {w} workers",
+    "w_bestfit_split": "bestfit_split, {w} workers",
+    "ip_concat": "concat, in-process",
+    "ip_bestfit": "bestfit, in-process",
+    "ip_bestfit_split": "bestfit_split, in-process",
+    "ref_concat": "nanochat concat port",
+    "ref_bestfit": "nanochat best-fit port",
+}
+
+
+def report(name: str, r: dict, args: argparse.Namespace) -> None:
+    f, q, bare = r["figures"], r["qualities"], r["figures"]["bare"]
+    print(
+        f"\n== {name} documents ==   best-fit long-run yield {r['yield']:.2f}: cropping drops {1 - r['yield']:.0%} "
+        "of the tokenizer's work (nanochat's best-fit drops the same remainders)"
+    )
+    print(
+        "                                  useful tok/s  x bare (median/round)  tokenized/s  tokenized/CPU-s  "
+        "first step"
+    )
+    for key in f["rate"]:
+        if key == "bare":
+            continue
+        label = LABELS.get(key, key).format(w=args.workers)
+        print(
+            f"  {label:<31} {f['rate'][key] / 1e3:9.0f}K  {f['rate'][key] / bare:5.2f} ({paired_median(f, key):.2f})"
+            f"          {f['work'][key] / 1e3:8.0f}K  {f['work_cpu'][key] / 1e3:12.0f}K  "
+            f"{r['info'][key].get('first_step_s', 0):8.1f}s"
+        )
+    print(f"  {'bare tokenizer':<31} {'':>10}  {'':>21}  {bare / 1e3:8.0f}K  {f['work_cpu']['bare'] / 1e3:12.0f}K")
+    print("  every window, K useful tokens/s (bare: tokenized; its first-slot windows, then its last-slot ones):")
+    for key, windows in r["windows"].items():
+        extra = rates(r["bare_last"]) if key == "bare" else []
+        print(f"    {key:<18} " + " ".join(f"{v / 1e3:.0f}" for v in rates(windows) + extra))
+    print(f"  bare vs bare, the noise floor of every ratio: {f['noise_floor']:.2f}")
+    for prefix, label in PATHS:
+        print(f"  -- {label.format(workers=args.workers)}: pooled (median per round)")
+        rows = [
+            ("concat / bare, useful", f"{prefix}_concat", None, "useful", "useful", "0.90" if prefix == "w" else "-"),
+            ("bestfit / concat, tokenizing", f"{prefix}_bestfit", f"{prefix}_concat", "work", "work", "0.85"),
+            ("bestfit / concat, rows", f"{prefix}_bestfit", f"{prefix}_concat", "useful", "useful",
+             "0.80" if name == "short" else "-"),
+            ("bestfit / nanochat best-fit, tokenizing", f"{prefix}_bestfit", "ref_bestfit", "work", "work", "1.00"),
+            ("bestfit_split / concat, useful", f"{prefix}_bestfit_split", f"{prefix}_concat", "useful", "useful",
+             "0.90"),
+            ("bestfit_split / nanochat best-fit, useful", f"{prefix}_bestfit_split", "ref_bestfit", "useful", "useful",
+             "2.00"),
+            ("concat / nanochat concat, useful", f"{prefix}_concat", "ref_concat", "useful", "useful", "-"),
+        ]  # fmt: skip
+        for text, key, other, what, other_what, target in rows:
+            if other is not None and other not in f["rate"]:
+                continue
+            if other is None:
+                value, median = f["rate"][key] / bare, paired_median(f, key)
+            else:
+                value, median = ratio(f, key, other, what, other_what)
+            print(f"    {text:<44} {value:5.2f} ({median:.2f})   target {target}")
+    extras = [key for key in f["rate"] if key.startswith(("old_", "k")) or key.split("_w_")[0] in args.variant_labels]
+    if extras:
+        print("  -- comparisons (same rounds): pooled useful tokens/s vs the default configuration (median per round)")
+        for key in extras:
+            packing = key.split("_w_", 1)[1]
+            value, median = ratio(f, key, f"w_{packing}")
+            print(f"    {key:<30} {f['rate'][key] / 1e3:7.0f}K  {value:5.2f}x w_{packing} ({median:.2f})")
+    print("  packing quality (counters since each stream's start; BOS and concat's cuts over the rows sampled):")
+    print("    configuration                 waste/rows  waste/tokenized  rows from BOS  documents cut   rows")
+    for key, v in q.items():
+        print(
+            f"    {LABELS.get(key, key).format(w=args.workers):<29} {v['waste_rows']:9.2%}"
+            f"  {v['waste_tokenized']:14.2%}"
+            f"  {v['bos_start']:12.1%}  {v['cut']:12.1%}  {v['rows']:6d}"
+        )
+    print(f"  first batch after a resume from the {args.workers}-worker run's state "
+          "(s; setup before it, s; rows as uninterrupted)")  # fmt: skip
+    for (packing, label), v in r["resume"].items():
+        print(f"    {packing:<14} {label:<44} {v['first_s']:6.2f}  (setup {v['setup_s']:5.1f})  {v['match']}")
+    print("  state per stream (pickled StreamState.to_dict()), KiB: max / mean; torch.save'd data state / K")
+    for packing, saved in r["states"].items():
+        sizes = np.asarray(saved["sizes"]) / 1024
+        print(
+            f"    {packing:<14} {sizes.max():6.1f} / {sizes.mean():6.1f}   "
+            f"{saved['checkpoint_bytes'] / 1024 / len(sizes):6.1f}"
+        )
+    print("  peak RSS (VmHWM), MiB: training process + its workers (each counts pages it shares with the others)")
+    for key, v in r["rss"].items():
+        workers = " + ".join(f"{x:.0f}" for x in v["workers_mib"]) or "-"
+        total = v["main_mib"] + sum(v["workers_mib"])
+        print(f"    {LABELS.get(key, key).format(w=args.workers):<29} {v['main_mib']:6.0f} + {workers}  = {total:6.0f}")
+    if "python_ns" in f["split"]["bare"]:
+        print("  in-process, CPU per token (pooled)   Python threads   tokenizer threads   own work / tokenizer's")
+        for key, label in (("bare", "bare tokenizer"), ("ip_concat", "concat"), ("ip_bestfit", "bestfit"),
+                           ("ip_bestfit_split", "bestfit_split")):  # fmt: skip
+            split = f["split"].get(key, {})
+            if "python_ns" not in split:
+                continue
+            share = own_share(f, key) if key != "bare" else None
+            print(
+                f"    {label:<32} {split['python_ns']:10.0f} ns {split['pool_ns']:15.0f} ns"
+                + (f" {share:18.1%}" if share is not None else "   (the call itself)")
+            )
+    print("  start-up, s (setup: footers + pass estimate; first step: every stream's first block):")
+    for key, info in r["info"].items():
+        print(f"    {key:<22} {_fmt_info(info)}")
 
 
 # ------------------------------------------------------------------------------------------------ main
-PATHS = (("dm_", "DataModule, {workers} workers"), ("", "in-process stream"))  # result-key prefix, label
+def _variant(text: str) -> tuple[str, dict]:
+    """``LABEL:module.attr=value[,module.attr=value]`` -> (label, {target: value})."""
+    label, _, assignments = text.partition(":")
+    patches = {}
+    for item in assignments.split(","):
+        target, _, value = item.partition("=")
+        patches[target.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return label, patches
 
 
 def main() -> None:
@@ -434,17 +1015,14 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=40.0, help="at most this many MB of stdlib text in the corpus")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--buffer", type=int, default=1000, help="best-fit buffer (documents; pieces for split)")
     parser.add_argument("--tokenizer-batch", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per run, short documents")
-    parser.add_argument(
-        "--long-seconds",
-        type=float,
-        default=8.0,
-        help="timed seconds per run, long documents (an in-process tokenizer batch of them is ~0.6 M "
-        "tokens, so rows come in bursts: a short window measures the bursts, not the rate)",
-    )
-    parser.add_argument("--runs", type=int, default=4, help="runs per configuration (best is kept)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="seconds per window, short documents")
+    parser.add_argument("--long-seconds", type=float, default=8.0, help="seconds per window, long documents")
+    parser.add_argument("--runs", type=int, default=4, help="rounds: windows per configuration")
+    parser.add_argument("--quality-steps", type=int, default=50, help="steps whose rows are inspected (untimed)")
     parser.add_argument(
         "--workers",
         type=int,
@@ -452,212 +1030,74 @@ def main() -> None:
         help="DataLoader workers of the DataModule path (default: the cores this process may use, "
         "as many as the bare tokenizer uses)",
     )
-    parser.add_argument("--skip-ref", action="store_true", help="skip the reference ports")
-    parser.add_argument("--quick", action="store_true", help="a 2 MB corpus, 1 short run each (smoke test)")
+    parser.add_argument("--skip-ref", action="store_true", help="skip the nanochat ports")
+    parser.add_argument("--corpora", default="long,short", help="which corpora to run (comma-separated)")
+    parser.add_argument("--old-tree", help="also run the DataModule of this checkout (e.g. an older commit)")
+    parser.add_argument("--compare-k", type=int, default=0, help="also run the workers path with this num_streams")
+    parser.add_argument("--compare-packings", default="concat,bestfit_split", help="packings of the comparisons")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=_variant,
+        help="also run the workers path with module attributes set, LABEL:module.attr=value[,...] "
+        "(e.g. pf32:lightning_d9d.streaming.loader._PREFETCH_PER_PROCESS=32)",
+    )
+    parser.add_argument("--inline", action="store_true", help="run every configuration in this process")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 2 MB corpus, small buffers, 1 short round, inline (smoke test)"
+    )
     args = parser.parse_args()
     if args.quick:
-        args.mb, args.seconds, args.long_seconds, args.runs, args.vocab = 2.0, 0.3, 0.3, 1, 2048
+        args.mb, args.seconds, args.long_seconds, args.runs, args.vocab = 1.5, 0.3, 0.3, 1, 2048
+        args.buffer, args.quality_steps, args.inline = 16, 2, True
+    args.compare_packings = [p for p in args.compare_packings.split(",") if p]
+    args.variant_labels = {label for label, _ in args.variant}
 
     texts = stdlib_texts(args.mb)
     short = [p for t in texts for p in t.split("\n\n") if p.strip()]
     print(
         f"corpus: {len(texts)} long documents / {len(short)} short, {sum(map(len, texts)) / 1e6:.1f} MB; "
-        f"{available_cores()} cores; seq_len={args.seq_len}, microbatch={args.microbatch}, "
-        f"DataModule num_workers={args.workers}"
+        f"{available_cores()} cores; seq_len={args.seq_len}, microbatch={args.microbatch}, global batch "
+        f"{args.global_batch}, best-fit buffer {args.buffer}, DataModule num_workers={args.workers}"
     )
     t0 = time.perf_counter()
     tok = train_tokenizer(texts[:: max(1, len(texts) // 300)], args.vocab)  # a sample is enough for a BPE
     print(f"tokenizer: byte-level BPE, vocab {args.vocab}, trained in {time.perf_counter() - t0:.1f}s")
-    bos = tok.token_to_id(BOS)
-    # The very tokenizer object the streams use (parsed once per process from the same JSON), so that bare and
-    # ours share one vocabulary cache and differ only in what happens around encode_batch_fast.
-    shared_tok = load_tokenizer(tok.to_str())
-    B, T, tb = args.microbatch, args.seq_len, args.tokenizer_batch
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, docs, rg, seconds in (("long", texts, 128, args.long_seconds), ("short", short, 1024, args.seconds)):
-            # Smaller row groups where needed, so that every worker's stream gets at least four (on 2 cores they
-            # stay 128 and 1,024 documents; on many cores the in-process and reference loaders see them too).
-            files = write_corpus(Path(tmp) / name, docs, min(rg, max(1, len(docs) // (4 * args.workers))))
-            index = RowGroupIndex.scan(files, "text")
-            # The bare tokenizer gets the documents in the order our stream reads them (pass 0, seed 0).
-            in_order = [t for g in pass_order(len(index), 0, 0).tolist() for t in index.read_texts(g) if t]
-
-            def spec(packing: str, index: RowGroupIndex = index) -> StreamSpec:
-                return StreamSpec(
-                    index=index,
-                    tokenizer_json=tok.to_str(),
-                    bos_id=bos,
-                    seq_len=T,
-                    microbatch_size=B,
-                    packing=packing,
-                    seed=0,
-                    shuffle=True,
-                    num_streams=1,
-                    tokenizer_batch_size=tb,
-                    buffer_size=1000,
-                )
-
-            r = results[name] = {}
-            # Interleave configurations run by run, so machine noise hits them alike; bare runs first and last.
-            keys = ("bare", "dm_concat", "dm_bestfit", "concat", "bestfit", "ref_concat", "ref_bestfit", "bare_again")
-            runs: dict[str, list] = {k: [] for k in keys}
-            for _ in range(args.runs):
-                runs["bare"].append(measure_bare(shared_tok, in_order, tb, seconds))
-                for packing in ("concat", "bestfit"):
-                    runs[f"dm_{packing}"].append(
-                        measure_datamodule(files, tok, packing, args.workers, B, T, tb, seconds)
-                    )
-                    runs[packing].append(measure_ours(spec(packing), seconds))
-                if not args.skip_ref:
-                    runs["ref_concat"].append(measure_ref(ref_concat, index, tok, bos, B, T, tb, seconds))
-                    runs["ref_bestfit"].append(measure_ref(ref_bestfit, index, tok, bos, B, T, tb, seconds))
-                runs["bare_again"].append(measure_bare(shared_tok, in_order, tb, seconds))
-            slower, faster = sorted((best(runs["bare"]), best(runs["bare_again"])))
-            r["noise_floor"] = slower / faster
-            # Per round, each loader against the better of that round's two bare runs: the median of these paired
-            # ratios is hardly moved by slow drifts in the machine's load (best-of is the headline).
-            round_bare = [max(a["tps"], b["tps"]) for a, b in zip(runs["bare"], runs["bare_again"])]
-            r["paired"] = {
-                key: float(np.median([v["tps"] / b for v, b in zip(runs[key], round_bare)]))
-                for key in ("dm_concat", "concat")
+        args.tokenizer_path = str(Path(tmp) / "tokenizer.json")
+        tok.save(args.tokenizer_path)
+        corpora = {"long": (texts, 128), "short": (short, 1024)}
+        for name in args.corpora.split(","):
+            docs, group_size = corpora[name]
+            # Smaller row groups where needed, so that every stream gets several (on 2 cores they stay 128 and
+            # 1,024 documents).
+            files = write_corpus(Path(tmp) / name, docs, min(group_size, max(1, len(docs) // (4 * 16))))
+            print(f"\n{name} documents: starting the configurations, then {args.runs} rounds", flush=True)
+            r = results[name] = run_corpus(name, files, tok, docs, args)
+            r["figures"] = figures(r)
+            r["qualities"] = {
+                key: quality_figures(v, key.split("_", 1)[1], args.seq_len + 1)
+                for key, v in r["quality"].items()
+                if not key.startswith("ref_")
             }
-            runs["bare"] += runs.pop("bare_again")  # bare's best is over both slots: conservative for ours
-            for key, values in runs.items():
-                if values:
-                    r[key] = max(values, key=lambda v: v["tps"])
-                    r[key].update(median_cpu_split(values))
-                    r[key]["all_tps"] = [v["tps"] for v in values]
-            r["yield"] = long_run_yield(tok, docs, T + 1)
-            r["resume_s"] = time_resume(spec("bestfit"), r["bestfit"]["state"])
-            r["resume_concat_s"] = time_resume(spec("concat"), r["concat"]["state"])
-            report(name, r, args.workers)
-    print("\nsummary (rows tokens/s; bare: tokens/s the tokenizer produces):")
+            for key in ("ref_bestfit",):
+                if key in r["quality"]:
+                    v = r["quality"][key]
+                    r["qualities"][key] = {
+                        "waste_rows": v["cropped"] / max(1, v["emitted"]),
+                        "waste_tokenized": v["cropped"] / max(1, v["emitted"] + v["cropped"]),
+                        "bos_start": 1.0,
+                        "cut": float("nan"),
+                        "rows": v["emitted"] // (args.seq_len + 1),
+                    }
+            report(name, r, args)
+    print("\nsummary (pooled useful tokens/s; bare: tokens/s the tokenizer produces):")
     for name, r in results.items():
-        line = ", ".join(f"{k} {v['tps'] / 1e3:.0f}K" for k, v in r.items() if isinstance(v, dict) and "tps" in v)
+        line = ", ".join(f"{k} {v / 1e3:.0f}K" for k, v in r["figures"]["rate"].items())
         print(f"  {name}: {line}; bestfit yield {r['yield']:.2f}")
-    print_verdicts(verdicts(results, args.workers))
-
-
-def best(values: list[dict]) -> float:
-    return max(v["tps"] for v in values)
-
-
-def median_cpu_split(values: list[dict]) -> dict:
-    """Per-thread CPU per token, median over runs (hardly moved by other processes, unlike tokens/s)."""
-    split = [v for v in values if "python_ns" in v]
-    if not split:
-        return {}
-    return {k: float(np.median([v[k] for v in split])) for k in ("python_ns", "pool_ns")}
-
-
-def own_share(r: dict, key: str) -> float | None:
-    """CPU our Python threads add per token, beyond bare's call itself, as a share of the tokenizer's own."""
-    if "python_ns" not in r[key] or "python_ns" not in r["bare"]:
-        return None
-    return (r[key]["python_ns"] - r["bare"]["python_ns"]) / r["bare"]["pool_ns"]
-
-
-def verdicts(results: dict, workers: int) -> list[tuple[bool, str]]:
-    out = []
-    for name, r in results.items():
-        for prefix, label in PATHS:
-            label = label.format(workers=workers)
-            concat, bestfit = r[prefix + "concat"], r[prefix + "bestfit"]
-            ratio = concat["tps"] / r["bare"]["tps"]
-            paired = r["paired"][prefix + "concat"]
-            out.append(
-                (
-                    ratio >= 0.9,
-                    f"{name}, {label}: concat {ratio:.2f}x the bare tokenizer (target >= 0.90; "
-                    f"median per round {paired:.2f}; bare vs bare {r['noise_floor']:.2f})",
-                )
-            )
-            steady = bestfit["work"] / concat["work"]
-            out.append((steady >= 0.85, f"{name}, {label}: bestfit {steady:.2f} x yield x concat (target >= 0.85)"))
-            if name == "short":
-                rows = bestfit["tps"] / concat["tps"]
-                out.append((rows >= 0.8, f"{name}, {label}: bestfit rows {rows:.2f}x concat (target >= 0.80)"))
-            if "ref_bestfit" in r:
-                vs_ref = bestfit["work"] / r["ref_bestfit"]["work"]
-                out.append(
-                    (
-                        vs_ref >= 1.0,
-                        f"{name}, {label}: bestfit tokenizes {vs_ref:.2f}x the reference best-fit (target >= 1.00)",
-                    )
-                )
-        share = own_share(r, "concat")
-        if share is not None:
-            out.append(
-                (
-                    share < 0.10,
-                    f"{name}: concat's own Python work {share:.1%} of the tokenizer's CPU per token (target < 10 %)",
-                )
-            )
-        resume = max(r["resume_s"], r["resume_concat_s"])
-        out.append((resume < 3.0, f"{name}: first batch after a resume {resume:.2f}s (target < 3 s)"))
-    return out
-
-
-def report(name: str, r: dict, workers: int) -> None:
-    bare, y = r["bare"]["tps"], r["yield"]
-    print(
-        f"\n== {name} documents ==   best-fit long-run yield {y:.2f}: cropping drops {1 - y:.0%} of the "
-        "tokenizer's work (the reference's best-fit drops the same remainders)"
-    )
-    print("                                   rows tokens/s   tokenized/s   tokenized/CPU-s")
-    labels = (
-        ("dm_concat", f"concat, DataModule {workers} workers"),
-        ("dm_bestfit", f"bestfit, DataModule {workers} w."),
-        ("concat", "concat, in-process stream"),
-        ("bestfit", "bestfit, in-process stream"),
-        ("ref_concat", "ref concat"),
-        ("ref_bestfit", "ref bestfit"),
-    )
-    for key, label in labels:
-        if key in r:
-            print(
-                f"  {label:<30} {r[key]['tps'] / 1e3:10.0f}K {r[key]['work'] / 1e3:12.0f}K "
-                f"{r[key]['work_cpu'] / 1e3:14.0f}K"
-            )
-    print(f"  {'bare tokenizer':<30} {'':>11} {bare / 1e3:12.0f}K {r['bare']['work_cpu'] / 1e3:14.0f}K")
-    print("  every run, K tokens/s (rows; bare: tokenized; bare lists its first-slot runs, then its last-slot runs):")
-    for key in ("bare", "dm_concat", "dm_bestfit", "concat", "bestfit"):
-        print(f"    {key:<10} " + " ".join(f"{v / 1e3:.0f}" for v in r[key]["all_tps"]))
-    print(f"  bare vs bare, the noise floor of every ratio: {r['noise_floor']:.2f}")
-    for key, label in PATHS:
-        concat, bestfit = r[key + "concat"], r[key + "bestfit"]
-        print(f"  -- {label.format(workers=workers)}")
-        print(
-            f"  concat / bare                          {concat['tps'] / bare:.2f}  (target >= 0.90; median per "
-            f"round {r['paired'][key + 'concat']:.2f}; per CPU-s: {concat['work_cpu'] / r['bare']['work_cpu']:.2f})"
-        )
-        print(
-            f"  bestfit / (yield x concat), steady     {bestfit['work'] / concat['work']:.2f}  (target >= 0.85; "
-            "= bestfit's tokenizing rate / concat's)"
-        )
-        if name == "short":
-            rows, window_yield = bestfit["tps"] / concat["tps"], bestfit["tps"] / bestfit["work"]
-            print(
-                f"  bestfit / concat, rows                 {rows:.2f}  (target >= 0.80; = the line above x bestfit's "
-                f"rows / tokenized in the window, {window_yield:.2f}: documents longer than a row pile up in its "
-                "buffer, as in the reference)"
-            )
-        if "ref_bestfit" in r:
-            print(
-                f"  bestfit / ref bestfit, tokenizing      {bestfit['work'] / r['ref_bestfit']['work']:.2f}  "
-                f"(target >= 1.00; rows in the window: {bestfit['tps'] / r['ref_bestfit']['tps']:.2f})"
-            )
-            print(f"  concat / ref concat                    {concat['tps'] / r['ref_concat']['tps']:.2f}")
-    if "python_ns" in r["bare"]:
-        print("  in-process, CPU per token (median)   Python threads   tokenizer threads   own work / tokenizer's")
-        for key, label in (("bare", "bare tokenizer"), ("concat", "ours concat"), ("bestfit", "ours bestfit")):
-            share = own_share(r, key) if key != "bare" else None
-            print(
-                f"    {label:<28} {r[key]['python_ns']:10.0f} ns {r[key]['pool_ns']:15.0f} ns"
-                + (f" {share:18.1%}" if share is not None else "   (the call itself)")
-            )
-    print(f"  first batch after a resume: bestfit {r['resume_s']:.2f}s, concat {r['resume_concat_s']:.2f}s")
+    print_verdicts(verdicts(results, args))
 
 
 if __name__ == "__main__":

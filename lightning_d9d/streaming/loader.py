@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -130,6 +131,14 @@ class _HostedStreams(IterableDataset):
         spec = replace(self.spec, prefetch=max(1, min(self.spec.prefetch, _PREFETCH_PER_PROCESS // len(hosted))))
         iterators = [iter(TokenStream(spec, sid, self.states.get(sid))) for sid in hosted]
         try:
+            # Every stream's first block at once: a started or resumed stream waits on reads and on its first
+            # chunks (a restored best-fit buffer on its documents' row groups), which overlap across streams
+            # but would add up one stream after another.
+            if len(hosted) > 1:
+                with ThreadPoolExecutor(len(hosted), thread_name_prefix="lightning-d9d-start") as pool:
+                    firsts = list(pool.map(next, iterators))
+                for sid, (block, state) in zip(hosted, firsts):
+                    yield sid, block, state
             while True:
                 for sid, blocks in zip(hosted, iterators):
                     block, state = next(blocks)
