@@ -5,6 +5,7 @@ Two things every training loader of this package needs, in one place:
 * **Start at the first ``next()``.** ``iter()`` may run before the resume state is loaded (Lightning probes
   iterability early, e.g. through ``estimated_stepping_batches``), so the position is read only when the first
   batch is really asked for.
+* **Resume through the DataModule** (``ResumedByDataModule``): the position is the DataModule's state.
 * **Stop on time.** A loop broken off in a notebook, a new loader, ``teardown`` or an exception must stop the
   DataLoader's worker processes there and then. Left to the garbage collector, a suspended generator that
   holds a DataLoader iterator is freed whenever a collection happens to run, possibly inside a worker forked
@@ -51,6 +52,20 @@ class EpochIterator:
 
     def __del__(self) -> None:
         self.close()
+
+
+class ResumedByDataModule:
+    """A training loader whose position is its DataModule's state, which Lightning saves in the same checkpoint.
+
+    Having ``state_dict``/``load_state_dict`` tells Lightning that the loader resumes exactly, so it does not warn
+    that a mid-epoch checkpoint cannot be resumed; the state itself is empty.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load here: the DataModule restored the position."""
 
 
 def shutdown_workers(iterator: Iterator[Any] | None) -> None:

@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.epoch_iterator import EpochIterator, collect_before_fork, shutdown_workers
+from lightning_d9d.epoch_iterator import EpochIterator, ResumedByDataModule, collect_before_fork, shutdown_workers
 from lightning_d9d.resume import TrainPosition
 
 STEP_LABEL_TOKENS = "step_label_tokens"
@@ -121,7 +121,7 @@ def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
     return batch
 
 
-class TrainLoader:
+class TrainLoader(ResumedByDataModule):
     """The training loader: a sized iterable of microbatches (or packs of M microbatches) for one rank.
 
     Args:
@@ -165,17 +165,6 @@ class TrainLoader:
         epoch = self.length_epoch() if self.length_epoch is not None else self.position.epoch
         steps = self.schedule.steps_in_epoch(epoch)
         return steps if self.yield_packs else steps * self.microbatches_per_step
-
-    def state_dict(self) -> dict[str, Any]:
-        """Empty: the position is the DataModule's state, which Lightning saves in the same checkpoint.
-
-        Having ``state_dict``/``load_state_dict`` tells Lightning that this loader resumes exactly, so it does
-        not warn that a mid-epoch checkpoint cannot be resumed.
-        """
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to load here: the DataModule restored the position (see ``state_dict``)."""
 
     def __iter__(self) -> EpochIterator:
         # Lazy: iter() may run before the resume state is loaded (Lightning probes iterability early). A new

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_d9d.epoch_iterator import EpochIterator, collect_before_fork, shutdown_workers
+from lightning_d9d.epoch_iterator import EpochIterator, ResumedByDataModule, collect_before_fork, shutdown_workers
 from lightning_d9d.resume import TrainPosition
 from lightning_d9d.streaming.stream import RowBlock, StreamSpec, StreamState, TokenStream
 
@@ -190,7 +190,7 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
         yield RowBlock(tokens, flags), states
 
 
-class TokenTrainLoader:
+class TokenTrainLoader(ResumedByDataModule):
     """A sized iterable of microbatches for one rank; one epoch is ``len(self)`` microbatches.
 
     Args:
@@ -229,17 +229,6 @@ class TokenTrainLoader:
     def __len__(self) -> int:
         # The full epoch even after a mid-epoch resume: Lightning adds its restored count to what it fetches.
         return self.microbatches_per_epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        """Empty: the position is the DataModule's state, which Lightning saves in the same checkpoint.
-
-        Having ``state_dict``/``load_state_dict`` tells Lightning that this loader resumes exactly, so it does
-        not warn that a mid-epoch checkpoint cannot be resumed.
-        """
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to load here: the DataModule restored the position (see ``state_dict``)."""
 
     def __iter__(self) -> Iterator[Any]:
         return EpochIterator(self._epoch_batches)
