@@ -8,10 +8,12 @@ every stream's state at a step boundary resumes on any layout: each rank takes t
 
 * Rank ``r`` of ``W`` owns streams ``[r·K/W, (r+1)·K/W)``; with workers, worker ``w`` of ``n`` hosts the
   rank's streams ``w, w+n, …`` (the same number each).
-* A worker yields, step after step, one block of ``R`` rows per stream it hosts. torch's DataLoader hands out an
-  ``IterableDataset``'s items strictly round-robin over workers, so the training process receives a step's
-  blocks in a fixed order; it concatenates them into the rank's ``G / W`` rows and cuts them into the step's
-  ``M`` microbatches of ``m`` rows.
+* A worker yields, step after step, one item holding a block of ``R`` rows for every stream it hosts (one
+  DataLoader item per worker and step, not per stream: a DataLoader item costs both processes far more than
+  tokenizing a block of short rows). torch's DataLoader hands out an ``IterableDataset``'s items strictly
+  round-robin over workers, so the training process receives each step's blocks from every worker, puts them
+  in stream order, concatenates them into the rank's ``G / W`` rows and cuts them into the step's ``M``
+  microbatches of ``m`` rows.
 * Each block comes with its stream's state after it; when the last microbatch of a step is handed out, the
   loader commits a copy of every owned stream's state: the position a checkpoint saves. Lightning does not
   checkpoint accumulated gradients, so a resume starts at the first microbatch of a step.
@@ -114,12 +116,12 @@ class StreamPosition(TrainPosition):
 
 
 class _HostedStreams(IterableDataset):
-    """What one process hosts of a rank's streams: one block per stream per step, from their saved states."""
+    """What one process hosts of a rank's streams: per step, a list of one block per hosted stream."""
 
     def __init__(self, spec: StreamSpec, streams: list[int], num_workers: int, states: StreamStates):
         self.spec, self.streams, self.num_workers, self.states = spec, streams, num_workers, states
 
-    def __iter__(self) -> Iterator[tuple[int, RowBlock, StreamState]]:
+    def __iter__(self) -> Iterator[list[tuple[int, RowBlock, StreamState]]]:
         info = get_worker_info()
         hosted = self.streams
         if info is not None:
@@ -137,12 +139,9 @@ class _HostedStreams(IterableDataset):
             if len(hosted) > 1:
                 with ThreadPoolExecutor(len(hosted), thread_name_prefix="lightning-d9d-start") as pool:
                     firsts = list(pool.map(next, iterators))
-                for sid, (block, state) in zip(hosted, firsts):
-                    yield sid, block, state
+                yield [(sid, block, state) for sid, (block, state) in zip(hosted, firsts)]
             while True:
-                for sid, blocks in zip(hosted, iterators):
-                    block, state = next(blocks)
-                    yield sid, block, state
+                yield [(sid, *next(blocks)) for sid, blocks in zip(hosted, iterators)]
         finally:
             for blocks in iterators:
                 blocks.close()
@@ -151,6 +150,36 @@ class _HostedStreams(IterableDataset):
 def _as_is(item: Any) -> Any:
     """The workers' collate function: hand the item over unchanged (numpy rows, a plain state)."""
     return item
+
+
+class _InStreamOrder:
+    """``(stream, block, state)`` one at a time, in the rank's stream order, from per-process lists of each step.
+
+    Each of ``processes`` processes gives one list per step (the DataLoader alternates between them), so a step's
+    blocks are those of the next ``processes`` lists.
+    """
+
+    def __init__(self, lists: Iterator[list[tuple]], streams: list[int], processes: int):
+        self.lists, self.processes = lists, processes
+        self.order = {sid: i for i, sid in enumerate(streams)}
+        self.pending: list[tuple] = []
+
+    def __iter__(self) -> Iterator[tuple]:
+        return self
+
+    def __next__(self) -> tuple:
+        if not self.pending:
+            step = [item for _ in range(self.processes) for item in next(self.lists)]
+            step.sort(key=lambda item: self.order[item[0]], reverse=True)  # popped from the end
+            self.pending = step
+        return self.pending.pop()
+
+    def _shutdown_workers(self) -> None:
+        """Stop the workers now, or close the in-process streams (their reader threads stop with them)."""
+        shutdown_workers(self.lists)
+        close = getattr(self.lists, "close", None)
+        if close is not None:
+            close()
 
 
 def rank_blocks(spec: StreamSpec, streams: list[int], num_workers: int, states: StreamStates) -> Iterator[tuple]:
@@ -167,14 +196,14 @@ def rank_blocks(spec: StreamSpec, streams: list[int], num_workers: int, states: 
         spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS)
     dataset = _HostedStreams(spec, streams, num_workers, states)
     if num_workers == 0:
-        return iter(dataset)
+        return _InStreamOrder(iter(dataset), streams, 1)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         # collate_fn=_as_is: the default would turn the numpy rows into tensors in the worker, and each tensor
         # would then cross to this process as a shared-memory file; a pickled array through the pipe is cheaper.
-        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=4, collate_fn=_as_is)
+        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=2, collate_fn=_as_is)
     collect_before_fork()
-    return iter(loader)
+    return _InStreamOrder(iter(loader), streams, num_workers)
 
 
 def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, StreamStates]]:
