@@ -3,9 +3,10 @@
 Algorithm: a saved buffer is one integer row per buffered document (``bestfit``) or piece (``bestfit_split``),
 which locates it in the source (row group, row) and gives its length and, for documents longer than a row, a
 checksum of the tokens kept. The packer is usable at once (a pick needs only lengths and insertion numbers);
-the texts of every buffered document are re-read now (one ``read_row_group`` per row group involved), and a
-document is tokenized only when the packer first picks it. So the first block after a resume costs a few
-documents' tokenization, not the buffer's, even when the buffer holds the corpus's longest documents:
+the texts of every buffered document are re-read now (one ``read_row_group`` per row group involved, only its
+buffered rows turned into strings), and a document is tokenized only when the packer first picks it. So the
+first block after a resume costs a few documents' tokenization, not the buffer's, even when the buffer holds
+the corpus's longest documents:
 
 * ``bestfit`` keeps a row-sized prefix of a long document, so only a text prefix is tokenized: long enough for
   the first row's worth of tokens by the document's own characters per token, with a margin; the saved
@@ -52,9 +53,9 @@ def _read_buffered_texts(spec: StreamSpec, meta: np.ndarray) -> dict[tuple[int, 
     """The text of every buffered document, by (row group, row): one read per row group."""
     texts: dict[tuple[int, int], str] = {}
     for group in np.unique(meta[:, 2]).tolist():
-        rows = spec.index.read_texts(group)
-        for row in np.unique(meta[meta[:, 2] == group, 3]).tolist():
-            texts[(group, row)] = rows[row] or ""
+        rows = np.unique(meta[meta[:, 2] == group, 3]).tolist()
+        for row, text in zip(rows, spec.index.read_texts(group, rows)):
+            texts[(group, row)] = text or ""
     return texts
 
 
@@ -101,7 +102,7 @@ class _PrefixFetch:
         full = None
         while True:
             if cut >= len(text) and full is None:
-                full = text = self.spec.index.read_texts(group)[row] or ""  # the kept prefix ran out: re-read
+                full = text = self.spec.index.read_texts(group, [row])[0] or ""  # the kept prefix ran out: re-read
             ids = encode_documents(tokenizer, [text[:cut]])[0].ids
             prefix = self._with_bos(ids)
             whole = cut >= len(text)

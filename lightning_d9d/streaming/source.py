@@ -235,8 +235,13 @@ class RowGroupIndex:
         root = os.path.commonpath(self.files)
         return [os.path.relpath(path, root) for path in self.files]
 
-    def read_texts(self, group: int) -> list[str | None]:
+    def read_texts(self, group: int, rows: list[int] | None = None) -> list[str | None]:
         """Read the text column of one global row group as Python strings (``None`` for nulls).
+
+        Args:
+            group: the global row group.
+            rows: only these rows of it, in this order (a best-fit restore needs a few of a group's documents;
+                turning the others into Python strings would cost more than decoding the whole group).
 
         Raises:
             ValueError: the file cannot be read (the error names the file and row group).
@@ -256,7 +261,10 @@ class RowGroupIndex:
                 raise ValueError(
                     f"cannot read row group {int(self.group_in_file[group])} of parquet file {path!r}: {err}"
                 ) from err
-        return table.column(0).to_pylist()
+        column = table.column(0)
+        if rows is not None:
+            column = column.take(pa.array(rows, pa.int64()))
+        return column.to_pylist()
 
 
 def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
