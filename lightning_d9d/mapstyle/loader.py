@@ -103,21 +103,20 @@ def carries_step_label_tokens(batch: Any) -> bool:
     """Whether ``batch`` has a ``step_label_tokens`` field or key (only such batches are told the count)."""
     if isinstance(batch, dict):
         return STEP_LABEL_TOKENS in batch
-    return dataclasses.is_dataclass(batch) and hasattr(batch, STEP_LABEL_TOKENS)
+    return dataclasses.is_dataclass(batch) and not isinstance(batch, type) and hasattr(batch, STEP_LABEL_TOKENS)
 
 
 def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
-    """``batch`` with its ``step_label_tokens`` field or key set to ``value`` (batches without one unchanged)."""
+    """``batch`` (one that ``carries_step_label_tokens``) with its field or key set to ``value``."""
     if value is None:
         return batch
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type) and hasattr(batch, STEP_LABEL_TOKENS):
-        try:
-            setattr(batch, STEP_LABEL_TOKENS, value)
-        except dataclasses.FrozenInstanceError:
-            return dataclasses.replace(batch, **{STEP_LABEL_TOKENS: value})
-        return batch
-    if isinstance(batch, dict) and STEP_LABEL_TOKENS in batch:
+    if isinstance(batch, dict):
         batch[STEP_LABEL_TOKENS] = value
+        return batch
+    try:
+        setattr(batch, STEP_LABEL_TOKENS, value)
+    except dataclasses.FrozenInstanceError:
+        return dataclasses.replace(batch, **{STEP_LABEL_TOKENS: value})
     return batch
 
 
