@@ -34,9 +34,9 @@ class IndexDataset:
         return index
 
 
-def process_kib(field: str) -> int:
-    """A ``/proc/self/status`` memory field in KiB (``VmRSS``: now; ``VmHWM``: peak since the last reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def process_kib(field: str, pid: int | str = "self") -> int:
+    """A ``/proc/<pid>/status`` memory field in KiB (``VmRSS``: now; ``VmHWM``: peak since the last reset)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1])
     raise KeyError(field)

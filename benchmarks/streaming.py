@@ -75,7 +75,7 @@ _TREE = os.environ.get("D9D_BENCH_TREE") or str(Path(__file__).resolve().parents
 sys.path.insert(0, _TREE)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
-from common import print_verdicts
+from common import print_verdicts, process_kib
 
 BOS = "<|bos|>"
 PACKINGS = ("concat", "bestfit", "bestfit_split")
@@ -260,14 +260,11 @@ def thread_cpu() -> tuple[float, float] | None:
 
 
 def status_kib(pid: int, field: str) -> int:
-    """A ``/proc/<pid>/status`` memory field in KiB (0 where unreadable)."""
+    """A ``/proc/<pid>/status`` memory field in KiB, 0 where unreadable (a worker may have exited)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        return process_kib(field, pid)
+    except (OSError, KeyError):
+        return 0
 
 
 def peak_rss() -> dict:
