@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pickle
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from lightning_d9d.streaming import bestfit_restore, tokenize
 from lightning_d9d.streaming.estimate import estimate_pass
 from lightning_d9d.streaming.loader import rank_blocks, rank_streams
 from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
-from lightning_d9d.streaming.reader import ReadPosition
+from lightning_d9d.streaming.reader import ReadPosition, TextChunk
 from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order, resolve_files
 from lightning_d9d.streaming.stream import PACKINGS, StreamSpec, StreamState, TokenStream
 
@@ -277,6 +279,71 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
     longest = max(len(t) for g in range(len(spec.index)) for t in spec.index.read_texts(g) if t)
     assert max(len(t) for texts in calls for t in texts) < longest  # the longest were not re-tokenized whole
+
+
+def _wait_until(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_chunks_are_tokenized_only_when_asked_for_until_the_lookahead_opens(corpus: dict, monkeypatch) -> None:
+    """A process starting many streams must spend its tokenizer on their first blocks, not on reading ahead."""
+    calls = spy_on_tokenizer_calls(monkeypatch)
+
+    def chunks():
+        for i in itertools.count():
+            zeros = np.zeros(1, np.int64)
+            yield TextChunk(0, 0, 0, np.asarray([i]), [f"{WORDS[i % len(WORDS)]} {i}"], zeros, zeros)
+
+    prefetch, lookahead = 3, threading.Event()
+    stage = tokenize.tokenized(chunks(), corpus["tok"].to_str(), prefetch, lookahead=lookahead)
+    for asked in range(1, 5):
+        assert next(stage).chunk.texts == [f"{WORDS[(asked - 1) % len(WORDS)]} {asked - 1}"]
+        time.sleep(0.2)  # room for a reader that would read ahead
+        assert len(calls) == asked
+    lookahead.set()
+    next(stage)  # asked past the lookahead: now prefetch chunks waiting and one being tokenized, never more
+    _wait_until(lambda: len(calls) == 6 + prefetch)
+    time.sleep(0.2)
+    assert len(calls) == 6 + prefetch
+    next(stage)
+    _wait_until(lambda: len(calls) == 7 + prefetch)
+    time.sleep(0.2)
+    assert len(calls) == 7 + prefetch
+    stage.close()
+
+
+@pytest.mark.parametrize("packing", ["bestfit", "bestfit_split"])
+def test_a_process_restoring_several_streams_reads_each_buffered_row_group_once(
+    corpus: dict, packing: str, monkeypatch
+) -> None:
+    spec = spec_for(corpus, packing, streams=4, seq_len=40)
+    streams = [0, 1, 2, 3]
+    full = {sid: take(TokenStream(spec, sid), 30) for sid in streams}
+    states = {sid: full[sid][19][3] for sid in streams}
+    buffered = {int(g) for state in states.values() for g in state.packing.buffer[:, 2]}
+    reads: list[tuple[int, bool]] = []
+    real = RowGroupIndex.read_texts
+
+    def counted(self, group, rows=None):
+        reads.append((group, rows is not None))
+        return real(self, group, rows)
+
+    monkeypatch.setattr(RowGroupIndex, "read_texts", counted)
+    blocks = rank_blocks(spec, streams, num_workers=0, states=states)
+    got = [next(blocks) for _ in range(4 * 10)]
+    blocks._shutdown_workers()
+    restore_reads = [group for group, of_rows in reads if of_rows]
+    assert sorted(restore_reads) == sorted(buffered)  # every buffered row group once, for all four streams
+    for sid in streams:
+        mine = [(block, state) for s, block, state in got if s == sid]
+        for (block, state), want in zip(mine, full[sid][20:]):
+            resumed = microbatch_tensors(block.tokens, spec.bos_id) if block.flags is None else None
+            if resumed is None:
+                resumed = split_microbatch_tensors(block.tokens, block.flags)
+            assert all(torch.equal(x, y) for x, y in zip(resumed, want[:3]))
+            assert state.counters == want[3].counters
 
 
 @pytest.mark.parametrize("packing", PACKINGS)

@@ -4,7 +4,8 @@ Algorithm: a saved buffer is one integer row per buffered document (``bestfit``)
 which locates it in the source (row group, row) and gives its length and, for documents longer than a row, a
 checksum of the tokens kept. The packer is usable at once (a pick needs only lengths and insertion numbers);
 the texts of every buffered document are re-read now (one ``read_row_group`` per row group involved, only its
-buffered rows turned into strings), and a document is tokenized only when the packer first picks it. So the
+buffered rows turned into strings; a process restoring several streams reads them for all of its streams at
+once, since their buffers share row groups), and a document is tokenized only when the packer first picks it. So the
 first block after a resume costs a few documents' tokenization, not the buffer's, even when the buffer holds
 the corpus's longest documents:
 
@@ -22,6 +23,7 @@ MiBs of tokens per stream in every checkpoint.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,44 +35,83 @@ if TYPE_CHECKING:
     from lightning_d9d.streaming.stream import StreamSpec
 
 
+BufferedTexts = Mapping[tuple[int, int], str]
+
+
 def restore_buffer(
-    spec: StreamSpec, packer: BestFitPacker | BestFitSplitPacker, meta: np.ndarray, next_seq: int
+    spec: StreamSpec,
+    packer: BestFitPacker | BestFitSplitPacker,
+    meta: np.ndarray,
+    next_seq: int,
+    texts: BufferedTexts | None = None,
 ) -> None:
     """Rebuild ``packer``'s buffer from ``meta`` (its ``snapshot()`` rows), lazily.
+
+    Args:
+        spec: the stream's configuration.
+        packer: a fresh packer of the stream's packing.
+        meta: the saved buffer rows.
+        next_seq: the saved next insertion number.
+        texts: the buffered documents' texts, already read (``read_buffered_texts``, shared by the streams of a
+            process); ``None``: read them here.
 
     Raises:
         ValueError: a saved row group cannot be read; (when a restored document is picked) its tokens differ
             from the saved length or checksum — the data or the tokenizer changed since the checkpoint.
     """
     meta = np.asarray(meta, np.int64)
+    own = _own_texts(spec, meta, texts)
     if isinstance(packer, BestFitSplitPacker):
-        packer.restore(meta, next_seq, _SplitFetch(spec, meta))
+        packer.restore(meta, next_seq, _SplitFetch(spec, meta, own))
     else:
-        packer.restore(meta, next_seq, _PrefixFetch(spec, meta))
+        packer.restore(meta, next_seq, _PrefixFetch(spec, meta, own))
 
 
-def _read_buffered_texts(spec: StreamSpec, meta: np.ndarray) -> dict[tuple[int, int], str]:
-    """The text of every buffered document, by (row group, row): one read per row group."""
+def read_buffered_texts(spec: StreamSpec, metas: Iterable[np.ndarray]) -> dict[tuple[int, int], str]:
+    """The text of every document buffered in ``metas`` (saved buffers), by (row group, row).
+
+    One read per row group for all the buffers together, only their rows turned into strings: the buffers of a
+    process's streams draw on the same row groups (each stream reads other units every pass).
+
+    Raises:
+        ValueError: a saved row group cannot be read.
+    """
+    wanted: dict[int, set[int]] = {}
+    for meta in metas:
+        meta = np.asarray(meta, np.int64)
+        for group, row in zip(meta[:, 2].tolist(), meta[:, 3].tolist()):
+            wanted.setdefault(group, set()).add(row)
     texts: dict[tuple[int, int], str] = {}
-    for group in np.unique(meta[:, 2]).tolist():
-        rows = np.unique(meta[meta[:, 2] == group, 3]).tolist()
+    for group in sorted(wanted):
+        rows = sorted(wanted[group])
         for row, text in zip(rows, spec.index.read_texts(group, rows)):
             texts[(group, row)] = text or ""
     return texts
 
 
+def _own_texts(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None) -> dict[tuple[int, int], str]:
+    """This buffer's texts in a dict of its own (its fetch trims and drops them as it goes)."""
+    if texts is None:
+        return read_buffered_texts(spec, [meta])
+    return {key: texts[key] for key in zip(meta[:, 2].tolist(), meta[:, 3].tolist())}
+
+
 class _PrefixFetch:
     """``fetch`` for ``bestfit``: the row-sized prefix of a document, from a text prefix where it is long."""
 
-    def __init__(self, spec: StreamSpec, meta: np.ndarray):
+    def __init__(self, spec: StreamSpec, meta: np.ndarray, texts: dict[tuple[int, int], str]):
         self.spec = spec
         capacity = spec.capacity
-        self.texts = _read_buffered_texts(spec, meta)
+        self.texts = texts
+        self.trimmed: set[tuple[int, int]] = set()  # texts kept as a prefix only
         for row in meta.tolist():
             key, length = (row[2], row[3]), row[1]
             if length > capacity:  # keep a generous text prefix; the rest is re-read if ever needed
                 text = self.texts[key]
-                self.texts[key] = text[: 16 * self._prefix_chars(text, length)]
+                keep = 16 * self._prefix_chars(text, length)
+                if len(text) > keep:
+                    self.texts[key] = text[:keep]
+                    self.trimmed.add(key)
         self.uses = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))  # a small corpus may buffer a doc twice
 
     def __call__(self, row: np.ndarray) -> np.ndarray:
@@ -101,7 +142,7 @@ class _PrefixFetch:
         cut = self._prefix_chars(text, length)
         full = None
         while True:
-            if cut >= len(text) and full is None:
+            if cut >= len(text) and full is None and (group, row) in self.trimmed:
                 full = text = self.spec.index.read_texts(group, [row])[0] or ""  # the kept prefix ran out: re-read
             ids = encode_documents(tokenizer, [text[:cut]])[0].ids
             prefix = self._with_bos(ids)
@@ -114,9 +155,9 @@ class _PrefixFetch:
 class _SplitFetch:
     """``fetch`` for ``bestfit_split``: a piece's tokens, from its document tokenized whole once."""
 
-    def __init__(self, spec: StreamSpec, meta: np.ndarray):
+    def __init__(self, spec: StreamSpec, meta: np.ndarray, texts: dict[tuple[int, int], str]):
         self.spec = spec
-        self.texts = _read_buffered_texts(spec, meta)
+        self.texts = texts
         self.uses = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))
         self.tokens: dict[tuple[int, int], np.ndarray] = {}
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,7 +45,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_d9d.epoch_iterator import EpochIterator, ResumedByDataModule, collect_before_fork, shutdown_workers
 from lightning_d9d.resume import TrainPosition
-from lightning_d9d.streaming.stream import RowBlock, StreamSpec, StreamState, TokenStream
+from lightning_d9d.streaming.bestfit_restore import read_buffered_texts
+from lightning_d9d.streaming.stream import BestFitState, RowBlock, StreamSpec, StreamState, TokenStream
 
 StreamStates = dict[int, StreamState]
 
@@ -131,11 +132,14 @@ class _HostedStreams(IterableDataset):
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
             hosted = self.streams[info.id :: self.num_workers]
         spec = replace(self.spec, prefetch=max(1, min(self.spec.prefetch, _PREFETCH_PER_PROCESS // len(hosted))))
-        iterators = [iter(TokenStream(spec, sid, self.states.get(sid))) for sid in hosted]
+        states = {sid: self.states[sid] for sid in hosted if sid in self.states}
+        texts = read_buffered_texts(spec, _saved_buffers(states.values())) if len(states) > 1 else None
+        iterators = [iter(TokenStream(spec, sid, states.get(sid), texts)) for sid in hosted]
+        del texts  # each restored stream keeps only its own documents' texts
         try:
-            # Every stream's first block at once: a started or resumed stream waits on reads and on its first
-            # chunks (a restored best-fit buffer on its documents' row groups), which overlap across streams
-            # but would add up one stream after another.
+            # Every stream's first block at once: a started or resumed stream waits on its first chunks (and a
+            # restored best-fit buffer on tokenizing the documents it picks), which overlap across streams but
+            # would add up one stream after another.
             if len(hosted) > 1:
                 with ThreadPoolExecutor(len(hosted), thread_name_prefix="lightning-d9d-start") as pool:
                     firsts = list(pool.map(next, iterators))
@@ -145,6 +149,12 @@ class _HostedStreams(IterableDataset):
         finally:
             for blocks in iterators:
                 blocks.close()
+
+
+def _saved_buffers(states: Iterable[StreamState]) -> list[np.ndarray]:
+    """The non-empty best-fit buffers among ``states``."""
+    buffers = [state.packing.buffer for state in states if isinstance(state.packing, BestFitState)]
+    return [buffer for buffer in buffers if buffer is not None and len(buffer)]
 
 
 def _as_is(item: Any) -> Any:

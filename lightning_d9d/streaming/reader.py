@@ -2,8 +2,9 @@
 
 Algorithm: pass ``p`` of stream ``s`` is the units ``deal(pass_order(p), s, K)``; the reader walks them in order,
 reads each unit's rows of the text column and yields :class:`TextChunk` s of up to ``tokenizer_batch_size``
-non-empty documents (fewer where ``chunk_chars`` caps a chunk's text, and growing 1, 2, 4, … after a start, so
-that the first batch after a resume waits for a few documents only). Null and empty texts are skipped; units
+non-empty documents (fewer where ``chunk_chars`` caps a chunk's text, and growing by half, 1, 2, 3, 5, 8, …,
+after a start, so that the first batch after a resume waits for a few documents only and the last chunk it
+asks for holds little beyond what it needs). Null and empty texts are skipped; units
 that hold no text at all are skipped too (without reading them where the footer statistics prove it), and
 each document carries how many of either were skipped since the document before it, so that counters are the
 same however documents were batched.
@@ -185,7 +186,7 @@ class TextReader:
                         units_before[first:last],
                     )
                     first = last
-                    size = min(2 * size, self.tokenizer_batch_size)
+                    size = min(size + (size + 1) // 2, self.tokenizer_batch_size)
                 slot, row = slot + 1, 0
             passes_without_text = 0 if found else passes_without_text + 1
             if passes_without_text >= MAX_PASSES_WITHOUT_TEXT:

@@ -13,7 +13,8 @@ source's):
 The stream yields :class:`RowBlock` s of ``spec.rows_per_block`` rows with the :class:`StreamState` after each.
 Packers take documents one at a time and a position never names a chunk boundary, so neither the rows nor any
 state depend on how documents were batched for the tokenizer, or on timing. After a start or resume the
-reader's chunks grow 1, 2, 4, … documents, so the first block waits for a few documents only.
+reader's chunks grow 1, 2, 3, 5, … documents and are read on demand until the first block is out, so the first
+block waits for a few documents only.
 
 Positions: inside a document (concat's next unemitted token, ``offset`` tokens into it) the position is that
 document's row; between documents it is the row just after the last document taken, whose following empty
@@ -29,6 +30,7 @@ would cost MiBs per stream.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_d9d.streaming.bestfit_restore import restore_buffer
+from lightning_d9d.streaming.bestfit_restore import BufferedTexts, restore_buffer
 from lightning_d9d.streaming.packing import BestFitPacker, BestFitSplitPacker, ConcatPacker, SplitPackerCounters
 from lightning_d9d.streaming.reader import ReadPosition, StreamUnits, TextChunk, TextReader
 from lightning_d9d.streaming.source import RowGroupIndex, Units
@@ -205,13 +207,21 @@ class TokenStream:
         spec: the streams' configuration.
         stream: this stream's number among ``spec.num_streams``.
         state: a state yielded earlier by a stream with the same spec and number, to continue exactly after it.
+        buffered_texts: the texts of ``state``'s best-fit buffer, already read
+            (:func:`~lightning_d9d.streaming.bestfit_restore.read_buffered_texts`); ``None``: the stream reads them.
 
     Raises:
         ValueError: an unknown packing or a negative ``chunk_chars``; (when iterated) reading errors, a stream
             that finds no text in ``MAX_PASSES_WITHOUT_TEXT`` passes, a restored document that changed.
     """
 
-    def __init__(self, spec: StreamSpec, stream: int, state: StreamState | None = None) -> None:
+    def __init__(
+        self,
+        spec: StreamSpec,
+        stream: int,
+        state: StreamState | None = None,
+        buffered_texts: BufferedTexts | None = None,
+    ) -> None:
         if spec.packing not in PACKINGS:
             raise ValueError(f"packing={spec.packing!r} is not one of {PACKINGS}")
         if spec.chunk_chars < 0:
@@ -221,15 +231,25 @@ class TokenStream:
         self.spec, self.stream = spec, stream
         fresh = BestFitState() if spec.packing != "concat" else ConcatState()
         self.state = state if state is not None else StreamState(fresh)
+        self.buffered_texts = buffered_texts
 
     def __iter__(self) -> Generator[tuple[RowBlock, StreamState], None, None]:
         spec, state = self.spec, self.state
         units = spec.stream_units(self.stream)
         reader = TextReader(units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars)
-        chunks = tokenized(iter(reader), spec.tokenizer_json, spec.prefetch, name=f"stream-{self.stream}")
+        # Chunks on demand until the first block is out and asked past (a hosting process asks every stream's
+        # first block before any second one), then prefetched.
+        lookahead = threading.Event()
+        chunks = tokenized(iter(reader), spec.tokenizer_json, spec.prefetch, f"stream-{self.stream}", lookahead)
         stage = _Concat if spec.packing == "concat" else _BestFit
+        texts, self.buffered_texts = self.buffered_texts, None  # held only until the buffer is restored
+        packing_stage = stage(spec, units, state, texts)
+        del texts
         try:
-            yield from stage(spec, units, state).blocks(chunks)
+            blocks = packing_stage.blocks(chunks)
+            yield next(blocks)
+            lookahead.set()
+            yield from blocks
         finally:
             chunks.close()
 
@@ -302,7 +322,7 @@ class _Stage:
 class _Concat(_Stage):
     """Concat: one token stream cut into rows; nothing wasted, rows usually start mid-document."""
 
-    def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState):
+    def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState, _texts: BufferedTexts | None):
         super().__init__(spec, units, state)
         assert isinstance(state.packing, ConcatState)
         self.start = state.packing
@@ -354,10 +374,10 @@ class _Concat(_Stage):
 class _BestFit(_Stage):
     """Best-fit (every row starts at BOS, cropping) and best-fit-split (split long documents, pad the rest)."""
 
-    def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState):
+    def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState, texts: BufferedTexts | None):
         super().__init__(spec, units, state)
         assert isinstance(state.packing, BestFitState)
-        self.start = state.packing
+        self.start, self.texts = state.packing, texts
 
     def blocks(self, chunks: Iterator[TokenizedChunk]) -> Generator[tuple[RowBlock, StreamState], None, None]:
         spec, counters = self.spec, self.counters
@@ -372,7 +392,8 @@ class _BestFit(_Stage):
             packer = BestFitPacker(spec.capacity, spec.buffer_size)
             packer.crops, packer.tokens_cropped = counters.crops, counters.cropped
         if self.start.buffer is not None and len(self.start.buffer):
-            restore_buffer(spec, packer, self.start.buffer, self.start.next_seq)
+            restore_buffer(spec, packer, self.start.buffer, self.start.next_seq, self.texts)
+            self.texts = None
         packer.next_seq = self.start.next_seq
         read = self.start.read
         cursor: list[Any] = [None, 0]  # the chunk being added to the buffer, and its next document

@@ -12,8 +12,13 @@ spent ``Encoding`` objects back to be freed by the tokenizing thread between two
 tokenizer loop frees them too, whereas a free from the consumer runs while the tokenizer allocates the next
 chunk and contends with it for the allocator.
 
+Until the consumer opens the lookahead (after its first block), a chunk is read only when asked for and
+tokenized by the asking thread: a process starting or resuming many streams at once then tokenizes exactly
+what their first blocks need, side by side on every core, instead of serving one stream's read-ahead chunks
+before another stream's first one.
+
 Trade-off: a chunk read ahead and tokenized but not yet packed is work thrown away when a stream stops; each
-stream's lookahead is bounded (``prefetch`` chunks), so little is lost and memory stays bounded.
+stream's lookahead is bounded (``prefetch + 1`` chunks), so little is lost and memory stays bounded.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from collections import deque
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -82,15 +86,24 @@ class TokenizedChunk:
 
 
 def tokenized(
-    chunks: Iterator[TextChunk], tokenizer_json: str, prefetch: int = 4, name: str = "stream"
+    chunks: Iterator[TextChunk],
+    tokenizer_json: str,
+    prefetch: int = 4,
+    name: str = "stream",
+    lookahead: threading.Event | None = None,
 ) -> Generator[TokenizedChunk, None, None]:
     """``chunks``, tokenized ahead in threads, in order.
 
     Args:
         chunks: the reader's chunks (iterated in a thread of its own when ``prefetch > 0``).
         tokenizer_json: the tokenizer, serialized.
-        prefetch: chunks read and tokenized ahead of the consumer (0: inline, no threads).
+        prefetch: chunks tokenized and waiting for the consumer, besides the one being tokenized (0: inline, no
+            threads).
         name: names the reader thread.
+        lookahead: until it is set, a chunk is read and tokenized only when the consumer asks for it (then up
+            to ``prefetch + 1`` ahead). A process starting many streams sets it once their first blocks are out, so
+            that its one tokenizer first serves what every stream needs for its first block, not the chunks
+            some streams would read ahead.
 
     Raises:
         whatever reading or tokenizing raised, in the consumer, at the chunk where it happened.
@@ -100,7 +113,13 @@ def tokenized(
         for chunk in chunks:
             yield TokenizedChunk(chunk, encode_documents(tokenizer, chunk.texts))
         return
-    out: queue.Queue = queue.Queue(maxsize=prefetch)
+    # Chunks submitted and not yet taken: ``prefetch`` tokenized and waiting, and one being tokenized. The reader
+    # takes a slot before it submits a chunk, so nothing is tokenized beyond them (and, on demand, nothing the
+    # consumer has not asked for).
+    ahead = prefetch + 1
+    on_demand = lookahead is not None and not lookahead.is_set()
+    slots = threading.Semaphore(1 if on_demand else ahead)  # on demand: the first chunk is asked for at once
+    out: queue.Queue = queue.Queue()
     stop = threading.Event()
     spent: deque = deque()  # encodings laid out by the consumer, freed by the tokenizing thread
     pool = tokenizing_thread()
@@ -110,27 +129,35 @@ def tokenized(
             spent.popleft().clear()
         return TokenizedChunk(chunk, encode_documents(tokenizer, chunk.texts))
 
-    def put(item: Any) -> bool:
+    def slot() -> bool:
         while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
+            if slots.acquire(timeout=0.1):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def produce() -> None:
         try:
             for chunk in chunks:
-                if stop.is_set() or not put(pool.submit(encode, chunk)):
+                if not slot():
                     return
+                # A chunk asked for before the lookahead opens is tokenized by the asking thread: the streams a
+                # process starts at once then tokenize their first chunks side by side, on every core.
+                out.put(chunk if lookahead is not None and not lookahead.is_set() else pool.submit(encode, chunk))
         except BaseException as error:  # handed to the consumer, which raises it
-            put(error)
+            out.put(error)
 
     reader = threading.Thread(target=produce, name=f"lightning-d9d-{name}-reader", daemon=True)
     reader.start()
+    asked = 0
     try:
         while True:
+            if on_demand and asked:
+                if lookahead is not None and lookahead.is_set():
+                    on_demand = False
+                    slots.release(ahead)  # nothing is in flight on demand: now as far ahead as ever
+                else:
+                    slots.release()  # this chunk, now that it is asked for
+            asked += 1
             try:
                 item = out.get(timeout=1.0)
             except queue.Empty:
@@ -139,7 +166,9 @@ def tokenized(
                 continue
             if isinstance(item, BaseException):
                 raise item
-            result: TokenizedChunk = item.result() if isinstance(item, Future) else item
+            result: TokenizedChunk = item.result() if isinstance(item, Future) else encode(item)
+            if not on_demand:
+                slots.release()
             yield result
             spent.append(result.encodings)
             result.spend()
