@@ -241,9 +241,8 @@ class TokenStream:
         # first block before any second one), then prefetched.
         lookahead = threading.Event()
         chunks = tokenized(iter(reader), spec.tokenizer_json, spec.prefetch, f"stream-{self.stream}", lookahead)
-        stage = _Concat if spec.packing == "concat" else _BestFit
         texts, self.buffered_texts = self.buffered_texts, None  # held only until the buffer is restored
-        packing_stage = stage(spec, units, state, texts)
+        packing_stage = _Concat(spec, units, state) if spec.packing == "concat" else _BestFit(spec, units, state, texts)
         del texts
         try:
             blocks = packing_stage.blocks(chunks)
@@ -322,7 +321,7 @@ class _Stage:
 class _Concat(_Stage):
     """Concat: one token stream cut into rows; nothing wasted, rows usually start mid-document."""
 
-    def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState, _texts: BufferedTexts | None):
+    def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState):
         super().__init__(spec, units, state)
         assert isinstance(state.packing, ConcatState)
         self.start = state.packing
