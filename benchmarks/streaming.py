@@ -20,11 +20,13 @@ same text split at blank lines). Settings: ``seq_len`` 1024, microbatch 8, globa
 Timing. Every configuration starts once (a fresh best-fit stream must fill its buffer before its first row:
 K buffers of 1000 documents, on the long corpus several passes of each stream's share; that first step is
 reported, untimed) and is then frozen (``SIGSTOP`` of its process group, DataLoader workers included) except
-during its own windows, which are interleaved round by round: bare first and last in every round, then each
-loader in turn. So the machine's other load hits all configurations alike, an idle configuration costs nothing,
-and a configuration's windows are contiguous slices of one run (no read-ahead piles up while it waits). A
-window runs whole optimizer steps for at least ``--seconds`` (``--long-seconds``); its tokens come from
-``stream_stats()`` (as of the steps handed out, so rows the workers prefetched are not counted). Figures:
+during its own windows, which are interleaved round by round: bare first and last in every round, the loaders
+in between, in one order in even rounds and in the reverse order in odd ones (a window's place in the round
+biases it, so every loader gets the same mean place; run an even number of rounds). So the machine's other
+load hits all configurations alike, an idle configuration costs nothing, and a configuration's windows are
+contiguous slices of one run (no read-ahead piles up while it waits). A window runs whole optimizer steps for
+at least ``--seconds`` (``--long-seconds``); its tokens come from ``stream_stats()`` (as of the steps handed
+out, so rows the workers prefetched are not counted). Figures:
 
 * *pooled*: a configuration's tokens over all its windows / their time (what the verdicts use: a window's
   read-ahead at its edges, up to two tokenizer chunks per stream, averages out over a run, not over a window);
@@ -720,7 +722,9 @@ def run_corpus(name: str, files: str, tok: Tokenizer, texts: list[str], args: ar
         loaders = [key for key in configs if key != "bare"]
         for round_index in range(args.runs):
             r["windows"]["bare"].append(handles["bare"].call("window", seconds))
-            for key in loaders:
+            # Forward, then backward: a loader's place in the round biases its windows (the same code measures
+            # faster late in a round than right after bare), so every loader gets the same mean place.
+            for key in loaders if round_index % 2 == 0 else loaders[::-1]:
                 r["windows"][key].append(handles[key].call("window", seconds))
             r["bare_last"].append(handles["bare"].call("window", seconds))
             line = " ".join(f"{k} {rates(v)[-1] / 1e3:.0f}K" for k, v in r["windows"].items())

@@ -281,6 +281,24 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
     assert max(len(t) for texts in calls for t in texts) < longest  # the longest were not re-tokenized whole
 
 
+def test_bestfit_split_resume_tokenizes_only_a_prefix_for_an_early_chunk(corpus: dict, monkeypatch) -> None:
+    spec = spec_for(corpus, "bestfit_split", seq_len=12, buffer_size=24)
+    full = take(TokenStream(spec, 0), 60)
+    texts = {(g, r): t for g in range(len(spec.index)) for r, t in enumerate(spec.index.read_texts(g)) if t}
+    calls = spy_on_tokenizer_calls(monkeypatch)
+    prefixes = 0
+    for cut in range(10, 50, 4):
+        state = full[cut][3]
+        calls.clear()
+        resumed = take(TokenStream(spec, 0, state), 10)
+        for a, b in zip(full[cut + 1 :], resumed):
+            assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+        buffered = {texts[(g, r)] for g, r in state.packing.buffer[:, 2:4].tolist()}
+        tokenized = [t for texts_of_call in calls for t in texts_of_call]
+        prefixes += sum(1 for t in tokenized if t not in buffered and any(d.startswith(t) for d in buffered))
+    assert prefixes > 0  # some early chunk of a long buffered document came from a prefix of its text
+
+
 def _wait_until(condition, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:

@@ -13,8 +13,10 @@ the corpus's longest documents:
   the first row's worth of tokens by the document's own characters per token, with a margin; the saved
   checksum proves the prefix's tokens are the ones an uninterrupted run kept (a prefix's tokens can differ from
   the whole text's near the cut), else the prefix doubles, up to the whole text;
-* ``bestfit_split`` keeps every chunk of a split document: the document is tokenized whole once and kept
-  while any of its chunks is still buffered.
+* ``bestfit_split`` keeps every chunk of a split document: a picked chunk that is not the document's last
+  needs only a text prefix too (its tokens verified by the chunk's saved checksum); the tokens are kept while
+  any of the document's chunks is still buffered, and a chunk beyond them, or the last one, tokenizes the
+  whole text once.
 
 Trade-off: re-reading the buffered documents' row groups costs a few reads per resume, instead of saving
 MiBs of tokens per stream in every checkpoint.
@@ -153,25 +155,67 @@ class _PrefixFetch:
 
 
 class _SplitFetch:
-    """``fetch`` for ``bestfit_split``: a piece's tokens, from its document tokenized whole once."""
+    """``fetch`` for ``bestfit_split``: a piece's tokens, from a verified prefix of its document's tokens.
+
+    A chunk that is not its document's last needs only the tokens up to its end: a text prefix is tokenized
+    (sized by the characters per token of the buffer's whole documents, with a margin), and the chunk cut from
+    it is kept only if its checksum is the saved one; a prefix too short or whose tokens differ near the cut is
+    replaced by the whole text. The tokens are kept while any of the document's pieces is still buffered, so
+    another chunk of it costs a slice (or, beyond the prefix, one tokenization of the whole text).
+    """
 
     def __init__(self, spec: StreamSpec, meta: np.ndarray, texts: dict[tuple[int, int], str]):
         self.spec = spec
         self.texts = texts
-        self.uses = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))
+        keys = list(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))
+        self.uses = Counter(keys)
         self.tokens: dict[tuple[int, int], np.ndarray] = {}
+        self.whole: set[tuple[int, int]] = set()  # documents whose kept tokens are all of their tokens
+        # Characters per token of the whole documents buffered (their lengths are exact, BOS included).
+        chars = tokens = 0
+        for key, (length, chunk, final) in zip(keys, meta[:, [1, 4, 5]].tolist()):
+            if chunk == 0 and final and length > 1:
+                chars, tokens = chars + len(texts[key]), tokens + length - 1
+        self.chars_per_token = chars / tokens if tokens else 4.0
 
     def __call__(self, row: np.ndarray) -> Any:
         key = (int(row[2]), int(row[3]))
-        chunk, length, capacity = int(row[4]), int(row[1]), self.spec.capacity
+        length, chunk, final, checksum = int(row[1]), int(row[4]), bool(row[5]), int(row[6])
+        start = chunk * self.spec.capacity
+        end = start + length
         tokens = self.tokens.get(key)
-        if tokens is None:
-            ids = encode_documents(load_tokenizer(self.spec.tokenizer_json), [self.texts.pop(key)])[0].ids
-            tokens = np.empty(len(ids) + 1, np.int32)
-            tokens[0] = self.spec.bos_id
-            tokens[1:] = ids
-            self.tokens[key] = tokens
+        if tokens is None or not (key in self.whole or _verified(tokens, start, end, checksum)):
+            tokens = self._tokenize(key, start, end, checksum, needs_end=final)
         self.uses[key] -= 1
         if not self.uses[key]:
-            del self.tokens[key]
-        return tokens[chunk * capacity : chunk * capacity + length]
+            self.tokens.pop(key, None)
+            self.texts.pop(key, None)
+            self.whole.discard(key)
+        return tokens[start:end]
+
+    def _tokenize(self, key: tuple[int, int], start: int, end: int, checksum: int, needs_end: bool) -> np.ndarray:
+        text = self.texts[key]
+        if not needs_end and key not in self.tokens:  # a first try on a prefix; a second need takes the whole
+            cut = int((end + 64) * self.chars_per_token * 1.25) + 256
+            if cut < len(text) // 2:
+                tokens = self._with_bos(text[:cut])
+                if _verified(tokens, start, end, checksum):
+                    self.tokens[key] = tokens
+                    return tokens
+        tokens = self._with_bos(text)
+        self.tokens[key] = tokens
+        self.whole.add(key)
+        return tokens
+
+    def _with_bos(self, text: str) -> np.ndarray:
+        ids = encode_documents(load_tokenizer(self.spec.tokenizer_json), [text])[0].ids
+        tokens = np.empty(len(ids) + 1, np.int32)
+        tokens[0] = self.spec.bos_id
+        tokens[1:] = ids
+        return tokens
+
+
+def _verified(prefix: np.ndarray, start: int, end: int, checksum: int) -> bool:
+    """Whether a prefix of a document's tokens holds the piece ``[start, end)`` as saved: the piece's checksum
+    matches, and the prefix runs on past it (a prefix's last tokens can differ from the whole text's)."""
+    return len(prefix) >= end + 16 and prefix_hash(prefix[start:end]) == checksum
