@@ -42,7 +42,7 @@ from lightning_d9d.streaming.bestfit_restore import BufferedTexts, restore_buffe
 from lightning_d9d.streaming.packing import BestFitPacker, BestFitSplitPacker, ConcatPacker, SplitPackerCounters
 from lightning_d9d.streaming.reader import ReadPosition, StreamUnits, TextChunk, TextReader
 from lightning_d9d.streaming.source import RowGroupIndex, Units
-from lightning_d9d.streaming.tokenize import TokenizedChunk, tokenized
+from lightning_d9d.streaming.tokenize import tokenized
 
 PACKINGS = ("bestfit", "bestfit_split", "concat")
 
@@ -240,7 +240,11 @@ class TokenStream:
         # Chunks on demand until the first block is out and asked past (a hosting process asks every stream's
         # first block before any second one), then prefetched.
         lookahead = threading.Event()
-        chunks = tokenized(iter(reader), spec.tokenizer_json, spec.prefetch, f"stream-{self.stream}", lookahead)
+        cropped_to = spec.capacity if spec.packing == "bestfit" else None
+        chunks = tokenized(
+            iter(reader), spec.tokenizer_json, spec.prefetch, f"stream-{self.stream}", lookahead,
+            lay_out=lambda chunk, encodings: _Laid(chunk, encodings, spec.bos_id, cropped_to),
+        )  # fmt: skip
         texts, self.buffered_texts = self.buffered_texts, None  # held only until the buffer is restored
         packing_stage = _Concat(spec, units, state) if spec.packing == "concat" else _BestFit(spec, units, state, texts)
         del texts
@@ -258,9 +262,8 @@ class _Laid:
 
     __slots__ = ("chunk", "lengths", "payload", "starts")
 
-    def __init__(self, tokenized_chunk: TokenizedChunk, bos_id: int, capacity: int | None):
-        encodings = tokenized_chunk.encodings
-        self.chunk = tokenized_chunk.chunk
+    def __init__(self, chunk: TextChunk, encodings: list, bos_id: int, capacity: int | None):
+        self.chunk = chunk
         self.lengths = np.fromiter(map(len, encodings), np.int64, len(encodings)) + 1  # len() builds no list
         self.starts = np.concatenate([[0], np.cumsum(self.lengths[:-1])]) if len(encodings) else self.lengths
         head = (bos_id,)
@@ -326,7 +329,7 @@ class _Concat(_Stage):
         assert isinstance(state.packing, ConcatState)
         self.start = state.packing
 
-    def blocks(self, chunks: Iterator[TokenizedChunk]) -> Generator[tuple[RowBlock, StreamState], None, None]:
+    def blocks(self, chunks: Iterator[_Laid]) -> Generator[tuple[RowBlock, StreamState], None, None]:
         spec, rows_per_block = self.spec, self.spec.rows_per_block
         packer = ConcatPacker(spec.capacity)
         skip, carried = self.start.offset, self.start.offset > 0  # resumed inside a document: already counted
@@ -336,7 +339,7 @@ class _Concat(_Stage):
         while True:
             rows = packer.take(rows_per_block)
             while rows is None:
-                laid = _Laid(next(chunks), spec.bos_id, None)
+                laid = next(chunks)
                 packer.add(laid.payload, laid.starts, laid, skip=skip)
                 pending.append([laid, 0])
                 skip = 0
@@ -378,7 +381,7 @@ class _BestFit(_Stage):
         assert isinstance(state.packing, BestFitState)
         self.start, self.texts = state.packing, texts
 
-    def blocks(self, chunks: Iterator[TokenizedChunk]) -> Generator[tuple[RowBlock, StreamState], None, None]:
+    def blocks(self, chunks: Iterator[_Laid]) -> Generator[tuple[RowBlock, StreamState], None, None]:
         spec, counters = self.spec, self.counters
         split = spec.packing == "bestfit_split"
         packer: BestFitPacker | BestFitSplitPacker
@@ -405,7 +408,7 @@ class _BestFit(_Stage):
             """Add the next document (one per call, so the buffer never depends on chunk sizes)."""
             laid, doc = cursor
             while laid is None or doc >= len(lists[1]):
-                laid, doc = _Laid(next(chunks), spec.bos_id, None if split else spec.capacity), 0
+                laid, doc = next(chunks), 0
                 chunk = laid.chunk
                 lists[:] = (
                     laid.payload, laid.lengths.tolist(), chunk.rows.tolist(), chunk.group, laid.starts.tolist(),

@@ -7,10 +7,11 @@ timing never changes what is produced. The stage keeps no state: what it yields 
 position, so a stream restarts it from there.
 
 Why one tokenizing thread per process, shared by every stream it hosts: concurrent ``encode_batch_fast`` calls
-make the tokenizer's threads fight over the cores, and a process may host many streams. Why the consumer hands
-spent ``Encoding`` objects back to be freed by the tokenizing thread between two calls: that is where a bare
-tokenizer loop frees them too, whereas a free from the consumer runs while the tokenizer allocates the next
-chunk and contends with it for the allocator.
+make the tokenizer's threads fight over the cores, and a process may host many streams. Why the tokenizing
+thread also lays each chunk out (``lay_out``: the ids into one flat array) before the next call: the
+``Encoding`` objects are several times the size of their ids, and a process hosting many streams holds several
+chunks each in flight; laid out at once, they are read and freed while still in the cache, and what waits for
+the consumer is a compact array.
 
 Until the consumer opens the lookahead (after its first block), a chunk is read only when asked for and
 tokenized by the asking thread: a process starting or resuming many streams at once then tokenizes exactly
@@ -26,14 +27,16 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tokenizers import Tokenizer
 
 from lightning_d9d.streaming.reader import TextChunk
+
+T = TypeVar("T")
 
 _tokenizers: dict[str, Tokenizer] = {}
 _pool: tuple[int, ThreadPoolExecutor] | None = None
@@ -75,14 +78,11 @@ def tokenizing_thread() -> ThreadPoolExecutor:
 
 @dataclass
 class TokenizedChunk:
-    """A chunk of texts and their encodings (``encodings[i]`` is ``chunk.texts[i]``'s)."""
+    """A chunk of texts and their encodings (``encodings[i]`` is ``chunk.texts[i]``'s): what ``tokenized``
+    yields when given no ``lay_out``."""
 
     chunk: TextChunk
     encodings: list
-
-    def spend(self) -> None:
-        """The encodings were laid out: free them in the tokenizing thread, between two calls."""
-        self.encodings = []
 
 
 def tokenized(
@@ -91,8 +91,9 @@ def tokenized(
     prefetch: int = 4,
     name: str = "stream",
     lookahead: threading.Event | None = None,
-) -> Generator[TokenizedChunk, None, None]:
-    """``chunks``, tokenized ahead in threads, in order.
+    lay_out: Callable[[TextChunk, list], T] = TokenizedChunk,  # type: ignore[assignment]
+) -> Generator[T, None, None]:
+    """``chunks``, tokenized ahead in threads and laid out, in order.
 
     Args:
         chunks: the reader's chunks (iterated in a thread of its own when ``prefetch > 0``).
@@ -104,14 +105,20 @@ def tokenized(
             to ``prefetch + 1`` ahead). A process starting many streams sets it once their first blocks are out, so
             that its one tokenizer first serves what every stream needs for its first block, not the chunks
             some streams would read ahead.
+        lay_out: ``lay_out(chunk, encodings)`` is what is yielded for a chunk; it runs in the thread that
+            tokenized the chunk, right after, and the encodings are dropped once it returns.
 
     Raises:
-        whatever reading or tokenizing raised, in the consumer, at the chunk where it happened.
+        whatever reading, tokenizing or laying out raised, in the consumer, at the chunk where it happened.
     """
     tokenizer = load_tokenizer(tokenizer_json)
+
+    def encode(chunk: TextChunk) -> T:
+        return lay_out(chunk, encode_documents(tokenizer, chunk.texts))
+
     if prefetch <= 0:
         for chunk in chunks:
-            yield TokenizedChunk(chunk, encode_documents(tokenizer, chunk.texts))
+            yield encode(chunk)
         return
     # Chunks submitted and not yet taken: ``prefetch`` tokenized and waiting, and one being tokenized. The reader
     # takes a slot before it submits a chunk, so nothing is tokenized beyond them (and, on demand, nothing the
@@ -121,13 +128,7 @@ def tokenized(
     slots = threading.Semaphore(1 if on_demand else ahead)  # on demand: the first chunk is asked for at once
     out: queue.Queue = queue.Queue()
     stop = threading.Event()
-    spent: deque = deque()  # encodings laid out by the consumer, freed by the tokenizing thread
     pool = tokenizing_thread()
-
-    def encode(chunk: TextChunk) -> TokenizedChunk:
-        while spent:
-            spent.popleft().clear()
-        return TokenizedChunk(chunk, encode_documents(tokenizer, chunk.texts))
 
     def slot() -> bool:
         while not stop.is_set():
@@ -166,12 +167,10 @@ def tokenized(
                 continue
             if isinstance(item, BaseException):
                 raise item
-            result: TokenizedChunk = item.result() if isinstance(item, Future) else encode(item)
+            result = item.result() if isinstance(item, Future) else encode(item)
             if not on_demand:
                 slots.release()
             yield result
-            spent.append(result.encodings)
-            result.spend()
     finally:
         stop.set()
         while True:  # drop what was read ahead; futures not yet started are cancelled
