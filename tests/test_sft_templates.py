@@ -188,7 +188,7 @@ def test_formats_are_detected_from_the_columns() -> None:
     assert detect_format(["prompt", "completion", "text"], columns) == "prompt_completion"
     assert detect_format(["text", "meta"], columns) == "text"
     assert detect_format(["q", "a"], Columns(prompt="q", completion="a")) == "prompt_completion"
-    with pytest.raises(ValueError, match=r"cannot tell the dataset's format from its columns \['body'\]"):
+    with pytest.raises(ValueError, match=r"'text' is not a column .* cannot be told; its columns are \['body'\]"):
         detect_format(["body"], columns)
     with pytest.raises(ValueError, match=r"format 'messages' needs column\(s\) \['messages'\]"):
         detect_format(["text"], columns, "messages")

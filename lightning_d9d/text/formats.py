@@ -74,10 +74,10 @@ def detect_format(column_names: list[str], columns: Columns, requested: str | No
     if columns.text in present:
         return "text"
     raise ValueError(
-        f"cannot tell the dataset's format from its columns {sorted(present)}: expected a messages column "
-        f"({columns.messages!r} or ShareGPT's {SHAREGPT_COLUMN!r}), prompt and completion columns "
-        f"({columns.prompt!r}, {columns.completion!r}), or a text column ({columns.text!r}); set the column names "
-        "(messages_column=, prompt_column=, completion_column=, text_column=) or format="
+        f"text_column {columns.text!r} is not a column of the dataset, and neither are the fine-tuning formats' "
+        f"(messages: {columns.messages!r} or ShareGPT's {SHAREGPT_COLUMN!r}; prompt/completion: {columns.prompt!r} "
+        f"and {columns.completion!r}), so its format cannot be told; its columns are {sorted(present)}; set "
+        "text_column=, messages_column=, prompt_column=/completion_column= or format="
     )
 
 
