@@ -141,13 +141,14 @@ def test_keep_start_cuts_and_counts(data: dict, tmp_path: Path) -> None:
 
 def test_sharegpt_and_prompt_completion_are_detected(data: dict, tmp_path: Path) -> None:
     sharegpt = make_dm(data, tmp_path, dataset="sharegpt.jsonl", global_batch_size=8)
-    assert sharegpt.recipes["split"].format == "messages" and len(sharegpt.train_dataset) == 40
+    assert sharegpt.sft.recipes["split"].format == "messages" and len(sharegpt.train_dataset) == 40
     chats = make_dm(data, tmp_path, max_length=1024)
     assert [sharegpt.train_dataset[i]["labels"].tolist() for i in range(40)] == [
         chats.train_dataset[i]["labels"].tolist() for i in range(40)
     ]
     pairs = make_dm(data, tmp_path, dataset="pairs.parquet")
-    assert pairs.recipes["split"].format == "prompt_completion" and pairs.recipes["split"].loss_on == "completion"
+    recipe = pairs.sft.recipes["split"]
+    assert recipe.format == "prompt_completion" and recipe.loss_on == "completion"
     sample = pairs.train_dataset[0]
     eos = sample["input_ids"][-1]
     assert sample["labels"][-1] == eos  # the completion ends with a trained EOS
@@ -182,7 +183,7 @@ def test_text_data_keeps_its_plain_fingerprint_and_batches(data: dict, tmp_path:
     )
     dm.prepare_data()
     dm.setup("fit")
-    assert "format" not in dm.state_dict()["fingerprint"] and dm.recipes == {}
+    assert "format" not in dm.state_dict()["fingerprint"] and dm.sft.recipes == {}
     assert dm.train_dataset.column_names == ["input_ids", "token_counts"]
     first_step = list(dm.train_dataloader())[:2]  # 2 microbatches a step
     counted = sum(int((batch.labels[:, 1:] != IGNORE_INDEX).sum()) for batch in first_step)

@@ -34,7 +34,7 @@ from lightning_d9d.datamodules.d9d import D9DDataModule
 from lightning_d9d.demo.conversations import DEMO_CHAT, build_demo_conversations
 from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
-from lightning_d9d.text.finetune import FineTuningOptions
+from lightning_d9d.text.finetune import FineTuningOptions, FineTuningState
 from lightning_d9d.text.formats import Columns
 from lightning_d9d.text.sft_schedule import FineTuningFingerprint, LabelCountSchedule
 from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, pad_token_id, tokenized_split
@@ -153,17 +153,9 @@ class TextDataModule(D9DDataModule):
             raise FileNotFoundError(f"tokenizer file {tokenizer!r} does not exist (expected a tokenizer.json)")
         if dataset not in (DEMO, DEMO_CHAT):
             check_local_path(dataset)
-        self.finetuning = FineTuningOptions(
-            format=format,
-            columns=Columns(text_column, prompt_column, completion_column, messages_column),
-            chat_template=chat_template,
-            loss_on=loss_on,
-            truncation=truncation,
-            demo_tokenizer=tokenizer == DEMO,
-        )
-        self.recipes: dict[str, Any] = {}
-        self.sft_counts: dict[str, tuple[int, int]] = {}
-        self._label_counts: Any = None
+        columns = Columns(text_column, prompt_column, completion_column, messages_column)
+        self.finetuning = FineTuningOptions(format, columns, chat_template, loss_on, truncation, tokenizer == DEMO)
+        self.sft = FineTuningState()
         self.dataset, self.tokenizer = dataset, tokenizer
         self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
         self.num_proc, self.cache_dir = plain_int(num_proc), cache_dir
@@ -235,9 +227,7 @@ class TextDataModule(D9DDataModule):
             num_proc=self.num_proc,
         )
         if sft is not None:
-            self.recipes[which], self.sft_counts[which] = recipe, (sft.dropped, sft.truncated)
-            if which == "split":
-                self._label_counts = sft.label_counts
+            self.sft.record(which, recipe, sft)
             self.padded_collator.pad_token_id = pad_token_id(tokenizer_path, file_sha256(tokenizer_path))
             return sft.dataset
         tokenized = tokenized_split(
@@ -258,21 +248,21 @@ class TextDataModule(D9DDataModule):
     @property
     def dropped_samples(self) -> int:
         """Training rows dropped by ``truncation`` or for having nothing to train (0 for text; after setup)."""
-        return self.sft_counts.get("split", (0, 0))[0]
+        return self.sft.counts.get("split", (0, 0))[0]
 
     @property
     def truncated_samples(self) -> int:
         """Training rows cut to ``max_length`` (``truncation="keep_start"``; after setup)."""
-        return self.sft_counts.get("split", (0, 0))[1]
+        return self.sft.counts.get("split", (0, 0))[1]
 
     def setup(self, stage: str | None = None) -> None:
         """As D9DDataModule's; loss-masked data also counts each step's trained targets and fingerprints the
         fine-tuning settings."""
         super().setup(stage)
-        recipe = self.recipes.get("split")
-        if recipe is None or self._label_counts is None:
+        recipe = self.sft.recipes.get("split")
+        if recipe is None or self.sft.label_counts is None:
             return
-        self.schedule = LabelCountSchedule(self.schedule, self._label_counts)
+        self.schedule = LabelCountSchedule(self.schedule, self.sft.label_counts)
         self.fingerprint = FineTuningFingerprint(
             order=self.fingerprint,
             format=recipe.format,
@@ -280,7 +270,7 @@ class TextDataModule(D9DDataModule):
             truncation=recipe.truncation,
             chat_template=recipe.template.digest if recipe.template is not None else None,
         )
-        for which, (dropped, truncated) in self.sft_counts.items():
+        for which, (dropped, truncated) in self.sft.counts.items():
             report = rank_zero_warn if dropped or truncated else rank_zero_info
             report(
                 f"{'training' if which == 'split' else 'validation'} split {getattr(self, which)!r}: {dropped} rows "

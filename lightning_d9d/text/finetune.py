@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from lightning_d9d.text.chat_template import ChatTemplate, load_chat_template, with_special_tokens
 from lightning_d9d.text.formats import FORMATS, Columns, detect_format
 from lightning_d9d.text.masks import TRUNCATIONS
@@ -41,6 +43,26 @@ DEMO_CHAT_TEMPLATE = (
 )
 """The demo tokenizer's chat template (plain-text headers, ``<eos>`` ending each assistant turn)."""
 DEMO_SPECIAL_TOKENS = {"eos_token": "<eos>", "pad_token": "<pad>"}
+
+
+@dataclasses.dataclass
+class FineTuningState:
+    """What tokenizing the fine-tuning splits found, per split (``"split"``, ``"val_split"``).
+
+    Attributes:
+        recipes: the recipe each split was tokenized with.
+        counts: ``(dropped, truncated)`` rows of each split.
+        label_counts: trained targets of every kept training row (``None`` until the training split is read).
+    """
+
+    recipes: dict[str, SFTRecipe] = dataclasses.field(default_factory=dict)
+    counts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    label_counts: np.ndarray | None = None
+
+    def record(self, which: str, recipe: SFTRecipe, split: SFTSplit) -> None:
+        self.recipes[which], self.counts[which] = recipe, (split.dropped, split.truncated)
+        if which == "split":
+            self.label_counts = split.label_counts
 
 
 @dataclasses.dataclass(frozen=True)
