@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sft_support import CHATML, hf_tokenizer, write_model_folder
+from sft_support import CHATML, LLAMA_LIKE, hf_tokenizer, write_model_folder
 from support import make_texts
 
 from lightning_d9d import TextDataModule
@@ -213,3 +213,8 @@ def test_bad_rows_and_settings_are_one_clear_error(data: dict, tmp_path: Path) -
     (no_template / "tokenizer.json").write_bytes(Path(data["tokenizer"]).read_bytes())
     with pytest.raises(ValueError, match="row 0 holds messages, which need a chat template"):
         make_dm(data, tmp_path, tokenizer=str(no_template / "tokenizer.json"))
+    # A template that writes eos_token, with no config defining it, would train without end-of-turn tokens.
+    with pytest.raises(
+        ValueError, match=r"the chat template uses \['bos_token', 'eos_token'\] but no tokenizer_config"
+    ):
+        make_dm(data, tmp_path, tokenizer=str(no_template / "tokenizer.json"), chat_template=LLAMA_LIKE)

@@ -146,6 +146,24 @@ def load_chat_template(source: str | None, tokenizer_path: str) -> ChatTemplate 
     return template
 
 
+def check_special_tokens_defined(template: ChatTemplate) -> None:
+    """Raises ValueError when the template reads a special token (``eos_token``, ...) that no config defines.
+
+    Jinja renders an undefined variable as an empty string: a template writing ``eos_token`` would silently train
+    without an end-of-turn token.
+    """
+    from jinja2 import meta
+
+    used = meta.find_undeclared_variables(_compile(template.source).environment.parse(template.source))
+    missing = sorted(name for name in used & set(SPECIAL_TOKEN_KEYS) if template.special(name) is None)
+    if missing:
+        raise ValueError(
+            f"the chat template uses {missing} but no tokenizer_config.json defines them; put them in a "
+            "tokenizer_config.json next to the tokenizer.json (or pass chat_template= such a file), e.g. "
+            '{"eos_token": "</s>"}'
+        )
+
+
 def with_special_tokens(template: ChatTemplate, extra: dict[str, str]) -> ChatTemplate:
     """``template`` with ``extra`` special tokens added (those it has already win)."""
     merged = {**extra, **dict(template.special_tokens)}

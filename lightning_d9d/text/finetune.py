@@ -17,7 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from lightning_d9d.text.chat_template import ChatTemplate, load_chat_template, with_special_tokens
+from lightning_d9d.text.chat_template import (
+    ChatTemplate,
+    check_special_tokens_defined,
+    load_chat_template,
+    with_special_tokens,
+)
 from lightning_d9d.text.formats import FORMATS, Columns, detect_format
 from lightning_d9d.text.masks import TRUNCATIONS
 from lightning_d9d.text.sft_tokenize import (
@@ -103,6 +108,8 @@ class FineTuningOptions:
         if self.demo_tokenizer:
             template = template or ChatTemplate(DEMO_CHAT_TEMPLATE)
             template = with_special_tokens(template, DEMO_SPECIAL_TOKENS)
+        if template is not None:
+            check_special_tokens_defined(template)
         return template
 
     def split(

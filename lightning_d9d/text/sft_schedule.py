@@ -46,7 +46,10 @@ class LabelCountSchedule:
         return int(self.label_counts[indices].sum())
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["schedule"], name)
+        schedule = self.__dict__.get("schedule")  # absent while unpickling: no recursion through __getattr__
+        if schedule is None:
+            raise AttributeError(name)
+        return getattr(schedule, name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -212,7 +212,8 @@ def _check_contents_rendered(messages: list[dict[str, Any]], text: str, index: i
         if isinstance(content, str) and content.strip() and content.strip() not in text:
             raise ValueError(
                 f"row {index}: message {number} (role {message.get('role')!r}) does not appear in the rendered "
-                "conversation; the chat template does not render that role"
+                "conversation: the chat template skips that role or rewrites its content, so its turns cannot be "
+                "located; use a role the template renders, or a template that renders every message"
             )
 
 
