@@ -109,8 +109,12 @@ class TextDataModule(D9DDataModule):
     Raises:
         ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
             parsing); a missing text column, an empty split, a dataset that cannot be loaded (in
-            ``prepare_data``/``setup``).
-        FileNotFoundError: a tokenizer file or local dataset path that does not exist.
+            ``prepare_data``/``setup``). Fine-tuning: an unknown ``format``/``loss_on``/``truncation`` (at
+            construction); columns of no format, a ``loss_on`` the format lacks, a chat template that cannot be
+            parsed or uses an undefined special token, a bad row (naming it: missing value, unknown role, a
+            template that raises, no assistant turn, a turn that cannot be located), a row over ``max_length``
+            under ``truncation="error"``, no row left to train (in ``prepare_data``/``setup``).
+        FileNotFoundError: a tokenizer file, local dataset path or ``chat_template`` file that does not exist.
     """
 
     def __init__(
