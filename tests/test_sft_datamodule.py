@@ -218,3 +218,18 @@ def test_bad_rows_and_settings_are_one_clear_error(data: dict, tmp_path: Path) -
         ValueError, match=r"the chat template uses \['bos_token', 'eos_token'\] but no tokenizer_config"
     ):
         make_dm(data, tmp_path, tokenizer=str(no_template / "tokenizer.json"), chat_template=LLAMA_LIKE)
+
+
+def test_the_cache_is_reused_with_exact_counts_and_missed_when_the_recipe_changes(data: dict, tmp_path: Path) -> None:
+    first = make_dm(data, tmp_path, max_length=64)
+    again = make_dm(data, tmp_path, max_length=64)
+    files = {entry["filename"] for entry in first.train_dataset.cache_files}
+    assert files == {entry["filename"] for entry in again.train_dataset.cache_files}  # one map, reused
+    assert (
+        (again.dropped_samples, again.truncated_samples) == (first.dropped_samples, first.truncated_samples) != (0, 0)
+    )
+    last = make_dm(data, tmp_path, max_length=64, loss_on="last_assistant")
+    assert files.isdisjoint({entry["filename"] for entry in last.train_dataset.cache_files})
+    fewer = sum(int((last.train_dataset[i]["labels"] != -100).sum()) for i in range(len(last.train_dataset)))
+    every = sum(int((first.train_dataset[i]["labels"] != -100).sum()) for i in range(len(first.train_dataset)))
+    assert fewer < every
