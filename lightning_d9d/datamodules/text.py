@@ -10,6 +10,10 @@ predicted tokens over all ranks, and Hugging Face-style labels (the model shifts
 ``tokenizer="demo"`` select the demo corpus (:mod:`lightning_d9d.demo.corpus`), built on first use from text
 that ships with Python.
 
+Fine-tuning data (prompt/completion or conversations, detected from the columns) is tokenized with loss masks
+instead (:mod:`lightning_d9d.text.finetune`): its samples carry their own labels, which the collators keep, and each
+step's ``step_label_tokens`` counts only trained targets (:mod:`lightning_d9d.text.sft_schedule`).
+
 Trade-off: tokenizing ahead of training (once, cached) costs a pass over the data before the first step, but
 makes the lengths known, which is what length sorting and exact resume build on; streams that tokenize on the
 fly are the pretraining DataModule's job.
@@ -22,13 +26,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse.typing import NonNegativeInt, PositiveInt
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_d9d.checks import plain_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch
 from lightning_d9d.datamodules.d9d import D9DDataModule
+from lightning_d9d.demo.conversations import DEMO_CHAT, build_demo_conversations
 from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
-from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, tokenized_split
+from lightning_d9d.text.finetune import FineTuningOptions, FineTuningState
+from lightning_d9d.text.formats import Columns
+from lightning_d9d.text.sft_schedule import FineTuningFingerprint, LabelCountSchedule
+from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, pad_token_id, tokenized_split
 
 
 class TextDataModule(D9DDataModule):
@@ -47,7 +56,12 @@ class TextDataModule(D9DDataModule):
     with ``yield_packs``: × W); Hugging Face models: ``num_items_in_batch=step_label_tokens``, then × W × M.
 
     ``dataset="demo"`` / ``tokenizer="demo"`` select the corpus and tokenizer built from Python's own
-    documentation (:mod:`lightning_d9d.demo_corpus`).
+    documentation (:mod:`lightning_d9d.demo_corpus`); ``dataset="demo-chat"`` a conversation set made from it.
+
+    Fine-tuning data: a split with a ``messages`` (or ShareGPT ``conversations``) column, or ``prompt`` and
+    ``completion`` columns, is tokenized with loss masks (labels ``-100`` where not trained); conversations are
+    rendered with the chat template. ``dropped_samples`` / ``truncated_samples`` count what ``truncation`` did to
+    the training split (logged at ``setup``).
 
     Args:
         dataset: anything ``datasets.load_dataset`` accepts (a hub name, a folder of parquet/json/csv/text
@@ -81,12 +95,26 @@ class TextDataModule(D9DDataModule):
             document (``max_length`` bounds it).
         padding_free: one flattened row per microbatch (``FlatBatch``: ``input_ids``, ``labels``,
             ``position_ids`` restarting per document, ``cu_seqlens``, ``max_seqlen``). Token budgets only.
+        format: ``None`` detects it from the columns; ``"text"``, ``"prompt_completion"`` or ``"messages"``.
+        prompt_column, completion_column, messages_column: column names of the fine-tuning formats.
+        chat_template: a Jinja template string, a ``.jinja`` file or a ``tokenizer_config.json``; ``None``:
+            ``chat_template.jinja`` or ``tokenizer_config.json`` next to the tokenizer file.
+        loss_on: trained tokens: ``"all"``, ``"completion"`` (prompt/completion), ``"assistant"`` (every
+            assistant turn with its end-of-turn token), ``"last_assistant"``; ``None``: all / completion /
+            assistant by format.
+        truncation: a fine-tuning sample longer than ``max_length``: ``"error"``, ``"drop"`` (counted) or
+            ``"keep_start"`` (cut, counted). A sample left with nothing to train is always dropped (counted).
+            Text keeps its first ``max_length`` tokens, as before.
 
     Raises:
         ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
             parsing); a missing text column, an empty split, a dataset that cannot be loaded (in
-            ``prepare_data``/``setup``).
-        FileNotFoundError: a tokenizer file or local dataset path that does not exist.
+            ``prepare_data``/``setup``). Fine-tuning: an unknown ``format``/``loss_on``/``truncation`` (at
+            construction); columns of no format, a ``loss_on`` the format lacks, a chat template that cannot be
+            parsed or uses an undefined special token, a bad row (naming it: missing value, unknown role, a
+            template that raises, no assistant turn, a turn that cannot be located), a row over ``max_length``
+            under ``truncation="error"``, no row left to train (in ``prepare_data``/``setup``).
+        FileNotFoundError: a tokenizer file, local dataset path or ``chat_template`` file that does not exist.
     """
 
     def __init__(
@@ -114,14 +142,24 @@ class TextDataModule(D9DDataModule):
         global_batch_tokens: PositiveInt | None = None,
         microbatch_tokens: PositiveInt | None = None,
         padding_free: bool = False,
+        format: Literal["text", "prompt_completion", "messages"] | None = None,
+        prompt_column: str = "prompt",
+        completion_column: str = "completion",
+        messages_column: str = "messages",
+        chat_template: str | None = None,
+        loss_on: Literal["all", "completion", "assistant", "last_assistant"] | None = None,
+        truncation: Literal["error", "drop", "keep_start"] = "drop",
     ):
         self.max_length = positive_int("max_length", max_length)
         if num_proc is not None:
             positive_int("num_proc", num_proc)
         if tokenizer != DEMO and not Path(tokenizer).expanduser().is_file():
             raise FileNotFoundError(f"tokenizer file {tokenizer!r} does not exist (expected a tokenizer.json)")
-        if dataset != DEMO:
+        if dataset not in (DEMO, DEMO_CHAT):
             check_local_path(dataset)
+        columns = Columns(text_column, prompt_column, completion_column, messages_column)
+        self.finetuning = FineTuningOptions(format, columns, chat_template, loss_on, truncation, tokenizer == DEMO)
+        self.sft = FineTuningState()
         self.dataset, self.tokenizer = dataset, tokenizer
         self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
         self.num_proc, self.cache_dir = plain_int(num_proc), cache_dir
@@ -171,6 +209,8 @@ class TextDataModule(D9DDataModule):
     def resolved_paths(self) -> tuple[str, str]:
         """(dataset, tokenizer file) with ``"demo"`` replaced by the built demo corpus' paths."""
         dataset, tokenizer = self.dataset, self.tokenizer
+        if dataset == DEMO_CHAT:
+            dataset = build_demo_conversations()
         if DEMO in (dataset, tokenizer):
             corpus = build_demo_corpus()
             dataset = corpus.dataset_path if dataset == DEMO else dataset
@@ -180,6 +220,20 @@ class TextDataModule(D9DDataModule):
     def _tokenized_split(self, which: Literal["split", "val_split"]) -> Any:
         """Load split ``getattr(self, which)`` and tokenize it, or open the cached result of an earlier run."""
         dataset_path, tokenizer_path = self.resolved_paths()
+        recipe, sft = self.finetuning.split(
+            dataset_path,
+            getattr(self, which),
+            tokenizer_path,
+            self.max_length,
+            name=self.dataset,
+            data_files=self.data_files,
+            cache_dir=self.cache_dir,
+            num_proc=self.num_proc,
+        )
+        if sft is not None:
+            self.sft.record(which, recipe, sft)
+            self.padded_collator.pad_token_id = pad_token_id(tokenizer_path, file_sha256(tokenizer_path))
+            return sft.dataset
         tokenized = tokenized_split(
             dataset_path,
             getattr(self, which),
@@ -193,3 +247,37 @@ class TextDataModule(D9DDataModule):
         )
         self.padded_collator.pad_token_id = tokenized.pad_token_id
         return tokenized.dataset
+
+    # ------------------------------------------------------------------ fine-tuning data
+    @property
+    def dropped_samples(self) -> int:
+        """Training rows dropped by ``truncation`` or for having nothing to train (0 for text; after setup)."""
+        return self.sft.counts.get("split", (0, 0))[0]
+
+    @property
+    def truncated_samples(self) -> int:
+        """Training rows cut to ``max_length`` (``truncation="keep_start"``; after setup)."""
+        return self.sft.counts.get("split", (0, 0))[1]
+
+    def setup(self, stage: str | None = None) -> None:
+        """As D9DDataModule's; loss-masked data also counts each step's trained targets and fingerprints the
+        fine-tuning settings."""
+        super().setup(stage)
+        recipe = self.sft.recipes.get("split")
+        if recipe is None or self.sft.label_counts is None:
+            return
+        self.schedule = LabelCountSchedule(self.schedule, self.sft.label_counts)
+        self.fingerprint = FineTuningFingerprint(
+            order=self.fingerprint,
+            format=recipe.format,
+            loss_on=recipe.loss_on,
+            truncation=recipe.truncation,
+            chat_template=recipe.template.digest if recipe.template is not None else None,
+        )
+        for which, (dropped, truncated) in self.sft.counts.items():
+            report = rank_zero_warn if dropped or truncated else rank_zero_info
+            report(
+                f"{'training' if which == 'split' else 'validation'} split {getattr(self, which)!r}: {dropped} rows "
+                f"dropped (longer than max_length={self.max_length} under truncation={recipe.truncation!r}, or "
+                f"nothing to train), {truncated} cut to max_length (their trained tokens past it lost)"
+            )

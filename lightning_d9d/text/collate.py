@@ -6,6 +6,9 @@ tokens. ``FlatteningCollator`` concatenates them into one row without padding, w
 restart at 0 for each document and ``cu_seqlens``/``max_seqlen`` for variable-length attention (the
 conventions of flash-attention's varlen kernels and Hugging Face's ``DataCollatorWithFlattening``).
 
+Samples that carry their own ``labels`` (fine-tuning data with loss masks, ``-100`` where not trained) keep them:
+the collators only add the ``-100`` of padding and of each sample's first token.
+
 Labels follow the Hugging Face convention in both: ``labels`` are the input ids, ``-100`` where nothing is to be
 predicted — padding, and each document's first token when documents share a row (flattened) or follow padding
 (left padding) — and the *model shifts them* (logits at ``t`` predict ``labels[t + 1]``), as every Hugging Face
@@ -134,6 +137,20 @@ class FlatBatch:
         }
 
 
+def _sample_labels(samples: Sequence[dict[str, Any]]) -> list[np.ndarray] | None:
+    """The samples' own labels (fine-tuning data with loss masks), or ``None`` when they carry none (text)."""
+    if not samples or "labels" not in samples[0]:
+        return None
+    return [np.asarray(sample["labels"], dtype=np.int64) for sample in samples]
+
+
+def _label_tokens(labels: list[np.ndarray] | None, lengths: np.ndarray) -> int:
+    """Targets after the model's shift: ``n - 1`` per sample, or its trained labels after position 0."""
+    if labels is None:
+        return int(np.maximum(lengths - 1, 0).sum())
+    return int(sum(int((row[1:] != IGNORE_INDEX).sum()) for row in labels))
+
+
 def _sequences(samples: Sequence[dict[str, Any]]) -> tuple[list[np.ndarray], np.ndarray]:
     sequences = [np.asarray(sample["input_ids"], dtype=np.int64) for sample in samples]
     lengths = np.fromiter((len(sequence) for sequence in sequences), dtype=np.int64, count=len(sequences))
@@ -177,6 +194,9 @@ class CausalLMCollator:
         # Row-major order of the True cells equals the concatenated samples' order, on either padding side.
         input_ids[real] = np.concatenate(sequences) if sequences else np.empty(0, dtype=np.int64)
         labels = np.where(real, input_ids, IGNORE_INDEX)
+        masked = _sample_labels(samples)
+        if masked is not None:
+            labels[real] = np.concatenate(masked)
         if self.padding_side == "left":
             # A left-padded sample's first token would be predicted from the padding before it.
             first = width - lengths
@@ -186,7 +206,7 @@ class CausalLMCollator:
             input_ids=torch.from_numpy(input_ids),
             attention_mask=torch.from_numpy(real.astype(np.int64)),
             labels=torch.from_numpy(labels),
-            step_label_tokens=int(np.maximum(lengths - 1, 0).sum()),
+            step_label_tokens=_label_tokens(masked, lengths),
         )
 
 
@@ -205,7 +225,8 @@ class FlatteningCollator:
         input_ids = np.concatenate(sequences) if sequences else np.empty(0, dtype=np.int64)
         starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)
         position_ids = np.arange(total, dtype=np.int64) - starts
-        labels = input_ids.copy()
+        masked = _sample_labels(samples)
+        labels = np.concatenate(masked) if masked is not None else input_ids.copy()
         labels[cu_seqlens[:-1][lengths > 0]] = IGNORE_INDEX
         return FlatBatch(
             input_ids=torch.from_numpy(input_ids)[None],
@@ -213,5 +234,5 @@ class FlatteningCollator:
             position_ids=torch.from_numpy(position_ids)[None],
             cu_seqlens=torch.from_numpy(cu_seqlens),
             max_seqlen=int(lengths.max(initial=0)),
-            step_label_tokens=int(np.maximum(lengths - 1, 0).sum()),
+            step_label_tokens=_label_tokens(masked, lengths),
         )

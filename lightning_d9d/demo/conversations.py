@@ -1,0 +1,82 @@
+"""Demo conversations: a small chat fine-tuning set made from the demo corpus, so SFT runs without a download.
+
+Algorithm: every document of the demo corpus (:mod:`lightning_d9d.demo.corpus`) with enough words becomes one
+conversation in the ``messages`` format: the user asks to continue the document's first words, the assistant
+answers with the next ones; longer documents get a second exchange ("Go on.") and every third conversation a
+system message. Splits follow the corpus' (train/validation). The set is saved with ``save_to_disk`` next to the
+corpus, under the same cache key, built once under a file lock and published by atomic rename.
+
+Trade-off: the task (continue a documentation passage) is artificial, but the conversations have what a loss mask
+has to get right — system and user turns to mask, one or two assistant turns to train, an end-of-turn token —
+and a tiny model learns it in minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from lightning_d9d.demo.corpus import build_demo_corpus
+
+DEMO_CHAT = "demo-chat"
+"""The value of ``TextDataModule(dataset=...)`` that selects this conversation set."""
+_FORMAT_VERSION = 1
+_PROMPT_WORDS, _ANSWER_WORDS = 10, 14
+SYSTEM_PROMPT = "You continue passages of the Python documentation."
+
+
+def conversation(text: str, number: int) -> list[dict[str, str]] | None:
+    """The conversation made from one document, or ``None`` when it is too short."""
+    words = text.split()
+    first_end = _PROMPT_WORDS + _ANSWER_WORDS
+    if len(words) < first_end:
+        return None
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}] if number % 3 == 0 else []
+    messages += [
+        {"role": "user", "content": "Continue: " + " ".join(words[:_PROMPT_WORDS])},
+        {"role": "assistant", "content": " ".join(words[_PROMPT_WORDS:first_end])},
+    ]
+    if len(words) >= first_end + _ANSWER_WORDS:
+        messages += [
+            {"role": "user", "content": "Go on."},
+            {"role": "assistant", "content": " ".join(words[first_end : first_end + _ANSWER_WORDS])},
+        ]
+    return messages
+
+
+def build_demo_conversations() -> str:
+    """Build the demo conversation set once (after the demo corpus), or return the cached one.
+
+    Returns:
+        A ``datasets.load_from_disk`` folder: a DatasetDict with ``train`` and ``validation``, one ``messages``
+        column.
+    """
+    from datasets import Dataset, DatasetDict, load_from_disk
+    from filelock import FileLock
+
+    corpus = build_demo_corpus()
+    root = Path(corpus.dataset_path).parent
+    target = root / f"conversations-v{_FORMAT_VERSION}"
+    if (target / "COMPLETE").exists():
+        return str(target / "dataset")
+    with FileLock(str(root / f"conversations-v{_FORMAT_VERSION}.lock")):
+        if (target / "COMPLETE").exists():  # another process built it while we waited for the lock
+            return str(target / "dataset")
+        staging = Path(tempfile.mkdtemp(prefix=".conversations-", dir=root))
+        try:
+            texts = load_from_disk(corpus.dataset_path)
+            splits = {}
+            for split in ("train", "validation"):
+                chats = [conversation(text, number) for number, text in enumerate(texts[split]["text"])]
+                splits[split] = Dataset.from_dict({"messages": [chat for chat in chats if chat is not None]})
+            DatasetDict(splits).save_to_disk(str(staging / "dataset"))
+            (staging / "COMPLETE").write_text("ok\n")
+            if target.exists():  # a stale, incomplete build from a killed process
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return str(target / "dataset")

@@ -1,0 +1,146 @@
+"""Fine-tuning split: load a split, recognise its format and tokenize it with loss masks (or hand text back).
+
+Algorithm: ``FineTuningOptions.split`` loads the raw split (as the text path does), detects its format from the
+columns (:mod:`lightning_d9d.text.formats`) and returns ``None`` for text, which the text path tokenizes exactly as
+before. Otherwise it resolves ``loss_on`` for the format, the chat template (:mod:`lightning_d9d.text.chat_template`;
+the demo tokenizer gets ``DEMO_CHAT_TEMPLATE``) and the EOS token, and tokenizes the split
+(:mod:`lightning_d9d.text.sft_tokenize`).
+
+Trade-off: the format is only known once the split is loaded, so a text split is opened twice (the second time
+from datasets' cache); that keeps the text path untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from lightning_d9d.text.chat_template import (
+    ChatTemplate,
+    check_special_tokens_defined,
+    load_chat_template,
+    with_special_tokens,
+)
+from lightning_d9d.text.formats import FORMATS, Columns, detect_format
+from lightning_d9d.text.masks import TRUNCATIONS
+from lightning_d9d.text.sft_tokenize import (
+    SFTRecipe,
+    SFTSplit,
+    default_eos_token,
+    load_sft_tokenizer,
+    resolve_loss_on,
+    sft_tokenized_split,
+)
+from lightning_d9d.text.tokenize import _load_raw_split, file_sha256
+
+LOSS_ON = ("all", "completion", "assistant", "last_assistant")
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '### Assistant:\\n' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}"
+    "{{ '### ' + message['role'] | capitalize + ':\\n' + message['content'] + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### Assistant:\\n' }}{% endif %}"
+)
+"""The demo tokenizer's chat template (plain-text headers, ``<eos>`` ending each assistant turn)."""
+DEMO_SPECIAL_TOKENS = {"eos_token": "<eos>", "pad_token": "<pad>"}
+
+
+@dataclasses.dataclass
+class FineTuningState:
+    """What tokenizing the fine-tuning splits found, per split (``"split"``, ``"val_split"``).
+
+    Attributes:
+        recipes: the recipe each split was tokenized with.
+        counts: ``(dropped, truncated)`` rows of each split.
+        label_counts: trained targets of every kept training row (``None`` until the training split is read).
+    """
+
+    recipes: dict[str, SFTRecipe] = dataclasses.field(default_factory=dict)
+    counts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    label_counts: np.ndarray | None = None
+
+    def record(self, which: str, recipe: SFTRecipe, split: SFTSplit) -> None:
+        self.recipes[which], self.counts[which] = recipe, (split.dropped, split.truncated)
+        if which == "split":
+            self.label_counts = split.label_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class FineTuningOptions:
+    """The fine-tuning settings of a TextDataModule.
+
+    Attributes:
+        format: ``None`` (detect from the columns), ``"text"``, ``"prompt_completion"`` or ``"messages"``.
+        columns: the column names.
+        chat_template: a Jinja string, a ``.jinja`` file, a ``tokenizer_config.json``, or ``None`` (next to the
+            tokenizer).
+        loss_on: ``None`` (the format's default), ``"all"``, ``"completion"``, ``"assistant"``,
+            ``"last_assistant"``.
+        truncation: ``"error"``, ``"drop"`` or ``"keep_start"``.
+        demo_tokenizer: the tokenizer is the demo's (its template is ``DEMO_CHAT_TEMPLATE``).
+    """
+
+    format: str | None = None
+    columns: Columns = dataclasses.field(default_factory=Columns)
+    chat_template: str | None = None
+    loss_on: str | None = None
+    truncation: str = "drop"
+    demo_tokenizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)} or None (detect), got {self.format!r}")
+        if self.loss_on is not None and self.loss_on not in LOSS_ON:
+            raise ValueError(
+                f"loss_on must be one of {list(LOSS_ON)} or None (the format's default), got {self.loss_on!r}"
+            )
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be one of {list(TRUNCATIONS)}, got {self.truncation!r}")
+
+    def template(self, tokenizer_path: str) -> ChatTemplate | None:
+        """The chat template these options name (``None`` when there is none)."""
+        template = load_chat_template(self.chat_template, tokenizer_path)
+        if self.demo_tokenizer:
+            template = template or ChatTemplate(DEMO_CHAT_TEMPLATE)
+            template = with_special_tokens(template, DEMO_SPECIAL_TOKENS)
+        if template is not None:
+            check_special_tokens_defined(template)
+        return template
+
+    def split(
+        self, dataset_path: str, split: str, tokenizer_path: str, max_length: int, name: str, **load: Any
+    ) -> tuple[SFTRecipe | None, SFTSplit | None]:
+        """``(recipe, tokenized split)``, or ``(None, None)`` for a text split (tokenized by the text path).
+
+        Raises:
+            ValueError: see ``detect_format``, ``resolve_loss_on``, ``sft_tokenized_split``.
+        """
+        if self.format == "text":
+            resolve_loss_on("text", self.loss_on)
+            return None, None
+        num_proc = load.pop("num_proc", None)
+        raw = _load_raw_split(dataset_path, split, load.get("data_files"), load.get("cache_dir"), name)
+        format = detect_format(raw.column_names, self.columns, self.format)
+        loss_on = resolve_loss_on(format, self.loss_on)
+        if format == "text":
+            return None, None
+        if len(raw) == 0:
+            raise ValueError(f"dataset {name!r} split {split!r} is empty")
+        digest = file_sha256(tokenizer_path)
+        template = self.template(tokenizer_path)
+        tokenizer = load_sft_tokenizer(tokenizer_path, digest)
+        recipe = SFTRecipe(
+            format=format,
+            loss_on=loss_on,
+            truncation=self.truncation,
+            max_length=max_length,
+            columns=self.columns,
+            template=template,
+            eos_token=default_eos_token(tokenizer, template),
+        )
+        return recipe, sft_tokenized_split(raw, recipe, tokenizer_path, digest, num_proc=num_proc, name=name)

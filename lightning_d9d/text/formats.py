@@ -1,0 +1,141 @@
+"""Formats: recognise what a fine-tuning row holds and bring it into one shape.
+
+Algorithm: ``detect_format`` decides from the column names alone (never from values, so a whole split has one
+format): a messages column (``messages``, or ShareGPT's ``conversations``) means *messages*; a prompt and a
+completion column mean *prompt/completion*; a text column means *text*. ``row_messages`` /
+``row_prompt_completion`` then read one row into plain Python: messages become ``{"role", "content", ...}``
+dicts, ShareGPT's ``{"from", "value"}`` mapped to roles (``human`` → ``user``, ``gpt`` → ``assistant``), keys whose
+value is ``None`` dropped (``datasets`` fills a struct's missing fields with ``None``, which a template would see
+as present).
+
+Trade-off: detection by column names is predictable and costs nothing, but a dataset with several candidate
+columns is read by the first rule that matches (messages before prompt/completion before text); ``format=``
+overrides it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+Format = Literal["text", "prompt_completion", "messages"]
+FORMATS: tuple[str, ...] = ("text", "prompt_completion", "messages")
+SHAREGPT_COLUMN = "conversations"
+# ShareGPT speakers and the roles chat templates know them as.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function_call": "assistant",
+    "observation": "tool",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """Where each format's fields live in a row.
+
+    Attributes:
+        text: the text column (format ``text``).
+        prompt, completion: the prompt and completion columns (format ``prompt_completion``).
+        messages: the conversation column (format ``messages``); ShareGPT's ``conversations`` is found too.
+    """
+
+    text: str = "text"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    messages: str = "messages"
+
+
+def detect_format(column_names: list[str], columns: Columns, requested: str | None = None) -> Format:
+    """The split's format: ``requested`` when given (checked against the columns), else read from the columns.
+
+    Raises:
+        ValueError: an unknown ``requested`` format, or columns that hold none of the formats (naming them).
+    """
+    present = set(column_names)
+    if requested is not None:
+        if requested not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)} (or None to detect it), got {requested!r}")
+        needed = required_columns(requested, columns, present)
+        missing = [name for name in needed if name not in present]
+        if missing:
+            raise ValueError(
+                f"format {requested!r} needs column(s) {missing}, but the dataset's columns are {sorted(present)}"
+            )
+        return requested  # type: ignore[return-value]
+    if columns.messages in present or SHAREGPT_COLUMN in present:
+        return "messages"
+    if columns.prompt in present and columns.completion in present:
+        return "prompt_completion"
+    if columns.text in present:
+        return "text"
+    raise ValueError(
+        f"text_column {columns.text!r} is not a column of the dataset, and neither are the fine-tuning formats' "
+        f"(messages: {columns.messages!r} or ShareGPT's {SHAREGPT_COLUMN!r}; prompt/completion: {columns.prompt!r} "
+        f"and {columns.completion!r}), so its format cannot be told; its columns are {sorted(present)}; set "
+        "text_column=, messages_column=, prompt_column=/completion_column= or format="
+    )
+
+
+def required_columns(format: str, columns: Columns, present: set[str] | None = None) -> list[str]:
+    """The columns a row of ``format`` reads (the messages column falls back to ShareGPT's when absent)."""
+    if format == "messages":
+        if present is not None and columns.messages not in present and SHAREGPT_COLUMN in present:
+            return [SHAREGPT_COLUMN]
+        return [columns.messages]
+    if format == "prompt_completion":
+        return [columns.prompt, columns.completion]
+    return [columns.text]
+
+
+def row_messages(value: Any, row: int, column: str) -> list[dict[str, Any]]:
+    """One conversation as a list of plain ``{"role", "content", ...}`` dicts (ShareGPT turns mapped).
+
+    Raises:
+        ValueError: the value is not a list of dicts with a role (or ShareGPT speaker) and content, or a
+            ShareGPT speaker is unknown (naming the row, the message and the valid values).
+    """
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"row {row}: column {column!r} must hold a list of messages, got {type(value).__name__}")
+    messages = []
+    for number, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise ValueError(f"row {row}: message {number} of {column!r} is {type(message).__name__}, not a dict")
+        plain = {key: item for key, item in message.items() if item is not None}
+        if "role" not in plain and "from" in plain:
+            speaker = plain.pop("from")
+            if speaker not in SHAREGPT_ROLES:
+                raise ValueError(
+                    f"row {row}: message {number} has ShareGPT speaker {speaker!r}; known: {sorted(SHAREGPT_ROLES)}"
+                )
+            plain["role"] = SHAREGPT_ROLES[speaker]
+            if "value" in plain and "content" not in plain:
+                plain["content"] = plain.pop("value")
+        if "role" not in plain or "content" not in plain:
+            raise ValueError(
+                f"row {row}: message {number} of {column!r} needs 'role' and 'content' (or ShareGPT's 'from' and "
+                f"'value'); it has {sorted(message)}"
+            )
+        messages.append(plain)
+    if not messages:
+        raise ValueError(f"row {row}: column {column!r} holds an empty conversation")
+    return messages
+
+
+def row_part(value: Any, row: int, column: str) -> str | list[dict[str, Any]]:
+    """A prompt or completion: a string, or a list of messages.
+
+    Raises:
+        ValueError: neither a string nor a list of messages (naming the row and column).
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        return row_messages(value, row, column)
+    raise ValueError(
+        f"row {row}: column {column!r} must hold a string or a list of messages, got {type(value).__name__}"
+    )

@@ -1,0 +1,95 @@
+"""Loss masks and truncation: which tokens of a sample are trained, and how a long sample is cut honestly.
+
+Algorithm: a trained region is a character span of the text that was encoded (a ``{% generation %}`` block, an
+assistant turn found by rendering turn by turn, a completion). ``span_mask`` marks every token whose character
+offsets overlap a span — the rule transformers applies to ``return_assistant_tokens_mask`` — in one pass, as
+tokens and spans are both in order. ``check_token_boundaries`` refuses a span whose ends fall inside a token
+(the tokens of a prefix would not be a prefix of the whole's tokens, so any mask would be wrong by a token).
+Labels are Hugging Face's: the input ids where trained, ``-100`` elsewhere, unshifted; ``trained_targets``
+counts what a causal LM predicts after its shift (position 0 is never a target).
+
+``truncate`` applies the truncation rule to a sample longer than ``max_length``: ``"error"`` raises naming the
+row, ``"drop"`` drops it, ``"keep_start"`` keeps its first ``max_length`` tokens; a sample left with no trained
+target is dropped whatever the rule (it would add 0 to the loss and its tokens to the normaliser, or NaN on a
+step of its own). The returned status says what happened, so the callers can count it.
+
+Trade-off: marking by character overlap trains a token that straddles a span's edge rather than silently losing
+it; the boundary check turns the cases where that would differ from tokenizing the prefix into an error
+instead of a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+IGNORE_INDEX = -100
+Truncation = Literal["error", "drop", "keep_start"]
+TRUNCATIONS: tuple[str, ...] = ("error", "drop", "keep_start")
+KEPT, TRUNCATED, DROPPED_TOO_LONG, DROPPED_UNTRAINED = 0, 1, 2, 3
+"""Statuses of a tokenized sample: kept whole, kept cut to max_length, dropped for its length, dropped with
+nothing left to train."""
+
+
+def span_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``bool [tokens]``: True at every token whose ``[start, end)`` characters overlap one of ``spans``."""
+    mask = np.zeros(len(offsets), dtype=bool)
+    ordered = sorted(span for span in spans if span[1] > span[0])
+    index = 0
+    for token, (start, end) in enumerate(offsets):
+        while index < len(ordered) and start >= ordered[index][1]:
+            index += 1
+        if index == len(ordered):
+            break
+        if end > ordered[index][0] and end > start:
+            mask[token] = True
+    return mask
+
+
+def check_token_boundaries(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]], row: int) -> None:
+    """Raises ValueError when a span starts or ends inside a token (naming the row and the characters)."""
+    for start, end in spans:
+        for boundary in (start, end):
+            for token_start, token_end in offsets:
+                if token_start < boundary < token_end:
+                    raise ValueError(
+                        f"row {row}: a trained span's edge (character {boundary}) falls inside a token "
+                        f"(characters {token_start}-{token_end}): the template's turn prefix does not tokenize as a "
+                        "prefix of the whole conversation, so no exact mask exists; mark the assistant output "
+                        "with {% generation %} blocks in the template, or use loss_on='all'"
+                    )
+
+
+def labels_from_mask(ids: Sequence[int], mask: np.ndarray) -> np.ndarray:
+    """Hugging Face labels: ``ids`` where trained, ``-100`` elsewhere (unshifted: the model shifts)."""
+    return np.where(mask, np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
+
+
+def trained_targets(labels: np.ndarray) -> int:
+    """Targets a causal LM trains after its shift: trained labels at positions 1 and later."""
+    return int((np.asarray(labels)[1:] != IGNORE_INDEX).sum())
+
+
+def truncate(
+    ids: np.ndarray, labels: np.ndarray, max_length: int, rule: Truncation, row: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(ids, labels, status)`` of a sample under the truncation rule (see the module docstring).
+
+    Raises:
+        ValueError: ``rule="error"`` and the sample is longer than ``max_length`` (naming the row and length).
+    """
+    status = KEPT
+    if len(ids) > max_length:
+        if rule == "error":
+            raise ValueError(
+                f"row {row} has {len(ids)} tokens, more than max_length={max_length}; raise max_length, or set "
+                "truncation='drop' (skip such rows, counted) or 'keep_start' (cut them, counted)"
+            )
+        if rule == "drop":
+            return ids[:0], labels[:0], DROPPED_TOO_LONG
+        ids, labels, status = ids[:max_length], labels[:max_length], TRUNCATED
+    if trained_targets(labels) == 0:
+        return ids[:0], labels[:0], DROPPED_UNTRAINED
+    return ids, labels, status

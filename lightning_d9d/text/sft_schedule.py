@@ -1,0 +1,77 @@
+"""Steps of loss-masked data: each step's exact count of trained targets, and the fine-tuning fingerprint.
+
+Algorithm: the map-style schedules count a step's targets as ``length - 1`` per sample, which is right for text
+and wrong once labels are masked. ``LabelCountSchedule`` wraps a schedule and answers ``step_label_tokens`` from
+a per-sample array of trained targets (counted after the causal shift when the split was tokenized): the sum over
+the step's samples, read as the microbatches of a one-rank world, which are all of the step's microbatches. The
+order, budgets and sorting are the wrapped schedule's, untouched (they use the sample lengths).
+``FineTuningFingerprint`` adds the settings that decide which tokens are trained (format, loss_on, truncation,
+the chat template's digest) to the order's fingerprint, so resuming with other ones is refused naming the field.
+
+Trade-off: the count is a NumPy gather and sum over the step's samples, computed once per step in the main
+process, instead of a lookup in a precomputed per-step table; it keeps the planners unaware of masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from lightning_d9d.resume import Fingerprint
+
+
+class LabelCountSchedule:
+    """A step schedule whose ``step_label_tokens`` sums per-sample trained targets (everything else delegated).
+
+    Args:
+        schedule: the wrapped schedule (``steps_in_epoch``, ``rank_microbatches``, ``step_label_tokens``).
+        label_counts: ``int64 [samples]``: trained targets of every sample of the dataset, after the shift.
+    """
+
+    def __init__(self, schedule: Any, label_counts: np.ndarray):
+        self.schedule, self.label_counts = schedule, np.asarray(label_counts, dtype=np.int64)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.schedule.steps_in_epoch(epoch)
+
+    def rank_microbatches(self, epoch: int, step: int, world_size: int, rank: int) -> list[np.ndarray]:
+        return self.schedule.rank_microbatches(epoch, step, world_size, rank)
+
+    def step_label_tokens(self, epoch: int, step: int) -> int:
+        """Trained targets of the step over all ranks."""
+        microbatches = self.schedule.rank_microbatches(epoch, step, 1, 0)
+        indices = np.concatenate([np.asarray(part, dtype=np.int64) for part in microbatches]) if microbatches else []
+        return int(self.label_counts[indices].sum())
+
+    def __getattr__(self, name: str) -> Any:
+        schedule = self.__dict__.get("schedule")  # absent while unpickling: no recursion through __getattr__
+        if schedule is None:
+            raise AttributeError(name)
+        return getattr(schedule, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class FineTuningFingerprint(Fingerprint):
+    """The order's fingerprint plus the settings that decide which tokens are trained.
+
+    Attributes:
+        order: the wrapped fingerprint (its fields are compared and named as its own).
+        format, loss_on, truncation: the fine-tuning settings.
+        chat_template: SHA-256 of the chat template and its special tokens (``None`` without one).
+    """
+
+    order: Fingerprint = dataclasses.field(compare=False)
+    format: str = "text"
+    loss_on: str = "all"
+    truncation: str = "drop"
+    chat_template: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.order.to_dict(), **super().to_dict()}
+
+    def describe_difference(self, name: str, then: Any, now: Any) -> str:
+        if name in self.order.to_dict():
+            return self.order.describe_difference(name, then, now)
+        return super().describe_difference(name, then, now)

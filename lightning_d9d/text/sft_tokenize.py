@@ -1,0 +1,351 @@
+"""Fine-tuning tokenization: prompt/completion and conversation rows → token ids and loss-masked labels, cached.
+
+Algorithm, per row (``RowTokenizer``):
+
+* **messages** — the conversation is rendered with the chat template and encoded *without* adding special tokens
+  (the template writes its own BOS, so a sample holds at most one). Trained regions: every token
+  (``loss_on="all"``); the assistant turns (``"assistant"``) or the last one (``"last_assistant"``), taken from
+  the template's ``{% generation %}`` blocks when it has them (transformers' assistant mask), else found turn by
+  turn: the text of ``messages[:i]`` rendered with the generation prompt and of ``messages[:i + 1]`` must both
+  be prefixes of the whole, and the turn is what lies between them — its end-of-turn token included — and must
+  start and end on token boundaries. A row whose prefixes are not prefixes is an error naming it, never a guess.
+* **prompt/completion** — strings are joined and encoded like text (the tokenizer's post-processor adds its BOS);
+  the completion's characters and a final EOS (appended unless the post-processor already ended with it) are
+  trained. Message lists are rendered: the prompt with the generation prompt, then prompt + completion, and what
+  the completion adds is trained.
+
+Every message's content must appear in the rendered text, so a role the template skips is an error instead of a
+silently missing turn. Then ``masks.truncate`` applies the truncation rule. ``sft_tokenized_split`` maps a whole
+split with one batched ``Dataset.map`` into ``input_ids``, ``labels``, ``token_counts``, ``label_counts`` and a
+``status`` column; dropped rows stay in the cache (empty) so the counts of dropped and truncated rows can be read
+back from a cache hit, and are left out by a ``select`` of the kept rows. The map's fingerprint hashes the raw
+data's, the tokenizer file's and the template's digests and every setting that decides the output.
+
+Trade-off: rendering every prefix of a conversation costs one template render per assistant turn more than a
+template with generation blocks does, and tokenizes nothing twice; keeping dropped rows in the cache costs a few
+bytes each and makes the counts exact on every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from lightning_d9d.text.chat_template import ChatTemplate, TemplateRenderError
+from lightning_d9d.text.formats import Columns, Format, required_columns, row_messages, row_part
+from lightning_d9d.text.masks import (
+    DROPPED_TOO_LONG,
+    DROPPED_UNTRAINED,
+    TRUNCATED,
+    check_token_boundaries,
+    labels_from_mask,
+    span_mask,
+    trained_targets,
+    truncate,
+)
+
+LossOn = Literal["all", "completion", "assistant", "last_assistant"]
+LOSS_ON_BY_FORMAT: dict[str, tuple[str, ...]] = {
+    "text": ("all",),
+    "prompt_completion": ("completion", "all"),
+    "messages": ("assistant", "last_assistant", "all"),
+}
+"""The loss_on values each format accepts; the first is its default."""
+_SFT_RECIPE_VERSION = 1
+_OUTPUT_COLUMNS = ("input_ids", "labels", "token_counts", "label_counts", "status")
+EOS_CANDIDATES = ("</s>", "<eos>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTRecipe:
+    """Everything that decides a fine-tuning sample's ids and labels (picklable, for ``num_proc``).
+
+    Attributes:
+        format: the rows' format (``messages`` or ``prompt_completion``).
+        loss_on: which tokens are trained (see ``LOSS_ON_BY_FORMAT``).
+        truncation: ``"error"``, ``"drop"`` or ``"keep_start"``.
+        max_length: tokens per sample at most.
+        columns: the column names.
+        template: the chat template (required for message rows).
+        eos_token: the end-of-sequence token appended to string completions.
+    """
+
+    format: Format
+    loss_on: str
+    truncation: str
+    max_length: int
+    columns: Columns
+    template: ChatTemplate | None
+    eos_token: str | None
+
+
+def resolve_loss_on(format: str, loss_on: str | None) -> str:
+    """``loss_on``, or the format's default, checked against the format.
+
+    Raises:
+        ValueError: a ``loss_on`` the format does not have (naming the valid ones).
+    """
+    allowed = LOSS_ON_BY_FORMAT[format]
+    if loss_on is None:
+        return allowed[0]
+    if loss_on not in allowed:
+        raise ValueError(f"loss_on={loss_on!r} does not apply to {format!r} data; valid: {list(allowed)}")
+    return loss_on
+
+
+class RowTokenizer:
+    """One row → ``(input_ids, labels, status)`` under a recipe (see the module docstring)."""
+
+    def __init__(self, recipe: SFTRecipe, tokenizer: Any):
+        self.recipe, self.tokenizer = recipe, tokenizer
+
+    def __call__(self, row: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarray, int]:
+        recipe = self.recipe
+        columns = required_columns(recipe.format, recipe.columns, set(row))
+        for column in columns:
+            if column not in row or row[column] is None:
+                raise ValueError(f"row {index} has no value in column {column!r} (format {recipe.format!r})")
+        if recipe.format == "messages":
+            ids, labels = self._conversation(row_messages(row[columns[0]], index, columns[0]), index)
+        else:
+            prompt = row_part(row[columns[0]], index, columns[0])
+            completion = row_part(row[columns[1]], index, columns[1])
+            if isinstance(prompt, str) and isinstance(completion, str):
+                ids, labels = self._plain_completion(prompt, completion)
+            elif isinstance(prompt, list) and isinstance(completion, list):
+                ids, labels = self._chat_completion(prompt, completion, index)
+            else:
+                raise ValueError(
+                    f"row {index}: prompt and completion must both be strings or both be lists of messages"
+                )
+        return truncate(ids, labels, recipe.max_length, recipe.truncation, index)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ conversations
+    def _conversation(self, messages: list[dict[str, Any]], index: int) -> tuple[np.ndarray, np.ndarray]:
+        template = self._template(index)
+        rendered = _render(template, messages, index)
+        _check_contents_rendered(messages, rendered.text, index)
+        encoding = self.tokenizer.encode(rendered.text, add_special_tokens=False)
+        ids = encoding.ids
+        if self.recipe.loss_on == "all":
+            return np.asarray(ids, dtype=np.int64), np.asarray(ids, dtype=np.int64)
+        if not any(message["role"] == "assistant" for message in messages):
+            raise ValueError(f"row {index} has no assistant turn to train (loss_on={self.recipe.loss_on!r})")
+        if template.has_generation_blocks:
+            spans = list(rendered.generation_spans)
+        else:
+            spans = _turn_spans(template, messages, rendered.text, index)
+            check_token_boundaries(encoding.offsets, spans, index)
+        if self.recipe.loss_on == "last_assistant":
+            spans = spans[-1:]
+        mask = span_mask(encoding.offsets, spans)
+        if not mask.any():
+            raise ValueError(
+                f"row {index}: no token of an assistant turn was found in the rendered conversation (the template's "
+                "{% generation %} blocks render nothing for it)"
+            )
+        return np.asarray(ids, dtype=np.int64), labels_from_mask(ids, mask)
+
+    def _chat_completion(
+        self, prompt: list[dict[str, Any]], completion: list[dict[str, Any]], index: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        template = self._template(index)
+        start = _render(template, prompt, index, add_generation_prompt=True).text
+        whole = _render(template, prompt + completion, index).text
+        _check_contents_rendered(prompt + completion, whole, index)
+        if not whole.startswith(start):
+            raise ValueError(
+                f"row {index}: the prompt rendered with the generation prompt is not a prefix of prompt + completion "
+                "rendered; the template changes earlier text when the completion is added"
+            )
+        encoding = self.tokenizer.encode(whole, add_special_tokens=False)
+        spans = [(len(start), len(whole))]
+        mask = np.ones(len(encoding.ids), dtype=bool)
+        if self.recipe.loss_on == "completion":
+            check_token_boundaries(encoding.offsets, spans, index)
+            mask = span_mask(encoding.offsets, spans)
+        return np.asarray(encoding.ids, dtype=np.int64), labels_from_mask(encoding.ids, mask)
+
+    # ------------------------------------------------------------------ plain prompt/completion
+    def _plain_completion(self, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
+        encoding = self.tokenizer.encode(prompt + completion)
+        special = np.asarray(encoding.special_tokens_mask, dtype=bool)
+        ids = list(encoding.ids)
+        if self.recipe.loss_on == "all":
+            mask = np.ones(len(ids), dtype=bool)
+        else:
+            mask = span_mask(encoding.offsets, [(len(prompt), len(prompt) + len(completion))]) & ~special
+            # Special tokens the post-processor appends after the completion (an EOS) end it: trained.
+            text_tokens = np.flatnonzero(~special)
+            after = (text_tokens[-1] + 1) if len(text_tokens) else 0
+            mask[after:] = True
+        eos_id = self.tokenizer.token_to_id(self.recipe.eos_token) if self.recipe.eos_token else None
+        if eos_id is not None and (not ids or ids[-1] != eos_id):
+            ids.append(eos_id)
+            mask = np.append(mask, True)
+        return np.asarray(ids, dtype=np.int64), labels_from_mask(ids, mask)
+
+    def _template(self, index: int) -> ChatTemplate:
+        if self.recipe.template is None:
+            raise ValueError(
+                f"row {index} holds messages, which need a chat template: pass chat_template= (a Jinja string, a "
+                ".jinja file or a tokenizer_config.json), or put chat_template.jinja next to the tokenizer.json"
+            )
+        return self.recipe.template
+
+
+def _render(template: ChatTemplate, messages: list[dict[str, Any]], index: int, add_generation_prompt=False) -> Any:
+    try:
+        return template.render(messages, add_generation_prompt=add_generation_prompt)
+    except TemplateRenderError as error:
+        raise ValueError(f"row {index}: {error}") from error
+
+
+def _check_contents_rendered(messages: list[dict[str, Any]], text: str, index: int) -> None:
+    """Raises ValueError when a message's text is missing from the render (a role the template skips)."""
+    for number, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str) and content.strip() and content.strip() not in text:
+            raise ValueError(
+                f"row {index}: message {number} (role {message.get('role')!r}) does not appear in the rendered "
+                "conversation: the chat template skips that role or rewrites its content, so its turns cannot be "
+                "located; use a role the template renders, or a template that renders every message"
+            )
+
+
+def _turn_spans(template: ChatTemplate, messages: list[dict[str, Any]], whole: str, index: int) -> list:
+    """Character spans of the assistant turns, from the renders of the conversation's prefixes."""
+    spans = []
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(template, messages[:turn], index, add_generation_prompt=True).text if turn else ""
+        after = _render(template, messages[: turn + 1], index).text
+        if not (whole.startswith(before) and whole.startswith(after) and len(after) > len(before)):
+            raise ValueError(
+                f"row {index}: the chat template is not prefix-preserving at message {turn} (rendering the "
+                "conversation up to that turn does not give a prefix of the whole), so its assistant turns cannot be "
+                "found; add {% generation %} blocks to the template, or use loss_on='all'"
+            )
+        spans.append((len(before), len(after)))
+    return spans
+
+
+@functools.lru_cache(maxsize=4)
+def load_sft_tokenizer(path: str, digest: str) -> Any:
+    """The tokenizer at ``path`` without padding or truncation (truncation is the recipe's own, counted)."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
+        raise ValueError(f"tokenizer file {path!r} is not a tokenizers JSON file ({error})") from error
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def default_eos_token(tokenizer: Any, template: ChatTemplate | None) -> str | None:
+    """The template config's ``eos_token``, else the special token the post-processor ends a text with, else a
+    usual EOS token of the vocabulary, else ``None``."""
+    if template is not None and template.special("eos_token"):
+        return template.special("eos_token")
+    encoding = tokenizer.encode("a")
+    if encoding.special_tokens_mask and encoding.special_tokens_mask[-1]:
+        return tokenizer.id_to_token(encoding.ids[-1])
+    for token in EOS_CANDIDATES:
+        if tokenizer.token_to_id(token) is not None:
+            return token
+    return None
+
+
+@dataclasses.dataclass
+class _TokenizeRows:
+    """The batched map function (picklable for ``num_proc``)."""
+
+    recipe: SFTRecipe
+    tokenizer_path: str
+    tokenizer_digest: str
+
+    def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        rows = RowTokenizer(self.recipe, load_sft_tokenizer(self.tokenizer_path, self.tokenizer_digest))
+        names = list(batch)
+        out: dict[str, list[Any]] = {name: [] for name in _OUTPUT_COLUMNS}
+        for position, index in enumerate(indices):
+            ids, labels, status = rows({name: batch[name][position] for name in names}, index)
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["token_counts"].append(len(ids))
+            out["label_counts"].append(trained_targets(labels) if len(ids) else 0)
+            out["status"].append(status)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSplit:
+    """A tokenized fine-tuning split and its counts.
+
+    Attributes:
+        dataset: the kept rows, formatted so a sample is ``{"input_ids", "labels"}`` (numpy).
+        label_counts: ``int64 [rows]`` trained targets per kept row (after the shift), for ``step_label_tokens``.
+        dropped: rows dropped (too long under ``"drop"``, or nothing left to train).
+        truncated: rows cut to ``max_length`` under ``"keep_start"``.
+    """
+
+    dataset: Any
+    label_counts: np.ndarray
+    dropped: int
+    truncated: int
+
+
+def sft_tokenized_split(
+    raw: Any, recipe: SFTRecipe, tokenizer_path: str, tokenizer_digest: str, **map_kwargs: Any
+) -> SFTSplit:
+    """Tokenize a loaded split with ``recipe``, or open the cached result of an earlier run with the same inputs.
+
+    Raises:
+        ValueError: a bad row (naming it, see ``RowTokenizer``), or a split with no row left to train.
+    """
+    from datasets.fingerprint import Hasher
+
+    template_digest = recipe.template.digest if recipe.template is not None else None
+    fingerprint = Hasher.hash(
+        [
+            raw._fingerprint,
+            tokenizer_digest,
+            template_digest,
+            dataclasses.astuple(dataclasses.replace(recipe, template=None)),
+            _SFT_RECIPE_VERSION,
+        ]
+    )
+    name = map_kwargs.pop("name", "dataset")
+    tokenized = raw.map(
+        _TokenizeRows(recipe, tokenizer_path, tokenizer_digest),
+        batched=True,
+        batch_size=1_000,
+        with_indices=True,
+        remove_columns=raw.column_names,
+        new_fingerprint=fingerprint,
+        desc=f"Tokenizing {Path(name).name or name} ({recipe.format}, loss on {recipe.loss_on})",
+        **map_kwargs,
+    )
+    status = np.asarray(tokenized.with_format("numpy")["status"])
+    kept = np.flatnonzero(status < DROPPED_TOO_LONG)
+    if len(kept) == 0:
+        raise ValueError(
+            f"no row of {name!r} is left to train: {int((status == DROPPED_TOO_LONG).sum())} longer than "
+            f"max_length={recipe.max_length} (truncation={recipe.truncation!r}), "
+            f"{int((status == DROPPED_UNTRAINED).sum())} with no trained token"
+        )
+    label_counts = np.asarray(tokenized.with_format("numpy")["label_counts"], dtype=np.int64)[kept]
+    dataset = tokenized if len(kept) == len(status) else tokenized.select(kept)
+    return SFTSplit(
+        dataset.with_format("numpy", columns=["input_ids", "labels"]),
+        label_counts,
+        dropped=int((status >= DROPPED_TOO_LONG).sum()),
+        truncated=int((status == TRUNCATED).sum()),
+    )
