@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
@@ -156,20 +157,20 @@ class PretrainingDataModule(SteppedDataModule):
         self,
         train_files: str | os.PathLike | Sequence[str | os.PathLike],
         tokenizer: str | os.PathLike | Tokenizer,
-        seq_len: int = 1024,
-        global_batch_size: int = 64,
-        microbatch_size: int = 8,
+        seq_len: PositiveInt = 1024,
+        global_batch_size: PositiveInt = 64,
+        microbatch_size: PositiveInt = 8,
         val_files: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         text_column: str = "text",
         bos_token: str = "<|bos|>",
         packing: Literal["bestfit", "bestfit_split", "concat"] = "bestfit",
-        steps_per_epoch: int | None = None,
-        val_steps: int | None = None,
-        num_streams: int = DEFAULT_NUM_STREAMS,
-        num_workers: int = 2,
-        tokenizer_batch_size: int = 128,
-        seed: int = 0,
-        bestfit_buffer_size: int = 1000,
+        steps_per_epoch: PositiveInt | None = None,
+        val_steps: PositiveInt | None = None,
+        num_streams: PositiveInt = DEFAULT_NUM_STREAMS,
+        num_workers: NonNegativeInt = 2,
+        tokenizer_batch_size: PositiveInt = 128,
+        seed: NonNegativeInt = 0,
+        bestfit_buffer_size: PositiveInt = 1000,
         pin_memory: bool | None = None,
         on_order_mismatch: OnOrderMismatch = "raise",
     ):
