@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lightning_d9d.child_processes import children_exit_with_parent
+
 # Bump when the tokenization recipe changes, so caches written by an older recipe are not reused.
 _TOKENIZE_RECIPE_VERSION = 1
 MIN_TOKENS = 2
@@ -100,15 +102,16 @@ def tokenized_split(
     # datasets would fingerprint the function by pickling it, which sees the tokenizer's path but not its
     # content: an edited tokenizer.json would silently reuse stale token ids. Hash the content instead.
     fingerprint = Hasher.hash([raw._fingerprint, tokenizer_digest, max_length, text_column, _TOKENIZE_RECIPE_VERSION])
-    tokenized = raw.map(
-        tokenize,
-        batched=True,
-        batch_size=1_000,
-        num_proc=num_proc,
-        remove_columns=raw.column_names,
-        new_fingerprint=fingerprint,
-        desc=f"Tokenizing {Path(name).name or name} [{split}]",
-    )
+    with children_exit_with_parent():  # a killed parent must not leave the map's worker pool running
+        tokenized = raw.map(
+            tokenize,
+            batched=True,
+            batch_size=1_000,
+            num_proc=num_proc,
+            remove_columns=raw.column_names,
+            new_fingerprint=fingerprint,
+            desc=f"Tokenizing {Path(name).name or name} [{split}]",
+        )
     if len(tokenized) == 0:
         raise ValueError(f"dataset {name!r} split {split!r} has no document of {MIN_TOKENS} or more tokens")
     return TokenizedSplit(
