@@ -41,7 +41,7 @@ def run_cli(args: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
-def test_the_shipped_configs_include_the_three_of_this_issue() -> None:
+def test_the_shipped_configs_include_every_datamodule_path() -> None:
     assert {"demo.yaml", "d9d.yaml", "text.yaml", "demo_padding_free.yaml"} <= {path.name for path in CONFIGS}
 
 

@@ -29,6 +29,7 @@ from lightning_d9d.datamodules.d9d import D9DDataModule
 from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
 from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, tokenized_split
+from lightning_d9d.tokenizer import check_tokenizer_file
 
 
 class TextDataModule(D9DDataModule):
@@ -118,8 +119,8 @@ class TextDataModule(D9DDataModule):
         self.max_length = positive_int("max_length", max_length)
         if num_proc is not None:
             positive_int("num_proc", num_proc)
-        if tokenizer != DEMO and not Path(tokenizer).expanduser().is_file():
-            raise FileNotFoundError(f"tokenizer file {tokenizer!r} does not exist (expected a tokenizer.json)")
+        if tokenizer != DEMO:
+            check_tokenizer_file(tokenizer)
         if dataset != DEMO:
             check_local_path(dataset)
         self.dataset, self.tokenizer = dataset, tokenizer
