@@ -109,8 +109,9 @@ def check_ckpt_path(ckpt_path: Any) -> None:
     Raises:
         FileNotFoundError: naming the path and the values ``--ckpt_path`` accepts.
     """
-    if ckpt_path is None or str(ckpt_path) in _CKPT_PATH_KEYWORDS or "://" in str(ckpt_path):
-        return  # Lightning resolves the keywords; a URL is read by fsspec
+    text = str(ckpt_path)
+    if ckpt_path is None or text in _CKPT_PATH_KEYWORDS or text.startswith("registry:") or "://" in text:
+        return  # Lightning resolves the keywords ("registry:name:version" too); a URL is read by fsspec
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(
             f"--ckpt_path {str(ckpt_path)!r} is not a file: give an existing checkpoint file, a URL, or one of "
