@@ -95,6 +95,7 @@ def test_inspect_the_padding_free_demo_reports_its_plan(
     assert "batch.input_ids: (1, " in report and "batch.cu_seqlens: (" in report and "int32" in report
 
 
+@pytest.mark.slow
 def test_padding_free_demo_fits_and_resumes_exactly(offline_env: dict[str, str], tmp_path: Path) -> None:
     """The padding-free config trains in process and resumes from ``last`` with the same batches and weights."""
     shrink = ["--data.init_args.global_batch_tokens=1024", "--data.init_args.microbatch_tokens=256"]
@@ -203,6 +204,7 @@ def read_records(path: Path) -> list[tuple[int, int, str]]:
     return [(r["step"], r["epoch"], r["sha"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
+@pytest.mark.slow
 def test_demo_fit_writes_checkpoints_and_resumes_exactly(offline_env: dict[str, str], tmp_path: Path) -> None:
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     whole.mkdir()
