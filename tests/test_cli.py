@@ -73,6 +73,7 @@ def test_bad_values_are_rejected_at_parse_time(override: str, field: str, capsys
 
 
 # ---------------------------------------------------------------------------------------------------- inspect
+@pytest.mark.slow
 def test_inspect_the_demo(offline_env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(["inspect", "--config", str(DEMO), "--steps", "3", "--data.init_args.num_workers=0"])
     report = capsys.readouterr().out
@@ -82,6 +83,7 @@ def test_inspect_the_demo(offline_env: dict[str, str], capsys: pytest.CaptureFix
     assert "batch.input_ids: (8, " in report and "batch.labels: (8, " in report
 
 
+@pytest.mark.slow
 def test_inspect_the_padding_free_demo_reports_its_plan(
     offline_env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
