@@ -18,7 +18,7 @@ growth of anonymous (private) RSS, and the tracemalloc peak (Python and numpy al
 run. The verdict uses private memory (max of anon RSS growth and the tracemalloc peak): in the memmap case the
 peak RSS also counts page-cache pages of the key file mapped by the random key reads (here the kernel maps whole
 large folios, ~1.9 GB for 4,096 reads of a freshly written file) — shared, evictable, not allocated by us.
-Target (issue 2): < 100 MB and < 1 s.
+Target: < 100 MB and < 1 s.
 
 Run: ``python benchmarks/order_scale.py`` (~30 s on 2 cores) or ``--quick`` (10⁹ still, without the memmap
 case, randperm at 10⁷).

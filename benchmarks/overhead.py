@@ -16,7 +16,7 @@ order, so none always runs first or last on a machine shared with other jobs), r
 best (least disturbed) and median run, and the median of the per-repeat ratios (each run against the bare run
 of the same repeat), which is what the verdict uses. With 2 workers a run is the first 2,000 microbatches
 (start-up included): every batch then crosses a process boundary (~1 ms), and whole epochs would take minutes.
-Target (issue 2): ours ≤ 1.05 × bare.
+Target: ours ≤ 1.05 × bare.
 
 Run: ``python benchmarks/overhead.py`` (~1.5 min on 2 cores) or ``--quick`` (a few hundred microbatches).
 """

@@ -14,7 +14,7 @@ How, side by side in one run, averaged over the same epochs (seeds) for each col
 * ours      — ``D9DDataModule(sort_buffer_size=B)`` through its public API: the loader of rank 0 of 1
   (``train_dataloader_for_rank``), its real collated microbatches padded to their longest (``pad_collate``).
 
-Targets (issue 2): ours ≤ 2 % at 16·G, and ≤ ¼ of the d9d-style figure at every buffer from 4·G up.
+Targets: ours ≤ 2 % at 16·G, and ≤ ¼ of the d9d-style figure at every buffer from 4·G up.
 
 Run: ``python benchmarks/padding.py`` (full, ~1 min on 2 cores) or ``--quick`` (one epoch, fewer buffers).
 """

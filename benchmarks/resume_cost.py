@@ -7,7 +7,7 @@ G = 256 and m = 8, unsorted and sorted (16·G windows, a per-index Python sort k
   ``next(iter(dm.train_dataloader()))``. ``state`` is what ``dm.state_dict()`` writes (epoch, step and the
   order fingerprint) with ``step`` set to the position: 0 or 10⁷ // G steps (sample 9,999,872). The first
   batch is checked against the order's global batch at that step, so the figure is for a correct resume.
-  Median of several repeats. Target (issue 3): flat in the position, < 1 s.
+  Median of several repeats. Target: flat in the position, < 1 s.
 * naive resume: iterate the loader from the epoch start and throw batches away until the position; timed over
   a short skip and extrapolated linearly to 10⁷ samples (it is linear: every skipped batch is fetched).
 * state size per rank: ``len(pickle.dumps(dm.state_dict()))``, and what it adds to a ``torch.save`` file

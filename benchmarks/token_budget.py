@@ -29,7 +29,7 @@ What is measured, side by side in one run:
    thread (``--threads``): on a shared 2-core machine more threads than free cores make the pool spin. The
    three modes run interleaved, in rounds; the ratio reported is the median of the per-round ratios.
 
-Targets (issue 16): padding-free fill >= 98 %, padded budget real tokens >= 92 % of the budget, on both
+Targets: padding-free fill >= 98 %, padded budget real tokens >= 92 % of the budget, on both
 corpora; planning 10⁷ samples <= 10 s and <= 200 MB.
 
 Run: ``python benchmarks/token_budget.py`` (~3 min on 2 cores) or ``--quick`` (10⁶ samples planned, fewer

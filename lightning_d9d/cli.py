@@ -22,6 +22,7 @@ inspecting a huge dataset stays fast; raise ``--steps`` for a tighter figure.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,10 +30,19 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
+from lightning_d9d.cli_errors import (
+    CONFIGURATION_ERRORS,
+    ConfigurationError,
+    ReadableErrorParser,
+    full_tracebacks,
+    report_configuration_error,
+)
 
 INSPECT = "inspect"
 _INSPECT_HELP = "Print steps per epoch, microbatches and tokens per step, padding and the first batch's shapes."
 _INSPECT_DEFAULT_STEPS = 20
+# Values LightningCLI's --ckpt_path accepts besides a file: Lightning resolves them itself.
+_CKPT_PATH_KEYWORDS = ("last", "best", "hpc", "registry")
 
 
 class D9DCLI(LightningCLI):
@@ -49,12 +59,21 @@ class D9DCLI(LightningCLI):
         # A resumed run writes its config into a new log version, but a user who pins the log dir would hit
         # LightningCLI's "config.yaml already exists" refusal; overwriting keeps resume a one-flag change.
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_class", ReadableErrorParser)
         super().__init__(
             model_class=kwargs.pop("model_class", None),
             datamodule_class=kwargs.pop("datamodule_class", None),
             args=args,
             **kwargs,
         )
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (TypeError, ImportError) as error:  # a bad argument of a class or of the Trainer, not a bug here
+            if full_tracebacks():
+                raise
+            raise ConfigurationError(str(error)) from error
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -80,7 +99,24 @@ class D9DCLI(LightningCLI):
                 raise ValueError(f"--steps must be a positive integer, got {steps}")
             print(inspect(self.datamodule, self.trainer, steps))
             return
+        check_ckpt_path(self.config_init[subcommand].get("ckpt_path"))
         super()._run_subcommand(subcommand)
+
+
+def check_ckpt_path(ckpt_path: Any) -> None:
+    """Fail before training starts when ``--ckpt_path`` names a local file that does not exist.
+
+    Raises:
+        FileNotFoundError: naming the path and the values ``--ckpt_path`` accepts.
+    """
+    text = str(ckpt_path)
+    if ckpt_path is None or text in _CKPT_PATH_KEYWORDS or text.startswith("registry:") or "://" in text:
+        return  # Lightning resolves the keywords ("registry:name:version" too); a URL is read by fsspec
+    if not os.path.isfile(ckpt_path):
+        raise FileNotFoundError(
+            f"--ckpt_path {str(ckpt_path)!r} is not a file: give an existing checkpoint file, a URL, or one of "
+            f"{list(_CKPT_PATH_KEYWORDS)} ('last': the newest checkpoint the ModelCheckpoint callback wrote)"
+        )
 
 
 def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) -> str:
@@ -212,8 +248,17 @@ def describe_batch(batch: Any, name: str = "batch") -> list[str]:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-d9d`` console script."""
-    D9DCLI(args=args)
+    """Entry point of the ``lightning-d9d`` console script.
+
+    A misconfiguration ends with one line naming the setting and what is valid, and exit code 2 (parsing) or 1
+    (building or running); ``LIGHTNING_D9D_TRACEBACK=1`` shows the full messages and tracebacks instead.
+    """
+    try:
+        D9DCLI(args=args)
+    except CONFIGURATION_ERRORS as error:
+        if full_tracebacks():
+            raise
+        report_configuration_error(error)
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ class RecordingModule(pl.LightningModule):
         run: a name written into every record.
         packs: batches are packs of microbatches (manual optimization, one optimizer step per pack).
         use_estimated_steps: ask for ``trainer.estimated_stepping_batches`` in ``configure_optimizers``
-            (Lightning issue #20550 made the loader's state go unloaded when this was done).
+            (with Lightning's own loader restore, doing so leaves the loader's state unloaded).
         kill_at_step: SIGKILL this process at this global step, like a preempted job.
     """
 

@@ -36,6 +36,7 @@ MIN_VERDICTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_quick_benchmark_runs(script: str) -> None:

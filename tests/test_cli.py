@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import BatchRecorder
+import yaml
+from support import BatchRecorder, make_docs, train_tokenizer, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -40,7 +41,7 @@ def run_cli(args: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
-def test_the_shipped_configs_include_the_three_of_this_issue() -> None:
+def test_the_shipped_configs_include_every_datamodule_path() -> None:
     assert {"demo.yaml", "d9d.yaml", "text.yaml", "demo_padding_free.yaml"} <= {path.name for path in CONFIGS}
 
 
@@ -72,6 +73,7 @@ def test_bad_values_are_rejected_at_parse_time(override: str, field: str, capsys
 
 
 # ---------------------------------------------------------------------------------------------------- inspect
+@pytest.mark.slow
 def test_inspect_the_demo(offline_env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(["inspect", "--config", str(DEMO), "--steps", "3", "--data.init_args.num_workers=0"])
     report = capsys.readouterr().out
@@ -81,6 +83,7 @@ def test_inspect_the_demo(offline_env: dict[str, str], capsys: pytest.CaptureFix
     assert "batch.input_ids: (8, " in report and "batch.labels: (8, " in report
 
 
+@pytest.mark.slow
 def test_inspect_the_padding_free_demo_reports_its_plan(
     offline_env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -94,6 +97,7 @@ def test_inspect_the_padding_free_demo_reports_its_plan(
     assert "batch.input_ids: (1, " in report and "batch.cu_seqlens: (" in report and "int32" in report
 
 
+@pytest.mark.slow
 def test_padding_free_demo_fits_and_resumes_exactly(offline_env: dict[str, str], tmp_path: Path) -> None:
     """The padding-free config trains in process and resumes from ``last`` with the same batches and weights."""
     shrink = ["--data.init_args.global_batch_tokens=1024", "--data.init_args.microbatch_tokens=256"]
@@ -202,6 +206,7 @@ def read_records(path: Path) -> list[tuple[int, int, str]]:
     return [(r["step"], r["epoch"], r["sha"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
+@pytest.mark.slow
 def test_demo_fit_writes_checkpoints_and_resumes_exactly(offline_env: dict[str, str], tmp_path: Path) -> None:
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     whole.mkdir()
@@ -267,3 +272,161 @@ def test_d9d_config_rejects_bad_values_at_parse_time(
         run_cli(["fit", "--config", str(REPO / "configs" / "d9d.yaml"), override, "--print_config"])
     assert exit_info.value.code not in (0, None)
     assert field in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+# A misconfiguration ends with one short message naming the key and what would be valid, exit code != 0.
+# (name, config edit, extra flags, exit code, what the message must name)
+MISCONFIGURATIONS = [
+    ("unknown_key", {"seq_lenn": 32}, [], 2, ["data.init_args.seq_lenn", "did you mean 'seq_len'"]),
+    ("unknown_flag", {}, ["--trainer.max_stepz=3"], 2, ["--trainer.max_stepz", "--trainer.max_steps"]),
+    ("wrong_type", {}, ["--data.init_args.seq_len=abc"], 2, ["data.init_args.seq_len", "integer > 0", "abc"]),
+    ("bad_value", {}, ["--data.init_args.seq_len=-5", "--print_config"], 2, ["data.init_args.seq_len", "> 0"]),
+    ("bad_choice", {}, ["--data.init_args.packing=best"], 2, ["packing", "'bestfit_split'", "'concat'"]),
+    ("missing_config", {}, ["--config", "no_such.yaml"], 2, ["config", "no_such.yaml", "does not exist"]),
+    (
+        "class_path",
+        {"class_path": "lightning_d9d.PretrainingDataModul"},
+        [],
+        2,
+        ["data.class_path", "lightning_d9d.PretrainingDataModule"],
+    ),
+    ("missing_files", {"train_files": "no_such_dir"}, [], 1, ["train_files='no_such_dir'", "a glob"]),
+    ("missing_tokenizer", {"tokenizer": "no_such.json"}, [], 1, ["no_such.json", "tokenizer.json"]),
+    ("stream_layout", {"num_workers": 3}, [], 1, ["num_workers=3", "[0, 1, 2, 4]"]),
+    ("indivisible_batch", {"global_batch_size": 6}, [], 1, ["global_batch_size=6", "multiple of 4"]),
+    ("missing_checkpoint", {}, ["--ckpt_path", "no_such.ckpt"], 1, ["--ckpt_path 'no_such.ckpt'", "'last'"]),
+    ("accumulation", {}, ["--trainer.accumulate_grad_batches=3"], 1, ["accumulate_grad_batches=3", "leave it at 1"]),
+]
+
+
+@pytest.fixture(scope="module")
+def pretraining_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with parquet files, a tokenizer and a small valid pretraining config (``base.yaml``)."""
+    root = tmp_path_factory.mktemp("misconfigured")
+    docs = make_docs(120, seed=5)
+    write_parquet(root / "train", docs, files=2)
+    train_tokenizer(docs, root / "tokenizer.json")
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "logger": False},
+        "model": {"class_path": "lightning_d9d.demo.model.TinyGPT", "init_args": {"vocab_size": 512}},
+        "data": {
+            "class_path": "lightning_d9d.PretrainingDataModule",
+            "init_args": {
+                "train_files": "train",
+                "tokenizer": "tokenizer.json",
+                "seq_len": 32,
+                "global_batch_size": 8,
+                "microbatch_size": 4,
+                "num_streams": 4,
+                "num_workers": 0,
+            },
+        },
+    }
+    (root / "base.yaml").write_text(yaml.safe_dump(config))
+    return root
+
+
+def misconfigured_args(root: Path, edit: dict, flags: list[str], name: str) -> list[str]:
+    config = yaml.safe_load((root / "base.yaml").read_text())
+    if "class_path" in edit:
+        config["data"]["class_path"] = edit["class_path"]
+    else:
+        config["data"]["init_args"].update(edit)
+    (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    config_args = [] if "--config" in flags else ["--config", f"{name}.yaml"]
+    return ["fit", *config_args, *flags]
+
+
+def assert_readable(stderr: str, expected: list[str]) -> None:
+    error_lines = [line for line in stderr.splitlines() if ": error: " in line]
+    assert "Traceback" not in stderr, stderr
+    assert len(error_lines) == 1, stderr
+    for text in expected:
+        assert text in error_lines[0], (text, error_lines[0])
+    assert "LIGHTNING_D9D_TRACEBACK=1" in stderr  # the way to the full message is named
+
+
+@pytest.mark.parametrize("name, edit, flags, code, expected", MISCONFIGURATIONS, ids=[c[0] for c in MISCONFIGURATIONS])
+def test_a_misconfiguration_ends_in_one_line_naming_the_key(
+    name: str,
+    edit: dict,
+    flags: list[str],
+    code: int,
+    expected: list[str],
+    pretraining_config: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(pretraining_config)
+    monkeypatch.delenv("LIGHTNING_D9D_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(misconfigured_args(pretraining_config, edit, flags, name))
+    assert exit_info.value.code == code
+    assert_readable(capsys.readouterr().err, expected)
+
+
+def entry_point() -> list[str]:
+    """The installed ``lightning-d9d`` console script (PYTHONPATH puts this checkout's package first)."""
+    script = Path(sys.executable).parent / "lightning-d9d"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lightning_d9d.cli"]
+
+
+@pytest.mark.slow
+def test_misconfigurations_through_the_lightning_d9d_command(pretraining_config: Path) -> None:
+    """Every case of the table, as a real ``lightning-d9d`` process: short stderr, no traceback, exit code != 0."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("LIGHTNING_D9D_TRACEBACK", None)
+    processes = {}
+    for name, edit, flags, code, expected in MISCONFIGURATIONS:  # started together: each pays the imports
+        args = misconfigured_args(pretraining_config, edit, flags, name)
+        processes[name] = (
+            subprocess.Popen(
+                [*entry_point(), *args],
+                cwd=pretraining_config,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+            code,
+            expected,
+        )
+    for name, (process, code, expected) in processes.items():
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == code, (name, stderr[-3000:])
+        assert len(stderr.splitlines()) < 15, (name, stderr)
+        assert_readable(stderr, expected)
+
+
+def test_the_traceback_variable_shows_the_full_error(
+    pretraining_config: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(pretraining_config)
+    monkeypatch.setenv("LIGHTNING_D9D_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="num_workers=3"):  # the exception itself, for its traceback
+        run_cli(misconfigured_args(pretraining_config, {"num_workers": 3}, [], "layout_traceback"))
+    with pytest.raises(SystemExit):
+        run_cli(misconfigured_args(pretraining_config, {}, ["--data.init_args.seq_len=abc"], "parse_traceback"))
+    assert "Does not validate against any of the Union subtypes" in capsys.readouterr().err  # jsonargparse's own
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("--data.init_args.seq_len=-5", "seq_len"),
+        ("--data.init_args.num_streams=0", "num_streams"),
+        ("--data.init_args.num_workers=-1", "num_workers"),
+        ("--data.init_args.steps_per_epoch=0", "steps_per_epoch"),
+        ("--data.init_args.tokenizer_batch_size=0", "tokenizer_batch_size"),
+        ("--data.init_args.bestfit_buffer_size=-3", "bestfit_buffer_size"),
+    ],
+)
+def test_pretraining_config_rejects_bad_values_at_parse_time(
+    override: str, field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = REPO / "configs" / "pretraining.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(["fit", "--config", str(DEMO), "--config", str(config), override, "--print_config"])
+    assert exit_info.value.code == 2
+    assert f"data.init_args.{field}: must be an integer" in capsys.readouterr().err

@@ -228,6 +228,6 @@ def test_a_tokenizer_file_that_is_not_json_names_the_file_before_any_map(tmp_pat
         num_workers=0,
         cache_dir=str(tmp_path / "cache"),
     )
-    with pytest.raises(ValueError, match=rf"tokenizer file '{bad}' is not a tokenizers JSON file"):
+    with pytest.raises(ValueError, match=rf"tokenizer='{bad}' is not a valid tokenizers JSON file"):
         dm.prepare_data()
     assert not list((tmp_path / "cache").rglob("cache-*.arrow")), "no map may have run"

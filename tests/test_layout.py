@@ -113,6 +113,7 @@ def parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_breaking_out_of_loops_stops_workers_without_the_garbage_collector(parquet: Path) -> None:
     """With the garbage collector off, a loop broken off must still stop its workers at once (nothing may wait
     for a collection, which could otherwise run inside a later loader's forked worker and fail there)."""

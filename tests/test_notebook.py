@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "explore.ipynb"
 
 
+@pytest.mark.slow
 def test_explore_notebook_executes_every_cell(tmp_path: Path) -> None:
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (

@@ -102,6 +102,7 @@ def assert_validation_is_the_same_every_run(records: list[dict]) -> None:
         assert len(set(same_size)) == 1 and len(same_size[0]) == 2, size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", ["bestfit", "concat", "bestfit_split"])
 def test_resume_on_one_device_is_exact_with_other_workers_and_microbatch_sizes(
     data: Path, tmp_path: Path, packing: str
@@ -138,6 +139,7 @@ def test_resume_on_one_device_is_exact_with_other_workers_and_microbatch_sizes(
     assert_validation_is_the_same_every_run(records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", ["bestfit", "concat"])
 def test_the_same_global_batches_on_one_and_two_ranks_and_elastic_resume(
     data: Path, tmp_path: Path, packing: str

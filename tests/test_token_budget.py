@@ -86,6 +86,7 @@ def test_padded_microbatches_count_the_collates_rounding() -> None:
     assert max(batch.input_ids.numel() for batch in batches) > 0.8 * BUDGET
 
 
+@pytest.mark.slow
 def test_the_plan_is_the_same_on_any_world_size_and_worker_count() -> None:
     dm = token_dm(LengthDataset(400), seed=1)
     dm.setup("fit")

@@ -143,6 +143,7 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"records": records, "ckpt": root / "ckpt"}
 
 
+@pytest.mark.slow
 def test_ddp_ranks_train_equal_shares_of_the_same_steps(ddp_reference: dict, plan: dict) -> None:
     records = ddp_reference["records"]
     assert by_step(records, plan["steps"]) == plan["per_step"]
@@ -150,6 +151,7 @@ def test_ddp_ranks_train_equal_shares_of_the_same_steps(ddp_reference: dict, pla
     assert per_rank[0] == per_rank[1] == sum(plan["steps"]) * PER_STEP // 2
 
 
+@pytest.mark.slow
 def test_elastic_resume_two_ranks_to_one_in_a_later_epoch(ddp_reference: dict, plan: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, ckpt_path=str(ddp_reference["ckpt"] / "epoch=1-step=15.ckpt"))
     combined = before_step(ddp_reference["records"], 15) + resumed
@@ -157,6 +159,7 @@ def test_elastic_resume_two_ranks_to_one_in_a_later_epoch(ddp_reference: dict, p
     assert len(combined) == sum(plan["steps"]) * PER_STEP  # every planned microbatch once
 
 
+@pytest.mark.slow
 def test_elastic_resume_one_rank_to_two_inside_a_window(reference: dict, plan: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, devices=2, ckpt_path=str(reference["ckpt"] / "mid-e2-b9.ckpt"))
     combined = before_step(reference["records"], 20) + resumed
@@ -241,6 +244,7 @@ def ddp_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict[str
     return {run["padding_free"]: torch.load(run["out"], weights_only=True) for run in runs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
 def test_the_loss_factor_gives_the_steps_per_token_mean_gradient(
     padding_free: bool, ddp_weights: dict, tmp_path: Path

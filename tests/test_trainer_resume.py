@@ -132,6 +132,7 @@ def test_yield_packs_resume_is_exact(tmp_path: Path) -> None:
     assert trained(before_step(full, 7) + resumed) == trained(full)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_from_last_trains_every_sample_once(reference: dict, tmp_path: Path) -> None:
     killed = run(tmp_path / "killed", ckpt_dir=tmp_path / "ckpt", every_n_train_steps=3, kill_at_step=8)
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
@@ -148,6 +149,7 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"records": records, "ckpt": root / "ckpt", "root": root}
 
 
+@pytest.mark.slow
 def test_ddp_ranks_train_disjoint_equal_shares_of_the_same_global_batches(ddp_reference: dict, reference: dict) -> None:
     records = ddp_reference["records"]
     assert_exactly_once_per_epoch(records)
@@ -162,6 +164,7 @@ def test_ddp_ranks_train_disjoint_equal_shares_of_the_same_global_batches(ddp_re
         assert {r["rank"] for r in val if r["epoch"] == epoch} == {0, 1}
 
 
+@pytest.mark.slow
 def test_ddp_resume_is_exact_on_every_rank(ddp_reference: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, devices=2, ckpt_path=str(ddp_reference["ckpt"] / "epoch=0-step=5.ckpt"), estimated=True)
     combined = before_step(ddp_reference["records"], 5) + resumed
@@ -169,6 +172,7 @@ def test_ddp_resume_is_exact_on_every_rank(ddp_reference: dict, tmp_path: Path) 
     assert trained(order) == trained(ddp_reference["records"])
 
 
+@pytest.mark.slow
 def test_elastic_resume_two_ranks_to_one(ddp_reference: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, ckpt_path=str(ddp_reference["ckpt"] / "epoch=1-step=15.ckpt"))
     combined = before_step(ddp_reference["records"], 15) + resumed
@@ -176,6 +180,7 @@ def test_elastic_resume_two_ranks_to_one(ddp_reference: dict, tmp_path: Path) ->
     assert_exactly_once_per_epoch(combined)
 
 
+@pytest.mark.slow
 def test_elastic_resume_one_rank_to_two(reference: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, devices=2, ckpt_path=str(reference["ckpt"] / "mid-e0-b43.ckpt"))
     combined = before_step(reference["records"], 5) + resumed

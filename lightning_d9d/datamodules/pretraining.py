@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
@@ -51,7 +52,7 @@ from lightning_d9d.streaming.loader import (
 from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.stream import PACKINGS, RowBlock, StreamCounters, StreamSpec, StreamState
-from lightning_d9d.text.tokenize import PAD_TOKEN_CANDIDATES
+from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
 
 STATE_VERSION = 2
 DEFAULT_NUM_STREAMS = 16
@@ -156,20 +157,20 @@ class PretrainingDataModule(SteppedDataModule):
         self,
         train_files: str | os.PathLike | Sequence[str | os.PathLike],
         tokenizer: str | os.PathLike | Tokenizer,
-        seq_len: int = 1024,
-        global_batch_size: int = 64,
-        microbatch_size: int = 8,
+        seq_len: PositiveInt = 1024,
+        global_batch_size: PositiveInt = 64,
+        microbatch_size: PositiveInt = 8,
         val_files: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         text_column: str = "text",
         bos_token: str = "<|bos|>",
         packing: Literal["bestfit", "bestfit_split", "concat"] = "bestfit",
-        steps_per_epoch: int | None = None,
-        val_steps: int | None = None,
-        num_streams: int = DEFAULT_NUM_STREAMS,
-        num_workers: int = 2,
-        tokenizer_batch_size: int = 128,
-        seed: int = 0,
-        bestfit_buffer_size: int = 1000,
+        steps_per_epoch: PositiveInt | None = None,
+        val_steps: PositiveInt | None = None,
+        num_streams: PositiveInt = DEFAULT_NUM_STREAMS,
+        num_workers: NonNegativeInt = 2,
+        tokenizer_batch_size: PositiveInt = 128,
+        seed: NonNegativeInt = 0,
+        bestfit_buffer_size: PositiveInt = 1000,
         pin_memory: bool | None = None,
         on_order_mismatch: OnOrderMismatch = "raise",
     ):
@@ -216,7 +217,7 @@ class PretrainingDataModule(SteppedDataModule):
         Raises:
             ValueError: see the class docstring.
         """
-        tokenizer = self._load_tokenizer()
+        tokenizer = read_tokenizer(self.tokenizer)
         bos_id = tokenizer.token_to_id(self.bos_token)
         if bos_id is None:
             special = sorted(t.content for t in tokenizer.get_added_tokens_decoder().values())
@@ -225,7 +226,8 @@ class PretrainingDataModule(SteppedDataModule):
                 f"{special}: pass one of them as bos_token or add it to the tokenizer"
             )
         tokenizer_json = tokenizer.to_str()
-        self._pad_id = padding_id(tokenizer, bos_id)
+        # BOS marks document starts, so padding must not use it.
+        self._pad_id = pad_token_id(tokenizer, avoid=bos_id)
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
         check_layout(self.num_streams, self.global_batch_size, self.world_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
@@ -379,17 +381,6 @@ class PretrainingDataModule(SteppedDataModule):
             pad_id=self._pad_id,
         )
 
-    def _load_tokenizer(self) -> Tokenizer:
-        if isinstance(self.tokenizer, Tokenizer):
-            return self.tokenizer
-        path = os.fspath(self.tokenizer)
-        if not os.path.isfile(path):
-            raise ValueError(f"tokenizer={path!r} is not a file: give a tokenizer.json path or a tokenizers.Tokenizer")
-        try:
-            return Tokenizer.from_file(path)
-        except Exception as err:  # tokenizers raises a bare Exception on bad JSON
-            raise ValueError(f"tokenizer={path!r} is not a valid tokenizers JSON file: {err}") from err
-
     def _fingerprint(self, index: RowGroupIndex, tokenizer_json: str) -> StreamFingerprint:
         labels = index.file_labels()
         files = hashlib.sha256()
@@ -415,21 +406,6 @@ class PretrainingDataModule(SteppedDataModule):
         if value is None:
             raise RuntimeError("call dm.setup('fit') first (Trainer.fit does it)")
         return value
-
-
-def padding_id(tokenizer: Tokenizer, bos_id: int) -> int:
-    """The id ``bestfit_split`` writes at padding: the tokenizer's pad token, else a usual one, else any id but BOS.
-
-    Any valid id works (padding is never a target and its positions restart), but not BOS: a model that finds
-    document starts by BOS would see every padding token as a document.
-    """
-    if tokenizer.padding is not None and tokenizer.padding.get("pad_id") != bos_id:
-        return int(tokenizer.padding["pad_id"])
-    for token in PAD_TOKEN_CANDIDATES:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None and token_id != bos_id:
-            return int(token_id)
-    return 1 if bos_id == 0 else 0
 
 
 def _saveable(value: Any) -> Any:

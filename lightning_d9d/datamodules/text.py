@@ -37,7 +37,8 @@ from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
 from lightning_d9d.text.finetune import FineTuningOptions, FineTuningState
 from lightning_d9d.text.formats import Columns
 from lightning_d9d.text.sft_schedule import FineTuningFingerprint, LabelCountSchedule
-from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, pad_token_id, tokenized_split
+from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, tokenized_split
+from lightning_d9d.tokenizer import check_tokenizer_file, pad_token_id, read_tokenizer
 
 
 class TextDataModule(D9DDataModule):
@@ -153,8 +154,8 @@ class TextDataModule(D9DDataModule):
         self.max_length = positive_int("max_length", max_length)
         if num_proc is not None:
             positive_int("num_proc", num_proc)
-        if tokenizer != DEMO and not Path(tokenizer).expanduser().is_file():
-            raise FileNotFoundError(f"tokenizer file {tokenizer!r} does not exist (expected a tokenizer.json)")
+        if tokenizer != DEMO:
+            check_tokenizer_file(tokenizer)
         if dataset not in (DEMO, DEMO_CHAT):
             check_local_path(dataset)
         columns = Columns(text_column, prompt_column, completion_column, messages_column)
@@ -232,7 +233,7 @@ class TextDataModule(D9DDataModule):
         )
         if sft is not None:
             self.sft.record(which, recipe, sft)
-            self.padded_collator.pad_token_id = pad_token_id(tokenizer_path, file_sha256(tokenizer_path))
+            self.padded_collator.pad_token_id = pad_token_id(read_tokenizer(tokenizer_path))
             return sft.dataset
         tokenized = tokenized_split(
             dataset_path,

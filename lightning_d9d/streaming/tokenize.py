@@ -35,27 +35,12 @@ from typing import TypeVar
 from tokenizers import Tokenizer
 
 from lightning_d9d.streaming.reader import TextChunk
+from lightning_d9d.tokenizer import tokenizer_from_json as load_tokenizer  # estimate, bestfit_restore use this name
 
 T = TypeVar("T")
 
-_tokenizers: dict[str, Tokenizer] = {}
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
-
-
-def load_tokenizer(tokenizer_json: str) -> Tokenizer:
-    """Parse a serialized tokenizer once per process (parsing a large vocabulary takes a while).
-
-    Padding and truncation saved in the JSON are switched off: a document must come out whole and unpadded
-    (a ``tokenizer.json`` saved with ``truncation: {max_length: 512}`` would silently cut every document).
-    """
-    tokenizer = _tokenizers.get(tokenizer_json)
-    if tokenizer is None:
-        tokenizer = Tokenizer.from_str(tokenizer_json)
-        tokenizer.no_padding()
-        tokenizer.no_truncation()
-        _tokenizers[tokenizer_json] = tokenizer
-    return tokenizer
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list:

@@ -22,6 +22,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lightning_d9d.child_processes import children_exit_with_parent
+from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
+
 # Bump when the tokenization recipe changes, so caches written by an older recipe are not reused.
 _TOKENIZE_RECIPE_VERSION = 1
 MIN_TOKENS = 2
@@ -35,7 +38,6 @@ _BUILDER_BY_EXTENSION = {
     ".txt": "text",
     ".arrow": "arrow",
 }
-PAD_TOKEN_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|endoftext|>", "</s>", "<eos>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class TokenizedSplit:
     Attributes:
         dataset: a ``datasets.Dataset`` with columns ``input_ids`` and ``token_counts``, formatted so that a
             sample is ``{"input_ids": np.ndarray}`` (the map-style order reads ``token_counts`` as a column).
-        pad_token_id: the tokenizer's padding id (or a likely pad token's, else 0: padding is masked anyway).
+        pad_token_id: ``lightning_d9d.tokenizer.pad_token_id`` of the tokenizer file.
     """
 
     dataset: Any
@@ -100,19 +102,21 @@ def tokenized_split(
     # datasets would fingerprint the function by pickling it, which sees the tokenizer's path but not its
     # content: an edited tokenizer.json would silently reuse stale token ids. Hash the content instead.
     fingerprint = Hasher.hash([raw._fingerprint, tokenizer_digest, max_length, text_column, _TOKENIZE_RECIPE_VERSION])
-    tokenized = raw.map(
-        tokenize,
-        batched=True,
-        batch_size=1_000,
-        num_proc=num_proc,
-        remove_columns=raw.column_names,
-        new_fingerprint=fingerprint,
-        desc=f"Tokenizing {Path(name).name or name} [{split}]",
-    )
+    with children_exit_with_parent():  # a killed parent must not leave the map's worker pool running
+        tokenized = raw.map(
+            tokenize,
+            batched=True,
+            batch_size=1_000,
+            num_proc=num_proc,
+            remove_columns=raw.column_names,
+            new_fingerprint=fingerprint,
+            desc=f"Tokenizing {Path(name).name or name} [{split}]",
+        )
     if len(tokenized) == 0:
         raise ValueError(f"dataset {name!r} split {split!r} has no document of {MIN_TOKENS} or more tokens")
+    # Read the padding setting from the file as saved: load_tokenizer's copy has padding switched off.
     return TokenizedSplit(
-        tokenized.with_format("numpy", columns=["input_ids"]), pad_token_id(tokenizer_path, tokenizer_digest)
+        tokenized.with_format("numpy", columns=["input_ids"]), pad_token_id(read_tokenizer(tokenizer_path))
     )
 
 
@@ -151,30 +155,10 @@ def load_tokenizer(path: str, digest: str, max_length: int) -> Any:
     Raises:
         ValueError: the file is not a tokenizer ``tokenizers`` can read (naming the file and its error).
     """
-    from tokenizers import Tokenizer
-
-    try:
-        tokenizer = Tokenizer.from_file(path)
-    except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
-        raise ValueError(
-            f"tokenizer file {path!r} is not a tokenizers JSON file ({error}); save one with "
-            "tokenizers.Tokenizer.save or transformers' tokenizer.save_pretrained (its tokenizer.json)"
-        ) from error
+    tokenizer = read_tokenizer(path)
     tokenizer.no_padding()  # a tokenizer.json saved with padding on would pad every document to one length
     tokenizer.enable_truncation(max_length)  # keeps the post-processor's special tokens within max_length
     return tokenizer
-
-
-def pad_token_id(tokenizer_path: str, digest: str) -> int:
-    """The tokenizer's padding id, else the id of a usual pad token, else 0 (padding is masked anyway)."""
-    tokenizer = load_tokenizer(tokenizer_path, digest, 1)
-    if tokenizer.padding is not None:
-        return int(tokenizer.padding["pad_id"])
-    for token in PAD_TOKEN_CANDIDATES:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return int(token_id)
-    return 0  # any id works: padding is masked out of attention and labels
 
 
 def file_sha256(path: str) -> str:

@@ -1,0 +1,98 @@
+"""The tokenizer every DataModule reads: one loader with one error text, one choice of the padding id.
+
+``read_tokenizer`` opens a ``tokenizers`` JSON file (``tokenizer.json``) or passes a ``Tokenizer`` through, and
+names the file and how to make one when it is missing or unreadable. ``tokenizer_from_json`` rebuilds a
+tokenizer from its serialized text once per process: the streaming workers receive the text (a few MB that
+pickles with the stream's spec) rather than a path that might change under a running job.
+
+``pad_token_id`` picks the id written at padding positions, in this order: the tokenizer's own padding
+setting, the first of ``PAD_TOKEN_CANDIDATES`` it knows, else the fallback ``0`` (``1`` when 0 is the id to
+avoid). Padding is masked out of attention and labels, so any valid id trains the same; ``avoid`` keeps BOS out
+of the padding where a model finds document starts by their BOS token.
+
+Trade-off: the loaders switch off the padding and truncation saved in the JSON (a document must come out whole
+and unpadded); callers that want truncation enable it on their copy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from tokenizers import Tokenizer
+
+PAD_TOKEN_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|endoftext|>", "</s>", "<eos>")
+"""Usual pad tokens, tried in this order when the tokenizer has no padding setting."""
+_HOW_TO_MAKE_ONE = (
+    "give the path of a tokenizers JSON file (tokenizers.Tokenizer.save, or the tokenizer.json that "
+    "transformers' save_pretrained writes)"
+)
+_from_json: dict[str, Tokenizer] = {}
+_from_json_lock = threading.Lock()
+
+
+class TokenizerFileNotFoundError(FileNotFoundError, ValueError):
+    """The tokenizer path is not a file (a ``FileNotFoundError``, and a ``ValueError`` like every bad setting)."""
+
+
+def check_tokenizer_file(path: str | os.PathLike) -> str:
+    """``path`` as a string, if it is an existing file.
+
+    Raises:
+        TokenizerFileNotFoundError: ``path`` is not a file (naming it and what to give instead).
+    """
+    text = os.fspath(path)
+    if not os.path.isfile(os.path.expanduser(text)):
+        raise TokenizerFileNotFoundError(f"tokenizer={text!r} is not a file: {_HOW_TO_MAKE_ONE}")
+    return text
+
+
+def read_tokenizer(source: str | os.PathLike | Tokenizer) -> Tokenizer:
+    """The tokenizer at ``source`` (a ``tokenizer.json`` path), or ``source`` itself if it is a ``Tokenizer``.
+
+    Raises:
+        TokenizerFileNotFoundError: the path is not a file.
+        ValueError: the file is not a tokenizers JSON file (naming it, the parser's complaint, and what to give).
+    """
+    if isinstance(source, Tokenizer):
+        return source
+    path = check_tokenizer_file(source)
+    try:
+        return Tokenizer.from_file(os.path.expanduser(path))
+    except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
+        message = f"tokenizer={path!r} is not a valid tokenizers JSON file ({error}): {_HOW_TO_MAKE_ONE}"
+        raise ValueError(message) from error
+
+
+def tokenizer_from_json(tokenizer_json: str) -> Tokenizer:
+    """A tokenizer from its serialized JSON text, parsed once per process, without padding or truncation.
+
+    A ``tokenizer.json`` saved with ``truncation: {max_length: 512}`` would otherwise cut every document.
+    """
+    tokenizer = _from_json.get(tokenizer_json)
+    if tokenizer is None:
+        with _from_json_lock:
+            tokenizer = _from_json.get(tokenizer_json)
+            if tokenizer is None:
+                tokenizer = Tokenizer.from_str(tokenizer_json)
+                tokenizer.no_padding()
+                tokenizer.no_truncation()
+                _from_json[tokenizer_json] = tokenizer
+    return tokenizer
+
+
+def pad_token_id(tokenizer: Tokenizer, avoid: int | None = None) -> int:
+    """The id to write at padding positions (see the module docstring for the order and the fallback).
+
+    Args:
+        tokenizer: as loaded, before its padding setting is switched off.
+        avoid: an id padding must not use (the BOS id where BOS marks document starts).
+    """
+    padding = tokenizer.padding
+    if padding is not None and padding.get("pad_id") != avoid:
+        return int(padding["pad_id"])
+    for token in PAD_TOKEN_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None and token_id != avoid:
+            return int(token_id)
+    return 1 if avoid == 0 else 0
