@@ -43,7 +43,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_d9d.epoch_iterator import EpochIterator, ResumedByDataModule, collect_before_fork, shutdown_workers
+from lightning_d9d.epoch_iterator import (
+    EpochIterator,
+    ResumedByDataModule,
+    close_at_exit,
+    collect_before_fork,
+    shutdown_workers,
+)
 from lightning_d9d.resume import TrainPosition
 from lightning_d9d.streaming.bestfit_restore import read_buffered_texts
 from lightning_d9d.streaming.stream import BestFitState, RowBlock, StreamSpec, StreamState, TokenStream
@@ -264,6 +270,7 @@ class TokenTrainLoader(ResumedByDataModule):
         # (generation, the streams' blocks, the rank's steps of them), and the step being handed out
         self._running: tuple[int, Iterator[tuple], Iterator[tuple[RowBlock, StreamStates]]] | None = None
         self._step: tuple[RowBlock, StreamStates] | None = None
+        close_at_exit(self)  # its streams outlive each epoch's iterator
 
     def __len__(self) -> int:
         # The full epoch even after a mid-epoch resume: Lightning adds its restored count to what it fetches.
