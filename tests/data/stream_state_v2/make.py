@@ -12,9 +12,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from support import digest, make_docs, train_tokenizer, write_parquet  # noqa: E402
+from support import digest, make_docs, train_tokenizer, write_parquet
 
-from lightning_d9d import PretrainingDataModule  # noqa: E402
+from lightning_d9d import PretrainingDataModule
 
 OPTIONS = dict(seq_len=24, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=4,
                steps_per_epoch=40, bestfit_buffer_size=12, tokenizer_batch_size=8)  # fmt: skip
