@@ -102,7 +102,7 @@ def check_layout(num_streams: int, global_batch_size: int, world_size: int, num_
 
 @dataclass
 class StreamPosition(TrainPosition):
-    """Where one rank's streams are: the single place the data position lives.
+    """Where one rank's streams are: the single place the data position lives, changed only by its methods.
 
     Attributes:
         states: the latest state of each stream this rank owns (by stream number).
@@ -120,6 +120,23 @@ class StreamPosition(TrainPosition):
         self.states = dict(states)
         self.committed = (epoch, step, dict(states))
         self.generation += 1
+
+    def begin_epoch(self, epoch: int, microbatch: int) -> None:
+        """Stand at ``microbatch`` of ``epoch`` (the streams continue from ``states`` either way)."""
+        self.epoch, self.microbatches = epoch, microbatch
+
+    def enter_step(self, states: StreamStates) -> None:
+        """A step's blocks arrived: ``states`` are their streams' states after it."""
+        self.states.update(states)
+
+    def hand_out(self, microbatches_per_step: int) -> int:
+        """Count one microbatch handed out; returns its index in its step. Handing out a step's last commits
+        the streams' states: a checkpoint from then on resumes at the next step."""
+        index = self.microbatches % microbatches_per_step
+        self.microbatches += 1
+        if index == microbatches_per_step - 1:
+            self.committed = (self.epoch, self.microbatches // microbatches_per_step, dict(self.states))
+        return index
 
 
 class _HostedStreams(IterableDataset):
@@ -288,7 +305,7 @@ class TokenTrainLoader(ResumedByDataModule):
     def _epoch_batches(self) -> Generator[Any, None, None]:
         epoch, start = self.start_point()
         position, per_step, m = self.position, self.microbatches_per_step, self.microbatch_size
-        position.epoch, position.microbatches = epoch, start
+        position.begin_epoch(epoch, start)
         if self._running is None or self._running[0] != position.generation:
             self.close()
             blocks = rank_blocks(self.spec, self.streams, self.num_workers, position.states)
@@ -299,12 +316,9 @@ class TokenTrainLoader(ResumedByDataModule):
             if self._step is None or position.microbatches % per_step == 0:
                 # A loop broken off mid-step continues in the step it left (its rows are kept until it ends).
                 self._step = next(steps)
-                position.states.update(self._step[1])
+                position.enter_step(self._step[1])
             rows = self._step[0]
-            j = position.microbatches % per_step
-            position.microbatches += 1
-            if j == per_step - 1:
-                position.committed = (epoch, position.microbatches // per_step, dict(position.states))
+            j = position.hand_out(per_step)
             flags = None if rows.flags is None else rows.flags[j * m : (j + 1) * m]
             yield self.make_batch(RowBlock(rows.tokens[j * m : (j + 1) * m], flags))
 

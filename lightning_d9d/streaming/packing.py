@@ -134,7 +134,54 @@ def prefix_hash(tokens: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32))  # crc32 reads the buffer itself, no copy
 
 
-class ConcatPacker:
+@dataclass(frozen=True)
+class PackerCounters:
+    """What a packer has done so far, the same fields for every packer (save them with the state, set them back
+    on resume through ``packer.counters``); a field a packing does not use stays 0.
+
+    Attributes:
+        docs: documents added (best-fit-split).
+        split_docs: documents longer than a row, split into chunks (best-fit-split).
+        chunks: pieces that came from split documents (best-fit-split).
+        tokens_emitted: non-padding tokens in the rows taken.
+        padding: padding tokens in the rows taken (best-fit-split).
+        crops: documents cropped (best-fit).
+        tokens_cropped: tokens dropped with cropped documents' remainders (best-fit).
+    """
+
+    docs: int = 0
+    split_docs: int = 0
+    chunks: int = 0
+    tokens_emitted: int = 0
+    padding: int = 0
+    crops: int = 0
+    tokens_cropped: int = 0
+
+
+SplitPackerCounters = PackerCounters  # the name of the best-fit-split packer's counters before all shared one
+
+
+class _Counted:
+    """The counters every packer keeps: plain integer attributes (a packer adds to them per document, where
+    an attribute is the cheapest), read and set back as one :class:`PackerCounters` through ``counters``."""
+
+    docs = split_docs = chunks = tokens_emitted = padding = crops = tokens_cropped = 0
+
+    @property
+    def counters(self) -> PackerCounters:
+        """The counters now (a frozen copy); assigning a saved value sets them back."""
+        return PackerCounters(
+            self.docs, self.split_docs, self.chunks, self.tokens_emitted, self.padding, self.crops, self.tokens_cropped
+        )
+
+    @counters.setter
+    def counters(self, value: PackerCounters) -> None:
+        self.docs, self.split_docs, self.chunks = value.docs, value.split_docs, value.chunks
+        self.tokens_emitted, self.padding = value.tokens_emitted, value.padding
+        self.crops, self.tokens_cropped = value.crops, value.tokens_cropped
+
+
+class ConcatPacker(_Counted):
     """Concatenate BOS-prefixed documents into one stream and cut it into rows of ``capacity`` tokens.
 
     Documents arrive in chunks, each tagged with a caller-chosen ``ref``; the position of the next unemitted
@@ -277,7 +324,7 @@ class _PieceBuffer:
         return self.table[keys & ((1 << shift) - 1)]
 
 
-class BestFitPacker:
+class BestFitPacker(_Counted):
     """Pack rows that all start at BOS: largest fitting document first, crop the shortest when none fits.
 
     Each buffered document is described by one row of integers (``seq``, ``length``, two caller ``key``
@@ -412,26 +459,7 @@ class BestFitPacker:
         return tokens[:expected]
 
 
-@dataclass(frozen=True)
-class SplitPackerCounters:
-    """What a :class:`BestFitSplitPacker` has done so far (save it with the state, set it back on resume).
-
-    Attributes:
-        docs: documents added.
-        split_docs: documents longer than a row, split into chunks.
-        chunks: pieces that came from split documents.
-        tokens_emitted: non-padding tokens in the rows taken.
-        padding: padding tokens in the rows taken.
-    """
-
-    docs: int = 0
-    split_docs: int = 0
-    chunks: int = 0
-    tokens_emitted: int = 0
-    padding: int = 0
-
-
-class BestFitSplitPacker:
+class BestFitSplitPacker(_Counted):
     """Pack rows from whole documents and row-sized chunks of longer ones, best fit first, padding the rest.
 
     A document of at most ``capacity`` tokens is one piece; a longer one is split into the pieces
@@ -473,16 +501,6 @@ class BestFitSplitPacker:
     def __len__(self) -> int:
         """Pieces buffered."""
         return self._buffer.count
-
-    @property
-    def counters(self) -> SplitPackerCounters:
-        """The counters, to save with the state; assigning a saved value sets them back."""
-        return SplitPackerCounters(self.docs, self.split_docs, self.chunks, self.tokens_emitted, self.padding)
-
-    @counters.setter
-    def counters(self, value: SplitPackerCounters) -> None:
-        self.docs, self.split_docs, self.chunks = value.docs, value.split_docs, value.chunks
-        self.tokens_emitted, self.padding = value.tokens_emitted, value.padding
 
     @property
     def buffered_tokens(self) -> int:
