@@ -3,6 +3,7 @@ stale or foreign data state is one clear error naming the field."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import torch
 from support import digest
 
 from lightning_d9d import PretrainingDataModule
+from lightning_d9d.streaming.state import InvalidDataState
+from lightning_d9d.streaming.stream import StreamState
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "stream_state_v2"
 OPTIONS = dict(seq_len=24, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=4,
@@ -65,3 +68,122 @@ def resumed_state(v2: dict, packing: str, old: dict) -> dict:
     dm = datamodule(v2, packing)
     dm.load_state_dict(old)
     return dm.state_dict()
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def saved_state(v2: dict, packing: str) -> dict:
+    """A data state of today's format, two steps in."""
+    dm = datamodule(v2, packing)
+    batches = iter(dm.train_dataloader())
+    for _ in range(2 * dm.microbatches_per_step):
+        next(batches)
+    batches.close()
+    return dm.state_dict()
+
+
+@pytest.fixture(scope="module")
+def states(v2: dict) -> dict:
+    return {packing: saved_state(v2, packing) for packing in ("concat", "bestfit", "bestfit_split")}
+
+
+def set_at(state: dict, path: str, value) -> None:
+    *parents, last = path.split(".")
+    for key in parents:
+        state = state[int(key) if key.isdigit() else key]
+    key = int(last) if last.isdigit() else last
+    if value is DELETE:
+        del state[key]
+    else:
+        state[key] = value
+
+
+DELETE = object()
+NESTED = [
+    ("concat", "streams.0.packing.reader.slot", -1, ">= 0", "slot = -1"),
+    ("bestfit", "streams.1.packing.reader.row", 10**9, "holds rows", "row = 1000000000"),
+    ("concat", "streams.2.packing.reader.pass", -3, ">= 0", "pass = -3"),
+    ("bestfit_split", "streams.0.packing.reader.slot", 10**6, "units per pass", "slot = 1000000"),
+    ("concat", "streams.0.packing.reader.slot", "1", "expected an integer", "slot = '1'"),
+    ("bestfit", "streams.3.packing.next_seq", 1.5, "expected an integer", "next_seq = 1.5"),
+    ("concat", "streams.0.counters.docs", -1, ">= 0", "docs = -1"),
+    ("bestfit", "streams.2.counters.tokens", DELETE, "must hold 'tokens'", "tokens = <missing>"),
+    ("concat", "streams.1.packing.reader", DELETE, "must hold 'reader'", "reader = <missing>"),
+    ("bestfit", "streams.0.blocks", None, "expected an integer", "blocks = None"),
+    ("bestfit", "streams.0.packing.kind", "zigzag", "expected one of", "kind = 'zigzag'"),
+    ("concat", "streams.0.packing.kind", "bestfit", "this stream packs 'concat'", "kind = 'bestfit'"),
+    ("bestfit", "streams.0.version", 99, "reads versions", "version = 99"),
+    ("concat", "streams.0.packing.version", 0, "reads versions", "version = 0"),
+    ("concat", "streams.3", [1, 2], "expected a dict", "3 = [1, 2]"),
+]
+
+
+@pytest.mark.parametrize(("packing", "path", "value", "valid", "shown"), NESTED)
+def test_a_bad_field_is_one_error_naming_it(v2: dict, states: dict, packing: str, path, value, valid, shown) -> None:
+    state = copy.deepcopy(states[packing])
+    set_at(state, path, value)
+    dm = datamodule(v2, packing)
+    with pytest.raises(InvalidDataState) as error:
+        dm.load_state_dict(state)
+    message = str(error.value)
+    assert message.startswith("the checkpoint's data state is invalid: "), message
+    assert f"{path.rsplit('.', 1)[0]}.{shown}" in message and valid in message, message
+
+
+def with_buffer(state: dict, stream: int, change) -> dict:
+    state = copy.deepcopy(state)
+    packing = state["streams"][stream]["packing"]
+    packing["buffer"] = change(packing["buffer"].clone())
+    return state
+
+
+def set_cell(buffer: torch.Tensor, row: int, column: int, value: int) -> torch.Tensor:
+    buffer[row, column] = value
+    return buffer
+
+
+BUFFERS = [
+    ("bestfit", lambda b: b[:, :3], "buffer = array(shape=", "(rows, 5)"),
+    ("bestfit_split", lambda b: b.reshape(-1)[:-2], "buffer = array(shape=", "(rows, 7)"),
+    ("bestfit", lambda b: b.float(), "buffer = array(shape=", "integer array"),
+    ("bestfit", lambda b: set_cell(b, 0, 2, 10**6), "buffer[0].key0 (row group) = 1000000", "expected 0.."),
+    ("bestfit", lambda b: set_cell(b, 1, 3, 10**9), "buffer[1].key1 (row) = 1000000000", "expected 0.."),
+    ("bestfit_split", lambda b: set_cell(b, 0, 1, 10**4), "buffer[0].length = 10000", "expected 1..25"),
+    ("bestfit", lambda b: set_cell(b, 0, 0, 10**6), "buffer[0].seq = 1000000", "expected 0.."),
+    ("bestfit_split", lambda b: set_cell(b, 0, 5, 7), "buffer[0].final = 7", "expected 0..1"),
+]
+
+
+@pytest.mark.parametrize(("packing", "change", "named", "valid"), BUFFERS)
+def test_a_bad_buffer_is_one_error_naming_it(v2: dict, states: dict, packing: str, change, named, valid) -> None:
+    state = with_buffer(states[packing], 1, change)
+    with pytest.raises(InvalidDataState) as error:
+        datamodule(v2, packing).load_state_dict(state)
+    message = str(error.value)
+    assert f"streams.1.packing.{named}" in message and valid in message, message
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), [("slot", -1, "slot = -1"), ("row", 10**9, "row = 10")])
+def test_a_bad_version_2_position_is_one_error_naming_it(v2: dict, field: str, value: int, shown: str) -> None:
+    state = copy.deepcopy(v2["saved"]["bestfit"]["state"])
+    state["streams"][2]["read"][field] = value
+    with pytest.raises(InvalidDataState, match=rf"streams\.2\.read\.{shown}"):
+        datamodule(v2, "bestfit").load_state_dict(state)
+
+
+def test_a_concat_offset_past_its_document_is_an_error_naming_it(v2: dict, states: dict) -> None:
+    state = copy.deepcopy(states["concat"])
+    set_at(state, "streams.0.packing.offset", 10**6)
+    dm = datamodule(v2, "concat")
+    dm.load_state_dict(state)  # the document's length is known only once it is tokenized
+    batches = iter(dm.train_dataloader())
+    with pytest.raises(InvalidDataState, match=r"packing\.offset = 1000000: the document there holds \d+ tokens"):
+        next(batches)
+    batches.close()
+
+
+def test_the_state_saved_now_is_versioned_nested_and_tagged(states: dict) -> None:
+    for packing, state in states.items():
+        stream = state["streams"][0]
+        assert stream["version"] == StreamState.VERSION and set(stream) == {"version", "packing", "counters", "blocks"}
+        assert stream["packing"]["kind"] == packing and stream["packing"]["reader"]["version"] == 1
+        assert ("offset" in stream["packing"]) == (packing == "concat")

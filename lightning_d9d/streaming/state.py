@@ -22,6 +22,14 @@ from typing import Any
 import numpy as np
 
 
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()  # the value shown for a field the state lacks
+
+
 class InvalidDataState(ValueError):
     """A checkpoint's data state that cannot be this data's: names the field, its value and what is valid.
 
@@ -47,7 +55,7 @@ def mapping(state: Any, path: str) -> Mapping[str, Any]:
 def field(state: Mapping[str, Any], key: str, path: str) -> Any:
     """``state[key]``, or an :class:`InvalidDataState` naming ``path.key`` when it is missing."""
     if key not in state:
-        raise InvalidDataState(join(path, key), "<missing>", f"the state must hold {key!r} (it holds {sorted(state)})")
+        raise InvalidDataState(join(path, key), MISSING, f"the state must hold {key!r} (it holds {sorted(state)})")
     return state[key]
 
 

@@ -168,8 +168,8 @@ class ConcatState:
             ReadPosition.from_dict(field(state, "reader", path), join(path, "reader")), integer(state, "offset", path)
         )
 
-    def check(self, spec: StreamSpec, units: StreamUnits, path: str) -> None:
-        self.read.check(units, join(path, "reader"))
+    def check(self, spec: StreamSpec, units: StreamUnits, path: str, reader: str = "reader") -> None:
+        self.read.check(units, join(path, reader))
 
 
 @dataclass(frozen=True)
@@ -207,9 +207,9 @@ class BestFitState:
         buffer = int_table(state, "buffer", path, len(_META_COLUMNS[kind]))
         return cls(read, buffer, integer(state, "next_seq", path), kind)
 
-    def check(self, spec: StreamSpec, units: StreamUnits, path: str) -> None:
+    def check(self, spec: StreamSpec, units: StreamUnits, path: str, reader: str = "reader") -> None:
         """Raises :class:`InvalidDataState` unless every buffered row names a row of the data and fits the rows."""
-        self.read.check(units, join(path, "reader"))
+        self.read.check(units, join(path, reader))
         buffer, where = self.buffer, join(path, "buffer")
         if buffer is None or not len(buffer):
             return
@@ -250,6 +250,8 @@ class StreamState:
     packing: PackingState = dataclasses.field(default_factory=ConcatState)
     counters: StreamCounters = dataclasses.field(default_factory=StreamCounters)
     blocks: int = 0
+    # The version it was read from: errors name a field where that version kept it.
+    read_from: int = dataclasses.field(default=VERSION, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain ints, strings and int64 arrays (checkpoints stay loadable with ``torch.load(weights_only=True)``)."""
@@ -295,14 +297,17 @@ class StreamState:
         else:
             packed = BestFitState.from_dict(saved, where, kind)
         counters = StreamCounters.from_dict(field(state, "counters", path), join(path, "counters"))
-        return cls(packed, counters, integer(state, "blocks", path))
+        return cls(packed, counters, integer(state, "blocks", path), cls.VERSION if "packing" in state else 2)
 
     def check(self, spec: StreamSpec, stream: int, path: str = "") -> None:
         """Raises :class:`InvalidDataState` unless the state's positions lie inside the data stream ``stream``
         reads (and its buffered documents inside the data and the rows)."""
         if self.packing.kind != spec.packing:
             raise InvalidDataState(join(path, "packing.kind"), self.packing.kind, f"this stream packs {spec.packing!r}")
-        self.packing.check(spec, spec.stream_units(stream), join(path, "packing"))
+        if self.read_from == 2:  # its fields sat beside the stream's, the reader's under "read"
+            self.packing.check(spec, spec.stream_units(stream), path, "read")
+        else:
+            self.packing.check(spec, spec.stream_units(stream), join(path, "packing"))
 
 
 def _legacy_kind(state: Mapping[str, Any], path: str, packing: str | None) -> str:
