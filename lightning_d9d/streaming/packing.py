@@ -588,8 +588,13 @@ class BestFitSplitPacker(_Counted):
                 if pos == capacity:
                     break
             row_start += capacity
-        total = num_rows * capacity
         tokens = np.concatenate(parts).reshape(num_rows, capacity) if parts else np.empty((0, capacity), np.int32)
+        return tokens, self._flags(num_rows, starts, blocked, padded)
+
+    def _flags(self, num_rows: int, starts: list[int], blocked: list[int], padded: list[int]) -> np.ndarray:
+        """The rows' ``START`` / ``NO_TARGET`` bits from flat offsets (counting the padding and tokens emitted)."""
+        capacity = self.capacity
+        total = num_rows * capacity
         flags = np.zeros(total, np.uint8)
         flags[starts] = START
         flags[blocked] |= NO_TARGET
@@ -600,7 +605,7 @@ class BestFitSplitPacker(_Counted):
             pad += end - at
         self.padding += pad
         self.tokens_emitted += total - pad
-        return tokens, flags.reshape(num_rows, capacity)
+        return flags.reshape(num_rows, capacity)
 
     def snapshot(self) -> np.ndarray:
         """The buffered pieces as ``(pieces, 7)`` int64 rows of ``META_COLUMNS``, in insertion order."""
