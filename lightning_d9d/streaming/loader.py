@@ -252,6 +252,16 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
         yield RowBlock(tokens, flags), states
 
 
+@dataclass
+class _Running:
+    """A training loader's running streams: started for ``generation`` of the position, their ``(stream, block,
+    state)`` items and the rank's steps assembled from them."""
+
+    generation: int
+    blocks: Iterator[tuple]
+    steps: Iterator[tuple[RowBlock, StreamStates]]
+
+
 class TokenTrainLoader(ResumedByDataModule):
     """A sized iterable of microbatches for one rank; one epoch is ``len(self)`` microbatches.
 
@@ -284,8 +294,8 @@ class TokenTrainLoader(ResumedByDataModule):
         self.microbatch_size = microbatch_size
         self.microbatches_per_epoch, self.microbatches_per_step = microbatches_per_epoch, microbatches_per_step
         self.position, self.start_point, self.make_batch = position, start_point, make_batch
-        # (generation, the streams' blocks, the rank's steps of them), and the step being handed out
-        self._running: tuple[int, Iterator[tuple], Iterator[tuple[RowBlock, StreamStates]]] | None = None
+        self._running: _Running | None = None  # the streams running for the position's generation
+        # the step being handed out: its rows and the streams' states after it
         self._step: tuple[RowBlock, StreamStates] | None = None
         close_at_exit(self)  # its streams outlive each epoch's iterator
 
@@ -300,18 +310,18 @@ class TokenTrainLoader(ResumedByDataModule):
         """Stop the streams (and their worker processes, now)."""
         running, self._running = self._running, None
         if running is not None:
-            shutdown_workers(running[1])
+            shutdown_workers(running.blocks)
 
     def _epoch_batches(self) -> Generator[Any, None, None]:
         epoch, start = self.start_point()
         position, per_step, m = self.position, self.microbatches_per_step, self.microbatch_size
         position.begin_epoch(epoch, start)
-        if self._running is None or self._running[0] != position.generation:
+        if self._running is None or self._running.generation != position.generation:
             self.close()
             blocks = rank_blocks(self.spec, self.streams, self.num_workers, position.states)
-            self._running = (position.generation, blocks, steps_of(blocks, len(self.streams)))
+            self._running = _Running(position.generation, blocks, steps_of(blocks, len(self.streams)))
             self._step = None
-        steps = self._running[2]
+        steps = self._running.steps
         while position.microbatches < self.microbatches_per_epoch:
             if self._step is None or position.microbatches % per_step == 0:
                 # A loop broken off mid-step continues in the step it left (its rows are kept until it ends).

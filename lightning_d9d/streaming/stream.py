@@ -10,7 +10,10 @@ source's):
    tokens (:mod:`~lightning_d9d.streaming.packing`); its state (:class:`ConcatState` or :class:`BestFitState`)
    nests the reader's position where reading resumes.
 
-The stream yields :class:`RowBlock` s of ``spec.rows_per_block`` rows with the :class:`StreamState` after each.
+The stream yields :class:`RowBlock` s of ``spec.rows_per_block`` rows with the :class:`StreamState` after each;
+``get_state()`` is the last of them and ``reset(state)`` continues from one. A saved state is
+``{"version", "packing": {"kind", "version", ..., "reader": {...}}, "counters": {...}, "blocks"}``
+(:mod:`~lightning_d9d.streaming.state` validates it against the data when it is read back).
 Packers take documents one at a time and a position never names a chunk boundary, so neither the rows nor any
 state depend on how documents were batched for the tokenizer, or on timing. After a start or resume the
 reader's chunks grow 1, 2, 3, 5, … documents and are read on demand until the first block is out, so the first
