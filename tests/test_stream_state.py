@@ -4,16 +4,20 @@ stale or foreign data state is one clear error naming the field."""
 from __future__ import annotations
 
 import copy
+import itertools
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from support import digest
 
 from lightning_d9d import PretrainingDataModule
+from lightning_d9d.streaming.packing import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.reader import ReadPosition, TextReader
 from lightning_d9d.streaming.state import InvalidDataState
-from lightning_d9d.streaming.stream import StreamState
+from lightning_d9d.streaming.stream import StreamState, TokenStream
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "stream_state_v2"
 OPTIONS = dict(seq_len=24, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=4,
@@ -187,3 +191,77 @@ def test_the_state_saved_now_is_versioned_nested_and_tagged(states: dict) -> Non
         assert stream["version"] == StreamState.VERSION and set(stream) == {"version", "packing", "counters", "blocks"}
         assert stream["packing"]["kind"] == packing and stream["packing"]["reader"]["version"] == 1
         assert ("offset" in stream["packing"]) == (packing == "concat")
+
+
+# ------------------------------------------------------------------------------------------------ get_state/reset
+def test_every_stage_continues_from_its_get_state_through_reset(v2: dict) -> None:
+    """Reader, best-fit packers and stream: ``reset(get_state())`` on a new stage continues exactly."""
+    dm = datamodule(v2, "bestfit_split")
+    spec = dm.train_spec
+    units = spec.stream_units(1)
+    reader = TextReader(units, ReadPosition(), 4)
+    chunks = iter(reader)
+    head = [next(chunks) for _ in range(5)]
+    again = TextReader(units, ReadPosition(), 4)
+    again.reset(reader.get_state())
+    rest = list(itertools.islice(iter(again), 6))
+    whole = list(itertools.islice(iter(TextReader(units, ReadPosition(), 4)), 40))
+    texts = [t for chunk in head + rest for t in chunk.texts]
+    assert texts == [t for chunk in whole for t in chunk.texts][: len(texts)]
+
+    stream = TokenStream(spec, 2)
+    blocks = iter(stream)
+    first = [next(blocks)[0].tokens for _ in range(3)]
+    blocks.close()
+    state = stream.get_state()
+    assert state.blocks == 3
+    resumed = TokenStream(spec, 2)
+    resumed.reset(StreamState.from_dict(state.to_dict(), "bestfit_split"))
+    blocks = iter(resumed)
+    after = [next(blocks)[0].tokens for _ in range(3)]
+    blocks.close()
+    blocks = iter(TokenStream(spec, 2))
+    want = [next(blocks)[0].tokens for _ in range(6)]
+    blocks.close()
+    np.testing.assert_array_equal(np.concatenate(first + after), np.concatenate(want))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_best_fit_packers_continue_from_get_state_through_reset(split: bool) -> None:
+    rng = np.random.default_rng(1)
+    docs = [np.concatenate([[0], rng.integers(1, 50, n)]).astype(np.int32) for n in rng.integers(1, 40, 400)]
+
+    def packer():
+        return BestFitSplitPacker(16, 99, 12) if split else BestFitPacker(16, 12)
+
+    def feeder(target, start: int):
+        at = [start]
+
+        def refill() -> None:
+            doc = docs[at[0]]
+            if split:
+                target.add(doc, (at[0], 0))
+            else:
+                target.add(doc[:16], len(doc), (at[0], 0))
+            at[0] += 1
+
+        return refill, at
+
+    whole = packer()
+    refill, _ = feeder(whole, 0)
+    want = [whole.take(3, refill) for _ in range(10)]
+    first = packer()
+    refill, at = feeder(first, 0)
+    got = [first.take(3, refill) for _ in range(4)]
+    state = first.get_state()
+    assert state.counters == first.counters and state.next_seq == first.next_seq
+    second = packer()
+    second.reset(
+        state, lambda row: docs[int(row[2])][int(row[4]) * 16 :][: int(row[1])] if split else docs[int(row[2])][:16]
+    )
+    refill, _ = feeder(second, at[0])
+    got += [second.take(3, refill) for _ in range(6)]
+    for a, b in zip(got, want):
+        for x, y in zip(a if split else [a], b if split else [b]):
+            np.testing.assert_array_equal(x, y)
+    assert second.counters == whole.counters

@@ -161,6 +161,16 @@ class PackerCounters:
 SplitPackerCounters = PackerCounters  # the name of the best-fit-split packer's counters before all shared one
 
 
+@dataclass(frozen=True)
+class BufferState:
+    """A best-fit packer's state: its buffered items' rows (``META_COLUMNS``, in insertion order), the next
+    insertion number and the counters. The items' tokens are not in it: a packer reset from it fetches them."""
+
+    rows: np.ndarray
+    next_seq: int = 0
+    counters: PackerCounters = PackerCounters()
+
+
 class _Counted:
     """The counters every packer keeps: plain integer attributes (a packer adds to them per document, where
     an attribute is the cheapest), read and set back as one :class:`PackerCounters` through ``counters``."""
@@ -420,6 +430,15 @@ class BestFitPacker(_Counted):
         self.tokens_emitted += num_rows * self.capacity
         return out
 
+    def get_state(self) -> BufferState:
+        """The buffer's rows, the next insertion number and the counters."""
+        return _buffer_state(self)
+
+    def reset(self, initial_state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Continue from ``initial_state`` (an empty packer); ``fetch`` supplies buffered documents' tokens
+        (see :meth:`restore`), needed when the state holds any."""
+        _reset(self, initial_state, fetch)
+
     def snapshot(self) -> np.ndarray:
         """The buffered documents as ``(count, 5)`` int64 rows of ``META_COLUMNS``, in insertion order."""
         return self._buffer.snapshot()
@@ -607,6 +626,15 @@ class BestFitSplitPacker(_Counted):
         self.tokens_emitted += total - pad
         return flags.reshape(num_rows, capacity)
 
+    def get_state(self) -> BufferState:
+        """The buffer's rows, the next insertion number and the counters."""
+        return _buffer_state(self)
+
+    def reset(self, initial_state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Continue from ``initial_state`` (an empty packer); ``fetch`` supplies buffered pieces' tokens
+        (see :meth:`restore`), needed when the state holds any."""
+        _reset(self, initial_state, fetch)
+
     def snapshot(self) -> np.ndarray:
         """The buffered pieces as ``(pieces, 7)`` int64 rows of ``META_COLUMNS``, in insertion order."""
         return self._buffer.snapshot()
@@ -656,3 +684,17 @@ class BestFitSplitPacker(_Counted):
                 + f" (got {len(tokens)} tokens; did the data files or the tokenizer change since the checkpoint?)"
             )
         return tokens
+
+
+def _buffer_state(packer: BestFitPacker | BestFitSplitPacker) -> BufferState:
+    return BufferState(packer.snapshot(), packer.next_seq, packer.counters)
+
+
+def _reset(
+    packer: BestFitPacker | BestFitSplitPacker, state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None
+) -> None:
+    if len(state.rows):
+        if fetch is None:
+            raise ValueError("a state with buffered items needs fetch() to rebuild their tokens")
+        packer.restore(state.rows, state.next_seq, fetch)
+    packer.next_seq, packer.counters = state.next_seq, state.counters

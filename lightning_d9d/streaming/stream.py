@@ -41,8 +41,14 @@ from typing import Any
 
 import numpy as np
 
-from lightning_d9d.streaming.bestfit_restore import BufferedTexts, restore_buffer
-from lightning_d9d.streaming.packing import BestFitPacker, BestFitSplitPacker, ConcatPacker, PackerCounters
+from lightning_d9d.streaming.bestfit_restore import BufferedTexts, buffer_fetch
+from lightning_d9d.streaming.packing import (
+    BestFitPacker,
+    BestFitSplitPacker,
+    BufferState,
+    ConcatPacker,
+    PackerCounters,
+)
 from lightning_d9d.streaming.reader import ReadPosition, StreamUnits, TextChunk, TextReader
 from lightning_d9d.streaming.source import RowGroupIndex, Units
 from lightning_d9d.streaming.state import (
@@ -606,8 +612,8 @@ class _BestFit(_Stage):
             if self.taken.docs:  # only the last document added names the position, so only it is placed
                 read = self.after(cursor.laid.chunk, cursor.next_doc - 1)
             block = RowBlock(*result) if split else RowBlock(result)
-            state = BestFitState(read, packer.snapshot(), packer.next_seq, spec.packing)
-            yield self.emitted(block, state, packer.counters)
+            packed = packer.get_state()
+            yield self.emitted(block, BestFitState(read, packed.rows, packed.next_seq, spec.packing), packed.counters)
 
     def _packer(self, start: BestFitState) -> BestFitPacker | BestFitSplitPacker:
         """A packer of the stream's kind, with the counters and buffer of ``start``."""
@@ -617,11 +623,10 @@ class _BestFit(_Stage):
             packer = BestFitSplitPacker(spec.capacity, spec.pad_id, spec.buffer_size)
         else:
             packer = BestFitPacker(spec.capacity, spec.buffer_size)
-        packer.counters = self.packer_counters()
-        if start.buffer is not None and len(start.buffer):
-            restore_buffer(spec, packer, start.buffer, start.next_seq, self.texts)
-            self.texts = None
-        packer.next_seq = start.next_seq
+        buffer = start.buffer if start.buffer is not None else np.zeros((0, len(packer.META_COLUMNS)), np.int64)
+        fetch = buffer_fetch(spec, buffer, self.texts) if len(buffer) else None
+        self.texts = None
+        packer.reset(BufferState(buffer, start.next_seq, self.packer_counters()), fetch)
         return packer
 
     def _refiller(
