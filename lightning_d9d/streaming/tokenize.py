@@ -18,6 +18,9 @@ tokenized by the asking thread: a process starting or resuming many streams at o
 what their first blocks need, side by side on every core, instead of serving one stream's read-ahead chunks
 before another stream's first one.
 
+A document longer than ``LONG_DOCUMENT_CHARS`` is tokenized in pieces cut at spaces that change no token
+(:class:`LongEncoding`), so one huge document costs its int32 ids, not a tokenizer call's worth of ``Encoding``.
+
 Trade-off: a chunk read ahead and tokenized but not yet packed is work thrown away when a stream stops; each
 stream's lookahead is bounded (``prefetch + 1`` chunks), so little is lost and memory stays bounded.
 """
@@ -32,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from lightning_d9d.epoch_iterator import close_at_exit
@@ -60,12 +64,85 @@ def load_tokenizer(tokenizer_json: str) -> Tokenizer:
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list:
-    """``encode_batch_fast`` without the post-processor's special tokens.
+    """``encode_batch_fast`` without the post-processor's special tokens; a document longer than
+    ``LONG_DOCUMENT_CHARS`` characters is tokenized in pieces (:class:`LongEncoding`).
 
     The streams prepend BOS themselves; a template such as Llama's ``"<s> $A"`` would otherwise put a second
     BOS (or a BERT-style ``[SEP]``) in every document.
     """
-    return tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    limit = LONG_DOCUMENT_CHARS
+    if not limit or all(len(text) <= limit for text in texts):
+        return tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    short = tokenizer.encode_batch_fast(
+        [text if len(text) <= limit else "" for text in texts], add_special_tokens=False
+    )
+    return [e if len(text) <= limit else LongEncoding.of(tokenizer, text, limit) for text, e in zip(texts, short)]
+
+
+# A document longer than this many characters is tokenized in pieces of about this many, so that what the
+# tokenizer holds at once (an Encoding is several times the size of its ids) is bounded by this setting, not by
+# the corpus's longest document; only the document's int32 ids are kept whole. 0: every document in one call.
+LONG_DOCUMENT_CHARS = 1 << 20
+# Characters either side of a candidate cut that are tokenized to prove the cut changes no token.
+_CUT_WINDOW = 256
+
+
+class LongEncoding:
+    """The ids of a document tokenized in pieces (what the streams use of an ``Encoding``: ``ids``, ``len``).
+
+    Algorithm: a piece ends at the first single space (between two non-space characters) at or after
+    ``piece_chars`` characters, where tokenizing the text around it whole and cut there gives the same ids,
+    so the document's ids are those of one call for the usual pre-tokenizers (whitespace, byte-level, metaspace:
+    a token never spans such a space). Where no such space comes within another ``piece_chars`` characters
+    (text without spaces), the piece ends there: its ids near that cut may differ from one call's, but they are
+    the same on every run, since the cuts depend on the text and the setting only.
+
+    Trade-off: every cut costs tokenizing ``2 * _CUT_WINDOW`` characters twice, a fraction of a percent.
+    """
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, text: str, piece_chars: int) -> LongEncoding:
+        parts, start = [], 0
+        while start < len(text):
+            stop = (
+                len(text)
+                if len(text) - start <= piece_chars
+                else _cut(tokenizer, text, start + piece_chars, piece_chars)
+            )
+            ids = tokenizer.encode_batch_fast([text[start:stop]], add_special_tokens=False)[0].ids
+            parts.append(np.asarray(ids, np.int32))
+            start = stop
+        return cls(np.concatenate(parts) if parts else np.zeros(0, np.int32))
+
+
+def _cut(tokenizer: Tokenizer, text: str, at_least: int, piece_chars: int) -> int:
+    """Where a piece that must hold ``text[:at_least]`` ends: the first space after that changes no token, else
+    ``piece_chars`` further."""
+    hard = min(len(text), at_least + piece_chars)
+    at = text.find(" ", at_least, hard)
+    while at != -1:
+        single = at + 1 < len(text) and not text[at - 1].isspace() and not text[at + 1].isspace()
+        if single and _cuts_cleanly(tokenizer, text, at):
+            return at
+        at = text.find(" ", at + 1, hard)
+    return hard
+
+
+def _cuts_cleanly(tokenizer: Tokenizer, text: str, at: int) -> bool:
+    """Whether the text around ``at`` gives the same ids tokenized whole and cut at ``at``."""
+    first = max(0, at - _CUT_WINDOW)
+    whole, left, right = tokenizer.encode_batch_fast(
+        [text[first : at + _CUT_WINDOW], text[first:at], text[at : at + _CUT_WINDOW]], add_special_tokens=False
+    )
+    return whole.ids == left.ids + right.ids
 
 
 def tokenizing_thread() -> ThreadPoolExecutor:
