@@ -61,7 +61,7 @@ from lightning_d9d.streaming.state import (
     mapping,
     version,
 )
-from lightning_d9d.streaming.tokenize import TokenizedChunks
+from lightning_d9d.streaming.tokenize import tokenized
 
 PACKINGS = ("bestfit", "bestfit_split", "concat")
 
@@ -396,7 +396,7 @@ class TokenStream:
         # Chunks on demand until the first block is out and asked past (a hosting process asks every stream's
         # first block before any second one), then prefetched.
         cropped_to = spec.capacity if spec.packing == "bestfit" else None
-        chunks = TokenizedChunks(
+        chunks = tokenized(
             iter(reader), spec.tokenizer_json, spec.prefetch, f"stream-{self.stream}", threading.Event(),
             lay_out=lambda chunk, encodings: _Laid(chunk, encodings, spec.bos_id, cropped_to),
         )  # fmt: skip

@@ -198,9 +198,6 @@ def tokenized(
     return PrefetchedTokenizing(chunks, encode, prefetch, name, lookahead)
 
 
-TokenizedChunks = tokenized
-
-
 class _Encode:
     """Tokenize one chunk and lay it out (``lay_out(chunk, encodings)``)."""
 
