@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import digest
+from support import BOS, digest, make_docs, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming.packing import BestFitPacker, BestFitSplitPacker
 from lightning_d9d.streaming.reader import ReadPosition, TextReader
+from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.state import InvalidDataState
-from lightning_d9d.streaming.stream import StreamState, TokenStream
+from lightning_d9d.streaming.stream import StreamSpec, StreamState, TokenStream
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "stream_state_v2"
 OPTIONS = dict(seq_len=24, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=4,
@@ -265,3 +266,28 @@ def test_best_fit_packers_continue_from_get_state_through_reset(split: bool) -> 
         for x, y in zip(a if split else [a], b if split else [b]):
             np.testing.assert_array_equal(x, y)
     assert second.counters == whole.counters
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit", "bestfit_split"])
+def test_every_state_a_stream_yields_passes_validation_also_in_parts_of_row_groups(
+    tmp_path: Path, packing: str
+) -> None:
+    """No false alarm: with fewer row groups than streams (units are row ranges), every state of every block of
+    every stream is read back and checked without an error."""
+    docs = make_docs(90, seed=2)
+    write_parquet(tmp_path / "data", docs, files=1, row_group_size=90)
+    tok = train_tokenizer(docs)
+    index = RowGroupIndex.scan(resolve_files(str(tmp_path / "data")), "text")
+    spec = StreamSpec(index=index, units=Units.of(index, 4), tokenizer_json=tok.to_str(), bos_id=tok.token_to_id(BOS),
+                      seq_len=16, rows_per_block=2, packing=packing, seed=0, shuffle=True, num_streams=4,
+                      buffer_size=8, tokenizer_batch_size=4)  # fmt: skip
+    assert len(spec.units) == 4 and int(spec.units.start[1]) > 0
+    for stream in range(4):
+        blocks = iter(TokenStream(spec, stream))
+        states = [next(blocks)[1] for _ in range(60)]
+        blocks.close()
+        assert len({state.packing.read.pass_index for state in states}) > 1, "the run crosses a pass boundary"
+        for state in states:
+            StreamState.from_dict(state.to_dict(), packing, f"streams.{stream}").check(
+                spec, stream, f"streams.{stream}"
+            )
