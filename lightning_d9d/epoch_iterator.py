@@ -13,13 +13,36 @@ Two things every training loader of this package needs, in one place:
   iterator holds no reference cycle (it is freed the moment the loop drops it), closes its generator when
   freed or closed, and the generator's ``finally`` shuts the workers down; and garbage is collected in this
   process before new workers are forked.
+* **Stop before the interpreter tears itself down.** An iterator still open when a script ends (a module
+  global, a loop left mid-epoch) would otherwise be closed during interpreter shutdown, after module globals
+  were cleared, and its ``finally`` blocks would fail on names that are gone ("Exception ignored in ...").
+  Whatever holds workers or threads registers with :func:`close_at_exit`, and an ``atexit`` hook closes what
+  is still open while every module is intact (a weak set: registering keeps nothing alive).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
+
+# Objects with a ``close()`` that must run before interpreter shutdown if they are still open then.
+_open_at_exit: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_at_exit(closable: Any) -> None:
+    """Have ``closable.close()`` run at interpreter exit if ``closable`` is still alive then (held weakly)."""
+    _open_at_exit.add(closable)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    # atexit hooks run last-registered first, so this runs before multiprocessing's own hook (imported earlier,
+    # by torch) reaps the workers, and before any module global is cleared.
+    for closable in list(_open_at_exit):
+        closable.close()
 
 
 class EpochIterator:
@@ -32,6 +55,7 @@ class EpochIterator:
     def __init__(self, factory: Callable[[], Generator[Any, None, None]]):
         self._factory: Callable[[], Generator[Any, None, None]] | None = factory
         self._batches: Generator[Any, None, None] | None = None
+        close_at_exit(self)
 
     def __iter__(self) -> EpochIterator:
         return self

@@ -72,10 +72,21 @@ def assert_same_blocks(got: list, want: list) -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
-        sa, sb = a[3].to_dict(), b[3].to_dict()
+        sa, sb = flat(a[3].to_dict()), flat(b[3].to_dict())
         assert sa.keys() == sb.keys()
         for key in sa:
             np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
+
+
+def flat(state: dict, prefix: str = "") -> dict:
+    """A nested state as ``{"packing.reader.row": value, ...}``."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def unit_text(spec: StreamSpec, stream: int, read: ReadPosition) -> str | None:

@@ -51,10 +51,12 @@ from lightning_d9d.streaming.loader import (
 )
 from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
+from lightning_d9d.streaming.state import mapping
 from lightning_d9d.streaming.stream import PACKINGS, RowBlock, StreamCounters, StreamSpec, StreamState
 from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
 
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: each stream's state nests its packing's (with a kind), which nests its reader's
+READABLE_STATE_VERSIONS = (2, 3)  # 2: the stream's, packing's and reader's fields side by side
 DEFAULT_NUM_STREAMS = 16
 
 
@@ -324,23 +326,34 @@ class PretrainingDataModule(SteppedDataModule):
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
         """Restore the streams this rank owns to the checkpoint's last optimizer step.
 
+        Every stream state is validated against this run's data before anything runs from it.
+
         Raises:
             ValueError: an unknown state version, or a state that lacks a stream this rank owns.
+            InvalidDataState: (a ValueError) a stream state with a missing, mistyped or out-of-range field,
+                naming its path (``streams.<stream>.packing.reader.slot``), its value and what is valid.
         """
         if state is None:
             self.position.restart(epoch, step, {}, self.microbatches_per_step)
             return
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in READABLE_STATE_VERSIONS:
             raise ValueError(
-                f"unknown PretrainingDataModule state version {state.get('version')!r} (expected {STATE_VERSION}): "
-                "the checkpoint was written by another version of lightning_d9d"
+                f"unknown PretrainingDataModule state version {state.get('version')!r} (this version reads "
+                f"{list(READABLE_STATE_VERSIONS)}): the checkpoint was written by another version of lightning_d9d"
             )
-        saved = state["streams"]
+        saved = mapping(state.get("streams"), "streams")
         missing = [sid for sid in self.owned_streams if sid not in saved and str(sid) not in saved]
         if missing and step > 0:
             raise ValueError(f"the checkpoint's data state lacks streams {missing} (it holds {sorted(saved)})")
-        states = {sid: StreamState.from_dict(_loaded(saved.get(sid, saved.get(str(sid))))) for sid in
-                  self.owned_streams if sid not in missing}  # fmt: skip
+        spec = self._require(self.train_spec)
+        states = {}
+        for sid in self.owned_streams:
+            if sid in missing:
+                continue
+            path = f"streams.{sid}"
+            stream_state = StreamState.from_dict(_loaded(saved.get(sid, saved.get(str(sid)))), spec.packing, path)
+            stream_state.check(spec, sid, path)
+            states[sid] = stream_state
         self.position.restart(epoch, step, states, self.microbatches_per_step)
 
     # ------------------------------------------------------------------ internals

@@ -25,7 +25,7 @@ MiBs of tokens per stream in every checkpoint.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,11 +62,18 @@ def restore_buffer(
             from the saved length or checksum — the data or the tokenizer changed since the checkpoint.
     """
     meta = np.asarray(meta, np.int64)
+    packer.restore(meta, next_seq, buffer_fetch(spec, meta, texts))
+
+
+def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None = None) -> Callable[[Any], Any]:
+    """The ``fetch`` a packer of ``spec.packing`` needs to rebuild the buffer ``meta`` (see :func:`restore_buffer`).
+
+    Raises:
+        ValueError: a saved row group cannot be read.
+    """
+    meta = np.asarray(meta, np.int64)
     own = _own_texts(spec, meta, texts)
-    if isinstance(packer, BestFitSplitPacker):
-        packer.restore(meta, next_seq, _SplitFetch(spec, meta, own))
-    else:
-        packer.restore(meta, next_seq, _PrefixFetch(spec, meta, own))
+    return _SplitFetch(spec, meta, own) if spec.packing == "bestfit_split" else _PrefixFetch(spec, meta, own)
 
 
 def read_buffered_texts(spec: StreamSpec, metas: Iterable[np.ndarray]) -> dict[tuple[int, int], str]:

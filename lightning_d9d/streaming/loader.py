@@ -43,7 +43,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_d9d.epoch_iterator import EpochIterator, ResumedByDataModule, collect_before_fork, shutdown_workers
+from lightning_d9d.epoch_iterator import (
+    EpochIterator,
+    ResumedByDataModule,
+    close_at_exit,
+    collect_before_fork,
+    shutdown_workers,
+)
 from lightning_d9d.resume import TrainPosition
 from lightning_d9d.streaming.bestfit_restore import read_buffered_texts
 from lightning_d9d.streaming.stream import BestFitState, RowBlock, StreamSpec, StreamState, TokenStream
@@ -96,7 +102,7 @@ def check_layout(num_streams: int, global_batch_size: int, world_size: int, num_
 
 @dataclass
 class StreamPosition(TrainPosition):
-    """Where one rank's streams are: the single place the data position lives.
+    """Where one rank's streams are: the single place the data position lives, changed only by its methods.
 
     Attributes:
         states: the latest state of each stream this rank owns (by stream number).
@@ -114,6 +120,23 @@ class StreamPosition(TrainPosition):
         self.states = dict(states)
         self.committed = (epoch, step, dict(states))
         self.generation += 1
+
+    def begin_epoch(self, epoch: int, microbatch: int) -> None:
+        """Stand at ``microbatch`` of ``epoch`` (the streams continue from ``states`` either way)."""
+        self.epoch, self.microbatches = epoch, microbatch
+
+    def enter_step(self, states: StreamStates) -> None:
+        """A step's blocks arrived: ``states`` are their streams' states after it."""
+        self.states.update(states)
+
+    def hand_out(self, microbatches_per_step: int) -> int:
+        """Count one microbatch handed out; returns its index in its step. Handing out a step's last commits
+        the streams' states: a checkpoint from then on resumes at the next step."""
+        index = self.microbatches % microbatches_per_step
+        self.microbatches += 1
+        if index == microbatches_per_step - 1:
+            self.committed = (self.epoch, self.microbatches // microbatches_per_step, dict(self.states))
+        return index
 
 
 class _HostedStreams(IterableDataset):
@@ -229,6 +252,16 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
         yield RowBlock(tokens, flags), states
 
 
+@dataclass
+class _Running:
+    """A training loader's running streams: started for ``generation`` of the position, their ``(stream, block,
+    state)`` items and the rank's steps assembled from them."""
+
+    generation: int
+    blocks: Iterator[tuple]
+    steps: Iterator[tuple[RowBlock, StreamStates]]
+
+
 class TokenTrainLoader(ResumedByDataModule):
     """A sized iterable of microbatches for one rank; one epoch is ``len(self)`` microbatches.
 
@@ -261,9 +294,10 @@ class TokenTrainLoader(ResumedByDataModule):
         self.microbatch_size = microbatch_size
         self.microbatches_per_epoch, self.microbatches_per_step = microbatches_per_epoch, microbatches_per_step
         self.position, self.start_point, self.make_batch = position, start_point, make_batch
-        # (generation, the streams' blocks, the rank's steps of them), and the step being handed out
-        self._running: tuple[int, Iterator[tuple], Iterator[tuple[RowBlock, StreamStates]]] | None = None
+        self._running: _Running | None = None  # the streams running for the position's generation
+        # the step being handed out: its rows and the streams' states after it
         self._step: tuple[RowBlock, StreamStates] | None = None
+        close_at_exit(self)  # its streams outlive each epoch's iterator
 
     def __len__(self) -> int:
         # The full epoch even after a mid-epoch resume: Lightning adds its restored count to what it fetches.
@@ -276,28 +310,25 @@ class TokenTrainLoader(ResumedByDataModule):
         """Stop the streams (and their worker processes, now)."""
         running, self._running = self._running, None
         if running is not None:
-            shutdown_workers(running[1])
+            shutdown_workers(running.blocks)
 
     def _epoch_batches(self) -> Generator[Any, None, None]:
         epoch, start = self.start_point()
         position, per_step, m = self.position, self.microbatches_per_step, self.microbatch_size
-        position.epoch, position.microbatches = epoch, start
-        if self._running is None or self._running[0] != position.generation:
+        position.begin_epoch(epoch, start)
+        if self._running is None or self._running.generation != position.generation:
             self.close()
             blocks = rank_blocks(self.spec, self.streams, self.num_workers, position.states)
-            self._running = (position.generation, blocks, steps_of(blocks, len(self.streams)))
+            self._running = _Running(position.generation, blocks, steps_of(blocks, len(self.streams)))
             self._step = None
-        steps = self._running[2]
+        steps = self._running.steps
         while position.microbatches < self.microbatches_per_epoch:
             if self._step is None or position.microbatches % per_step == 0:
                 # A loop broken off mid-step continues in the step it left (its rows are kept until it ends).
                 self._step = next(steps)
-                position.states.update(self._step[1])
+                position.enter_step(self._step[1])
             rows = self._step[0]
-            j = position.microbatches % per_step
-            position.microbatches += 1
-            if j == per_step - 1:
-                position.committed = (epoch, position.microbatches // per_step, dict(position.states))
+            j = position.hand_out(per_step)
             flags = None if rows.flags is None else rows.flags[j * m : (j + 1) * m]
             yield self.make_batch(RowBlock(rows.tokens[j * m : (j + 1) * m], flags))
 

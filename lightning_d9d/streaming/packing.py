@@ -134,7 +134,64 @@ def prefix_hash(tokens: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32))  # crc32 reads the buffer itself, no copy
 
 
-class ConcatPacker:
+@dataclass(frozen=True)
+class PackerCounters:
+    """What a packer has done so far, the same fields for every packer (save them with the state, set them back
+    on resume through ``packer.counters``); a field a packing does not use stays 0.
+
+    Attributes:
+        docs: documents added (best-fit-split).
+        split_docs: documents longer than a row, split into chunks (best-fit-split).
+        chunks: pieces that came from split documents (best-fit-split).
+        tokens_emitted: non-padding tokens in the rows taken.
+        padding: padding tokens in the rows taken (best-fit-split).
+        crops: documents cropped (best-fit).
+        tokens_cropped: tokens dropped with cropped documents' remainders (best-fit).
+    """
+
+    docs: int = 0
+    split_docs: int = 0
+    chunks: int = 0
+    tokens_emitted: int = 0
+    padding: int = 0
+    crops: int = 0
+    tokens_cropped: int = 0
+
+
+SplitPackerCounters = PackerCounters  # the name of the best-fit-split packer's counters before all shared one
+
+
+@dataclass(frozen=True)
+class BufferState:
+    """A best-fit packer's state: its buffered items' rows (``META_COLUMNS``, in insertion order), the next
+    insertion number and the counters. The items' tokens are not in it: a packer reset from it fetches them."""
+
+    rows: np.ndarray
+    next_seq: int = 0
+    counters: PackerCounters = PackerCounters()
+
+
+class _Counted:
+    """The counters every packer keeps: plain integer attributes (a packer adds to them per document, where
+    an attribute is the cheapest), read and set back as one :class:`PackerCounters` through ``counters``."""
+
+    docs = split_docs = chunks = tokens_emitted = padding = crops = tokens_cropped = 0
+
+    @property
+    def counters(self) -> PackerCounters:
+        """The counters now (a frozen copy); assigning a saved value sets them back."""
+        return PackerCounters(
+            self.docs, self.split_docs, self.chunks, self.tokens_emitted, self.padding, self.crops, self.tokens_cropped
+        )
+
+    @counters.setter
+    def counters(self, value: PackerCounters) -> None:
+        self.docs, self.split_docs, self.chunks = value.docs, value.split_docs, value.chunks
+        self.tokens_emitted, self.padding = value.tokens_emitted, value.padding
+        self.crops, self.tokens_cropped = value.crops, value.tokens_cropped
+
+
+class ConcatPacker(_Counted):
     """Concatenate BOS-prefixed documents into one stream and cut it into rows of ``capacity`` tokens.
 
     Documents arrive in chunks, each tagged with a caller-chosen ``ref``; the position of the next unemitted
@@ -277,7 +334,7 @@ class _PieceBuffer:
         return self.table[keys & ((1 << shift) - 1)]
 
 
-class BestFitPacker:
+class BestFitPacker(_Counted):
     """Pack rows that all start at BOS: largest fitting document first, crop the shortest when none fits.
 
     Each buffered document is described by one row of integers (``seq``, ``length``, two caller ``key``
@@ -373,6 +430,15 @@ class BestFitPacker:
         self.tokens_emitted += num_rows * self.capacity
         return out
 
+    def get_state(self) -> BufferState:
+        """The buffer's rows, the next insertion number and the counters."""
+        return _buffer_state(self)
+
+    def reset(self, initial_state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Continue from ``initial_state`` (an empty packer); ``fetch`` supplies buffered documents' tokens
+        (see :meth:`restore`), needed when the state holds any."""
+        _reset(self, initial_state, fetch)
+
     def snapshot(self) -> np.ndarray:
         """The buffered documents as ``(count, 5)`` int64 rows of ``META_COLUMNS``, in insertion order."""
         return self._buffer.snapshot()
@@ -412,26 +478,7 @@ class BestFitPacker:
         return tokens[:expected]
 
 
-@dataclass(frozen=True)
-class SplitPackerCounters:
-    """What a :class:`BestFitSplitPacker` has done so far (save it with the state, set it back on resume).
-
-    Attributes:
-        docs: documents added.
-        split_docs: documents longer than a row, split into chunks.
-        chunks: pieces that came from split documents.
-        tokens_emitted: non-padding tokens in the rows taken.
-        padding: padding tokens in the rows taken.
-    """
-
-    docs: int = 0
-    split_docs: int = 0
-    chunks: int = 0
-    tokens_emitted: int = 0
-    padding: int = 0
-
-
-class BestFitSplitPacker:
+class BestFitSplitPacker(_Counted):
     """Pack rows from whole documents and row-sized chunks of longer ones, best fit first, padding the rest.
 
     A document of at most ``capacity`` tokens is one piece; a longer one is split into the pieces
@@ -473,16 +520,6 @@ class BestFitSplitPacker:
     def __len__(self) -> int:
         """Pieces buffered."""
         return self._buffer.count
-
-    @property
-    def counters(self) -> SplitPackerCounters:
-        """The counters, to save with the state; assigning a saved value sets them back."""
-        return SplitPackerCounters(self.docs, self.split_docs, self.chunks, self.tokens_emitted, self.padding)
-
-    @counters.setter
-    def counters(self, value: SplitPackerCounters) -> None:
-        self.docs, self.split_docs, self.chunks = value.docs, value.split_docs, value.chunks
-        self.tokens_emitted, self.padding = value.tokens_emitted, value.padding
 
     @property
     def buffered_tokens(self) -> int:
@@ -570,8 +607,13 @@ class BestFitSplitPacker:
                 if pos == capacity:
                     break
             row_start += capacity
-        total = num_rows * capacity
         tokens = np.concatenate(parts).reshape(num_rows, capacity) if parts else np.empty((0, capacity), np.int32)
+        return tokens, self._flags(num_rows, starts, blocked, padded)
+
+    def _flags(self, num_rows: int, starts: list[int], blocked: list[int], padded: list[int]) -> np.ndarray:
+        """The rows' ``START`` / ``NO_TARGET`` bits from flat offsets (counting the padding and tokens emitted)."""
+        capacity = self.capacity
+        total = num_rows * capacity
         flags = np.zeros(total, np.uint8)
         flags[starts] = START
         flags[blocked] |= NO_TARGET
@@ -582,7 +624,16 @@ class BestFitSplitPacker:
             pad += end - at
         self.padding += pad
         self.tokens_emitted += total - pad
-        return tokens, flags.reshape(num_rows, capacity)
+        return flags.reshape(num_rows, capacity)
+
+    def get_state(self) -> BufferState:
+        """The buffer's rows, the next insertion number and the counters."""
+        return _buffer_state(self)
+
+    def reset(self, initial_state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Continue from ``initial_state`` (an empty packer); ``fetch`` supplies buffered pieces' tokens
+        (see :meth:`restore`), needed when the state holds any."""
+        _reset(self, initial_state, fetch)
 
     def snapshot(self) -> np.ndarray:
         """The buffered pieces as ``(pieces, 7)`` int64 rows of ``META_COLUMNS``, in insertion order."""
@@ -633,3 +684,17 @@ class BestFitSplitPacker:
                 + f" (got {len(tokens)} tokens; did the data files or the tokenizer change since the checkpoint?)"
             )
         return tokens
+
+
+def _buffer_state(packer: BestFitPacker | BestFitSplitPacker) -> BufferState:
+    return BufferState(packer.snapshot(), packer.next_seq, packer.counters)
+
+
+def _reset(
+    packer: BestFitPacker | BestFitSplitPacker, state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None
+) -> None:
+    if len(state.rows):
+        if fetch is None:
+            raise ValueError("a state with buffered items needs fetch() to rebuild their tokens")
+        packer.restore(state.rows, state.next_seq, fetch)
+    packer.next_seq, packer.counters = state.next_seq, state.counters

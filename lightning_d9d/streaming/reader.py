@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order
+from lightning_d9d.streaming.state import InvalidDataState, integer, mapping, version
 
 # A stream that meets this many passes in a row without a single document stops with an error instead of
 # spinning: with text anywhere in the corpus, shuffled passes make that practically impossible.
@@ -33,18 +35,47 @@ MAX_PASSES_WITHOUT_TEXT = 100
 
 @dataclass(frozen=True)
 class ReadPosition:
-    """Where a stream reads next: row ``row`` (of its row group) of unit ``slot`` of pass ``pass_index``."""
+    """The reader's state: it reads next row ``row`` (of its row group) of unit ``slot`` of pass ``pass_index``."""
+
+    VERSION = 1
 
     pass_index: int = 0
     slot: int = 0
     row: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return {"pass": self.pass_index, "slot": self.slot, "row": self.row}
+        return {"version": self.VERSION, "pass": self.pass_index, "slot": self.slot, "row": self.row}
 
     @classmethod
-    def from_dict(cls, state: dict[str, int]) -> ReadPosition:
-        return cls(int(state["pass"]), int(state["slot"]), int(state["row"]))
+    def from_dict(cls, state: Any, path: str = "reader") -> ReadPosition:
+        """Read a saved position (``version`` may be absent: state version 2 wrote none).
+
+        Raises:
+            InvalidDataState: a missing field, or one that is not an integer >= 0.
+        """
+        state = mapping(state, path)
+        if "version" in state:
+            version(state, path, (cls.VERSION,))
+        return cls(integer(state, "pass", path), integer(state, "slot", path), integer(state, "row", path))
+
+    def check(self, units: StreamUnits, path: str = "reader") -> None:
+        """Raises :class:`InvalidDataState` unless the position is inside one of ``units``' units.
+
+        A position is saved normalised: its slot names a unit of its pass, its row one of that unit's rows.
+        """
+        slots = units.of_pass(self.pass_index)
+        if not 0 <= self.slot < len(slots):
+            raise InvalidDataState(
+                f"{path}.slot",
+                self.slot,
+                f"stream {units.stream} reads {len(slots)} units per pass (0..{len(slots) - 1})",
+            )
+        unit = int(slots[self.slot])
+        start, stop = int(units.units.start[unit]), int(units.units.stop[unit])
+        if not start <= self.row < stop:
+            raise InvalidDataState(
+                f"{path}.row", self.row, f"unit {self.slot} of pass {self.pass_index} holds rows {start}..{stop - 1}"
+            )
 
 
 @dataclass
@@ -137,13 +168,23 @@ class TextReader:
     """
 
     def __init__(self, units: StreamUnits, start: ReadPosition, tokenizer_batch_size: int, chunk_chars: int = 0):
-        self.units, self.start = units, units.normalise(start)
+        self.units = units
         self.tokenizer_batch_size, self.chunk_chars = tokenizer_batch_size, chunk_chars
+        self.reset(start)
+
+    def reset(self, initial_state: ReadPosition) -> None:
+        """Read from ``initial_state`` on (the next iteration starts there)."""
+        self.start = self._next = self.units.normalise(initial_state)
+
+    def get_state(self) -> ReadPosition:
+        """Where reading resumes: just after the last chunk handed out (or the start, before any)."""
+        return self.units.normalise(self._next)
 
     def __iter__(self) -> Iterator[TextChunk]:
         units, index = self.units, self.units.index
         size = 1  # grows to tokenizer_batch_size
-        pass_index, slot, row = self.start.pass_index, self.start.slot, self.start.row
+        start = self._next
+        pass_index, slot, row = start.pass_index, start.slot, start.row
         empty_since = units_since = 0  # skipped since the last document handed out
         passes_without_text = 0
         while True:
@@ -176,7 +217,7 @@ class TextReader:
                     last = min(first + size, len(kept))
                     if lengths is not None:
                         last = first + max(1, _fitting(lengths[first:last], self.chunk_chars))
-                    yield TextChunk(
+                    chunk = TextChunk(
                         pass_index,
                         slot,
                         group,
@@ -185,6 +226,8 @@ class TextReader:
                         gaps[first:last],
                         units_before[first:last],
                     )
+                    self._next = ReadPosition(pass_index, slot, kept[last - 1] + 1)
+                    yield chunk
                     first = last
                     size = min(size + (size + 1) // 2, self.tokenizer_batch_size)
                 slot, row = slot + 1, 0

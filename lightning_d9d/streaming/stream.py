@@ -10,7 +10,10 @@ source's):
    tokens (:mod:`~lightning_d9d.streaming.packing`); its state (:class:`ConcatState` or :class:`BestFitState`)
    nests the reader's position where reading resumes.
 
-The stream yields :class:`RowBlock` s of ``spec.rows_per_block`` rows with the :class:`StreamState` after each.
+The stream yields :class:`RowBlock` s of ``spec.rows_per_block`` rows with the :class:`StreamState` after each;
+``get_state()`` is the last of them and ``reset(state)`` continues from one. A saved state is
+``{"version", "packing": {"kind", "version", ..., "reader": {...}}, "counters": {...}, "blocks"}``
+(:mod:`~lightning_d9d.streaming.state` validates it against the data when it is read back).
 Packers take documents one at a time and a position never names a chunk boundary, so neither the rows nor any
 state depend on how documents were batched for the tokenizer, or on timing. After a start or resume the
 reader's chunks grow 1, 2, 3, 5, … documents and are read on demand until the first block is out, so the first
@@ -31,17 +34,33 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
 import numpy as np
 
-from lightning_d9d.streaming.bestfit_restore import BufferedTexts, restore_buffer
-from lightning_d9d.streaming.packing import BestFitPacker, BestFitSplitPacker, ConcatPacker, SplitPackerCounters
+from lightning_d9d.streaming.bestfit_restore import BufferedTexts, buffer_fetch
+from lightning_d9d.streaming.packing import (
+    BestFitPacker,
+    BestFitSplitPacker,
+    BufferState,
+    ConcatPacker,
+    PackerCounters,
+)
 from lightning_d9d.streaming.reader import ReadPosition, StreamUnits, TextChunk, TextReader
 from lightning_d9d.streaming.source import RowGroupIndex, Units
+from lightning_d9d.streaming.state import (
+    InvalidDataState,
+    check_column,
+    field,
+    int_table,
+    integer,
+    join,
+    mapping,
+    version,
+)
 from lightning_d9d.streaming.tokenize import tokenized
 
 PACKINGS = ("bestfit", "bestfit_split", "concat")
@@ -128,16 +147,38 @@ class StreamCounters:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> StreamCounters:
-        return cls(**{field.name: int(state.get(field.name, 0)) for field in dataclasses.fields(cls)})
+    def from_dict(cls, state: Any, path: str = "counters") -> StreamCounters:
+        """Read saved counters.
+
+        Raises:
+            InvalidDataState: a counter missing, or not an integer >= 0.
+        """
+        state = mapping(state, path)
+        return cls(**{f.name: integer(state, f.name, path) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
 class ConcatState:
     """Concat's state: the reader's position and tokens of the document there already emitted."""
 
+    VERSION = 1
+    kind = "concat"
+
     read: ReadPosition = dataclasses.field(default_factory=ReadPosition)
     offset: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "version": self.VERSION, "reader": self.read.to_dict(), "offset": self.offset}
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], path: str) -> ConcatState:
+        version(state, path, (cls.VERSION,))
+        return cls(
+            ReadPosition.from_dict(field(state, "reader", path), join(path, "reader")), integer(state, "offset", path)
+        )
+
+    def check(self, spec: StreamSpec, units: StreamUnits, path: str, reader: str = "reader") -> None:
+        self.read.check(units, join(path, reader))
 
 
 @dataclass(frozen=True)
@@ -145,17 +186,67 @@ class BestFitState:
     """Best-fit's state: the reader's position after the last document added, and the buffered documents.
 
     ``buffer`` holds one int64 row per buffered document (``bestfit``) or piece (``bestfit_split``), the packer's
-    ``META_COLUMNS``; ``next_seq`` is the next insertion number.
+    ``META_COLUMNS``; ``next_seq`` is the next insertion number; ``kind`` is the packing.
     """
+
+    VERSION = 1
 
     read: ReadPosition = dataclasses.field(default_factory=ReadPosition)
     buffer: np.ndarray | None = None
     next_seq: int = 0
+    kind: str = "bestfit"
+
+    def to_dict(self) -> dict[str, Any]:
+        buffer = self.buffer
+        columns = len(_META_COLUMNS[self.kind])
+        return {
+            "kind": self.kind,
+            "version": self.VERSION,
+            "reader": self.read.to_dict(),
+            "buffer": np.zeros((0, columns), np.int64) if buffer is None else np.asarray(buffer, np.int64),
+            "next_seq": self.next_seq,
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], path: str, kind: str) -> BestFitState:
+        if "version" in state:  # state version 2 wrote the fields beside the stream's, without one
+            version(state, path, (cls.VERSION,))
+        read_key = "reader" if "reader" in state else "read"
+        read = ReadPosition.from_dict(field(state, read_key, path), join(path, read_key))
+        buffer = int_table(state, "buffer", path, len(_META_COLUMNS[kind]))
+        return cls(read, buffer, integer(state, "next_seq", path), kind)
+
+    def check(self, spec: StreamSpec, units: StreamUnits, path: str, reader: str = "reader") -> None:
+        """Raises :class:`InvalidDataState` unless every buffered row names a row of the data and fits the rows."""
+        self.read.check(units, join(path, reader))
+        buffer, where = self.buffer, join(path, "buffer")
+        if buffer is None or not len(buffer):
+            return
+        check_column(buffer, 0, "seq", where, 0, self.next_seq)
+        if len(np.unique(buffer[:, 0])) != len(buffer):
+            raise InvalidDataState(f"{where}.seq", buffer[:, 0].tolist()[:20], "insertion numbers must be distinct")
+        longest = spec.capacity + 1 if self.kind == "bestfit_split" else np.iinfo(np.int64).max
+        check_column(buffer, 1, "length", where, 1, longest)
+        check_column(buffer, 2, "key0 (row group)", where, 0, len(spec.index.num_rows))
+        check_column(buffer, 3, "key1 (row)", where, 0, spec.index.num_rows[buffer[:, 2]])
+        if self.kind == "bestfit_split":
+            check_column(buffer, 4, "chunk", where, 0, np.iinfo(np.int64).max)
+            check_column(buffer, 5, "final", where, 0, 2)
+        check_column(buffer, buffer.shape[1] - 1, "hash", where, 0, 1 << 32)
+
+
+PackingState = ConcatState | BestFitState
+_META_COLUMNS = {
+    "bestfit": BestFitPacker.META_COLUMNS,
+    "bestfit_split": BestFitSplitPacker.META_COLUMNS,
+}
 
 
 @dataclass(frozen=True)
 class StreamState:
     """A stream's state after a block: its packing stage's state (which nests the reader's) and its counters.
+
+    Saved as ``{"version", "packing": {"kind", "version", ..., "reader": {...}}, "counters": {...}, "blocks"}``.
 
     Attributes:
         packing: the packing stage's state.
@@ -163,30 +254,80 @@ class StreamState:
         blocks: blocks yielded.
     """
 
-    packing: ConcatState | BestFitState = dataclasses.field(default_factory=ConcatState)
+    VERSION = 3  # 2: the packing's and the reader's fields beside the counters, told apart by an "offset" key
+
+    packing: PackingState = dataclasses.field(default_factory=ConcatState)
     counters: StreamCounters = dataclasses.field(default_factory=StreamCounters)
     blocks: int = 0
+    # The version it was read from: errors name a field where that version kept it.
+    read_from: int = dataclasses.field(default=VERSION, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain ints and an int64 array only (checkpoints stay loadable with ``torch.load(weights_only=True)``)."""
-        out: dict[str, Any] = {"read": self.packing.read.to_dict(), "blocks": self.blocks}
-        out["counters"] = self.counters.to_dict()
-        if isinstance(self.packing, ConcatState):
-            out["offset"] = self.packing.offset
-        else:
-            out["next_seq"] = self.packing.next_seq
-            buffer = self.packing.buffer
-            out["buffer"] = np.zeros((0, 0), np.int64) if buffer is None else np.asarray(buffer, np.int64)
-        return out
+        """Plain ints, strings and int64 arrays (checkpoints stay loadable with ``torch.load(weights_only=True)``)."""
+        return {
+            "version": self.VERSION,
+            "packing": self.packing.to_dict(),
+            "counters": self.counters.to_dict(),
+            "blocks": self.blocks,
+        }
 
     @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> StreamState:
-        read = ReadPosition.from_dict(state["read"])
-        if "offset" in state:
-            packing: ConcatState | BestFitState = ConcatState(read, int(state["offset"]))
+    def from_dict(cls, state: Any, packing: str | None = None, path: str = "") -> StreamState:
+        """Read a saved stream state (this version's, or state version 2's), checking each field's type.
+
+        Args:
+            state: what :meth:`to_dict` wrote (tensors already turned back into numpy).
+            packing: the packing the stream runs (``None``: the state's own kind).
+            path: where the state sits in the checkpoint's data state, for errors.
+
+        Raises:
+            InvalidDataState: a missing field, a wrong type or a negative value, an unknown version or kind, or a
+                kind other than ``packing``.
+        """
+        state = mapping(state, path or "stream")
+        if "packing" in state:
+            version(state, path, (cls.VERSION,))
+            where = join(path, "packing")
+            saved = mapping(state["packing"], where)
+            kind = field(saved, "kind", where)
+            if kind not in PACKINGS:
+                raise InvalidDataState(join(where, "kind"), kind, f"expected one of {list(PACKINGS)}")
         else:
-            packing = BestFitState(read, np.asarray(state["buffer"], np.int64), int(state["next_seq"]))
-        return cls(packing, StreamCounters.from_dict(state["counters"]), int(state["blocks"]))
+            saved, where = state, path
+            kind = _legacy_kind(state, path, packing)
+        if packing is not None and kind != packing:
+            raise InvalidDataState(join(where, "kind"), kind, f"this stream packs {packing!r}")
+        if kind == "concat":
+            if "packing" in state:
+                packed: PackingState = ConcatState.from_dict(saved, where)
+            else:
+                read = ReadPosition.from_dict(field(saved, "read", where), join(where, "read"))
+                packed = ConcatState(read, integer(saved, "offset", where))
+        else:
+            packed = BestFitState.from_dict(saved, where, kind)
+        counters = StreamCounters.from_dict(field(state, "counters", path), join(path, "counters"))
+        return cls(packed, counters, integer(state, "blocks", path), cls.VERSION if "packing" in state else 2)
+
+    def check(self, spec: StreamSpec, stream: int, path: str = "") -> None:
+        """Raises :class:`InvalidDataState` unless the state's positions lie inside the data stream ``stream``
+        reads (and its buffered documents inside the data and the rows)."""
+        if self.packing.kind != spec.packing:
+            raise InvalidDataState(join(path, "packing.kind"), self.packing.kind, f"this stream packs {spec.packing!r}")
+        if self.read_from == 2:  # its fields sat beside the stream's, the reader's under "read"
+            self.packing.check(spec, spec.stream_units(stream), path, "read")
+        else:
+            self.packing.check(spec, spec.stream_units(stream), join(path, "packing"))
+
+
+def _legacy_kind(state: Mapping[str, Any], path: str, packing: str | None) -> str:
+    """The packing of a state version 2 stream state: concat had an ``offset``, best-fit a buffer."""
+    if "offset" in state:
+        return "concat"
+    buffer = field(state, "buffer", path)
+    if packing is not None:
+        return packing
+    columns = buffer.shape[1] if isinstance(buffer, np.ndarray) and buffer.ndim == 2 else None
+    return "bestfit_split" if columns == len(BestFitSplitPacker.META_COLUMNS) else "bestfit"
 
 
 @dataclass
@@ -229,9 +370,24 @@ class TokenStream:
         if not 0 <= stream < spec.num_streams:
             raise ValueError(f"stream {stream} is not one of the {spec.num_streams} streams")
         self.spec, self.stream = spec, stream
-        fresh = BestFitState() if spec.packing != "concat" else ConcatState()
-        self.state = state if state is not None else StreamState(fresh)
-        self.buffered_texts = buffered_texts
+        self.reset(state, buffered_texts)
+
+    def reset(self, initial_state: StreamState | None = None, buffered_texts: BufferedTexts | None = None) -> None:
+        """Continue from ``initial_state`` at the next iteration (``None``: from the stream's beginning).
+
+        Raises:
+            InvalidDataState: the state's positions or buffered documents lie outside this stream's data.
+        """
+        if initial_state is None:
+            fresh = ConcatState() if self.spec.packing == "concat" else BestFitState(kind=self.spec.packing)
+            initial_state = StreamState(fresh)
+        else:
+            initial_state.check(self.spec, self.stream)
+        self.state, self.buffered_texts = initial_state, buffered_texts
+
+    def get_state(self) -> StreamState:
+        """The state after the last block yielded (the initial state before any): where a new iteration starts."""
+        return self.state
 
     def __iter__(self) -> Generator[tuple[RowBlock, StreamState], None, None]:
         spec, state = self.spec, self.state
@@ -239,10 +395,9 @@ class TokenStream:
         reader = TextReader(units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars)
         # Chunks on demand until the first block is out and asked past (a hosting process asks every stream's
         # first block before any second one), then prefetched.
-        lookahead = threading.Event()
         cropped_to = spec.capacity if spec.packing == "bestfit" else None
         chunks = tokenized(
-            iter(reader), spec.tokenizer_json, spec.prefetch, f"stream-{self.stream}", lookahead,
+            iter(reader), spec.tokenizer_json, spec.prefetch, f"stream-{self.stream}", threading.Event(),
             lay_out=lambda chunk, encodings: _Laid(chunk, encodings, spec.bos_id, cropped_to),
         )  # fmt: skip
         texts, self.buffered_texts = self.buffered_texts, None  # held only until the buffer is restored
@@ -250,9 +405,11 @@ class TokenStream:
         del texts
         try:
             blocks = packing_stage.blocks(chunks)
-            yield next(blocks)
-            lookahead.set()
-            yield from blocks
+            block, self.state = next(blocks)
+            yield block, self.state
+            chunks.open_lookahead()
+            for block, self.state in blocks:
+                yield block, self.state
         finally:
             chunks.close()
 
@@ -285,6 +442,16 @@ class _Laid:
             self.payload = [flat[s:e] for s, e in zip([0, *ends[:-1]], ends)]
 
 
+@dataclass(slots=True)
+class _Taken:
+    """Documents taken since the counters were last folded, and the rows and units skipped before them."""
+
+    docs: int = 0
+    tokens: int = 0
+    empty: int = 0
+    text_free_units: int = 0
+
+
 class _Stage:
     """What both packing stages share: where they stand and how the counters follow the documents taken.
 
@@ -294,8 +461,22 @@ class _Stage:
 
     def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState):
         self.spec, self.units = spec, units
-        self.counters, self.blocks_done = state.counters, state.blocks
-        self.taken = [0, 0, 0, 0]  # documents, tokens, empty rows, text-free units taken since the last fold
+        self.reset(state)
+
+    def reset(self, initial_state: StreamState) -> None:
+        """Start (at the next ``blocks()``) from ``initial_state``."""
+        self.state = initial_state
+        self.counters, self.blocks_done = initial_state.counters, initial_state.blocks
+        self.taken = _Taken()
+
+    def get_state(self) -> StreamState:
+        """The state after the last block (the initial state before any)."""
+        return self.state
+
+    def packer_counters(self) -> PackerCounters:
+        """The stream's counters, as the packer keeps them (set back on a packer that resumes)."""
+        c = self.counters
+        return PackerCounters(c.docs, c.split_docs, c.chunks, c.emitted, c.padding, c.crops, c.cropped)
 
     def after(self, chunk: TextChunk, doc: int) -> ReadPosition:
         """The position just after document ``doc`` of ``chunk`` (its row + 1, normalised)."""
@@ -305,72 +486,110 @@ class _Stage:
     def took_range(self, chunk: TextChunk, lengths: np.ndarray, first: int, stop: int) -> None:
         """Count documents ``[first, stop)`` of ``chunk`` as taken (and the rows and units skipped before them)."""
         taken = self.taken
-        taken[0] += stop - first
-        taken[1] += int(lengths[first:stop].sum())
-        taken[2] += int(chunk.empty_before[first:stop].sum())
-        taken[3] += int(chunk.units_before[first:stop].sum())
+        taken.docs += stop - first
+        taken.tokens += int(lengths[first:stop].sum())
+        taken.empty += int(chunk.empty_before[first:stop].sum())
+        taken.text_free_units += int(chunk.units_before[first:stop].sum())
 
-    def folded(self, **block: int) -> StreamCounters:
-        """The counters with the documents taken since the last fold, and ``block``'s fields set."""
-        c, (docs, tokens, empty, units) = self.counters, self.taken
-        self.taken[:] = (0, 0, 0, 0)
-        self.counters = dataclasses.replace(
-            c, docs=c.docs + docs, tokens=c.tokens + tokens, empty=c.empty + empty,
-            text_free_units=c.text_free_units + units, **block,
+    def emitted(self, block: RowBlock, packing: PackingState, packer: PackerCounters) -> tuple[RowBlock, StreamState]:
+        """``block`` with the state after it: the documents taken folded into the counters, the packer's set."""
+        c, taken = self.counters, self.taken
+        self.counters = StreamCounters(
+            docs=c.docs + taken.docs, empty=c.empty + taken.empty, text_free_units=c.text_free_units
+            + taken.text_free_units, tokens=c.tokens + taken.tokens, emitted=packer.tokens_emitted,
+            padding=packer.padding, crops=packer.crops, cropped=packer.tokens_cropped, split_docs=packer.split_docs,
+            chunks=packer.chunks, rows=c.rows + len(block),
         )  # fmt: skip
-        return self.counters
+        taken.docs = taken.tokens = taken.empty = taken.text_free_units = 0  # in place: refill() holds it
+        self.blocks_done += 1
+        self.state = StreamState(packing, self.counters, self.blocks_done)
+        return block, self.state
+
+
+@dataclass(slots=True)
+class _Begun:
+    """A chunk added to the concat packer, and how many of its documents were counted as begun."""
+
+    laid: _Laid
+    counted: int = 0
 
 
 class _Concat(_Stage):
     """Concat: one token stream cut into rows; nothing wasted, rows usually start mid-document."""
 
-    def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState):
-        super().__init__(spec, units, state)
-        assert isinstance(state.packing, ConcatState)
-        self.start = state.packing
-
     def blocks(self, chunks: Iterator[_Laid]) -> Generator[tuple[RowBlock, StreamState], None, None]:
-        spec, rows_per_block = self.spec, self.spec.rows_per_block
+        spec, rows_per_block, start = self.spec, self.spec.rows_per_block, self.state.packing
+        assert isinstance(start, ConcatState)
         packer = ConcatPacker(spec.capacity)
-        skip, carried = self.start.offset, self.start.offset > 0  # resumed inside a document: already counted
-        after_last = self.start.read  # the position after the last document begun (or where reading started)
-        pending: list[list[Any]] = []  # [chunk, documents of it counted], oldest first, not yet all begun
+        packer.counters = self.packer_counters()
+        skip = start.offset
+        self.carried = start.offset > 0  # resumed inside a document: it was counted before the checkpoint
+        after_last = start.read  # the position after the last document begun (or where reading started)
+        pending: list[_Begun] = []  # chunks not yet all begun, oldest first
         last_begun: tuple[TextChunk, int] | None = None  # (chunk, document) begun last, once after_last is stale
         while True:
             rows = packer.take(rows_per_block)
             while rows is None:
                 laid = next(chunks)
+                if skip and skip >= laid.lengths[0]:
+                    raise InvalidDataState(
+                        "packing.offset", skip, f"the document there holds {int(laid.lengths[0])} tokens"
+                    )
                 packer.add(laid.payload, laid.starts, laid, skip=skip)
-                pending.append([laid, 0])
+                pending.append(_Begun(laid))
                 skip = 0
                 rows = packer.take(rows_per_block)
             laid, doc, offset = packer.position()
-            begun = doc + (1 if offset > 0 else 0)
-            # Count every document begun by now, each exactly once, in stream order.
-            while pending:
-                current, counted = pending[0]
-                upto = begun if current is laid else len(current.lengths)
-                if upto > counted:
-                    first = counted
-                    if carried:  # the document a resume started inside of was counted before the checkpoint
-                        carried, first = False, first + 1
-                    self.took_range(current.chunk, current.lengths, first, upto)
-                    last_begun = (current.chunk, upto - 1)
-                if current is not laid:
-                    pending.pop(0)
-                    continue
-                pending[0][1] = upto
-                break
+            counted_last = self._count_begun(pending, laid, doc + (1 if offset > 0 else 0))
+            if counted_last is not None:
+                last_begun = counted_last
             if offset > 0:
                 read = laid.chunk.position_of(doc)
             else:
                 if last_begun is not None:  # only the last document begun names the position, so only it is placed
                     after_last, last_begun = self.after(*last_begun), None
                 read = after_last
-            self.blocks_done += 1
-            c = self.counters
-            counters = self.folded(emitted=c.emitted + rows.size, rows=c.rows + len(rows))
-            yield RowBlock(rows), StreamState(ConcatState(read, offset), counters, self.blocks_done)
+            yield self.emitted(RowBlock(rows), ConcatState(read, offset), packer.counters)
+
+    def _count_begun(self, pending: list[_Begun], laid: _Laid, begun: int) -> tuple[TextChunk, int] | None:
+        """Count every document begun by now (``begun`` of ``laid``'s), each once, in stream order; the last one."""
+        last = None
+        while pending:
+            current = pending[0]
+            upto = begun if current.laid is laid else len(current.laid.lengths)
+            if upto > current.counted:
+                first = current.counted + (1 if self.carried else 0)
+                self.carried = False
+                self.took_range(current.laid.chunk, current.laid.lengths, first, upto)
+                last = (current.laid.chunk, upto - 1)
+            if current.laid is not laid:
+                pending.pop(0)
+                continue
+            current.counted = upto
+            break
+        return last
+
+
+@dataclass(slots=True)
+class _Cursor:
+    """The chunk whose documents best-fit is adding to its buffer, and its next document; the chunk's columns as
+    Python lists, converted once per chunk rather than per document."""
+
+    laid: Any = None
+    next_doc: int = 0
+    payload: Any = None
+    lengths: list[int] = dataclasses.field(default_factory=list)
+    rows: list[int] = dataclasses.field(default_factory=list)
+    group: int = 0
+    starts: list[int] = dataclasses.field(default_factory=list)
+    empty_before: list[int] = dataclasses.field(default_factory=list)
+    units_before: list[int] = dataclasses.field(default_factory=list)
+
+    def load(self, laid: _Laid) -> None:
+        chunk, self.laid = laid.chunk, laid
+        self.next_doc, self.payload, self.group = 0, laid.payload, chunk.group
+        self.lengths, self.rows, self.starts = laid.lengths.tolist(), chunk.rows.tolist(), laid.starts.tolist()
+        self.empty_before, self.units_before = chunk.empty_before.tolist(), chunk.units_before.tolist()
 
 
 class _BestFit(_Stage):
@@ -378,74 +597,60 @@ class _BestFit(_Stage):
 
     def __init__(self, spec: StreamSpec, units: StreamUnits, state: StreamState, texts: BufferedTexts | None):
         super().__init__(spec, units, state)
-        assert isinstance(state.packing, BestFitState)
-        self.start, self.texts = state.packing, texts
+        self.texts = texts
 
     def blocks(self, chunks: Iterator[_Laid]) -> Generator[tuple[RowBlock, StreamState], None, None]:
-        spec, counters = self.spec, self.counters
+        spec, start = self.spec, self.state.packing
+        assert isinstance(start, BestFitState)
         split = spec.packing == "bestfit_split"
+        packer = self._packer(start)
+        cursor = _Cursor()
+        refill = self._refiller(packer, chunks, cursor)
+        read, take, rows_per_block = start.read, packer.take, spec.rows_per_block
+        while True:
+            result = take(rows_per_block, refill)
+            if self.taken.docs:  # only the last document added names the position, so only it is placed
+                read = self.after(cursor.laid.chunk, cursor.next_doc - 1)
+            block = RowBlock(*result) if split else RowBlock(result)
+            packed = packer.get_state()
+            yield self.emitted(block, BestFitState(read, packed.rows, packed.next_seq, spec.packing), packed.counters)
+
+    def _packer(self, start: BestFitState) -> BestFitPacker | BestFitSplitPacker:
+        """A packer of the stream's kind, with the counters and buffer of ``start``."""
+        spec = self.spec
         packer: BestFitPacker | BestFitSplitPacker
-        if split:
+        if spec.packing == "bestfit_split":
             packer = BestFitSplitPacker(spec.capacity, spec.pad_id, spec.buffer_size)
-            packer.counters = SplitPackerCounters(
-                counters.docs, counters.split_docs, counters.chunks, counters.emitted, counters.padding
-            )
         else:
             packer = BestFitPacker(spec.capacity, spec.buffer_size)
-            packer.crops, packer.tokens_cropped = counters.crops, counters.cropped
-        if self.start.buffer is not None and len(self.start.buffer):
-            restore_buffer(spec, packer, self.start.buffer, self.start.next_seq, self.texts)
-            self.texts = None
-        packer.next_seq = self.start.next_seq
-        read = self.start.read
-        cursor: list[Any] = [None, 0]  # the chunk being added to the buffer, and its next document
-        # That chunk's documents as Python lists (converted once per chunk, not per document): payload, lengths,
-        # rows, group, starts, empty rows and text-free units before each.
-        lists: list[Any] = [None, [], [], 0, [], [], []]
-        taken = self.taken
+        buffer = start.buffer if start.buffer is not None else np.zeros((0, len(packer.META_COLUMNS)), np.int64)
+        fetch = buffer_fetch(spec, buffer, self.texts) if len(buffer) else None
+        self.texts = None
+        packer.reset(BufferState(buffer, start.next_seq, self.packer_counters()), fetch)
+        return packer
+
+    def _refiller(
+        self, packer: BestFitPacker | BestFitSplitPacker, chunks: Iterator[_Laid], cursor: _Cursor
+    ) -> Callable[[], None]:
+        """``refill()``: add the next document (one per call, so the buffer never depends on chunk sizes)."""
+        split, taken = self.spec.packing == "bestfit_split", self.taken
+        add = packer.add
 
         def refill() -> None:
-            """Add the next document (one per call, so the buffer never depends on chunk sizes)."""
-            laid, doc = cursor
-            while laid is None or doc >= len(lists[1]):
-                laid, doc = next(chunks), 0
-                chunk = laid.chunk
-                lists[:] = (
-                    laid.payload, laid.lengths.tolist(), chunk.rows.tolist(), chunk.group, laid.starts.tolist(),
-                    chunk.empty_before.tolist(), chunk.units_before.tolist(),
-                )  # fmt: skip
-            length = lists[1][doc]
+            doc = cursor.next_doc
+            while cursor.laid is None or doc >= len(cursor.lengths):
+                cursor.load(next(chunks))
+                doc = 0
+            length = cursor.lengths[doc]
             if split:
-                start = lists[4][doc]
-                packer.add(lists[0][start : start + length], (lists[3], lists[2][doc]))
+                start = cursor.starts[doc]
+                add(cursor.payload[start : start + length], (cursor.group, cursor.rows[doc]))
             else:
-                packer.add(lists[0][doc], length, (lists[3], lists[2][doc]))
-            taken[0] += 1
-            taken[1] += length
-            taken[2] += lists[5][doc]
-            taken[3] += lists[6][doc]
-            cursor[0], cursor[1] = laid, doc + 1
+                add(cursor.payload[doc], length, (cursor.group, cursor.rows[doc]))
+            taken.docs += 1
+            taken.tokens += length
+            taken.empty += cursor.empty_before[doc]
+            taken.text_free_units += cursor.units_before[doc]
+            cursor.next_doc = doc + 1
 
-        take: Callable[..., Any] = packer.take
-        while True:
-            result = take(spec.rows_per_block, refill)
-            if taken[0]:  # only the last document added names the position, so only it is placed
-                read = self.after(cursor[0].chunk, cursor[1] - 1)
-            self.blocks_done += 1
-            c = self.counters
-            if split:
-                tokens, flags = result
-                p = packer.counters
-                counters = self.folded(
-                    emitted=p.tokens_emitted, padding=p.padding, split_docs=p.split_docs, chunks=p.chunks,
-                    rows=c.rows + len(tokens),
-                )  # fmt: skip
-                block = RowBlock(tokens, flags)
-            else:
-                counters = self.folded(
-                    emitted=c.emitted + result.size, crops=packer.crops, cropped=packer.tokens_cropped,
-                    rows=c.rows + len(result),
-                )  # fmt: skip
-                block = RowBlock(result)
-            state = BestFitState(read, packer.snapshot(), packer.next_seq)
-            yield block, StreamState(state, counters, self.blocks_done)
+        return refill

@@ -18,6 +18,9 @@ tokenized by the asking thread: a process starting or resuming many streams at o
 what their first blocks need, side by side on every core, instead of serving one stream's read-ahead chunks
 before another stream's first one.
 
+A document longer than ``LONG_DOCUMENT_CHARS`` is tokenized in pieces cut at spaces that change no token
+(:class:`LongEncoding`), so one huge document costs its int32 ids, not a tokenizer call's worth of ``Encoding``.
+
 Trade-off: a chunk read ahead and tokenized but not yet packed is work thrown away when a stream stops; each
 stream's lookahead is bounded (``prefetch + 1`` chunks), so little is lost and memory stays bounded.
 """
@@ -27,13 +30,15 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
+import numpy as np
 from tokenizers import Tokenizer
 
+from lightning_d9d.epoch_iterator import close_at_exit
 from lightning_d9d.streaming.reader import TextChunk
 from lightning_d9d.tokenizer import tokenizer_from_json as load_tokenizer  # estimate, bestfit_restore use this name
 
@@ -44,12 +49,85 @@ _pool_lock = threading.Lock()
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list:
-    """``encode_batch_fast`` without the post-processor's special tokens.
+    """``encode_batch_fast`` without the post-processor's special tokens; a document longer than
+    ``LONG_DOCUMENT_CHARS`` characters is tokenized in pieces (:class:`LongEncoding`).
 
     The streams prepend BOS themselves; a template such as Llama's ``"<s> $A"`` would otherwise put a second
     BOS (or a BERT-style ``[SEP]``) in every document.
     """
-    return tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    limit = LONG_DOCUMENT_CHARS
+    if not limit or all(len(text) <= limit for text in texts):
+        return tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    short = tokenizer.encode_batch_fast(
+        [text if len(text) <= limit else "" for text in texts], add_special_tokens=False
+    )
+    return [e if len(text) <= limit else LongEncoding.of(tokenizer, text, limit) for text, e in zip(texts, short)]
+
+
+# A document longer than this many characters is tokenized in pieces of about this many, so that what the
+# tokenizer holds at once (an Encoding is several times the size of its ids) is bounded by this setting, not by
+# the corpus's longest document; only the document's int32 ids are kept whole. 0: every document in one call.
+LONG_DOCUMENT_CHARS = 1 << 20
+# Characters either side of a candidate cut that are tokenized to prove the cut changes no token.
+_CUT_WINDOW = 256
+
+
+class LongEncoding:
+    """The ids of a document tokenized in pieces (what the streams use of an ``Encoding``: ``ids``, ``len``).
+
+    Algorithm: a piece ends at the first single space (between two non-space characters) at or after
+    ``piece_chars`` characters, where tokenizing the text around it whole and cut there gives the same ids,
+    so the document's ids are those of one call for the usual pre-tokenizers (whitespace, byte-level, metaspace:
+    a token never spans such a space). Where no such space comes within another ``piece_chars`` characters
+    (text without spaces), the piece ends there: its ids near that cut may differ from one call's, but they are
+    the same on every run, since the cuts depend on the text and the setting only.
+
+    Trade-off: every cut costs tokenizing ``2 * _CUT_WINDOW`` characters twice, a fraction of a percent.
+    """
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, text: str, piece_chars: int) -> LongEncoding:
+        parts, start = [], 0
+        while start < len(text):
+            stop = (
+                len(text)
+                if len(text) - start <= piece_chars
+                else _cut(tokenizer, text, start + piece_chars, piece_chars)
+            )
+            ids = tokenizer.encode_batch_fast([text[start:stop]], add_special_tokens=False)[0].ids
+            parts.append(np.asarray(ids, np.int32))
+            start = stop
+        return cls(np.concatenate(parts) if parts else np.zeros(0, np.int32))
+
+
+def _cut(tokenizer: Tokenizer, text: str, at_least: int, piece_chars: int) -> int:
+    """Where a piece that must hold ``text[:at_least]`` ends: the first space after that changes no token, else
+    ``piece_chars`` further."""
+    hard = min(len(text), at_least + piece_chars)
+    at = text.find(" ", at_least, hard)
+    while at != -1:
+        single = at + 1 < len(text) and not text[at - 1].isspace() and not text[at + 1].isspace()
+        if single and _cuts_cleanly(tokenizer, text, at):
+            return at
+        at = text.find(" ", at + 1, hard)
+    return hard
+
+
+def _cuts_cleanly(tokenizer: Tokenizer, text: str, at: int) -> bool:
+    """Whether the text around ``at`` gives the same ids tokenized whole and cut at ``at``."""
+    first = max(0, at - _CUT_WINDOW)
+    whole, left, right = tokenizer.encode_batch_fast(
+        [text[first : at + _CUT_WINDOW], text[first:at], text[at : at + _CUT_WINDOW]], add_special_tokens=False
+    )
+    return whole.ids == left.ids + right.ids
 
 
 def tokenizing_thread() -> ThreadPoolExecutor:
@@ -77,8 +155,8 @@ def tokenized(
     name: str = "stream",
     lookahead: threading.Event | None = None,
     lay_out: Callable[[TextChunk, list], T] = TokenizedChunk,  # type: ignore[assignment]
-) -> Generator[T, None, None]:
-    """``chunks``, tokenized ahead in threads and laid out, in order.
+) -> InlineTokenizing[T] | PrefetchedTokenizing[T]:
+    """``chunks``, tokenized (ahead, in threads, when ``prefetch > 0``) and laid out, in order.
 
     Args:
         chunks: the reader's chunks (iterated in a thread of its own when ``prefetch > 0``).
@@ -89,79 +167,160 @@ def tokenized(
         lookahead: until it is set, a chunk is read and tokenized only when the consumer asks for it (then up
             to ``prefetch + 1`` ahead). A process starting many streams sets it once their first blocks are out, so
             that its one tokenizer first serves what every stream needs for its first block, not the chunks
-            some streams would read ahead.
+            some streams would read ahead. ``None``: ahead from the start.
         lay_out: ``lay_out(chunk, encodings)`` is what is yielded for a chunk; it runs in the thread that
             tokenized the chunk, right after, and the encodings are dropped once it returns.
+
+    Returns:
+        an iterator with ``close()`` (stop reading, drop what was read ahead) and ``open_lookahead()``.
 
     Raises:
         whatever reading, tokenizing or laying out raised, in the consumer, at the chunk where it happened.
     """
-    tokenizer = load_tokenizer(tokenizer_json)
-
-    def encode(chunk: TextChunk) -> T:
-        return lay_out(chunk, encode_documents(tokenizer, chunk.texts))
-
+    encode = _Encode(load_tokenizer(tokenizer_json), lay_out)
     if prefetch <= 0:
-        for chunk in chunks:
-            yield encode(chunk)
-        return
-    # Chunks submitted and not yet taken: ``prefetch`` tokenized and waiting, and one being tokenized. The reader
-    # takes a slot before it submits a chunk, so nothing is tokenized beyond them (and, on demand, nothing the
-    # consumer has not asked for).
-    ahead = prefetch + 1
-    on_demand = lookahead is not None and not lookahead.is_set()
-    slots = threading.Semaphore(1 if on_demand else ahead)  # on demand: the first chunk is asked for at once
-    out: queue.Queue = queue.Queue()
-    stop = threading.Event()
-    pool = tokenizing_thread()
+        return InlineTokenizing(chunks, encode)
+    return PrefetchedTokenizing(chunks, encode, prefetch, name, lookahead)
 
-    def slot() -> bool:
-        while not stop.is_set():
-            if slots.acquire(timeout=0.1):
+
+class _Encode:
+    """Tokenize one chunk and lay it out (``lay_out(chunk, encodings)``)."""
+
+    def __init__(self, tokenizer: Tokenizer, lay_out: Callable[[TextChunk, list], T]):
+        self.tokenizer, self.lay_out = tokenizer, lay_out
+
+    def __call__(self, chunk: TextChunk) -> T:
+        return self.lay_out(chunk, encode_documents(self.tokenizer, chunk.texts))
+
+
+class InlineTokenizing(Generic[T]):
+    """Mode ``prefetch=0``: each chunk is read and tokenized by the consumer when it asks for it; no threads."""
+
+    def __init__(self, chunks: Iterator[TextChunk], encode: Callable[[TextChunk], T]):
+        self.chunks, self.encode = chunks, encode
+
+    def __iter__(self) -> InlineTokenizing[T]:
+        return self
+
+    def __next__(self) -> T:
+        return self.encode(next(self.chunks))
+
+    def open_lookahead(self) -> None:
+        """Nothing to open: inline tokenizing never reads ahead."""
+
+    def close(self) -> None:
+        close = getattr(self.chunks, "close", None)
+        if close is not None:
+            close()
+
+
+class _ReadAhead:
+    """The reader thread's side of :class:`PrefetchedTokenizing`: it holds nothing of the consumer, so a consumer
+    dropped without ``close()`` is still freed, and its ``__del__`` stops this thread."""
+
+    def __init__(self, encode: Callable[[TextChunk], Any], slots: threading.Semaphore, lookahead: threading.Event):
+        self.encode, self.slots, self.lookahead = encode, slots, lookahead
+        self.out: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.pool = tokenizing_thread()
+
+    def run(self, chunks: Iterator[TextChunk]) -> None:
+        try:
+            for chunk in chunks:
+                if not self._slot():
+                    return
+                on_demand = not self.lookahead.is_set()
+                self.out.put(chunk if on_demand else self.pool.submit(self.encode, chunk))
+        except BaseException as error:  # handed to the consumer, which raises it
+            self.out.put(error)
+
+    def _slot(self) -> bool:
+        while not self.stop.is_set():
+            if self.slots.acquire(timeout=0.1):
                 return True
         return False
 
-    def produce() -> None:
-        try:
-            for chunk in chunks:
-                if not slot():
-                    return
-                # A chunk asked for before the lookahead opens is tokenized by the asking thread: the streams a
-                # process starts at once then tokenize their first chunks side by side, on every core.
-                out.put(chunk if lookahead is not None and not lookahead.is_set() else pool.submit(encode, chunk))
-        except BaseException as error:  # handed to the consumer, which raises it
-            out.put(error)
 
-    reader = threading.Thread(target=produce, name=f"lightning-d9d-{name}-reader", daemon=True)
-    reader.start()
-    asked = 0
-    try:
+class PrefetchedTokenizing(Generic[T]):
+    """Mode ``prefetch > 0``: a reader thread reads chunks ahead and submits them to the tokenizing thread.
+
+    Chunks submitted and not yet taken are bounded by a semaphore: ``prefetch`` tokenized and waiting, and one
+    being tokenized; the reader takes a slot before it submits a chunk. Until the lookahead opens, a slot is
+    released only when the consumer asks for a chunk (on demand), and such a chunk is tokenized by the asking
+    thread: the streams a process starts at once then tokenize their first chunks side by side, on every core.
+    """
+
+    def __init__(
+        self,
+        chunks: Iterator[TextChunk],
+        encode: Callable[[TextChunk], T],
+        prefetch: int,
+        name: str,
+        lookahead: threading.Event | None,
+    ):
+        self.encode, self.name, self.ahead = encode, name, prefetch + 1
+        if lookahead is None:
+            lookahead = threading.Event()
+            lookahead.set()
+        self.lookahead, self.on_demand = lookahead, not lookahead.is_set()
+        self.slots = threading.Semaphore(1 if self.on_demand else self.ahead)  # on demand: the first at once
+        self.asked, self.closed = 0, False
+        # Bound here so that closing at interpreter exit needs no module global.
+        self._empty, self._future = queue.Empty, Future
+        self.read_ahead = _ReadAhead(encode, self.slots, lookahead)
+        self.reader = threading.Thread(
+            target=self.read_ahead.run, args=(chunks,), name=f"lightning-d9d-{name}-reader", daemon=True
+        )
+        self.reader.start()
+        close_at_exit(self)
+
+    def __iter__(self) -> PrefetchedTokenizing[T]:
+        return self
+
+    def open_lookahead(self) -> None:
+        """Read and tokenize ahead from the next chunk asked for on."""
+        self.lookahead.set()
+
+    def __next__(self) -> T:
+        if self.closed:
+            raise StopIteration
+        if self.on_demand and self.asked:
+            if self.lookahead.is_set():
+                self.on_demand = False
+                self.slots.release(self.ahead)  # nothing is in flight on demand: now as far ahead as ever
+            else:
+                self.slots.release()  # this chunk, now that it is asked for
+        self.asked += 1
+        item = self._take()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        result = item.result() if isinstance(item, Future) else self.encode(item)
+        if not self.on_demand:
+            self.slots.release()
+        return result
+
+    def close(self) -> None:
+        """Stop the reader thread and drop what was read ahead (futures not yet started are cancelled)."""
+        self.closed = True
+        read_ahead = self.read_ahead
+        read_ahead.stop.set()
         while True:
-            if on_demand and asked:
-                if lookahead is not None and lookahead.is_set():
-                    on_demand = False
-                    slots.release(ahead)  # nothing is in flight on demand: now as far ahead as ever
-                else:
-                    slots.release()  # this chunk, now that it is asked for
-            asked += 1
             try:
-                item = out.get(timeout=1.0)
-            except queue.Empty:
-                if not reader.is_alive() and out.empty():  # never wait on a reader that is gone
-                    raise RuntimeError(f"{name}: its reader thread ended unexpectedly") from None
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            result = item.result() if isinstance(item, Future) else encode(item)
-            if not on_demand:
-                slots.release()
-            yield result
-    finally:
-        stop.set()
-        while True:  # drop what was read ahead; futures not yet started are cancelled
-            try:
-                item = out.get_nowait()
-            except queue.Empty:
+                item = read_ahead.out.get_nowait()
+            except self._empty:
                 break
-            if isinstance(item, Future):
+            if isinstance(item, self._future):
                 item.cancel()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _take(self) -> Any:
+        out = self.read_ahead.out
+        while True:
+            try:
+                return out.get(timeout=1.0)
+            except queue.Empty:
+                if not self.reader.is_alive() and out.empty():  # never wait on a reader that is gone
+                    raise RuntimeError(f"{self.name}: its reader thread ended unexpectedly") from None

@@ -1,0 +1,116 @@
+"""State: how the streaming stages write their state to a checkpoint and read it back, validated.
+
+Every stage (reader, packing, stream) has a frozen dataclass state with ``to_dict()`` and ``from_dict()``; a
+stage's state nests its source's under one key (the stream's under ``"packing"``, the packing's under
+``"reader"``), carries a ``version``, and the packings carry a ``kind`` tag. What ``to_dict`` writes is plain
+ints, strings and int64 arrays, so checkpoints load with ``torch.load(weights_only=True)``.
+
+A checkpoint's state is validated, never trusted: ``from_dict`` checks each field's presence and type, and each
+stage checks its fields' ranges against the data (a read position inside its unit, buffered documents inside
+their row groups). Anything else is one :class:`InvalidDataState` naming the field's path, its value and what
+would be valid, instead of a run from another point or a bare ``KeyError`` deep inside a stream.
+
+Trade-off: validating reads each buffered row's group size and each stream's pass order once per resume; both
+are in memory already, so a resume pays microseconds per buffered document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()  # the value shown for a field the state lacks
+
+
+class InvalidDataState(ValueError):
+    """A checkpoint's data state that cannot be this data's: names the field, its value and what is valid.
+
+    Args:
+        path: the field, dotted from the data state's root (``streams.3.packing.reader.slot``).
+        value: what the state holds there.
+        valid: what would be valid.
+    """
+
+    def __init__(self, path: str, value: Any, valid: str):
+        shown = _short(value)
+        super().__init__(f"the checkpoint's data state is invalid: {path} = {shown}: {valid}")
+        self.path, self.value, self.valid = path, value, valid
+
+
+def mapping(state: Any, path: str) -> Mapping[str, Any]:
+    """``state`` itself when it is a mapping, else an :class:`InvalidDataState` for ``path``."""
+    if not isinstance(state, Mapping):
+        raise InvalidDataState(path, state, "expected a dict")
+    return state
+
+
+def field(state: Mapping[str, Any], key: str, path: str) -> Any:
+    """``state[key]``, or an :class:`InvalidDataState` naming ``path.key`` when it is missing."""
+    if key not in state:
+        raise InvalidDataState(join(path, key), MISSING, f"the state must hold {key!r} (it holds {sorted(state)})")
+    return state[key]
+
+
+def integer(state: Mapping[str, Any], key: str, path: str, low: int = 0, high: int | None = None) -> int:
+    """``state[key]`` as an int in ``[low, high)`` (``high=None``: no upper bound); bools and floats are refused."""
+    value = field(state, key, path)
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidDataState(join(path, key), value, f"expected an integer, got {type(value).__name__}")
+    value = int(value)
+    if value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in {low}..{high - 1}"
+        raise InvalidDataState(join(path, key), value, f"expected an integer {bound}")
+    return value
+
+
+def version(state: Mapping[str, Any], path: str, known: tuple[int, ...]) -> int:
+    """The state's ``version``, one of ``known``."""
+    value = field(state, "version", path)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) not in known:
+        raise InvalidDataState(
+            join(path, "version"), value, f"this lightning_d9d reads versions {list(known)} of this state"
+        )
+    return int(value)
+
+
+def int_table(state: Mapping[str, Any], key: str, path: str, columns: int) -> np.ndarray:
+    """``state[key]`` as an int64 ``(rows, columns)`` array (a tensor comes in as numpy already)."""
+    value = field(state, key, path)
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu":
+        raise InvalidDataState(join(path, key), value, f"expected an integer array of {columns} columns")
+    if value.ndim != 2 or (value.shape[1] != columns and len(value)):
+        raise InvalidDataState(
+            join(path, key), value, f"expected a (rows, {columns}) integer array, got shape {tuple(value.shape)}"
+        )
+    return np.asarray(value, np.int64).reshape(len(value), columns)
+
+
+def check_column(table: np.ndarray, column: int, name: str, path: str, low: int, high: np.ndarray | int) -> None:
+    """Every row's ``column`` in ``[low, high)`` (``high`` per row or one bound), else the first bad row named."""
+    values = table[:, column]
+    bad = np.flatnonzero((values < low) | (values >= high))
+    if len(bad):
+        row = int(bad[0])
+        bound = high[row] if isinstance(high, np.ndarray) else high
+        raise InvalidDataState(f"{path}[{row}].{name}", int(values[row]), f"expected {low}..{int(bound) - 1}")
+
+
+def join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"array(shape={tuple(value.shape)}, dtype={value.dtype})"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

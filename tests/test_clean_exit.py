@@ -1,0 +1,73 @@
+"""A script may end, or drop its iterators, with loaders partly consumed: nothing may print at exit or at
+garbage collection ("Exception ignored", a traceback), in-process or with workers, for either DataModule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from support import TESTS, make_docs, train_tokenizer, write_parquet
+
+
+@pytest.fixture(scope="module")
+def parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("exit")
+    docs = make_docs(300, seed=5)
+    write_parquet(root / "train", docs, files=2, row_group_size=25)
+    train_tokenizer(docs, root / "tokenizer.json")
+    return root
+
+
+SCRIPT = """
+import gc, sys
+from support import LengthDataset, pad_collate
+from lightning_d9d import D9DDataModule, PretrainingDataModule
+
+kind, workers, ending = {kind!r}, {workers}, {ending!r}
+
+def make(packing):
+    if kind == "streaming":
+        dm = PretrainingDataModule(train_files={train!r}, tokenizer={tokenizer!r}, seq_len=32, global_batch_size=8,
+                                   microbatch_size=4, num_workers=workers, steps_per_epoch=20, num_streams=4,
+                                   packing=packing)
+    else:
+        dm = D9DDataModule(LengthDataset(400), pad_collate, global_batch_size=16, microbatch_size=4,
+                           num_workers=workers)
+    dm.setup("fit")
+    return dm
+
+# Two loaders, a few batches of each, as a new user would try them; the iterators stay open.
+iterators = []
+for packing in ("concat", "bestfit"):
+    batches = iter(make(packing).train_dataloader())
+    for _ in range(3):
+        next(batches)
+    iterators.append(batches)
+if ending == "collect":
+    del iterators, batches
+    gc.collect()
+print("ended", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["exit", "collect"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["streaming", "mapstyle"])
+def test_open_iterators_end_silently(parquet: Path, kind: str, workers: int, ending: str) -> None:
+    code = SCRIPT.format(
+        kind=kind,
+        workers=workers,
+        ending=ending,
+        train=str(parquet / "train"),
+        tokenizer=str(parquet / "tokenizer.json"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=180, cwd=TESTS
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ended"
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
