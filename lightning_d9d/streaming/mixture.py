@@ -7,13 +7,14 @@ of every step).
 Algorithm. The planning unit is the *global batch*: step ``s`` takes ``G`` rows over all ranks. The target of
 source ``i`` after steps ``[0, s)`` is ``T_i(s) = G · Σ_{t<s} w_i(t)`` (exact rationals: weights become
 ``Fraction``s of their decimal spelling, so ``0.7`` is ``7/10`` and no float rounding can tie or reorder
-sources). Step ``s`` hands its ``G`` rows out one at a time, each to the source with the largest remaining
-deficit ``T_i(s+1) − C_i(s) − q_i`` (``C_i(s)``: rows taken before the step, ``q_i``: rows given so far in
-this step), ties to the earlier source; a source whose weight is 0 in the step gets none. That is the greedy
-error rule of Megatron's blend applied per step; it gives every source ``⌊d⌋`` or ``⌈d⌉`` of its deficit ``d``
-(largest remainder), so after every step each source is within one row of its target whenever every source
-with a deficit is active (always without phases; see ``docs/mixtures.md`` for the bound across a phase that
-zeroes a source), and rows taken never decrease, whatever the weights.
+sources). Step ``s`` hands its ``G`` rows out one at a time, earliest deadline first (Tijdeman's rule for the
+chairman assignment problem): each row raises every active source's target by its share; among the sources at
+least ``δ = 1/(2N−2)`` rows behind, the row goes to the one that would fall ``1 − δ`` rows behind soonest, ties
+to the earlier source; a source whose weight is 0 in the step gets none. With constant shares every source
+stays within ``1 − δ`` rows of its target after every row, so after every step (a largest-deficit greedy, as
+Megatron's blend, can fall more than a row behind when sources of tiny share are served early). Across a phase
+that zeroes a source, that source keeps its deficit (less than a row) while it is paused; the other sources
+absorb it (tested within one row on random phases, not proved). Rows taken never decrease.
 
 The step's ``G`` rows are then dealt to the ``K`` streams (``R = G / K`` each) without any state:
 the step's rows are laid out in source order, slot ``j`` going to stream ``(j + s) mod K``, so every stream
@@ -21,7 +22,7 @@ gets exactly ``R`` rows and a source's extra rows rotate over the streams from s
 function of the schedule, ``G`` and ``K`` only, never of the world size, workers or microbatch size.
 
 Fast cumulative rows: the rule's state inside a phase is the vector of deficits, which recurs (exact
-rationals: after at most the shares' common denominator steps, e.g. 10 for 0.7/0.3); once a state recurs the
+rationals; within steps on the order of the shares' common denominator, e.g. 10 for 0.7/0.3); once a state recurs the
 plan is periodic and ``cumulative_rows(s)`` jumps over whole periods, so ``s = 10⁷`` costs one period, not
 ``s`` steps. A phase whose deficits do not recur within ``_MAX_PERIOD_SEARCH`` steps (shares with huge
 denominators) is iterated step by step: correct, slower.
