@@ -52,9 +52,11 @@ from lightning_d9d.epoch_iterator import (
 )
 from lightning_d9d.resume import TrainPosition
 from lightning_d9d.streaming.bestfit_restore import read_buffered_texts
+from lightning_d9d.streaming.mixture_stream import MixtureSpec, MixtureState, mixture_streams
 from lightning_d9d.streaming.stream import BestFitState, RowBlock, StreamSpec, StreamState, TokenStream
 
-StreamStates = dict[int, StreamState]
+StreamStates = dict[int, StreamState | MixtureState]
+AnySpec = StreamSpec | MixtureSpec  # one corpus, or a mixture of sources
 
 # A worker's tokenizer calls hold at most this much text: a call's size buys no speed on one core, while a call
 # of 128 long documents (MBs of text) makes a worker's rows come in bursts and holds that many Encodings in
@@ -142,7 +144,7 @@ class StreamPosition(TrainPosition):
 class _HostedStreams(IterableDataset):
     """What one process hosts of a rank's streams: per step, a list of one block per hosted stream."""
 
-    def __init__(self, spec: StreamSpec, streams: list[int], num_workers: int, states: StreamStates):
+    def __init__(self, spec: AnySpec, streams: list[int], num_workers: int, states: StreamStates):
         self.spec, self.streams, self.num_workers, self.states = spec, streams, num_workers, states
 
     def __iter__(self) -> Iterator[list[tuple[int, RowBlock, StreamState]]]:
@@ -156,9 +158,12 @@ class _HostedStreams(IterableDataset):
             hosted = self.streams[info.id :: self.num_workers]
         spec = replace(self.spec, prefetch=max(1, min(self.spec.prefetch, _PREFETCH_PER_PROCESS // len(hosted))))
         states = {sid: self.states[sid] for sid in hosted if sid in self.states}
-        texts = read_buffered_texts(spec, _saved_buffers(states.values())) if len(states) > 1 else None
-        iterators = [iter(TokenStream(spec, sid, states.get(sid), texts)) for sid in hosted]
-        del texts  # each restored stream keeps only its own documents' texts
+        if isinstance(spec, MixtureSpec):
+            iterators: list[Iterator] = [iter(stream) for stream in mixture_streams(spec, hosted, states)]
+        else:
+            texts = read_buffered_texts(spec, _saved_buffers(states.values())) if len(states) > 1 else None
+            iterators = [iter(TokenStream(spec, sid, states.get(sid), texts)) for sid in hosted]
+            del texts  # each restored stream keeps only its own documents' texts
         try:
             # Every stream's first block at once: a started or resumed stream waits on its first chunks (and a
             # restored best-fit buffer on tokenizing the documents it picks), which overlap across streams but
@@ -215,7 +220,7 @@ class _InStreamOrder:
             close()
 
 
-def rank_blocks(spec: StreamSpec, streams: list[int], num_workers: int, states: StreamStates) -> Iterator[tuple]:
+def rank_blocks(spec: AnySpec, streams: list[int], num_workers: int, states: StreamStates) -> Iterator[tuple]:
     """Endless ``(stream, block, state)`` of a rank's streams, step after step, continuing from ``states``.
 
     Args:
@@ -249,7 +254,8 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
             states[sid] = state
         tokens = np.concatenate([part.tokens for part in parts])
         flags = None if parts[0].flags is None else np.concatenate([part.flags for part in parts])
-        yield RowBlock(tokens, flags), states
+        sources = None if parts[0].sources is None else np.concatenate([part.sources for part in parts])
+        yield RowBlock(tokens, flags, sources), states
 
 
 @dataclass
@@ -280,7 +286,7 @@ class TokenTrainLoader(ResumedByDataModule):
 
     def __init__(
         self,
-        spec: StreamSpec,
+        spec: AnySpec,
         streams: list[int],
         num_workers: int,
         microbatch_size: int,
@@ -329,8 +335,7 @@ class TokenTrainLoader(ResumedByDataModule):
                 position.enter_step(self._step[1])
             rows = self._step[0]
             j = position.hand_out(per_step)
-            flags = None if rows.flags is None else rows.flags[j * m : (j + 1) * m]
-            yield self.make_batch(RowBlock(rows.tokens[j * m : (j + 1) * m], flags))
+            yield self.make_batch(rows.rows(j * m, (j + 1) * m))
 
 
 class TokenValidationLoader:
@@ -365,8 +370,7 @@ class TokenValidationLoader:
                 for first in range(0, len(rows.tokens), m):
                     if done == self.num_microbatches:
                         return
-                    flags = None if rows.flags is None else rows.flags[first : first + m]
-                    yield self.make_batch(RowBlock(rows.tokens[first : first + m], flags))
+                    yield self.make_batch(rows.rows(first, first + m))
                     done += 1
         finally:
             shutdown_workers(blocks)
