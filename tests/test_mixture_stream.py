@@ -332,3 +332,13 @@ def test_weights_without_sources_and_a_source_without_text_are_errors(corpus: di
         datamodule(corpus, train_files={"a": str(root / "a"), "e": str(root / "empty")})
     with pytest.raises(ValueError, match=r"train_files\['b'\]=.*matches no file"):
         datamodule(corpus, train_files={"a": str(root / "a"), "b": str(Path(root) / "nothing" / "*.parquet")})
+
+
+def test_inspect_prints_the_phases_expected_passes_and_realised_shares(corpus: dict) -> None:
+    from lightning_d9d.cli import inspect
+
+    weights = [[0, {"a": 0.7, "b": 0.3}], [3, {"a": 1}]]
+    report = inspect(datamodule(corpus, weights=weights), None, 6)
+    assert "phase steps 0-2: a 70%, b 30%" in report and "phase steps 3-: a 100%, b 0%" in report
+    assert "expected passes over 1000 steps: a " in report
+    assert "realised shares of the first 6 steps: a 85.4% (target 85.0%), b 14.6% (target 15.0%)" in report

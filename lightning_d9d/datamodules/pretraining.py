@@ -45,6 +45,7 @@ from lightning_d9d.datamodules.pretraining_mixture import (
     OnMixtureChange,
     mixture_arguments,
     mixture_fingerprint,
+    mixture_report,
     read_states,
     replace_plan,
     resumed_plan,
@@ -346,6 +347,14 @@ class PretrainingDataModule(SteppedDataModule):
         ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding`` and ``passes``
         (passes read, fractional: the mean over the rank's streams; the run's figure with one rank)."""
         return source_stats(self._require(self.train_spec), self.source_names, self.position.states)
+
+    def mixture_report(self, run_steps: int, realised: Sequence[int], steps: int) -> list[str]:
+        """``inspect``'s lines on the mixture (none for one corpus): phases, expected passes of each source over
+        ``run_steps`` steps, and the realised shares (``realised`` rows per source) of the first ``steps``."""
+        spec = self._require(self.train_spec)
+        if not isinstance(spec, MixtureSpec):
+            return []
+        return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
 
     def val_dataloader(self) -> TokenValidationLoader | list:
         """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files)."""

@@ -235,10 +235,23 @@ def _passes_read(spec: StreamSpec, stream: int, state: StreamState) -> float:
     return read.pass_index + done / total
 
 
-def describe_shares(plan: MixturePlan, passes: Mapping[str, float]) -> list[str]:
-    """The phases and each source's expected passes (for ``inspect``)."""
-    lines = [f"  phase {line}" for line in plan.schedule.describe()]
-    lines.append("  expected passes over the run: " + ", ".join(f"{n} {p:.3g}" for n, p in passes.items()))
+def mixture_report(
+    spec: MixtureSpec, pass_rows: Mapping[str, float], run_steps: int, realised: Sequence[int], steps: int
+) -> list[str]:
+    """``inspect``'s mixture lines: the phases, each source's expected passes over ``run_steps`` steps, and the
+    shares realised in the first ``steps`` steps (``realised`` rows per source) beside their targets."""
+    plan = spec.plan
+    lines = ["mixture:", *(f"  phase {line}" for line in plan.schedule.describe())]
+    passes = plan.expected_passes(pass_rows, run_steps)
+    lines.append(f"  expected passes over {run_steps} steps: " + ", ".join(f"{n} {p:.3g}" for n, p in passes.items()))
+    total = sum(realised)
+    if total:
+        targets = plan.target_rows(steps)
+        shown = [
+            f"{name} {100 * rows / total:.1f}% (target {100 * float(target) / total:.1f}%)"
+            for name, rows, target in zip(plan.schedule.sources, realised, targets)
+        ]
+        lines.append(f"  realised shares of the first {steps} steps: " + ", ".join(shown))
     return lines
 
 
