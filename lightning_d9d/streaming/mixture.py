@@ -233,8 +233,10 @@ class MixturePlan:
         self.schedule, self.rows_per_step = schedule, rows_per_step
         self.start_step, self.start_rows = start_step, start_rows
         self._base = schedule.target_rows(start_step, rows_per_step)
-        # (step, rows) at phase starts and the last position reached: where a query resumes iterating from.
+        # Rows at the start and at phase starts reached, plus the latest step asked for: where a query resumes
+        # iterating from (a few entries, however many steps a run asks for).
         self._known: dict[int, tuple[int, ...]] = {start_step: start_rows}
+        self._latest: tuple[int, tuple[int, ...]] = (start_step, start_rows)
 
     def target_rows(self, step: int) -> tuple[Fraction, ...]:
         """Exact rows each source is owed after steps ``[0, step)`` (``step >= start_step``)."""
@@ -244,7 +246,7 @@ class MixturePlan:
     def rows_of_step(self, step: int) -> tuple[int, ...]:
         """Rows each source gives step ``step`` (non-negative, summing to ``rows_per_step``)."""
         before = self.cumulative_rows(step)
-        return _step_quota(before, self.target_rows(step), self.schedule.shares_at(step), self.rows_per_step)
+        return tuple(after - b for after, b in zip(self.cumulative_rows(step + 1), before))
 
     def cumulative_rows(self, step: int) -> tuple[int, ...]:
         """Rows each source took in steps ``[start_step, step)`` plus ``start_rows``: exact, without visiting
@@ -257,13 +259,17 @@ class MixturePlan:
             raise ValueError(f"step={step} is before this plan's start_step={self.start_step}")
         known = max(s for s in self._known if s <= step)
         rows = self._known[known]
+        if known < self._latest[0] <= step:
+            known, rows = self._latest
         while known < step:
             phase = self.schedule.phase_index(known)
             end = self.schedule.phases[phase + 1].from_step if phase + 1 < len(self.schedule.phases) else math.inf
             stop = int(min(step, end))
             rows = self._run_phase(known, stop, rows)
             known = stop
-            self._known[known] = rows
+            if known == end:
+                self._known[known] = rows
+        self._latest = (step, rows)
         return rows
 
     def _run_phase(self, start: int, stop: int, rows: tuple[int, ...]) -> tuple[int, ...]:

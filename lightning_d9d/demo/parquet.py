@@ -1,0 +1,174 @@
+"""The demo corpus as parquet shards, two sources: ``prose`` and ``code``, for the streaming path's demo configs.
+
+Algorithm: ``prose`` is the demo corpus' training text (help topics and standard-library docstrings, see
+:mod:`lightning_d9d.demo.corpus`); ``code`` is the standard library's own source, cut at blank lines and
+regrouped into documents of up to ``_MAX_CODE_DOCUMENT_CHARS`` characters, its first ``_CODE_CHARS`` characters
+in sorted file order; ``validation`` is the demo corpus' validation split. Each source is written as
+``_SHARDS`` parquet files of one ``text`` column, ``_ROW_GROUP_ROWS`` rows per row group (several row groups per
+file, so the K streams have units to share), next to the demo tokenizer.
+
+``demo:prose``, ``demo:code``, ``demo:validation`` and ``demo`` (prose and code) are file specs that
+:func:`resolve_demo_files` turns into the shards' paths, anywhere in a ``train_files``/``val_files`` value (a
+string, a list, or a mapping's values), so a YAML config trains on them with no data of the user's.
+
+Built once per machine under the demo cache (``$LIGHTNING_D9D_CACHE``), keyed by the Python version and this
+module's format version, under a file lock and published by atomic rename, like the demo corpus; the same
+Python writes the same bytes.
+
+Trade-off: the code source depends on the Python version (its standard library), as the prose does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_d9d.demo.corpus import _cache_key, build_demo_corpus, demo_cache_dir, demo_texts, stdlib_sources
+
+_FORMAT_VERSION = 1
+_SHARDS = 4
+_ROW_GROUP_ROWS = 64
+_MAX_CODE_DOCUMENT_CHARS = 1_500
+_CODE_CHARS = 1_500_000
+DEMO_PREFIX = "demo"
+SOURCES = ("prose", "code", "validation")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoParquet:
+    """Paths of the written shards.
+
+    Attributes:
+        files: source name (``prose``, ``code``, ``validation``) -> its parquet files, sorted.
+        tokenizer_path: the demo tokenizer (``tokenizers`` JSON; its ``<eos>`` serves as the BOS token).
+    """
+
+    files: dict[str, list[str]]
+    tokenizer_path: str
+
+
+def code_documents(limit_chars: int = _CODE_CHARS) -> list[str]:
+    """Standard-library source cut at blank lines and regrouped into documents of up to ~1,500 characters.
+
+    Files are taken in sorted order until ``limit_chars`` characters; a block longer than a document stays
+    whole (the packer splits what does not fit a row).
+    """
+    documents: list[str] = []
+    total = 0
+    for source in stdlib_sources():
+        for document in _regroup(source.split("\n\n")):
+            documents.append(document)
+            total += len(document)
+            if total >= limit_chars:
+                return documents
+    return documents
+
+
+def _regroup(blocks: list[str]) -> Iterator[str]:
+    document: list[str] = []
+    size = 0
+    for block in blocks:
+        if not block.strip():
+            continue
+        if document and size + len(block) > _MAX_CODE_DOCUMENT_CHARS:
+            yield "\n\n".join(document)
+            document, size = [], 0
+        document.append(block)
+        size += len(block) + 2
+    if document:
+        yield "\n\n".join(document)
+
+
+def write_shards(texts: list[str], folder: Path, name: str) -> list[str]:
+    """Write ``texts`` as ``_SHARDS`` parquet files (contiguous slices) of ``_ROW_GROUP_ROWS`` rows per group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    per_shard = -(-len(texts) // _SHARDS)
+    paths = []
+    for shard in range(_SHARDS):
+        path = folder / f"{name}-{shard:05d}.parquet"
+        table = pa.table({"text": pa.array(texts[shard * per_shard : (shard + 1) * per_shard], pa.string())})
+        pq.write_table(table, path, row_group_size=_ROW_GROUP_ROWS)
+        paths.append(str(path))
+    return paths
+
+
+def build_demo_parquet(cache_dir: str | os.PathLike[str] | None = None) -> DemoParquet:
+    """Write the demo parquet shards once, or return the cached ones (safe to call from every rank).
+
+    Args:
+        cache_dir: where to cache; default :func:`~lightning_d9d.demo.corpus.demo_cache_dir`.
+
+    Returns:
+        The shards of every source and the demo tokenizer.
+    """
+    from filelock import FileLock
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
+    corpus = build_demo_corpus(root)
+    key = f"{_cache_key()}-parquet{_FORMAT_VERSION}"
+    target = root / key
+    files = {name: sorted(str(p) for p in (target / name).glob("*.parquet")) for name in SOURCES}
+    if (target / "COMPLETE").exists():
+        return DemoParquet(files, corpus.tokenizer_path)
+    with FileLock(str(root / f"{key}.lock")):
+        if not (target / "COMPLETE").exists():
+            staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+            try:
+                train, validation = demo_texts()
+                for name, texts in (("prose", train), ("code", code_documents()), ("validation", validation)):
+                    write_shards(texts, staging / name, name)
+                (staging / "COMPLETE").write_text("ok\n")
+                if target.exists():  # a stale, incomplete build from a killed process
+                    shutil.rmtree(target)
+                os.replace(staging, target)
+            finally:
+                if staging.exists():
+                    shutil.rmtree(staging, ignore_errors=True)
+    files = {name: sorted(str(p) for p in (target / name).glob("*.parquet")) for name in SOURCES}
+    return DemoParquet(files, corpus.tokenizer_path)
+
+
+def resolve_demo_files(spec: Any, built: DemoParquet) -> Any:
+    """``spec`` with every ``demo``/``demo:<source>`` string replaced by that source's shard paths.
+
+    A list keeps its order (a ``demo`` entry expands in place); a mapping's values are resolved (the mixture
+    form ``{name: spec}`` or ``{name: {"files": spec, ...}}``); anything else is returned unchanged.
+
+    Raises:
+        ValueError: ``demo:<name>`` with a name that is not a demo source.
+    """
+    if isinstance(spec, str) and (spec == DEMO_PREFIX or spec.startswith(f"{DEMO_PREFIX}:")):
+        name = spec.partition(":")[2]
+        if not name:
+            return built.files["prose"] + built.files["code"]
+        if name not in built.files:
+            raise ValueError(f"{spec!r} is not a demo source: use 'demo' or one of {[f'demo:{n}' for n in SOURCES]}")
+        return list(built.files[name])
+    if isinstance(spec, Mapping):
+        return {key: resolve_demo_files(value, built) for key, value in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        resolved: list[Any] = []
+        for item in spec:
+            value = resolve_demo_files(item, built)
+            resolved.extend(value if isinstance(value, list) and isinstance(item, str) else [value])
+        return resolved
+    return spec
+
+
+def uses_demo(spec: Any) -> bool:
+    """Whether ``spec`` names a demo source anywhere (so the shards must be built)."""
+    if isinstance(spec, str):
+        return spec == DEMO_PREFIX or spec.startswith(f"{DEMO_PREFIX}:")
+    if isinstance(spec, Mapping):
+        return any(uses_demo(value) for value in spec.values())
+    if isinstance(spec, (list, tuple)):
+        return any(uses_demo(item) for item in spec)
+    return False
