@@ -267,7 +267,7 @@ def test_a_removed_source_or_changed_files_are_refused(corpus: dict) -> None:
     with pytest.raises(ValueError, match=r"'c' is in the checkpoint but not in this run"):
         shrunk.load_state_dict(state)
     swapped = datamodule(corpus, names="abc", on_mixture_change="continue")
-    swapped.train_sources[2] = swapped.train_sources[0].__class__("c", str(corpus["root"] / "a"), "text")
+    swapped.train_files = {**swapped.train_files, "c": str(corpus["root"] / "a")}
     swapped.train_spec = None
     swapped.setup("fit")
     with pytest.raises(ValueError, match=r"sources\['c'\]: checkpoint"):

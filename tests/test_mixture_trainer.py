@@ -119,3 +119,38 @@ def test_a_mixture_trains_exact_shares_resumes_exactly_and_validates_per_source(
     for step, rows in steps_of(changed).items():
         counts = Counter(source for source, _ in rows)
         assert (counts[0], counts[1]) == continued.rows_of_step(step)
+
+
+def test_the_demo_mixture_config_fits_and_resumes_across_its_phase_change(tmp_path: Path, monkeypatch) -> None:
+    """``lightning-d9d fit --config configs/demo_mixture.yaml`` with a smaller model, its phase change at step 2,
+    then ``--ckpt_path last`` past it; the checkpoint loads with ``weights_only=True``."""
+    import json
+
+    from lightning_d9d.cli import main
+
+    monkeypatch.setenv("LIGHTNING_D9D_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    callbacks = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(tmp_path / "checkpoints"), "save_last": True, "every_n_train_steps": 2},
+        }
+    ]
+    config = Path(__file__).resolve().parents[1] / "configs" / "demo_mixture.yaml"
+    args = [
+        "--config", str(config), "--model.init_args.width=32", "--model.init_args.num_layers=1",
+        "--model.init_args.num_heads=2", "--data.init_args.steps_per_epoch=6", "--data.init_args.val_steps=1",
+        '--data.init_args.weights=[[0, {"prose": 0.8, "code": 0.2}], [2, {"prose": 0.3, "code": 0.7}]]',
+        "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
+        f"--trainer.callbacks={json.dumps(callbacks)}",
+    ]  # fmt: skip
+    main(["fit", *args, "--trainer.max_steps=2"])
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 2
+    state = saved["DemoPretrainingDataModule"]
+    assert state["mixture"]["schedule"]["phases"][1][0] == 2
+    assert {stream["step"] for stream in state["streams"].values()} == {2}
+    main(["fit", *args, "--trainer.max_steps=4", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt")])
+    resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 4
+    assert {stream["step"] for stream in resumed["DemoPretrainingDataModule"]["streams"].values()} == {4}

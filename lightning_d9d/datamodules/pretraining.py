@@ -192,12 +192,12 @@ class PretrainingDataModule(SteppedDataModule):
 
     def __init__(
         self,
-        train_files: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, Any],
+        train_files: Mapping[str, Any] | str | os.PathLike | Sequence[str | os.PathLike],
         tokenizer: str | os.PathLike | Tokenizer,
         seq_len: PositiveInt = 1024,
         global_batch_size: PositiveInt = 64,
         microbatch_size: PositiveInt = 8,
-        val_files: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, Any] | None = None,
+        val_files: Mapping[str, Any] | str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         text_column: str = "text",
         bos_token: str = "<|bos|>",
         packing: Literal["bestfit", "bestfit_split", "concat"] = "bestfit",
@@ -262,6 +262,10 @@ class PretrainingDataModule(SteppedDataModule):
         Raises:
             ValueError: see the class docstring.
         """
+        # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
+        self.train_sources, self.val_sources, self.schedule = mixture_arguments(
+            self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change
+        )
         tokenizer = read_tokenizer(self.tokenizer)
         bos_id = tokenizer.token_to_id(self.bos_token)
         if bos_id is None:
