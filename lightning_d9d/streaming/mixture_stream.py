@@ -21,6 +21,7 @@ depend on the other sources or on the shares (only on how many rows it has given
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,7 +42,7 @@ class MixtureSpec:
         names: the source names, in order (a row's source index refers to it).
         sources: each source's stream spec (same K, seq_len, packing, tokenizer; own files and text column).
         plan: the rows per source of every step.
-        prefetch: chunks each stream reads ahead, shared out over its sources.
+        prefetch: chunks each source of a stream reads ahead.
         chunk_chars: a tokenizer call also ends before this many characters (0: the sources' own setting).
     """
 
@@ -74,8 +75,8 @@ class MixtureSpec:
     def source_spec(self, i: int) -> StreamSpec:
         """Source ``i``'s spec with this process's read-ahead and chunking."""
         spec = self.sources[i]
-        chunk_chars = self.chunk_chars or spec.chunk_chars
-        return replace(spec, prefetch=max(1, self.prefetch // len(self.sources)), chunk_chars=chunk_chars)
+        # Each source reads ahead as a whole stream would: sources taking turns must not starve the tokenizer.
+        return replace(spec, prefetch=self.prefetch, chunk_chars=self.chunk_chars or spec.chunk_chars)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class MixtureStream:
         stream: this stream's number among K.
         state: a state yielded earlier by this stream (``None``: from step 0).
         buffered_texts: per source, its buffered documents' texts already read (or ``None``).
+        step_rows: the plan's rows per stream, shared by the streams of a process (``None``: its own).
     """
 
     def __init__(
@@ -161,8 +163,10 @@ class MixtureStream:
         stream: int,
         state: MixtureState | None = None,
         buffered_texts: Mapping[str, Any] | None = None,
+        step_rows: StepRows | None = None,
     ):
         self.spec, self.stream = spec, stream
+        self.step_rows = step_rows if step_rows is not None else StepRows(spec.plan, spec.num_streams)
         self.state = state if state is not None else MixtureState()
         if state is not None:
             state.check(spec, stream)
@@ -179,8 +183,8 @@ class MixtureStream:
         sources = np.arange(len(spec.names), dtype=np.int64)
         split = spec.packing == "bestfit_split"
         try:
-            for quota in spec.plan.quotas_from(step):
-                asked[:] = deal_rows(quota, step, spec.num_streams)[k]
+            while True:
+                asked[:] = self.step_rows.of(step)[k]
                 parts = [next(sub) for sub in subs]
                 tokens = np.concatenate([block.tokens for block, _ in parts])
                 flags = np.concatenate([block.flags for block, _ in parts]) if split else None
@@ -190,6 +194,31 @@ class MixtureStream:
         finally:
             for sub in subs:
                 sub.close()
+
+
+class StepRows:
+    """The plan's rows per stream and source of each step, computed once per step for all the streams of a
+    process (they move in lockstep), a few recent steps kept."""
+
+    def __init__(self, plan: MixturePlan, num_streams: int):
+        self.plan, self.num_streams = plan, num_streams
+        self._lock = threading.Lock()  # first blocks are asked for from several threads at once
+        self._dealt: dict[int, list[tuple[int, ...]]] = {}
+        self._quotas: Iterator[tuple[int, ...]] | None = None
+        self._next = -1
+
+    def of(self, step: int) -> list[tuple[int, ...]]:
+        """``plan.stream_rows_of_step(step, K)``."""
+        with self._lock:
+            dealt = self._dealt.get(step)
+            if dealt is None:
+                if self._quotas is None or self._next != step:
+                    self._quotas = self.plan.quotas_from(step)
+                dealt = deal_rows(next(self._quotas), step, self.num_streams)
+                self._next = step + 1
+                self._dealt = {s: d for s, d in self._dealt.items() if s > step - 4}
+                self._dealt[step] = dealt
+            return dealt
 
 
 def _asked(asked: list[int], source: int) -> Iterator[int]:
@@ -213,4 +242,5 @@ def mixture_streams(spec: MixtureSpec, hosted: list[int], states: Mapping[int, A
                 shared = read_buffered_texts(spec.source_spec(i), saved)
                 for sid in buffers:
                     texts[sid][name] = shared
-    return [MixtureStream(spec, sid, states.get(sid), texts[sid]) for sid in hosted]
+    shared = StepRows(spec.plan, spec.num_streams)
+    return [MixtureStream(spec, sid, states.get(sid), texts[sid], shared) for sid in hosted]
