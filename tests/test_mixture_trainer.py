@@ -144,7 +144,11 @@ def test_the_demo_mixture_config_fits_and_resumes_across_its_phase_change(tmp_pa
         "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
         f"--trainer.callbacks={json.dumps(callbacks)}",
     ]  # fmt: skip
-    main(["fit", *args, "--trainer.max_steps=2"])
+    per_source_val = ['--data.init_args.val_files={"prose": "demo:validation", "code": "demo:code"}',
+                      "--trainer.val_check_interval=8"]  # fmt: skip
+    main(["fit", *args, *per_source_val, "--trainer.max_steps=2"])
+    metrics = next((tmp_path / "lightning_logs" / "demo_mixture").rglob("metrics.csv")).read_text()
+    assert "val/loss/prose" in metrics and "val/loss/code" in metrics  # the demo model logs a loss per source
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 2
     state = saved["DemoPretrainingDataModule"]
