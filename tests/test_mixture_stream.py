@@ -342,3 +342,49 @@ def test_inspect_prints_the_phases_expected_passes_and_realised_shares(corpus: d
     assert "phase steps 0-2: a 70%, b 30%" in report and "phase steps 3-: a 100%, b 0%" in report
     assert "expected passes over 1000 steps: a " in report
     assert "realised shares of the first 6 steps: a 85.4% (target 85.0%), b 14.6% (target 15.0%)" in report
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit", "bestfit_split"])
+def test_a_stream_gives_the_same_rows_however_they_are_grouped_into_blocks(corpus: dict, packing: str) -> None:
+    """``TokenStream.blocks(sizes)``: blocks of any size, 0 included; an empty block leaves the position as it was."""
+    from lightning_d9d.streaming.stream import TokenStream
+
+    spec = datamodule(corpus, packing=packing).train_spec.source_spec(0)
+    fixed = iter(TokenStream(spec, 1))
+    want = [next(fixed)[0] for _ in range(4)]  # 4 blocks of G / K = 2 rows
+    fixed.close()
+    sizes = [0, 3, 0, 0, 1, 2, 0, 2]
+    stream = TokenStream(spec, 1)
+    blocks = stream.blocks(iter(sizes))
+    got, states = [], []
+    for _ in sizes:
+        block, state = next(blocks)
+        got.append(block)
+        states.append(state)
+    blocks.close()
+    assert [len(block) for block in got] == sizes
+    assert np.array_equal(np.concatenate([b.tokens for b in got]), np.concatenate([b.tokens for b in want]))
+    if packing == "bestfit_split":
+        assert np.array_equal(np.concatenate([b.flags for b in got]), np.concatenate([b.flags for b in want]))
+    for before, after, size in zip(states, states[1:], sizes[1:]):
+        assert after.blocks == before.blocks + 1
+        if size == 0:
+            assert after.packing.to_dict().keys() == before.packing.to_dict().keys()
+            assert str(after.packing.to_dict()) == str(before.packing.to_dict()) and after.counters == before.counters
+    # A stream reset from the state after an empty block continues exactly.
+    resumed = TokenStream(spec, 1, states[3]).blocks(iter(sizes[4:]))
+    rest = [next(resumed)[0] for _ in sizes[4:]]
+    resumed.close()
+    assert np.array_equal(np.concatenate([b.tokens for b in rest]), np.concatenate([b.tokens for b in got[4:]]))
+
+
+def test_per_source_validation_works_beside_a_single_training_corpus(corpus: dict) -> None:
+    root = corpus["root"]
+    dm = datamodule(corpus, train_files=str(root / "a"), val_files={"c": str(root / "c"), "a": str(root / "a")},
+                    val_steps=1)  # fmt: skip
+    assert dm.source_names == ["train"] and dm.val_source_names == ["c", "a"]
+    for index, loader in enumerate(dm.val_dataloader()):
+        (batch,) = list(loader)
+        assert batch.sources.tolist() == [index] * len(batch)
+    with pytest.raises(ValueError, match=r"val_files\['c'\] text_column must be a non-empty column name, got ''"):
+        datamodule(corpus, val_files={"c": {"files": str(root / "c"), "text_column": ""}})
