@@ -210,7 +210,7 @@ class PretrainingDataModule(SteppedDataModule):
         bestfit_buffer_size: PositiveInt = 1000,
         pin_memory: bool | None = None,
         on_order_mismatch: OnOrderMismatch = "raise",
-        weights: dict[str, float] | list[tuple[int, dict[str, float]]] | None = None,
+        weights: dict[str, float] | list[tuple[int, dict[str, float]]] | list[dict[str, Any]] | None = None,
         on_mixture_change: OnMixtureChange = "raise",
     ):
         super().__init__()
