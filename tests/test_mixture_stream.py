@@ -388,3 +388,20 @@ def test_per_source_validation_works_beside_a_single_training_corpus(corpus: dic
         assert batch.sources.tolist() == [index] * len(batch)
     with pytest.raises(ValueError, match=r"val_files\['c'\] text_column must be a non-empty column name, got ''"):
         datamodule(corpus, val_files={"c": {"files": str(root / "c"), "text_column": ""}})
+
+
+def test_a_corrupted_mixture_state_is_one_error_naming_the_field(corpus: dict) -> None:
+    from lightning_d9d.streaming.state import InvalidDataState
+
+    state, _ = state_after(datamodule(corpus), 3)
+    bad = {**state, "streams": {**state["streams"]}}
+    stream = bad["streams"][0]
+    reader = stream["sources"]["b"]["packing"]["reader"]
+    bad["streams"][0] = {**stream, "sources": {**stream["sources"], "b": {**stream["sources"]["b"], "packing": {
+        **stream["sources"]["b"]["packing"], "reader": {**reader, "slot": 999}}}}}  # fmt: skip
+    with pytest.raises(InvalidDataState, match=r"streams\.0\.sources\.b\.packing\.reader\.slot = 999"):
+        datamodule(corpus).load_state_dict(bad)
+    with pytest.raises(InvalidDataState, match=r"mixture = .*expected the mixture plan"):
+        datamodule(corpus).load_state_dict({**state, "mixture": {"schedule": 1}})
+    with pytest.raises(InvalidDataState, match=r"streams\.1\.kind = 'concat'.*expected 'mixture'"):
+        datamodule(corpus).load_state_dict({**state, "streams": {**state["streams"], 1: {"kind": "concat"}}})

@@ -20,6 +20,10 @@ with ``all_gather_object``, because Lightning saves only rank 0's checkpoint and
 fingerprint of everything that decides the rows; any layout valid for K restores it, each rank taking the
 streams it now owns. Lightning's own restored batch counters are aligned to that step (``SteppedDataModule``).
 
+Mixtures: ``train_files={name: files}`` with ``weights`` makes each of the K streams a mixture stream
+(``streaming.mixture_stream``) taking every step exactly the rows ``streaming.mixture`` plans per source; the
+sources, their fingerprint and the plan on resume are ``datamodules.pretraining_mixture``'s.
+
 Trade-off: a larger K serves more layouts but holds K best-fit buffers and starts K streams after every resume;
 and a stream is a sequence, so a step's rows come from K places of the corpus rather than from a global shuffle.
 """

@@ -18,6 +18,10 @@ every stream's state at a step boundary resumes on any layout: each rank takes t
   loader commits a copy of every owned stream's state: the position a checkpoint saves. Lightning does not
   checkpoint accumulated gradients, so a resume starts at the first microbatch of a step.
 
+Mixtures: for a weighted mixture of sources each stream is a
+:class:`~lightning_d9d.streaming.mixture_stream.MixtureStream` (one sub-stream per source, the planned rows of
+each in every step); it still gives ``R`` rows per step, with each row's source, so nothing here changes.
+
 Workers: a process tokenizes with one thread (:mod:`~lightning_d9d.streaming.tokenize`), shared by every stream
 it hosts; a DataLoader worker's tokenizer uses one core, so ``num_workers`` is the number of cores a rank
 tokenizes on (``num_workers=0`` runs the rank's streams in this process, where the tokenizer uses every core).
