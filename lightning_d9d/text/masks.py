@@ -20,6 +20,7 @@ instead of a guess.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Literal
 
@@ -60,6 +61,35 @@ def check_token_boundaries(offsets: Sequence[tuple[int, int]], spans: Sequence[t
                         "prefix of the whole conversation, so no exact mask exists; mark the assistant output "
                         "with {% generation %} blocks in the template, or use loss_on='all'"
                     )
+
+
+def end_at_end_of_turn(
+    spans: Sequence[tuple[int, int]],
+    ids: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    text: str,
+    control_ids: frozenset[int],
+) -> list[tuple[int, int]]:
+    """Each span cut after its last control token when only whitespace follows it inside the span.
+
+    A turn found between two renders ends where the next turn's header starts, so it also holds the separator a
+    template writes after the end-of-turn token (ChatML's and Gemma's newline): the model must learn to stop at
+    the end-of-turn token, not to write the separator that is never generated. A span that ends in text (a
+    template without control tokens) keeps its end. Spans must start and end on token boundaries.
+    """
+    starts = [start for start, _ in offsets]
+    cut = []
+    for start, end in spans:
+        first, stop = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
+        new_end = end
+        for token in range(stop - 1, first - 1, -1):
+            if ids[token] in control_ids:
+                new_end = offsets[token][1]
+                break
+            if text[offsets[token][0] : offsets[token][1]].strip():
+                break
+        cut.append((start, new_end))
+    return cut
 
 
 def labels_from_mask(ids: Sequence[int], mask: np.ndarray) -> np.ndarray:

@@ -8,7 +8,10 @@ Algorithm, per row (``RowTokenizer``):
   the template's ``{% generation %}`` blocks when it has them (transformers' assistant mask), else found turn by
   turn: the text of ``messages[:i]`` rendered with the generation prompt and of ``messages[:i + 1]`` must both
   be prefixes of the whole, and the turn is what lies between them — its end-of-turn token included — and must
-  start and end on token boundaries. A row whose prefixes are not prefixes is an error naming it, never a guess.
+  start and end on token boundaries; it ends at its last added token when only whitespace follows (the separator
+  after ChatML's ``<|im_end|>`` is never generated). A render that closes the conversation after the turn (Phi-3's
+  EOS) is cut after the first added token following the turn's content, and the cut must be a prefix of the whole.
+  A row whose prefixes are not prefixes is an error naming it, never a guess.
 * **prompt/completion** — strings are joined and encoded like text (the tokenizer's post-processor adds its BOS);
   the completion's characters and a final EOS (appended unless the post-processor already ended with it) are
   trained. Message lists are rendered: the prompt with the generation prompt, then prompt + completion, and what
@@ -42,6 +45,7 @@ from lightning_d9d.text.masks import (
     DROPPED_UNTRAINED,
     TRUNCATED,
     check_token_boundaries,
+    end_at_end_of_turn,
     labels_from_mask,
     span_mask,
     trained_targets,
@@ -102,6 +106,10 @@ class RowTokenizer:
 
     def __init__(self, recipe: SFTRecipe, tokenizer: Any):
         self.recipe, self.tokenizer = recipe, tokenizer
+        # Added tokens (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>, ...): where a turn found by rendering ends.
+        added = tokenizer.get_added_tokens_decoder()
+        self.control_ids = frozenset(added)
+        self.control_tokens = tuple(token.content for token in added.values() if token.content)
 
     def __call__(self, row: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarray, int]:
         recipe = self.recipe
@@ -135,12 +143,14 @@ class RowTokenizer:
             return np.asarray(ids, dtype=np.int64), np.asarray(ids, dtype=np.int64)
         if not any(message["role"] == "assistant" for message in messages):
             raise ValueError(f"row {index} has no assistant turn to train (loss_on={self.recipe.loss_on!r})")
+        last_only = self.recipe.loss_on == "last_assistant"
         if template.has_generation_blocks:
             spans = list(rendered.generation_spans)
         else:
-            spans = _turn_spans(template, messages, rendered.text, index)
+            spans = _turn_spans(template, messages, rendered.text, index, self.control_tokens, last_only)
             check_token_boundaries(encoding.offsets, spans, index)
-        if self.recipe.loss_on == "last_assistant":
+            spans = end_at_end_of_turn(spans, ids, encoding.offsets, rendered.text, self.control_ids)
+        if last_only:
             spans = spans[-1:]
         mask = span_mask(encoding.offsets, spans)
         if not mask.any():
@@ -167,6 +177,7 @@ class RowTokenizer:
         mask = np.ones(len(encoding.ids), dtype=bool)
         if self.recipe.loss_on == "completion":
             check_token_boundaries(encoding.offsets, spans, index)
+            spans = end_at_end_of_turn(spans, encoding.ids, encoding.offsets, whole, self.control_ids)
             mask = span_mask(encoding.offsets, spans)
         return np.asarray(encoding.ids, dtype=np.int64), labels_from_mask(encoding.ids, mask)
 
@@ -217,14 +228,26 @@ def _check_contents_rendered(messages: list[dict[str, Any]], text: str, index: i
             )
 
 
-def _turn_spans(template: ChatTemplate, messages: list[dict[str, Any]], whole: str, index: int) -> list:
-    """Character spans of the assistant turns, from the renders of the conversation's prefixes."""
+def _turn_spans(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    whole: str,
+    index: int,
+    control_tokens: tuple[str, ...] = (),
+    last_only: bool = False,
+) -> list:
+    """Character spans of the assistant turns (or of the last one), from the renders of the conversation's
+    prefixes. Only the turns that are trained are rendered, so a template that is prefix-preserving only at the end
+    (Phi-3 ends a finished conversation with EOS) still trains its last turn. A render that closes the conversation
+    after the turn (Phi-3's EOS) is cut after the turn's end-of-turn token, and that cut must be a prefix of the
+    whole."""
+    turns = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
     spans = []
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    for turn in turns[-1:] if last_only else turns:
         before = _render(template, messages[:turn], index, add_generation_prompt=True).text if turn else ""
         after = _render(template, messages[: turn + 1], index).text
+        if not whole.startswith(after) and whole.startswith(before):
+            after = _turn_without_closing(after, len(before), messages[turn], control_tokens)
         if not (whole.startswith(before) and whole.startswith(after) and len(after) > len(before)):
             raise ValueError(
                 f"row {index}: the chat template is not prefix-preserving at message {turn} (rendering the "
@@ -233,6 +256,22 @@ def _turn_spans(template: ChatTemplate, messages: list[dict[str, Any]], whole: s
             )
         spans.append((len(before), len(after)))
     return spans
+
+
+def _turn_without_closing(after: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str:
+    """``after`` cut after the first control token that follows the message's content (the end-of-turn token),
+    dropping what a template writes only when the conversation ends there; ``after`` itself when none follows."""
+    content = message.get("content")
+    content = content.strip() if isinstance(content, str) else ""
+    found = after.find(content, start) if content else start
+    if found < 0:
+        return after
+    ends = [after.find(token, found + len(content)) for token in control_tokens]
+    ends = [(position, len(token)) for position, token in zip(ends, control_tokens) if position >= 0]
+    if not ends:
+        return after
+    position, length = min(ends)
+    return after[: position + length]
 
 
 @functools.lru_cache(maxsize=4)

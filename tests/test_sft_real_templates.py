@@ -1,0 +1,439 @@
+"""Chat templates of real model families (as they ship in their tokenizer_config.json), on tokenizers built the way
+those families build theirs (byte-level BPE with added special tokens; SentencePiece-like Metaspace), checked
+through the public API against transformers' ``apply_chat_template`` and against a mask computed independently
+from the rendered text: exactly the assistant content and its end-of-turn token are trained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from support import make_texts
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from lightning_d9d.text.chat_template import load_chat_template
+from lightning_d9d.text.formats import Columns
+from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe, load_sft_tokenizer
+from lightning_d9d.text.tokenize import file_sha256
+
+transformers = pytest.importorskip("transformers")
+
+# ------------------------------------------------------------------------------------------------ templates
+LLAMA3 = (
+    "{{- bos_token }}\n"
+    '{%- if not date_string is defined %}\n    {%- set date_string = "26 Jul 2024" %}\n{%- endif %}\n'
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content']|trim %}\n"
+    "    {%- set messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    '    {%- set system_message = "" %}\n'
+    "{%- endif %}\n"
+    '{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}\n'
+    '{{- "Cutting Knowledge Date: December 2023\\n" }}\n'
+    '{{- "Today Date: " + date_string + "\\n\\n" }}\n'
+    "{{- system_message }}\n"
+    '{{- "<|eot_id|>" }}\n'
+    "{%- for message in messages %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    "+ message['content'] | trim + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+"""Llama 3.1 Instruct (without tools): BOS, a system header always written, ``| trim``, ``<|eot_id|>``."""
+
+QWEN25 = (
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "{%- else %}\n"
+    "    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    '(message.role == "assistant" and not message.tool_calls) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+"""Qwen2.5 Instruct (without tools): ChatML with a default system prompt, a newline after each ``<|im_end|>``."""
+
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+"""Mistral-7B-Instruct-v0.1 / Mixtral-8x7B-Instruct: ``[INST]`` as text, raises on roles that do not alternate."""
+
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+"""Llama-2-chat: a BOS before every user turn (so one per exchange, as Meta trained it), ``' ' + answer + ' </s>'``."""
+
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+"""Gemma: no system role, ``assistant`` written as ``model``, ``<end_of_turn>`` then a newline."""
+
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+"""Phi-3-mini-instruct: ``<|end|>`` ends a turn; a finished conversation (no generation prompt) ends in EOS."""
+
+ZEPHYR = (
+    "{% for message in messages %}\n"
+    "{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n"
+    "{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n"
+    "{% endfor %}"
+)
+"""Zephyr: headers as plain text, every turn ends in ``</s>``; trim_blocks/lstrip_blocks decide the newlines."""
+
+SMOL_MARKED = (
+    "{%- for message in messages %}\n"
+    "{%- if message.role == 'assistant' %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- generation %}\n"
+    "{%- if loop.last %}{{- '<think>\\n\\n</think>\\n' }}{%- endif %}\n"
+    "{{- message.content | trim + '<|im_end|>' }}\n"
+    "{%- endgeneration %}\n"
+    "{{- '\\n' }}\n"
+    "{%- else %}\n"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+)
+"""A SmolLM3/Qwen3-style training template: ``{% generation %}`` around the answer (an empty think block on the last
+one, as Qwen3 writes it) and ``<|im_end|>``, not the newline after it."""
+
+
+# ------------------------------------------------------------------------------------------------ model folders
+CONVERSATIONS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how can I help?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is a list?"},
+        {"role": "assistant", "content": "A mutable sequence."},
+        {"role": "user", "content": "And a tuple?"},
+        {"role": "assistant", "content": "An immutable one."},
+    ],
+    [
+        {"role": "user", "content": "Ünïcode ✓ and tabs\there"},
+        {"role": "assistant", "content": "naïve café — fine 日本語"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "and once more"},
+        {"role": "assistant", "content": " spaced out \n"},
+    ],
+]
+
+
+def family(conversation: list[dict[str, str]], name: str) -> list[dict[str, str]]:
+    """The conversation as the family accepts it (no system role for Gemma/Mistral: merged into the first user turn)."""
+    if name in ("gemma", "mistral") and conversation[0]["role"] == "system":
+        first = dict(conversation[1], content=conversation[0]["content"] + "\n\n" + conversation[1]["content"])
+        return [first, *conversation[2:]]
+    return conversation
+
+
+def build_tokenizer(kind: str, specials: list[str], bos: str | None = None) -> Tokenizer:
+    """A BPE trained on the test texts the way the family builds its tokenizer, with its special tokens added.
+
+    ``byte_level``: GPT-2/Llama-3/Qwen byte-level BPE. ``metaspace``: SentencePiece-like (``▁`` for spaces, one
+    prepended to the text), as Mistral's and Gemma's; ``metaspace_always``: a ``▁`` prepended to every piece
+    between special tokens, as legacy Llama-2 tokenizers do. ``bos``: a post-processor that prepends it, as Llama's
+    tokenizers do (a rendered template writes its own, so it must not be added twice).
+    """
+    texts = [text for text in make_texts(300, seed=5) if text]
+    texts += [message["content"] for chat in CONVERSATIONS for message in chat] + ["[INST] [/INST] <<SYS>>"]
+    if kind == "byte_level":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        scheme = "always" if kind == "metaspace_always" else "first"
+        tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
+        tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme)
+        alphabet = sorted({char for text in texts for char in text})
+    trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.add_special_tokens(specials)
+    if bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+        )
+    return tokenizer
+
+
+# name: (template, tokenizer kind, special tokens of tokenizer_config.json, end-of-turn string, added specials)
+FAMILIES: dict[str, tuple[str, str, dict[str, str], str, list[str]]] = {
+    "llama3": (
+        LLAMA3,
+        "byte_level",
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        "<|eot_id|>",
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    ),
+    "qwen25": (
+        QWEN25,
+        "byte_level",
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "<|im_end|>",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    ),
+    "mistral": (MISTRAL, "metaspace", {"bos_token": "<s>", "eos_token": "</s>"}, "</s>", ["<unk>", "<s>", "</s>"]),
+    "llama2": (
+        LLAMA2,
+        "metaspace_always",
+        {"bos_token": "<s>", "eos_token": "</s>"},
+        "</s>",
+        ["<unk>", "<s>", "</s>"],
+    ),
+    "gemma": (
+        GEMMA,
+        "metaspace",
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
+        "<end_of_turn>",
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+    ),
+    "phi3": (
+        PHI3,
+        "byte_level",
+        {"bos_token": "<s>", "eos_token": "<|endoftext|>"},
+        "<|end|>",
+        ["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+    ),
+    "zephyr": (ZEPHYR, "byte_level", {"bos_token": "<s>", "eos_token": "</s>"}, "</s>", ["<unk>", "<s>", "</s>"]),
+    "smol_marked": (
+        SMOL_MARKED,
+        "byte_level",
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "<|im_end|>",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+    ),
+}
+ASSISTANT_HEADERS = {
+    "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "qwen25": "<|im_start|>assistant\n",
+    "mistral": "[/INST]",
+    "llama2": "[/INST]",
+    "gemma": "<start_of_turn>model\n",
+    "phi3": "<|assistant|>\n",
+    "zephyr": "<|assistant|>\n",
+}
+"""What each family writes before an assistant's content (the truth's anchor for empty answers)."""
+POST_PROCESSOR_BOS = {"llama3": "<|begin_of_text|>", "llama2": "<s>", "mistral": "<s>", "gemma": "<bos>"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("real_templates")
+    made = {}
+    for name, (template, kind, special, _, added) in FAMILIES.items():
+        folder = root / name
+        folder.mkdir()
+        build_tokenizer(kind, added, POST_PROCESSOR_BOS.get(name)).save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **special}))
+        made[name] = folder / "tokenizer.json"
+    return made
+
+
+def row_tokenizer(path: Path, loss_on: str = "assistant", max_length: int = 10_000, truncation="error", fmt="messages"):
+    template = load_chat_template(None, str(path))
+    recipe = SFTRecipe(fmt, loss_on, truncation, max_length, Columns(), template, None)
+    return RowTokenizer(recipe, load_sft_tokenizer(str(path), file_sha256(str(path))))
+
+
+def hf_encode(name: str, path: Path, messages: list, **kwargs: Any) -> dict[str, Any]:
+    template, _, special, _, _ = FAMILIES[name]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), **special)
+    hf.chat_template = template
+    return hf.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+    )
+
+
+def rendered_text(name: str, path: Path, messages: list, **kwargs: Any) -> str:
+    template, _, special, _, _ = FAMILIES[name]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), **special)
+    return hf.apply_chat_template(messages, tokenize=False, chat_template=template, **kwargs)
+
+
+def content_and_end_of_turn_mask(name: str, path: Path, messages: list, offsets: list) -> np.ndarray:
+    """The independent truth: tokens overlapping each assistant message's (trimmed) content and the end-of-turn
+    string that follows it, found by searching the rendered text left to right."""
+    text, end_of_turn = rendered_text(name, path, messages), FAMILIES[name][3]
+    spans, cursor = [], 0
+    for message in messages:
+        content = message["content"].strip()
+        if message["role"] == "assistant":
+            cursor = text.index(ASSISTANT_HEADERS[name], cursor) + len(ASSISTANT_HEADERS[name])
+        found = text.index(content, cursor)
+        if message["role"] == "assistant":
+            end = text.index(end_of_turn, found + len(content)) + len(end_of_turn)
+            assert text[found + len(content) : end - len(end_of_turn)].strip() == ""  # only spaces between
+            spans.append((found, end))
+        cursor = found + len(content)
+    mask = np.zeros(len(offsets), dtype=bool)
+    for token, (start, stop) in enumerate(offsets):
+        mask[token] = any(stop > a and start < b for a, b in spans)
+    return mask
+
+
+def encode_rendered(path: Path, text: str) -> Any:
+    return load_sft_tokenizer(str(path), file_sha256(str(path))).encode(text, add_special_tokens=False)
+
+
+UNMARKED = ["llama3", "qwen25", "mistral", "llama2", "gemma", "phi3", "zephyr"]
+
+
+# ------------------------------------------------------------------------------------------------ masks
+@pytest.mark.parametrize("name", UNMARKED)
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_ids_equal_transformers_and_exactly_content_and_end_of_turn_are_trained(folders, name, conversation) -> None:
+    path, messages = folders[name], family(CONVERSATIONS[conversation], name)
+    expected = hf_encode(name, path, messages)
+    ids, labels, _ = row_tokenizer(path)({"messages": messages}, conversation)
+    assert ids.tolist() == list(expected["input_ids"])
+    encoding = encode_rendered(path, rendered_text(name, path, messages))
+    truth = content_and_end_of_turn_mask(name, path, messages, encoding.offsets)
+    mask = labels != -100
+    if name == "phi3":
+        # A finished Phi-3 conversation ends in "\n<|endoftext|>" after the last <|end|>: written after the last
+        # turn, it is trained with it (the model learns to close the conversation).
+        assert encoding.tokens[-2:] == ["Ċ", "<|endoftext|>"] and mask[-2:].all()
+        mask = mask.copy()
+        mask[-2:] = False
+    assert mask.tolist() == truth.tolist()
+    assert np.array_equal(labels[mask], ids[mask])
+    bos = FAMILIES[name][2].get("bos_token")
+    bos_id = load_sft_tokenizer(str(path), file_sha256(str(path))).token_to_id(bos) if bos else None
+    if name in POST_PROCESSOR_BOS:  # the template writes the BOS; the tokenizer's own is not added on top
+        user_turns = sum(message["role"] == "user" for message in messages)
+        assert (ids == bos_id).sum() == (user_turns if name == "llama2" else 1) and ids[0] == bos_id
+    elif bos_id is not None:
+        assert (ids == bos_id).sum() == 0
+
+
+@pytest.mark.parametrize("name", UNMARKED)
+def test_last_assistant_trains_the_last_turn_only(folders: dict, name: str) -> None:
+    path, messages = folders[name], family(CONVERSATIONS[1], name)
+    ids, every, _ = row_tokenizer(path)({"messages": messages}, 0)
+    last_ids, last, _ = row_tokenizer(path, "last_assistant")({"messages": messages}, 0)
+    assert np.array_equal(ids, last_ids)
+    trained, all_trained = np.flatnonzero(last != -100), np.flatnonzero(every != -100)
+    assert 0 < len(trained) < len(all_trained) and set(trained) <= set(all_trained)
+    # The last turn's tokens form the tail of the assistant mask: every trained token after the previous turn.
+    gaps = np.flatnonzero(np.diff(all_trained) > 1)
+    assert trained.tolist() == all_trained[gaps[-1] + 1 :].tolist()
+    text = load_sft_tokenizer(str(path), file_sha256(str(path))).decode(ids[trained].tolist(), skip_special_tokens=True)
+    assert text.strip() == "An immutable one."
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_a_template_with_generation_blocks_gives_transformers_mask(folders: dict, conversation: int) -> None:
+    path, messages = folders["smol_marked"], CONVERSATIONS[conversation]
+    expected = hf_encode("smol_marked", path, messages)
+    ids, labels, _ = row_tokenizer(path)({"messages": messages}, 0)
+    assert ids.tolist() == list(expected["input_ids"])
+    assert (labels != -100).astype(int).tolist() == list(expected["assistant_masks"])
+    _, last, _ = row_tokenizer(path, "last_assistant")({"messages": messages}, 0)
+    hf_mask = np.asarray(expected["assistant_masks"], dtype=bool)
+    runs = np.flatnonzero(hf_mask)
+    tail = runs[np.flatnonzero(np.diff(runs) > 1)[-1] + 1 :] if (np.diff(runs) > 1).any() else runs
+    assert np.flatnonzero(last != -100).tolist() == tail.tolist()
+
+
+def test_prompt_completion_messages_train_the_answer_and_its_end_of_turn(folders: dict) -> None:
+    path = folders["qwen25"]
+    prompt, completion = CONVERSATIONS[1][:4], CONVERSATIONS[1][4:]
+    ids, labels, _ = row_tokenizer(path, "completion", fmt="prompt_completion")(
+        {"prompt": prompt, "completion": completion}, 0
+    )
+    expected = hf_encode("qwen25", path, prompt + completion)
+    assert ids.tolist() == list(expected["input_ids"])
+    tokenizer = load_sft_tokenizer(str(path), file_sha256(str(path)))
+    assert tokenizer.decode(ids[labels != -100].tolist(), skip_special_tokens=False) == "An immutable one.<|im_end|>"
+
+
+# ------------------------------------------------------------------------------------------------ truncation
+def long_conversation(turn_words: int = 60) -> list[dict[str, str]]:
+    words = " ".join(make_texts(40, seed=9)).split()
+    return [
+        {"role": "user", "content": "summarise"},
+        {"role": "assistant", "content": " ".join(words[:turn_words])},
+        {"role": "user", "content": " ".join(words[turn_words : 2 * turn_words])},
+        {"role": "assistant", "content": " ".join(words[2 * turn_words : 3 * turn_words])},
+    ]
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma"])
+def test_truncation_modes_on_a_long_conversation(folders: dict, name: str) -> None:
+    path, messages = folders[name], long_conversation()
+    full_ids, full_labels, status = row_tokenizer(path)({"messages": messages}, 0)
+    assert status == 0 and len(full_ids) > 120
+    limit = len(full_ids) - 30  # cuts into the last assistant turn
+    with pytest.raises(ValueError, match=rf"row 4 has {len(full_ids)} tokens, more than max_length={limit}"):
+        row_tokenizer(path, max_length=limit)({"messages": messages}, 4)
+    ids, labels, status = row_tokenizer(path, max_length=limit, truncation="drop")({"messages": messages}, 4)
+    assert (len(ids), len(labels), status) == (0, 0, 2)
+    ids, labels, status = row_tokenizer(path, max_length=limit, truncation="keep_start")({"messages": messages}, 4)
+    assert status == 1 and ids.tolist() == full_ids[:limit].tolist() and labels.tolist() == full_labels[:limit].tolist()
+    # Under last_assistant, a cut before the last answer leaves nothing to train: dropped, never emitted empty.
+    start = int(np.flatnonzero(row_tokenizer(path, "last_assistant")({"messages": messages}, 0)[1] != -100)[0])
+    ids, labels, status = row_tokenizer(path, "last_assistant", max_length=start, truncation="keep_start")(
+        {"messages": messages}, 4
+    )
+    assert (len(ids), status) == (0, 3)
+
+
+# ------------------------------------------------------------------------------------------------ bad rows
+def test_bad_rows_of_real_templates_are_one_clear_error_naming_the_row(folders: dict) -> None:
+    swapped = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "q"}]
+    with pytest.raises(ValueError, match="row 3: the chat template raised: Conversation roles must alternate"):
+        row_tokenizer(folders["mistral"])({"messages": swapped}, 3)
+    system = [{"role": "system", "content": "s"}, *CONVERSATIONS[0]]
+    with pytest.raises(ValueError, match="row 5: the chat template raised: System role not supported"):
+        row_tokenizer(folders["gemma"])({"messages": system}, 5)
+    critic = [{"role": "critic", "content": "meh"}, *CONVERSATIONS[0]]
+    with pytest.raises(ValueError, match=r"row 6: message 0 \(role 'critic'\) does not appear"):
+        row_tokenizer(folders["qwen25"])({"messages": critic}, 6)
+    with pytest.raises(ValueError, match="row 7 has no assistant turn"):
+        row_tokenizer(folders["llama3"])({"messages": CONVERSATIONS[0][:1]}, 7)
+    with pytest.raises(ValueError, match="row 8 has no value in column 'messages'"):
+        row_tokenizer(folders["llama3"])({"text": "x"}, 8)
+    with pytest.raises(ValueError, match="row 9 has no value in column 'completion'"):
+        row_tokenizer(folders["llama3"], "completion", fmt="prompt_completion")({"prompt": "x"}, 9)
