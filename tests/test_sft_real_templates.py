@@ -5,6 +5,7 @@ from the rendered text: exactly the assistant content and its end-of-turn token 
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -437,3 +438,103 @@ def test_bad_rows_of_real_templates_are_one_clear_error_naming_the_row(folders: 
         row_tokenizer(folders["llama3"])({"text": "x"}, 8)
     with pytest.raises(ValueError, match="row 9 has no value in column 'completion'"):
         row_tokenizer(folders["llama3"], "completion", fmt="prompt_completion")({"prompt": "x"}, 9)
+
+
+# ------------------------------------------------------------------------------------------------ public API
+def many_conversations(count: int) -> list[list[dict[str, str]]]:
+    words = " ".join(make_texts(count * 2, seed=11)).split()
+    rng = np.random.default_rng(4)
+    conversations = []
+    for number in range(count):
+        messages = [{"role": "system", "content": "Answer in one line."}] if number % 3 == 0 else []
+        for _ in range(1 + number % 3):
+            start, ask, answer = (
+                int(rng.integers(0, len(words) - 80)),
+                int(rng.integers(1, 10)),
+                int(rng.integers(0, 40)),
+            )
+            messages.append({"role": "user", "content": " ".join(words[start : start + ask])})
+            messages.append({"role": "assistant", "content": " ".join(words[start + ask : start + ask + answer])})
+        conversations.append(messages)
+    return conversations
+
+
+def samples_of(batch: Any) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` of every sample of a padded or padding-free batch."""
+    if hasattr(batch, "cu_seqlens"):
+        bounds = batch.cu_seqlens.tolist()
+        ids, labels = batch.input_ids[0].tolist(), batch.labels[0].tolist()
+        return [(ids[a:b], labels[a:b]) for a, b in itertools.pairwise(bounds)]
+    out = []
+    for row in range(len(batch.input_ids)):
+        real = batch.attention_mask[row].bool()
+        assert (batch.labels[row][~real] == -100).all()
+        out.append((batch.input_ids[row][real].tolist(), batch.labels[row][real].tolist()))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("source", "truncation", "padding_free"),
+    [("save_to_disk", "drop", False), ("jsonl", "keep_start", True), ("jsonl", "drop", True)],
+)
+def test_the_datamodule_batches_carry_the_row_masks_and_exact_step_label_tokens(
+    folders: dict, tmp_path: Path, source: str, truncation: str, padding_free: bool
+) -> None:
+    from lightning_d9d import TextDataModule
+
+    conversations, max_length = many_conversations(60), 200
+    if source == "save_to_disk":
+        import datasets
+
+        datasets.Dataset.from_list([{"messages": chat} for chat in conversations]).save_to_disk(tmp_path / "chats")
+        dataset = str(tmp_path / "chats")
+    else:
+        dataset = str(tmp_path / "chats.jsonl")
+        Path(dataset).write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in conversations))
+    path = folders["llama3"]
+    rows = row_tokenizer(path, max_length=max_length, truncation=truncation)
+    expected = [rows({"messages": chat}, number) for number, chat in enumerate(conversations)]
+    kept = [(ids.tolist(), labels.tolist()) for ids, labels, status in expected if status < 2]
+    dm = TextDataModule(
+        dataset=dataset,
+        tokenizer=str(path),
+        loss_on="assistant",
+        truncation=truncation,
+        max_length=max_length,
+        global_batch_tokens=2048,
+        microbatch_tokens=512,
+        padding_free=padding_free,
+        num_workers=0,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.dropped_samples == sum(status >= 2 for _, _, status in expected)
+    assert dm.truncated_samples == sum(status == 1 for _, _, status in expected)
+    assert (dm.truncated_samples > 0, dm.dropped_samples > 0) == (truncation == "keep_start", truncation == "drop")
+    batches = list(dm.train_dataloader())
+    per_step = len(batches) // dm.steps_in_epoch(0)
+    assert per_step * dm.steps_in_epoch(0) == len(batches) and dm.steps_in_epoch(0) > 1
+    seen = []
+    for step in range(dm.steps_in_epoch(0)):
+        microbatches = batches[step * per_step : (step + 1) * per_step]
+        counted = sum(int((batch.labels[:, 1:] != -100).sum()) for batch in microbatches)
+        assert {batch.step_label_tokens for batch in microbatches} == {counted}
+        seen += [sample for batch in microbatches for sample in samples_of(batch)]
+    # Each sample is a kept row with its own ids and labels, at most once (the microbatches left over after the
+    # last full step are dropped, as for text).
+    remaining = [(tuple(ids), tuple(labels)) for ids, labels in kept]
+    for ids, labels in seen:
+        remaining.remove((tuple(ids), tuple(labels)))
+    assert len(seen) > len(kept) // 2
+    # Two simulated ranks: each step's count is that of both ranks' microbatches.
+    loaders = [list(dm.train_dataloader_for_rank(rank, 2)) for rank in range(2)]
+    per_rank = len(loaders[0]) // dm.steps_in_epoch(0)
+    for step in range(dm.steps_in_epoch(0)):
+        both = [batch for loader in loaders for batch in loader[step * per_rank : (step + 1) * per_rank]]
+        counted = sum(int((batch.labels[:, 1:] != -100).sum()) for batch in both)
+        assert {batch.step_label_tokens for batch in both} == {counted}
+    bos = load_sft_tokenizer(str(path), file_sha256(str(path))).token_to_id("<|begin_of_text|>")
+    for ids, labels in seen:
+        assert ids[0] == bos and ids.count(bos) == 1
+        assert any(label != -100 for label in labels[1:])  # no sample without a trained target
