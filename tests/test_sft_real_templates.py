@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support import make_texts
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from lightning_d9d.text.chat_template import load_chat_template
 from lightning_d9d.text.formats import Columns
@@ -168,13 +168,14 @@ def family(conversation: list[dict[str, str]], name: str) -> list[dict[str, str]
     return conversation
 
 
-def build_tokenizer(kind: str, specials: list[str], bos: str | None = None) -> Tokenizer:
+def build_tokenizer(kind: str, specials: list[str], bos: str | None = None, rstrip: tuple[str, ...] = ()) -> Tokenizer:
     """A BPE trained on the test texts the way the family builds its tokenizer, with its special tokens added.
 
     ``byte_level``: GPT-2/Llama-3/Qwen byte-level BPE. ``metaspace``: SentencePiece-like (``▁`` for spaces, one
     prepended to the text), as Mistral's and Gemma's; ``metaspace_always``: a ``▁`` prepended to every piece
     between special tokens, as legacy Llama-2 tokenizers do. ``bos``: a post-processor that prepends it, as Llama's
-    tokenizers do (a rendered template writes its own, so it must not be added twice).
+    tokenizers do (a rendered template writes its own, so it must not be added twice). ``rstrip``: added tokens that
+    swallow the whitespace after them, as Phi-3's chat tokens do.
     """
     texts = [text for text in make_texts(300, seed=5) if text]
     texts += [message["content"] for chat in CONVERSATIONS for message in chat] + ["[INST] [/INST] <<SYS>>"]
@@ -191,7 +192,7 @@ def build_tokenizer(kind: str, specials: list[str], bos: str | None = None) -> T
         alphabet = sorted({char for text in texts for char in text})
     trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet, show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.add_special_tokens(specials)
+    tokenizer.add_special_tokens([AddedToken(token, rstrip=token in rstrip, normalized=False) for token in specials])
     if bos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))]
@@ -237,6 +238,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, str], str, list[str]]] = {
         "<|end|>",
         ["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     ),
+    "phi3_plain": (
+        PHI3,
+        "byte_level",
+        {"bos_token": "<s>", "eos_token": "<|endoftext|>"},
+        "<|end|>",
+        ["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+    ),
     "zephyr": (ZEPHYR, "byte_level", {"bos_token": "<s>", "eos_token": "</s>"}, "</s>", ["<unk>", "<s>", "</s>"]),
     "smol_marked": (
         SMOL_MARKED,
@@ -253,9 +261,12 @@ ASSISTANT_HEADERS = {
     "llama2": "[/INST]",
     "gemma": "<start_of_turn>model\n",
     "phi3": "<|assistant|>\n",
+    "phi3_plain": "<|assistant|>\n",
     "zephyr": "<|assistant|>\n",
 }
 """What each family writes before an assistant's content (the truth's anchor for empty answers)."""
+PHI3_CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+"""Phi-3's tokenizer strips the whitespace after these (``rstrip``): ``<|assistant|>\n`` is one token."""
 POST_PROCESSOR_BOS = {"llama3": "<|begin_of_text|>", "llama2": "<s>", "mistral": "<s>", "gemma": "<bos>"}
 
 
@@ -266,7 +277,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, (template, kind, special, _, added) in FAMILIES.items():
         folder = root / name
         folder.mkdir()
-        build_tokenizer(kind, added, POST_PROCESSOR_BOS.get(name)).save(str(folder / "tokenizer.json"))
+        rstrip = PHI3_CHAT_TOKENS if name == "phi3" else ()
+        build_tokenizer(kind, added, POST_PROCESSOR_BOS.get(name), rstrip).save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **special}))
         made[name] = folder / "tokenizer.json"
     return made
@@ -318,7 +330,7 @@ def encode_rendered(path: Path, text: str) -> Any:
     return load_sft_tokenizer(str(path), file_sha256(str(path))).encode(text, add_special_tokens=False)
 
 
-UNMARKED = ["llama3", "qwen25", "mistral", "llama2", "gemma", "phi3", "zephyr"]
+UNMARKED = ["llama3", "qwen25", "mistral", "llama2", "gemma", "phi3", "phi3_plain", "zephyr"]
 
 
 # ------------------------------------------------------------------------------------------------ masks
@@ -332,12 +344,13 @@ def test_ids_equal_transformers_and_exactly_content_and_end_of_turn_are_trained(
     encoding = encode_rendered(path, rendered_text(name, path, messages))
     truth = content_and_end_of_turn_mask(name, path, messages, encoding.offsets)
     mask = labels != -100
-    if name == "phi3":
+    if name.startswith("phi3"):
         # A finished Phi-3 conversation ends in "\n<|endoftext|>" after the last <|end|>: written after the last
         # turn, it is trained with it (the model learns to close the conversation).
-        assert encoding.tokens[-2:] == ["Ċ", "<|endoftext|>"] and mask[-2:].all()
+        closing = 2 if name == "phi3_plain" else 1  # the rstrip <|end|> holds the newline
+        assert encoding.tokens[-closing:] == ["Ċ", "<|endoftext|>"][-closing:] and mask[-closing:].all()
         mask = mask.copy()
-        mask[-2:] = False
+        mask[-closing:] = False
     assert mask.tolist() == truth.tolist()
     assert np.array_equal(labels[mask], ids[mask])
     bos = FAMILIES[name][2].get("bos_token")

@@ -63,6 +63,28 @@ def check_token_boundaries(offsets: Sequence[tuple[int, int]], spans: Sequence[t
                     )
 
 
+def start_after_control_tokens(
+    spans: Sequence[tuple[int, int]],
+    ids: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    text: str,
+    control_ids: frozenset[int],
+) -> list[tuple[int, int]]:
+    """Each span whose start falls inside a control token that swallowed only whitespace of the span (a header
+    token that strips to its right, as Phi-3's ``<|assistant|>``) starts after that token: the header is prompt,
+    and the whitespace it holds is not a token the model could write."""
+    moved = []
+    for start, end in spans:
+        for token, (token_start, token_end) in enumerate(offsets):
+            if token_start < start < token_end and ids[token] in control_ids and not text[start:token_end].strip():
+                start = min(token_end, end)
+                break
+            if token_start >= start:
+                break
+        moved.append((start, end))
+    return moved
+
+
 def end_at_end_of_turn(
     spans: Sequence[tuple[int, int]],
     ids: Sequence[int],

@@ -48,6 +48,7 @@ from lightning_d9d.text.masks import (
     end_at_end_of_turn,
     labels_from_mask,
     span_mask,
+    start_after_control_tokens,
     trained_targets,
     truncate,
 )
@@ -148,6 +149,7 @@ class RowTokenizer:
             spans = list(rendered.generation_spans)
         else:
             spans = _turn_spans(template, messages, rendered.text, index, self.control_tokens, last_only)
+            spans = start_after_control_tokens(spans, ids, encoding.offsets, rendered.text, self.control_ids)
             check_token_boundaries(encoding.offsets, spans, index)
             spans = end_at_end_of_turn(spans, ids, encoding.offsets, rendered.text, self.control_ids)
         if last_only:
@@ -259,8 +261,9 @@ def _turn_spans(
 
 
 def _turn_without_closing(after: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str:
-    """``after`` cut after the first control token that follows the message's content (the end-of-turn token),
-    dropping what a template writes only when the conversation ends there; ``after`` itself when none follows."""
+    """``after`` cut after the first control token that follows the message's content (the end-of-turn token) and
+    the whitespace after it, dropping what a template writes only when the conversation ends there; ``after`` itself
+    when none follows."""
     content = message.get("content")
     content = content.strip() if isinstance(content, str) else ""
     found = after.find(content, start) if content else start
@@ -271,7 +274,9 @@ def _turn_without_closing(after: str, start: int, message: dict[str, Any], contr
     if not ends:
         return after
     position, length = min(ends)
-    return after[: position + length]
+    end = position + length
+    # The whitespace after the token stays with it: a token that strips to its right (Phi-3's <|end|>) holds it.
+    return after[: end + len(after[end:]) - len(after[end:].lstrip())]
 
 
 @functools.lru_cache(maxsize=4)
