@@ -551,3 +551,23 @@ def test_the_datamodule_batches_carry_the_row_masks_and_exact_step_label_tokens(
     for ids, labels in seen:
         assert ids[0] == bos and ids.count(bos) == 1
         assert any(label != -100 for label in labels[1:])  # no sample without a trained target
+
+
+def test_content_that_is_not_a_string_and_template_type_errors_name_the_row(folders: dict) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "yo"}]
+    # Llama 3's "| trim" would write the list's Python repr into the training text; Qwen's "+" would raise TypeError.
+    for name in ("llama3", "qwen25"):
+        with pytest.raises(ValueError, match="row 3: message 0 of 'messages' has content of type list"):
+            row_tokenizer(folders[name])({"messages": parts}, 3)
+    with pytest.raises(ValueError, match="row 4: message 0 of 'completion' has content of type int"):
+        row_tokenizer(folders["qwen25"], "completion", fmt="prompt_completion")(
+            {"prompt": CONVERSATIONS[0][:1], "completion": [{"role": "assistant", "content": 5}]}, 4
+        )
+    # A template whose expression fails on a field (a Python error, not raise_exception) still names the row.
+    template = "{% for m in messages %}{{ m['content'] + m['weight'] }}{% endfor %}"
+    messages = [{"role": "user", "content": "q", "weight": 1}, {"role": "assistant", "content": "a", "weight": 1}]
+    path = folders["qwen25"]
+    recipe = SFTRecipe("messages", "assistant", "error", 100, Columns(), load_chat_template(template, str(path)), None)
+    rows = RowTokenizer(recipe, load_sft_tokenizer(str(path), file_sha256(str(path))))
+    with pytest.raises(ValueError, match="row 5: the chat template failed: TypeError"):
+        rows({"messages": messages}, 5)

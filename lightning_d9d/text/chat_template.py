@@ -73,7 +73,7 @@ class ChatTemplate:
         """Render one conversation; generation spans are recorded whenever the template has such blocks.
 
         Raises:
-            TemplateRenderError: the template raised (its message kept).
+            TemplateRenderError: the template raised, or an expression in it failed (its message kept).
         """
         import jinja2
 
@@ -93,6 +93,9 @@ class ChatTemplate:
                 blocks.append(block)
         except jinja2.TemplateError as error:
             raise TemplateRenderError(f"the chat template raised: {error}") from error
+        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as error:
+            # Python errors inside the template's expressions (a message field of an unexpected type, ...).
+            raise TemplateRenderError(f"the chat template failed: {type(error).__name__}: {error}") from error
         finally:
             tracker.stop()
         return Rendered("".join(blocks), tuple(spans))
