@@ -571,3 +571,19 @@ def test_content_that_is_not_a_string_and_template_type_errors_name_the_row(fold
     rows = RowTokenizer(recipe, load_sft_tokenizer(str(path), file_sha256(str(path))))
     with pytest.raises(ValueError, match="row 5: the chat template failed: TypeError"):
         rows({"messages": messages}, 5)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_token_boundary_search_agrees_with_a_scan_of_every_token(folders: dict, name: str) -> None:
+    from lightning_d9d.text.masks import _token_around
+
+    path = folders[name]
+    for conversation in CONVERSATIONS:
+        text = rendered_text(name, path, family(conversation, name))
+        offsets = encode_rendered(path, text).offsets
+        for boundary in range(len(text) + 1):
+            inside = [token for token, (start, end) in enumerate(offsets) if start < boundary < end]
+            found = _token_around(offsets, boundary)
+            assert (found is not None) == bool(inside)
+            if found is not None:
+                assert offsets[found] == offsets[inside[-1]]

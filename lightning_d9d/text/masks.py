@@ -51,16 +51,28 @@ def span_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int
 
 def check_token_boundaries(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]], row: int) -> None:
     """Raises ValueError when a span starts or ends inside a token (naming the row and the characters)."""
-    for start, end in spans:
-        for boundary in (start, end):
-            for token_start, token_end in offsets:
-                if token_start < boundary < token_end:
-                    raise ValueError(
-                        f"row {row}: a trained span's edge (character {boundary}) falls inside a token "
-                        f"(characters {token_start}-{token_end}): the template's turn prefix does not tokenize as a "
-                        "prefix of the whole conversation, so no exact mask exists; mark the assistant output "
-                        "with {% generation %} blocks in the template, or use loss_on='all'"
-                    )
+    for boundary in (edge for span in spans for edge in span):
+        token = _token_around(offsets, boundary)
+        if token is not None:
+            token_start, token_end = offsets[token]
+            raise ValueError(
+                f"row {row}: a trained span's edge (character {boundary}) falls inside a token "
+                f"(characters {token_start}-{token_end}): the template's turn prefix does not tokenize as a "
+                "prefix of the whole conversation, so no exact mask exists; mark the assistant output "
+                "with {% generation %} blocks in the template, or use loss_on='all'"
+            )
+
+
+def _token_around(offsets: Sequence[tuple[int, int]], boundary: int) -> int | None:
+    """The token whose characters hold ``boundary`` strictly inside (``start < boundary < end``), or ``None``.
+
+    Tokens come in text order, so only those starting before the boundary can hold it, and of those the last one
+    reaches furthest: a binary search instead of a scan, as this runs for every turn of every row.
+    """
+    token = bisect.bisect_left(offsets, boundary, key=lambda offset: offset[0]) - 1
+    while token >= 0 and offsets[token][0] == offsets[token][1]:  # an empty token (a prepended marker) holds none
+        token -= 1
+    return token if token >= 0 and offsets[token][1] > boundary else None
 
 
 def start_after_control_tokens(
@@ -75,12 +87,9 @@ def start_after_control_tokens(
     and the whitespace it holds is not a token the model could write."""
     moved = []
     for start, end in spans:
-        for token, (token_start, token_end) in enumerate(offsets):
-            if token_start < start < token_end and ids[token] in control_ids and not text[start:token_end].strip():
-                start = min(token_end, end)
-                break
-            if token_start >= start:
-                break
+        token = _token_around(offsets, start)
+        if token is not None and ids[token] in control_ids and not text[start : offsets[token][1]].strip():
+            start = min(offsets[token][1], end)
         moved.append((start, end))
     return moved
 
