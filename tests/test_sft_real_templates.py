@@ -587,3 +587,18 @@ def test_the_token_boundary_search_agrees_with_a_scan_of_every_token(folders: di
             assert (found is not None) == bool(inside)
             if found is not None:
                 assert offsets[found] == offsets[inside[-1]]
+
+
+def test_special_tokens_only_in_special_tokens_map_json_are_used(folders: dict, tmp_path: Path) -> None:
+    # Zephyr-era folders: tokenizer_config.json holds the template, special_tokens_map.json the tokens.
+    (tmp_path / "tokenizer.json").write_bytes(folders["zephyr"].read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ZEPHYR, "eos_token": None}))
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>", "unk_token": "<unk>"})
+    )
+    template = load_chat_template(None, str(tmp_path / "tokenizer.json"))
+    assert (template.special("bos_token"), template.special("eos_token")) == ("<s>", "</s>")
+    ids, labels, _ = row_tokenizer(tmp_path / "tokenizer.json")({"messages": CONVERSATIONS[1]}, 0)
+    assert ids.tolist() == list(hf_encode("zephyr", folders["zephyr"], CONVERSATIONS[1])["input_ids"])
+    tokenizer = load_sft_tokenizer(str(tmp_path / "tokenizer.json"), file_sha256(str(tmp_path / "tokenizer.json")))
+    assert tokenizer.decode(ids[labels != -100].tolist(), skip_special_tokens=False).count("</s>") == 2
