@@ -602,3 +602,20 @@ def test_special_tokens_only_in_special_tokens_map_json_are_used(folders: dict, 
     assert ids.tolist() == list(hf_encode("zephyr", folders["zephyr"], CONVERSATIONS[1])["input_ids"])
     tokenizer = load_sft_tokenizer(str(tmp_path / "tokenizer.json"), file_sha256(str(tmp_path / "tokenizer.json")))
     assert tokenizer.decode(ids[labels != -100].tolist(), skip_special_tokens=False).count("</s>") == 2
+
+
+@pytest.mark.parametrize(("name", "eos"), [("llama3", "<|eot_id|>"), ("mistral", "</s>"), ("qwen25", "<|im_end|>")])
+def test_prompt_completion_strings_train_the_completion_and_one_eos_after_one_bos(folders, name, eos) -> None:
+    path = folders[name]
+    tokenizer = load_sft_tokenizer(str(path), file_sha256(str(path)))
+    recipe = SFTRecipe("prompt_completion", "completion", "error", 1_000, Columns(), None, eos)
+    rows = RowTokenizer(recipe, tokenizer)
+    for prompt, completion in [("Question: what is a list?\nAnswer:", " A mutable sequence."), ("Q: ünï ✓", " ")]:
+        ids, labels, status = rows({"prompt": prompt, "completion": completion}, 0)
+        reference = tokenizer.encode(prompt + completion)  # with the post-processor's BOS, as text is encoded
+        assert ids.tolist() == [*reference.ids, tokenizer.token_to_id(eos)] and status == 0
+        bos = POST_PROCESSOR_BOS.get(name)
+        assert bos is None or ((ids == tokenizer.token_to_id(bos)).sum(), ids[0]) == (1, tokenizer.token_to_id(bos))
+        trained = ids[labels != -100].tolist()
+        assert tokenizer.decode(trained, skip_special_tokens=False).strip() == (completion + eos).strip()
+        assert labels[-1] == tokenizer.token_to_id(eos) and (labels[: len(tokenizer.encode(prompt).ids)] == -100).all()
