@@ -619,3 +619,41 @@ def test_prompt_completion_strings_train_the_completion_and_one_eos_after_one_bo
         trained = ids[labels != -100].tolist()
         assert tokenizer.decode(trained, skip_special_tokens=False).strip() == (completion + eos).strip()
         assert labels[-1] == tokenizer.token_to_id(eos) and (labels[: len(tokenizer.encode(prompt).ids)] == -100).all()
+
+
+ASSISTANT_FIRST = [
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "What is a list?"},
+    {"role": "assistant", "content": "A mutable sequence."},
+]
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen25", "phi3", "phi3_plain", "zephyr"])
+def test_a_conversation_opening_with_the_assistant_trains_no_preamble_or_header(folders: dict, name: str) -> None:
+    # The prompt before an opening assistant turn is not "" : Llama 3 writes BOS and a system header, Qwen its
+    # default system prompt, all of them the assistant header.
+    path = folders[name]
+    ids, labels, _ = row_tokenizer(path)({"messages": ASSISTANT_FIRST}, 0)
+    assert ids.tolist() == list(hf_encode(name, path, ASSISTANT_FIRST)["input_ids"])
+    encoding = encode_rendered(path, rendered_text(name, path, ASSISTANT_FIRST))
+    truth = content_and_end_of_turn_mask(name, path, ASSISTANT_FIRST, encoding.offsets)
+    mask = labels != -100
+    if name.startswith("phi3"):  # the closing "\n<|endoftext|>" goes with the last turn
+        mask[-(2 if name == "phi3_plain" else 1) :] = False
+    assert mask.tolist() == truth.tolist()
+
+
+def test_an_opening_assistant_turn_the_template_writes_differently_is_refused(folders: dict) -> None:
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{{ ('Bot: ' if loop.first else 'Assistant: ') + m.content + '\\n' }}"
+        "{% else %}{{ 'User: ' + m.content + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
+    )
+    path = folders["qwen25"]
+    recipe = SFTRecipe("messages", "assistant", "error", 1000, Columns(), load_chat_template(template, str(path)), None)
+    rows = RowTokenizer(recipe, load_sft_tokenizer(str(path), file_sha256(str(path))))
+    with pytest.raises(ValueError, match="row 2: the conversation opens with an assistant turn, and the chat template"):
+        rows({"messages": ASSISTANT_FIRST}, 2)
+    _, labels, _ = rows({"messages": ASSISTANT_FIRST[1:]}, 2)  # opening with the user, it is fine
+    assert (labels != -100).any()

@@ -11,7 +11,8 @@ Algorithm, per row (``RowTokenizer``):
   start and end on token boundaries; it ends at its last added token when only whitespace follows (the separator
   after ChatML's ``<|im_end|>`` is never generated). A render that closes the conversation after the turn (Phi-3's
   EOS) is cut after the first added token following the turn's content, and the cut must be a prefix of the whole.
-  A row whose prefixes are not prefixes is an error naming it, never a guess.
+  A turn opening the conversation starts after what the template writes before it (``_opening_prompt``). A row
+  whose prefixes are not prefixes is an error naming it, never a guess.
 * **prompt/completion** — strings are joined and encoded like text (the tokenizer's post-processor adds its BOS);
   the completion's characters and a final EOS (appended unless the post-processor already ended with it) are
   trained. Message lists are rendered: the prompt with the generation prompt, then prompt + completion, and what
@@ -247,6 +248,8 @@ def _turn_spans(
     spans = []
     for turn in turns[-1:] if last_only else turns:
         before = _render(template, messages[:turn], index, add_generation_prompt=True).text if turn else ""
+        if turn == 0:
+            before = _opening_prompt(template, messages[0], index)
         after = _render(template, messages[: turn + 1], index).text
         if not whole.startswith(after) and whole.startswith(before):
             after = _turn_without_closing(after, len(before), messages[turn], control_tokens)
@@ -258,6 +261,38 @@ def _turn_spans(
             )
         spans.append((len(before), len(after)))
     return spans
+
+
+def _opening_prompt(template: ChatTemplate, message: dict[str, Any], index: int) -> str:
+    """What the template writes before an assistant turn that opens the conversation (a BOS, a default system
+    prompt, the assistant header): that turn rendered alone with a marker as its content, up to the marker. It must
+    end with the generation prompt the template writes after a user turn.
+
+    Raises:
+        ValueError: the template fails on either render, or what precedes the marker does not end with the
+            generation prompt, so where the turn starts is unknown (naming the row).
+    """
+    marker = "d9d-turn-start-7f3a"
+    try:
+        alone = template.render([{**message, "content": marker}]).text
+        probe = [{"role": "user", "content": "?"}]
+        plain, prompted = template.render(probe).text, template.render(probe, add_generation_prompt=True).text
+    except TemplateRenderError as error:
+        raise ValueError(
+            f"row {index}: the conversation opens with an assistant turn, rendered alone: {error}"
+        ) from error
+    # What the generation prompt adds (after the text both renders share: Phi-3 closes the plain one with EOS).
+    shared = next((n for n, (a, b) in enumerate(zip(plain, prompted)) if a != b), min(len(plain), len(prompted)))
+    generation_prompt = prompted[shared:]
+    opening = alone[: alone.find(marker)] if marker in alone else None
+    if opening is None or not opening.endswith(generation_prompt):
+        raise ValueError(
+            f"row {index}: the conversation opens with an assistant turn, and the chat template does not show where "
+            f"it starts (rendered alone it does not follow the generation prompt {generation_prompt!r}); start the "
+            "conversation with a system or user turn, add {% generation %} blocks to the template, or use "
+            "loss_on='all'"
+        )
+    return opening
 
 
 def _turn_without_closing(after: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str:
