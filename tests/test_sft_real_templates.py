@@ -657,3 +657,30 @@ def test_an_opening_assistant_turn_the_template_writes_differently_is_refused(fo
         rows({"messages": ASSISTANT_FIRST}, 2)
     _, labels, _ = rows({"messages": ASSISTANT_FIRST[1:]}, 2)  # opening with the user, it is fine
     assert (labels != -100).any()
+
+
+def test_the_datamodule_reads_prompt_completion_message_lists(folders: dict, tmp_path: Path) -> None:
+    from lightning_d9d import TextDataModule
+
+    chats = [chat for chat in many_conversations(24) if len(chat) > 2]
+    rows = [{"prompt": chat[:-1], "completion": chat[-1:]} for chat in chats]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = folders["qwen25"]
+    dm = TextDataModule(
+        dataset=str(tmp_path / "pairs.jsonl"),
+        tokenizer=str(path),
+        max_length=1_000,
+        global_batch_size=4,
+        microbatch_size=2,
+        num_workers=0,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.sft.recipes["split"].format == "prompt_completion" and dm.sft.recipes["split"].loss_on == "completion"
+    tokenizer = load_sft_tokenizer(str(path), file_sha256(str(path)))
+    for number, chat in enumerate(chats):
+        sample = dm.train_dataset[number]
+        assert sample["input_ids"].tolist() == list(hf_encode("qwen25", path, chat)["input_ids"])
+        trained = tokenizer.decode(sample["input_ids"][sample["labels"] != -100].tolist(), skip_special_tokens=False)
+        assert trained == chat[-1]["content"] + "<|im_end|>"
