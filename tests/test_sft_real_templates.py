@@ -139,6 +139,51 @@ SMOL_MARKED = (
 one, as Qwen3 writes it) and ``<|im_end|>``, not the newline after it."""
 
 
+QWEN3 = r"""{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+            {{- '<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+        {%- else %}
+            {{- content }}
+        {%- endif %}
+        {{- '<|im_end|>' }}
+        {{- '\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+"""Qwen3 (without tools): the answers after the last user turn get a think block, earlier ones lose theirs — so the
+render of a conversation cut after an earlier answer is not a prefix of the whole (that answer was the last)."""
+
+QWEN3_MARKED = QWEN3.replace(
+    "{{- '<|im_start|>' + message.role + '\\n' }}\n",
+    "{{- '<|im_start|>' + message.role + '\\n' }}\n{%- generation %}\n",
+).replace("{{- '<|im_end|>' }}\n", "{{- '<|im_end|>' }}\n{%- endgeneration %}\n")
+"""Qwen3 with {% generation %} around each answer (its think block included) and <|im_end|>, as TRL trains it."""
+
+
 # ------------------------------------------------------------------------------------------------ model folders
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how can I help?"}],
@@ -246,6 +291,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, str], str, list[str]]] = {
         ["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     ),
     "zephyr": (ZEPHYR, "byte_level", {"bos_token": "<s>", "eos_token": "</s>"}, "</s>", ["<unk>", "<s>", "</s>"]),
+    "qwen3": (
+        QWEN3,
+        "byte_level",
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "<|im_end|>",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+    ),
+    "qwen3_marked": (
+        QWEN3_MARKED,
+        "byte_level",
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "<|im_end|>",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+    ),
     "smol_marked": (
         SMOL_MARKED,
         "byte_level",
@@ -684,3 +743,19 @@ def test_the_datamodule_reads_prompt_completion_message_lists(folders: dict, tmp
         assert sample["input_ids"].tolist() == list(hf_encode("qwen25", path, chat)["input_ids"])
         trained = tokenizer.decode(sample["input_ids"][sample["labels"] != -100].tolist(), skip_special_tokens=False)
         assert trained == chat[-1]["content"] + "<|im_end|>"
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_qwen3_without_generation_blocks_masks_as_with_them(folders: dict, conversation: int) -> None:
+    # Qwen3 renders an earlier answer differently once it is not the last (no think block): its turns are found in
+    # the whole conversation — after the prompt, the answer and its end-of-turn token — as the marked template says.
+    messages = CONVERSATIONS[conversation]
+    ids, labels, _ = row_tokenizer(folders["qwen3"])({"messages": messages}, 0)
+    marked = hf_encode("qwen3_marked", folders["qwen3_marked"], messages)
+    assert ids.tolist() == list(hf_encode("qwen3", folders["qwen3"], messages)["input_ids"]) == marked["input_ids"]
+    assert (labels != -100).astype(int).tolist() == list(marked["assistant_masks"])
+    reasoning = [*messages[:-1], {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nok"}]
+    reasoning += [{"role": "user", "content": "more"}, {"role": "assistant", "content": "done"}]
+    # An earlier answer whose reasoning the template drops is not in the whole as written: one error, no guess.
+    with pytest.raises(ValueError, match=r"row 1: message \d \(role 'assistant'\) does not appear in the rendered"):
+        row_tokenizer(folders["qwen3"])({"messages": reasoning}, 1)

@@ -11,8 +11,10 @@ Algorithm, per row (``RowTokenizer``):
   start and end on token boundaries; it ends at its last added token when only whitespace follows (the separator
   after ChatML's ``<|im_end|>`` is never generated). A render that closes the conversation after the turn (Phi-3's
   EOS) is cut after the first added token following the turn's content, and the cut must be a prefix of the whole.
-  A turn opening the conversation starts after what the template writes before it (``_opening_prompt``). A row
-  whose prefixes are not prefixes is an error naming it, never a guess.
+  A turn opening the conversation starts after what the template writes before it (``_opening_prompt``); a turn
+  the template renders differently once it is not the last (Qwen3 drops earlier think blocks) is read from the
+  whole when it is there exactly its content and an end-of-turn token (``_turn_in_whole``). A row whose prefixes
+  are not prefixes is an error naming it, never a guess.
 * **prompt/completion** — strings are joined and encoded like text (the tokenizer's post-processor adds its BOS);
   the completion's characters and a final EOS (appended unless the post-processor already ended with it) are
   trained. Message lists are rendered: the prompt with the generation prompt, then prompt + completion, and what
@@ -253,6 +255,8 @@ def _turn_spans(
         after = _render(template, messages[: turn + 1], index).text
         if not whole.startswith(after) and whole.startswith(before):
             after = _turn_without_closing(after, len(before), messages[turn], control_tokens)
+            if not whole.startswith(after):
+                after = _turn_in_whole(whole, len(before), messages[turn], control_tokens) or after
         if not (whole.startswith(before) and whole.startswith(after) and len(after) > len(before)):
             raise ValueError(
                 f"row {index}: the chat template is not prefix-preserving at message {turn} (rendering the "
@@ -293,6 +297,26 @@ def _opening_prompt(template: ChatTemplate, message: dict[str, Any], index: int)
             "loss_on='all'"
         )
     return opening
+
+
+def _turn_in_whole(whole: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str | None:
+    """``whole`` up to the end of the turn that starts at ``start``, when the text there is exactly the message's
+    content and a control token (the end-of-turn), with nothing but whitespace around them; else ``None``.
+
+    For templates that render an answer differently once it is no longer the last (Qwen3 drops the think block of
+    earlier answers): the turn is read from the whole conversation, but only in this one unambiguous shape.
+    """
+    content = message.get("content")
+    content = content.strip() if isinstance(content, str) else ""
+    rest = whole[start:].lstrip()
+    if not rest.startswith(content):
+        return None
+    tail = rest[len(content) :].lstrip()
+    matches = [token for token in control_tokens if tail.startswith(token)]
+    if not matches:
+        return None
+    end = len(whole) - len(tail) + len(max(matches, key=len))
+    return whole[: end + len(whole[end:]) - len(whole[end:].lstrip())]
 
 
 def _turn_without_closing(after: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str:
