@@ -759,3 +759,14 @@ def test_qwen3_without_generation_blocks_masks_as_with_them(folders: dict, conve
     # An earlier answer whose reasoning the template drops is not in the whole as written: one error, no guess.
     with pytest.raises(ValueError, match=r"row 1: message \d \(role 'assistant'\) does not appear in the rendered"):
         row_tokenizer(folders["qwen3"])({"messages": reasoning}, 1)
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi3_plain", "qwen3", "gemma", "llama3"])
+def test_prompt_completion_messages_of_real_templates_train_the_last_turn(folders: dict, name: str) -> None:
+    path = folders[name]
+    conversation = family(CONVERSATIONS[2], name)  # ends with an answer that opens with a space
+    row = {"prompt": conversation[:-1], "completion": conversation[-1:]}
+    ids, labels, _ = row_tokenizer(path, "completion", fmt="prompt_completion")(row, 0)
+    whole, last, _ = row_tokenizer(path, "last_assistant")({"messages": conversation}, 0)
+    assert ids.tolist() == whole.tolist() == list(hf_encode(name, path, conversation)["input_ids"])
+    assert labels.tolist() == last.tolist()  # the completion is the last turn, trained alike

@@ -181,6 +181,7 @@ class RowTokenizer:
         spans = [(len(start), len(whole))]
         mask = np.ones(len(encoding.ids), dtype=bool)
         if self.recipe.loss_on == "completion":
+            spans = start_after_control_tokens(spans, encoding.ids, encoding.offsets, whole, self.control_ids)
             check_token_boundaries(encoding.offsets, spans, index)
             spans = end_at_end_of_turn(spans, encoding.ids, encoding.offsets, whole, self.control_ids)
             mask = span_mask(encoding.offsets, spans)
