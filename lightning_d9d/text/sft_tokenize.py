@@ -63,7 +63,9 @@ LOSS_ON_BY_FORMAT: dict[str, tuple[str, ...]] = {
     "messages": ("assistant", "last_assistant", "all"),
 }
 """The loss_on values each format accepts; the first is its default."""
-_SFT_RECIPE_VERSION = 1
+_SFT_RECIPE_VERSION = 2
+"""Part of the tokenized cache's fingerprint: raised whenever the same rows and settings tokenize differently, so a
+cache written by an older rule is never reused."""
 _OUTPUT_COLUMNS = ("input_ids", "labels", "token_counts", "label_counts", "status")
 EOS_CANDIDATES = ("</s>", "<eos>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>")
 
