@@ -4,7 +4,10 @@ Algorithm: a trained region is a character span of the text that was encoded (a 
 assistant turn found by rendering turn by turn, a completion). ``span_mask`` marks every token whose character
 offsets overlap a span — the rule transformers applies to ``return_assistant_tokens_mask`` — in one pass, as
 tokens and spans are both in order. ``check_token_boundaries`` refuses a span whose ends fall inside a token
-(the tokens of a prefix would not be a prefix of the whole's tokens, so any mask would be wrong by a token).
+(the tokens of a prefix would not be a prefix of the whole's tokens, so any mask would be wrong by a token),
+found by a binary search over the token offsets. A turn found between two renders is first fitted to what the
+model writes: ``start_after_control_tokens`` moves its start past a header token that swallowed the turn's leading
+whitespace, and ``end_at_end_of_turn`` ends it at its end-of-turn token, without the separator after it.
 Labels are Hugging Face's: the input ids where trained, ``-100`` elsewhere, unshifted; ``trained_targets``
 counts what a causal LM predicts after its shift (position 0 is never a target).
 
