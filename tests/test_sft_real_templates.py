@@ -1,7 +1,9 @@
-"""Chat templates of real model families (as they ship in their tokenizer_config.json), on tokenizers built the way
-those families build theirs (byte-level BPE with added special tokens; SentencePiece-like Metaspace), checked
-through the public API against transformers' ``apply_chat_template`` and against a mask computed independently
-from the rendered text: exactly the assistant content and its end-of-turn token are trained."""
+"""Chat templates of real model families (as they ship in their tokenizer_config.json: Llama 3.1, Qwen2.5, Qwen3,
+Mistral/Mixtral, Llama 2, Gemma, Phi-3, Zephyr, a SmolLM3-style one with generation blocks), on tokenizers built the
+way those families build theirs (byte-level BPE with added special tokens, Phi-3's whitespace-stripping ones;
+SentencePiece-like Metaspace), checked row by row and through ``TextDataModule`` against transformers'
+``apply_chat_template`` and against a mask computed independently from the rendered text: exactly the assistant
+content and its end-of-turn token are trained."""
 
 from __future__ import annotations
 
