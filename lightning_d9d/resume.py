@@ -3,10 +3,12 @@
 Algorithm: every DataModule of this package defines its training data as a pure function of its settings and
 the data, so the position ``(epoch, step)`` — global optimizer steps consumed in the epoch — is all that a
 resume needs for the map-style path; the remaining batches are recomputed, never replayed (the streaming path
-adds its streams' positions, still positions, never tokens). ``step`` counts microbatches handed to the training
-loop, divided by microbatches per step and rounded down: a checkpoint taken inside an accumulation window
-(whose gradients are not in the checkpoint) resumes at the start of that optimizer step and replays its
-microbatches, so no optimizer step is ever short.
+adds its streams' positions, still positions, never tokens). ``step`` counts the microbatches trained (under a
+Trainer, those Lightning has processed, not merely those handed out: a microbatch in flight when an exception or
+signal strikes is not trained), divided by microbatches per step and rounded down: a checkpoint taken inside an
+accumulation window (whose gradients are not in the checkpoint), or while its last microbatch is in flight,
+resumes at the start of that optimizer step and replays its microbatches, so no optimizer step is ever short
+or skipped.
 
 The position is counted in global steps, not per-rank microbatches, so it is the same on every rank (rank 0's
 saved copy is valid for all) and stays valid when world size, microbatch size or worker count change.

@@ -142,9 +142,10 @@ class SteppedDataModule(pl.LightningDataModule):
         """The data position ``{"epoch", "step", "fingerprint", ...}``, the same on every rank."""
         if self.fingerprint is None:
             return {}
+        epoch, step = self.saved_position()
         return {
-            "epoch": self.position.epoch,
-            "step": self.position.step,
+            "epoch": epoch,
+            "step": step,
             "fingerprint": self.fingerprint.to_dict(),
             **self.extra_state(),
         }
@@ -182,6 +183,22 @@ class SteppedDataModule(pl.LightningDataModule):
         self.restore_extra_state(state_dict if not differences else None, saved.epoch, step)
         self.restored = (saved.epoch, step)
         self.position.start(saved.epoch, step, self.microbatches_per_step)
+
+    def saved_position(self) -> tuple[int, int]:
+        """(epoch, step) a checkpoint saves: the first optimizer step not yet done.
+
+        The loader counts a microbatch when it hands it out, but under a Trainer a checkpoint can be taken while
+        that microbatch is still in flight (an exception, Ctrl+C or any save before Lightning has processed
+        it). If it is the last of its window, the step it belongs to has not been taken, so the saved step is
+        counted from the microbatches Lightning has processed in this epoch, not from those handed out.
+        Without a Trainer, what was handed out is what was trained.
+        """
+        position, trainer = self.position, self._trainer
+        microbatches = position.microbatches
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and position.epoch == trainer.current_epoch:
+            processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            microbatches = min(microbatches, processed * (self.microbatches_per_step if self.yield_packs else 1))
+        return position.epoch, microbatches // position.microbatches_per_step
 
     def extra_state(self) -> dict[str, Any]:
         """What a subclass saves beside the position (plain values and tensors only)."""

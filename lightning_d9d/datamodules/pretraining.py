@@ -309,7 +309,8 @@ class PretrainingDataModule(SteppedDataModule):
         Under DDP it gathers, because it runs on every rank while a checkpoint is saved but Lightning writes only
         rank 0's checkpoint, which every rank then loads.
         """
-        _epoch, _step, states = self.position.committed
+        _epoch, step = self.saved_position()
+        states = self.position.committed_states(step)
         mine = {int(sid): _saveable(state.to_dict()) for sid, state in states.items()}
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
             ranks: list[Any] = [None] * torch.distributed.get_world_size()

@@ -15,8 +15,8 @@ to know which step a microbatch belongs to.
 Why a plain sized iterable and not the DataLoader itself: Lightning would otherwise (a) re-instantiate it
 under DDP with its own distributed sampler and (b) save and restore the DataLoader's internal state, which
 goes wrong in several ways (docs/resume.md lists them). A sized iterable without ``state_dict`` is left
-alone; its length also stops Lightning's prefetcher from reading a batch ahead, so "handed out" equals
-"consumed by training".
+alone; its length also stops Lightning's prefetcher from reading a batch ahead, so at most the one batch in
+training is handed out but not yet trained (the DataModule saves its step from Lightning's processed count).
 
 Errors: a sample or ``collate_fn`` that raises is reported with the microbatch's sample indices and where it
 sits (epoch, step, rank), the original exception chained; an epoch that comes up short of the microbatches its
