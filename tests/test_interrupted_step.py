@@ -38,14 +38,25 @@ class InterruptingModule(pl.LightningModule):
         at: ``(k, j)``: global step (window) ``k`` of epoch 0, its microbatch ``j``.
     """
 
-    def __init__(self, fault: str | None = None, at: tuple[int, int] = (0, 0)):
+    def __init__(self, fault: str | None = None, at: tuple[int, int] = (0, 0), packs: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.fault, self.at = fault, at
+        self.automatic_optimization = not packs
         self.trained: list[tuple[int, int, str]] = []
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.fault is not None and (self.current_epoch, self.global_step, batch_idx % M) == (0, *self.at):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        if self.automatic_optimization:
+            return self._microbatch(batch, batch_idx % M)
+        optimizer = self.optimizers()
+        for j, microbatch in enumerate(batch):  # a pack: the M microbatches of one optimizer step
+            self.manual_backward(self._microbatch(microbatch, j) / len(batch))
+        optimizer.step()
+        optimizer.zero_grad()
+        return None
+
+    def _microbatch(self, batch: Any, j: int) -> torch.Tensor:
+        if self.fault is not None and (self.current_epoch, self.global_step, j) == (0, *self.at):
             fault, self.fault = self.fault, None
             if fault == "exception":
                 raise Interrupt(f"interrupted at {self.at}")
@@ -69,7 +80,7 @@ def parquet(tmp_path_factory) -> Path:
 
 
 def make_datamodule(kind: str, num_workers: int, parquet: Path) -> pl.LightningDataModule:
-    if kind == "d9d":
+    if kind in ("d9d", "d9d-packs"):
         return D9DDataModule(
             LengthDataset(STEPS * 12 + 5),
             pad_collate,
@@ -77,6 +88,7 @@ def make_datamodule(kind: str, num_workers: int, parquet: Path) -> pl.LightningD
             microbatch_size=12 // M,
             sort_buffer_size=24,
             num_workers=num_workers,
+            yield_packs=kind == "d9d-packs",
         )
     return PretrainingDataModule(
         train_files=str(parquet / "train"),
@@ -119,13 +131,13 @@ def interrupted_then_resumed(
     kind: str, num_workers: int, fault: str, at: tuple[int, int], parquet: Path, root: Path
 ) -> tuple[list[tuple[int, int, str]], int]:
     """What an interrupted run's finished steps and its resumed run trained, and the checkpoint's global step."""
-    interrupted = InterruptingModule(fault, at)
+    interrupted = InterruptingModule(fault, at, packs=kind == "d9d-packs")
     expected = {"exception": Interrupt, "sigint": SystemExit, "sigterm": SIGTERMException}[fault]
     with pytest.raises(expected):
         train(kind, num_workers, parquet, root, interrupted)
     ckpt = root / "on_exception.ckpt"
     global_step = torch.load(ckpt, weights_only=False)["global_step"]
-    resumed = InterruptingModule()
+    resumed = InterruptingModule(packs=kind == "d9d-packs")
     train(kind, num_workers, parquet, root, resumed, ckpt_path=str(ckpt))
     # Gradients of a step not finished are not in the checkpoint: only finished steps count as trained.
     finished = [record for record in interrupted.trained if record[1] < global_step]
@@ -135,7 +147,7 @@ def interrupted_then_resumed(
 def check_every_position_of_the_window(
     kind: str, num_workers: int, fault: str, windows: tuple[int, ...], parquet: Path, root: Path
 ) -> None:
-    reference = InterruptingModule()
+    reference = InterruptingModule(packs=kind == "d9d-packs")
     train(kind, num_workers, parquet, root / "reference", reference)
     assert len(reference.trained) == EPOCHS * STEPS * M
     for k in windows:
@@ -148,7 +160,7 @@ def check_every_position_of_the_window(
             assert trained == reference.trained, f"interrupted at microbatch {j} of window {k} ({fault})"
 
 
-@pytest.mark.parametrize("kind", ["d9d", "pretraining"])
+@pytest.mark.parametrize("kind", ["d9d", "d9d-packs", "pretraining"])
 def test_an_exception_at_any_microbatch_of_a_window_resumes_exactly(kind: str, parquet: Path, tmp_path: Path) -> None:
     check_every_position_of_the_window(kind, 0, "exception", (1, STEPS - 1), parquet, tmp_path)
 
