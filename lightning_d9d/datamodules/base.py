@@ -36,7 +36,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
 from lightning_d9d.device.transfer import move_batch_to_device
-from lightning_d9d.resume import Fingerprint, SavedPosition, TrainPosition, mismatch_error
+from lightning_d9d.resume import Fingerprint, SavedPosition, TrainPosition, invalid_state, mismatch_error
 
 OnOrderMismatch = Literal["raise", "restart_epoch"]
 ON_ORDER_MISMATCH = ("raise", "restart_epoch")
@@ -176,12 +176,19 @@ class SteppedDataModule(pl.LightningDataModule):
             )
             step = 0
         if step > self.steps_in_epoch(saved.epoch):
-            raise ValueError(
-                f"the checkpoint's step {step} of epoch {saved.epoch} is beyond this run's "
-                f"{self.steps_in_epoch(saved.epoch)} steps in that epoch"
+            raise invalid_state(
+                "step", step, f"at most this run's {self.steps_in_epoch(saved.epoch)} steps in epoch {saved.epoch}"
             )
-        self.restore_extra_state(state_dict if not differences else None, saved.epoch, step)
+        try:
+            self.restore_extra_state(state_dict if not differences else None, saved.epoch, step)
+        except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as error:
+            raise invalid_state(
+                f"{type(self).__name__}'s own part",
+                {k: v for k, v in state_dict.items() if k not in saved.KEYS},
+                f"what its state_dict() writes ({type(error).__name__}: {error})",
+            ) from error
         self.restored = (saved.epoch, step)
+        self._loaded = (saved, not differences)
         self.position.start(saved.epoch, step, self.microbatches_per_step)
 
     def saved_position(self) -> tuple[int, int]:
@@ -239,6 +246,40 @@ class SteppedDataModule(pl.LightningDataModule):
         return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
     # ------------------------------------------------------------------ Lightning's restored counters
+    def check_against_loops(self, checkpoint: dict[str, Any], automatic_optimization: bool) -> None:
+        """Check the restored data position against the checkpoint's own loop state (its epoch and steps).
+
+        A data state saved with a checkpoint agrees with it: the data is in the checkpoint's epoch with as many
+        steps done as Lightning's optimizer completed in that epoch (batches, with ``yield_packs``), or it
+        finished the epoch before (a checkpoint between epochs). A state that disagrees would train other data
+        than the trainer believes, so it is refused.
+
+        Raises:
+            ValueError: ``epoch`` or ``step`` contradicts the checkpoint's loops, naming both.
+        """
+        loaded, self._loaded = getattr(self, "_loaded", None), None
+        epoch = checkpoint.get("epoch")
+        if loaded is None or not isinstance(epoch, int):
+            return
+        saved, same_data = loaded
+        # Another run's data (restart_epoch) may have had other epoch lengths: only its epoch is checked.
+        finished = not same_data or saved.step == self.steps_in_epoch(saved.epoch)
+        if saved.epoch != epoch and not (saved.epoch == epoch - 1 and finished):
+            raise invalid_state(
+                "epoch",
+                saved.epoch,
+                f"the checkpoint's loops are in epoch {epoch}, so the data must be in epoch "
+                f"{epoch} (or have finished epoch {epoch - 1})",
+            )
+        done = _steps_done_in_epoch(checkpoint, automatic_optimization, self.yield_packs)
+        if same_data and saved.epoch == epoch and done is not None and saved.step != done:
+            raise invalid_state(
+                "step",
+                saved.step,
+                f"the checkpoint's loops completed {done} optimizer steps of epoch {epoch} "
+                f"(global step {checkpoint.get('global_step')}), so the data's step must be {done}",
+            )
+
     def align_lightning_progress(self, trainer: pl.Trainer, checkpoint_keys: list[str] | None) -> None:
         """Set Lightning's restored in-epoch batch counters to the restored data position.
 
@@ -338,7 +379,27 @@ class _DataPositionCallback(pl.Callback):
         self._checkpoint_keys: list[str] | None = None
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # Runs after the DataModule's load_state_dict, on the whole checkpoint.
         self._checkpoint_keys = sorted(str(key) for key in checkpoint)
+        self._datamodule.check_against_loops(checkpoint, pl_module.automatic_optimization)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._datamodule.align_lightning_progress(trainer, self._checkpoint_keys)
+
+
+def _steps_done_in_epoch(checkpoint: dict[str, Any], automatic_optimization: bool, packs: bool) -> int | None:
+    """Optimizer steps the checkpoint's loops completed in its epoch; ``None`` where they do not say.
+
+    Automatic optimization counts them; with packs (manual optimization, one step per batch) they are the
+    processed batches. Other manual optimization may step any number of times per batch.
+    """
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        if automatic_optimization:
+            done = loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["current"]
+            return int(done["completed"])
+        if packs:
+            return int(loop["epoch_loop.batch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None

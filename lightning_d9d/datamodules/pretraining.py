@@ -82,6 +82,8 @@ class StreamFingerprint(Fingerprint):
     def describe_difference(self, name: str, then: Any, now: Any) -> str:
         if name != "file_digests":
             return super().describe_difference(name, then, now)
+        if not isinstance(then, list):
+            return super().describe_difference(name, then, now)
         if len(then) != len(now):
             return f"file_digests: checkpoint {len(then)} files, this run {len(now)}"
         changed = [i for i, (a, b) in enumerate(zip(then, now)) if a != b]
