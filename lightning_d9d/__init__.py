@@ -21,9 +21,6 @@ The public names below are imported on first use, so that importing a stage does
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 from typing import Any
 
 _EXPORTS = {
@@ -57,32 +54,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-# Modules of the first layout, kept importable so that configs and checkpoints naming them still load.
-_MOVED_MODULES = {
-    "lightning_d9d.datamodule": "lightning_d9d.datamodules.d9d",
-    "lightning_d9d.pretraining": "lightning_d9d.datamodules.pretraining",
-    "lightning_d9d.demo_model": "lightning_d9d.demo.model",
-    "lightning_d9d.demo_corpus": "lightning_d9d.demo.corpus",
-    "lightning_d9d.synthetic": "lightning_d9d.demo.synthetic",
-}
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves an old module path to the module that now holds its contents (the same module object)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in _MOVED_MODULES:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        return importlib.import_module(_MOVED_MODULES[spec.name])
-
-    def exec_module(self, module: Any) -> None:
-        """Nothing to run: the module was imported under its new name."""
-
-
-if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModuleFinder())

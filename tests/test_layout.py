@@ -1,5 +1,5 @@
-"""The package's shape: stages that do not import Lightning, old class paths that still load, and workers
-that stop when a loop is broken off, at ``teardown`` and when training raises."""
+"""The package's shape: stages that do not import Lightning, and workers that stop when a loop is broken off, at
+``teardown`` and when training raises."""
 
 from __future__ import annotations
 
@@ -62,45 +62,6 @@ def test_no_stage_imports_lightning() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
-
-
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("lightning_d9d.text.TextDataModule", "lightning_d9d.datamodules.text.TextDataModule"),
-        (
-            "lightning_d9d.pretraining.PretrainingDataModule",
-            "lightning_d9d.datamodules.pretraining.PretrainingDataModule",
-        ),
-        ("lightning_d9d.datamodule.D9DDataModule", "lightning_d9d.datamodules.d9d.D9DDataModule"),
-        ("lightning_d9d.demo_model.TinyGPT", "lightning_d9d.demo.model.TinyGPT"),
-        ("lightning_d9d.synthetic.SyntheticTokenDataset", "lightning_d9d.demo.synthetic.SyntheticTokenDataset"),
-        ("lightning_d9d.demo_corpus.build_demo_corpus", "lightning_d9d.demo.corpus.build_demo_corpus"),
-    ],
-)
-def test_class_paths_of_the_first_layout_still_resolve(old: str, new: str) -> None:
-    from jsonargparse._util import import_object
-
-    assert import_object(old) is import_object(new)
-
-
-def test_a_config_with_old_class_paths_still_parses(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_d9d.cli import main
-
-    config = Path(__file__).resolve().parents[1] / "configs" / "d9d.yaml"
-    with pytest.raises(SystemExit) as done:
-        main(
-            [
-                "fit",
-                "--config",
-                str(config),
-                "--model.class_path=lightning_d9d.demo_model.TinyGPT",
-                "--data.init_args.train_dataset.class_path=lightning_d9d.synthetic.SyntheticTokenDataset",
-                "--print_config",
-            ]
-        )
-    assert done.value.code == 0
-    assert "lightning_d9d.demo_model.TinyGPT" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------ shutdown

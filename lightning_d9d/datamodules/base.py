@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
+from lightning_d9d.checks import microbatches_per_step, one_of, token_microbatches_per_step
 from lightning_d9d.device.transfer import move_batch_to_device
 from lightning_d9d.resume import Fingerprint, SavedPosition, TrainPosition, invalid_state, mismatch_error
 
@@ -64,11 +64,20 @@ class SteppedDataModule(pl.LightningDataModule):
     microbatch_tokens: int | None = None
     pin_memory: bool | None = None
     yield_packs: bool = False
-    on_order_mismatch: OnOrderMismatch = "raise"
+    _on_order_mismatch: OnOrderMismatch = "raise"
     fingerprint: Fingerprint | None = None
     position: TrainPosition
     steps_per_epoch: int  # optimizer steps per epoch; a subclass's attribute or property
     restored: tuple[int, int] | None = None  # (epoch, step) loaded from a checkpoint, not yet started
+
+    @property
+    def on_order_mismatch(self) -> OnOrderMismatch:
+        """What ``load_state_dict`` does with a checkpoint of other data: ``"raise"`` or ``"restart_epoch"``."""
+        return self._on_order_mismatch
+
+    @on_order_mismatch.setter
+    def on_order_mismatch(self, value: OnOrderMismatch) -> None:
+        self._on_order_mismatch = one_of("on_order_mismatch", value, ON_ORDER_MISMATCH)
 
     # ------------------------------------------------------------------ topology
     @property

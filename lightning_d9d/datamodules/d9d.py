@@ -41,7 +41,7 @@ from lightning_d9d.checks import (
     positive_int,
     token_microbatches_per_step,
 )
-from lightning_d9d.datamodules.base import ON_ORDER_MISMATCH, OnOrderMismatch, SteppedDataModule
+from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.mapstyle.loader import StepSchedule, TrainLoader, ValidationLoader
 from lightning_d9d.mapstyle.order import (
     GlobalBatchOrder,
@@ -194,8 +194,6 @@ class D9DDataModule(SteppedDataModule):
             if self.budget is None:
                 check_sort_buffer_size(sort_buffer_size, self.global_batch_size)
         num_workers, seed = non_negative_int("num_workers", num_workers), non_negative_int("seed", seed)
-        if on_order_mismatch not in ON_ORDER_MISMATCH:
-            raise ValueError(f"on_order_mismatch must be one of {list(ON_ORDER_MISMATCH)}, got {on_order_mismatch!r}")
         self._train_source, self._val_source = train_dataset, val_dataset
         self.sort_buffer_size, self.sort_key = sort_buffer_size, sort_key
         self.seed, self.shuffle, self.num_workers = seed, shuffle, num_workers

@@ -37,7 +37,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
-from lightning_d9d.datamodules.base import ON_ORDER_MISMATCH, OnOrderMismatch, SteppedDataModule
+from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.device.pin import pin_batch
 from lightning_d9d.resume import Fingerprint
 from lightning_d9d.streaming.estimate import estimate_pass, first_text
@@ -189,8 +189,6 @@ class PretrainingDataModule(SteppedDataModule):
             raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
         if not isinstance(text_column, str) or not text_column:
             raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
-        if on_order_mismatch not in ON_ORDER_MISMATCH:
-            raise ValueError(f"on_order_mismatch must be one of {list(ON_ORDER_MISMATCH)}, got {on_order_mismatch!r}")
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
         self.num_workers = non_negative_int("num_workers", num_workers)
