@@ -130,9 +130,8 @@ class TrainLoader(ResumedByDataModule):
         world_size, rank: data-parallel topology.
         microbatches_per_step: M (this rank's microbatches per step).
         position: the shared position counter this loader advances.
-        start_point: called at the first ``next()`` of an epoch; returns ``(epoch, microbatch)`` to start at.
-        length_epoch: returns the epoch whose length ``len()`` reports (epochs may differ in length); ``None``:
-            the position's epoch.
+        start_point: returns ``(epoch, microbatch)`` where the next epoch iteration starts (without side
+            effects): read at its first ``next()``, and by ``len()`` for the epoch whose length it reports.
         num_workers: DataLoader workers.
         pin_memory: pin each batch (only where an accelerator exists).
         yield_packs: hand out a list of M microbatches per optimizer step instead of single microbatches.
@@ -148,7 +147,6 @@ class TrainLoader(ResumedByDataModule):
         microbatches_per_step: int,
         position: TrainPosition,
         start_point: Callable[[], tuple[int, int]],
-        length_epoch: Callable[[], int] | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
         yield_packs: bool = False,
@@ -156,13 +154,12 @@ class TrainLoader(ResumedByDataModule):
         self.dataset, self.collate_fn, self.schedule = dataset, collate_fn, schedule
         self.world_size, self.rank = world_size, rank
         self.microbatches_per_step = microbatches_per_step
-        self.position, self.start_point, self.length_epoch = position, start_point, length_epoch
+        self.position, self.start_point = position, start_point
         self.num_workers, self.pin_memory, self.yield_packs = num_workers, pin_memory, yield_packs
 
     def __len__(self) -> int:
         # Always the full epoch: Lightning adds its own restored batch count to what it fetches after a resume.
-        epoch = self.length_epoch() if self.length_epoch is not None else self.position.epoch
-        steps = self.schedule.steps_in_epoch(epoch)
+        steps = self.schedule.steps_in_epoch(self.start_point()[0])
         return steps if self.yield_packs else steps * self.microbatches_per_step
 
     def __iter__(self) -> EpochIterator:
