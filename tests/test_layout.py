@@ -25,6 +25,7 @@ STAGES = [
     "lightning_d9d.mapstyle.order",
     "lightning_d9d.mapstyle.shard",
     "lightning_d9d.mapstyle.plan",
+    "lightning_d9d.mapstyle.steps",
     "lightning_d9d.mapstyle.loader",
     "lightning_d9d.text.collate",
     "lightning_d9d.text.tokenize",
