@@ -294,3 +294,30 @@ def test_a_foreign_fingerprint_names_the_missing_fields_not_their_length() -> No
     differences = fingerprint.mismatches({"seed": 0})
     assert "file_digests: checkpoint <missing>, this run [1, 2]" in differences
     assert not any("9 files" in difference for difference in differences)
+
+
+@pytest.mark.parametrize("streams", [None, "not a dict", {sid: "not a stream state" for sid in range(4)}])
+def test_a_malformed_part_of_a_subclass_state_is_one_error_naming_it(tmp_path: Path, streams: Any) -> None:
+    from support import make_docs, write_parquet
+
+    from lightning_d9d import PretrainingDataModule
+
+    docs = make_docs(40, seed=1, max_words=10, long_every=9, long_words=30)
+    write_parquet(tmp_path / "train", docs, files=1, row_group_size=10)
+    train_tokenizer(docs, tmp_path / "tokenizer.json")
+
+    def datamodule() -> PretrainingDataModule:
+        dm = PretrainingDataModule(
+            train_files=str(tmp_path / "train"), tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8,
+            global_batch_size=8, microbatch_size=4, num_streams=4, steps_per_epoch=3, num_workers=0,
+        )  # fmt: skip
+        dm.setup("fit")
+        return dm
+
+    state = {**datamodule().state_dict(), "step": 1}
+    if streams is None:
+        del state["streams"]
+    else:
+        state["streams"] = streams
+    with pytest.raises(ValueError, match=r"data state is invalid: PretrainingDataModule's own part = .* writes \("):
+        datamodule().load_state_dict(state)
