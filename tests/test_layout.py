@@ -165,3 +165,16 @@ def test_an_exception_in_training_stops_the_workers(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="boom in training_step"):
         trainer.fit(FailingModule(str(tmp_path)), datamodule=dm)
     assert live_workers() == []
+
+
+def test_teardown_stops_the_workers_of_a_validation_loop_broken_off() -> None:
+    dm = D9DDataModule(
+        LengthDataset(400), pad_collate, global_batch_size=16, microbatch_size=4, num_workers=2,
+        val_dataset=LengthDataset(200, seed=1),
+    )  # fmt: skip
+    dm.setup("fit")
+    batches = iter(dm.val_dataloader())
+    next(batches)
+    assert multiprocessing.active_children(), "the workers run while the loop is live"
+    dm.teardown("fit")
+    assert live_workers() == []

@@ -277,9 +277,10 @@ class D9DDataModule(SteppedDataModule):
         microbatches = self.steps.validation_microbatches(
             self.val_dataset, self._order_settings, self.world_size, self.rank
         )
-        return ValidationLoader(
+        loader = ValidationLoader(
             self.val_dataset, self.collate_fn, microbatches, self.num_workers, self.resolve_pin_memory()
         )
+        return self.track_loader(loader, "val")
 
     # ------------------------------------------------------------------ internals
     def _require_schedule(self) -> StepSchedule:

@@ -22,6 +22,9 @@ Errors: a sample or ``collate_fn`` that raises is reported with the microbatch's
 sits (epoch, step, rank), the original exception chained; an epoch that comes up short of the microbatches its
 plan holds (a dataset that raised ``StopIteration``, say) raises instead of ending the epoch quietly.
 
+Both loaders (training and validation) live the same way: one epoch iteration at a time, a new one stopping the
+previous one's workers, ``close()`` stopping the live one (the DataModule closes them at teardown and on errors).
+
 Trade-off: a new ``StatefulDataLoader`` (and worker pool) is started at each epoch or resume, which costs a
 worker start-up per epoch, but makes resume cost independent of the position: no batch is replayed to skip.
 """
@@ -120,7 +123,31 @@ def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
     return batch
 
 
-class TrainLoader(ResumedByDataModule):
+class OneIterationAtATime:
+    """The lifecycle of both map-style loaders: one epoch iteration at a time, its workers stopped deterministically.
+
+    A new iteration stops the previous one's workers, and ``close()`` stops the live one (at teardown, when
+    training raises): a loop broken off never leaves worker processes for the garbage collector.
+    """
+
+    _live: weakref.ref | None = None
+
+    def start_iteration(self, batches: Callable[[], Generator[Any, None, None]]) -> EpochIterator:
+        """A new epoch iteration over ``batches()`` (started at its first ``next()``), stopping the previous one."""
+        self.close()
+        epoch_iterator = EpochIterator(batches)
+        self._live = weakref.ref(epoch_iterator)  # weak: the iterator must be freed as soon as its loop drops it
+        return epoch_iterator
+
+    def close(self) -> None:
+        """Stop the epoch iteration in progress, if any (its worker processes exit now)."""
+        live, self._live = self._live, None
+        epoch_iterator = live() if live is not None else None
+        if epoch_iterator is not None:
+            epoch_iterator.close()
+
+
+class TrainLoader(OneIterationAtATime, ResumedByDataModule):
     """The training loader: a sized iterable of microbatches (or packs of M microbatches) for one rank.
 
     Args:
@@ -163,20 +190,8 @@ class TrainLoader(ResumedByDataModule):
         return steps if self.yield_packs else steps * self.microbatches_per_step
 
     def __iter__(self) -> EpochIterator:
-        # Lazy: iter() may run before the resume state is loaded (Lightning probes iterability early). A new
-        # epoch iteration stops the previous one's workers.
-        self.close()
-        epoch_iterator = EpochIterator(self._epoch_batches)
-        self._live = weakref.ref(epoch_iterator)  # weak: the iterator must be freed as soon as its loop drops it
-        return epoch_iterator
-
-    def close(self) -> None:
-        """Stop the epoch iteration in progress, if any (its worker processes exit now)."""
-        live = getattr(self, "_live", None)
-        epoch_iterator = live() if live is not None else None
-        if epoch_iterator is not None:
-            epoch_iterator.close()
-        self._live = None
+        # Lazy: iter() may run before the resume state is loaded (Lightning probes iterability early).
+        return self.start_iteration(self._epoch_batches)
 
     def _epoch_batches(self) -> Generator[Any, None, None]:
         epoch, start = self.start_point()
@@ -221,7 +236,7 @@ class TrainLoader(ResumedByDataModule):
             )
 
 
-class ValidationLoader:
+class ValidationLoader(OneIterationAtATime):
     """Sized iterable over this rank's validation microbatches (exactly-once across ranks, no padding)."""
 
     def __init__(
@@ -245,10 +260,7 @@ class ValidationLoader:
     def __iter__(self) -> Iterator[Any]:
         if not self.microbatches:
             return iter(())
-        return EpochIterator(self._batches)
-
-    def close(self) -> None:
-        """Nothing outlives an iteration here: each validation pass stops its workers when it ends or is freed."""
+        return self.start_iteration(self._batches)
 
     def _batches(self) -> Generator[Any, None, None]:
         loader = make_loader(self.dataset, self.microbatches, self.collate_fn, self.num_workers, self.pin_memory)
