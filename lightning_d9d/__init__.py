@@ -6,14 +6,16 @@ Layout (one file per stage; only ``datamodules``, ``cli`` and the demo model imp
 
 * ``mapstyle``: the map-style path — ``order`` (seeded, length-sorted global batches), ``plan`` (token-budget
   epochs: samples packed into microbatches of at most ``microbatch_tokens``, padded or padding-free),
-  ``shard`` (microbatches dealt to ranks), ``loader`` (torchdata's ``StatefulDataLoader`` fed with precomputed
-  index batches);
+  ``shard`` (microbatches dealt to ranks), ``steps`` (sample counts or token budgets, one interface),
+  ``loader`` (torchdata's ``StatefulDataLoader`` fed with precomputed index batches);
 * ``streaming``: the pretraining path — ``source`` (parquet files and row groups), ``reader`` (texts, by
   position), ``tokenize`` (prefetching tokenizer, no state), ``packing`` (rows from documents), ``stream``
   (the three composed, with state), ``loader`` (streams of one rank, in workers);
 * ``text``: tokenizing text datasets once (``tokenize``) and padding or flattening microbatches (``collate``);
 * ``device``: ``pin`` and ``transfer``; ``resume``: the position and fingerprint every DataModule saves;
-* ``datamodules``: the Lightning-facing layer; ``demo``: the embedded corpus, tiny model and synthetic data.
+* ``datamodules``: the Lightning-facing layer (``base``, the DataModules, and ``callback``, which keeps the
+  Trainer's settings and restored counters in agreement with the data); ``demo``: the embedded corpus, tiny
+  model and synthetic data.
 
 The public names below are imported on first use, so that importing a stage does not import Lightning.
 """
@@ -21,9 +23,6 @@ The public names below are imported on first use, so that importing a stage does
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 from typing import Any
 
 _EXPORTS = {
@@ -57,32 +56,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-# Modules of the first layout, kept importable so that configs and checkpoints naming them still load.
-_MOVED_MODULES = {
-    "lightning_d9d.datamodule": "lightning_d9d.datamodules.d9d",
-    "lightning_d9d.pretraining": "lightning_d9d.datamodules.pretraining",
-    "lightning_d9d.demo_model": "lightning_d9d.demo.model",
-    "lightning_d9d.demo_corpus": "lightning_d9d.demo.corpus",
-    "lightning_d9d.synthetic": "lightning_d9d.demo.synthetic",
-}
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves an old module path to the module that now holds its contents (the same module object)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in _MOVED_MODULES:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        return importlib.import_module(_MOVED_MODULES[spec.name])
-
-    def exec_module(self, module: Any) -> None:
-        """Nothing to run: the module was imported under its new name."""
-
-
-if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModuleFinder())

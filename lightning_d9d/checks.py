@@ -73,6 +73,24 @@ def microbatches_per_step(global_batch_size: int, world_size: int, microbatch_si
     return global_batch_size // per_step
 
 
+def token_step_microbatches(global_batch_tokens: int, microbatch_tokens: int) -> int:
+    """P = ``global_batch_tokens / microbatch_tokens``: microbatches of one token-budget step over all ranks.
+
+    Raises:
+        ValueError: non-positive budgets, or a ``global_batch_tokens`` that is not a multiple of
+            ``microbatch_tokens``.
+    """
+    positive_int("global_batch_tokens", global_batch_tokens)
+    positive_int("microbatch_tokens", microbatch_tokens)
+    if global_batch_tokens % microbatch_tokens:
+        valid = [microbatch_tokens * k for k in (1, 2, 4, 8)]
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens} is not a multiple of microbatch_tokens={microbatch_tokens}: "
+            f"a step is a whole number of microbatches; use a multiple of {microbatch_tokens} (e.g. {valid})"
+        )
+    return global_batch_tokens // microbatch_tokens
+
+
 def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int, world_size: int) -> int:
     """M = P / W with token budgets: P = ``global_batch_tokens / microbatch_tokens`` microbatches per step.
 
@@ -80,19 +98,8 @@ def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int
         ValueError: non-positive budgets, a ``global_batch_tokens`` that is not a multiple of
             ``microbatch_tokens``, or P not divisible by ``world_size``.
     """
-    for name, value in (
-        ("global_batch_tokens", global_batch_tokens),
-        ("microbatch_tokens", microbatch_tokens),
-        ("world_size", world_size),
-    ):
-        positive_int(name, value)
-    if global_batch_tokens % microbatch_tokens:
-        valid = [microbatch_tokens * k for k in (1, 2, 4, 8)]
-        raise ValueError(
-            f"global_batch_tokens={global_batch_tokens} is not a multiple of microbatch_tokens={microbatch_tokens}: "
-            f"a step is a whole number of microbatches; use a multiple of {microbatch_tokens} (e.g. {valid})"
-        )
-    per_step = global_batch_tokens // microbatch_tokens
+    per_step = token_step_microbatches(global_batch_tokens, microbatch_tokens)
+    positive_int("world_size", world_size)
     if per_step % world_size:
         valid = [world_size * k * microbatch_tokens for k in range(1, 4)]
         raise ValueError(
@@ -101,3 +108,14 @@ def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int
             f"that is a multiple of world_size × microbatch_tokens = {world_size * microbatch_tokens} (e.g. {valid})"
         )
     return per_step // world_size
+
+
+def one_of(name: str, value: Any, valid: tuple[str, ...]) -> Any:
+    """``value`` when it is one of ``valid``.
+
+    Raises:
+        ValueError: ``value`` is not one of ``valid``, naming ``name`` and the valid values.
+    """
+    if value not in valid:
+        raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
+    return value

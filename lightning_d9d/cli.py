@@ -160,8 +160,7 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     rows_by_source: Counter[int] = Counter()  # a mixture's rows per source
     for _ in range(steps * (1 if packs else per_step_here)):
         batch = next(batches)
-        if isinstance(getattr(batch, "sources", None), torch.Tensor):
-            rows_by_source.update(batch.sources.tolist())
+        rows_by_source.update(_row_sources(batch))
         if first is None:
             first = batch[0] if packs else batch
         counts = count_tokens(batch)
@@ -178,14 +177,24 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
         ]
     else:
         lines.append("tokens per step, padding: n/a (the batch has no attention_mask, input_ids or inputs)")
-    report = getattr(datamodule, "mixture_report", None)
-    if report is not None:
-        run_steps = _run_steps(trainer, datamodule.steps_per_epoch)
-        sources = range(len(getattr(datamodule, "source_names", ())))
-        lines += report(run_steps, [rows_by_source[i] for i in sources], steps)
-    lines.append("first microbatch:")
+    lines += [*_mixture_lines(datamodule, trainer, rows_by_source, steps), "first microbatch:"]
     lines += [f"  {line}" for line in describe_batch(first)]
     return "\n".join(lines)
+
+
+def _row_sources(batch: Any) -> list[int]:
+    """Each row's source index of a ``PretrainingBatch`` (none for other batches)."""
+    sources = getattr(batch, "sources", None)
+    return sources.tolist() if isinstance(sources, torch.Tensor) else []
+
+
+def _mixture_lines(datamodule: Any, trainer: Any, rows_by_source: Counter[int], steps: int) -> list[str]:
+    """A mixture's phases, expected passes over the run and realised shares (none for other DataModules)."""
+    report = getattr(datamodule, "mixture_report", None)
+    if report is None:
+        return []
+    sources = range(len(getattr(datamodule, "source_names", ())))
+    return report(_run_steps(trainer, datamodule.steps_per_epoch), [rows_by_source[i] for i in sources], steps)
 
 
 def _run_steps(trainer: Any, steps_per_epoch: int) -> int:

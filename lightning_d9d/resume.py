@@ -3,10 +3,12 @@
 Algorithm: every DataModule of this package defines its training data as a pure function of its settings and
 the data, so the position ``(epoch, step)`` — global optimizer steps consumed in the epoch — is all that a
 resume needs for the map-style path; the remaining batches are recomputed, never replayed (the streaming path
-adds its streams' positions, still positions, never tokens). ``step`` counts microbatches handed to the training
-loop, divided by microbatches per step and rounded down: a checkpoint taken inside an accumulation window
-(whose gradients are not in the checkpoint) resumes at the start of that optimizer step and replays its
-microbatches, so no optimizer step is ever short.
+adds its streams' positions, still positions, never tokens). ``step`` counts the microbatches trained (under a
+Trainer, those Lightning has processed, not merely those handed out: a microbatch in flight when an exception or
+signal strikes is not trained), divided by microbatches per step and rounded down: a checkpoint taken inside an
+accumulation window (whose gradients are not in the checkpoint), or while its last microbatch is in flight,
+resumes at the start of that optimizer step and replays its microbatches, so no optimizer step is ever short
+or skipped.
 
 The position is counted in global steps, not per-rank microbatches, so it is the same on every rank (rank 0's
 saved copy is valid for all) and stays valid when world size, microbatch size or worker count change.
@@ -41,7 +43,7 @@ class Fingerprint:
         """``field: checkpoint X, this run Y`` for every field that differs from a saved fingerprint."""
         differences = []
         for name, now in self.to_dict().items():
-            then = _plain(saved.get(name, "<missing>"))
+            then = _plain(saved.get(name, MISSING))
             if now != then:
                 differences.append(self.describe_difference(name, then, now))
         return differences
@@ -92,26 +94,46 @@ class SavedPosition:
     step: int
     fingerprint: dict[str, Any]
 
+    KEYS = ("epoch", "step", "fingerprint")
+
     @classmethod
     def read(cls, state: Any) -> SavedPosition:
         """Validate a saved data state.
 
         Raises:
-            ValueError: a state that is not what a lightning_d9d DataModule's ``state_dict()`` writes.
+            ValueError: a state that is not what a lightning_d9d DataModule's ``state_dict()`` writes, naming the
+                offending field and value and what would be valid.
         """
-        if not isinstance(state, dict) or not {"epoch", "step", "fingerprint"} <= state.keys():
-            raise ValueError(
-                "not a lightning_d9d data state: expected a dict with 'epoch', 'step' and 'fingerprint', got "
-                f"{_short(state)}"
+        if not isinstance(state, dict):
+            raise invalid_state(
+                "state",
+                state,
+                "the dict a lightning_d9d DataModule's state_dict() writes, with 'epoch', 'step' and 'fingerprint'",
             )
-        epoch, step, fingerprint = state["epoch"], state["step"], state["fingerprint"]
-        if not isinstance(epoch, int) or not isinstance(step, int) or epoch < 0 or step < 0:
-            raise ValueError(
-                f"data state has invalid position epoch={epoch!r}, step={step!r}: both must be integers >= 0"
-            )
-        if not isinstance(fingerprint, dict):
-            raise ValueError(f"data state has an invalid fingerprint {_short(fingerprint)}: expected a dict")
-        return cls(epoch, step, dict(fingerprint))
+        for name in cls.KEYS:
+            if name not in state:
+                raise invalid_state(name, MISSING, f"present (the state holds the keys {sorted(map(str, state))})")
+        for name in ("epoch", "step"):
+            value = state[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise invalid_state(name, value, "a whole number >= 0")
+        if not isinstance(state["fingerprint"], dict):
+            raise invalid_state("fingerprint", state["fingerprint"], "a dict of the fields that decide the data")
+        return cls(state["epoch"], state["step"], dict(state["fingerprint"]))
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING: Any = _Missing()
+"""Stands for a field a saved state lacks (never equal to a saved value, and not a string or a list)."""
+
+
+def invalid_state(field: str, value: Any, valid: str) -> ValueError:
+    """The one error for a malformed or contradictory data state: the field, its value and what would be valid."""
+    return ValueError(f"the checkpoint's data state is invalid: {field} = {_short(value)}: {valid}")
 
 
 def _short(value: Any, limit: int = 300) -> str:

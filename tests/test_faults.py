@@ -231,3 +231,93 @@ def test_a_tokenizer_file_that_is_not_json_names_the_file_before_any_map(tmp_pat
     with pytest.raises(ValueError, match=rf"tokenizer='{bad}' is not a valid tokenizers JSON file"):
         dm.prepare_data()
     assert not list((tmp_path / "cache").rglob("cache-*.arrow")), "no map may have run"
+
+
+# ------------------------------------------------------------------- a data state that is malformed or contradicts
+def saved_state(**changes: Any) -> dict:
+    dm = make_dm()
+    dm.setup("fit")
+    state = dm.state_dict()
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (lambda: ["epoch", 0], r"state = \['epoch', 0\]: the dict a lightning_d9d DataModule's state_dict\(\) writes"),
+        (lambda: {"step": 0, "fingerprint": {}}, r"epoch = <missing>: present \(the state holds the keys \['finger"),
+        (lambda: saved_state(step=True), r"step = True: a whole number >= 0"),
+        (lambda: saved_state(epoch=-1), r"epoch = -1: a whole number >= 0"),
+        (lambda: saved_state(step="2"), r"step = '2': a whole number >= 0"),
+        (lambda: saved_state(fingerprint=[1]), r"fingerprint = \[1\]: a dict of the fields that decide the data"),
+        (lambda: saved_state(step=99), r"step = 99: at most this run's 6 steps in epoch 0"),
+    ],
+    ids=["not-a-dict", "missing-epoch", "bool-step", "negative-epoch", "string-step", "list-fingerprint", "beyond"],
+)
+def test_a_malformed_data_state_is_one_error_naming_the_field(state: Any, message: str) -> None:
+    dm = make_dm()
+    dm.setup("fit")
+    with pytest.raises(ValueError, match=r"the checkpoint's data state is invalid: " + message):
+        dm.load_state_dict(state())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"epoch": 1}, r"epoch = 1: the checkpoint's loops are in epoch 0, so the data must be in epoch 0"),
+        ({"step": 3}, r"step = 3: the checkpoint's loops completed 2 optimizer steps of epoch 0 \(global step 2\)"),
+        ({"step": 1}, r"step = 1: the checkpoint's loops completed 2 optimizer steps"),
+    ],
+)
+def test_a_data_state_contradicting_the_checkpoints_loops_is_refused(tmp_path: Path, change: dict, message: str):
+    trainer_for(tmp_path / "saved", every_n_train_steps=2).fit(RecordingModule(str(tmp_path / "saved")), make_dm())
+    checkpoint = torch.load(tmp_path / "saved" / "ckpt" / "step=2.ckpt", weights_only=False)
+    assert (checkpoint["D9DDataModule"]["epoch"], checkpoint["D9DDataModule"]["step"]) == (0, 2)
+    checkpoint["D9DDataModule"].update(change)
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    with pytest.raises(ValueError, match=r"the checkpoint's data state is invalid: " + message):
+        trainer_for(tmp_path / "resumed").fit(
+            RecordingModule(str(tmp_path / "resumed")), datamodule=make_dm(), ckpt_path=str(tmp_path / "edited.ckpt")
+        )
+    assert not read_records(tmp_path / "resumed"), "nothing may be trained before the error"
+
+
+def test_a_foreign_fingerprint_names_the_missing_fields_not_their_length() -> None:
+    from lightning_d9d.datamodules.pretraining import StreamFingerprint
+
+    fingerprint = StreamFingerprint(
+        files="2 files, 40 rows, sha256 0", file_digests=(1, 2), text_column="text", tokenizer="sha256 0",
+        bos_token="<|bos|>", seq_len=8, packing="bestfit", seed=0, global_batch_size=8, num_streams=4,
+        bestfit_buffer_size=16,
+    )  # fmt: skip
+    differences = fingerprint.mismatches({"seed": 0})
+    assert "file_digests: checkpoint <missing>, this run [1, 2]" in differences
+    assert not any("9 files" in difference for difference in differences)
+
+
+@pytest.mark.parametrize("streams", [None, "not a dict", {sid: "not a stream state" for sid in range(4)}])
+def test_a_malformed_part_of_a_subclass_state_is_one_error_naming_it(tmp_path: Path, streams: Any) -> None:
+    from support import make_docs, write_parquet
+
+    from lightning_d9d import PretrainingDataModule
+
+    docs = make_docs(40, seed=1, max_words=10, long_every=9, long_words=30)
+    write_parquet(tmp_path / "train", docs, files=1, row_group_size=10)
+    train_tokenizer(docs, tmp_path / "tokenizer.json")
+
+    def datamodule() -> PretrainingDataModule:
+        dm = PretrainingDataModule(
+            train_files=str(tmp_path / "train"), tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8,
+            global_batch_size=8, microbatch_size=4, num_streams=4, steps_per_epoch=3, num_workers=0,
+        )  # fmt: skip
+        dm.setup("fit")
+        return dm
+
+    state = {**datamodule().state_dict(), "step": 1}
+    if streams is None:
+        del state["streams"]
+    else:
+        state["streams"] = streams
+    with pytest.raises(ValueError, match=r"data state is invalid: PretrainingDataModule's own part = .* writes \("):
+        datamodule().load_state_dict(state)

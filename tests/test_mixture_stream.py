@@ -405,3 +405,29 @@ def test_a_corrupted_mixture_state_is_one_error_naming_the_field(corpus: dict) -
         datamodule(corpus).load_state_dict({**state, "mixture": {"schedule": 1}})
     with pytest.raises(InvalidDataState, match=r"streams\.1\.kind = 'concat'.*expected 'mixture'"):
         datamodule(corpus).load_state_dict({**state, "streams": {**state["streams"], 1: {"kind": "concat"}}})
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"a": 0.6, "b": 0.2, "c": 0.1, "d": 0.1},
+        [
+            [0, {"a": 0.3, "b": 0.01, "c": 0.3, "d": 0.001}],
+            [3, {"a": 1}],
+            [7, {"b": 0.5, "c": 0.5}],
+            [12, {"a": 1, "c": 3}],
+        ],
+        [[0, {"a": 1, "b": 1, "c": 1, "d": 1}], [2, {"c": 1}], [5, {"a": 0.001, "b": 0.999}], [9, {"a": 1, "b": 1}]],
+        # After its pauses, earliest-deadline alone would leave a source a row off at step 13: the plan's
+        # whole-row correction applies, and the streams must follow it too.
+        [[0, {"a": 1, "b": 0.5, "c": 1, "d": 0.5}], [5, {"a": 0.5, "b": 2, "c": 1}], [10, {"a": 0.01, "d": 0.5}]],
+    ],
+)
+def test_a_streams_step_by_step_quotas_are_the_plans(weights) -> None:
+    """What the streams follow (``quotas_from``, one step after another) is ``rows_of_step`` of every step."""
+    import itertools
+
+    plan = MixturePlan(MixtureSchedule(["a", "b", "c", "d"], weights), 4)
+    for start in (0, 4, 11):
+        got = list(itertools.islice(plan.quotas_from(start), 20))
+        assert got == [plan.rows_of_step(step) for step in range(start, start + 20)]

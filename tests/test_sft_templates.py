@@ -19,9 +19,11 @@ from lightning_d9d.text.tokenize import file_sha256
 
 transformers = pytest.importorskip("transformers")
 
+# The answer and its end-of-turn token are marked, not the newline the template writes after them (trim_blocks eats
+# the first newline after the block's end tag, so the rendered text is unchanged).
 LLAMA_LIKE_MARKED = LLAMA_LIKE.replace(
     "{{ message['content'] + eos_token }}\n",
-    "{% generation %}{{ message['content'] + eos_token }}\n{% endgeneration %}",
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}\n\n",
 )
 CHATML_SPECIAL = {"eos_token": "<|im_end|>", "pad_token": "<pad>"}
 LLAMA_SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}

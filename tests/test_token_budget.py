@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support import TESTS, LengthDataset, make_texts, pad_collate, train_tokenizer
+from support import TESTS, LengthDataset, RecordingModule, make_texts, pad_collate, train_tokenizer
 
 from lightning_d9d import D9DDataModule, FlatBatch, FlatteningCollator, TextBatch, TextDataModule
 from lightning_d9d.mapstyle.plan import InvalidLengthError, TokenBudget, pack, plan_epoch
@@ -371,14 +371,15 @@ def test_missing_lengths_and_too_little_data_are_errors_at_setup() -> None:
 
 
 def test_a_trainer_that_would_not_reload_the_train_loader_every_epoch_is_refused(tmp_path: Path) -> None:
-    dm = token_dm(LengthDataset(400))
-    dm.trainer = pl.Trainer(accelerator="cpu", reload_dataloaders_every_n_epochs=2, logger=False,
-                            default_root_dir=str(tmp_path))  # fmt: skip
+    def fit(**options: object) -> pl.Trainer:
+        trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, default_root_dir=str(tmp_path), **options)  # fmt: skip
+        trainer.fit(RecordingModule(str(tmp_path)), datamodule=token_dm(LengthDataset(400)))
+        return trainer
+
     with pytest.raises(ValueError, match=r"reload_dataloaders_every_n_epochs=2\) would keep one epoch's train loader"):
-        dm.setup("fit")
-    dm.trainer = pl.Trainer(accelerator="cpu", logger=False, default_root_dir=str(tmp_path))
-    dm.setup("fit")
-    assert dm.trainer.reload_dataloaders_every_n_epochs == 1
+        fit(reload_dataloaders_every_n_epochs=2)
+    assert fit().reload_dataloaders_every_n_epochs == 1
 
 
 def test_validation_microbatches_hold_every_sample_once_within_budget() -> None:

@@ -1,27 +1,26 @@
-"""SteppedDataModule: what every lightning_d9d DataModule shares with Lightning — steps, resume, devices, shutdown.
+"""SteppedDataModule: what every lightning_d9d DataModule shares — topology, the resume contract, devices, shutdown.
 
 This layer (``lightning_d9d.datamodules``) is the only one that imports Lightning. Its base class owns:
 
-* **steps**: ``M = G / (W·m)`` microbatches per rank per optimizer step (``M = P / W`` with token budgets,
-  ``P = global_batch_tokens / microbatch_tokens``), set as ``trainer.accumulate_grad_batches`` (an explicit,
-  different value is an error); ``steps_in_epoch(epoch)`` may differ between epochs (token budgets pack each
-  epoch's samples into its own number of steps);
+* **topology**: world size and rank (the trainer's, else 1 and 0), and ``M`` microbatches per rank per
+  optimizer step (``M = G / (W·m)``; a subclass may size steps otherwise, e.g. ``P / W`` with token budgets);
+  ``steps_in_epoch(epoch)`` may differ between epochs;
 * **the resume contract** (:mod:`lightning_d9d.resume`): ``state_dict()`` is ``{"epoch", "step",
-  "fingerprint"}`` plus what a subclass adds; ``load_state_dict`` compares fingerprints (one error format,
-  naming every differing field), checks the step, and stands the position at that step; one ``start_point``
-  decides where every epoch iteration begins;
-* **Lightning's restored counters**: Lightning restores its in-epoch batch counters in the old run's
-  microbatches, which is wrong after a mid-window checkpoint or a change of world size or microbatch size;
-  they are re-aligned to the data position in ``on_train_start``. A mid-epoch resume whose checkpoint gave this
-  DataModule no state (a checkpoint of a plain DataLoader, or one saved under another class name) would train
-  a wrong partial epoch, so it is an error there, naming the checkpoint's keys;
+  "fingerprint"}`` plus what a subclass adds, the step counting only optimizer steps done (a microbatch in
+  flight when the checkpoint is taken is not); ``load_state_dict`` validates the state (one error per bad
+  field), compares fingerprints (one error format, naming every differing field), and stands the position at
+  that step; one ``start_point``, free of side effects, decides where every epoch iteration begins;
 * **pinning and transfer**: pin only where the trainer's device is CUDA; ``transfer_batch_to_device`` copies
   with ``non_blocking=True`` and keeps the batch type;
 * **shutdown**: the loaders it handed out are closed (worker processes stopped, there and then) when a new
   loader is made, at ``teardown`` and when training raises.
 
-Trade-off: aligning Lightning's counters touches its loop internals
-(``fit_loop.epoch_loop.batch_progress``); tests pin this down so an upgrade that changes them fails loudly.
+What the Trainer must be told or corrected (``accumulate_grad_batches``, a reload every epoch, its restored
+counters, a checkpoint's loops that contradict the data state) is done by
+:class:`~lightning_d9d.datamodules.callback.DataModuleCallback`, attached in ``start_fit``.
+
+Trade-off: the saved step reads Lightning's processed-batch counter (``fit_loop.epoch_loop.batch_progress``),
+a loop internal; tests pin it down so an upgrade that changes it fails loudly.
 """
 
 from __future__ import annotations
@@ -34,9 +33,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
+from lightning_d9d.checks import microbatches_per_step, one_of
+from lightning_d9d.datamodules.callback import DataModuleCallback
 from lightning_d9d.device.transfer import move_batch_to_device
-from lightning_d9d.resume import Fingerprint, SavedPosition, TrainPosition, mismatch_error
+from lightning_d9d.resume import Fingerprint, SavedPosition, TrainPosition, invalid_state, mismatch_error
 
 OnOrderMismatch = Literal["raise", "restart_epoch"]
 ON_ORDER_MISMATCH = ("raise", "restart_epoch")
@@ -52,23 +52,33 @@ Loader = TypeVar("Loader", bound=ClosableLoader)
 class SteppedDataModule(pl.LightningDataModule):
     """Base of every lightning_d9d DataModule: steps, the resume contract, counters, pinning, shutdown.
 
-    Subclasses set ``global_batch_size`` and ``microbatch_size`` (or ``global_batch_tokens`` and
-    ``microbatch_tokens``), ``pin_memory``, ``yield_packs`` and ``on_order_mismatch``; in ``setup`` they set
-    ``fingerprint`` and call ``start_fit()`` for the fit stage; they define ``steps_per_epoch`` (and
-    ``steps_in_epoch`` where epochs differ) and may add to the state with ``extra_state``/``restore_extra_state``.
+    Subclasses set ``global_batch_size`` and ``microbatch_size`` (or override ``microbatches_for`` and
+    ``describe_step`` to size steps otherwise), ``pin_memory``, ``yield_packs`` and ``on_order_mismatch``; in
+    ``setup`` they set ``fingerprint`` and call ``start_fit()`` for the fit stage; they define ``steps_per_epoch``
+    (and ``steps_in_epoch`` and ``reloads_train_loader_every_epoch`` where epochs differ) and may add to the
+    state with ``extra_state``/``restore_extra_state``.
     """
 
     global_batch_size: int | None
     microbatch_size: int | None
-    global_batch_tokens: int | None = None  # token budgets: set instead of global_batch_size/microbatch_size
-    microbatch_tokens: int | None = None
     pin_memory: bool | None = None
     yield_packs: bool = False
-    on_order_mismatch: OnOrderMismatch = "raise"
+    reloads_train_loader_every_epoch: bool = False  # epochs differ in length: a new train loader every epoch
+    _on_order_mismatch: OnOrderMismatch = "raise"
     fingerprint: Fingerprint | None = None
     position: TrainPosition
     steps_per_epoch: int  # optimizer steps per epoch; a subclass's attribute or property
-    restored: tuple[int, int] | None = None  # (epoch, step) loaded from a checkpoint, not yet started
+    restored: tuple[int, int] | None = None  # (epoch, step) loaded from a checkpoint in this fit
+    loaded: tuple[SavedPosition, bool] | None = None  # the saved position, and whether its data is this run's
+
+    @property
+    def on_order_mismatch(self) -> OnOrderMismatch:
+        """What ``load_state_dict`` does with a checkpoint of other data: ``"raise"`` or ``"restart_epoch"``."""
+        return self._on_order_mismatch
+
+    @on_order_mismatch.setter
+    def on_order_mismatch(self, value: OnOrderMismatch) -> None:
+        self._on_order_mismatch = one_of("on_order_mismatch", value, ON_ORDER_MISMATCH)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -87,10 +97,16 @@ class SteppedDataModule(pl.LightningDataModule):
 
     @property
     def microbatches_per_step(self) -> int:
-        """M = G / (W·m), or P / W with token budgets: microbatches one rank runs per optimizer step."""
-        if self.global_batch_tokens is not None:
-            return token_microbatches_per_step(self.global_batch_tokens, self.microbatch_tokens, self.world_size)
-        return microbatches_per_step(self.global_batch_size, self.world_size, self.microbatch_size)
+        """M: microbatches one rank runs per optimizer step at this world size."""
+        return self.microbatches_for(self.world_size)
+
+    def microbatches_for(self, world_size: int) -> int:
+        """M at ``world_size``: ``G / (W·m)`` unless a subclass sizes steps otherwise.
+
+        Raises:
+            ValueError: G not divisible by ``world_size × m``.
+        """
+        return microbatches_per_step(self.global_batch_size, world_size, self.microbatch_size)
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of ``epoch``; the same for every epoch unless a subclass says otherwise."""
@@ -101,50 +117,34 @@ class SteppedDataModule(pl.LightningDataModule):
         """Batches the training loop receives per optimizer step: 1 with ``yield_packs``, else M."""
         return 1 if self.yield_packs else self.microbatches_per_step
 
+    def describe_step(self) -> str:
+        """How the settings give M, for messages (``global_batch_size=…, world_size=… and … give M …``)."""
+        return (
+            f"global_batch_size={self.global_batch_size}, world_size={self.world_size} and "
+            f"microbatch_size={self.microbatch_size} give {self.microbatches_per_step} microbatches per step"
+        )
+
     # ------------------------------------------------------------------ set-up under a Trainer
     def start_fit(self, position: TrainPosition) -> None:
-        """Stand at the start of training with ``position``; under a Trainer, configure it.
+        """Stand at the start of training with ``position``; under a Trainer, attach :class:`DataModuleCallback`.
 
-        Sets ``accumulate_grad_batches = M`` (automatic optimization) and registers the callback that aligns
-        Lightning's restored counters and checks that a mid-epoch resume gave this DataModule its state.
-
-        Raises:
-            ValueError: the user set ``accumulate_grad_batches`` to a value other than 1 and M.
+        The callback sets the trainer's settings the data decides (``accumulate_grad_batches = M``), checks a
+        restored data state against the checkpoint's loops and aligns Lightning's restored counters to it.
         """
-        self.position, self.restored = position, None
+        self.position, self.restored, self.loaded = position, None, None
         trainer = self._trainer
-        if trainer is None:
-            return
-        per_step = self.microbatches_per_step
-        module = getattr(trainer, "lightning_module", None)
-        if module is not None and module.automatic_optimization:
-            expected = self.batches_per_step
-            if trainer.accumulate_grad_batches not in (1, expected):
-                what = (
-                    "yield_packs=True hands out one whole optimizer step per batch"
-                    if self.yield_packs
-                    else f"global_batch_tokens={self.global_batch_tokens}, microbatch_tokens={self.microbatch_tokens} "
-                    f"and world_size={self.world_size} give {per_step} microbatches per step"
-                    if self.global_batch_tokens is not None
-                    else f"global_batch_size={self.global_batch_size}, world_size={self.world_size} and "
-                    f"microbatch_size={self.microbatch_size} give {per_step} microbatches per step"
-                )
-                raise ValueError(
-                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) disagrees with the data: "
-                    f"{what}; leave it at 1 ({type(self).__name__} sets it) or set it to {expected}"
-                )
-            trainer.accumulate_grad_batches = expected
-        if not any(isinstance(callback, _DataPositionCallback) for callback in trainer.callbacks):
-            trainer.callbacks.append(_DataPositionCallback(self))
+        if trainer is not None:
+            DataModuleCallback.attach(trainer, self)
 
     # ------------------------------------------------------------------ the resume contract
     def state_dict(self) -> dict[str, Any]:
         """The data position ``{"epoch", "step", "fingerprint", ...}``, the same on every rank."""
         if self.fingerprint is None:
             return {}
+        epoch, step = self.saved_position()
         return {
-            "epoch": self.position.epoch,
-            "step": self.position.step,
+            "epoch": epoch,
+            "step": step,
             "fingerprint": self.fingerprint.to_dict(),
             **self.extra_state(),
         }
@@ -175,13 +175,36 @@ class SteppedDataModule(pl.LightningDataModule):
             )
             step = 0
         if step > self.steps_in_epoch(saved.epoch):
-            raise ValueError(
-                f"the checkpoint's step {step} of epoch {saved.epoch} is beyond this run's "
-                f"{self.steps_in_epoch(saved.epoch)} steps in that epoch"
+            raise invalid_state(
+                "step", step, f"at most this run's {self.steps_in_epoch(saved.epoch)} steps in epoch {saved.epoch}"
             )
-        self.restore_extra_state(state_dict if not differences else None, saved.epoch, step)
+        try:
+            self.restore_extra_state(state_dict if not differences else None, saved.epoch, step)
+        except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as error:
+            raise invalid_state(
+                f"{type(self).__name__}'s own part",
+                {k: v for k, v in state_dict.items() if k not in saved.KEYS},
+                f"what its state_dict() writes ({type(error).__name__}: {error})",
+            ) from error
         self.restored = (saved.epoch, step)
+        self.loaded = (saved, not differences)
         self.position.start(saved.epoch, step, self.microbatches_per_step)
+
+    def saved_position(self) -> tuple[int, int]:
+        """(epoch, step) a checkpoint saves: the first optimizer step not yet done.
+
+        The loader counts a microbatch when it hands it out, but under a Trainer a checkpoint can be taken while
+        that microbatch is still in flight (an exception, Ctrl+C or any save before Lightning has processed
+        it). If it is the last of its window, the step it belongs to has not been taken, so the saved step is
+        counted from the microbatches Lightning has processed in this epoch, not from those handed out.
+        Without a Trainer, what was handed out is what was trained.
+        """
+        position, trainer = self.position, self._trainer
+        microbatches = position.microbatches
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and position.epoch == trainer.current_epoch:
+            processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            microbatches = min(microbatches, processed * (self.microbatches_per_step if self.yield_packs else 1))
+        return position.epoch, microbatches // position.microbatches_per_step
 
     def extra_state(self) -> dict[str, Any]:
         """What a subclass saves beside the position (plain values and tensors only)."""
@@ -193,24 +216,25 @@ class SteppedDataModule(pl.LightningDataModule):
     def start_point(self) -> tuple[int, int]:
         """(epoch, microbatch of this rank) where the next epoch iteration starts; read at its first ``next()``.
 
-        Under a Trainer the epoch is the trainer's: a restored position of that epoch continues, this process's
-        own position continues a partly consumed epoch, and anything else starts the epoch at 0. Without one
-        (a notebook), the position continues, rolling into the next epoch once the last one is finished.
+        Under a Trainer the epoch is the trainer's: the position continues where it stands in that epoch (a
+        restored one included; a finished one stays finished), and any other epoch starts at 0. Without one (a
+        notebook), the position continues, rolling into the next epoch once the last one is finished.
         """
         trainer, position = self._trainer, self.position
-        per_step = self.microbatches_per_step
-        restored, self.restored = self.restored, None
+        epoch, microbatches = position.epoch, position.microbatches
+        per_epoch = self.steps_in_epoch(epoch) * self.microbatches_per_step
         if trainer is not None:
-            epoch = trainer.current_epoch
-            if restored is not None and restored[0] == epoch:
-                return epoch, restored[1] * per_step
-            per_epoch = self.steps_in_epoch(epoch) * per_step
-            if restored is None and position.epoch == epoch and position.microbatches < per_epoch:
-                return epoch, position.microbatches
-            return epoch, 0
-        if position.microbatches >= self.steps_in_epoch(position.epoch) * per_step:
-            return position.epoch + 1, 0
-        return position.epoch, position.microbatches
+            if epoch == trainer.current_epoch and microbatches <= per_epoch:
+                return epoch, microbatches
+            return trainer.current_epoch, 0
+        if microbatches >= per_epoch:
+            return epoch + 1, 0
+        return epoch, microbatches
+
+    def restart_epoch(self, epoch: int) -> None:
+        """Stand at the first step of ``epoch`` as if restored there (a resume that starts the epoch over)."""
+        self.restored = (epoch, 0)
+        self.position.start(epoch, 0, self.microbatches_per_step)
 
     def restores_training_position(self) -> bool:
         """Whether a checkpoint's data state matters now: not under ``Trainer.validate/test/predict``.
@@ -220,49 +244,6 @@ class SteppedDataModule(pl.LightningDataModule):
         """
         trainer = self._trainer
         return trainer is None or trainer.state.fn == TrainerFn.FITTING
-
-    # ------------------------------------------------------------------ Lightning's restored counters
-    def align_lightning_progress(self, trainer: pl.Trainer, checkpoint_keys: list[str] | None) -> None:
-        """Set Lightning's restored in-epoch batch counters to the restored data position.
-
-        Lightning restores them in the old run's microbatches, including a partial accumulation window; left as
-        they are, it would end the epoch early or misalign accumulation windows.
-
-        Raises:
-            ValueError: Lightning resumes mid-epoch but the checkpoint gave this DataModule no state.
-        """
-        epoch_loop = trainer.fit_loop.epoch_loop
-        current = epoch_loop.batch_progress.current
-        if self.restored is None and trainer.ckpt_path is not None and 0 < current.ready < trainer.num_training_batches:
-            self._on_missing_state(trainer, checkpoint_keys)
-        if self.restored is None or self.restored[0] != trainer.current_epoch:
-            return
-        batches = self.restored[1] * self.batches_per_step
-        current.ready = current.started = current.processed = batches
-        # When Lightning saw the checkpoint as taken at on_train_batch_end, its reset() adds one completed batch.
-        current.completed = batches - 1 if epoch_loop.restarted_on_train_batch_end else batches
-
-    def _on_missing_state(self, trainer: pl.Trainer, checkpoint_keys: list[str] | None) -> None:
-        name = type(self).__qualname__
-        epoch = trainer.current_epoch
-        keys = f"it holds the keys {checkpoint_keys}" if checkpoint_keys is not None else "its keys were not seen"
-        if self.on_order_mismatch == "restart_epoch":
-            warnings.warn(
-                f"checkpoint {trainer.ckpt_path!r} has no {name!r} data state ({keys}); restarting epoch {epoch} "
-                "from its first step (on_order_mismatch='restart_epoch')",
-                stacklevel=2,
-            )
-            self.restored = (epoch, 0)
-            self.position.start(epoch, 0, self.microbatches_per_step)
-            return
-        raise ValueError(
-            f"checkpoint {trainer.ckpt_path!r} resumes epoch {epoch} mid-way, but it holds no data state for this "
-            f"DataModule: Lightning stores it under the class name {name!r}, and {keys}. Without it the data "
-            "would start the epoch again while the trainer continues it (samples trained twice or never). Resume "
-            f"from a checkpoint saved with {name} (if it was saved under another class name, copy that entry: "
-            f"ckpt[{name!r}] = ckpt.pop('<that name>')), or pass on_order_mismatch='restart_epoch' to start "
-            f"epoch {epoch} over"
-        )
 
     # ------------------------------------------------------------------ devices
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -311,17 +292,3 @@ class SteppedDataModule(pl.LightningDataModule):
 
     def on_exception(self, exception: BaseException) -> None:
         self.close_loaders()
-
-
-class _DataPositionCallback(pl.Callback):
-    """Sees the checkpoint's keys when it is loaded, and aligns Lightning's counters before the first batch."""
-
-    def __init__(self, datamodule: SteppedDataModule):
-        self._datamodule = datamodule
-        self._checkpoint_keys: list[str] | None = None
-
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        self._checkpoint_keys = sorted(str(key) for key in checkpoint)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._datamodule.align_lightning_progress(trainer, self._checkpoint_keys)

@@ -43,7 +43,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveInt
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
-from lightning_d9d.datamodules.base import ON_ORDER_MISMATCH, OnOrderMismatch, SteppedDataModule
+from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_mixture import (
     SINGLE_SOURCE_NAME,
     OnMixtureChange,
@@ -102,6 +102,8 @@ class StreamFingerprint(Fingerprint):
 
     def describe_difference(self, name: str, then: Any, now: Any) -> str:
         if name != "file_digests":
+            return super().describe_difference(name, then, now)
+        if not isinstance(then, list):
             return super().describe_difference(name, then, now)
         if len(then) != len(now):
             return f"file_digests: checkpoint {len(then)} files, this run {len(now)}"
@@ -231,8 +233,6 @@ class PretrainingDataModule(SteppedDataModule):
             raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
         if not isinstance(text_column, str) or not text_column:
             raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
-        if on_order_mismatch not in ON_ORDER_MISMATCH:
-            raise ValueError(f"on_order_mismatch must be one of {list(ON_ORDER_MISMATCH)}, got {on_order_mismatch!r}")
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
         self.num_workers = non_negative_int("num_workers", num_workers)
@@ -404,7 +404,8 @@ class PretrainingDataModule(SteppedDataModule):
         Under DDP it gathers, because it runs on every rank while a checkpoint is saved but Lightning writes only
         rank 0's checkpoint, which every rank then loads.
         """
-        _epoch, _step, states = self.position.committed
+        _epoch, step = self.saved_position()
+        states = self.position.committed_states(step)
         mine = {int(sid): _saveable(state.to_dict()) for sid, state in states.items()}
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
             ranks: list[Any] = [None] * torch.distributed.get_world_size()

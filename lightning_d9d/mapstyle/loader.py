@@ -15,12 +15,15 @@ to know which step a microbatch belongs to.
 Why a plain sized iterable and not the DataLoader itself: Lightning would otherwise (a) re-instantiate it
 under DDP with its own distributed sampler and (b) save and restore the DataLoader's internal state, which
 goes wrong in several ways (docs/resume.md lists them). A sized iterable without ``state_dict`` is left
-alone; its length also stops Lightning's prefetcher from reading a batch ahead, so "handed out" equals
-"consumed by training".
+alone; its length also stops Lightning's prefetcher from reading a batch ahead, so at most the one batch in
+training is handed out but not yet trained (the DataModule saves its step from Lightning's processed count).
 
 Errors: a sample or ``collate_fn`` that raises is reported with the microbatch's sample indices and where it
 sits (epoch, step, rank), the original exception chained; an epoch that comes up short of the microbatches its
 plan holds (a dataset that raised ``StopIteration``, say) raises instead of ending the epoch quietly.
+
+Both loaders (training and validation) live the same way: one epoch iteration at a time, a new one stopping the
+previous one's workers, ``close()`` stopping the live one (the DataModule closes them at teardown and on errors).
 
 Trade-off: a new ``StatefulDataLoader`` (and worker pool) is started at each epoch or resume, which costs a
 worker start-up per epoch, but makes resume cost independent of the position: no batch is replayed to skip.
@@ -120,7 +123,31 @@ def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
     return batch
 
 
-class TrainLoader(ResumedByDataModule):
+class OneIterationAtATime:
+    """The lifecycle of both map-style loaders: one epoch iteration at a time, its workers stopped deterministically.
+
+    A new iteration stops the previous one's workers, and ``close()`` stops the live one (at teardown, when
+    training raises): a loop broken off never leaves worker processes for the garbage collector.
+    """
+
+    _live: weakref.ref | None = None
+
+    def start_iteration(self, batches: Callable[[], Generator[Any, None, None]]) -> EpochIterator:
+        """A new epoch iteration over ``batches()`` (started at its first ``next()``), stopping the previous one."""
+        self.close()
+        epoch_iterator = EpochIterator(batches)
+        self._live = weakref.ref(epoch_iterator)  # weak: the iterator must be freed as soon as its loop drops it
+        return epoch_iterator
+
+    def close(self) -> None:
+        """Stop the epoch iteration in progress, if any (its worker processes exit now)."""
+        live, self._live = self._live, None
+        epoch_iterator = live() if live is not None else None
+        if epoch_iterator is not None:
+            epoch_iterator.close()
+
+
+class TrainLoader(OneIterationAtATime, ResumedByDataModule):
     """The training loader: a sized iterable of microbatches (or packs of M microbatches) for one rank.
 
     Args:
@@ -130,9 +157,8 @@ class TrainLoader(ResumedByDataModule):
         world_size, rank: data-parallel topology.
         microbatches_per_step: M (this rank's microbatches per step).
         position: the shared position counter this loader advances.
-        start_point: called at the first ``next()`` of an epoch; returns ``(epoch, microbatch)`` to start at.
-        length_epoch: returns the epoch whose length ``len()`` reports (epochs may differ in length); ``None``:
-            the position's epoch.
+        start_point: returns ``(epoch, microbatch)`` where the next epoch iteration starts (without side
+            effects): read at its first ``next()``, and by ``len()`` for the epoch whose length it reports.
         num_workers: DataLoader workers.
         pin_memory: pin each batch (only where an accelerator exists).
         yield_packs: hand out a list of M microbatches per optimizer step instead of single microbatches.
@@ -148,7 +174,6 @@ class TrainLoader(ResumedByDataModule):
         microbatches_per_step: int,
         position: TrainPosition,
         start_point: Callable[[], tuple[int, int]],
-        length_epoch: Callable[[], int] | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
         yield_packs: bool = False,
@@ -156,30 +181,17 @@ class TrainLoader(ResumedByDataModule):
         self.dataset, self.collate_fn, self.schedule = dataset, collate_fn, schedule
         self.world_size, self.rank = world_size, rank
         self.microbatches_per_step = microbatches_per_step
-        self.position, self.start_point, self.length_epoch = position, start_point, length_epoch
+        self.position, self.start_point = position, start_point
         self.num_workers, self.pin_memory, self.yield_packs = num_workers, pin_memory, yield_packs
 
     def __len__(self) -> int:
         # Always the full epoch: Lightning adds its own restored batch count to what it fetches after a resume.
-        epoch = self.length_epoch() if self.length_epoch is not None else self.position.epoch
-        steps = self.schedule.steps_in_epoch(epoch)
+        steps = self.schedule.steps_in_epoch(self.start_point()[0])
         return steps if self.yield_packs else steps * self.microbatches_per_step
 
     def __iter__(self) -> EpochIterator:
-        # Lazy: iter() may run before the resume state is loaded (Lightning probes iterability early). A new
-        # epoch iteration stops the previous one's workers.
-        self.close()
-        epoch_iterator = EpochIterator(self._epoch_batches)
-        self._live = weakref.ref(epoch_iterator)  # weak: the iterator must be freed as soon as its loop drops it
-        return epoch_iterator
-
-    def close(self) -> None:
-        """Stop the epoch iteration in progress, if any (its worker processes exit now)."""
-        live = getattr(self, "_live", None)
-        epoch_iterator = live() if live is not None else None
-        if epoch_iterator is not None:
-            epoch_iterator.close()
-        self._live = None
+        # Lazy: iter() may run before the resume state is loaded (Lightning probes iterability early).
+        return self.start_iteration(self._epoch_batches)
 
     def _epoch_batches(self) -> Generator[Any, None, None]:
         epoch, start = self.start_point()
@@ -224,7 +236,7 @@ class TrainLoader(ResumedByDataModule):
             )
 
 
-class ValidationLoader:
+class ValidationLoader(OneIterationAtATime):
     """Sized iterable over this rank's validation microbatches (exactly-once across ranks, no padding)."""
 
     def __init__(
@@ -248,10 +260,7 @@ class ValidationLoader:
     def __iter__(self) -> Iterator[Any]:
         if not self.microbatches:
             return iter(())
-        return EpochIterator(self._batches)
-
-    def close(self) -> None:
-        """Nothing outlives an iteration here: each validation pass stops its workers when it ends or is freed."""
+        return self.start_iteration(self._batches)
 
     def _batches(self) -> Generator[Any, None, None]:
         loader = make_loader(self.dataset, self.microbatches, self.collate_fn, self.num_workers, self.pin_memory)

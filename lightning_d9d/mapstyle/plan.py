@@ -52,13 +52,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from lightning_d9d.checks import positive_int
-from lightning_d9d.mapstyle.order import SeededPermutation
+from lightning_d9d.checks import positive_int, token_step_microbatches
+from lightning_d9d.mapstyle.order import KeyLookup, SeededPermutation
 from lightning_d9d.mapstyle.shard import snake_owner
 
 PLAN_VERSION = 1
@@ -69,8 +68,6 @@ _BLOCK = 1 << 18
 _CARRY_BELOW = 0.99
 # Without sorting, samples are packed next-fit in blocks of this many (the open microbatch carries over).
 _UNSORTED_WINDOW = 1 << 16
-
-KeyLookup = Callable[[np.ndarray], np.ndarray]
 
 
 class InvalidLengthError(ValueError, TypeError):
@@ -98,16 +95,8 @@ class TokenBudget:
     pad_to_multiple_of: int = 1
 
     def __post_init__(self) -> None:
-        positive_int("global_batch_tokens", self.global_batch_tokens)
-        positive_int("microbatch_tokens", self.microbatch_tokens)
+        token_step_microbatches(self.global_batch_tokens, self.microbatch_tokens)
         positive_int("pad_to_multiple_of", self.pad_to_multiple_of)
-        if self.global_batch_tokens % self.microbatch_tokens:
-            valid = [self.microbatch_tokens * k for k in (1, 2, 4, 8)]
-            raise ValueError(
-                f"global_batch_tokens={self.global_batch_tokens} is not a multiple of microbatch_tokens="
-                f"{self.microbatch_tokens}: a step is a whole number of microbatches; use a multiple of "
-                f"{self.microbatch_tokens} (e.g. {valid})"
-            )
 
     @property
     def microbatches_per_step(self) -> int:
@@ -380,11 +369,6 @@ class EpochPlan:
         """Sample indices of microbatch ``k`` (of P) of step ``step``."""
         number = int(self.step_group[step]) * self.microbatches_per_step + k
         return self.order[self.bounds[number] : self.bounds[number + 1]]
-
-    def step_microbatch_numbers(self, step: int) -> np.ndarray:
-        """Packing numbers of the step's P microbatches (index ``tokens``/``costs`` with them)."""
-        first = int(self.step_group[step]) * self.microbatches_per_step
-        return np.arange(first, first + self.microbatches_per_step)
 
 
 def plan_epoch(

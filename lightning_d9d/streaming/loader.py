@@ -15,8 +15,9 @@ every stream's state at a step boundary resumes on any layout: each rank takes t
   in stream order, concatenates them into the rank's ``G / W`` rows and cuts them into the step's ``M``
   microbatches of ``m`` rows.
 * Each block comes with its stream's state after it; when the last microbatch of a step is handed out, the
-  loader commits a copy of every owned stream's state: the position a checkpoint saves. Lightning does not
-  checkpoint accumulated gradients, so a resume starts at the first microbatch of a step.
+  loader commits a copy of every owned stream's state: the position a checkpoint saves (the commit before it
+  while that last microbatch is still in flight). Lightning does not checkpoint accumulated gradients, so a
+  resume starts at the first microbatch of a step.
 
 Mixtures: for a weighted mixture of sources each stream is a
 :class:`~lightning_d9d.streaming.mixture_stream.MixtureStream` (one sub-stream per source, the planned rows of
@@ -113,18 +114,37 @@ class StreamPosition(TrainPosition):
     Attributes:
         states: the latest state of each stream this rank owns (by stream number).
         committed: ``(epoch, step, states)`` at the last optimizer-step boundary (what checkpoints save).
+        previous: ``committed`` of the boundary before it: what a checkpoint saves while the last microbatch
+            of a step is handed out but not yet trained.
         generation: bumped whenever the position is replaced (resume), which invalidates running streams.
     """
 
     states: StreamStates = field(default_factory=dict)
     committed: tuple[int, int, StreamStates] = (0, 0, {})
+    previous: tuple[int, int, StreamStates] = (0, 0, {})
     generation: int = 0
+
+    def commit(self, epoch: int, step: int) -> None:
+        """Record the streams' states at the boundary before ``step`` just reached, keeping the one before."""
+        self.previous, self.committed = self.committed, (epoch, step, dict(self.states))
+
+    def committed_states(self, step: int) -> StreamStates:
+        """The streams' states at the start of ``step`` of this epoch: the last boundary or the one before.
+
+        Raises:
+            RuntimeError: ``step`` is neither this position's step nor the one before (a step in flight).
+        """
+        if step == self.step:
+            return self.committed[2]
+        if step == self.step - 1:
+            return self.previous[2]
+        raise RuntimeError(f"no committed stream states for step {step} at step {self.step} of epoch {self.epoch}")
 
     def restart(self, epoch: int, step: int, states: StreamStates, microbatches_per_step: int) -> None:
         """Jump to ``step`` of ``epoch`` with the given stream states (a resume)."""
         self.start(epoch, step, microbatches_per_step)
         self.states = dict(states)
-        self.committed = (epoch, step, dict(states))
+        self.committed = self.previous = (epoch, step, dict(states))
         self.generation += 1
 
     def begin_epoch(self, epoch: int, microbatch: int) -> None:
@@ -141,7 +161,7 @@ class StreamPosition(TrainPosition):
         index = self.microbatches % microbatches_per_step
         self.microbatches += 1
         if index == microbatches_per_step - 1:
-            self.committed = (self.epoch, self.microbatches // microbatches_per_step, dict(self.states))
+            self.commit(self.epoch, self.microbatches // microbatches_per_step)
         return index
 
 

@@ -13,8 +13,10 @@ least ``δ = 1/(2N−2)`` rows behind, the row goes to the one that would fall `
 to the earlier source; a source whose weight is 0 in the step gets none. With constant shares every source
 stays within ``1 − δ`` rows of its target after every row, so after every step (a largest-deficit greedy, as
 Megatron's blend, can fall more than a row behind when sources of tiny share are served early). Across a phase
-that zeroes a source, that source keeps its deficit (less than a row) while it is paused; the other sources
-absorb it (tested within one row on random phases, not proved). Rows taken never decrease.
+that zeroes a source, that source keeps its deficit (less than a row) while it is paused, and the active sources
+must carry it: each step then keeps every source within a row whenever whole rows allow it. They do not always:
+paused sources behind by more than a row in total leave the active ones that much ahead, so the bound after a
+pause is one row plus the paused sources' deficits (tested on random phases). Rows taken never decrease.
 
 The step's ``G`` rows are then dealt to the ``K`` streams (``R = G / K`` each) without any state:
 the step's rows are laid out in source order, slot ``j`` going to stream ``(j + s) mod K``, so every stream
@@ -292,7 +294,7 @@ class MixturePlan:
                 continue
             if step - start <= _MAX_PERIOD_SEARCH:
                 seen[deficits] = (step, rows)
-            quota = _step_quota(rows, targets, shares, self.rows_per_step)
+            quota = _planned_quota(rows, targets, shares, self.rows_per_step)
             rows = tuple(r + q for r, q in zip(rows, quota))
             step += 1
         return rows
@@ -330,7 +332,7 @@ class MixturePlan:
         """``rows_of_step`` of ``step``, ``step + 1``, … one after another, in constant memory (a stream's plan)."""
         rows = self.cumulative_rows(step)
         while True:
-            quota = _step_quota(rows, self.target_rows(step), self.schedule.shares_at(step), self.rows_per_step)
+            quota = _planned_quota(rows, self.target_rows(step), self.schedule.shares_at(step), self.rows_per_step)
             yield quota
             rows = tuple(r + q for r, q in zip(rows, quota))
             step += 1
@@ -366,6 +368,46 @@ def deal_rows(quota: Sequence[int], step: int, num_streams: int) -> list[tuple[i
             counts[stream][source] += whole + ((stream - first) % num_streams < extra)
         slot += rows
     return [tuple(row) for row in counts]
+
+
+def _planned_quota(
+    rows: Sequence[int], targets: Sequence[Fraction], shares: Sequence[Fraction], rows_per_step: int
+) -> tuple[int, ...]:
+    """The rows each source gives one step: earliest deadline first, kept within a row where whole rows allow."""
+    quota = _step_quota(rows, targets, shares, rows_per_step)
+    return _kept_within_one_row(rows, quota, targets, shares, rows_per_step)
+
+
+def _kept_within_one_row(
+    rows: Sequence[int],
+    quota: Sequence[int],
+    targets: Sequence[Fraction],
+    shares: Sequence[Fraction],
+    rows_per_step: int,
+) -> tuple[int, ...]:
+    """``quota``, or where it leaves a source a row or more from its target, a quota that does not, if one exists.
+
+    Earliest-deadline-first keeps every source within a row under constant shares, but a phase change starts the
+    rule from the deficits the previous phase left, and paused sources keep theirs. Then each source's rows after
+    the step must lie in ``[max(rows, floor(target)), ceil(target)]`` (a paused source's: exactly ``rows``); when
+    those intervals admit the step's total, the rows above the lower bounds go one at a time to the source
+    furthest behind (ties to the earlier source). Otherwise the earliest-deadline quota stands (no monotone choice
+    can do better at this step). A function of the deficits, so plans stay periodic within a phase.
+    """
+    after = [t + rows_per_step * share for t, share in zip(targets, shares)]
+    taken = [r + q for r, q in zip(rows, quota)]
+    if all(abs(t - a) < 1 for t, a in zip(taken, after)):
+        return tuple(quota)
+    low = [r if share == 0 else max(r, math.floor(a)) for r, a, share in zip(rows, after, shares)]
+    high = [r if share == 0 else max(r, math.ceil(a)) for r, a, share in zip(rows, after, shares)]
+    total = sum(rows) + rows_per_step
+    if not sum(low) <= total <= sum(high):
+        return tuple(quota)
+    chosen = list(low)
+    for _ in range(total - sum(low)):
+        best = min((i for i in range(len(chosen)) if chosen[i] < high[i]), key=lambda i: (chosen[i] - after[i], i))
+        chosen[best] += 1
+    return tuple(c - r for c, r in zip(chosen, rows))
 
 
 def _step_quota(

@@ -53,9 +53,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_d9d.text.collate import IGNORE_INDEX  # the target of a token with nothing to predict
+
 START = 1  # flag bit: this token starts a piece (or a padding run); positions restart here
 NO_TARGET = 2  # flag bit: this token must not be the training target of the token before it
-IGNORE_INDEX = -100  # the target of a token with nothing to predict (PyTorch's cross-entropy default)
 
 
 def position_ids(inputs: np.ndarray, bos_id: int) -> np.ndarray:

@@ -4,7 +4,8 @@ Algorithm: ``load_chat_template`` takes a Jinja template string, a ``.jinja`` fi
 or, by default, what Hugging Face model folders ship next to their ``tokenizer.json``: ``chat_template.jinja``,
 else ``tokenizer_config.json["chat_template"]`` (a string, or a list of ``{name, template}`` of which
 ``default`` is used). The special-token strings (``bos_token``, ``eos_token``, ...) come from that
-``tokenizer_config.json`` (plain strings or ``{"content": ...}`` objects).
+``tokenizer_config.json`` (plain strings or ``{"content": ...}`` objects), and those it lacks from the
+``special_tokens_map.json`` beside it.
 
 ``ChatTemplate.render`` renders like ``transformers.apply_chat_template``: a sandboxed, immutable Jinja2
 environment with ``trim_blocks``/``lstrip_blocks`` and loop controls, ``raise_exception``, ``strftime_now`` and a
@@ -73,7 +74,7 @@ class ChatTemplate:
         """Render one conversation; generation spans are recorded whenever the template has such blocks.
 
         Raises:
-            TemplateRenderError: the template raised (its message kept).
+            TemplateRenderError: the template raised, or an expression in it failed (its message kept).
         """
         import jinja2
 
@@ -93,6 +94,9 @@ class ChatTemplate:
                 blocks.append(block)
         except jinja2.TemplateError as error:
             raise TemplateRenderError(f"the chat template raised: {error}") from error
+        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as error:
+            # Python errors inside the template's expressions (a message field of an unexpected type, ...).
+            raise TemplateRenderError(f"the chat template failed: {type(error).__name__}: {error}") from error
         finally:
             tracker.stop()
         return Rendered("".join(blocks), tuple(spans))
@@ -105,7 +109,8 @@ def load_chat_template(source: str | None, tokenizer_path: str) -> ChatTemplate 
         source: a Jinja template string, a ``.jinja`` file, a ``tokenizer_config.json``, or ``None`` to use
             ``chat_template.jinja`` / ``tokenizer_config.json`` in the tokenizer's folder.
         tokenizer_path: the ``tokenizer.json`` file; the special tokens are read from the
-            ``tokenizer_config.json`` beside it (or from ``source`` when that is one).
+            ``tokenizer_config.json`` beside it (or from ``source`` when that is one), then from the
+            ``special_tokens_map.json`` in the same folder for those it lacks.
 
     Returns:
         The template, or ``None`` when ``source`` is ``None`` and the tokenizer's folder holds none.
@@ -138,6 +143,10 @@ def load_chat_template(source: str | None, tokenizer_path: str) -> ChatTemplate 
     else:
         text, where = source, "the chat_template string"
     special = _special_tokens(_read_json(config_file)) if config_file.is_file() else {}
+    # Older model folders keep their special tokens in special_tokens_map.json only (transformers reads both).
+    map_file = config_file.parent / "special_tokens_map.json"
+    if map_file.is_file():
+        special = {**_special_tokens(_read_json(map_file)), **special}
     template = ChatTemplate(text, tuple(sorted(special.items())))
     try:
         _compile(text)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -172,6 +172,7 @@ class CausalLMCollator:
         ValueError: a non-positive ``pad_to_multiple_of`` or an unknown ``padding_side``.
     """
 
+    flattens: ClassVar[bool] = False  # pads each sample to the longest: token budgets count samples × longest
     pad_token_id: int = 0
     pad_to_multiple_of: int = 8
     padding_side: Literal["left", "right"] = "right"
@@ -217,6 +218,8 @@ class FlatteningCollator:
     Picklable (a plain dataclass), so it runs in DataLoader worker processes. Pair it with token budgets and
     ``padding_free=True``, so that each row holds at most ``microbatch_tokens`` tokens.
     """
+
+    flattens: ClassVar[bool] = True  # one row of concatenated samples: token budgets count the sum of lengths
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> FlatBatch:
         sequences, lengths = _sequences(samples)

@@ -96,7 +96,7 @@ def row_messages(value: Any, row: int, column: str) -> list[dict[str, Any]]:
     """One conversation as a list of plain ``{"role", "content", ...}`` dicts (ShareGPT turns mapped).
 
     Raises:
-        ValueError: the value is not a list of dicts with a role (or ShareGPT speaker) and content, or a
+        ValueError: the value is not a list of dicts with a role (or ShareGPT speaker) and string content, or a
             ShareGPT speaker is unknown (naming the row, the message and the valid values).
     """
     if not isinstance(value, (list, tuple)):
@@ -119,6 +119,12 @@ def row_messages(value: Any, row: int, column: str) -> list[dict[str, Any]]:
             raise ValueError(
                 f"row {row}: message {number} of {column!r} needs 'role' and 'content' (or ShareGPT's 'from' and "
                 f"'value'); it has {sorted(message)}"
+            )
+        if not isinstance(plain["content"], str):
+            # A template would render a list or number as its Python repr (Llama 3's ``| trim``) or fail on it.
+            raise ValueError(
+                f"row {row}: message {number} of {column!r} has content of type {type(plain['content']).__name__}; "
+                "content must be a string (multimodal content lists are not supported)"
             )
         messages.append(plain)
     if not messages:

@@ -4,7 +4,10 @@ Algorithm: a trained region is a character span of the text that was encoded (a 
 assistant turn found by rendering turn by turn, a completion). ``span_mask`` marks every token whose character
 offsets overlap a span — the rule transformers applies to ``return_assistant_tokens_mask`` — in one pass, as
 tokens and spans are both in order. ``check_token_boundaries`` refuses a span whose ends fall inside a token
-(the tokens of a prefix would not be a prefix of the whole's tokens, so any mask would be wrong by a token).
+(the tokens of a prefix would not be a prefix of the whole's tokens, so any mask would be wrong by a token),
+found by a binary search over the token offsets. A turn found between two renders is first fitted to what the
+model writes: ``start_after_control_tokens`` moves its start past a header token that swallowed the turn's leading
+whitespace, and ``end_at_end_of_turn`` ends it at its end-of-turn token, without the separator after it.
 Labels are Hugging Face's: the input ids where trained, ``-100`` elsewhere, unshifted; ``trained_targets``
 counts what a causal LM predicts after its shift (position 0 is never a target).
 
@@ -20,6 +23,7 @@ instead of a guess.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Literal
 
@@ -50,16 +54,76 @@ def span_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int
 
 def check_token_boundaries(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]], row: int) -> None:
     """Raises ValueError when a span starts or ends inside a token (naming the row and the characters)."""
+    for boundary in (edge for span in spans for edge in span):
+        token = _token_around(offsets, boundary)
+        if token is not None:
+            token_start, token_end = offsets[token]
+            raise ValueError(
+                f"row {row}: a trained span's edge (character {boundary}) falls inside a token "
+                f"(characters {token_start}-{token_end}): the template's turn prefix does not tokenize as a "
+                "prefix of the whole conversation, so no exact mask exists; mark the assistant output "
+                "with {% generation %} blocks in the template, or use loss_on='all'"
+            )
+
+
+def _token_around(offsets: Sequence[tuple[int, int]], boundary: int) -> int | None:
+    """The token whose characters hold ``boundary`` strictly inside (``start < boundary < end``), or ``None``.
+
+    Tokens come in text order, so only those starting before the boundary can hold it, and of those the last one
+    reaches furthest: a binary search instead of a scan, as this runs for every turn of every row.
+    """
+    token = bisect.bisect_left(offsets, boundary, key=lambda offset: offset[0]) - 1
+    while token >= 0 and offsets[token][0] == offsets[token][1]:  # an empty token (a prepended marker) holds none
+        token -= 1
+    return token if token >= 0 and offsets[token][1] > boundary else None
+
+
+def start_after_control_tokens(
+    spans: Sequence[tuple[int, int]],
+    ids: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    text: str,
+    control_ids: frozenset[int],
+) -> list[tuple[int, int]]:
+    """Each span whose start falls inside a control token that swallowed only whitespace of the span (a header
+    token that strips to its right, as Phi-3's ``<|assistant|>``) starts after that token: the header is prompt,
+    and the whitespace it holds is not a token the model could write."""
+    moved = []
     for start, end in spans:
-        for boundary in (start, end):
-            for token_start, token_end in offsets:
-                if token_start < boundary < token_end:
-                    raise ValueError(
-                        f"row {row}: a trained span's edge (character {boundary}) falls inside a token "
-                        f"(characters {token_start}-{token_end}): the template's turn prefix does not tokenize as a "
-                        "prefix of the whole conversation, so no exact mask exists; mark the assistant output "
-                        "with {% generation %} blocks in the template, or use loss_on='all'"
-                    )
+        token = _token_around(offsets, start)
+        if token is not None and ids[token] in control_ids and not text[start : offsets[token][1]].strip():
+            start = min(offsets[token][1], end)
+        moved.append((start, end))
+    return moved
+
+
+def end_at_end_of_turn(
+    spans: Sequence[tuple[int, int]],
+    ids: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    text: str,
+    control_ids: frozenset[int],
+) -> list[tuple[int, int]]:
+    """Each span cut after its last control token when only whitespace follows it inside the span.
+
+    A turn found between two renders ends where the next turn's header starts, so it also holds the separator a
+    template writes after the end-of-turn token (ChatML's and Gemma's newline): the model must learn to stop at
+    the end-of-turn token, not to write the separator that is never generated. A span that ends in text (a
+    template without control tokens) keeps its end. Spans must start and end on token boundaries.
+    """
+    starts = [start for start, _ in offsets]
+    cut = []
+    for start, end in spans:
+        first, stop = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
+        new_end = end
+        for token in range(stop - 1, first - 1, -1):
+            if ids[token] in control_ids:
+                new_end = offsets[token][1]
+                break
+            if text[offsets[token][0] : offsets[token][1]].strip():
+                break
+        cut.append((start, new_end))
+    return cut
 
 
 def labels_from_mask(ids: Sequence[int], mask: np.ndarray) -> np.ndarray:

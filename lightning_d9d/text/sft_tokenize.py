@@ -8,7 +8,13 @@ Algorithm, per row (``RowTokenizer``):
   the template's ``{% generation %}`` blocks when it has them (transformers' assistant mask), else found turn by
   turn: the text of ``messages[:i]`` rendered with the generation prompt and of ``messages[:i + 1]`` must both
   be prefixes of the whole, and the turn is what lies between them — its end-of-turn token included — and must
-  start and end on token boundaries. A row whose prefixes are not prefixes is an error naming it, never a guess.
+  start and end on token boundaries; it ends at its last added token when only whitespace follows (the separator
+  after ChatML's ``<|im_end|>`` is never generated). A render that closes the conversation after the turn (Phi-3's
+  EOS) is cut after the first added token following the turn's content, and the cut must be a prefix of the whole.
+  A turn opening the conversation starts after what the template writes before it (``_opening_prompt``); a turn
+  the template renders differently once it is not the last (Qwen3 drops earlier think blocks) is read from the
+  whole when it is there exactly its content and an end-of-turn token (``_turn_in_whole``). A row whose prefixes
+  are not prefixes is an error naming it, never a guess.
 * **prompt/completion** — strings are joined and encoded like text (the tokenizer's post-processor adds its BOS);
   the completion's characters and a final EOS (appended unless the post-processor already ended with it) are
   trained. Message lists are rendered: the prompt with the generation prompt, then prompt + completion, and what
@@ -42,8 +48,10 @@ from lightning_d9d.text.masks import (
     DROPPED_UNTRAINED,
     TRUNCATED,
     check_token_boundaries,
+    end_at_end_of_turn,
     labels_from_mask,
     span_mask,
+    start_after_control_tokens,
     trained_targets,
     truncate,
 )
@@ -55,7 +63,9 @@ LOSS_ON_BY_FORMAT: dict[str, tuple[str, ...]] = {
     "messages": ("assistant", "last_assistant", "all"),
 }
 """The loss_on values each format accepts; the first is its default."""
-_SFT_RECIPE_VERSION = 1
+_SFT_RECIPE_VERSION = 2
+"""Part of the tokenized cache's fingerprint: raised whenever the same rows and settings tokenize differently, so a
+cache written by an older rule is never reused."""
 _OUTPUT_COLUMNS = ("input_ids", "labels", "token_counts", "label_counts", "status")
 EOS_CANDIDATES = ("</s>", "<eos>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>")
 
@@ -102,6 +112,10 @@ class RowTokenizer:
 
     def __init__(self, recipe: SFTRecipe, tokenizer: Any):
         self.recipe, self.tokenizer = recipe, tokenizer
+        # Added tokens (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>, ...): where a turn found by rendering ends.
+        added = tokenizer.get_added_tokens_decoder()
+        self.control_ids = frozenset(added)
+        self.control_tokens = tuple(token.content for token in added.values() if token.content)
 
     def __call__(self, row: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarray, int]:
         recipe = self.recipe
@@ -135,12 +149,15 @@ class RowTokenizer:
             return np.asarray(ids, dtype=np.int64), np.asarray(ids, dtype=np.int64)
         if not any(message["role"] == "assistant" for message in messages):
             raise ValueError(f"row {index} has no assistant turn to train (loss_on={self.recipe.loss_on!r})")
+        last_only = self.recipe.loss_on == "last_assistant"
         if template.has_generation_blocks:
             spans = list(rendered.generation_spans)
         else:
-            spans = _turn_spans(template, messages, rendered.text, index)
+            spans = _turn_spans(template, messages, rendered.text, index, self.control_tokens, last_only)
+            spans = start_after_control_tokens(spans, ids, encoding.offsets, rendered.text, self.control_ids)
             check_token_boundaries(encoding.offsets, spans, index)
-        if self.recipe.loss_on == "last_assistant":
+            spans = end_at_end_of_turn(spans, ids, encoding.offsets, rendered.text, self.control_ids)
+        if last_only:
             spans = spans[-1:]
         mask = span_mask(encoding.offsets, spans)
         if not mask.any():
@@ -166,7 +183,9 @@ class RowTokenizer:
         spans = [(len(start), len(whole))]
         mask = np.ones(len(encoding.ids), dtype=bool)
         if self.recipe.loss_on == "completion":
+            spans = start_after_control_tokens(spans, encoding.ids, encoding.offsets, whole, self.control_ids)
             check_token_boundaries(encoding.offsets, spans, index)
+            spans = end_at_end_of_turn(spans, encoding.ids, encoding.offsets, whole, self.control_ids)
             mask = span_mask(encoding.offsets, spans)
         return np.asarray(encoding.ids, dtype=np.int64), labels_from_mask(encoding.ids, mask)
 
@@ -217,14 +236,30 @@ def _check_contents_rendered(messages: list[dict[str, Any]], text: str, index: i
             )
 
 
-def _turn_spans(template: ChatTemplate, messages: list[dict[str, Any]], whole: str, index: int) -> list:
-    """Character spans of the assistant turns, from the renders of the conversation's prefixes."""
+def _turn_spans(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    whole: str,
+    index: int,
+    control_tokens: tuple[str, ...] = (),
+    last_only: bool = False,
+) -> list:
+    """Character spans of the assistant turns (or of the last one), from the renders of the conversation's
+    prefixes. Only the turns that are trained are rendered, so a template that is prefix-preserving only at the end
+    (Phi-3 ends a finished conversation with EOS) still trains its last turn. A render that closes the conversation
+    after the turn (Phi-3's EOS) is cut after the turn's end-of-turn token, and that cut must be a prefix of the
+    whole."""
+    turns = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
     spans = []
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    for turn in turns[-1:] if last_only else turns:
         before = _render(template, messages[:turn], index, add_generation_prompt=True).text if turn else ""
+        if turn == 0:
+            before = _opening_prompt(template, messages[0], index)
         after = _render(template, messages[: turn + 1], index).text
+        if not whole.startswith(after) and whole.startswith(before):
+            after = _turn_without_closing(after, len(before), messages[turn], control_tokens)
+            if not whole.startswith(after):
+                after = _turn_in_whole(whole, len(before), messages[turn], control_tokens) or after
         if not (whole.startswith(before) and whole.startswith(after) and len(after) > len(before)):
             raise ValueError(
                 f"row {index}: the chat template is not prefix-preserving at message {turn} (rendering the "
@@ -233,6 +268,77 @@ def _turn_spans(template: ChatTemplate, messages: list[dict[str, Any]], whole: s
             )
         spans.append((len(before), len(after)))
     return spans
+
+
+def _opening_prompt(template: ChatTemplate, message: dict[str, Any], index: int) -> str:
+    """What the template writes before an assistant turn that opens the conversation (a BOS, a default system
+    prompt, the assistant header): that turn rendered alone with a marker as its content, up to the marker. It must
+    end with the generation prompt the template writes after a user turn.
+
+    Raises:
+        ValueError: the template fails on either render, or what precedes the marker does not end with the
+            generation prompt, so where the turn starts is unknown (naming the row).
+    """
+    marker = "d9d-turn-start-7f3a"
+    try:
+        alone = template.render([{**message, "content": marker}]).text
+        probe = [{"role": "user", "content": "?"}]
+        plain, prompted = template.render(probe).text, template.render(probe, add_generation_prompt=True).text
+    except TemplateRenderError as error:
+        raise ValueError(
+            f"row {index}: the conversation opens with an assistant turn, rendered alone: {error}"
+        ) from error
+    # What the generation prompt adds (after the text both renders share: Phi-3 closes the plain one with EOS).
+    shared = next((n for n, (a, b) in enumerate(zip(plain, prompted)) if a != b), min(len(plain), len(prompted)))
+    generation_prompt = prompted[shared:]
+    opening = alone[: alone.find(marker)] if marker in alone else None
+    if opening is None or not opening.endswith(generation_prompt):
+        raise ValueError(
+            f"row {index}: the conversation opens with an assistant turn, and the chat template does not show where "
+            f"it starts (rendered alone it does not follow the generation prompt {generation_prompt!r}); start the "
+            "conversation with a system or user turn, add {% generation %} blocks to the template, or use "
+            "loss_on='all'"
+        )
+    return opening
+
+
+def _turn_in_whole(whole: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str | None:
+    """``whole`` up to the end of the turn that starts at ``start``, when the text there is exactly the message's
+    content and a control token (the end-of-turn), with nothing but whitespace around them; else ``None``.
+
+    For templates that render an answer differently once it is no longer the last (Qwen3 drops the think block of
+    earlier answers): the turn is read from the whole conversation, but only in this one unambiguous shape.
+    """
+    content = message.get("content")
+    content = content.strip() if isinstance(content, str) else ""
+    rest = whole[start:].lstrip()
+    if not rest.startswith(content):
+        return None
+    tail = rest[len(content) :].lstrip()
+    matches = [token for token in control_tokens if tail.startswith(token)]
+    if not matches:
+        return None
+    end = len(whole) - len(tail) + len(max(matches, key=len))
+    return whole[: end + len(whole[end:]) - len(whole[end:].lstrip())]
+
+
+def _turn_without_closing(after: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str:
+    """``after`` cut after the first control token that follows the message's content (the end-of-turn token) and
+    the whitespace after it, dropping what a template writes only when the conversation ends there; ``after`` itself
+    when none follows."""
+    content = message.get("content")
+    content = content.strip() if isinstance(content, str) else ""
+    found = after.find(content, start) if content else start
+    if found < 0:
+        return after
+    ends = [after.find(token, found + len(content)) for token in control_tokens]
+    ends = [(position, len(token)) for position, token in zip(ends, control_tokens) if position >= 0]
+    if not ends:
+        return after
+    position, length = min(ends)
+    end = position + length
+    # The whitespace after the token stays with it: a token that strips to its right (Phi-3's <|end|>) holds it.
+    return after[: end + len(after[end:]) - len(after[end:].lstrip())]
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,0 +1,200 @@
+"""DataModuleCallback: what a lightning_d9d DataModule needs from the Trainer, in the Trainer's own hooks.
+
+A DataModule decides how many microbatches make an optimizer step and where training stands in the data;
+Lightning keeps its own copy of both (``accumulate_grad_batches``, and the loops' restored progress counters).
+This callback keeps them in agreement, so the DataModule itself never edits the Trainer:
+
+* ``setup``: ``accumulate_grad_batches = M`` under automatic optimization (an explicit, different value is an
+  error), and ``reload_dataloaders_every_n_epochs = 1`` where epochs differ in length (Lightning reads a train
+  loader's length once per load);
+* ``on_load_checkpoint`` (after the DataModule's ``load_state_dict``): the restored data position must agree
+  with the checkpoint's own loops — its epoch, and the optimizer steps Lightning completed in it;
+* ``on_train_start`` (after the loops are restored, before the first batch): Lightning restored its in-epoch
+  batch counters in the old run's microbatches, wrong after a mid-window checkpoint or a change of world size or
+  microbatch size; they are set to the data position. A mid-epoch resume whose checkpoint gave the DataModule
+  no state would train a wrong partial epoch, so it is an error there, naming the checkpoint's keys.
+
+Trade-off: aligning Lightning's counters and reading its checkpointed loop state touch its loop internals
+(``fit_loop.epoch_loop.batch_progress``, the loops' saved progress); tests pin this down so an upgrade that
+changes them fails loudly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+
+from lightning_d9d.resume import invalid_state
+
+if TYPE_CHECKING:
+    from lightning_d9d.datamodules.base import SteppedDataModule
+
+
+class DataModuleCallback(pl.Callback):
+    """Keeps the Trainer's settings and restored counters in agreement with one DataModule's data position."""
+
+    def __init__(self, datamodule: SteppedDataModule):
+        self._datamodule = datamodule
+        self._checkpoint_keys: list[str] | None = None
+
+    @classmethod
+    def attach(cls, trainer: pl.Trainer, datamodule: SteppedDataModule) -> None:
+        """Add the callback of ``datamodule`` to ``trainer`` (replacing one left by another DataModule)."""
+        callbacks = [c for c in trainer.callbacks if not isinstance(c, cls) or c._datamodule is datamodule]
+        if not any(isinstance(c, cls) for c in callbacks):
+            callbacks.append(cls(datamodule))
+        trainer.callbacks[:] = callbacks
+
+    # ------------------------------------------------------------------ trainer settings
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._set_accumulation(trainer, pl_module)
+        if self._datamodule.reloads_train_loader_every_epoch:
+            self._reload_train_loader_every_epoch(trainer)
+
+    def _set_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``accumulate_grad_batches = M`` (1 with packs) under automatic optimization.
+
+        Raises:
+            ValueError: the user set ``accumulate_grad_batches`` to a value other than 1 and M.
+        """
+        datamodule = self._datamodule
+        if not pl_module.automatic_optimization:
+            return
+        expected = datamodule.batches_per_step
+        if trainer.accumulate_grad_batches not in (1, expected):
+            what = (
+                "yield_packs=True hands out one whole optimizer step per batch"
+                if datamodule.yield_packs
+                else datamodule.describe_step()
+            )
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) disagrees with the data: "
+                f"{what}; leave it at 1 ({type(datamodule).__name__} sets it) or set it to {expected}"
+            )
+        trainer.accumulate_grad_batches = expected
+
+    def _reload_train_loader_every_epoch(self, trainer: pl.Trainer) -> None:
+        """Epochs differ in length, and Lightning reads a loader's length once per load.
+
+        Raises:
+            ValueError: the user set ``reload_dataloaders_every_n_epochs`` to a value above 1.
+        """
+        every = trainer.reload_dataloaders_every_n_epochs
+        if every not in (0, 1):
+            raise ValueError(
+                f"Trainer(reload_dataloaders_every_n_epochs={every}) would keep one epoch's train loader for "
+                f"{every} epochs, but token-budget epochs differ in their number of steps; leave it at 0 "
+                f"({type(self._datamodule).__name__} sets it to 1) or set it to 1"
+            )
+        trainer.reload_dataloaders_every_n_epochs = 1
+
+    # ------------------------------------------------------------------ the checkpoint's loops
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self._checkpoint_keys = sorted(str(key) for key in checkpoint)
+        self.check_against_loops(checkpoint, pl_module.automatic_optimization)
+
+    def check_against_loops(self, checkpoint: dict[str, Any], automatic_optimization: bool) -> None:
+        """Check the restored data position against the checkpoint's own loop state (its epoch and steps).
+
+        A data state saved with a checkpoint agrees with it: the data is in the checkpoint's epoch with as many
+        steps done as Lightning's optimizer completed in that epoch (batches, with ``yield_packs``), or it
+        finished the epoch before (a checkpoint between epochs). A state that disagrees would train other data
+        than the trainer believes, so it is refused.
+
+        Raises:
+            ValueError: ``epoch`` or ``step`` contradicts the checkpoint's loops, naming both.
+        """
+        datamodule = self._datamodule
+        loaded, epoch = datamodule.loaded, checkpoint.get("epoch")
+        if loaded is None or not isinstance(epoch, int):
+            return
+        saved, same_data = loaded
+        # Another run's data (restart_epoch) may have had other epoch lengths: only its epoch is checked.
+        finished = not same_data or saved.step == datamodule.steps_in_epoch(saved.epoch)
+        if saved.epoch != epoch and not (saved.epoch == epoch - 1 and finished):
+            raise invalid_state(
+                "epoch",
+                saved.epoch,
+                f"the checkpoint's loops are in epoch {epoch}, so the data must be in epoch "
+                f"{epoch} (or have finished epoch {epoch - 1})",
+            )
+        done = _steps_done_in_epoch(checkpoint, automatic_optimization, datamodule.yield_packs)
+        if same_data and saved.epoch == epoch and done is not None and saved.step != done:
+            raise invalid_state(
+                "step",
+                saved.step,
+                f"the checkpoint's loops completed {done} optimizer steps of epoch {epoch} "
+                f"(global step {checkpoint.get('global_step')}), so the data's step must be {done}",
+            )
+
+    # ------------------------------------------------------------------ Lightning's restored counters
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.align_lightning_progress(trainer)
+
+    def align_lightning_progress(self, trainer: pl.Trainer) -> None:
+        """Set Lightning's restored in-epoch batch counters to the restored data position.
+
+        Lightning restores them in the old run's microbatches, including a partial accumulation window; left as
+        they are, it would end the epoch early or misalign accumulation windows.
+
+        Raises:
+            ValueError: Lightning resumes mid-epoch but the checkpoint gave this DataModule no state.
+        """
+        datamodule = self._datamodule
+        epoch_loop = trainer.fit_loop.epoch_loop
+        current = epoch_loop.batch_progress.current
+        missing = datamodule.restored is None and trainer.ckpt_path is not None
+        if missing and 0 < current.ready < trainer.num_training_batches:
+            self._on_missing_state(trainer)
+        restored = datamodule.restored
+        if restored is None or restored[0] != trainer.current_epoch:
+            return
+        batches = restored[1] * datamodule.batches_per_step
+        current.ready = current.started = current.processed = batches
+        # When Lightning saw the checkpoint as taken at on_train_batch_end, its reset() adds one completed batch.
+        current.completed = batches - 1 if epoch_loop.restarted_on_train_batch_end else batches
+
+    def _on_missing_state(self, trainer: pl.Trainer) -> None:
+        datamodule = self._datamodule
+        name = type(datamodule).__qualname__
+        epoch = trainer.current_epoch
+        keys = self._checkpoint_keys
+        held = f"it holds the keys {keys}" if keys is not None else "its keys were not seen"
+        if datamodule.on_order_mismatch == "restart_epoch":
+            warnings.warn(
+                f"checkpoint {trainer.ckpt_path!r} has no {name!r} data state ({held}); restarting epoch {epoch} "
+                "from its first step (on_order_mismatch='restart_epoch')",
+                stacklevel=2,
+            )
+            datamodule.restart_epoch(epoch)
+            return
+        raise ValueError(
+            f"checkpoint {trainer.ckpt_path!r} resumes epoch {epoch} mid-way, but it holds no data state for this "
+            f"DataModule: Lightning stores it under the class name {name!r}, and {held}. Without it the data "
+            "would start the epoch again while the trainer continues it (samples trained twice or never). Resume "
+            f"from a checkpoint saved with {name} (if it was saved under another class name, copy that entry: "
+            f"ckpt[{name!r}] = ckpt.pop('<that name>')), or pass on_order_mismatch='restart_epoch' to start "
+            f"epoch {epoch} over"
+        )
+
+
+def _steps_done_in_epoch(checkpoint: dict[str, Any], automatic_optimization: bool, packs: bool) -> int | None:
+    """Optimizer steps the checkpoint's loops completed in its epoch; ``None`` where they do not say.
+
+    Automatic optimization counts them; with packs (manual optimization, one step per batch) they are the
+    processed batches. Other manual optimization may step any number of times per batch.
+    """
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        if automatic_optimization:
+            done = loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["current"]
+            return int(done["completed"])
+        if packs:
+            return int(loop["epoch_loop.batch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
