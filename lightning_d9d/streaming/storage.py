@@ -4,9 +4,11 @@ that outlast an outage.
 Algorithm: a local path is opened on the local filesystem. An ``s3://`` URL is opened on a pyarrow
 ``S3FileSystem`` whose options come from, later ones winning:
 
-1. the AWS SDK's own chain, which pyarrow reads itself: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
-   ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``/``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and the
-   ``~/.aws/config`` and ``~/.aws/credentials`` files;
+1. the AWS environment: credentials and region through the AWS SDK's own chain, which pyarrow reads itself
+   (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``,
+   ``AWS_PROFILE`` and the ``~/.aws/config`` and ``~/.aws/credentials`` files), and the endpoint, which this
+   module reads (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the profile's ``endpoint_url``), because
+   pyarrow's S3FileSystem constructor does not;
 2. fsspec's configuration for ``s3`` (``fsspec.config.conf["s3"]``, e.g. ``FSSPEC_S3_ENDPOINT_URL``);
 3. the ``storage_options`` argument, in fsspec/s3fs's keys (``key``, ``secret``, ``token``, ``endpoint_url``,
    ``client_kwargs``, ``config_kwargs``, ``anon``, ``use_ssl``) or pyarrow's own (``endpoint_override``,
@@ -33,6 +35,7 @@ new filesystem, because the SDK's connection pool recovers by itself.
 
 from __future__ import annotations
 
+import configparser
 import json
 import os
 import re
@@ -258,7 +261,12 @@ class Storage:
             return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(spec))
         scheme = spec.split("://", 1)[0].lower()
         if scheme in ("s3", "s3a"):
-            options = {**s3_options(_fsspec_config(scheme)), **s3_options(self.options), **_url_options(spec)}
+            options = {
+                **_aws_config_endpoint(),
+                **s3_options(_fsspec_config(scheme)),
+                **s3_options(self.options),
+                **_url_options(spec),
+            }
             return _cached_filesystem(options, self.s3_attempts), parse_url(spec)[2]
         if not self.options:
             try:
@@ -315,6 +323,24 @@ def _looks_like_storage(err: OSError) -> bool:
     return bool(_PERMANENT.search(str(err))) or isinstance(err, PermissionError)
 
 
+def _aws_config_endpoint() -> dict[str, str]:
+    """The endpoint the AWS environment names: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, else the profile's
+    ``endpoint_url`` in the AWS config file (pyarrow's S3FileSystem constructor reads neither itself)."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(name):
+            return _split_endpoint(os.environ[name])
+    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    path = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"))
+    config = configparser.ConfigParser(interpolation=None)
+    try:
+        config.read(path)
+    except configparser.Error:
+        return {}  # the SDK reports a broken config file itself
+    section = "default" if profile == "default" else f"profile {profile}"
+    endpoint = config.get(section, "endpoint_url", fallback=None)
+    return _split_endpoint(endpoint) if endpoint else {}
+
+
 def _fsspec_config(scheme: str) -> dict[str, Any]:
     try:
         import fsspec.config
@@ -329,7 +355,9 @@ _FILESYSTEMS_LOCK = threading.Lock()
 
 def _cached_filesystem(options: dict[str, Any], attempts: int) -> pafs.FileSystem:
     """One S3FileSystem per process and option set (a forked child builds its own: SDK state does not fork)."""
-    key = (os.getpid(), json.dumps([options, attempts], sort_keys=True, default=repr))
+    # The AWS environment is part of the key: the SDK reads it when a filesystem is made.
+    environment = sorted((name, value) for name, value in os.environ.items() if name.startswith("AWS_"))
+    key = (os.getpid(), json.dumps([options, attempts, environment], sort_keys=True, default=repr))
     with _FILESYSTEMS_LOCK:
         fs = _FILESYSTEMS.get(key)
         if fs is None:
