@@ -153,15 +153,24 @@ def is_text_type(arrow_type: pa.DataType) -> bool:
     return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
 
 
+def plain_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A text column as plain ``string``/``large_string`` values (dictionaries decoded, views copied out), so
+    that every text type is taken, sliced and converted alike. No UTF-8 check here: ``column_texts`` names a
+    bad row."""
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)  # the rows are the dictionary's values
+    if pa.types.is_string_view(column.type):
+        column = column.cast(pa.large_string())
+    return column
+
+
 def column_texts(column: pa.ChunkedArray, where: Callable[[], str], rows: list[int] | None) -> list[str | None]:
-    """A text column as Python strings; bytes that are not valid UTF-8 are one error naming the row.
+    """A plain text column as Python strings; bytes that are not valid UTF-8 are one error naming the row.
 
     Raises:
         ValueError: a value is not valid UTF-8 (a broken byte sequence or an encoded lone surrogate), naming
             ``where`` (file and row group) and the row.
     """
-    if pa.types.is_dictionary(column.type):
-        column = column.cast(column.type.value_type)  # decode: the rows are the dictionary's values
     try:
         return column.to_pylist()
     except UnicodeDecodeError as first:
@@ -321,7 +330,7 @@ class RowGroupIndex:
                 raise
             except (pa.ArrowException, OSError) as err:
                 raise ValueError(f"cannot read {where()}: {err}") from err
-        column = table.column(0)
+        column = plain_strings(table.column(0))
         if rows is not None:
             column = column.take(pa.array(rows, pa.int64()))
         return column_texts(column, where, rows)
@@ -332,8 +341,16 @@ def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
     facts: tuple = (num_rows, chunk.total_compressed_size, chunk.total_uncompressed_size)
     if stats is not None:
         facts += (stats.null_count if stats.has_null_count else None,)
-        facts += (stats.min, stats.max) if stats.has_min_max else (None, None)
+        facts += _min_max(stats) if stats.has_min_max else (None, None)
     return facts
+
+
+def _min_max(stats: Any) -> tuple:
+    """The statistics' bounds as text; as bytes where they are not UTF-8 (the row itself is named when read)."""
+    try:
+        return stats.min, stats.max
+    except UnicodeDecodeError:
+        return stats.min_raw, stats.max_raw
 
 
 def _proves_text_free(stats: Any, num_rows: int) -> bool:
@@ -341,7 +358,7 @@ def _proves_text_free(stats: Any, num_rows: int) -> bool:
         return False
     if stats.has_null_count and stats.null_count == num_rows:
         return True
-    return bool(stats.has_min_max and stats.max == "")
+    return bool(stats.has_min_max and _min_max(stats)[1] in ("", b""))
 
 
 @dataclass(frozen=True)
