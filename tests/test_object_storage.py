@@ -11,6 +11,8 @@ the row group and the cause.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import http.server
 import json
 import os
 import re
@@ -326,3 +328,78 @@ def test_an_outage_longer_than_read_retry_seconds_is_one_error_naming_url_row_gr
                                            r"last cause: .*NETWORK_CONNECTION"):  # fmt: skip
         index.read_texts(2)
     assert 3.0 <= time.monotonic() - started < 20.0
+
+
+class FlakyFront:
+    """An HTTP front to the moto server on 127.0.0.1 that answers ``503 SlowDown`` (S3's throttling reply) to
+    every request until ``failing_until``, and relays requests to the server otherwise."""
+
+    def __init__(self, upstream_port: int):
+        self.failing_until = 0.0
+        front = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def relay(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if time.monotonic() < front.failing_until:
+                    status, data = (
+                        503,
+                        b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>",
+                    )
+                    headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(data)))]
+                else:
+                    connection = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+                    connection.request(self.command, self.path, body, dict(self.headers))
+                    response = connection.getresponse()
+                    status, data = response.status, response.read()
+                    headers = [
+                        (k, v) for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")
+                    ]
+                    if self.command != "HEAD":  # a HEAD reply keeps the object's length
+                        headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+                        headers.append(("Content-Length", str(len(data))))
+                    connection.close()
+                self.send_response(status)
+                for key, value in headers:
+                    self.send_header(key, value)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = relay
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.slow
+def test_reads_outlast_throttling_and_5xx_without_changing_a_row(aws_env: dict, monkeypatch) -> None:
+    s3, want = aws_env, local_texts(aws_env)
+    credentials_env(s3, monkeypatch)
+    front = FlakyFront(s3["port"])
+    try:
+        url = f"s3://{BUCKET}/data/*.parquet?endpoint_override=127.0.0.1:{front.port}&scheme=http"
+        index = RowGroupIndex.scan(resolve_files(url), "text", Storage(read_retry_seconds=20))
+        got = [index.read_texts(g) for g in range(3)]
+        front.failing_until = time.monotonic() + 5.0
+        started = time.monotonic()
+        got += [index.read_texts(g) for g in range(3, len(index))]
+        assert time.monotonic() - started >= 5.0 and got == want
+        # Throttled for longer than read_retry_seconds: one error naming the cause.
+        index = RowGroupIndex.scan(index.files, "text", Storage(read_retry_seconds=1))
+        front.failing_until = time.monotonic() + 60.0
+        with pytest.raises(StorageError, match=r"cannot read row group 0 of .* last cause: .*(SLOW_DOWN|SlowDown|503)"):
+            index.read_texts(0)
+    finally:
+        front.close()
