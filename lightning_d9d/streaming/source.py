@@ -1,13 +1,15 @@
 """Source: find the parquet files, list their row groups, cut them into units, deal each pass's units to streams.
 
-Algorithm: a file spec (directory, glob, list, or a pyarrow/fsspec URL such as ``s3://bucket/data/*.parquet``)
-is resolved once into a sorted list of files; their footers give every row group, its row count and its text
-column's statistics, and are checked for the text column. The unit of work is a *unit*: a row group, or, when
-there are fewer row groups than streams, an equal share of one's rows, so that every stream has work. Pass
-``p`` visits the units in an order seeded by ``(seed, p)`` (a non-shuffled source, for validation, rotates
-file order by ``p``, so that every stream meets every unit over passes); stream ``s`` of ``K`` reads
-``order[s::K]``. Within a pass no unit is read by two streams, and one stream's order never depends on how fast
-another runs, or on how many processes host the streams.
+Algorithm: a file spec (directory, glob, list, or a pyarrow/fsspec URL such as ``s3://bucket/data/*.parquet``) is
+resolved once into a sorted list of files, each keeping its spec's endpoint and options (``streaming.storage``
+builds the filesystems and retries failed reads); their footers give every row group, its row count and its text
+column's statistics, and are checked for a text column (any Arrow string type, dictionary-encoded or not; texts
+reach the tokenizer as Python strings, and a value that is not UTF-8 is an error naming its row). The unit of work
+is a *unit*: a row group, or, when there are fewer row groups than streams, an equal share of one's rows, so that
+every stream has work. Pass ``p`` visits the units in an order seeded by ``(seed, p)`` (a non-shuffled source, for
+validation, rotates file order by ``p``, so that every stream meets every unit over passes); stream ``s`` of ``K``
+reads ``order[s::K]``. Within a pass no unit is read by two streams, and one stream's order never depends on how
+fast another runs, or on how many processes host the streams.
 
 The footers also give each file a digest (row counts, byte sizes and statistics of every row group's text
 column), so a resume notices a file edited in place, at the cost of reading footers only; and row groups that
