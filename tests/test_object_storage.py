@@ -17,6 +17,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -282,23 +284,57 @@ def setup_with(s3: dict, train_files: Any, **changes: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- outages
+# A TCP relay to the server, in a process of its own: stopping it is a real outage (connections refused), and no
+# DataLoader worker forked from the test process holds its listening socket open.
+RELAY = """
+import asyncio, sys
+
+async def pipe(reader, writer):
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+async def handle(reader, writer):
+    upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", int(sys.argv[2]))
+    await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]), reuse_address=True)
+    print("ready", flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
+def start_relay(port: int, upstream: int) -> subprocess.Popen:
+    relay = subprocess.Popen([sys.executable, "-c", RELAY, str(port), str(upstream)], stdout=subprocess.PIPE, text=True)
+    assert relay.stdout is not None and relay.stdout.readline().strip() == "ready"
+    return relay
+
+
 @pytest.mark.slow
 def test_reads_outlast_an_outage_longer_than_pyarrows_retries_without_changing_a_row(
     aws_env: dict, monkeypatch
 ) -> None:
-    """The server is stopped mid-stream for 8 s (pyarrow alone gives up after about 2 s of refused connections)."""
+    """The store is unreachable mid-stream for 8 s (pyarrow alone gives up after about 2 s of refused connections)."""
     s3 = aws_env
     credentials_env(s3, monkeypatch)
     port = free_port()
-    server = start_server(port)  # a second front to the same in-process buckets, this test's to stop
+    relays = [start_relay(port, s3["port"])]
     url = f"s3://{BUCKET}/data/*.parquet?endpoint_override=127.0.0.1:{port}&scheme=http"
-    want = list(make_dm(s3, url, steps_per_epoch=30).train_dataloader())
+    want = list(make_dm(s3, str(s3["root"] / "data"), steps_per_epoch=30).train_dataloader())
     dm = make_dm(s3, url, steps_per_epoch=30, read_retry_seconds=20)
     got, iterator = [], iter(dm.train_dataloader())
     got.extend(next(iterator) for _ in range(4))
-    server.stop()
-    restarted: list[ThreadedMotoServer] = []
-    timer = threading.Timer(8.0, lambda: restarted.append(start_server(port)))
+    relays[0].kill()
+    relays[0].wait()
+    timer = threading.Timer(8.0, lambda: relays.append(start_relay(port, s3["port"])))
     timer.start()
     started = time.monotonic()
     try:
@@ -307,7 +343,9 @@ def test_reads_outlast_an_outage_longer_than_pyarrows_retries_without_changing_a
         assert_same_batches(got, want)
     finally:
         timer.join()
-        restarted[0].stop()
+        for relay in relays:
+            relay.kill()
+            relay.wait()
 
 
 @pytest.mark.slow
