@@ -57,15 +57,19 @@ def records(path: Path) -> list[tuple[int, int, str]]:
 
 
 @pytest.mark.slow
-def test_the_sft_config_fits_and_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_sft_config_fits_and_resumes_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("LIGHTNING_D9D_CACHE", str(tmp_path / "demo_cache"))
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     whole.mkdir()
     interrupted.mkdir()
     sft_fit(whole, whole / "r.jsonl", 6)
     sft_fit(interrupted, interrupted / "r.jsonl", 3)
-    with pytest.raises(ValueError, match="loss_on: checkpoint 'assistant', this run 'all'"):
+    with pytest.raises(SystemExit) as refused:  # the CLI prints the one-line error and exits
         sft_fit(interrupted, tmp_path / "refused.jsonl", 6, ["--ckpt_path", "last", "--data.init_args.loss_on=all"])
+    assert refused.value.code != 0
+    assert "loss_on: checkpoint 'assistant', this run 'all'" in capsys.readouterr().err
     sft_fit(interrupted, interrupted / "r.jsonl", 6, ["--ckpt_path", "last"])
     assert records(interrupted / "r.jsonl") == records(whole / "r.jsonl")
     assert len(records(whole / "r.jsonl")) == 6 * 4

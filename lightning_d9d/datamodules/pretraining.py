@@ -70,6 +70,7 @@ from lightning_d9d.streaming.mixture_stream import MixtureSpec
 from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.state import mapping
+from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.streaming.stream import PACKINGS, RowBlock, StreamCounters, StreamSpec, StreamState
 from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
 
@@ -181,6 +182,14 @@ class PretrainingDataModule(SteppedDataModule):
         pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.
         on_order_mismatch: resuming from a checkpoint of other data or settings: ``"raise"``, or
             ``"restart_epoch"`` to start that epoch over with fresh streams.
+        storage_options: options for the filesystem of every URL in ``train_files``/``val_files``, in fsspec's
+            convention (for ``s3://``: ``key``, ``secret``, ``token``, ``endpoint_url``, ``client_kwargs``, or
+            pyarrow's ``endpoint_override``, ``scheme``, ``region``, ...; see docs/object_storage.md). Options in
+            a URL's query win over them; the AWS environment and config files fill in what neither gives. They
+            decide no row, so a resume may reach the same files through other options.
+        read_retry_seconds: how long a read keeps retrying transient storage failures (refused or reset
+            connections, timeouts, HTTP 5xx, throttling) before the run fails with an error naming the file, the
+            row group and the last cause.
         weights: a mixture's shares of every step's rows: ``{name: weight}`` (non-negative, normalised; ``None``:
             equal), or phases ``[[from_step, {name: weight}], ...]``, the first from step 0, piecewise constant
             in the global step. Every step takes exactly the planned rows of each source, within one row of
@@ -193,7 +202,11 @@ class PretrainingDataModule(SteppedDataModule):
         ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m; in ``setup``, no file
             matches, a file is not parquet or lacks the column, the files hold no text, the tokenizer lacks the
             BOS token, a layout that cannot share K streams (naming K, the world size, ``num_workers`` and what
-            would be valid), a dataset too small for one step.
+            would be valid), a dataset too small for one step, a text that is not valid UTF-8 (naming the file,
+            row group and row; also when met later, while streaming).
+        StorageError: in ``setup`` (an ``OSError``), a URL could not be listed or opened (unreachable endpoint,
+            refused credentials, access denied), naming the URL and the cause; while streaming, a read that kept
+            failing for ``read_retry_seconds``.
     """
 
     def __init__(
@@ -216,6 +229,8 @@ class PretrainingDataModule(SteppedDataModule):
         bestfit_buffer_size: PositiveInt = 1000,
         pin_memory: bool | None = None,
         on_order_mismatch: OnOrderMismatch = "raise",
+        storage_options: dict[str, Any] | None = None,
+        read_retry_seconds: float = DEFAULT_READ_RETRY_SECONDS,
         weights: dict[str, float] | list[tuple[int, dict[str, float]]] | list[dict[str, Any]] | None = None,
         on_mixture_change: OnMixtureChange = "raise",
     ):
@@ -238,6 +253,7 @@ class PretrainingDataModule(SteppedDataModule):
         self.num_workers = non_negative_int("num_workers", num_workers)
         self.seed, self.pin_memory = non_negative_int("seed", seed), pin_memory
         self.on_order_mismatch = on_order_mismatch
+        self.storage = storage_of(storage_options, read_retry_seconds)
         self.on_mixture_change, self.weights = on_mixture_change, weights
         self.train_sources, self.val_sources, self.schedule = mixture_arguments(
             train_files, val_files, text_column, weights, on_mixture_change
@@ -515,7 +531,7 @@ class PretrainingDataModule(SteppedDataModule):
 
     def _scan(self, files: Any, what: str, text_column: str | None = None) -> RowGroupIndex:
         text_column = text_column or self.text_column
-        index = RowGroupIndex.scan(resolve_files(files, what), text_column)
+        index = RowGroupIndex.scan(resolve_files(files, what, self.storage), text_column, self.storage)
         if first_text(index) is None:
             raise ValueError(
                 f"{what} hold no text: every value of column {text_column!r} in {len(index.files)} file(s) "
@@ -569,6 +585,20 @@ class PretrainingDataModule(SteppedDataModule):
 
 def _tokenizer_digest(tokenizer_json: str) -> str:
     return f"sha256 {hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]}"
+
+
+def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float) -> Storage:
+    """The checked storage settings (options are checked again, per scheme, when a URL is opened).
+
+    Raises:
+        ValueError: ``storage_options`` not a dict, or ``read_retry_seconds`` not a number ≥ 0.
+    """
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise ValueError(f"storage_options must be a dict of filesystem options, got {storage_options!r}")
+    seconds = read_retry_seconds
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"read_retry_seconds must be a number of seconds >= 0, got {read_retry_seconds!r}")
+    return Storage(dict(storage_options or {}), float(seconds))
 
 
 def _saveable(value: Any) -> Any:

@@ -151,28 +151,17 @@ class TextDataModule(D9DDataModule):
         loss_on: Literal["all", "completion", "assistant", "last_assistant"] | None = None,
         truncation: Literal["error", "drop", "keep_start"] = "drop",
     ):
-        self.max_length = positive_int("max_length", max_length)
-        if num_proc is not None:
-            positive_int("num_proc", num_proc)
-        if tokenizer != DEMO:
-            check_tokenizer_file(tokenizer)
-        if dataset not in (DEMO, DEMO_CHAT):
-            check_local_path(dataset)
+        self.max_length, self.num_proc = _checked_arguments(dataset, tokenizer, max_length, num_proc)
         columns = Columns(text_column, prompt_column, completion_column, messages_column)
         self.finetuning = FineTuningOptions(format, columns, chat_template, loss_on, truncation, tokenizer == DEMO)
         self.sft = FineTuningState()
-        self.dataset, self.tokenizer = dataset, tokenizer
+        self.dataset, self.tokenizer, self.cache_dir = dataset, tokenizer, cache_dir
         self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
-        self.num_proc, self.cache_dir = plain_int(num_proc), cache_dir
-        self.padded_collator = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
-        self.collator: CausalLMCollator | FlatteningCollator = (
-            FlatteningCollator() if padding_free else self.padded_collator
-        )
+        self.padded_collator, self.collator = _collators(pad_to_multiple_of, padding_side, padding_free)
         super().__init__(
             train_dataset=functools.partial(self._tokenized_split, "split"),
             collate_fn=self.collator,
-            # Plain ints: the CLI passes jsonargparse's int subclasses, which would end up in the checkpoint's
-            # state and make it unloadable with torch.load(weights_only=True).
+            # Plain ints: jsonargparse's int subclasses in the checkpoint's state fail torch.load(weights_only=True).
             global_batch_size=plain_int(global_batch_size),
             microbatch_size=plain_int(microbatch_size),
             sort_buffer_size=plain_int(sort_buffer_size),
@@ -282,3 +271,32 @@ class TextDataModule(D9DDataModule):
                 f"dropped (longer than max_length={self.max_length} under truncation={recipe.truncation!r}, or "
                 f"nothing to train), {truncated} cut to max_length (their trained tokens past it lost)"
             )
+
+
+def _checked_arguments(dataset: str, tokenizer: str, max_length: Any, num_proc: Any) -> tuple[int, int | None]:
+    """What TextDataModule checks at construction (D9DDataModule checks the step and order settings).
+
+    Returns:
+        ``max_length`` and ``num_proc`` as plain ints (``num_proc`` may be ``None``).
+
+    Raises:
+        ValueError: ``max_length`` or ``num_proc`` not a positive integer.
+        FileNotFoundError: a tokenizer file or a local dataset path that does not exist.
+    """
+    checked_max_length = positive_int("max_length", max_length)
+    if num_proc is not None:
+        positive_int("num_proc", num_proc)
+    if tokenizer != DEMO:
+        check_tokenizer_file(tokenizer)
+    if dataset not in (DEMO, DEMO_CHAT):
+        check_local_path(dataset)
+    return checked_max_length, plain_int(num_proc)
+
+
+def _collators(
+    pad_to_multiple_of: int, padding_side: Literal["left", "right"], padding_free: bool
+) -> tuple[CausalLMCollator, CausalLMCollator | FlatteningCollator]:
+    """The padding collator (``setup`` gives it the tokenizer's ``pad_token_id``) and the collator batches use:
+    the same one, or a flattening one when padding-free."""
+    padded = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
+    return padded, FlatteningCollator() if padding_free else padded

@@ -52,6 +52,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -390,35 +391,7 @@ def plan_epoch(
     """
     num_samples = len(lengths)
     permutation = SeededPermutation(num_samples, (seed, epoch)) if shuffle else None
-    window = sort_buffer_size or _UNSORTED_WINDOW
-    sort = sort_buffer_size is not None
-    # Filled in place (4 bytes a sample below 2³¹ samples): no list of pieces to concatenate, no second copy.
-    order = np.empty(num_samples, dtype=np.int32 if num_samples < np.iinfo(np.int32).max else np.int64)
-    written = 0
-    sizes: list[np.ndarray] = []
-    tokens: list[np.ndarray] = []
-    costs: list[np.ndarray] = []
-    carry = np.empty(0, dtype=np.int64)
-    block_size = max(1, _BLOCK // window) * window  # whole windows per block of the bijection
-    for start in range(0, num_samples, block_size):
-        block_positions = np.arange(start, min(start + block_size, num_samples), dtype=np.int64)
-        block = permutation(block_positions) if permutation is not None else block_positions
-        for offset in range(0, len(block), window):
-            last = start + offset + window >= num_samples
-            items = block[offset : offset + window]
-            if len(carry):
-                items = np.concatenate([carry, items])
-            packed = pack(lengths[items], budget, sort=sort)
-            keep = len(packed.sizes) - (0 if last else _carried(packed, budget, window, sort))
-            kept_samples = int(packed.sizes[:keep].sum())
-            ordered = items[packed.order]
-            order[written : written + kept_samples] = ordered[:kept_samples]
-            written += kept_samples
-            carry = ordered[kept_samples:]
-            sizes.append(packed.sizes[:keep])
-            tokens.append(packed.tokens[:keep])
-            costs.append(packed.costs[:keep])
-    size_array, token_array, cost_array = (np.concatenate(parts) for parts in (sizes, tokens, costs))
+    order, size_array, token_array, cost_array = _pack_epoch(lengths, budget, sort_buffer_size, permutation)
     per_step = budget.microbatches_per_step
     steps = len(size_array) // per_step
     kept = steps * per_step
@@ -439,6 +412,55 @@ def plan_epoch(
         dropped_samples=num_samples - trained,
         packed_microbatches=len(size_array),
     )
+
+
+def _windows(num_samples: int, permutation: SeededPermutation | None, window: int) -> Iterator[tuple[np.ndarray, bool]]:
+    """The epoch's order cut into windows of ``window`` samples, each with whether it is the last.
+
+    The bijection is evaluated a block of whole windows at a time: bounded memory for any N.
+    """
+    block_size = max(1, _BLOCK // window) * window
+    for start in range(0, num_samples, block_size):
+        block_positions = np.arange(start, min(start + block_size, num_samples), dtype=np.int64)
+        block = permutation(block_positions) if permutation is not None else block_positions
+        for offset in range(0, len(block), window):
+            yield block[offset : offset + window], start + offset + window >= num_samples
+
+
+def _pack_epoch(
+    lengths: np.ndarray, budget: TokenBudget, sort_buffer_size: int | None, permutation: SeededPermutation | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every window packed, each completing what the previous one carried (steps 1–4 of the module docstring).
+
+    Returns:
+        The sample indices of the kept microbatches in packing order (a view of an array of all N, filled in
+        place), and those microbatches' sizes, real tokens and costs (int64 each).
+    """
+    num_samples = len(lengths)
+    window = sort_buffer_size or _UNSORTED_WINDOW
+    sort = sort_buffer_size is not None
+    # Filled in place (4 bytes a sample below 2³¹ samples): no list of pieces to concatenate, no second copy.
+    order = np.empty(num_samples, dtype=np.int32 if num_samples < np.iinfo(np.int32).max else np.int64)
+    written = 0
+    sizes: list[np.ndarray] = []
+    tokens: list[np.ndarray] = []
+    costs: list[np.ndarray] = []
+    carry = np.empty(0, dtype=np.int64)
+    for items, last in _windows(num_samples, permutation, window):
+        if len(carry):
+            items = np.concatenate([carry, items])
+        packed = pack(lengths[items], budget, sort=sort)
+        keep = len(packed.sizes) - (0 if last else _carried(packed, budget, window, sort))
+        kept_samples = int(packed.sizes[:keep].sum())
+        ordered = items[packed.order]
+        order[written : written + kept_samples] = ordered[:kept_samples]
+        written += kept_samples
+        carry = ordered[kept_samples:]
+        sizes.append(packed.sizes[:keep])
+        tokens.append(packed.tokens[:keep])
+        costs.append(packed.costs[:keep])
+    size_array, token_array, cost_array = (np.concatenate(parts) for parts in (sizes, tokens, costs))
+    return order[:written], size_array, token_array, cost_array
 
 
 class TokenPlan:

@@ -1,13 +1,15 @@
 """Source: find the parquet files, list their row groups, cut them into units, deal each pass's units to streams.
 
-Algorithm: a file spec (directory, glob, list, or a pyarrow/fsspec URL such as ``s3://bucket/data/*.parquet``)
-is resolved once into a sorted list of files; their footers give every row group, its row count and its text
-column's statistics, and are checked for the text column. The unit of work is a *unit*: a row group, or, when
-there are fewer row groups than streams, an equal share of one's rows, so that every stream has work. Pass
-``p`` visits the units in an order seeded by ``(seed, p)`` (a non-shuffled source, for validation, rotates
-file order by ``p``, so that every stream meets every unit over passes); stream ``s`` of ``K`` reads
-``order[s::K]``. Within a pass no unit is read by two streams, and one stream's order never depends on how fast
-another runs, or on how many processes host the streams.
+Algorithm: a file spec (directory, glob, list, or a pyarrow/fsspec URL such as ``s3://bucket/data/*.parquet``) is
+resolved once into a sorted list of files, each keeping its spec's endpoint and options (``streaming.storage``
+builds the filesystems and retries failed reads); their footers give every row group, its row count and its text
+column's statistics, and are checked for a text column (any Arrow string type, dictionary-encoded or not; texts
+reach the tokenizer as Python strings, and a value that is not UTF-8 is an error naming its row). The unit of work
+is a *unit*: a row group, or, when there are fewer row groups than streams, an equal share of one's rows, so that
+every stream has work. Pass ``p`` visits the units in an order seeded by ``(seed, p)`` (a non-shuffled source, for
+validation, rotates file order by ``p``, so that every stream meets every unit over passes); stream ``s`` of ``K``
+reads ``order[s::K]``. Within a pass no unit is read by two streams, and one stream's order never depends on how
+fast another runs, or on how many processes host the streams.
 
 The footers also give each file a digest (row counts, byte sizes and statistics of every row group's text
 column), so a resume notices a file edited in place, at the cost of reading footers only; and row groups that
@@ -26,7 +28,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,46 +37,38 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from lightning_d9d.streaming.storage import Storage, StorageError, canonical, parse_url, redact, with_query
+
 _GLOB_CHARS = ("*", "?", "[")
 
 
-def _filesystem_for(spec: str) -> tuple[pafs.FileSystem, str]:
-    """Return ``(filesystem, path)`` for a local path or a URL (pyarrow's own schemes, else fsspec's)."""
-    if "://" not in spec:
-        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(spec))
-    try:
-        return pafs.FileSystem.from_uri(spec)
-    except (pa.ArrowInvalid, ValueError):
-        # Not a scheme pyarrow knows natively (e.g. memory://, hf://): fall back to fsspec, if installed.
-        try:
-            import fsspec
-        except ImportError as err:
-            raise ValueError(
-                f"cannot open {spec!r}: pyarrow does not know its scheme and fsspec is not installed"
-            ) from err
-        fs, path = fsspec.core.url_to_fs(spec)
-        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
-
-
 def _rejoin(spec: str, path: str) -> str:
-    """Turn a filesystem path back into the user's addressing (URL scheme kept) for messages and pickling."""
+    """Turn a filesystem path back into the user's addressing (scheme, credentials and options kept), so that a
+    file found by a glob or a directory is opened against the endpoint its spec named."""
     if "://" not in spec:
         return path
-    scheme = spec.split("://", 1)[0]
-    return f"{scheme}://{path.lstrip('/')}" if scheme != "file" else f"file://{path}"
+    scheme, userinfo, _, query = parse_url(spec)
+    if scheme == "file":
+        return f"file://{path}"
+    return with_query(f"{scheme}://{userinfo + '@' if userinfo else ''}{path.lstrip('/')}", query)
 
 
-def _expand(spec: str) -> list[str]:
-    fs, path = _filesystem_for(spec)
+def _file_infos(fs: pafs.FileSystem, target: Any, spec: str, what: str) -> Any:
+    """``fs.get_file_info(target)``, with a failure to list (network, access, credentials) named as such."""
+    try:
+        return fs.get_file_info(target)
+    except OSError as err:
+        raise StorageError(f"cannot list {what}={redact(spec)!r}: {err}") from err
+
+
+def _expand(spec: str, storage: Storage, what: str) -> list[str]:
+    fs, path = storage.filesystem(spec)
     if any(c in path for c in _GLOB_CHARS):
         parts = path.split("/")
         first_glob = next(i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARS))
         base = "/".join(parts[:first_glob]) or "/"
         recursive = "**" in path or first_glob < len(parts) - 1
-        try:
-            infos = fs.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
-        except OSError:
-            infos = []
+        infos = _file_infos(fs, pafs.FileSelector(base, recursive=recursive, allow_not_found=True), spec, what)
         # "**/" may also match nothing (pattern a/**/b.parquet matches a/b.parquet), like pathlib's glob.
         patterns = {path, path.replace("/**/", "/")}
         found = [
@@ -83,9 +77,9 @@ def _expand(spec: str) -> list[str]:
             if i.type == pafs.FileType.File and any(fnmatch.fnmatchcase(i.path, p) for p in patterns)
         ]
         return [_rejoin(spec, p) for p in sorted(found)]
-    info = fs.get_file_info(path)
+    info = _file_infos(fs, path, spec, what)
     if info.type == pafs.FileType.Directory:
-        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+        infos = _file_infos(fs, pafs.FileSelector(path, recursive=True), spec, what)
         found = [i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")]
         return [_rejoin(spec, p) for p in sorted(found)]
     if info.type == pafs.FileType.File:
@@ -93,45 +87,105 @@ def _expand(spec: str) -> list[str]:
     return []
 
 
-def resolve_files(spec: str | os.PathLike | Sequence[str | os.PathLike], what: str = "train_files") -> list[str]:
+def resolve_files(
+    spec: str | os.PathLike | Sequence[str | os.PathLike], what: str = "train_files", storage: Storage | None = None
+) -> list[str]:
     """Resolve a file spec into a de-duplicated list of parquet files (each pattern's matches sorted).
 
     Args:
         spec: a directory (every ``*.parquet`` below it), a glob (``data/*.parquet``, ``data/**/x.parquet``), a
             single file, a URL with any of those forms (``s3://…``, ``gs://…``, ``file://…``, or any fsspec
-            scheme when fsspec is installed), or a list of them (kept in list order).
+            scheme when fsspec is installed), or a list of them (kept in list order). An ``s3://`` URL may carry
+            options (``?endpoint_override=host:port&scheme=http``); the files it expands to keep them.
         what: the argument's name, for error messages.
+        storage: endpoint, credentials and options for URLs (see ``streaming.storage``).
 
     Raises:
-        ValueError: when the spec is empty or matches no file.
+        ValueError: when the spec is empty or matches no file, or holds unknown storage options.
+        StorageError: listing failed (unreachable endpoint, refused credentials, access denied), naming the URL
+            and the cause.
     """
+    storage = storage or Storage()
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not specs:
         raise ValueError(f"{what} is empty: give a directory, a glob, a file, a URL, or a list of them")
     files: list[str] = []
     for item in specs:
-        matched = _expand(os.fspath(item))
+        matched = _expand(os.fspath(item), storage, what)
         if not matched:
             raise ValueError(
-                f"{what}={os.fspath(item)!r} matches no file: give an existing directory (its *.parquet files "
-                "are used), a glob such as 'data/*.parquet', a parquet file, or a URL such as "
+                f"{what}={redact(os.fspath(item))!r} matches no file: give an existing directory (its *.parquet "
+                "files are used), a glob such as 'data/*.parquet', a parquet file, or a URL such as "
                 "'s3://bucket/data/*.parquet'"
             )
         files.extend(m for m in matched if m not in files)
     return files
 
 
-def open_parquet(path: str) -> pq.ParquetFile:
-    """Open one parquet file, naming it in the error when it is not valid parquet.
+def _open_file(path: str, storage: Storage) -> pq.ParquetFile:
+    fs, fs_path = storage.filesystem(path)
+    return pq.ParquetFile(fs.open_input_file(fs_path))
+
+
+def open_parquet(path: str, storage: Storage | None = None) -> pq.ParquetFile:
+    """Open one parquet file (retrying transient failures), naming it in the error when it is not valid parquet.
 
     Raises:
         ValueError: the file is missing, unreadable or not a valid parquet file.
+        StorageError: the store refused access or stayed unreachable for ``read_retry_seconds``.
     """
-    fs, fs_path = _filesystem_for(path)
+    storage = storage or Storage()
     try:
-        return pq.ParquetFile(fs.open_input_file(fs_path))
+        return storage.retrying(lambda: _open_file(path, storage), lambda: f"parquet file {redact(path)!r}", _no_op)
+    except StorageError:
+        raise
     except (pa.ArrowException, OSError) as err:
-        raise ValueError(f"cannot read parquet file {path!r}: {err}") from err
+        raise ValueError(f"cannot read parquet file {redact(path)!r}: {err}") from err
+
+
+def _no_op() -> None:
+    pass
+
+
+def is_text_type(arrow_type: pa.DataType) -> bool:
+    """Whether a column of this type holds text: any string type a parquet writer produces, dictionary-encoded
+    or not."""
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
+
+
+def plain_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A text column as plain ``string``/``large_string`` values (dictionaries decoded, views copied out), so
+    that every text type is taken, sliced and converted alike. No UTF-8 check here: ``column_texts`` names a
+    bad row."""
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)  # the rows are the dictionary's values
+    if pa.types.is_string_view(column.type):
+        column = column.cast(pa.large_string())
+    return column
+
+
+def column_texts(column: pa.ChunkedArray, where: Callable[[], str], rows: list[int] | None) -> list[str | None]:
+    """A plain text column as Python strings; bytes that are not valid UTF-8 are one error naming the row.
+
+    Raises:
+        ValueError: a value is not valid UTF-8 (a broken byte sequence or an encoded lone surrogate), naming
+            ``where`` (file and row group) and the row.
+    """
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError as first:
+        for position, value in enumerate(column.cast(pa.large_binary()).to_pylist()):
+            try:
+                value is None or value.decode("utf-8")
+            except UnicodeDecodeError as err:
+                row = rows[position] if rows is not None else position
+                raise ValueError(
+                    f"{where()}, row {row}: the text is not valid UTF-8 ({err.reason} at byte {err.start}: "
+                    f"{value[max(0, err.start - 8) : err.start + 8]!r}); rewrite the file with valid UTF-8 text"
+                ) from err
+        raise first
 
 
 @dataclass
@@ -148,6 +202,7 @@ class RowGroupIndex:
             every row group): it changes when the file is rewritten with other text.
         text_free: for each global row group, whether its footer statistics prove it holds no text (every value
             null or empty); ``False`` where statistics are missing.
+        storage: how the files are reached (endpoint, credentials, read retries); it decides no row.
     """
 
     files: list[str]
@@ -157,31 +212,34 @@ class RowGroupIndex:
     num_rows: np.ndarray
     file_digests: tuple[int, ...] = ()
     text_free: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    storage: Storage = field(default_factory=Storage, compare=False)
     _open: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _pid: int = field(default_factory=os.getpid, repr=False, compare=False)
 
     @classmethod
-    def scan(cls, files: list[str], text_column: str) -> RowGroupIndex:
+    def scan(cls, files: list[str], text_column: str, storage: Storage | None = None) -> RowGroupIndex:
         """Read every file's footer, check the text column, list the row groups.
 
         Raises:
             ValueError: a file is not valid parquet (the error names it), lacks ``text_column`` (naming the
                 file and its columns), or the files hold no rows at all.
+            StorageError: a file could not be reached (naming it and the cause).
         """
+        storage = storage or Storage()
         file_of, group_in_file, num_rows, text_free = [], [], [], []
         file_digests: list[int] = []
         for file_index, path in enumerate(files):
-            pf = open_parquet(path)
+            pf = open_parquet(path, storage)
             names = pf.schema_arrow.names
             if text_column not in names:
                 raise ValueError(
-                    f"parquet file {path!r} has no column text_column={text_column!r}; its columns are {names}"
+                    f"parquet file {redact(path)!r} has no column text_column={text_column!r}; its columns are {names}"
                 )
             column_type = pf.schema_arrow.field(text_column).type
-            if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            if not is_text_type(column_type):
                 raise ValueError(
-                    f"parquet file {path!r}: column text_column={text_column!r} has type {column_type}; "
+                    f"parquet file {redact(path)!r}: column text_column={text_column!r} has type {column_type}; "
                     "it must hold strings (text)"
                 )
             column = names.index(text_column)
@@ -204,6 +262,7 @@ class RowGroupIndex:
             np.asarray(num_rows, np.int64),
             tuple(file_digests),
             np.asarray(text_free, bool),
+            storage,
         )
         if index.total_rows == 0:
             raise ValueError(f"the parquet files {files} hold no rows")
@@ -230,10 +289,12 @@ class RowGroupIndex:
 
     def file_labels(self) -> list[str]:
         """The files relative to their common folder (a corpus moved elsewhere keeps its labels)."""
-        if len(self.files) == 1:
-            return [os.path.basename(self.files[0])]
-        root = os.path.commonpath(self.files)
-        return [os.path.relpath(path, root) for path in self.files]
+        # Without the URL's query and credentials: the same files through another endpoint keep their labels.
+        files = [canonical(path) for path in self.files]
+        if len(files) == 1:
+            return [os.path.basename(files[0])]
+        root = os.path.commonpath(files)
+        return [os.path.relpath(path, root) for path in files]
 
     def read_texts(self, group: int, rows: list[int] | None = None) -> list[str | None]:
         """Read the text column of one global row group as Python strings (``None`` for nulls).
@@ -244,27 +305,37 @@ class RowGroupIndex:
                 turning the others into Python strings would cost more than decoding the whole group).
 
         Raises:
-            ValueError: the file cannot be read (the error names the file and row group).
+            ValueError: the file cannot be read, or a text is not valid UTF-8 (the error names the file, row group
+                and row).
+            StorageError: the store refused access, or stayed unreachable for ``storage.read_retry_seconds``.
         """
-        file_index = int(self.file_of[group])
+        file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
         path = self.files[file_index]
-        # One reader at a time per process: streams of one process may share this index (a resumed stream's
-        # reader can overlap its predecessor's last read), and a ParquetFile is not meant for concurrent use.
-        with self._local():
-            pf = self._open.pop(file_index, None) or open_parquet(path)
+
+        def read() -> pa.Table:
+            pf = self._open.pop(file_index, None) or _open_file(path, self.storage)
             self._open[file_index] = pf
             while len(self._open) > 8:  # a few handles: files are read a row group at a time, in shuffled order
                 self._open.popitem(last=False)
+            return pf.read_row_group(in_file, columns=[self.text_column])
+
+        def where() -> str:
+            return f"row group {in_file} of parquet file {redact(path)!r}"
+
+        # One reader at a time per process: streams of one process may share this index (a resumed stream's
+        # reader can overlap its predecessor's last read), and a ParquetFile is not meant for concurrent use.
+        with self._local():
             try:
-                table = pf.read_row_group(int(self.group_in_file[group]), columns=[self.text_column])
+                # A failed read may leave its handle mid-request: the retry opens the file afresh.
+                table = self.storage.retrying(read, where, lambda: self._open.pop(file_index, None))
+            except StorageError:
+                raise
             except (pa.ArrowException, OSError) as err:
-                raise ValueError(
-                    f"cannot read row group {int(self.group_in_file[group])} of parquet file {path!r}: {err}"
-                ) from err
-        column = table.column(0)
+                raise ValueError(f"cannot read {where()}: {err}") from err
+        column = plain_strings(table.column(0))
         if rows is not None:
             column = column.take(pa.array(rows, pa.int64()))
-        return column.to_pylist()
+        return column_texts(column, where, rows)
 
 
 def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
@@ -272,8 +343,16 @@ def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
     facts: tuple = (num_rows, chunk.total_compressed_size, chunk.total_uncompressed_size)
     if stats is not None:
         facts += (stats.null_count if stats.has_null_count else None,)
-        facts += (stats.min, stats.max) if stats.has_min_max else (None, None)
+        facts += _min_max(stats) if stats.has_min_max else (None, None)
     return facts
+
+
+def _min_max(stats: Any) -> tuple:
+    """The statistics' bounds as text; as bytes where they are not UTF-8 (the row itself is named when read)."""
+    try:
+        return stats.min, stats.max
+    except UnicodeDecodeError:
+        return stats.min_raw, stats.max_raw
 
 
 def _proves_text_free(stats: Any, num_rows: int) -> bool:
@@ -281,7 +360,7 @@ def _proves_text_free(stats: Any, num_rows: int) -> bool:
         return False
     if stats.has_null_count and stats.null_count == num_rows:
         return True
-    return bool(stats.has_min_max and stats.max == "")
+    return bool(stats.has_min_max and _min_max(stats)[1] in ("", b""))
 
 
 @dataclass(frozen=True)

@@ -84,10 +84,25 @@ def tokenized_split(
             the column (naming its type), has no document of 2 or more tokens, or a tokenizer file that
             ``tokenizers`` cannot read (naming the file).
     """
-    from datasets.fingerprint import Hasher
-
     name = name or dataset_path
-    raw = _load_raw_split(dataset_path, split, data_files, cache_dir, name)
+    raw = _load_text_split(dataset_path, split, text_column, data_files, cache_dir, name)
+    tokenized = _tokenize_cached(raw, tokenizer_path, text_column, max_length, num_proc, name, split)
+    if len(tokenized) == 0:
+        raise ValueError(f"dataset {name!r} split {split!r} has no document of {MIN_TOKENS} or more tokens")
+    # Read the padding setting from the file as saved: load_tokenizer's copy has padding switched off.
+    return TokenizedSplit(
+        tokenized.with_format("numpy", columns=["input_ids"]), pad_token_id(read_tokenizer(tokenizer_path))
+    )
+
+
+def _load_text_split(path: str, split: str, text_column: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
+    """The raw split, checked to be non-empty and to hold text in ``text_column``.
+
+    Raises:
+        ValueError: as ``_load_raw_split``; a missing column (naming the columns there are), a column that is
+            not text, an empty split.
+    """
+    raw = _load_raw_split(path, split, data_files, cache_dir, name)
     if text_column not in raw.column_names:
         raise ValueError(
             f"text_column {text_column!r} is not a column of dataset {name!r} split {split!r}; "
@@ -96,6 +111,19 @@ def tokenized_split(
     _check_text_column(raw, text_column, name, split)
     if len(raw) == 0:
         raise ValueError(f"dataset {name!r} split {split!r} is empty")
+    return raw
+
+
+def _tokenize_cached(
+    raw: Any, tokenizer_path: str, text_column: str, max_length: int, num_proc: int | None, name: str, split: str
+) -> Any:
+    """``raw`` tokenized by one batched map, under a fingerprint of its inputs' content (datasets' cache key).
+
+    Raises:
+        ValueError: a tokenizer file that ``tokenizers`` cannot read (before any map).
+    """
+    from datasets.fingerprint import Hasher
+
     tokenizer_digest = file_sha256(tokenizer_path)
     load_tokenizer(tokenizer_path, tokenizer_digest, max_length)  # a bad file fails here, before any map
     tokenize = _TokenizeBatch(tokenizer_path, tokenizer_digest, text_column, max_length)
@@ -103,7 +131,7 @@ def tokenized_split(
     # content: an edited tokenizer.json would silently reuse stale token ids. Hash the content instead.
     fingerprint = Hasher.hash([raw._fingerprint, tokenizer_digest, max_length, text_column, _TOKENIZE_RECIPE_VERSION])
     with children_exit_with_parent():  # a killed parent must not leave the map's worker pool running
-        tokenized = raw.map(
+        return raw.map(
             tokenize,
             batched=True,
             batch_size=1_000,
@@ -112,12 +140,6 @@ def tokenized_split(
             new_fingerprint=fingerprint,
             desc=f"Tokenizing {Path(name).name or name} [{split}]",
         )
-    if len(tokenized) == 0:
-        raise ValueError(f"dataset {name!r} split {split!r} has no document of {MIN_TOKENS} or more tokens")
-    # Read the padding setting from the file as saved: load_tokenizer's copy has padding switched off.
-    return TokenizedSplit(
-        tokenized.with_format("numpy", columns=["input_ids"]), pad_token_id(read_tokenizer(tokenizer_path))
-    )
 
 
 def _check_text_column(raw: Any, text_column: str, name: str, split: str) -> None:

@@ -1,0 +1,45 @@
+"""The default epoch length: one pass's tokens, estimated from a sample that does not depend on row-group size."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from support import make_texts, train_tokenizer
+
+from lightning_d9d import PretrainingDataModule
+from lightning_d9d.streaming.estimate import estimate_pass
+
+DOCS = 6000
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("estimate")
+    texts = make_texts(DOCS, seed=4)  # heavy-tailed lengths, like real text
+    tokenizer = train_tokenizer(texts, root / "tokenizer.json")
+    table = pa.table({"text": pa.array(texts, pa.string())})
+    for name, row_group_size in (("one-row-groups", 1), ("five-row-groups", DOCS // 5)):
+        (root / name).mkdir()
+        pq.write_table(table, root / name / "part-000.parquet", row_group_size=row_group_size)
+    counted = sum(len(e) + 1 for e in tokenizer.encode_batch_fast([t for t in texts if t], add_special_tokens=False))
+    return {"root": root, "counted": counted}
+
+
+@pytest.mark.parametrize("layout, groups", [("one-row-groups", DOCS), ("five-row-groups", 5)])
+def test_the_estimate_is_within_a_few_percent_whatever_the_row_group_size(corpus: dict, layout: str, groups: int):
+    dm = PretrainingDataModule(
+        train_files=str(corpus["root"] / layout),
+        tokenizer=str(corpus["root"] / "tokenizer.json"),
+        seq_len=64,
+        global_batch_size=8,
+        microbatch_size=8,
+        num_streams=4,
+        num_workers=0,
+        packing="concat",
+    )
+    dm.setup("fit")
+    assert len(dm.train_spec.index) == groups
+    tokens, rows = estimate_pass(dm.train_spec)
+    assert abs(tokens - corpus["counted"]) / corpus["counted"] < 0.03
+    assert dm.steps_per_epoch == int(rows // 8) and rows == tokens / 65

@@ -1,0 +1,443 @@
+"""Parquet over s3:// against a real S3-protocol server (moto's, on 127.0.0.1, with signed requests enforced).
+
+Every way users give an endpoint and credentials (the URL's query and user part, ``storage_options`` in fsspec's
+or pyarrow's keys, fsspec's configuration, the AWS environment and config files) reaches every form of
+``train_files`` (file, list, directory, glob), and gives the rows a local copy gives; a resume over s3:// is
+exact; storage failures at setup are named as such (never "matches no file"); an outage longer than pyarrow's
+own retries is outlasted by ``read_retry_seconds`` without changing a row, or ends in one error naming the URL,
+the row group and the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import boto3
+import fsspec
+import pytest
+import requests
+import torch
+from moto.server import ThreadedMotoServer
+from support import make_docs, train_tokenizer, write_parquet
+
+from lightning_d9d import PretrainingDataModule
+from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.storage import Storage, StorageError
+
+BUCKET = "corpus"
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int) -> ThreadedMotoServer:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory) -> dict[str, Any]:
+    """A moto server on 127.0.0.1 holding a copy of a local corpus, and a user allowed s3:* with its key."""
+    root = tmp_path_factory.mktemp("s3")
+    docs = make_docs(240, seed=11, max_words=30, long_every=9, long_words=90)
+    paths = write_parquet(root / "data", docs, files=3, row_group_size=10)
+    train_tokenizer(docs, root / "tokenizer.json")
+    port = free_port()
+    server = start_server(port)
+    endpoint = f"http://127.0.0.1:{port}"
+    iam = boto3.client("iam", endpoint_url=endpoint, region_name=REGION, aws_access_key_id="setup",
+                       aws_secret_access_key="setup")  # fmt: skip
+    iam.create_user(UserName="trainer")
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName="trainer")["AccessKey"]
+    client = boto3.client("s3", endpoint_url=endpoint, region_name=REGION, aws_access_key_id=key["AccessKeyId"],
+                          aws_secret_access_key=key["SecretAccessKey"])  # fmt: skip
+    client.create_bucket(Bucket=BUCKET)
+    for path in paths:
+        client.upload_file(str(path), BUCKET, f"data/{path.name}")
+    client.upload_file(str(paths[0]), BUCKET, "other/notes.txt")
+    try:
+        yield {"root": root, "port": port, "endpoint": endpoint, "key": key["AccessKeyId"],
+               "secret": key["SecretAccessKey"], "server": server}  # fmt: skip
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def signed_requests_only(s3: dict) -> Iterator[None]:
+    """Make the server check every request's key and signature (moto accepts any by default).
+
+    Only while needed: moto's signature check rejects correctly signed listings whose prefix holds a ``/``, which
+    every directory or glob listing does, so listings are tested against an enforcing server only where they must
+    be refused.
+    """
+    requests.post(f"{s3['endpoint']}/moto-api/reset-auth", data=b"0").raise_for_status()
+    try:
+        yield
+    finally:
+        requests.post(f"{s3['endpoint']}/moto-api/reset-auth", data=b"inf").raise_for_status()
+
+
+@pytest.fixture
+def aws_env(s3: dict, monkeypatch, tmp_path: Path) -> dict:
+    """An AWS environment of nothing but this test's: no real credentials, config files or metadata service."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
+                 "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "FSSPEC_S3", "FSSPEC_S3_ENDPOINT_URL"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    return s3
+
+
+def url_options(s3: dict, host: str = "127.0.0.1") -> str:
+    return f"endpoint_override={host}:{s3['port']}&scheme=http"
+
+
+def credentials_env(s3: dict, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3["secret"])
+
+
+def dm_options(s3: dict, train_files: Any, **changes: Any) -> dict:
+    options = dict(
+        train_files=train_files,
+        tokenizer=str(s3["root"] / "tokenizer.json"),
+        seq_len=16,
+        global_batch_size=4,
+        microbatch_size=2,
+        num_streams=2,
+        num_workers=0,
+        tokenizer_batch_size=8,
+        bestfit_buffer_size=16,
+        steps_per_epoch=12,
+    )
+    options.update(changes)
+    return options
+
+
+def make_dm(s3: dict, train_files: Any, **changes: Any) -> PretrainingDataModule:
+    dm = PretrainingDataModule(**dm_options(s3, train_files, **changes))
+    dm.setup("fit")
+    return dm
+
+
+def assert_same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+        assert torch.equal(a.position_ids, b.position_ids)
+
+
+def local_texts(s3: dict) -> list:
+    index = RowGroupIndex.scan(resolve_files(str(s3["root"] / "data")), "text")
+    return [index.read_texts(g) for g in range(len(index))]
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+def read_all(spec: Any, storage: Storage | None = None) -> list:
+    index = RowGroupIndex.scan(resolve_files(spec, storage=storage), "text", storage)
+    return [index.read_texts(g) for g in range(len(index))]
+
+
+def test_every_way_of_giving_the_endpoint_reaches_every_form_of_files(aws_env: dict, monkeypatch, tmp_path) -> None:
+    s3, want = aws_env, local_texts(aws_env)
+    credentials_env(s3, monkeypatch)
+    names = [f"s3://{BUCKET}/data/part-{i:03d}.parquet" for i in range(3)]
+    endpoint_url = s3["endpoint"]
+    # In the URL, for a glob: the files it expands to keep it (they are opened against it, not the default).
+    files = resolve_files(f"s3://{BUCKET}/data/*.parquet?{url_options(s3)}")
+    assert files == [f"{name}?{url_options(s3)}" for name in names]
+    assert read_all(files) == want
+    # storage_options in fsspec/s3fs's keys, for a directory; in pyarrow's keys, for a list of files.
+    assert read_all(f"s3://{BUCKET}/data", Storage({"client_kwargs": {"endpoint_url": endpoint_url}})) == want
+    pyarrow_keys = {"endpoint_override": f"127.0.0.1:{s3['port']}", "scheme": "http", "region": REGION}
+    assert read_all(names, Storage(pyarrow_keys)) == want
+    # The AWS environment (AWS_ENDPOINT_URL), for a glob.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint_url)
+    assert read_all(f"s3://{BUCKET}/data/part-00[12].parquet") == want[len(want) // 3 :]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    # fsspec's configuration for s3 (what FSSPEC_S3_ENDPOINT_URL sets), for a directory.
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint_url})
+    assert read_all(f"s3://{BUCKET}/data/") == want
+    monkeypatch.delitem(fsspec.config.conf, "s3")
+    # A profile of ~/.aws/config, for a glob.
+    (tmp_path / "aws-config").write_text(f"[profile lab]\nregion = {REGION}\nendpoint_url = {endpoint_url}\n")
+    monkeypatch.setenv("AWS_PROFILE", "lab")
+    assert read_all(f"s3://{BUCKET}/data/*.parquet") == want
+    # Without any endpoint the default (AWS itself) is asked: the listing fails, and says so.
+    monkeypatch.delenv("AWS_PROFILE")
+    monkeypatch.setitem(os.environ, "AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(StorageError, match="cannot list train_files="):
+        resolve_files(f"s3://{BUCKET}/data/*.parquet")
+
+
+def test_credentials_reach_the_server_every_way(aws_env: dict, monkeypatch, tmp_path: Path) -> None:
+    s3 = aws_env
+    want = local_texts(s3)[: len(local_texts(s3)) // 3]
+    name, options = f"s3://{BUCKET}/data/part-000.parquet", url_options(s3)
+    endpoint = {"endpoint_url": s3["endpoint"]}
+    with signed_requests_only(s3):
+        assert read_all(f"s3://{s3['key']}:{quote(s3['secret'], safe='')}@{name[5:]}?{options}") == want
+        assert read_all(name, Storage({"key": s3["key"], "secret": s3["secret"], **endpoint})) == want
+        client_kwargs = {"aws_access_key_id": s3["key"], "aws_secret_access_key": s3["secret"], **endpoint}
+        assert read_all(name, Storage({"client_kwargs": client_kwargs})) == want
+        (tmp_path / "aws-credentials").write_text(
+            f"[lab]\naws_access_key_id = {s3['key']}\naws_secret_access_key = {s3['secret']}\n"
+        )
+        monkeypatch.setenv("AWS_PROFILE", "lab")
+        assert read_all(f"{name}?{options}") == want
+        monkeypatch.delenv("AWS_PROFILE")
+        credentials_env(s3, monkeypatch)
+        assert read_all(f"{name}?{options}") == want
+
+
+def test_unknown_storage_options_name_the_key() -> None:
+    with pytest.raises(ValueError, match=r"storage_options key 'endpoint' is not a known S3 option; valid keys: "):
+        Storage({"endpoint": "http://x"}).filesystem("s3://bucket/x.parquet")
+    with pytest.raises(ValueError, match=r"URL 's3://bucket/x.parquet\?host=h': option 'host' is not a known S3"):
+        Storage().filesystem("s3://bucket/x.parquet?host=h")
+    with pytest.raises(ValueError, match="read_retry_seconds must be a number of seconds >= 0, got -1"):
+        PretrainingDataModule(train_files="x", tokenizer="y", read_retry_seconds=-1)
+    with pytest.raises(ValueError, match="storage_options must be a dict"):
+        PretrainingDataModule(train_files="x", tokenizer="y", storage_options="endpoint=x")
+
+
+# ---------------------------------------------------------------------------------------------- rows and resume
+def test_rows_over_s3_equal_a_local_copys_and_resume_is_exact(aws_env: dict, monkeypatch) -> None:
+    s3 = aws_env
+    credentials_env(s3, monkeypatch)
+    url = f"s3://{BUCKET}/data/*.parquet?{url_options(s3)}"
+    local = make_dm(s3, str(s3["root"] / "data"), steps_per_epoch=None)
+    remote = make_dm(s3, url, steps_per_epoch=None, num_workers=2)
+    assert remote.steps_per_epoch == local.steps_per_epoch > 6
+    assert remote.fingerprint == local.fingerprint  # the same data wherever it is read from
+    want = list(local.train_dataloader())
+    assert_same_batches(list(remote.train_dataloader()), want)
+
+    # Resume over s3:// (through another address of the same server) from step 3: exactly the rest.
+    first = make_dm(s3, url, steps_per_epoch=None)
+    iterator = iter(first.train_dataloader())
+    for _ in range(6):  # 3 steps of 2 microbatches
+        next(iterator)
+    state = first.state_dict()
+    resumed = make_dm(s3, f"s3://{BUCKET}/data?{url_options(s3, 'localhost')}", steps_per_epoch=None)
+    resumed.load_state_dict(state)
+    assert_same_batches(list(resumed.train_dataloader()), want[6:])
+
+
+# ---------------------------------------------------------------------------------------------- failures at setup
+@pytest.mark.parametrize("spec", ["data/*.parquet", "data", "data/part-000.parquet"])
+def test_refused_credentials_are_reported_as_such_not_as_no_matching_file(aws_env: dict, spec: str) -> None:
+    s3, spec = aws_env, f"s3://{BUCKET}/{spec}"
+    wrong_secret = {"key": s3["key"], "secret": "not-the-secret", "endpoint_url": s3["endpoint"]}
+    unknown_key = {"key": "AKIAUNKNOWNKEY000000", "secret": s3["secret"], "endpoint_url": s3["endpoint"]}
+    with signed_requests_only(s3):
+        for options, cause in (
+            (wrong_secret, "SIGNATURE_DOES_NOT_MATCH|ACCESS_DENIED"),
+            (unknown_key, "INVALID_ACCESS|ACCESS_DENIED"),
+        ):
+            with pytest.raises(StorageError, match=rf"cannot list train_files='{re.escape(spec)}': .*({cause})"):
+                setup_with(s3, spec, storage_options=options)
+    # A secret in the URL is not repeated in the message.
+    with signed_requests_only(s3), pytest.raises(StorageError, match=r"s3://someone:\*\*\*@corpus/") as caught:
+        resolve_files(f"s3://someone:hunter2@{spec[5:]}?{url_options(s3)}")
+    assert "hunter2" not in str(caught.value)
+
+
+def test_an_unreachable_endpoint_is_reported_as_such(aws_env: dict, monkeypatch) -> None:
+    s3 = aws_env
+    credentials_env(s3, monkeypatch)
+    closed = free_port()
+    spec = f"s3://{BUCKET}/data/*.parquet?endpoint_override=127.0.0.1:{closed}&scheme=http"
+    with pytest.raises(StorageError, match=r"cannot list train_files='s3://corpus/data/\*\.parquet\?endpoint_ov.*"
+                                           r"(NETWORK_CONNECTION|connect)"):  # fmt: skip
+        setup_with(s3, spec)
+    # A path that truly matches nothing still says so.
+    with pytest.raises(ValueError, match=r"train_files='s3://corpus/nothing/\*\.parquet.*' matches no file"):
+        setup_with(s3, f"s3://{BUCKET}/nothing/*.parquet?{url_options(s3)}")
+
+
+def setup_with(s3: dict, train_files: Any, **changes: Any) -> None:
+    PretrainingDataModule(**dm_options(s3, train_files, **changes)).setup("fit")
+
+
+# ---------------------------------------------------------------------------------------------- outages
+# A TCP relay to the server, in a process of its own: stopping it is a real outage (connections refused), and no
+# DataLoader worker forked from the test process holds its listening socket open.
+RELAY = """
+import asyncio, sys
+
+async def pipe(reader, writer):
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+async def handle(reader, writer):
+    upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", int(sys.argv[2]))
+    await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]), reuse_address=True)
+    print("ready", flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
+def start_relay(port: int, upstream: int) -> subprocess.Popen:
+    relay = subprocess.Popen([sys.executable, "-c", RELAY, str(port), str(upstream)], stdout=subprocess.PIPE, text=True)
+    assert relay.stdout is not None and relay.stdout.readline().strip() == "ready"
+    return relay
+
+
+@pytest.mark.slow
+def test_reads_outlast_an_outage_longer_than_pyarrows_retries_without_changing_a_row(
+    aws_env: dict, monkeypatch
+) -> None:
+    """The store is unreachable mid-stream for 8 s (pyarrow alone gives up after about 2 s of refused connections)."""
+    s3 = aws_env
+    credentials_env(s3, monkeypatch)
+    port = free_port()
+    relays = [start_relay(port, s3["port"])]
+    url = f"s3://{BUCKET}/data/*.parquet?endpoint_override=127.0.0.1:{port}&scheme=http"
+    want = list(make_dm(s3, str(s3["root"] / "data"), steps_per_epoch=30).train_dataloader())
+    dm = make_dm(s3, url, steps_per_epoch=30, read_retry_seconds=20)
+    got, iterator = [], iter(dm.train_dataloader())
+    got.extend(next(iterator) for _ in range(4))
+    relays[0].kill()
+    relays[0].wait()
+    timer = threading.Timer(8.0, lambda: relays.append(start_relay(port, s3["port"])))
+    timer.start()
+    started = time.monotonic()
+    try:
+        got.extend(iterator)
+        assert time.monotonic() - started > 6.0  # the stream did wait through the outage
+        assert_same_batches(got, want)
+    finally:
+        timer.join()
+        for relay in relays:
+            relay.kill()
+            relay.wait()
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_read_retry_seconds_is_one_error_naming_url_row_group_and_cause(
+    aws_env: dict, monkeypatch
+) -> None:
+    s3 = aws_env
+    credentials_env(s3, monkeypatch)
+    port = free_port()
+    server = start_server(port)
+    url = f"s3://{BUCKET}/data/*.parquet?endpoint_override=127.0.0.1:{port}&scheme=http"
+    index = RowGroupIndex.scan(resolve_files(url), "text", Storage(read_retry_seconds=3))
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"cannot read row group 2 of parquet file 's3://corpus/data/part-000"
+                                           r"\.parquet\?endpoint_override=127\.0\.0\.1:\d+&scheme=http': still "
+                                           r"failing after \d+ attempts over 3 s of retries \(read_retry_seconds\); "
+                                           r"last cause: .*NETWORK_CONNECTION"):  # fmt: skip
+        index.read_texts(2)
+    assert 3.0 <= time.monotonic() - started < 20.0
+
+
+class FlakyFront:
+    """An HTTP front to the moto server on 127.0.0.1 that answers ``503 SlowDown`` (S3's throttling reply) to
+    every request until ``failing_until``, and relays requests to the server otherwise."""
+
+    def __init__(self, upstream_port: int):
+        self.failing_until = 0.0
+        front = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def relay(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if time.monotonic() < front.failing_until:
+                    status, data = (
+                        503,
+                        b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>",
+                    )
+                    headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(data)))]
+                else:
+                    connection = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+                    connection.request(self.command, self.path, body, dict(self.headers))
+                    response = connection.getresponse()
+                    status, data = response.status, response.read()
+                    headers = [
+                        (k, v) for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")
+                    ]
+                    if self.command != "HEAD":  # a HEAD reply keeps the object's length
+                        headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+                        headers.append(("Content-Length", str(len(data))))
+                    connection.close()
+                self.send_response(status)
+                for key, value in headers:
+                    self.send_header(key, value)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = relay
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.slow
+def test_reads_outlast_throttling_and_5xx_without_changing_a_row(aws_env: dict, monkeypatch) -> None:
+    s3, want = aws_env, local_texts(aws_env)
+    credentials_env(s3, monkeypatch)
+    front = FlakyFront(s3["port"])
+    try:
+        url = f"s3://{BUCKET}/data/*.parquet?endpoint_override=127.0.0.1:{front.port}&scheme=http"
+        index = RowGroupIndex.scan(resolve_files(url), "text", Storage(read_retry_seconds=20))
+        got = [index.read_texts(g) for g in range(3)]
+        front.failing_until = time.monotonic() + 5.0
+        started = time.monotonic()
+        got += [index.read_texts(g) for g in range(3, len(index))]
+        assert time.monotonic() - started >= 5.0 and got == want
+        # Throttled for longer than read_retry_seconds: one error naming the cause.
+        index = RowGroupIndex.scan(index.files, "text", Storage(read_retry_seconds=1))
+        front.failing_until = time.monotonic() + 60.0
+        with pytest.raises(StorageError, match=r"cannot read row group 0 of .* last cause: .*(SLOW_DOWN|SlowDown|503)"):
+            index.read_texts(0)
+    finally:
+        front.close()
