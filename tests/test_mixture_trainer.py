@@ -158,3 +158,51 @@ def test_the_demo_mixture_config_fits_and_resumes_across_its_phase_change(tmp_pa
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["global_step"] == 4
     assert {stream["step"] for stream in resumed["DemoPretrainingDataModule"]["streams"].values()} == {4}
+
+
+def recorded_steps(tmp: Path, data: Path, runs: list[dict], devices: int) -> dict:
+    """Per run, per (epoch, step): the sorted row digests over all ranks (support's RecordingModule, DDP on gloo)."""
+    from support import fit as fit_config
+    from support import fit_in_processes, read_records
+
+    options = dict(
+        train_files={"web": str(data / "web"), "code": {"files": str(data / "code"), "text_column": "content"}},
+        tokenizer=str(data / "tokenizer.json"), seq_len=16, global_batch_size=G, microbatch_size=2, num_streams=K,
+        num_workers=0, steps_per_epoch=5, tokenizer_batch_size=8, bestfit_buffer_size=8, packing="bestfit",
+        weights=WEIGHTS,
+    )  # fmt: skip
+    config = {"data": "pretraining", "options": options, "record_dir": str(tmp / "records"),
+              "ckpt_dir": str(tmp / "ckpt"), "devices": devices, "runs": runs}  # fmt: skip
+    if devices > 1:
+        fit_in_processes(config)
+    else:
+        fit_config(config)
+    steps: dict = {}
+    for r in read_records(tmp / "records"):
+        steps.setdefault(r["run"], {}).setdefault((r["epoch"], r["step"]), []).extend(r["rows"])
+    return {run: {key: sorted(rows) for key, rows in by_step.items()} for run, by_step in steps.items()}
+
+
+def test_a_mixture_trains_the_same_steps_on_two_ddp_ranks_and_resumes_across_world_sizes(
+    data: Path, tmp_path: Path
+) -> None:
+    one = recorded_steps(tmp_path / "one", data, [dict(name="full", max_steps=12, every_n_train_steps=4)], 1)
+    two = recorded_steps(
+        tmp_path / "two",
+        data,
+        [
+            dict(name="full", max_steps=12, every_n_train_steps=4),
+            dict(name="from_one", max_steps=12, ckpt_path=str(tmp_path / "one" / "ckpt" / "epoch=0-step=4.ckpt")),
+        ],
+        2,
+    )
+    full = one["full"]
+    assert len(full) == 12
+    assert two["full"] == full  # 1 and 2 ranks: the same rows in every step, across the phase change at step 6
+    assert two["from_one"] == {key: rows for key, rows in full.items() if key[1] >= 4}
+    # Back to one rank from the two ranks' checkpoint (its streams gathered from both ranks).
+    back = recorded_steps(
+        tmp_path / "back", data,
+        [dict(name="from_two", max_steps=12, ckpt_path=str(tmp_path / "two" / "ckpt" / "epoch=1-step=8.ckpt"))], 1,
+    )  # fmt: skip
+    assert back["from_two"] == {key: rows for key, rows in full.items() if key[1] >= 8}
