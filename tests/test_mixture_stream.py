@@ -330,6 +330,9 @@ def test_weights_without_sources_and_a_source_without_text_are_errors(corpus: di
         datamodule(corpus, train_files=str(root / "a"), weights={"a": 1})
     with pytest.raises(ValueError, match=r"train_files\['e'\] hold no text"):
         datamodule(corpus, train_files={"a": str(root / "a"), "e": str(root / "empty")})
+    write_parquet(root / "tiny", ["one document", "two"], files=1, row_group_size=2)
+    with pytest.raises(ValueError, match=r"train_files\['t'\]: the files hold 2 rows, fewer than num_streams=4"):
+        datamodule(corpus, train_files={"a": str(root / "a"), "t": str(root / "tiny")})
     with pytest.raises(ValueError, match=r"train_files\['b'\]=.*matches no file"):
         datamodule(corpus, train_files={"a": str(root / "a"), "b": str(Path(root) / "nothing" / "*.parquet")})
 

@@ -499,7 +499,10 @@ class PretrainingDataModule(SteppedDataModule):
         specs, indexes, total_tokens = [], [], 0.0
         for source in self.train_sources:
             index = self._scan(source.files, f"train_files[{source.name!r}]", source.text_column)
-            spec = self._spec(index, tokenizer_json, bos_id, shuffle=True)
+            try:
+                spec = self._spec(index, tokenizer_json, bos_id, shuffle=True)
+            except ValueError as error:  # too few rows for K streams: say which source
+                raise ValueError(f"train_files[{source.name!r}]: {error}") from error
             tokens, self.source_pass_rows[source.name] = estimate_pass(spec)
             specs.append(spec)
             indexes.append(index)
