@@ -11,7 +11,7 @@ import pytest
 import torch
 from support import BatchRecorder
 
-SFT = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
+SFT = Path(__file__).resolve().parents[2] / "configs" / "sft.yaml"
 
 
 def sft_fit(workdir: Path, record: Path, max_steps: int, extra: list[str] = ()) -> None:

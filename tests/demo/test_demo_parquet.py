@@ -13,7 +13,7 @@ import pytest
 
 from lightning_d9d.demo.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, write_shards
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO_PRETRAINING = REPO / "configs" / "demo_pretraining.yaml"
 
 

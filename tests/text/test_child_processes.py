@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from support import make_texts, train_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc")
 
 TOKENIZE = """

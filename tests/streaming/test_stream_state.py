@@ -20,7 +20,7 @@ from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.state import InvalidDataState
 from lightning_d9d.streaming.stream import StreamSpec, StreamState, TokenStream
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "stream_state_v2"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "stream_state_v2"
 OPTIONS = dict(seq_len=24, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=4,
                steps_per_epoch=40, bestfit_buffer_size=12, tokenizer_batch_size=8)  # fmt: skip
 SAVED_AT, FOLLOWING = 7, 12
