@@ -222,6 +222,13 @@ def test_continue_under_new_weights_keeps_every_source_where_it_stopped(corpus: 
     resumed = datamodule(corpus, weights=then, on_mixture_change="continue")
     resumed.load_state_dict(state)
     following = run_steps(resumed, after)
+    # A checkpoint of the continued run resumes it exactly under the same (new) weights, without "continue".
+    resumed_again = datamodule(corpus, weights=then, on_mixture_change="continue")
+    resumed_again.load_state_dict(state)
+    again_state, first_part = state_after(resumed_again, 3)
+    once_more = datamodule(corpus, weights=then)
+    once_more.load_state_dict(again_state)
+    assert first_part + run_steps(once_more, after - 3) == following
     # The new shares count from the resume step, every source from the rows it had given.
     plan = resumed.train_spec.plan
     given = [sum(1 for rows in before for s, _ in rows if s == i) for i in range(2)]
