@@ -192,8 +192,8 @@ class PretrainingDataModule(SteppedDataModule):
             row group and the last cause.
         weights: a mixture's shares of every step's rows: ``{name: weight}`` (non-negative, normalised; ``None``:
             equal), or phases ``[[from_step, {name: weight}], ...]``, the first from step 0, piecewise constant
-            in the global step. Every step takes exactly the planned rows of each source, within one row of
-            ``global_batch_size × Σ shares`` cumulatively (``streaming.mixture``).
+            in the global step. Every step takes exactly the planned rows of each source, cumulatively within one
+            row of ``global_batch_size × Σ shares`` (after a paused source, see ``streaming.mixture``).
         on_mixture_change: resuming a mixture under other weights or sources: ``"raise"`` (one error naming the
             old and new shares), or ``"continue"``: every source continues where it stopped under the new
             shares (a source added starts fresh).
