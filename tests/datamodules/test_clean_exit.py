@@ -53,6 +53,7 @@ print("ended", flush=True)
 """
 
 
+@pytest.mark.slow  # eight fresh interpreters, each importing torch and Lightning
 @pytest.mark.parametrize("ending", ["exit", "collect"])
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("kind", ["streaming", "mapstyle"])
