@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Generator, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -183,9 +184,17 @@ class MixtureStream:
         sources = np.arange(len(spec.names), dtype=np.int64)
         split = spec.packing == "bestfit_split"
         try:
+            first = True
             while True:
                 asked[:] = self.step_rows.of(step)[k]
-                parts = [next(sub) for sub in subs]
+                if first and len(subs) > 1:
+                    # The sources' first blocks at once: each waits on its first reads (and a restored buffer's
+                    # documents), which overlap across sources but would add up one source after another.
+                    with ThreadPoolExecutor(len(subs), thread_name_prefix="lightning-d9d-source") as pool:
+                        parts = list(pool.map(next, subs))
+                else:
+                    parts = [next(sub) for sub in subs]
+                first = False
                 tokens = np.concatenate([block.tokens for block, _ in parts])
                 flags = np.concatenate([block.flags for block, _ in parts]) if split else None
                 step += 1
