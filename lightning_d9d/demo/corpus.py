@@ -28,12 +28,12 @@ import ast
 import dataclasses
 import hashlib
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from lightning_d9d.demo.cache import build_once
 
 # Bump when the corpus or tokenizer recipe changes: it is part of the cache key, so old caches are not reused.
 _FORMAT_VERSION = 1
@@ -170,32 +170,18 @@ def build_demo_corpus(cache_dir: str | os.PathLike[str] | None = None) -> DemoCo
     Returns:
         The dataset directory and tokenizer file of the corpus.
     """
-    from datasets import Dataset, DatasetDict
-    from filelock import FileLock
-
     root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
-    target = root / _cache_key()
-    corpus = DemoCorpus(dataset_path=str(target / "dataset"), tokenizer_path=str(target / "tokenizer.json"))
-    if (target / "COMPLETE").exists():
-        return corpus
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{_cache_key()}.lock")):
-        if (target / "COMPLETE").exists():  # another process built it while we waited for the lock
-            return corpus
-        staging = Path(tempfile.mkdtemp(prefix=f".{_cache_key()}-", dir=root))
-        try:
-            train, validation = demo_texts()
-            splits = DatasetDict(
-                train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": validation})
-            )
-            splits.save_to_disk(str(staging / "dataset"))
-            _train_tokenizer(train, staging / "tokenizer.json")
-            digest = hashlib.sha256("\x00".join(train + validation).encode()).hexdigest()
-            (staging / "COMPLETE").write_text(f"{digest}\n")
-            if target.exists():  # a stale, incomplete build from a killed process
-                shutil.rmtree(target)
-            os.replace(staging, target)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-    return corpus
+    target = build_once(root, _cache_key(), _write_corpus)
+    return DemoCorpus(dataset_path=str(target / "dataset"), tokenizer_path=str(target / "tokenizer.json"))
+
+
+def _write_corpus(folder: Path) -> str:
+    """Write the corpus' dataset and tokenizer into ``folder``; return the digest of its texts (the marker)."""
+    from datasets import Dataset, DatasetDict
+
+    train, validation = demo_texts()
+    splits = DatasetDict(train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": validation}))
+    splits.save_to_disk(str(folder / "dataset"))
+    _train_tokenizer(train, folder / "tokenizer.json")
+    digest = hashlib.sha256("\x00".join(train + validation).encode()).hexdigest()
+    return f"{digest}\n"
