@@ -30,7 +30,7 @@ import hashlib
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lightning_d9d.demo.cache import build_once
@@ -84,19 +84,25 @@ def _topic_documents() -> Iterator[str]:
     from pydoc_data.topics import topics
 
     for name in sorted(topics):
-        document: list[str] = []
-        size = 0
-        for paragraph in topics[name].split("\n\n"):
-            paragraph = paragraph.strip("\n")
-            if not paragraph.strip():
-                continue
-            if document and size + len(paragraph) > _MAX_TOPIC_DOCUMENT_CHARS:
-                yield "\n\n".join(document)
-                document, size = [], 0
-            document.append(paragraph)
-            size += len(paragraph) + 2
-        if document:
+        paragraphs = (paragraph.strip("\n") for paragraph in topics[name].split("\n\n"))
+        yield from regroup_blocks(paragraphs, _MAX_TOPIC_DOCUMENT_CHARS)
+
+
+def regroup_blocks(blocks: Iterable[str], max_chars: int) -> Iterator[str]:
+    """Blank blocks left out, the rest joined by blank lines, in order, into documents of up to ``max_chars``
+    characters; a block longer than that is a document of its own, whole."""
+    document: list[str] = []
+    size = 0
+    for block in blocks:
+        if not block.strip():
+            continue
+        if document and size + len(block) > max_chars:
             yield "\n\n".join(document)
+            document, size = [], 0
+        document.append(block)
+        size += len(block) + 2
+    if document:
+        yield "\n\n".join(document)
 
 
 def stdlib_sources(skipped_dirs: frozenset[str] = _SKIPPED_STDLIB_DIRS) -> Iterator[str]:

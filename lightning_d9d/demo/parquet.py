@@ -22,12 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning_d9d.demo.cache import build_once
-from lightning_d9d.demo.corpus import _cache_key, build_demo_corpus, demo_cache_dir, demo_texts, stdlib_sources
+from lightning_d9d.demo.corpus import (
+    _cache_key,
+    build_demo_corpus,
+    demo_cache_dir,
+    demo_texts,
+    regroup_blocks,
+    stdlib_sources,
+)
 
 _FORMAT_VERSION = 1
 _SHARDS = 4
@@ -60,27 +67,12 @@ def code_documents(limit_chars: int = _CODE_CHARS) -> list[str]:
     documents: list[str] = []
     total = 0
     for source in stdlib_sources():
-        for document in _regroup(source.split("\n\n")):
+        for document in regroup_blocks(source.split("\n\n"), _MAX_CODE_DOCUMENT_CHARS):
             documents.append(document)
             total += len(document)
             if total >= limit_chars:
                 return documents
     return documents
-
-
-def _regroup(blocks: list[str]) -> Iterator[str]:
-    document: list[str] = []
-    size = 0
-    for block in blocks:
-        if not block.strip():
-            continue
-        if document and size + len(block) > _MAX_CODE_DOCUMENT_CHARS:
-            yield "\n\n".join(document)
-            document, size = [], 0
-        document.append(block)
-        size += len(block) + 2
-    if document:
-        yield "\n\n".join(document)
 
 
 def write_shards(texts: list[str], folder: Path, name: str) -> list[str]:
