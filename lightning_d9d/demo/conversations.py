@@ -13,11 +13,9 @@ and a tiny model learns it in minutes.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from lightning_d9d.demo.cache import build_once
 from lightning_d9d.demo.corpus import build_demo_corpus
 
 DEMO_CHAT = "demo-chat"
@@ -53,30 +51,18 @@ def build_demo_conversations() -> str:
         A ``datasets.load_from_disk`` folder: a DatasetDict with ``train`` and ``validation``, one ``messages``
         column.
     """
-    from datasets import Dataset, DatasetDict, load_from_disk
-    from filelock import FileLock
-
     corpus = build_demo_corpus()
     root = Path(corpus.dataset_path).parent
-    target = root / f"conversations-v{_FORMAT_VERSION}"
-    if (target / "COMPLETE").exists():
-        return str(target / "dataset")
-    with FileLock(str(root / f"conversations-v{_FORMAT_VERSION}.lock")):
-        if (target / "COMPLETE").exists():  # another process built it while we waited for the lock
-            return str(target / "dataset")
-        staging = Path(tempfile.mkdtemp(prefix=".conversations-", dir=root))
-        try:
-            texts = load_from_disk(corpus.dataset_path)
-            splits = {}
-            for split in ("train", "validation"):
-                chats = [conversation(text, number) for number, text in enumerate(texts[split]["text"])]
-                splits[split] = Dataset.from_dict({"messages": [chat for chat in chats if chat is not None]})
-            DatasetDict(splits).save_to_disk(str(staging / "dataset"))
-            (staging / "COMPLETE").write_text("ok\n")
-            if target.exists():  # a stale, incomplete build from a killed process
-                shutil.rmtree(target)
-            os.replace(staging, target)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-    return str(target / "dataset")
+
+    def write_conversations(folder: Path) -> str:
+        from datasets import Dataset, DatasetDict, load_from_disk
+
+        texts = load_from_disk(corpus.dataset_path)
+        splits = {}
+        for split in ("train", "validation"):
+            chats = [conversation(text, number) for number, text in enumerate(texts[split]["text"])]
+            splits[split] = Dataset.from_dict({"messages": [chat for chat in chats if chat is not None]})
+        DatasetDict(splits).save_to_disk(str(folder / "dataset"))
+        return "ok\n"
+
+    return str(build_once(root, f"conversations-v{_FORMAT_VERSION}", write_conversations) / "dataset")

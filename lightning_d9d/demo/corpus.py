@@ -28,12 +28,12 @@ import ast
 import dataclasses
 import hashlib
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from lightning_d9d.demo.cache import build_once
 
 # Bump when the corpus or tokenizer recipe changes: it is part of the cache key, so old caches are not reused.
 _FORMAT_VERSION = 1
@@ -84,19 +84,25 @@ def _topic_documents() -> Iterator[str]:
     from pydoc_data.topics import topics
 
     for name in sorted(topics):
-        document: list[str] = []
-        size = 0
-        for paragraph in topics[name].split("\n\n"):
-            paragraph = paragraph.strip("\n")
-            if not paragraph.strip():
-                continue
-            if document and size + len(paragraph) > _MAX_TOPIC_DOCUMENT_CHARS:
-                yield "\n\n".join(document)
-                document, size = [], 0
-            document.append(paragraph)
-            size += len(paragraph) + 2
-        if document:
+        paragraphs = (paragraph.strip("\n") for paragraph in topics[name].split("\n\n"))
+        yield from regroup_blocks(paragraphs, _MAX_TOPIC_DOCUMENT_CHARS)
+
+
+def regroup_blocks(blocks: Iterable[str], max_chars: int) -> Iterator[str]:
+    """Blank blocks left out, the rest joined by blank lines, in order, into documents of up to ``max_chars``
+    characters; a block longer than that is a document of its own, whole."""
+    document: list[str] = []
+    size = 0
+    for block in blocks:
+        if not block.strip():
+            continue
+        if document and size + len(block) > max_chars:
             yield "\n\n".join(document)
+            document, size = [], 0
+        document.append(block)
+        size += len(block) + 2
+    if document:
+        yield "\n\n".join(document)
 
 
 def stdlib_sources(skipped_dirs: frozenset[str] = _SKIPPED_STDLIB_DIRS) -> Iterator[str]:
@@ -170,32 +176,18 @@ def build_demo_corpus(cache_dir: str | os.PathLike[str] | None = None) -> DemoCo
     Returns:
         The dataset directory and tokenizer file of the corpus.
     """
-    from datasets import Dataset, DatasetDict
-    from filelock import FileLock
-
     root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
-    target = root / _cache_key()
-    corpus = DemoCorpus(dataset_path=str(target / "dataset"), tokenizer_path=str(target / "tokenizer.json"))
-    if (target / "COMPLETE").exists():
-        return corpus
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{_cache_key()}.lock")):
-        if (target / "COMPLETE").exists():  # another process built it while we waited for the lock
-            return corpus
-        staging = Path(tempfile.mkdtemp(prefix=f".{_cache_key()}-", dir=root))
-        try:
-            train, validation = demo_texts()
-            splits = DatasetDict(
-                train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": validation})
-            )
-            splits.save_to_disk(str(staging / "dataset"))
-            _train_tokenizer(train, staging / "tokenizer.json")
-            digest = hashlib.sha256("\x00".join(train + validation).encode()).hexdigest()
-            (staging / "COMPLETE").write_text(f"{digest}\n")
-            if target.exists():  # a stale, incomplete build from a killed process
-                shutil.rmtree(target)
-            os.replace(staging, target)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-    return corpus
+    target = build_once(root, _cache_key(), _write_corpus)
+    return DemoCorpus(dataset_path=str(target / "dataset"), tokenizer_path=str(target / "tokenizer.json"))
+
+
+def _write_corpus(folder: Path) -> str:
+    """Write the corpus' dataset and tokenizer into ``folder``; return the digest of its texts (the marker)."""
+    from datasets import Dataset, DatasetDict
+
+    train, validation = demo_texts()
+    splits = DatasetDict(train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": validation}))
+    splits.save_to_disk(str(folder / "dataset"))
+    _train_tokenizer(train, folder / "tokenizer.json")
+    digest = hashlib.sha256("\x00".join(train + validation).encode()).hexdigest()
+    return f"{digest}\n"

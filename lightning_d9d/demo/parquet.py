@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_d9d.demo.corpus import _cache_key, build_demo_corpus, demo_cache_dir, demo_texts, stdlib_sources
+from lightning_d9d.demo.cache import build_once
+from lightning_d9d.demo.corpus import (
+    _cache_key,
+    build_demo_corpus,
+    demo_cache_dir,
+    demo_texts,
+    regroup_blocks,
+    stdlib_sources,
+)
 
 _FORMAT_VERSION = 1
 _SHARDS = 4
@@ -61,27 +67,12 @@ def code_documents(limit_chars: int = _CODE_CHARS) -> list[str]:
     documents: list[str] = []
     total = 0
     for source in stdlib_sources():
-        for document in _regroup(source.split("\n\n")):
+        for document in regroup_blocks(source.split("\n\n"), _MAX_CODE_DOCUMENT_CHARS):
             documents.append(document)
             total += len(document)
             if total >= limit_chars:
                 return documents
     return documents
-
-
-def _regroup(blocks: list[str]) -> Iterator[str]:
-    document: list[str] = []
-    size = 0
-    for block in blocks:
-        if not block.strip():
-            continue
-        if document and size + len(block) > _MAX_CODE_DOCUMENT_CHARS:
-            yield "\n\n".join(document)
-            document, size = [], 0
-        document.append(block)
-        size += len(block) + 2
-    if document:
-        yield "\n\n".join(document)
 
 
 def write_shards(texts: list[str], folder: Path, name: str) -> list[str]:
@@ -109,31 +100,19 @@ def build_demo_parquet(cache_dir: str | os.PathLike[str] | None = None) -> DemoP
     Returns:
         The shards of every source and the demo tokenizer.
     """
-    from filelock import FileLock
-
     root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
     corpus = build_demo_corpus(root)
-    key = f"{_cache_key()}-parquet{_FORMAT_VERSION}"
-    target = root / key
-    files = {name: sorted(str(p) for p in (target / name).glob("*.parquet")) for name in SOURCES}
-    if (target / "COMPLETE").exists():
-        return DemoParquet(files, corpus.tokenizer_path)
-    with FileLock(str(root / f"{key}.lock")):
-        if not (target / "COMPLETE").exists():
-            staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-            try:
-                train, validation = demo_texts()
-                for name, texts in (("prose", train), ("code", code_documents()), ("validation", validation)):
-                    write_shards(texts, staging / name, name)
-                (staging / "COMPLETE").write_text("ok\n")
-                if target.exists():  # a stale, incomplete build from a killed process
-                    shutil.rmtree(target)
-                os.replace(staging, target)
-            finally:
-                if staging.exists():
-                    shutil.rmtree(staging, ignore_errors=True)
+    target = build_once(root, f"{_cache_key()}-parquet{_FORMAT_VERSION}", _write_sources)
     files = {name: sorted(str(p) for p in (target / name).glob("*.parquet")) for name in SOURCES}
     return DemoParquet(files, corpus.tokenizer_path)
+
+
+def _write_sources(folder: Path) -> str:
+    """Write every source's shards into ``folder/<source>``; return the text of the build's marker."""
+    train, validation = demo_texts()
+    for name, texts in (("prose", train), ("code", code_documents()), ("validation", validation)):
+        write_shards(texts, folder / name, name)
+    return "ok\n"
 
 
 def resolve_demo_files(spec: Any, built: DemoParquet) -> Any:

@@ -6,8 +6,9 @@ offsets overlap a span — the rule transformers applies to ``return_assistant_t
 tokens and spans are both in order. ``check_token_boundaries`` refuses a span whose ends fall inside a token
 (the tokens of a prefix would not be a prefix of the whole's tokens, so any mask would be wrong by a token),
 found by a binary search over the token offsets. A turn found between two renders is first fitted to what the
-model writes: ``start_after_control_tokens`` moves its start past a header token that swallowed the turn's leading
-whitespace, and ``end_at_end_of_turn`` ends it at its end-of-turn token, without the separator after it.
+model writes (``fit_turn_spans``): ``start_after_control_tokens`` moves its start past a header token that
+swallowed the turn's leading whitespace, and ``end_at_end_of_turn`` ends it at its end-of-turn token, without the
+separator after it.
 Labels are Hugging Face's: the input ids where trained, ``-100`` elsewhere, unshifted; ``trained_targets``
 counts what a causal LM predicts after its shift (position 0 is never a target).
 
@@ -76,6 +77,26 @@ def _token_around(offsets: Sequence[tuple[int, int]], boundary: int) -> int | No
     while token >= 0 and offsets[token][0] == offsets[token][1]:  # an empty token (a prepended marker) holds none
         token -= 1
     return token if token >= 0 and offsets[token][1] > boundary else None
+
+
+def fit_turn_spans(
+    spans: Sequence[tuple[int, int]],
+    ids: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    text: str,
+    control_ids: frozenset[int],
+    row: int,
+) -> list[tuple[int, int]]:
+    """Turns found between two renders fitted to what the model writes: each starts after a header token that
+    swallowed its leading whitespace (``start_after_control_tokens``) and ends at its end-of-turn token
+    (``end_at_end_of_turn``).
+
+    Raises:
+        ValueError: a span (after its start moved) starts or ends inside a token, see ``check_token_boundaries``.
+    """
+    spans = start_after_control_tokens(spans, ids, offsets, text, control_ids)
+    check_token_boundaries(offsets, spans, row)
+    return end_at_end_of_turn(spans, ids, offsets, text, control_ids)
 
 
 def start_after_control_tokens(

@@ -47,14 +47,13 @@ from lightning_d9d.text.masks import (
     DROPPED_TOO_LONG,
     DROPPED_UNTRAINED,
     TRUNCATED,
-    check_token_boundaries,
-    end_at_end_of_turn,
+    fit_turn_spans,
     labels_from_mask,
     span_mask,
-    start_after_control_tokens,
     trained_targets,
     truncate,
 )
+from lightning_d9d.text.tokenize import cached_batched_map
 
 LossOn = Literal["all", "completion", "assistant", "last_assistant"]
 LOSS_ON_BY_FORMAT: dict[str, tuple[str, ...]] = {
@@ -154,9 +153,7 @@ class RowTokenizer:
             spans = list(rendered.generation_spans)
         else:
             spans = _turn_spans(template, messages, rendered.text, index, self.control_tokens, last_only)
-            spans = start_after_control_tokens(spans, ids, encoding.offsets, rendered.text, self.control_ids)
-            check_token_boundaries(encoding.offsets, spans, index)
-            spans = end_at_end_of_turn(spans, ids, encoding.offsets, rendered.text, self.control_ids)
+            spans = fit_turn_spans(spans, ids, encoding.offsets, rendered.text, self.control_ids, index)
         if last_only:
             spans = spans[-1:]
         mask = span_mask(encoding.offsets, spans)
@@ -183,9 +180,7 @@ class RowTokenizer:
         spans = [(len(start), len(whole))]
         mask = np.ones(len(encoding.ids), dtype=bool)
         if self.recipe.loss_on == "completion":
-            spans = start_after_control_tokens(spans, encoding.ids, encoding.offsets, whole, self.control_ids)
-            check_token_boundaries(encoding.offsets, spans, index)
-            spans = end_at_end_of_turn(spans, encoding.ids, encoding.offsets, whole, self.control_ids)
+            spans = fit_turn_spans(spans, encoding.ids, encoding.offsets, whole, self.control_ids, index)
             mask = span_mask(encoding.offsets, spans)
         return np.asarray(encoding.ids, dtype=np.int64), labels_from_mask(encoding.ids, mask)
 
@@ -429,14 +424,12 @@ def sft_tokenized_split(
         ]
     )
     name = map_kwargs.pop("name", "dataset")
-    tokenized = raw.map(
+    tokenized = cached_batched_map(
+        raw,
         _TokenizeRows(recipe, tokenizer_path, tokenizer_digest),
-        batched=True,
-        batch_size=1_000,
+        fingerprint,
+        f"Tokenizing {Path(name).name or name} ({recipe.format}, loss on {recipe.loss_on})",
         with_indices=True,
-        remove_columns=raw.column_names,
-        new_fingerprint=fingerprint,
-        desc=f"Tokenizing {Path(name).name or name} ({recipe.format}, loss on {recipe.loss_on})",
         **map_kwargs,
     )
     status = np.asarray(tokenized.with_format("numpy")["status"])

@@ -130,15 +130,31 @@ def _tokenize_cached(
     # datasets would fingerprint the function by pickling it, which sees the tokenizer's path but not its
     # content: an edited tokenizer.json would silently reuse stale token ids. Hash the content instead.
     fingerprint = Hasher.hash([raw._fingerprint, tokenizer_digest, max_length, text_column, _TOKENIZE_RECIPE_VERSION])
+    return cached_batched_map(
+        raw, tokenize, fingerprint, f"Tokenizing {Path(name).name or name} [{split}]", num_proc=num_proc
+    )
+
+
+def cached_batched_map(raw: Any, function: Any, fingerprint: str, desc: str, **map_kwargs: Any) -> Any:
+    """``raw.map(function)`` in batches of 1,000 rows, keeping only the columns ``function`` returns, cached by
+    ``datasets`` under ``fingerprint``; the worker pool of ``num_proc`` (in ``map_kwargs``) ends with this process.
+
+    Args:
+        raw: the ``datasets.Dataset`` to map.
+        function: the batched map function (picklable, for ``num_proc``).
+        fingerprint: the result's cache key, a hash of everything that decides the output.
+        desc: the progress bar's label.
+        map_kwargs: further ``Dataset.map`` arguments (``num_proc``, ``with_indices``).
+    """
     with children_exit_with_parent():  # a killed parent must not leave the map's worker pool running
         return raw.map(
-            tokenize,
+            function,
             batched=True,
             batch_size=1_000,
-            num_proc=num_proc,
             remove_columns=raw.column_names,
             new_fingerprint=fingerprint,
-            desc=f"Tokenizing {Path(name).name or name} [{split}]",
+            desc=desc,
+            **map_kwargs,
         )
 
 
