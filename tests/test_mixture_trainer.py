@@ -1,5 +1,6 @@
 """A weighted mixture under a real Trainer: exact per-step shares, an exact resume from a checkpoint (across an
-epoch end and a phase change), a deliberate change of shares on resume, and one validation loader per source."""
+epoch end and a phase change), a deliberate change of shares on resume, one validation loader per source, the
+same steps on 2 DDP ranks with resumes across world sizes, and the demo mixture config through the CLI."""
 
 from __future__ import annotations
 
