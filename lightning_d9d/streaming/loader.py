@@ -31,7 +31,10 @@ Worker start: workers are forked (fast, nothing to import or pickle) unless a fi
 A forked child inherits the state of pyarrow's S3 client (the AWS SDK's locks, held by any thread of this process
 that is inside a request at that moment) and can block forever making its own client; a forkserver child makes
 its first client in a fresh process. Such a worker also gets this process's environment as it is when the
-workers start (a forkserver keeps the one it started with), so the AWS variables it reads are the same.
+workers start (a forkserver keeps the one it started with), so the AWS variables it reads are the same. The
+trade-off: the first workers also start the forkserver (a new interpreter importing torch and Lightning), and,
+as with any start that is not a fork, each worker re-runs the training script's imports, so the script must
+keep its top-level code under ``if __name__ == "__main__":``.
 
 Trade-off: a larger K lets more ranks (and workers) share the streams, at the cost of K best-fit buffers in
 memory (over all ranks) and K streams to start after every resume; rows of one step come from K places in the
@@ -41,7 +44,10 @@ at an epoch boundary); a resume or a new ``fit`` restarts them from the committe
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import sys
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +57,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_d9d.child_processes import exit_with_process
 from lightning_d9d.epoch_iterator import (
     EpochIterator,
     ResumedByDataModule,
@@ -84,6 +91,19 @@ def worker_start_method(files: Iterable[str]) -> str | None:
         if "://" in path and path.split("://", 1)[0].lower() not in _FORKABLE_SCHEMES:
             return "forkserver"
     return None
+
+
+def _forkserver_context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server importing this module (and Lightning, when this process uses it) as it
+    starts, added to any preload already set: a worker forked from it then imports neither torch, pyarrow and
+    tokenizers for the dataset, nor Lightning when it re-runs the training script's imports (as every worker that
+    is not forked from the training process does)."""
+    context = multiprocessing.get_context("forkserver")
+    preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    wanted = [name for name in (__name__, "lightning") if name in sys.modules and name not in preload]
+    if wanted:
+        context.set_forkserver_preload([*preload, *wanted])  # no effect once the server runs
+    return context
 
 
 def rank_streams(num_streams: int, world_size: int, rank: int) -> list[int]:
@@ -193,13 +213,15 @@ class _HostedStreams(IterableDataset):
     ):
         self.spec, self.streams, self.num_workers, self.states = spec, streams, num_workers, states
         self.environment = environment  # set for workers that do not inherit this process's environment
+        self.requester = os.getpid()  # the process whose end ends such workers
 
     def __iter__(self) -> Iterator[list[tuple[int, RowBlock, StreamState]]]:
         info = get_worker_info()
         hosted = self.streams
         if info is not None:
-            if self.environment is not None:
+            if self.environment is not None:  # a forkserver's child: not the training process's
                 _take_environment(self.environment)
+                exit_with_process(self.requester)
             # The workers are the parallelism: each tokenizes on one core (when the parent has not tokenized
             # before forking, every worker would otherwise start a pool as wide as the machine). Only this
             # process is set.
@@ -294,8 +316,9 @@ def rank_blocks(spec: StreamSpec, streams: list[int], num_workers: int, states: 
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         # collate_fn=_as_is: the default would turn the numpy rows into tensors in the worker, and each tensor
         # would then cross to this process as a shared-memory file; a pickled array through the pipe is cheaper.
+        context = _forkserver_context() if start_method == "forkserver" else None
         loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=2, collate_fn=_as_is,
-                            multiprocessing_context=start_method)  # fmt: skip
+                            multiprocessing_context=context)  # fmt: skip
     collect_before_fork()
     return _InStreamOrder(iter(loader), streams, num_workers)
 
