@@ -5,7 +5,8 @@ or pyarrow's keys, fsspec's configuration, the AWS environment and config files)
 ``train_files`` (file, list, directory, glob), and gives the rows a local copy gives; a resume over s3:// is
 exact; storage failures at setup are named as such (never "matches no file"); an outage longer than pyarrow's
 own retries is outlasted by ``read_retry_seconds`` without changing a row, or ends in one error naming the URL,
-the row group and the cause.
+the row group and the cause; worker processes reading s3:// start clean (not forked from the process using S3),
+with the environment of their start, and end when the training process is killed.
 """
 
 from __future__ import annotations
@@ -273,6 +274,69 @@ def test_workers_over_s3_start_clean_with_the_environment_of_their_start(aws_env
     finally:
         relay.kill()
         relay.wait()
+
+
+KILLED_TRAINER = """
+import os, sys, time
+from lightning_d9d import PretrainingDataModule
+
+if __name__ == "__main__":
+    dm = PretrainingDataModule(train_files=sys.argv[1], tokenizer=sys.argv[2], seq_len=16, global_batch_size=4,
+                               microbatch_size=2, num_streams=2, num_workers=2, steps_per_epoch=12)
+    dm.setup("fit")
+    batches = iter(dm.train_dataloader())
+    next(batches)
+    print("reading", flush=True)
+    time.sleep(600)
+"""
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+def test_workers_over_s3_end_when_the_training_process_is_killed(aws_env: dict, monkeypatch, tmp_path: Path) -> None:
+    """A forkserver's workers are not the training process's children: they still end when it is killed."""
+    s3 = aws_env
+    credentials_env(s3, monkeypatch)
+    script = tmp_path / "train.py"
+    script.write_text(KILLED_TRAINER)
+    url = f"s3://{BUCKET}/data/*.parquet?{url_options(s3)}"
+    trainer = subprocess.Popen([sys.executable, str(script), url, str(s3["root"] / "tokenizer.json")],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "reading"
+        started = descendants(trainer.pid)
+        assert len(started) >= 3  # the forkserver and its two workers (and multiprocessing's resource tracker)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 20.0
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in started if alive(pid)]
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"processes outlived the killed training process: {left}"
 
 
 # ---------------------------------------------------------------------------------------------- failures at setup
