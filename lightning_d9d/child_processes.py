@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import select
 import signal
 import sys
 import threading
@@ -97,3 +98,40 @@ def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(_POLL_SECONDS)
     os._exit(1)
+
+
+def exit_with_process(pid: int) -> None:
+    """End this process when process ``pid`` ends, whoever this process's parent is.
+
+    A worker started by a forkserver is the forkserver's child, and the forkserver lives as long as any of its
+    children holds its liveness pipe (each does): neither a parent-death signal nor a watch of the parent ever
+    fires when the training process that asked for the worker is killed. A daemon thread waits on the process
+    itself instead (a pidfd where the kernel has them, else a poll once a second).
+
+    Args:
+        pid: the process to outlive no longer (exits at once if it is already gone).
+    """
+    threading.Thread(target=_wait_for_exit, args=(pid,), name="exit-with-process", daemon=True).start()
+
+
+def _wait_for_exit(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])  # readable once the process has ended
+    else:
+        while _alive(pid):
+            time.sleep(_POLL_SECONDS)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -17,31 +17,16 @@ from support import TESTS, LengthDataset, RecordingModule, make_docs, pad_collat
 
 from lightning_d9d import D9DDataModule, PretrainingDataModule
 
-STAGES = [
-    "lightning_d9d.checks",
-    "lightning_d9d.resume",
-    "lightning_d9d.epoch_iterator",
-    "lightning_d9d.device.pin",
-    "lightning_d9d.device.transfer",
-    "lightning_d9d.mapstyle.order",
-    "lightning_d9d.mapstyle.shard",
-    "lightning_d9d.mapstyle.plan",
-    "lightning_d9d.mapstyle.steps",
-    "lightning_d9d.mapstyle.loader",
-    "lightning_d9d.text.collate",
-    "lightning_d9d.text.tokenize",
-    "lightning_d9d.streaming.source",
-    "lightning_d9d.streaming.state",
-    "lightning_d9d.streaming.packing",
-    "lightning_d9d.streaming.reader",
-    "lightning_d9d.streaming.tokenize",
-    "lightning_d9d.streaming.bestfit_restore",
-    "lightning_d9d.streaming.estimate",
-    "lightning_d9d.streaming.stream",
-    "lightning_d9d.streaming.loader",
-    "lightning_d9d.demo.corpus",
-    "lightning_d9d.demo.synthetic",
-]
+PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "lightning_d9d"
+# The Lightning layer: the DataModules (one of them the demo's), the CLI and the demo model. Every other module
+# is a stage and must import without Lightning.
+LIGHTNING_LAYER = ("datamodules", "cli", "cli_errors", "demo.model", "demo.pretraining")
+STAGES = sorted(
+    "lightning_d9d." + ".".join(path.relative_to(PACKAGE_ROOT).with_suffix("").parts)
+    for path in PACKAGE_ROOT.rglob("*.py")
+    if path.name != "__init__.py"
+    and not ".".join(path.relative_to(PACKAGE_ROOT).with_suffix("").parts).startswith(LIGHTNING_LAYER)
+)
 
 
 def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -171,7 +156,6 @@ def test_an_exception_in_training_stops_the_workers(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ sizes
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_d9d"
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 60, 250
 # Known to be over the limits, to be split; shrink this set, never grow it.
 OVERSIZED = {
@@ -194,8 +178,8 @@ def oversized() -> set[str]:
             else:
                 visit(child, prefix, where)
 
-    for path in PACKAGE.rglob("*.py"):
-        visit(ast.parse(path.read_text()), "", path.relative_to(PACKAGE).as_posix())
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        visit(ast.parse(path.read_text()), "", path.relative_to(PACKAGE_ROOT).as_posix())
     return found
 
 

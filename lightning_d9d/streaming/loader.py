@@ -30,6 +30,16 @@ A worker's tokenizer calls also end at ``WORKER_CHUNK_CHARS`` characters of text
 rather than in bursts. Blocks cross to this process as compact int32 numpy, pickled through the worker's pipe;
 the int64 tensors of a microbatch are built here.
 
+Worker start: workers are forked (fast, nothing to import or pickle) unless a file is read over the network
+(``s3://`` and other URLs): then they start from a forkserver, a clean process that never made a storage client.
+A forked child inherits the state of pyarrow's S3 client (the AWS SDK's locks, held by any thread of this process
+that is inside a request at that moment) and can block forever making its own client; a forkserver child makes
+its first client in a fresh process. Such a worker also gets this process's environment as it is when the
+workers start (a forkserver keeps the one it started with), so the AWS variables it reads are the same. The
+trade-off: the first workers also start the forkserver (a new interpreter importing torch and Lightning), and,
+as with any start that is not a fork, each worker re-runs the training script's imports, so the script must
+keep its top-level code under ``if __name__ == "__main__":``.
+
 Trade-off: a larger K lets more ranks (and workers) share the streams, at the cost of K best-fit buffers in
 memory (over all ranks) and K streams to start after every resume; rows of one step come from K places in the
 corpus at once. The workers live as long as the loader's iterator (across epochs, since streams never restart
@@ -38,7 +48,10 @@ at an epoch boundary); a resume or a new ``fit`` restarts them from the committe
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import sys
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +61,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_d9d.child_processes import exit_with_process
 from lightning_d9d.epoch_iterator import (
     EpochIterator,
     ResumedByDataModule,
@@ -69,6 +83,33 @@ AnySpec = StreamSpec | MixtureSpec  # one corpus, or a mixture of sources
 WORKER_CHUNK_CHARS = 1 << 18
 # Chunks each stream reads and tokenizes ahead; a process hosting many streams keeps fewer per stream.
 _PREFETCH_PER_PROCESS = 8
+
+
+# URL schemes whose files a fresh process could not see (they live in this process's memory) or that need no
+# network client: forked workers read them.
+_FORKABLE_SCHEMES = frozenset({"file", "local", "memory"})
+
+
+def worker_start_method(files: Iterable[str]) -> str | None:
+    """How DataLoader workers start for these files: ``"forkserver"`` when any is read through a network client
+    (not fork-safe, see the module docstring), else ``None`` (torch's default, fork)."""
+    for path in files:
+        if "://" in path and path.split("://", 1)[0].lower() not in _FORKABLE_SCHEMES:
+            return "forkserver"
+    return None
+
+
+def _forkserver_context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server importing this module (and Lightning, when this process uses it) as it
+    starts, added to any preload already set: a worker forked from it then imports neither torch, pyarrow and
+    tokenizers for the dataset, nor Lightning when it re-runs the training script's imports (as every worker that
+    is not forked from the training process does)."""
+    context = multiprocessing.get_context("forkserver")
+    preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    wanted = [name for name in (__name__, "lightning") if name in sys.modules and name not in preload]
+    if wanted:
+        context.set_forkserver_preload([*preload, *wanted])  # no effect once the server runs
+    return context
 
 
 def rank_streams(num_streams: int, world_size: int, rank: int) -> list[int]:
@@ -168,13 +209,25 @@ class StreamPosition(TrainPosition):
 class _HostedStreams(IterableDataset):
     """What one process hosts of a rank's streams: per step, a list of one block per hosted stream."""
 
-    def __init__(self, spec: AnySpec, streams: list[int], num_workers: int, states: StreamStates):
+    def __init__(
+        self,
+        spec: AnySpec,
+        streams: list[int],
+        num_workers: int,
+        states: StreamStates,
+        environment: dict[str, str] | None = None,
+    ):
         self.spec, self.streams, self.num_workers, self.states = spec, streams, num_workers, states
+        self.environment = environment  # set for workers that do not inherit this process's environment
+        self.requester = os.getpid()  # the process whose end ends such workers
 
     def __iter__(self) -> Iterator[list[tuple[int, RowBlock, StreamState]]]:
         info = get_worker_info()
         hosted = self.streams
         if info is not None:
+            if self.environment is not None:  # a forkserver's child: not the training process's
+                _take_environment(self.environment)
+                exit_with_process(self.requester)
             # The workers are the parallelism: each tokenizes on one core (when the parent has not tokenized
             # before forking, every worker would otherwise start a pool as wide as the machine). Only this
             # process is set.
@@ -201,6 +254,13 @@ class _HostedStreams(IterableDataset):
         finally:
             for blocks in iterators:
                 blocks.close()
+
+
+def _take_environment(environment: dict[str, str]) -> None:
+    """Make this process's environment ``environment`` (what a forked worker would have inherited)."""
+    for name in set(os.environ) - set(environment):
+        del os.environ[name]
+    os.environ.update(environment)
 
 
 def _saved_buffers(states: Iterable[StreamState]) -> list[np.ndarray]:
@@ -256,14 +316,19 @@ def rank_blocks(spec: AnySpec, streams: list[int], num_workers: int, states: Str
     """
     if num_workers > 0 and not spec.chunk_chars:
         spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS)
-    dataset = _HostedStreams(spec, streams, num_workers, states)
+    files = [f for source in spec.sources for f in source.index.files] if isinstance(spec, MixtureSpec) else None
+    start_method = worker_start_method(files or spec.index.files) if num_workers > 0 else None
+    environment = dict(os.environ) if start_method is not None else None
+    dataset = _HostedStreams(spec, streams, num_workers, states, environment)
     if num_workers == 0:
         return _InStreamOrder(iter(dataset), streams, 1)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         # collate_fn=_as_is: the default would turn the numpy rows into tensors in the worker, and each tensor
         # would then cross to this process as a shared-memory file; a pickled array through the pipe is cheaper.
-        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=2, collate_fn=_as_is)
+        context = _forkserver_context() if start_method == "forkserver" else None
+        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=2, collate_fn=_as_is,
+                            multiprocessing_context=context)  # fmt: skip
     collect_before_fork()
     return _InStreamOrder(iter(loader), streams, num_workers)
 

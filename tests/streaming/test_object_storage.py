@@ -5,7 +5,8 @@ or pyarrow's keys, fsspec's configuration, the AWS environment and config files)
 ``train_files`` (file, list, directory, glob), and gives the rows a local copy gives; a resume over s3:// is
 exact; storage failures at setup are named as such (never "matches no file"); an outage longer than pyarrow's
 own retries is outlasted by ``read_retry_seconds`` without changing a row, or ends in one error naming the URL,
-the row group and the cause.
+the row group and the cause; worker processes reading s3:// start clean (not forked from the process using S3),
+with the environment of their start, and end when the training process is killed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 import http.client
 import http.server
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import socket
@@ -35,6 +38,7 @@ from moto.server import ThreadedMotoServer
 from support import make_docs, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
+from lightning_d9d.streaming.loader import worker_start_method
 from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.storage import Storage, StorageError
 
@@ -247,6 +251,94 @@ def test_rows_over_s3_equal_a_local_copys_and_resume_is_exact(aws_env: dict, mon
     assert_same_batches(list(resumed.train_dataloader()), want[6:])
 
 
+def test_workers_over_s3_start_clean_with_the_environment_of_their_start(aws_env: dict, monkeypatch) -> None:
+    """Workers reading s3:// are not forked from this process (a fork would copy its S3 client's state, locks held
+    by its threads included) but started by a forkserver; they still read the AWS environment of the moment they
+    start, not the one the forkserver started with: here the endpoint (a relay on a port new to this test) and the
+    credentials are set only after the forkserver runs."""
+    s3 = aws_env
+    assert worker_start_method([str(s3["root"] / "data" / "part-000.parquet"), "file:///x.parquet"]) is None
+    assert worker_start_method(["memory://corpus/x.parquet"]) is None  # lives in this process: fork sees it
+    names = [f"s3://{BUCKET}/data/part-{i:03d}.parquet" for i in range(3)]
+    assert worker_start_method([str(s3["root"]), *names]) == "forkserver"
+    multiprocessing.forkserver.ensure_running()
+    port = free_port()
+    relay = start_relay(port, s3["port"])
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        credentials_env(s3, monkeypatch)
+        want = list(make_dm(s3, str(s3["root"] / "data"), steps_per_epoch=6).train_dataloader())
+        loader = make_dm(s3, names, steps_per_epoch=6, num_workers=2).train_dataloader()
+        assert_same_batches(list(loader), want)
+        loader.close()
+    finally:
+        relay.kill()
+        relay.wait()
+
+
+KILLED_TRAINER = """
+import os, sys, time
+from lightning_d9d import PretrainingDataModule
+
+if __name__ == "__main__":
+    dm = PretrainingDataModule(train_files=sys.argv[1], tokenizer=sys.argv[2], seq_len=16, global_batch_size=4,
+                               microbatch_size=2, num_streams=2, num_workers=2, steps_per_epoch=12)
+    dm.setup("fit")
+    batches = iter(dm.train_dataloader())
+    next(batches)
+    print("reading", flush=True)
+    time.sleep(600)
+"""
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+def test_workers_over_s3_end_when_the_training_process_is_killed(aws_env: dict, monkeypatch, tmp_path: Path) -> None:
+    """A forkserver's workers are not the training process's children: they still end when it is killed."""
+    s3 = aws_env
+    credentials_env(s3, monkeypatch)
+    script = tmp_path / "train.py"
+    script.write_text(KILLED_TRAINER)
+    url = f"s3://{BUCKET}/data/*.parquet?{url_options(s3)}"
+    trainer = subprocess.Popen([sys.executable, str(script), url, str(s3["root"] / "tokenizer.json")],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "reading"
+        started = descendants(trainer.pid)
+        assert len(started) >= 3  # the forkserver and its two workers (and multiprocessing's resource tracker)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 20.0
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in started if alive(pid)]
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"processes outlived the killed training process: {left}"
+
+
 # ---------------------------------------------------------------------------------------------- failures at setup
 @pytest.mark.parametrize("spec", ["data/*.parquet", "data", "data/part-000.parquet"])
 def test_refused_credentials_are_reported_as_such_not_as_no_matching_file(aws_env: dict, spec: str) -> None:
@@ -319,17 +411,19 @@ def start_relay(port: int, upstream: int) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("num_workers", [0, 2])
 def test_reads_outlast_an_outage_longer_than_pyarrows_retries_without_changing_a_row(
-    aws_env: dict, monkeypatch
+    aws_env: dict, monkeypatch, num_workers: int
 ) -> None:
-    """The store is unreachable mid-stream for 8 s (pyarrow alone gives up after about 2 s of refused connections)."""
+    """The store is unreachable mid-stream for 8 s (pyarrow alone gives up after about 2 s of refused connections),
+    with the streams in this process or in worker processes."""
     s3 = aws_env
     credentials_env(s3, monkeypatch)
     port = free_port()
     relays = [start_relay(port, s3["port"])]
     url = f"s3://{BUCKET}/data/*.parquet?endpoint_override=127.0.0.1:{port}&scheme=http"
     want = list(make_dm(s3, str(s3["root"] / "data"), steps_per_epoch=30).train_dataloader())
-    dm = make_dm(s3, url, steps_per_epoch=30, read_retry_seconds=20)
+    dm = make_dm(s3, url, steps_per_epoch=30, read_retry_seconds=20, num_workers=num_workers)
     got, iterator = [], iter(dm.train_dataloader())
     got.extend(next(iterator) for _ in range(4))
     relays[0].kill()
