@@ -23,6 +23,7 @@ inspecting a huge dataset stays fast; raise ``--steps`` for a tighter figure.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -156,8 +157,10 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     steps = min(steps, datamodule.steps_per_epoch)
     # With yield_packs each batch is already one step's pack of microbatches.
     packs = bool(getattr(datamodule, "yield_packs", False))
+    rows_by_source: Counter[int] = Counter()  # a mixture's rows per source
     for _ in range(steps * (1 if packs else per_step_here)):
         batch = next(batches)
+        rows_by_source.update(_row_sources(batch))
         if first is None:
             first = batch[0] if packs else batch
         counts = count_tokens(batch)
@@ -174,9 +177,33 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
         ]
     else:
         lines.append("tokens per step, padding: n/a (the batch has no attention_mask, input_ids or inputs)")
-    lines.append("first microbatch:")
+    lines += [*_mixture_lines(datamodule, trainer, rows_by_source, steps), "first microbatch:"]
     lines += [f"  {line}" for line in describe_batch(first)]
     return "\n".join(lines)
+
+
+def _row_sources(batch: Any) -> list[int]:
+    """Each row's source index of a ``PretrainingBatch`` (none for other batches)."""
+    sources = getattr(batch, "sources", None)
+    return sources.tolist() if isinstance(sources, torch.Tensor) else []
+
+
+def _mixture_lines(datamodule: Any, trainer: Any, rows_by_source: Counter[int], steps: int) -> list[str]:
+    """A mixture's phases, expected passes over the run and realised shares (none for other DataModules)."""
+    report = getattr(datamodule, "mixture_report", None)
+    if report is None:
+        return []
+    sources = range(len(getattr(datamodule, "source_names", ())))
+    return report(_run_steps(trainer, datamodule.steps_per_epoch), [rows_by_source[i] for i in sources], steps)
+
+
+def _run_steps(trainer: Any, steps_per_epoch: int) -> int:
+    """The optimizer steps ``fit`` would run: ``max_steps``, else ``max_epochs`` epochs (1 when unbounded)."""
+    max_steps = getattr(trainer, "max_steps", -1) if trainer is not None else -1
+    if max_steps is not None and max_steps > 0:
+        return int(max_steps)
+    max_epochs = getattr(trainer, "max_epochs", None) if trainer is not None else None
+    return steps_per_epoch * (max_epochs if max_epochs and max_epochs > 0 else 1)
 
 
 def describe_token_plan(datamodule: Any, world_size: int) -> list[str]:

@@ -20,15 +20,20 @@ with ``all_gather_object``, because Lightning saves only rank 0's checkpoint and
 fingerprint of everything that decides the rows; any layout valid for K restores it, each rank taking the
 streams it now owns. Lightning's own restored batch counters are aligned to that step (``SteppedDataModule``).
 
+Mixtures: ``train_files={name: files}`` with ``weights`` makes each of the K streams a mixture stream
+(``streaming.mixture_stream``) taking every step exactly the rows ``streaming.mixture`` plans per source; the
+sources, their fingerprint and the plan on resume are ``datamodules.pretraining_mixture``'s.
+
 Trade-off: a larger K serves more layouts but holds K best-fit buffers and starts K streams after every resume;
 and a stream is a sequence, so a step's rows come from K places of the corpus rather than from a global shuffle.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,6 +44,17 @@ from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
+from lightning_d9d.datamodules.pretraining_mixture import (
+    SINGLE_SOURCE_NAME,
+    OnMixtureChange,
+    mixture_arguments,
+    mixture_fingerprint,
+    mixture_report,
+    read_states,
+    replace_plan,
+    resumed_plan,
+    source_stats,
+)
 from lightning_d9d.device.pin import pin_batch
 from lightning_d9d.resume import Fingerprint
 from lightning_d9d.streaming.estimate import estimate_pass, first_text
@@ -49,6 +65,8 @@ from lightning_d9d.streaming.loader import (
     check_layout,
     rank_streams,
 )
+from lightning_d9d.streaming.mixture import MixturePlan
+from lightning_d9d.streaming.mixture_stream import MixtureSpec
 from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.state import mapping
@@ -108,11 +126,22 @@ class PretrainingBatch:
             usual pad token, else any id but BOS).
         position_ids: ``(microbatch_size, seq_len)`` int64: 0 at every row start and every document start
             (BOS), and, for ``bestfit_split``, at every chunk start and every padding run, counting up from there.
+        sources: (a property) ``(microbatch_size,)`` int64: the index of each row's source in
+            ``dm.source_names`` (all 0 for a single corpus); in a validation batch of per-source validation, its
+            loader's index in ``dm.val_source_names``. ``row_sources`` holds it, ``None`` for a single corpus.
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor
+    row_sources: torch.Tensor | None = None
+
+    @property
+    def sources(self) -> torch.Tensor:
+        """``(microbatch_size,)`` int64, each row's source (see the class docstring)."""
+        if self.row_sources is None:  # one corpus: no tensor travels, every row is of source 0
+            return torch.zeros(len(self.inputs), dtype=torch.int64, device=self.inputs.device)
+        return self.row_sources
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -123,13 +152,16 @@ class PretrainingDataModule(SteppedDataModule):
 
     Args:
         train_files: a directory, a glob, a file, a ``s3://``/``gs://``/``file://`` (or any fsspec) URL of
-            those, or a list of them.
+            those, or a list of them; or a weighted mixture: a mapping ``{name: files}`` or
+            ``{name: {"files": files, "text_column": column}}`` (see ``weights``).
         tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``. Documents are encoded without its
             post-processor's special tokens, truncation or padding: each document is ``bos_token`` + its tokens.
         seq_len: tokens per row of ``inputs`` (each row is cut from ``seq_len + 1`` tokens).
         global_batch_size: rows per optimizer step, summed over ranks and accumulation (G).
         microbatch_size: rows per forward/backward on one rank (m).
-        val_files: optional validation files (same forms), read in file order from the start on every run.
+        val_files: optional validation files (same forms), read in file order from the start on every run; a
+            mapping ``{name: files}`` gives one validation loader per source, in its order (Lightning's
+            ``dataloader_idx``; ``dm.val_source_names``).
         text_column: the column holding the documents.
         bos_token: the token prepended to every document; it must be in the tokenizer's vocabulary.
         packing: ``"bestfit"`` (every row starts at BOS; a document that does not fit is cropped, its rest
@@ -158,6 +190,13 @@ class PretrainingDataModule(SteppedDataModule):
         read_retry_seconds: how long a read keeps retrying transient storage failures (refused or reset
             connections, timeouts, HTTP 5xx, throttling) before the run fails with an error naming the file, the
             row group and the last cause.
+        weights: a mixture's shares of every step's rows: ``{name: weight}`` (non-negative, normalised; ``None``:
+            equal), or phases ``[[from_step, {name: weight}], ...]``, the first from step 0, piecewise constant
+            in the global step. Every step takes exactly the planned rows of each source, cumulatively within one
+            row of ``global_batch_size × Σ shares`` (after a paused source, see ``streaming.mixture``).
+        on_mixture_change: resuming a mixture under other weights or sources: ``"raise"`` (one error naming the
+            old and new shares), or ``"continue"``: every source continues where it stopped under the new
+            shares (a source added starts fresh).
 
     Raises:
         ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m; in ``setup``, no file
@@ -172,12 +211,12 @@ class PretrainingDataModule(SteppedDataModule):
 
     def __init__(
         self,
-        train_files: str | os.PathLike | Sequence[str | os.PathLike],
+        train_files: Mapping[str, Any] | str | os.PathLike | Sequence[str | os.PathLike],
         tokenizer: str | os.PathLike | Tokenizer,
         seq_len: PositiveInt = 1024,
         global_batch_size: PositiveInt = 64,
         microbatch_size: PositiveInt = 8,
-        val_files: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+        val_files: Mapping[str, Any] | str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         text_column: str = "text",
         bos_token: str = "<|bos|>",
         packing: Literal["bestfit", "bestfit_split", "concat"] = "bestfit",
@@ -192,6 +231,8 @@ class PretrainingDataModule(SteppedDataModule):
         on_order_mismatch: OnOrderMismatch = "raise",
         storage_options: dict[str, Any] | None = None,
         read_retry_seconds: float = DEFAULT_READ_RETRY_SECONDS,
+        weights: dict[str, float] | list[tuple[int, dict[str, float]]] | list[dict[str, Any]] | None = None,
+        on_mixture_change: OnMixtureChange = "raise",
     ):
         super().__init__()
         self.seq_len = positive_int("seq_len", seq_len)
@@ -213,10 +254,16 @@ class PretrainingDataModule(SteppedDataModule):
         self.seed, self.pin_memory = non_negative_int("seed", seed), pin_memory
         self.on_order_mismatch = on_order_mismatch
         self.storage = storage_of(storage_options, read_retry_seconds)
+        self.on_mixture_change, self.weights = on_mixture_change, weights
+        self.train_sources, self.val_sources, self.schedule = mixture_arguments(
+            train_files, val_files, text_column, weights, on_mixture_change
+        )
         self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
 
         self.train_spec: StreamSpec | None = None
         self.val_spec: StreamSpec | None = None
+        self.val_specs: list[StreamSpec] = []  # one per validation source (a mapping val_files)
+        self.source_pass_rows: dict[str, float] = {}  # estimated rows of one pass over each source
         self.steps_per_epoch: int | None = None  # type: ignore[assignment]
         self.val_steps: int | None = None
         self.estimated_pass_tokens: float | None = None
@@ -235,6 +282,10 @@ class PretrainingDataModule(SteppedDataModule):
         Raises:
             ValueError: see the class docstring.
         """
+        # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
+        self.train_sources, self.val_sources, self.schedule = mixture_arguments(
+            self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change
+        )
         tokenizer = read_tokenizer(self.tokenizer)
         bos_id = tokenizer.token_to_id(self.bos_token)
         if bos_id is None:
@@ -249,9 +300,14 @@ class PretrainingDataModule(SteppedDataModule):
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
         check_layout(self.num_streams, self.global_batch_size, self.world_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
-            index = self._scan(self.train_files, "train_files")
-            self.train_spec = self._spec(index, tokenizer_json, bos_id, shuffle=True)
-            tokens, rows = estimate_pass(self.train_spec)
+            if self.train_sources is None:
+                index = self._scan(self.train_files, "train_files")
+                self.train_spec = self._spec(index, tokenizer_json, bos_id, shuffle=True)
+                tokens, rows = estimate_pass(self.train_spec)
+                self.source_pass_rows = {SINGLE_SOURCE_NAME: rows}
+                self.fingerprint = self._fingerprint(index, tokenizer_json)
+            else:
+                tokens, rows = self._setup_mixture(tokenizer_json, bos_id)
             self.estimated_pass_tokens = tokens
             if self._steps_per_epoch_arg is not None:
                 self.steps_per_epoch = self._steps_per_epoch_arg
@@ -264,8 +320,9 @@ class PretrainingDataModule(SteppedDataModule):
                         f"global_batch_size={self.global_batch_size} rows; add data, lower seq_len or "
                         "global_batch_size, or set steps_per_epoch to cycle the data"
                     )
-            self.fingerprint = self._fingerprint(index, tokenizer_json)
-        if self.val_files is not None and self.val_spec is None:
+        if self.val_sources is not None and not self.val_specs:
+            self._setup_val_sources(tokenizer_json, bos_id)
+        elif self.val_files is not None and self.val_sources is None and self.val_spec is None:
             index = self._scan(self.val_files, "val_files")
             self.val_spec = self._spec(index, tokenizer_json, bos_id, shuffle=False)
             if self._val_steps_arg is not None:
@@ -297,10 +354,44 @@ class PretrainingDataModule(SteppedDataModule):
         )
         return self.track_loader(loader)
 
+    @property
+    def source_names(self) -> list[str]:
+        """The training sources, in order (``PretrainingBatch.sources`` indexes it); ``["train"]`` for one corpus."""
+        return [s.name for s in self.train_sources] if self.train_sources is not None else [SINGLE_SOURCE_NAME]
+
+    @property
+    def val_source_names(self) -> list[str]:
+        """The validation sources, in the order of their loaders (Lightning's ``dataloader_idx``)."""
+        if self.val_files is None:
+            return []
+        return [s.name for s in self.val_sources] if self.val_sources is not None else ["val"]
+
+    def source_stats(self) -> dict[str, dict[str, float]]:
+        """Per training source, as of the latest step handed out, over the streams this rank owns: ``rows``,
+        ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding`` and ``passes``
+        (passes read, fractional: the mean over the rank's streams; the run's figure with one rank)."""
+        return source_stats(self._require(self.train_spec), self.source_names, self.position.states)
+
+    def mixture_report(self, run_steps: int, realised: Sequence[int], steps: int) -> list[str]:
+        """``inspect``'s lines on the mixture (none for one corpus): phases, expected passes of each source over
+        ``run_steps`` steps, and the realised shares (``realised`` rows per source) of the first ``steps``."""
+        spec = self._require(self.train_spec)
+        if not isinstance(spec, MixtureSpec):
+            return []
+        return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
+
     def val_dataloader(self) -> TokenValidationLoader | list:
         """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files)."""
         if self.val_files is None:
             return []
+        if self.val_sources is not None:
+            return [
+                TokenValidationLoader(
+                    spec, self.owned_streams, self.num_workers, self.microbatch_size, steps,
+                    functools.partial(self._make_batch, source=j),
+                )
+                for j, (spec, steps) in enumerate(zip(self.val_specs, self.val_steps_per_source))
+            ]  # fmt: skip
         spec = self._require(self.val_spec)
         return TokenValidationLoader(
             spec, self.owned_streams, self.num_workers, self.microbatch_size, self.val_steps, self._make_batch
@@ -338,6 +429,8 @@ class PretrainingDataModule(SteppedDataModule):
         else:
             ranks = [mine]
         streams = {sid: state for rank in ranks for sid, state in rank.items()}
+        if isinstance(self.train_spec, MixtureSpec):
+            return {"version": STATE_VERSION, "streams": streams, "mixture": self.train_spec.plan.to_dict()}
         return {"version": STATE_VERSION, "streams": streams}
 
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
@@ -363,6 +456,9 @@ class PretrainingDataModule(SteppedDataModule):
         if missing and step > 0:
             raise ValueError(f"the checkpoint's data state lacks streams {missing} (it holds {sorted(saved)})")
         spec = self._require(self.train_spec)
+        if isinstance(spec, MixtureSpec):
+            self._restore_mixture(state, saved, epoch, step)
+            return
         states = {}
         for sid in self.owned_streams:
             if sid in missing:
@@ -373,23 +469,75 @@ class PretrainingDataModule(SteppedDataModule):
             states[sid] = stream_state
         self.position.restart(epoch, step, states, self.microbatches_per_step)
 
+    def _restore_mixture(self, state: dict[str, Any], saved: Any, epoch: int, step: int) -> None:
+        """Restore a mixture's streams; the plan is the checkpoint's, or continued under new shares."""
+        spec = self.train_spec
+        states = read_states(saved, self.owned_streams, spec.packing, _loaded)
+        plan = resumed_plan(spec, state.get("mixture"), states, self.on_mixture_change)
+        self.train_spec = spec = replace_plan(spec, plan)
+        for sid, stream_state in states.items():
+            stream_state.check(spec, sid, f"streams.{sid}")
+        self.position.restart(epoch, step, states, self.microbatches_per_step)
+
     # ------------------------------------------------------------------ internals
-    def _make_batch(self, rows: RowBlock) -> PretrainingBatch:
+    def _make_batch(self, rows: RowBlock, source: int | None = None) -> PretrainingBatch:
         if rows.flags is None:
-            batch = PretrainingBatch(*microbatch_tensors(rows.tokens, self._require(self.train_spec).bos_id))
+            tensors = microbatch_tensors(rows.tokens, self._require(self.train_spec).bos_id)
         else:
-            batch = PretrainingBatch(*split_microbatch_tensors(rows.tokens, rows.flags))
+            tensors = split_microbatch_tensors(rows.tokens, rows.flags)
+        if rows.sources is not None:
+            sources = torch.from_numpy(np.array(rows.sources, np.int64))
+        elif self.val_sources is not None and source is not None:
+            sources = torch.full((len(rows),), source, dtype=torch.int64)
+        else:
+            sources = None
+        batch = PretrainingBatch(*tensors, sources)
         return pin_batch(batch) if self._pin else batch
+
+    def _setup_mixture(self, tokenizer_json: str, bos_id: int) -> tuple[float, float]:
+        """Scan every source, plan the mixture; returns the tokens and rows of one pass over all sources."""
+        specs, indexes, total_tokens = [], [], 0.0
+        for source in self.train_sources:
+            index = self._scan(source.files, f"train_files[{source.name!r}]", source.text_column)
+            try:
+                spec = self._spec(index, tokenizer_json, bos_id, shuffle=True)
+            except ValueError as error:  # too few rows for K streams: say which source
+                raise ValueError(f"train_files[{source.name!r}]: {error}") from error
+            tokens, self.source_pass_rows[source.name] = estimate_pass(spec)
+            specs.append(spec)
+            indexes.append(index)
+            total_tokens += tokens
+        plan = MixturePlan(self.schedule, self.global_batch_size)
+        self.train_spec = MixtureSpec(tuple(self.source_names), tuple(specs), plan)
+        self.fingerprint = mixture_fingerprint(
+            self.train_sources, indexes, tokenizer=_tokenizer_digest(tokenizer_json), bos_token=self.bos_token,
+            seq_len=self.seq_len, packing=self.packing, seed=self.seed, global_batch_size=self.global_batch_size,
+            num_streams=self.num_streams, bestfit_buffer_size=self.bestfit_buffer_size,
+        )  # fmt: skip
+        return total_tokens, sum(self.source_pass_rows.values())
+
+    def _setup_val_sources(self, tokenizer_json: str, bos_id: int) -> None:
+        self.val_specs, self.val_steps_per_source = [], []
+        for source in self.val_sources:
+            index = self._scan(source.files, f"val_files[{source.name!r}]", source.text_column)
+            spec = self._spec(index, tokenizer_json, bos_id, shuffle=False)
+            self.val_specs.append(spec)
+            if self._val_steps_arg is not None:
+                self.val_steps_per_source.append(self._val_steps_arg)
+            else:
+                _, rows = estimate_pass(spec)
+                self.val_steps_per_source.append(max(1, int(rows // (self.world_size * self.microbatch_size))))
 
     @property
     def _pin(self) -> bool:
         return self.resolve_pin_memory()
 
-    def _scan(self, files: Any, what: str) -> RowGroupIndex:
-        index = RowGroupIndex.scan(resolve_files(files, what, self.storage), self.text_column, self.storage)
+    def _scan(self, files: Any, what: str, text_column: str | None = None) -> RowGroupIndex:
+        text_column = text_column or self.text_column
+        index = RowGroupIndex.scan(resolve_files(files, what, self.storage), text_column, self.storage)
         if first_text(index) is None:
             raise ValueError(
-                f"{what} hold no text: every value of column {self.text_column!r} in {len(index.files)} file(s) "
+                f"{what} hold no text: every value of column {text_column!r} in {len(index.files)} file(s) "
                 f"({index.total_rows} rows) is null or empty"
             )
         return index
@@ -420,7 +568,7 @@ class PretrainingDataModule(SteppedDataModule):
             files=f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}",
             file_digests=tuple(index.file_digests),
             text_column=self.text_column,
-            tokenizer=f"sha256 {hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]}",
+            tokenizer=_tokenizer_digest(tokenizer_json),
             bos_token=self.bos_token,
             seq_len=self.seq_len,
             packing=self.packing,
@@ -436,6 +584,10 @@ class PretrainingDataModule(SteppedDataModule):
         if value is None:
             raise RuntimeError("call dm.setup('fit') first (Trainer.fit does it)")
         return value
+
+
+def _tokenizer_digest(tokenizer_json: str) -> str:
+    return f"sha256 {hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]}"
 
 
 def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float) -> Storage:

@@ -284,11 +284,14 @@ class TinyGPT(pl.LightningModule):
         self.log("train/tokens_per_s", self._tokens_since_start / elapsed, prog_bar=True)
         return self.step_loss(loss_sum, count, tokens.step_label_tokens)
 
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         loss_sum, count, _ = self._loss(batch)
         loss = loss_sum / count.clamp(min=1)
+        # One validation loader per source (a mapping of val_files): the loss of each under its source's name.
+        names = getattr(getattr(self._trainer, "datamodule", None), "val_source_names", None) or []
+        key = f"val/loss/{names[dataloader_idx]}" if len(names) > 1 else "val/loss"
         # Token-weighted mean over the whole validation set, so microbatch sizes do not bias it.
-        self.log("val/loss", loss, prog_bar=True, batch_size=max(int(count), 1))
+        self.log(key, loss, prog_bar=True, batch_size=max(int(count), 1), add_dataloader_idx=False)
         return loss
 
     def on_fit_start(self) -> None:

@@ -19,6 +19,10 @@ every stream's state at a step boundary resumes on any layout: each rank takes t
   while that last microbatch is still in flight). Lightning does not checkpoint accumulated gradients, so a
   resume starts at the first microbatch of a step.
 
+Mixtures: for a weighted mixture of sources each stream is a
+:class:`~lightning_d9d.streaming.mixture_stream.MixtureStream` (one sub-stream per source, the planned rows of
+each in every step); it still gives ``R`` rows per step, with each row's source, so nothing here changes.
+
 Workers: a process tokenizes with one thread (:mod:`~lightning_d9d.streaming.tokenize`), shared by every stream
 it hosts; a DataLoader worker's tokenizer uses one core, so ``num_workers`` is the number of cores a rank
 tokenizes on (``num_workers=0`` runs the rank's streams in this process, where the tokenizer uses every core).
@@ -67,9 +71,11 @@ from lightning_d9d.epoch_iterator import (
 )
 from lightning_d9d.resume import TrainPosition
 from lightning_d9d.streaming.bestfit_restore import read_buffered_texts
+from lightning_d9d.streaming.mixture_stream import MixtureSpec, MixtureState, mixture_streams
 from lightning_d9d.streaming.stream import BestFitState, RowBlock, StreamSpec, StreamState, TokenStream
 
-StreamStates = dict[int, StreamState]
+StreamStates = dict[int, StreamState | MixtureState]
+AnySpec = StreamSpec | MixtureSpec  # one corpus, or a mixture of sources
 
 # A worker's tokenizer calls hold at most this much text: a call's size buys no speed on one core, while a call
 # of 128 long documents (MBs of text) makes a worker's rows come in bursts and holds that many Encodings in
@@ -205,7 +211,7 @@ class _HostedStreams(IterableDataset):
 
     def __init__(
         self,
-        spec: StreamSpec,
+        spec: AnySpec,
         streams: list[int],
         num_workers: int,
         states: StreamStates,
@@ -229,9 +235,12 @@ class _HostedStreams(IterableDataset):
             hosted = self.streams[info.id :: self.num_workers]
         spec = replace(self.spec, prefetch=max(1, min(self.spec.prefetch, _PREFETCH_PER_PROCESS // len(hosted))))
         states = {sid: self.states[sid] for sid in hosted if sid in self.states}
-        texts = read_buffered_texts(spec, _saved_buffers(states.values())) if len(states) > 1 else None
-        iterators = [iter(TokenStream(spec, sid, states.get(sid), texts)) for sid in hosted]
-        del texts  # each restored stream keeps only its own documents' texts
+        if isinstance(spec, MixtureSpec):
+            iterators: list[Iterator] = [iter(stream) for stream in mixture_streams(spec, hosted, states)]
+        else:
+            texts = read_buffered_texts(spec, _saved_buffers(states.values())) if len(states) > 1 else None
+            iterators = [iter(TokenStream(spec, sid, states.get(sid), texts)) for sid in hosted]
+            del texts  # each restored stream keeps only its own documents' texts
         try:
             # Every stream's first block at once: a started or resumed stream waits on its first chunks (and a
             # restored best-fit buffer on tokenizing the documents it picks), which overlap across streams but
@@ -295,7 +304,7 @@ class _InStreamOrder:
             close()
 
 
-def rank_blocks(spec: StreamSpec, streams: list[int], num_workers: int, states: StreamStates) -> Iterator[tuple]:
+def rank_blocks(spec: AnySpec, streams: list[int], num_workers: int, states: StreamStates) -> Iterator[tuple]:
     """Endless ``(stream, block, state)`` of a rank's streams, step after step, continuing from ``states``.
 
     Args:
@@ -307,7 +316,8 @@ def rank_blocks(spec: StreamSpec, streams: list[int], num_workers: int, states: 
     """
     if num_workers > 0 and not spec.chunk_chars:
         spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS)
-    start_method = worker_start_method(spec.index.files) if num_workers > 0 else None
+    files = [f for source in spec.sources for f in source.index.files] if isinstance(spec, MixtureSpec) else None
+    start_method = worker_start_method(files or spec.index.files) if num_workers > 0 else None
     environment = dict(os.environ) if start_method is not None else None
     dataset = _HostedStreams(spec, streams, num_workers, states, environment)
     if num_workers == 0:
@@ -333,7 +343,8 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
             states[sid] = state
         tokens = np.concatenate([part.tokens for part in parts])
         flags = None if parts[0].flags is None else np.concatenate([part.flags for part in parts])
-        yield RowBlock(tokens, flags), states
+        sources = None if parts[0].sources is None else np.concatenate([part.sources for part in parts])
+        yield RowBlock(tokens, flags, sources), states
 
 
 @dataclass
@@ -364,7 +375,7 @@ class TokenTrainLoader(ResumedByDataModule):
 
     def __init__(
         self,
-        spec: StreamSpec,
+        spec: AnySpec,
         streams: list[int],
         num_workers: int,
         microbatch_size: int,
@@ -413,8 +424,7 @@ class TokenTrainLoader(ResumedByDataModule):
                 position.enter_step(self._step[1])
             rows = self._step[0]
             j = position.hand_out(per_step)
-            flags = None if rows.flags is None else rows.flags[j * m : (j + 1) * m]
-            yield self.make_batch(RowBlock(rows.tokens[j * m : (j + 1) * m], flags))
+            yield self.make_batch(rows.rows(j * m, (j + 1) * m))
 
 
 class TokenValidationLoader:
@@ -449,8 +459,7 @@ class TokenValidationLoader:
                 for first in range(0, len(rows.tokens), m):
                     if done == self.num_microbatches:
                         return
-                    flags = None if rows.flags is None else rows.flags[first : first + m]
-                    yield self.make_batch(RowBlock(rows.tokens[first : first + m], flags))
+                    yield self.make_batch(rows.rows(first, first + m))
                     done += 1
         finally:
             shutdown_workers(blocks)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Real
@@ -294,8 +294,7 @@ class MixturePlan:
                 continue
             if step - start <= _MAX_PERIOD_SEARCH:
                 seen[deficits] = (step, rows)
-            quota = _step_quota(rows, targets, shares, self.rows_per_step)
-            quota = _kept_within_one_row(rows, quota, targets, shares, self.rows_per_step)
+            quota = _planned_quota(rows, targets, shares, self.rows_per_step)
             rows = tuple(r + q for r, q in zip(rows, quota))
             step += 1
         return rows
@@ -327,15 +326,56 @@ class MixturePlan:
             raise ValueError(
                 f"num_streams={num_streams!r} must be a positive divisor of rows_per_step={self.rows_per_step}"
             )
-        counts = [[0] * len(self.schedule.sources) for _ in range(num_streams)]
-        slot = 0
-        for source, quota in enumerate(self.rows_of_step(step)):
-            whole, extra = divmod(quota, num_streams)
-            first = (slot + step) % num_streams
-            for stream in range(num_streams):
-                counts[stream][source] += whole + ((stream - first) % num_streams < extra)
-            slot += quota
-        return [tuple(row) for row in counts]
+        return deal_rows(self.rows_of_step(step), step, num_streams)
+
+    def quotas_from(self, step: int) -> Iterator[tuple[int, ...]]:
+        """``rows_of_step`` of ``step``, ``step + 1``, … one after another, in constant memory (a stream's plan)."""
+        rows = self.cumulative_rows(step)
+        while True:
+            quota = _planned_quota(rows, self.target_rows(step), self.schedule.shares_at(step), self.rows_per_step)
+            yield quota
+            rows = tuple(r + q for r, q in zip(rows, quota))
+            step += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form (for checkpoints): the schedule, ``start_step`` and ``start_rows`` by source name."""
+        return {
+            "schedule": self.schedule.to_dict(),
+            "rows_per_step": self.rows_per_step,
+            "start_step": self.start_step,
+            "start_rows": dict(zip(self.schedule.sources, self.start_rows)),
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> MixturePlan:
+        """The plan ``to_dict`` wrote."""
+        schedule = MixtureSchedule.from_dict(state["schedule"])
+        rows = [int(state["start_rows"][name]) for name in schedule.sources]
+        return cls(schedule, int(state["rows_per_step"]), int(state["start_step"]), rows)
+
+
+def deal_rows(quota: Sequence[int], step: int, num_streams: int) -> list[tuple[int, ...]]:
+    """Deal one step's rows per source (``quota``, summing to a multiple of ``num_streams``) to the streams.
+
+    The rows are laid out in source order; slot ``j`` goes to stream ``(j + step) mod K``.
+    """
+    counts = [[0] * len(quota) for _ in range(num_streams)]
+    slot = 0
+    for source, rows in enumerate(quota):
+        whole, extra = divmod(rows, num_streams)
+        first = (slot + step) % num_streams
+        for stream in range(num_streams):
+            counts[stream][source] += whole + ((stream - first) % num_streams < extra)
+        slot += rows
+    return [tuple(row) for row in counts]
+
+
+def _planned_quota(
+    rows: Sequence[int], targets: Sequence[Fraction], shares: Sequence[Fraction], rows_per_step: int
+) -> tuple[int, ...]:
+    """The rows each source gives one step: earliest deadline first, kept within a row where whole rows allow."""
+    quota = _step_quota(rows, targets, shares, rows_per_step)
+    return _kept_within_one_row(rows, quota, targets, shares, rows_per_step)
 
 
 def _kept_within_one_row(

@@ -33,6 +33,7 @@ would cost MiBs per stream.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
@@ -332,13 +333,26 @@ def _legacy_kind(state: Mapping[str, Any], path: str, packing: str | None) -> st
 
 @dataclass
 class RowBlock:
-    """Rows of ``seq_len + 1`` tokens; ``flags`` (``bestfit_split`` only) marks piece starts and non-targets."""
+    """Rows of ``seq_len + 1`` tokens; ``flags`` (``bestfit_split`` only) marks piece starts and non-targets;
+    ``sources`` (a mixture only) the int64 index of each row's source."""
 
     tokens: np.ndarray
     flags: np.ndarray | None = None
+    sources: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def rows(self, start: int, stop: int) -> RowBlock:
+        """Rows ``[start, stop)`` with their flags and sources."""
+        flags = None if self.flags is None else self.flags[start:stop]
+        sources = None if self.sources is None else self.sources[start:stop]
+        return RowBlock(self.tokens[start:stop], flags, sources)
+
+    @classmethod
+    def empty(cls, capacity: int, split: bool) -> RowBlock:
+        """A block of no rows (a mixture's source that gives a step none)."""
+        return cls(np.empty((0, capacity), np.int32), np.empty((0, capacity), np.uint8) if split else None)
 
 
 class TokenStream:
@@ -390,6 +404,14 @@ class TokenStream:
         return self.state
 
     def __iter__(self) -> Generator[tuple[RowBlock, StreamState], None, None]:
+        return self.blocks(itertools.repeat(self.spec.rows_per_block))
+
+    def blocks(self, sizes: Iterator[int]) -> Generator[tuple[RowBlock, StreamState], None, None]:
+        """Blocks of ``next(sizes)`` rows each (0 allowed: an empty block, the state unchanged but ``blocks``).
+
+        ``sizes`` is pulled when the next block is asked for, so a caller may decide each size just before.
+        The rows are the same however they are grouped into blocks (packers pack one row after another).
+        """
         spec, state = self.spec, self.state
         units = spec.stream_units(self.stream)
         reader = TextReader(units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars)
@@ -404,7 +426,7 @@ class TokenStream:
         packing_stage = _Concat(spec, units, state) if spec.packing == "concat" else _BestFit(spec, units, state, texts)
         del texts
         try:
-            blocks = packing_stage.blocks(chunks)
+            blocks = packing_stage.blocks(chunks, sizes)
             block, self.state = next(blocks)
             yield block, self.state
             chunks.open_lookahead()
@@ -517,8 +539,10 @@ class _Begun:
 class _Concat(_Stage):
     """Concat: one token stream cut into rows; nothing wasted, rows usually start mid-document."""
 
-    def blocks(self, chunks: Iterator[_Laid]) -> Generator[tuple[RowBlock, StreamState], None, None]:
-        spec, rows_per_block, start = self.spec, self.spec.rows_per_block, self.state.packing
+    def blocks(
+        self, chunks: Iterator[_Laid], sizes: Iterator[int]
+    ) -> Generator[tuple[RowBlock, StreamState], None, None]:
+        spec, start = self.spec, self.state.packing
         assert isinstance(start, ConcatState)
         packer = ConcatPacker(spec.capacity)
         packer.counters = self.packer_counters()
@@ -528,6 +552,10 @@ class _Concat(_Stage):
         pending: list[_Begun] = []  # chunks not yet all begun, oldest first
         last_begun: tuple[TextChunk, int] | None = None  # (chunk, document) begun last, once after_last is stale
         while True:
+            rows_per_block = next(sizes)
+            if rows_per_block == 0:  # nothing taken: the position stays
+                yield self.emitted(RowBlock.empty(spec.capacity, False), self.state.packing, packer.counters)
+                continue
             rows = packer.take(rows_per_block)
             while rows is None:
                 laid = next(chunks)
@@ -599,15 +627,21 @@ class _BestFit(_Stage):
         super().__init__(spec, units, state)
         self.texts = texts
 
-    def blocks(self, chunks: Iterator[_Laid]) -> Generator[tuple[RowBlock, StreamState], None, None]:
+    def blocks(
+        self, chunks: Iterator[_Laid], sizes: Iterator[int]
+    ) -> Generator[tuple[RowBlock, StreamState], None, None]:
         spec, start = self.spec, self.state.packing
         assert isinstance(start, BestFitState)
         split = spec.packing == "bestfit_split"
         packer = self._packer(start)
         cursor = _Cursor()
         refill = self._refiller(packer, chunks, cursor)
-        read, take, rows_per_block = start.read, packer.take, spec.rows_per_block
+        read, take = start.read, packer.take
         while True:
+            rows_per_block = next(sizes)
+            if rows_per_block == 0:  # nothing taken: the buffer and the position stay
+                yield self.emitted(RowBlock.empty(spec.capacity, split), self.state.packing, packer.counters)
+                continue
             result = take(rows_per_block, refill)
             if self.taken.docs:  # only the last document added names the position, so only it is placed
                 read = self.after(cursor.laid.chunk, cursor.next_doc - 1)

@@ -535,3 +535,20 @@ def test_reads_outlast_throttling_and_5xx_without_changing_a_row(aws_env: dict, 
             index.read_texts(0)
     finally:
         front.close()
+
+
+def test_a_mixture_with_a_source_in_object_storage_trains_the_rows_of_a_local_one(aws_env: dict) -> None:
+    """Each source of a mixture reaches its files through the DataModule's storage settings (in forkserver workers,
+    as any stream reading object storage)."""
+    s3 = aws_env
+    storage = {"endpoint_url": s3["endpoint"], "key": s3["key"], "secret": s3["secret"]}
+    half = str(s3["root"] / "data" / "part-000.parquet")
+    local = make_dm(s3, {"local": half, "remote": str(s3["root"] / "data")}, weights={"local": 1, "remote": 3})
+    remote = make_dm(s3, {"local": half, "remote": f"s3://{BUCKET}/data/*.parquet"}, weights={"local": 1, "remote": 3},
+                     storage_options=storage, num_workers=2)  # fmt: skip
+    assert remote.fingerprint == local.fingerprint
+    want = list(local.train_dataloader())
+    got = list(remote.train_dataloader())
+    assert_same_batches(got, want)
+    assert [b.sources.tolist() for b in got] == [b.sources.tolist() for b in want]
+    assert {s for b in got for s in b.sources.tolist()} == {0, 1}
