@@ -137,7 +137,7 @@ def test_the_demo_mixture_config_fits_and_resumes_across_its_phase_change(tmp_pa
             "init_args": {"dirpath": str(tmp_path / "checkpoints"), "save_last": True, "every_n_train_steps": 2},
         }
     ]
-    config = Path(__file__).resolve().parents[1] / "configs" / "demo_mixture.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs" / "demo_mixture.yaml"
     args = [
         "--config", str(config), "--model.init_args.width=32", "--model.init_args.num_layers=1",
         "--model.init_args.num_heads=2", "--data.init_args.steps_per_epoch=6", "--data.init_args.val_steps=1",
