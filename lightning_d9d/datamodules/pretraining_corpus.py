@@ -23,7 +23,12 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from lightning_d9d.datamodules.pretraining_mixture import SINGLE_SOURCE_NAME, SourceConfig, mixture_fingerprint
+from lightning_d9d.datamodules.pretraining_mixture import (
+    SINGLE_SOURCE_NAME,
+    SourceConfig,
+    files_summary,
+    mixture_fingerprint,
+)
 from lightning_d9d.resume import Fingerprint
 from lightning_d9d.streaming.estimate import estimate_pass, first_text
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
@@ -232,12 +237,8 @@ class PretrainingCorpus:
     def fingerprint(self, index: RowGroupIndex) -> StreamFingerprint:
         """The fingerprint of one corpus: its files (labels and footer digests), tokenizer and settings."""
         settings = self.settings
-        labels = index.file_labels()
-        files = hashlib.sha256()
-        for label, digest in zip(labels, index.file_digests):
-            files.update(f"{label}\0{digest}\0".encode())
         return StreamFingerprint(
-            files=f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}",
+            files=files_summary(index),
             file_digests=tuple(index.file_digests),
             text_column=settings.text_column,
             tokenizer=self.tokenizer_digest,
@@ -248,5 +249,5 @@ class PretrainingCorpus:
             global_batch_size=settings.global_batch_size,
             num_streams=settings.num_streams,
             bestfit_buffer_size=settings.bestfit_buffer_size,
-            file_labels=tuple(labels),
+            file_labels=tuple(index.file_labels()),
         )
