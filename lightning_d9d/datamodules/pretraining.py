@@ -24,6 +24,11 @@ Mixtures: ``train_files={name: files}`` with ``weights`` makes each of the K str
 (``streaming.mixture_stream``) taking every step exactly the rows ``streaming.mixture`` plans per source; the
 sources, their fingerprint and the plan on resume are ``datamodules.pretraining_mixture``'s.
 
+Parts: the corpus (files scanned per source, the stream specs, the fingerprint, the pass estimate) is
+``datamodules.pretraining_corpus``'s, the streams' saved state ``datamodules.pretraining_state``'s, the reports on
+sources and streams ``datamodules.pretraining_reports``'s; the class holds the topology, the loaders and the
+resume contract.
+
 Trade-off: a larger K serves more layouts but holds K best-fit buffers and starts K streams after every resume;
 and a stream is a sequence, so a step's rows come from K places of the corpus rather than from a global shuffle.
 """
@@ -31,10 +36,9 @@ and a stream is a sequence, so a step's rows come from K places of the corpus ra
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -44,20 +48,12 @@ from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
-from lightning_d9d.datamodules.pretraining_mixture import (
-    SINGLE_SOURCE_NAME,
-    OnMixtureChange,
-    mixture_arguments,
-    mixture_fingerprint,
-    mixture_report,
-    read_states,
-    replace_plan,
-    resumed_plan,
-    source_stats,
-)
+from lightning_d9d.datamodules.pretraining_corpus import CorpusSettings, PretrainingCorpus, StreamFingerprint
+from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments
+from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
+from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, restored_streams, saved_streams
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.resume import Fingerprint
-from lightning_d9d.streaming.estimate import estimate_pass, first_text
+from lightning_d9d.streaming.estimate import estimate_pass
 from lightning_d9d.streaming.loader import (
     StreamPosition,
     TokenTrainLoader,
@@ -65,53 +61,13 @@ from lightning_d9d.streaming.loader import (
     check_layout,
     rank_streams,
 )
-from lightning_d9d.streaming.mixture import MixturePlan
-from lightning_d9d.streaming.mixture_stream import MixtureSpec
 from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
-from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
-from lightning_d9d.streaming.state import mapping
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
-from lightning_d9d.streaming.stream import PACKINGS, RowBlock, StreamCounters, StreamSpec, StreamState
-from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
+from lightning_d9d.streaming.stream import PACKINGS, RowBlock, StreamSpec
 
-STATE_VERSION = 3  # 3: each stream's state nests its packing's (with a kind), which nests its reader's
-READABLE_STATE_VERSIONS = (2, 3)  # 2: the stream's, packing's and reader's fields side by side
+__all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "StreamFingerprint", "storage_of"]
+
 DEFAULT_NUM_STREAMS = 16
-
-
-@dataclass(frozen=True)
-class StreamFingerprint(Fingerprint):
-    """What decides the rows of every step (how documents are batched for the tokenizer does not).
-
-    ``file_digests`` holds one footer digest per file (row counts, sizes and text statistics of its row
-    groups), so a file rewritten with other text is noticed and named; ``file_labels`` only names files in
-    messages and is not compared.
-    """
-
-    files: str
-    file_digests: tuple[int, ...]
-    text_column: str
-    tokenizer: str
-    bos_token: str
-    seq_len: int
-    packing: str
-    seed: int
-    global_batch_size: int
-    num_streams: int
-    bestfit_buffer_size: int
-    file_labels: tuple[str, ...] = field(default=(), compare=False, repr=False)
-
-    def describe_difference(self, name: str, then: Any, now: Any) -> str:
-        if name != "file_digests":
-            return super().describe_difference(name, then, now)
-        if not isinstance(then, list):
-            return super().describe_difference(name, then, now)
-        if len(then) != len(now):
-            return f"file_digests: checkpoint {len(then)} files, this run {len(now)}"
-        changed = [i for i, (a, b) in enumerate(zip(then, now)) if a != b]
-        names = [self.file_labels[i] if i < len(self.file_labels) else f"file {i}" for i in changed]
-        shown = ", ".join(repr(name) for name in names[:5]) + (" ..." if len(names) > 5 else "")
-        return f"files: {len(changed)} of {len(now)} changed since the checkpoint ({shown})"
 
 
 @dataclass
@@ -147,7 +103,27 @@ class PretrainingBatch:
         return len(self.inputs)
 
 
-class PretrainingDataModule(SteppedDataModule):
+def make_batch(rows: RowBlock, bos_id: int, pin: bool, source: int | None = None) -> PretrainingBatch:
+    """The ``PretrainingBatch`` of a microbatch's rows (pinned with ``pin``).
+
+    ``bos_id`` marks document starts where the rows carry no chunk flags (all packings but ``bestfit_split``);
+    ``source`` is the index a validation loader of one source gives all its rows, where the rows carry none.
+    """
+    if rows.flags is None:
+        tensors = microbatch_tensors(rows.tokens, bos_id)
+    else:
+        tensors = split_microbatch_tensors(rows.tokens, rows.flags)
+    if rows.sources is not None:
+        sources = torch.from_numpy(np.array(rows.sources, np.int64))
+    elif source is not None:
+        sources = torch.full((len(rows),), source, dtype=torch.int64)
+    else:
+        sources = None
+    batch = PretrainingBatch(*tensors, sources)
+    return pin_batch(batch) if pin else batch
+
+
+class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     """Stream parquet text into packed token rows for ``Trainer.fit``: the same global batches on any GPU count.
 
     Args:
@@ -286,50 +262,17 @@ class PretrainingDataModule(SteppedDataModule):
         self.train_sources, self.val_sources, self.schedule = mixture_arguments(
             self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change
         )
-        tokenizer = read_tokenizer(self.tokenizer)
-        bos_id = tokenizer.token_to_id(self.bos_token)
-        if bos_id is None:
-            special = sorted(t.content for t in tokenizer.get_added_tokens_decoder().values())
-            raise ValueError(
-                f"the tokenizer has no token bos_token={self.bos_token!r}; its added/special tokens are "
-                f"{special}: pass one of them as bos_token or add it to the tokenizer"
-            )
-        tokenizer_json = tokenizer.to_str()
-        # BOS marks document starts, so padding must not use it.
-        self._pad_id = pad_token_id(tokenizer, avoid=bos_id)
+        corpus = PretrainingCorpus(CorpusSettings.of(self), self.tokenizer)
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
         check_layout(self.num_streams, self.global_batch_size, self.world_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
-            if self.train_sources is None:
-                index = self._scan(self.train_files, "train_files")
-                self.train_spec = self._spec(index, tokenizer_json, bos_id, shuffle=True)
-                tokens, rows = estimate_pass(self.train_spec)
-                self.source_pass_rows = {SINGLE_SOURCE_NAME: rows}
-                self.fingerprint = self._fingerprint(index, tokenizer_json)
-            else:
-                tokens, rows = self._setup_mixture(tokenizer_json, bos_id)
-            self.estimated_pass_tokens = tokens
-            if self._steps_per_epoch_arg is not None:
-                self.steps_per_epoch = self._steps_per_epoch_arg
-            else:
-                self.steps_per_epoch = int(rows // self.global_batch_size)
-                if self.steps_per_epoch < 1:
-                    raise ValueError(
-                        f"train_files are too small for one optimizer step: about {tokens:.0f} tokens "
-                        f"({rows:.1f} rows of seq_len+1={self.seq_len + 1}) per pass, but one step takes "
-                        f"global_batch_size={self.global_batch_size} rows; add data, lower seq_len or "
-                        "global_batch_size, or set steps_per_epoch to cycle the data"
-                    )
-        if self.val_sources is not None and not self.val_specs:
-            self._setup_val_sources(tokenizer_json, bos_id)
-        elif self.val_files is not None and self.val_sources is None and self.val_spec is None:
-            index = self._scan(self.val_files, "val_files")
-            self.val_spec = self._spec(index, tokenizer_json, bos_id, shuffle=False)
-            if self._val_steps_arg is not None:
-                self.val_steps = self._val_steps_arg
-            else:
-                _, rows = estimate_pass(self.val_spec)
-                self.val_steps = max(1, int(rows // (self.world_size * self.microbatch_size)))
+            train = corpus.train(self.train_files, self.train_sources, self.schedule)
+            self.train_spec, self.fingerprint = train.spec, train.fingerprint
+            self.source_pass_rows, self.estimated_pass_tokens = train.source_pass_rows, train.pass_tokens
+            self.steps_per_epoch = self._steps_per_epoch_arg or train.steps_per_pass(
+                self.global_batch_size, self.seq_len
+            )
+        self._setup_validation(corpus)
         if stage in (None, "fit"):
             self.start_fit(
                 StreamPosition(
@@ -354,32 +297,6 @@ class PretrainingDataModule(SteppedDataModule):
         )
         return self.track_loader(loader)
 
-    @property
-    def source_names(self) -> list[str]:
-        """The training sources, in order (``PretrainingBatch.sources`` indexes it); ``["train"]`` for one corpus."""
-        return [s.name for s in self.train_sources] if self.train_sources is not None else [SINGLE_SOURCE_NAME]
-
-    @property
-    def val_source_names(self) -> list[str]:
-        """The validation sources, in the order of their loaders (Lightning's ``dataloader_idx``)."""
-        if self.val_files is None:
-            return []
-        return [s.name for s in self.val_sources] if self.val_sources is not None else ["val"]
-
-    def source_stats(self) -> dict[str, dict[str, float]]:
-        """Per training source, as of the latest step handed out, over the streams this rank owns: ``rows``,
-        ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding`` and ``passes``
-        (passes read, fractional: the mean over the rank's streams; the run's figure with one rank)."""
-        return source_stats(self._require(self.train_spec), self.source_names, self.position.states)
-
-    def mixture_report(self, run_steps: int, realised: Sequence[int], steps: int) -> list[str]:
-        """``inspect``'s lines on the mixture (none for one corpus): phases, expected passes of each source over
-        ``run_steps`` steps, and the realised shares (``realised`` rows per source) of the first ``steps``."""
-        spec = self._require(self.train_spec)
-        if not isinstance(spec, MixtureSpec):
-            return []
-        return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
-
     def val_dataloader(self) -> TokenValidationLoader | list:
         """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files)."""
         if self.val_files is None:
@@ -397,22 +314,6 @@ class PretrainingDataModule(SteppedDataModule):
             spec, self.owned_streams, self.num_workers, self.microbatch_size, self.val_steps, self._make_batch
         )
 
-    def stream_stats(self) -> dict[str, int]:
-        """This rank's stream counters so far, summed over the streams it owns (see ``StreamCounters``).
-
-        Keys: ``docs`` (documents taken by the packer), ``empty`` (null or empty texts skipped),
-        ``text_free_units`` (units skipped for holding no text), ``tokens`` (tokens of the documents taken,
-        BOS included), ``emitted`` (document tokens in rows), ``padding`` (padding tokens in rows,
-        ``bestfit_split``), ``crops``/``cropped`` (documents cropped and their dropped tokens, ``bestfit``),
-        ``split_docs``/``chunks`` (documents split and their pieces, ``bestfit_split``), ``rows``. Counters are
-        as of the latest step handed out, and continue across a resume.
-        """
-        totals = StreamCounters().to_dict()
-        for state in self.position.states.values():
-            for key, value in state.counters.to_dict().items():
-                totals[key] += value
-        return totals
-
     # ------------------------------------------------------------------ the resume contract
     def extra_state(self) -> dict[str, Any]:
         """Every stream's state at the last optimizer step (gathered from all ranks under DDP).
@@ -421,20 +322,10 @@ class PretrainingDataModule(SteppedDataModule):
         rank 0's checkpoint, which every rank then loads.
         """
         _epoch, step = self.saved_position()
-        states = self.position.committed_states(step)
-        mine = {int(sid): _saveable(state.to_dict()) for sid, state in states.items()}
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
-            ranks: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(ranks, mine)
-        else:
-            ranks = [mine]
-        streams = {sid: state for rank in ranks for sid, state in rank.items()}
-        if isinstance(self.train_spec, MixtureSpec):
-            return {"version": STATE_VERSION, "streams": streams, "mixture": self.train_spec.plan.to_dict()}
-        return {"version": STATE_VERSION, "streams": streams}
+        return saved_streams(self.position.committed_states(step), self.train_spec, self.world_size)
 
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
-        """Restore the streams this rank owns to the checkpoint's last optimizer step.
+        """Restore the streams this rank owns to the checkpoint's last optimizer step (a mixture's plan too).
 
         Every stream state is validated against this run's data before anything runs from it.
 
@@ -443,151 +334,39 @@ class PretrainingDataModule(SteppedDataModule):
             InvalidDataState: (a ValueError) a stream state with a missing, mistyped or out-of-range field,
                 naming its path (``streams.<stream>.packing.reader.slot``), its value and what is valid.
         """
-        if state is None:
-            self.position.restart(epoch, step, {}, self.microbatches_per_step)
-            return
-        if state.get("version") not in READABLE_STATE_VERSIONS:
-            raise ValueError(
-                f"unknown PretrainingDataModule state version {state.get('version')!r} (this version reads "
-                f"{list(READABLE_STATE_VERSIONS)}): the checkpoint was written by another version of lightning_d9d"
-            )
-        saved = mapping(state.get("streams"), "streams")
-        missing = [sid for sid in self.owned_streams if sid not in saved and str(sid) not in saved]
-        if missing and step > 0:
-            raise ValueError(f"the checkpoint's data state lacks streams {missing} (it holds {sorted(saved)})")
-        spec = self._require(self.train_spec)
-        if isinstance(spec, MixtureSpec):
-            self._restore_mixture(state, saved, epoch, step)
-            return
         states = {}
-        for sid in self.owned_streams:
-            if sid in missing:
-                continue
-            path = f"streams.{sid}"
-            stream_state = StreamState.from_dict(_loaded(saved.get(sid, saved.get(str(sid)))), spec.packing, path)
-            stream_state.check(spec, sid, path)
-            states[sid] = stream_state
-        self.position.restart(epoch, step, states, self.microbatches_per_step)
-
-    def _restore_mixture(self, state: dict[str, Any], saved: Any, epoch: int, step: int) -> None:
-        """Restore a mixture's streams; the plan is the checkpoint's, or continued under new shares."""
-        spec = self.train_spec
-        states = read_states(saved, self.owned_streams, spec.packing, _loaded)
-        plan = resumed_plan(spec, state.get("mixture"), states, self.on_mixture_change)
-        self.train_spec = spec = replace_plan(spec, plan)
-        for sid, stream_state in states.items():
-            stream_state.check(spec, sid, f"streams.{sid}")
+        if state is not None:
+            spec = self._require(self.train_spec)
+            self.train_spec, states = restored_streams(state, spec, self.owned_streams, step, self.on_mixture_change)
         self.position.restart(epoch, step, states, self.microbatches_per_step)
 
     # ------------------------------------------------------------------ internals
     def _make_batch(self, rows: RowBlock, source: int | None = None) -> PretrainingBatch:
-        if rows.flags is None:
-            tensors = microbatch_tensors(rows.tokens, self._require(self.train_spec).bos_id)
-        else:
-            tensors = split_microbatch_tensors(rows.tokens, rows.flags)
-        if rows.sources is not None:
-            sources = torch.from_numpy(np.array(rows.sources, np.int64))
-        elif self.val_sources is not None and source is not None:
-            sources = torch.full((len(rows),), source, dtype=torch.int64)
-        else:
-            sources = None
-        batch = PretrainingBatch(*tensors, sources)
-        return pin_batch(batch) if self._pin else batch
+        source = source if self.val_sources is not None else None  # one validation corpus: no source tensor
+        return make_batch(rows, self._require(self.train_spec).bos_id, self._pin, source)
 
-    def _setup_mixture(self, tokenizer_json: str, bos_id: int) -> tuple[float, float]:
-        """Scan every source, plan the mixture; returns the tokens and rows of one pass over all sources."""
-        specs, indexes, total_tokens = [], [], 0.0
-        for source in self.train_sources:
-            index = self._scan(source.files, f"train_files[{source.name!r}]", source.text_column)
-            try:
-                spec = self._spec(index, tokenizer_json, bos_id, shuffle=True)
-            except ValueError as error:  # too few rows for K streams: say which source
-                raise ValueError(f"train_files[{source.name!r}]: {error}") from error
-            tokens, self.source_pass_rows[source.name] = estimate_pass(spec)
-            specs.append(spec)
-            indexes.append(index)
-            total_tokens += tokens
-        plan = MixturePlan(self.schedule, self.global_batch_size)
-        self.train_spec = MixtureSpec(tuple(self.source_names), tuple(specs), plan)
-        self.fingerprint = mixture_fingerprint(
-            self.train_sources, indexes, tokenizer=_tokenizer_digest(tokenizer_json), bos_token=self.bos_token,
-            seq_len=self.seq_len, packing=self.packing, seed=self.seed, global_batch_size=self.global_batch_size,
-            num_streams=self.num_streams, bestfit_buffer_size=self.bestfit_buffer_size,
-        )  # fmt: skip
-        return total_tokens, sum(self.source_pass_rows.values())
+    def _setup_validation(self, corpus: PretrainingCorpus) -> None:
+        """The validation streams (one per source of a mapping ``val_files``) and their microbatches per run."""
+        if self.val_sources is not None and not self.val_specs:
+            self.val_specs = [
+                corpus.validation(source.files, f"val_files[{source.name!r}]", source.text_column)
+                for source in self.val_sources
+            ]
+            self.val_steps_per_source = [self._val_steps_of(spec) for spec in self.val_specs]
+        elif self.val_files is not None and self.val_sources is None and self.val_spec is None:
+            self.val_spec = corpus.validation(self.val_files, "val_files")
+            self.val_steps = self._val_steps_of(self.val_spec)
 
-    def _setup_val_sources(self, tokenizer_json: str, bos_id: int) -> None:
-        self.val_specs, self.val_steps_per_source = [], []
-        for source in self.val_sources:
-            index = self._scan(source.files, f"val_files[{source.name!r}]", source.text_column)
-            spec = self._spec(index, tokenizer_json, bos_id, shuffle=False)
-            self.val_specs.append(spec)
-            if self._val_steps_arg is not None:
-                self.val_steps_per_source.append(self._val_steps_arg)
-            else:
-                _, rows = estimate_pass(spec)
-                self.val_steps_per_source.append(max(1, int(rows // (self.world_size * self.microbatch_size))))
+    def _val_steps_of(self, spec: StreamSpec) -> int:
+        """``val_steps``, else one estimated pass over ``spec`` shared by the ranks (at least 1)."""
+        if self._val_steps_arg is not None:
+            return self._val_steps_arg
+        _, rows = estimate_pass(spec)
+        return max(1, int(rows // (self.world_size * self.microbatch_size)))
 
     @property
     def _pin(self) -> bool:
         return self.resolve_pin_memory()
-
-    def _scan(self, files: Any, what: str, text_column: str | None = None) -> RowGroupIndex:
-        text_column = text_column or self.text_column
-        index = RowGroupIndex.scan(resolve_files(files, what, self.storage), text_column, self.storage)
-        if first_text(index) is None:
-            raise ValueError(
-                f"{what} hold no text: every value of column {text_column!r} in {len(index.files)} file(s) "
-                f"({index.total_rows} rows) is null or empty"
-            )
-        return index
-
-    def _spec(self, index: RowGroupIndex, tokenizer_json: str, bos_id: int, shuffle: bool) -> StreamSpec:
-        return StreamSpec(
-            index=index,
-            units=Units.of(index, self.num_streams),
-            tokenizer_json=tokenizer_json,
-            bos_id=bos_id,
-            seq_len=self.seq_len,
-            rows_per_block=self.global_batch_size // self.num_streams,
-            packing=self.packing,
-            seed=self.seed,
-            shuffle=shuffle,
-            num_streams=self.num_streams,
-            tokenizer_batch_size=self.tokenizer_batch_size,
-            buffer_size=self.bestfit_buffer_size,
-            pad_id=self._pad_id,
-        )
-
-    def _fingerprint(self, index: RowGroupIndex, tokenizer_json: str) -> StreamFingerprint:
-        labels = index.file_labels()
-        files = hashlib.sha256()
-        for label, digest in zip(labels, index.file_digests):
-            files.update(f"{label}\0{digest}\0".encode())
-        return StreamFingerprint(
-            files=f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}",
-            file_digests=tuple(index.file_digests),
-            text_column=self.text_column,
-            tokenizer=_tokenizer_digest(tokenizer_json),
-            bos_token=self.bos_token,
-            seq_len=self.seq_len,
-            packing=self.packing,
-            seed=self.seed,
-            global_batch_size=self.global_batch_size,
-            num_streams=self.num_streams,
-            bestfit_buffer_size=self.bestfit_buffer_size,
-            file_labels=tuple(labels),
-        )
-
-    @staticmethod
-    def _require(value: Any) -> Any:
-        if value is None:
-            raise RuntimeError("call dm.setup('fit') first (Trainer.fit does it)")
-        return value
-
-
-def _tokenizer_digest(tokenizer_json: str) -> str:
-    return f"sha256 {hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]}"
 
 
 def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float) -> Storage:
@@ -602,23 +381,3 @@ def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
         raise ValueError(f"read_retry_seconds must be a number of seconds >= 0, got {read_retry_seconds!r}")
     return Storage(dict(storage_options or {}), float(seconds))
-
-
-def _saveable(value: Any) -> Any:
-    """Numpy arrays as int64 tensors and ints as plain ints, so checkpoints load with ``weights_only=True``."""
-    if isinstance(value, dict):
-        return {key: _saveable(item) for key, item in value.items()}
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value, np.int64)).clone()
-    if isinstance(value, (np.integer, int)) and not isinstance(value, bool):
-        return int(value)
-    return value
-
-
-def _loaded(value: Any) -> Any:
-    """The inverse of ``_saveable``: tensors back to numpy."""
-    if isinstance(value, dict):
-        return {key: _loaded(item) for key, item in value.items()}
-    if isinstance(value, torch.Tensor):
-        return value.numpy()
-    return value

@@ -1,0 +1,253 @@
+"""The corpus of a PretrainingDataModule: files scanned per source, their stream specs, fingerprint and size.
+
+:class:`PretrainingCorpus` holds the settings that decide the rows and the loaded tokenizer; from a file spec it
+scans the parquet footers (``streaming.source``), builds the :class:`~lightning_d9d.streaming.stream.StreamSpec`
+the K streams share (a :class:`~lightning_d9d.streaming.mixture_stream.MixtureSpec` over one per source for a
+mixture), the fingerprint of everything that decides the rows, and estimates one pass
+(``streaming.estimate``). It knows nothing of ranks, workers or Lightning: the DataModule holds one per
+``setup`` and keeps only what it hands to its loaders.
+
+Trade-off: the tokenizer is read and the footers scanned again on every ``setup``, so a run always streams the
+files as they are now (and the fingerprint notices a file changed since a checkpoint), at the cost of listing
+and opening every file once per ``setup``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from lightning_d9d.datamodules.pretraining_mixture import (
+    SINGLE_SOURCE_NAME,
+    SourceConfig,
+    files_summary,
+    mixture_fingerprint,
+)
+from lightning_d9d.resume import Fingerprint
+from lightning_d9d.streaming.estimate import estimate_pass, first_text
+from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.mixture_stream import MixtureSpec
+from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
+from lightning_d9d.streaming.storage import Storage
+from lightning_d9d.streaming.stream import StreamSpec
+from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
+
+
+@dataclass(frozen=True)
+class StreamFingerprint(Fingerprint):
+    """What decides the rows of every step (how documents are batched for the tokenizer does not).
+
+    ``file_digests`` holds one footer digest per file (row counts, sizes and text statistics of its row
+    groups), so a file rewritten with other text is noticed and named; ``file_labels`` only names files in
+    messages and is not compared.
+    """
+
+    files: str
+    file_digests: tuple[int, ...]
+    text_column: str
+    tokenizer: str
+    bos_token: str
+    seq_len: int
+    packing: str
+    seed: int
+    global_batch_size: int
+    num_streams: int
+    bestfit_buffer_size: int
+    file_labels: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def describe_difference(self, name: str, then: Any, now: Any) -> str:
+        if name != "file_digests":
+            return super().describe_difference(name, then, now)
+        if not isinstance(then, list):
+            return super().describe_difference(name, then, now)
+        if len(then) != len(now):
+            return f"file_digests: checkpoint {len(then)} files, this run {len(now)}"
+        changed = [i for i, (a, b) in enumerate(zip(then, now)) if a != b]
+        names = [self.file_labels[i] if i < len(self.file_labels) else f"file {i}" for i in changed]
+        shown = ", ".join(repr(name) for name in names[:5]) + (" ..." if len(names) > 5 else "")
+        return f"files: {len(changed)} of {len(now)} changed since the checkpoint ({shown})"
+
+
+@dataclass(frozen=True)
+class CorpusSettings:
+    """The settings of a corpus: all but ``tokenizer_batch_size`` and ``storage`` decide the rows."""
+
+    text_column: str
+    bos_token: str
+    seq_len: int
+    packing: str
+    seed: int
+    global_batch_size: int
+    num_streams: int
+    bestfit_buffer_size: int
+    tokenizer_batch_size: int
+    storage: Storage
+
+    @classmethod
+    def of(cls, owner: Any) -> CorpusSettings:
+        """The settings of ``owner`` (a DataModule), read from its attributes of the same names."""
+        return cls(**{setting.name: getattr(owner, setting.name) for setting in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class TrainCorpus:
+    """The training side of a corpus: the streams' spec, its fingerprint and the estimate of one pass.
+
+    ``source_pass_rows`` holds the estimated rows of one pass over each source (``{"train": rows}`` for one
+    corpus); ``pass_tokens`` the estimated tokens of one pass over all of them.
+    """
+
+    spec: StreamSpec | MixtureSpec
+    fingerprint: Fingerprint
+    pass_tokens: float
+    source_pass_rows: dict[str, float]
+
+    def steps_per_pass(self, global_batch_size: int, seq_len: int) -> int:
+        """Optimizer steps in one estimated pass over all sources.
+
+        Raises:
+            ValueError: the corpus is too small for one step, naming its estimated tokens and rows.
+        """
+        rows = sum(self.source_pass_rows.values())
+        steps = int(rows // global_batch_size)
+        if steps < 1:
+            raise ValueError(
+                f"train_files are too small for one optimizer step: about {self.pass_tokens:.0f} tokens "
+                f"({rows:.1f} rows of seq_len+1={seq_len + 1}) per pass, but one step takes "
+                f"global_batch_size={global_batch_size} rows; add data, lower seq_len or "
+                "global_batch_size, or set steps_per_epoch to cycle the data"
+            )
+        return steps
+
+
+class PretrainingCorpus:
+    """The loaded tokenizer and the settings, which turn file specs into stream specs.
+
+    Args:
+        settings: the corpus settings.
+        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
+
+    Raises:
+        ValueError: the tokenizer lacks ``settings.bos_token``, naming its added/special tokens.
+    """
+
+    def __init__(self, settings: CorpusSettings, tokenizer: str | os.PathLike | Tokenizer):
+        loaded = read_tokenizer(tokenizer)
+        bos_id = loaded.token_to_id(settings.bos_token)
+        if bos_id is None:
+            special = sorted(t.content for t in loaded.get_added_tokens_decoder().values())
+            raise ValueError(
+                f"the tokenizer has no token bos_token={settings.bos_token!r}; its added/special tokens are "
+                f"{special}: pass one of them as bos_token or add it to the tokenizer"
+            )
+        self.settings, self.bos_id = settings, bos_id
+        self.tokenizer_json = loaded.to_str()
+        self.pad_id = pad_token_id(loaded, avoid=bos_id)  # BOS marks document starts, so padding must not use it
+
+    @property
+    def tokenizer_digest(self) -> str:
+        return f"sha256 {hashlib.sha256(self.tokenizer_json.encode()).hexdigest()[:16]}"
+
+    def train(
+        self, files: Any, sources: Sequence[SourceConfig] | None, schedule: MixtureSchedule | None
+    ) -> TrainCorpus:
+        """The shuffled training streams of ``files`` (one corpus), or of ``sources`` mixed by ``schedule``.
+
+        Raises:
+            ValueError: no file matches, a file is not parquet or lacks the column, the files hold no text, too
+                few rows for K streams (naming the source of a mixture).
+            StorageError: a URL could not be listed or opened.
+        """
+        if sources is not None:
+            return self._mixture(sources, schedule)
+        index = self.scan(files, "train_files")
+        spec = self.spec(index, shuffle=True)
+        tokens, rows = estimate_pass(spec)
+        return TrainCorpus(spec, self.fingerprint(index), tokens, {SINGLE_SOURCE_NAME: rows})
+
+    def validation(self, files: Any, what: str, text_column: str | None = None) -> StreamSpec:
+        """The streams of validation ``files``, read in file order (``what`` names them in errors)."""
+        return self.spec(self.scan(files, what, text_column), shuffle=False)
+
+    def _mixture(self, sources: Sequence[SourceConfig], schedule: MixtureSchedule) -> TrainCorpus:
+        """Scan every source and plan the mixture; the pass estimate sums the sources'."""
+        settings = self.settings
+        specs, indexes, pass_rows, total_tokens = [], [], {}, 0.0
+        for source in sources:
+            index = self.scan(source.files, f"train_files[{source.name!r}]", source.text_column)
+            try:
+                spec = self.spec(index, shuffle=True)
+            except ValueError as error:  # too few rows for K streams: say which source
+                raise ValueError(f"train_files[{source.name!r}]: {error}") from error
+            tokens, pass_rows[source.name] = estimate_pass(spec)
+            specs.append(spec)
+            indexes.append(index)
+            total_tokens += tokens
+        plan = MixturePlan(schedule, settings.global_batch_size)
+        fingerprint = mixture_fingerprint(
+            sources, indexes, tokenizer=self.tokenizer_digest, bos_token=settings.bos_token,
+            seq_len=settings.seq_len, packing=settings.packing, seed=settings.seed,
+            global_batch_size=settings.global_batch_size, num_streams=settings.num_streams,
+            bestfit_buffer_size=settings.bestfit_buffer_size,
+        )  # fmt: skip
+        spec = MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan)
+        return TrainCorpus(spec, fingerprint, total_tokens, pass_rows)
+
+    def scan(self, files: Any, what: str, text_column: str | None = None) -> RowGroupIndex:
+        """The row groups of ``files`` (footers only).
+
+        Raises:
+            ValueError: as ``resolve_files``/``RowGroupIndex.scan``, or every text of the column is null or empty.
+        """
+        text_column = text_column or self.settings.text_column
+        storage = self.settings.storage
+        index = RowGroupIndex.scan(resolve_files(files, what, storage), text_column, storage)
+        if first_text(index) is None:
+            raise ValueError(
+                f"{what} hold no text: every value of column {text_column!r} in {len(index.files)} file(s) "
+                f"({index.total_rows} rows) is null or empty"
+            )
+        return index
+
+    def spec(self, index: RowGroupIndex, shuffle: bool) -> StreamSpec:
+        """The spec of the K streams ``index`` is dealt to."""
+        settings = self.settings
+        return StreamSpec(
+            index=index,
+            units=Units.of(index, settings.num_streams),
+            tokenizer_json=self.tokenizer_json,
+            bos_id=self.bos_id,
+            seq_len=settings.seq_len,
+            rows_per_block=settings.global_batch_size // settings.num_streams,
+            packing=settings.packing,
+            seed=settings.seed,
+            shuffle=shuffle,
+            num_streams=settings.num_streams,
+            tokenizer_batch_size=settings.tokenizer_batch_size,
+            buffer_size=settings.bestfit_buffer_size,
+            pad_id=self.pad_id,
+        )
+
+    def fingerprint(self, index: RowGroupIndex) -> StreamFingerprint:
+        """The fingerprint of one corpus: its files (labels and footer digests), tokenizer and settings."""
+        settings = self.settings
+        return StreamFingerprint(
+            files=files_summary(index),
+            file_digests=tuple(index.file_digests),
+            text_column=settings.text_column,
+            tokenizer=self.tokenizer_digest,
+            bos_token=settings.bos_token,
+            seq_len=settings.seq_len,
+            packing=settings.packing,
+            seed=settings.seed,
+            global_batch_size=settings.global_batch_size,
+            num_streams=settings.num_streams,
+            bestfit_buffer_size=settings.bestfit_buffer_size,
+            file_labels=tuple(index.file_labels()),
+        )
