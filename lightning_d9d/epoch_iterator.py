@@ -78,6 +78,31 @@ class EpochIterator:
         self.close()
 
 
+class OneIterationAtATime:
+    """The lifecycle of a loader whose iterations are independent (both map-style loaders, streaming validation):
+    one epoch iteration at a time, its workers stopped deterministically.
+
+    A new iteration stops the previous one's workers, and ``close()`` stops the live one (at teardown, when
+    training raises): a loop broken off never leaves worker processes for the garbage collector.
+    """
+
+    _live: weakref.ref | None = None
+
+    def start_iteration(self, batches: Callable[[], Generator[Any, None, None]]) -> EpochIterator:
+        """A new epoch iteration over ``batches()`` (started at its first ``next()``), stopping the previous one."""
+        self.close()
+        epoch_iterator = EpochIterator(batches)
+        self._live = weakref.ref(epoch_iterator)  # weak: the iterator must be freed as soon as its loop drops it
+        return epoch_iterator
+
+    def close(self) -> None:
+        """Stop the epoch iteration in progress, if any (its worker processes exit now)."""
+        live, self._live = self._live, None
+        epoch_iterator = live() if live is not None else None
+        if epoch_iterator is not None:
+            epoch_iterator.close()
+
+
 class ResumedByDataModule:
     """A training loader whose position is its DataModule's state, which Lightning saves in the same checkpoint.
 

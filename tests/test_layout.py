@@ -187,11 +187,19 @@ def test_no_function_over_60_lines_and_no_class_over_250_but_the_known_ones() ->
     assert OVERSIZED - found == set(), "no longer oversized: remove them from OVERSIZED"
 
 
-def test_teardown_stops_the_workers_of_a_validation_loop_broken_off() -> None:
-    dm = D9DDataModule(
-        LengthDataset(400), pad_collate, global_batch_size=16, microbatch_size=4, num_workers=2,
-        val_dataset=LengthDataset(200, seed=1),
-    )  # fmt: skip
+@pytest.mark.parametrize("kind", ["mapstyle", "streaming"])
+def test_teardown_stops_the_workers_of_a_validation_loop_broken_off(parquet: Path, kind: str) -> None:
+    if kind == "mapstyle":
+        dm = D9DDataModule(
+            LengthDataset(400), pad_collate, global_batch_size=16, microbatch_size=4, num_workers=2,
+            val_dataset=LengthDataset(200, seed=1),
+        )  # fmt: skip
+    else:
+        dm = PretrainingDataModule(
+            train_files=str(parquet / "train"), val_files=str(parquet / "train"),
+            tokenizer=str(parquet / "tokenizer.json"), seq_len=32, global_batch_size=8, microbatch_size=4,
+            num_workers=2, steps_per_epoch=20, val_steps=4, num_streams=4,
+        )  # fmt: skip
     dm.setup("fit")
     batches = iter(dm.val_dataloader())
     next(batches)

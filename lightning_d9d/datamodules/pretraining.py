@@ -303,16 +303,17 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             return []
         if self.val_sources is not None:
             return [
-                TokenValidationLoader(
+                self.track_loader(TokenValidationLoader(
                     spec, self.owned_streams, self.num_workers, self.microbatch_size, steps,
                     functools.partial(self._make_batch, source=j),
-                )
+                ), f"val/{j}")
                 for j, (spec, steps) in enumerate(zip(self.val_specs, self.val_steps_per_source))
             ]  # fmt: skip
         spec = self._require(self.val_spec)
-        return TokenValidationLoader(
+        loader = TokenValidationLoader(
             spec, self.owned_streams, self.num_workers, self.microbatch_size, self.val_steps, self._make_batch
         )
+        return self.track_loader(loader, "val")
 
     # ------------------------------------------------------------------ the resume contract
     def extra_state(self) -> dict[str, Any]:

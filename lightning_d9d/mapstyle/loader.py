@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
@@ -42,7 +41,13 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.epoch_iterator import EpochIterator, ResumedByDataModule, collect_before_fork, shutdown_workers
+from lightning_d9d.epoch_iterator import (
+    EpochIterator,
+    OneIterationAtATime,
+    ResumedByDataModule,
+    collect_before_fork,
+    shutdown_workers,
+)
 from lightning_d9d.resume import TrainPosition
 
 STEP_LABEL_TOKENS = "step_label_tokens"
@@ -121,30 +126,6 @@ def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
     except dataclasses.FrozenInstanceError:
         return dataclasses.replace(batch, **{STEP_LABEL_TOKENS: value})
     return batch
-
-
-class OneIterationAtATime:
-    """The lifecycle of both map-style loaders: one epoch iteration at a time, its workers stopped deterministically.
-
-    A new iteration stops the previous one's workers, and ``close()`` stops the live one (at teardown, when
-    training raises): a loop broken off never leaves worker processes for the garbage collector.
-    """
-
-    _live: weakref.ref | None = None
-
-    def start_iteration(self, batches: Callable[[], Generator[Any, None, None]]) -> EpochIterator:
-        """A new epoch iteration over ``batches()`` (started at its first ``next()``), stopping the previous one."""
-        self.close()
-        epoch_iterator = EpochIterator(batches)
-        self._live = weakref.ref(epoch_iterator)  # weak: the iterator must be freed as soon as its loop drops it
-        return epoch_iterator
-
-    def close(self) -> None:
-        """Stop the epoch iteration in progress, if any (its worker processes exit now)."""
-        live, self._live = self._live, None
-        epoch_iterator = live() if live is not None else None
-        if epoch_iterator is not None:
-            epoch_iterator.close()
 
 
 class TrainLoader(OneIterationAtATime, ResumedByDataModule):

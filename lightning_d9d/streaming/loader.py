@@ -64,6 +64,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lightning_d9d.child_processes import exit_with_process
 from lightning_d9d.epoch_iterator import (
     EpochIterator,
+    OneIterationAtATime,
     ResumedByDataModule,
     close_at_exit,
     collect_before_fork,
@@ -427,7 +428,7 @@ class TokenTrainLoader(ResumedByDataModule):
             yield self.make_batch(rows.rows(j * m, (j + 1) * m))
 
 
-class TokenValidationLoader:
+class TokenValidationLoader(OneIterationAtATime):
     """A sized iterable of ``num_microbatches`` validation microbatches, the same ones on every run."""
 
     def __init__(
@@ -446,10 +447,7 @@ class TokenValidationLoader:
         return self.num_microbatches
 
     def __iter__(self) -> Iterator[Any]:
-        return EpochIterator(self._batches)
-
-    def close(self) -> None:
-        """Nothing outlives an iteration here: each validation pass stops its workers when it ends or is freed."""
+        return self.start_iteration(self._batches)
 
     def _batches(self) -> Generator[Any, None, None]:
         blocks = rank_blocks(self.spec, self.streams, self.num_workers, {})
