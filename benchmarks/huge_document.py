@@ -195,10 +195,10 @@ def child_datamodule(args: dict) -> dict:
         stats = dm.stream_stats()
         # Passed: its last ids are in a row (bestfit crops them) and every token taken by then is in a row or
         # dropped (bestfit_split places a document's pieces in any order).
-        if reached_s is not None and (ends_seen or args["packing"] == "bestfit"):
-            if stats["emitted"] + stats["cropped"] >= taken:
-                passed_s = time.perf_counter() - start
-                break
+        out_of_buffers = stats["emitted"] + stats["cropped"] >= taken
+        if reached_s is not None and (ends_seen or args["packing"] == "bestfit") and out_of_buffers:
+            passed_s = time.perf_counter() - start
+            break
         batch = next(iterator)
         steps += 1
     stats = dm.stream_stats()
