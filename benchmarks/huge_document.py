@@ -299,7 +299,7 @@ def main() -> None:
             print(f"whole-call baseline skipped: about {args.size_mb * WHOLE_CALL_BYTES_PER_CHAR / 1e3:.0f} GB "
                   f"expected, the machine has {args.memory_gib:g} GiB")  # fmt: skip
         results["pieces"] = pieces = run_child("pieces", common, args.max_seconds)
-        print(f"huge document: {pieces.get('tokens')} tokens", flush=True)
+        print(f"  whole: {results.get('whole')}\n  pieces: {pieces}", flush=True)
         for packing in args.packings.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
                 key = f"{packing}, num_workers={workers}"
