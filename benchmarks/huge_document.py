@@ -12,7 +12,7 @@ a row group of its own. Every configuration runs in a fresh process of its own, 
 have exited):
 
 * ``whole``: ``Tokenizer.encode`` of the huge document in one call (what tokenizing every document whole costs);
-  it is run only where its expected peak (about 220x the document, measured) fits in ``--memory-gib``;
+  it is run only where its expected peak (up to 220x the document) fits in ``--memory-gib``;
 * ``pieces``: ``LongEncoding.of`` (the streams' path for a document over ``LONG_DOCUMENT_CHARS``); where
   ``whole`` ran, its ids are compared with the whole call's (they must be equal: the document has spaces);
 * ``PretrainingDataModule(...).train_dataloader()`` with ``concat``, ``bestfit`` and ``bestfit_split``,
@@ -52,8 +52,8 @@ BOS = "<|bos|>"
 START, END = "HUGE DOCUMENT BEGINS: qzxv jkwq vvzx.\n", "\nqzxv jkwq vvzx: HUGE DOCUMENT ENDS."
 MARK = 8  # ids per marker window
 PACKINGS = ("concat", "bestfit", "bestfit_split")
-# Peak RSS of one Tokenizer.encode call over the document's size (byte-level BPE), measured on 40 MB: the
-# whole-call baseline is skipped where this would not fit in --memory-gib.
+# Bytes of peak RSS per character of one Tokenizer.encode call over a whole document (byte-level BPE), at most:
+# the whole-call baseline is skipped where it would not fit in --memory-gib, since a kill would end the run.
 WHOLE_CALL_BYTES_PER_CHAR = 220
 
 
