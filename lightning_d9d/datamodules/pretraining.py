@@ -68,6 +68,7 @@ from lightning_d9d.streaming.loader import (
 from lightning_d9d.streaming.mixture import MixturePlan
 from lightning_d9d.streaming.mixture_stream import MixtureSpec
 from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
+from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.state import mapping
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
@@ -99,6 +100,10 @@ class StreamFingerprint(Fingerprint):
     global_batch_size: int
     num_streams: int
     bestfit_buffer_size: int
+    # Checkpoints from before the cap had none; the default cap changes no row of an ordinary corpus.
+    max_document_chars: int | None = field(
+        default=DEFAULT_MAX_DOCUMENT_CHARS, metadata={"when_missing": (None, DEFAULT_MAX_DOCUMENT_CHARS)}
+    )
     file_labels: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def describe_difference(self, name: str, then: Any, now: Any) -> str:
@@ -178,6 +183,12 @@ class PretrainingDataModule(SteppedDataModule):
         tokenizer_batch_size: documents per ``encode_batch_fast`` call, at most (a worker's call also ends at
             ``streaming.loader.WORKER_CHUNK_CHARS`` characters of text). It does not change the rows.
         seed: seeds the unit order of every pass.
+        max_document_chars: a document longer than this many characters is skipped (never read into a Python
+            string, tokenized or packed), counted in ``stream_stats()["too_long"]`` and named (file, row group,
+            row, length) in one warning per process, so that memory stays bounded by the settings whatever the
+            data (docs/streaming.md). The default, 64 Mi, is far beyond natural documents; ``None``: no limit.
+            It changes the rows, so a resume needs the same value (checkpoints from before it match the default
+            and ``None``).
         bestfit_buffer_size: documents (``bestfit``) or pieces (``bestfit_split``) best-fit chooses from.
         pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.
         on_order_mismatch: resuming from a checkpoint of other data or settings: ``"raise"``, or
@@ -233,6 +244,7 @@ class PretrainingDataModule(SteppedDataModule):
         read_retry_seconds: float = DEFAULT_READ_RETRY_SECONDS,
         weights: dict[str, float] | list[tuple[int, dict[str, float]]] | list[dict[str, Any]] | None = None,
         on_mixture_change: OnMixtureChange = "raise",
+        max_document_chars: PositiveInt | None = DEFAULT_MAX_DOCUMENT_CHARS,
     ):
         super().__init__()
         self.seq_len = positive_int("seq_len", seq_len)
@@ -240,6 +252,7 @@ class PretrainingDataModule(SteppedDataModule):
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
         self.tokenizer_batch_size = positive_int("tokenizer_batch_size", tokenizer_batch_size)
         self.bestfit_buffer_size = positive_int("bestfit_buffer_size", bestfit_buffer_size)
+        self.max_document_chars = positive_int("max_document_chars", max_document_chars, allow_none=True)
         self.num_streams = positive_int("num_streams", num_streams)
         self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
@@ -401,7 +414,8 @@ class PretrainingDataModule(SteppedDataModule):
         """This rank's stream counters so far, summed over the streams it owns (see ``StreamCounters``).
 
         Keys: ``docs`` (documents taken by the packer), ``empty`` (null or empty texts skipped),
-        ``text_free_units`` (units skipped for holding no text), ``tokens`` (tokens of the documents taken,
+        ``text_free_units`` (units skipped for holding no text), ``too_long`` (documents over
+        ``max_document_chars`` skipped), ``tokens`` (tokens of the documents taken,
         BOS included), ``emitted`` (document tokens in rows), ``padding`` (padding tokens in rows,
         ``bestfit_split``), ``crops``/``cropped`` (documents cropped and their dropped tokens, ``bestfit``),
         ``split_docs``/``chunks`` (documents split and their pieces, ``bestfit_split``), ``rows``. Counters are
@@ -557,6 +571,7 @@ class PretrainingDataModule(SteppedDataModule):
             tokenizer_batch_size=self.tokenizer_batch_size,
             buffer_size=self.bestfit_buffer_size,
             pad_id=self._pad_id,
+            max_document_chars=self.max_document_chars,
         )
 
     def _fingerprint(self, index: RowGroupIndex, tokenizer_json: str) -> StreamFingerprint:
@@ -576,6 +591,7 @@ class PretrainingDataModule(SteppedDataModule):
             global_batch_size=self.global_batch_size,
             num_streams=self.num_streams,
             bestfit_buffer_size=self.bestfit_buffer_size,
+            max_document_chars=self.max_document_chars,
             file_labels=tuple(labels),
         )
 
