@@ -19,7 +19,9 @@ have exited):
   ``num_workers`` 0 and 2, ``num_streams`` 2 (one stream per worker), iterated until the huge document is
   passed: *reached* is the first step whose counters hold the huge document's tokens (the packer took it), and
   *passed* the first step at which every token taken by then is in a row or dropped (``emitted + cropped``).
-  Reported: set-up time, the first step, the time to reach and to pass it, and peak RSS.
+  Reported: set-up time, the first step, the time to reach and to pass it, and peak RSS. With
+  ``--max-document-chars`` below the document's size the streams skip it instead: *passed* is then the first
+  step whose counters hold it as ``too_long`` (read and skipped, never tokenized).
 
 The figures are printed side by side, with each configuration's peak RSS over the document's size.
 """
@@ -178,6 +180,7 @@ def child_datamodule(args: dict) -> dict:
         num_streams=2,
         steps_per_epoch=10**9,
         pin_memory=False,
+        max_document_chars=args["max_document_chars"],
     )
     start = time.perf_counter()
     dm.setup("fit")
@@ -189,6 +192,9 @@ def child_datamodule(args: dict) -> dict:
     reached_s = passed_s = None
     steps, taken, ends_seen = 1, 0, False
     while passed_s is None and time.perf_counter() - start < args["max_seconds"]:
+        if dm.stream_stats()["too_long"]:  # skipped for its length: nothing of it is in flight
+            passed_s = time.perf_counter() - start
+            break
         if reached_s is None and holds(batch, first):
             reached_s, taken = time.perf_counter() - start, dm.stream_stats()["tokens"]
         ends_seen = ends_seen or (reached_s is not None and holds(batch, last))
@@ -271,6 +277,8 @@ def main() -> None:
     parser.add_argument("--workers", default="0,2", help="num_workers values (comma-separated)")
     parser.add_argument("--memory-gib", type=float, default=24.0, help="the machine's memory (whole-call baseline)")
     parser.add_argument("--max-seconds", type=float, default=900.0, help="give up on one configuration after this")
+    parser.add_argument("--max-document-chars", default="default",
+                        help="PretrainingDataModule's max_document_chars: an integer, 'none' or 'default'")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a 2 MB document, concat in-process only (smoke test)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -280,6 +288,10 @@ def main() -> None:
         return
     if args.quick:
         args.size_mb, args.ordinary_mb, args.vocab, args.packings, args.workers = 2.0, 0.3, 1024, "concat", "0"
+    from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
+
+    cap = {"default": DEFAULT_MAX_DOCUMENT_CHARS, "none": None}.get(args.max_document_chars.lower())
+    cap = cap if args.max_document_chars.lower() in ("default", "none") else int(args.max_document_chars)
     texts = ordinary_texts(args.ordinary_mb)
     with tempfile.TemporaryDirectory() as tmp:
         corpus, tokenizer, ids = Path(tmp) / "corpus.parquet", Path(tmp) / "tokenizer.json", Path(tmp) / "ids.npy"
@@ -289,7 +301,7 @@ def main() -> None:
         train_tokenizer(texts[:: max(1, len(texts) // 200)], args.vocab, tokenizer)
         print(f"corpus: {len(texts)} ordinary documents ({sum(map(len, texts)) / 1e6:.1f} MB) + one of "
               f"{args.size_mb:g} MB; byte-level BPE vocab {args.vocab}; seq_len {args.seq_len}, microbatch "
-              f"{args.microbatch}, num_streams 2; {os.cpu_count()} cores")  # fmt: skip
+              f"{args.microbatch}, num_streams 2, max_document_chars {cap}; {os.cpu_count()} cores")  # fmt: skip
         common = {"corpus": str(corpus), "tokenizer": str(tokenizer), "ids": str(ids),
                   "pieces_ids": str(Path(tmp) / "pieces.npy")}  # fmt: skip
         results = {}
@@ -304,7 +316,7 @@ def main() -> None:
             for workers in (int(w) for w in args.workers.split(",")):
                 key = f"{packing}, num_workers={workers}"
                 child = {**common, "packing": packing, "workers": workers, "seq_len": args.seq_len,
-                         "microbatch": args.microbatch,
+                         "microbatch": args.microbatch, "max_document_chars": cap,
                          "max_seconds": args.max_seconds}  # fmt: skip
                 results[key] = run_child("datamodule", child, args.max_seconds + 300)
                 print(f"  {key}: {results[key]}", flush=True)
