@@ -381,7 +381,8 @@ class PretrainingDataModule(SteppedDataModule):
 
     def source_stats(self) -> dict[str, dict[str, float]]:
         """Per training source, as of the latest step handed out, over the streams this rank owns: ``rows``,
-        ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding`` and ``passes``
+        ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding``, ``too_long``
+        (documents over ``max_document_chars`` skipped) and ``passes``
         (passes read, fractional: the mean over the rank's streams; the run's figure with one rank)."""
         return source_stats(self._require(self.train_spec), self.source_names, self.position.states)
 

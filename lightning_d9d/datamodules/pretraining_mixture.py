@@ -201,12 +201,12 @@ def read_states(saved: Mapping[Any, Any], streams: Sequence[int], packing: str, 
 
 
 def source_stats(spec: StreamSpec | MixtureSpec, names: Sequence[str], states: Mapping[int, Any]) -> dict:
-    """Per source: ``rows``, ``tokens``, ``documents``, ``padding`` of the given streams, summed, and
+    """Per source: ``rows``, ``tokens``, ``documents``, ``padding``, ``too_long`` of the given streams, summed, and
     ``passes`` (the mean over the streams of the passes their reader has completed, fractional)."""
     stats = {}
     for i, name in enumerate(names):
         source_spec = spec.sources[i] if isinstance(spec, MixtureSpec) else spec
-        rows = tokens = docs = padding = 0
+        rows = tokens = docs = padding = too_long = 0
         passes = []
         for sid, state in states.items():
             sub = state.sources.get(name) if isinstance(state, MixtureState) else state
@@ -215,9 +215,11 @@ def source_stats(spec: StreamSpec | MixtureSpec, names: Sequence[str], states: M
                 continue
             c = sub.counters
             rows, tokens, docs, padding = rows + c.rows, tokens + c.emitted, docs + c.docs, padding + c.padding
+            too_long += c.too_long
             passes.append(_passes_read(source_spec, sid, sub))
         mean = sum(passes) / len(passes) if passes else 0.0
-        stats[name] = {"rows": rows, "tokens": tokens, "documents": docs, "padding": padding, "passes": mean}
+        stats[name] = {"rows": rows, "tokens": tokens, "documents": docs, "padding": padding, "too_long": too_long,
+                       "passes": mean}  # fmt: skip
     return stats
 
 

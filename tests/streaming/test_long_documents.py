@@ -158,6 +158,7 @@ def test_a_document_over_the_cap_is_skipped_counted_and_named_once(capped: dict,
     assert stats["too_long"] >= 2, "met on every pass, counted on every pass"
     assert stats["too_long"] + stats["empty"] == reference["empty"] and reference["too_long"] == 0
     assert stats["docs"] == reference["docs"] and stats["tokens"] == reference["tokens"]
+    assert sum(source["too_long"] for source in dm.source_stats().values()) == stats["too_long"]
     named = too_long_warnings(record)
     assert len(named) == 1, named
     assert "part-000.parquet" in named[0] and "row group 1, row 7" in named[0]
