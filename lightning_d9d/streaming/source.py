@@ -330,9 +330,10 @@ class RowGroupIndex:
             # A text has at most as many characters as bytes: the byte lengths (read off the offsets) pick the
             # few candidates whose characters need counting, so an ordinary row group costs one comparison.
             candidates = np.flatnonzero(pc.fill_null(pc.binary_length(column), 0).to_numpy() > max_chars)
-            if len(candidates):
-                chars = pc.utf8_length(column.take(pa.array(candidates, pa.int64()))).to_numpy()
-                too_long = {int(r): int(n) for r, n in zip(candidates, chars) if n > max_chars}
+            for row in candidates.tolist():  # a slice, not a take: a take would copy the long text
+                chars = pc.utf8_length(column.slice(row, 1))[0].as_py()
+                if chars > max_chars:
+                    too_long[row] = chars
             if too_long:
                 mask = np.zeros(len(column), bool)
                 mask[list(too_long)] = True
