@@ -214,7 +214,14 @@ def child_datamodule(args: dict) -> dict:
             "stats": stats, "base_mib": base_mib, **peak_mib()}  # fmt: skip
 
 
-CHILDREN = {"whole": child_whole, "pieces": child_pieces, "datamodule": child_datamodule}
+def child_corpus(args: dict) -> dict:
+    texts = ordinary_texts(args["ordinary_mb"])
+    write_corpus(Path(args["corpus"]), texts, huge_text(texts, args["size_mb"]), args["row_group"])
+    train_tokenizer(texts[:: max(1, len(texts) // 200)], args["vocab"], Path(args["tokenizer"]))
+    return {"docs": len(texts), "mb": sum(map(len, texts)) / 1e6}
+
+
+CHILDREN = {"corpus": child_corpus, "whole": child_whole, "pieces": child_pieces, "datamodule": child_datamodule}
 
 
 def run_child(kind: str, args: dict, timeout: float) -> dict:
@@ -292,14 +299,15 @@ def main() -> None:
 
     cap = {"default": DEFAULT_MAX_DOCUMENT_CHARS, "none": None}.get(args.max_document_chars.lower())
     cap = cap if args.max_document_chars.lower() in ("default", "none") else int(args.max_document_chars)
-    texts = ordinary_texts(args.ordinary_mb)
     with tempfile.TemporaryDirectory() as tmp:
         corpus, tokenizer, ids = Path(tmp) / "corpus.parquet", Path(tmp) / "tokenizer.json", Path(tmp) / "ids.npy"
-        huge = huge_text(texts, args.size_mb)
-        write_corpus(corpus, texts, huge, args.row_group)
-        del huge
-        train_tokenizer(texts[:: max(1, len(texts) // 200)], args.vocab, tokenizer)
-        print(f"corpus: {len(texts)} ordinary documents ({sum(map(len, texts)) / 1e6:.1f} MB) + one of "
+        # In a child: a process's peak RSS passes to the children it starts, so this one never holds the document.
+        made = run_child("corpus", {"corpus": str(corpus), "tokenizer": str(tokenizer), "size_mb": args.size_mb,
+                                    "ordinary_mb": args.ordinary_mb, "row_group": args.row_group,
+                                    "vocab": args.vocab}, args.max_seconds)  # fmt: skip
+        if "error" in made:
+            raise SystemExit(f"writing the corpus failed: {made['error']}")
+        print(f"corpus: {made['docs']} ordinary documents ({made['mb']:.1f} MB) + one of "
               f"{args.size_mb:g} MB; byte-level BPE vocab {args.vocab}; seq_len {args.seq_len}, microbatch "
               f"{args.microbatch}, num_streams 2, max_document_chars {cap}; {os.cpu_count()} cores")  # fmt: skip
         common = {"corpus": str(corpus), "tokenizer": str(tokenizer), "ids": str(ids),
