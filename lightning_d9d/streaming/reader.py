@@ -216,19 +216,15 @@ class TextReader:
             while slot < len(slots):
                 unit = int(slots[slot])
                 group, stop = int(units.units.group[unit]), int(units.units.stop[unit])
-                first_row = int(units.units.start[unit])
-                row = max(row, first_row)
+                row = max(row, first_row := int(units.units.start[unit]))
                 texts, too_long = (None, {}) if index.text_free[group] else self._read(group)
-                unit_long = sorted(r for r in too_long if first_row <= r < stop)
-                if texts is None or (not any(texts[first_row:stop]) and not unit_long):
+                if texts is None or not (any(texts[first_row:stop]) or any(first_row <= r < stop for r in too_long)):
                     units_since += 1  # a text-free unit is counted as one, not as its rows
                     slot, row = slot + 1, 0
                     continue
-                long_rows = [r for r in unit_long if r >= row]
-                _warn_too_long(index, group, long_rows, too_long, self.max_document_chars)
+                long_rows = _skipped_long(index, group, too_long, row, stop, self.max_document_chars)
                 if not any(texts[row:stop]):  # resumed after the unit's last document
-                    empty_since += stop - row - len(long_rows)
-                    long_since += len(long_rows)
+                    empty_since, long_since = empty_since + stop - row - len(long_rows), long_since + len(long_rows)
                     slot, row = slot + 1, 0
                     continue
                 found = True
@@ -236,8 +232,7 @@ class TextReader:
                 gaps = np.diff(np.asarray([row - 1, *kept], np.int64)) - 1
                 gaps[0] += empty_since
                 long_before, long_after = _long_before(kept, long_rows, long_since, gaps)
-                units_before = np.zeros(len(kept), np.int64)
-                units_before[0] = units_since
+                units_before = np.asarray([units_since] + [0] * (len(kept) - 1), np.int64)
                 empty_since = stop - 1 - kept[-1] - long_after
                 units_since, long_since = 0, long_after
                 lengths = np.fromiter((len(texts[r]) for r in kept), np.int64, len(kept)) if self.chunk_chars else None
@@ -286,18 +281,23 @@ def _long_before(kept: list[int], long_rows: list[int], since: int, gaps: np.nda
     return {int(doc): int(counts[doc]) for doc in np.flatnonzero(counts[:-1])}, int(counts[-1])
 
 
-def _warn_too_long(index: RowGroupIndex, group: int, rows: list[int], lengths: dict[int, int], cap: int | None) -> None:
-    """One warning per document over the cap, the first time this process skips it."""
+def _skipped_long(
+    index: RowGroupIndex, group: int, lengths: dict[int, int], row: int, stop: int, cap: int | None
+) -> list[int]:
+    """The rows ``[row, stop)`` of ``group`` skipped for their length, in order; one warning per document over the
+    cap, the first time this process skips it."""
+    rows = sorted(r for r in lengths if row <= r < stop)
     path, in_file = redact(index.files[int(index.file_of[group])]), int(index.group_in_file[group])
-    for row in rows:
-        if (path, in_file, row) in _WARNED_TOO_LONG:
+    for skipped in rows:
+        if (path, in_file, skipped) in _WARNED_TOO_LONG:
             continue
-        _WARNED_TOO_LONG.add((path, in_file, row))
+        _WARNED_TOO_LONG.add((path, in_file, skipped))
         warnings.warn(
-            f"skipped a document of {lengths[row]} characters (over max_document_chars={cap}): parquet file "
-            f"{path!r}, row group {in_file}, row {row}; raise max_document_chars (None: no limit) to train on it",
+            f"skipped a document of {lengths[skipped]} characters (over max_document_chars={cap}): parquet file "
+            f"{path!r}, row group {in_file}, row {skipped}; raise max_document_chars (None: no limit) to train on it",
             stacklevel=2,
         )
+    return rows
 
 
 def _fitting(lengths: np.ndarray, budget: int) -> int:
