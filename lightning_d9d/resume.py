@@ -32,7 +32,9 @@ from typing import Any
 class Fingerprint:
     """Base of every DataModule's fingerprint: a frozen dataclass of plain values (ints, strings, bools, None).
 
-    Subclasses declare the fields that decide their data.
+    Subclasses declare the fields that decide their data. A field added later names, in its metadata under
+    ``"when_missing"``, the values that a fingerprint saved before it existed matches (those that give the data
+    of that time).
     """
 
     def to_dict(self) -> dict[str, Any]:
@@ -42,8 +44,11 @@ class Fingerprint:
     def mismatches(self, saved: dict[str, Any]) -> list[str]:
         """``field: checkpoint X, this run Y`` for every field that differs from a saved fingerprint."""
         differences = []
+        older = {f.name: f.metadata["when_missing"] for f in dataclasses.fields(self) if "when_missing" in f.metadata}
         for name, now in self.to_dict().items():
             then = _plain(saved.get(name, MISSING))
+            if then is MISSING and name in older and now in older[name]:
+                continue
             if now != then:
                 differences.append(self.describe_difference(name, then, now))
         return differences

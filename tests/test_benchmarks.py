@@ -24,6 +24,7 @@ EXPECTED = {
     "order_scale.py": ("torch.randperm", "peak RSS"),
     "resume_cost.py": ("resume @1e7 s", "naive skip"),
     "streaming.py": ("bare vs bare", "own work / tokenizer's"),
+    "huge_document.py": ("(peak - before) / document", "whole call / pieces"),
     "token_budget.py": ("budget-free", "padding-free / padded tokens/s"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
@@ -34,6 +35,7 @@ MIN_VERDICTS = {
     "order_scale.py": 2,
     "resume_cost.py": 4,
     "streaming.py": 10,
+    "huge_document.py": 2,
     "token_budget.py": 8,
 }
 

@@ -62,6 +62,7 @@ from lightning_d9d.streaming.loader import (
     rank_streams,
 )
 from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
+from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.streaming.stream import PACKINGS, RowBlock, StreamSpec
 
@@ -154,6 +155,12 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         tokenizer_batch_size: documents per ``encode_batch_fast`` call, at most (a worker's call also ends at
             ``streaming.loader.WORKER_CHUNK_CHARS`` characters of text). It does not change the rows.
         seed: seeds the unit order of every pass.
+        max_document_chars: a document longer than this many characters is skipped (never read into a Python
+            string, tokenized or packed), counted in ``stream_stats()["too_long"]`` and named (file, row group,
+            row, length) in one warning per process, so that memory stays bounded by the settings whatever the
+            data (docs/streaming.md). The default, 64 Mi, is far beyond natural documents; ``None``: no limit.
+            It changes the rows, so a resume needs the same value (checkpoints from before it match the default
+            and ``None``).
         bestfit_buffer_size: documents (``bestfit``) or pieces (``bestfit_split``) best-fit chooses from.
         pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.
         on_order_mismatch: resuming from a checkpoint of other data or settings: ``"raise"``, or
@@ -209,6 +216,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         read_retry_seconds: float = DEFAULT_READ_RETRY_SECONDS,
         weights: dict[str, float] | list[tuple[int, dict[str, float]]] | list[dict[str, Any]] | None = None,
         on_mixture_change: OnMixtureChange = "raise",
+        max_document_chars: PositiveInt | None = DEFAULT_MAX_DOCUMENT_CHARS,
     ):
         super().__init__()
         self.seq_len = positive_int("seq_len", seq_len)
@@ -216,14 +224,12 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
         self.tokenizer_batch_size = positive_int("tokenizer_batch_size", tokenizer_batch_size)
         self.bestfit_buffer_size = positive_int("bestfit_buffer_size", bestfit_buffer_size)
+        self.max_document_chars = positive_int("max_document_chars", max_document_chars, allow_none=True)
         self.num_streams = positive_int("num_streams", num_streams)
         self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
         microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
-        if packing not in PACKINGS:
-            raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
-        if not isinstance(text_column, str) or not text_column:
-            raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
+        _check_packing_and_column(packing, text_column)
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
         self.num_workers = non_negative_int("num_workers", num_workers)
@@ -368,6 +374,14 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     @property
     def _pin(self) -> bool:
         return self.resolve_pin_memory()
+
+
+def _check_packing_and_column(packing: Any, text_column: Any) -> None:
+    """Raises ValueError for a packing that is not one of ``PACKINGS`` or an empty or non-string column name."""
+    if packing not in PACKINGS:
+        raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
+    if not isinstance(text_column, str) or not text_column:
+        raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
 
 
 def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float) -> Storage:

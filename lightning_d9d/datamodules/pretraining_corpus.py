@@ -33,6 +33,7 @@ from lightning_d9d.resume import Fingerprint
 from lightning_d9d.streaming.estimate import estimate_pass, first_text
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.mixture_stream import MixtureSpec
+from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.storage import Storage
 from lightning_d9d.streaming.stream import StreamSpec
@@ -59,6 +60,10 @@ class StreamFingerprint(Fingerprint):
     global_batch_size: int
     num_streams: int
     bestfit_buffer_size: int
+    # Checkpoints from before the cap had none; the default cap changes no row of an ordinary corpus.
+    max_document_chars: int | None = field(
+        default=DEFAULT_MAX_DOCUMENT_CHARS, metadata={"when_missing": (None, DEFAULT_MAX_DOCUMENT_CHARS)}
+    )
     file_labels: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def describe_difference(self, name: str, then: Any, now: Any) -> str:
@@ -86,6 +91,7 @@ class CorpusSettings:
     global_batch_size: int
     num_streams: int
     bestfit_buffer_size: int
+    max_document_chars: int | None
     tokenizer_batch_size: int
     storage: Storage
 
@@ -194,7 +200,7 @@ class PretrainingCorpus:
             sources, indexes, tokenizer=self.tokenizer_digest, bos_token=settings.bos_token,
             seq_len=settings.seq_len, packing=settings.packing, seed=settings.seed,
             global_batch_size=settings.global_batch_size, num_streams=settings.num_streams,
-            bestfit_buffer_size=settings.bestfit_buffer_size,
+            bestfit_buffer_size=settings.bestfit_buffer_size, max_document_chars=settings.max_document_chars,
         )  # fmt: skip
         spec = MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan)
         return TrainCorpus(spec, fingerprint, total_tokens, pass_rows)
@@ -232,6 +238,7 @@ class PretrainingCorpus:
             tokenizer_batch_size=settings.tokenizer_batch_size,
             buffer_size=settings.bestfit_buffer_size,
             pad_id=self.pad_id,
+            max_document_chars=settings.max_document_chars,
         )
 
     def fingerprint(self, index: RowGroupIndex) -> StreamFingerprint:
@@ -249,5 +256,6 @@ class PretrainingCorpus:
             global_batch_size=settings.global_batch_size,
             num_streams=settings.num_streams,
             bestfit_buffer_size=settings.bestfit_buffer_size,
+            max_document_chars=settings.max_document_chars,
             file_labels=tuple(index.file_labels()),
         )

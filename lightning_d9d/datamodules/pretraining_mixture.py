@@ -24,12 +24,13 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_d9d.resume import Fingerprint
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.mixture_stream import MixtureSpec, MixtureState
+from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.source import RowGroupIndex
 from lightning_d9d.streaming.state import InvalidDataState
 from lightning_d9d.streaming.stream import StreamSpec, StreamState
@@ -126,6 +127,10 @@ class MixtureFingerprint(Fingerprint):
     global_batch_size: int
     num_streams: int
     bestfit_buffer_size: int
+    # Checkpoints from before the cap had none; the default cap changes no row of an ordinary corpus.
+    max_document_chars: int | None = field(
+        default=DEFAULT_MAX_DOCUMENT_CHARS, metadata={"when_missing": (None, DEFAULT_MAX_DOCUMENT_CHARS)}
+    )
 
     def mismatches(self, saved: dict[str, Any]) -> list[str]:
         others = {name: value for name, value in saved.items() if name != "sources"}
@@ -201,12 +206,12 @@ def read_states(saved: Mapping[Any, Any], streams: Sequence[int], packing: str, 
 
 
 def source_stats(spec: StreamSpec | MixtureSpec, names: Sequence[str], states: Mapping[int, Any]) -> dict:
-    """Per source: ``rows``, ``tokens``, ``documents``, ``padding`` of the given streams, summed, and
+    """Per source: ``rows``, ``tokens``, ``documents``, ``padding``, ``too_long`` of the given streams, summed, and
     ``passes`` (the mean over the streams of the passes their reader has completed, fractional)."""
     stats = {}
     for i, name in enumerate(names):
         source_spec = spec.sources[i] if isinstance(spec, MixtureSpec) else spec
-        rows = tokens = docs = padding = 0
+        rows = tokens = docs = padding = too_long = 0
         passes = []
         for sid, state in states.items():
             sub = state.sources.get(name) if isinstance(state, MixtureState) else state
@@ -215,9 +220,11 @@ def source_stats(spec: StreamSpec | MixtureSpec, names: Sequence[str], states: M
                 continue
             c = sub.counters
             rows, tokens, docs, padding = rows + c.rows, tokens + c.emitted, docs + c.docs, padding + c.padding
+            too_long += c.too_long
             passes.append(_passes_read(source_spec, sid, sub))
         mean = sum(passes) / len(passes) if passes else 0.0
-        stats[name] = {"rows": rows, "tokens": tokens, "documents": docs, "padding": padding, "passes": mean}
+        stats[name] = {"rows": rows, "tokens": tokens, "documents": docs, "padding": padding, "too_long": too_long,
+                       "passes": mean}  # fmt: skip
     return stats
 
 

@@ -45,8 +45,9 @@ class PretrainingReports:
 
     def source_stats(self) -> dict[str, dict[str, float]]:
         """Per training source, as of the latest step handed out, over the streams this rank owns: ``rows``,
-        ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding`` and ``passes``
-        (passes read, fractional: the mean over the rank's streams; the run's figure with one rank)."""
+        ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding``, ``too_long``
+        (documents over ``max_document_chars`` skipped) and ``passes`` (passes read, fractional: the mean over
+        the rank's streams; the run's figure with one rank)."""
         return source_stats(self._require(self.train_spec), self.source_names, self.position.states)
 
     def mixture_report(self, run_steps: int, realised: Sequence[int], steps: int) -> list[str]:
@@ -61,7 +62,8 @@ class PretrainingReports:
         """This rank's stream counters so far, summed over the streams it owns (see ``StreamCounters``).
 
         Keys: ``docs`` (documents taken by the packer), ``empty`` (null or empty texts skipped),
-        ``text_free_units`` (units skipped for holding no text), ``tokens`` (tokens of the documents taken,
+        ``text_free_units`` (units skipped for holding no text), ``too_long`` (documents over
+        ``max_document_chars`` skipped), ``tokens`` (tokens of the documents taken,
         BOS included), ``emitted`` (document tokens in rows), ``padding`` (padding tokens in rows,
         ``bestfit_split``), ``crops``/``cropped`` (documents cropped and their dropped tokens, ``bestfit``),
         ``split_docs``/``chunks`` (documents split and their pieces, ``bestfit_split``), ``rows``. Counters are

@@ -9,7 +9,8 @@ pass = the sample's tokens per row (BOS included, empty rows counted as rows) ×
 concat and best-fit-split keep every token (best-fit-split pads very little), so ``tokens / (seq_len + 1)``;
 best-fit drops cropped remainders, so its rows are scaled by a yield measured by running the real packer over
 the sample's document lengths (cycled and shuffled with a fixed seed). Deterministic, so every rank computes the
-same value without talking.
+same value without talking. Documents over ``max_document_chars`` are left out of the sample as the streams
+skip them, counted as rows like empty texts.
 
 ``first_text`` finds out whether the corpus holds any text at all: the sample usually answers; otherwise the
 row groups are read in order until a non-empty text turns up (only a corpus without text reads them all).
@@ -53,7 +54,7 @@ def estimate_pass(spec: StreamSpec, sample_groups: int = 8, sample_docs: int = 4
     for group in order.tolist():
         if raw >= sample_docs:
             break
-        texts = index.read_texts(group)[:per_group]
+        texts = index.read_capped(group, spec.max_document_chars)[0][:per_group]  # a skipped text: an empty row
         raw += len(texts)
         kept.extend(text for text in texts if text)
     lengths = [len(encoding) + 1 for encoding in encode_documents(tokenizer, kept)]

@@ -27,7 +27,8 @@ Workers: a process tokenizes with one thread (:mod:`~lightning_d9d.streaming.tok
 it hosts; a DataLoader worker's tokenizer uses one core, so ``num_workers`` is the number of cores a rank
 tokenizes on (``num_workers=0`` runs the rank's streams in this process, where the tokenizer uses every core).
 A worker's tokenizer calls also end at ``WORKER_CHUNK_CHARS`` characters of text, so its blocks come steadily
-rather than in bursts. Blocks cross to this process as compact int32 numpy, pickled through the worker's pipe;
+rather than in bursts; in-process calls end at ``IN_PROCESS_CHUNK_CHARS``, which bounds their memory. Blocks
+cross to this process as compact int32 numpy, pickled through the worker's pipe;
 the int64 tensors of a microbatch are built here.
 
 Worker start: workers are forked (fast, nothing to import or pickle) unless a file is read over the network
@@ -82,6 +83,9 @@ AnySpec = StreamSpec | MixtureSpec  # one corpus, or a mixture of sources
 # of 128 long documents (MBs of text) makes a worker's rows come in bursts and holds that many Encodings in
 # flight. Rows never depend on it.
 WORKER_CHUNK_CHARS = 1 << 18
+# An in-process call tokenizes on every core, so it may be larger; the cap only bounds a call's text (and the
+# Encodings it makes) when documents are long: 128 documents just under LONG_DOCUMENT_CHARS would be 128 Mi.
+IN_PROCESS_CHUNK_CHARS = 1 << 22
 # Chunks each stream reads and tokenizes ahead; a process hosting many streams keeps fewer per stream.
 _PREFETCH_PER_PROCESS = 8
 
@@ -312,11 +316,12 @@ def rank_blocks(spec: AnySpec, streams: list[int], num_workers: int, states: Str
         spec: the streams' configuration.
         streams: the rank's streams (``rank_streams``).
         num_workers: DataLoader worker processes (0: the streams run in this process). Workers cap each
-            tokenizer call at ``WORKER_CHUNK_CHARS`` unless ``spec.chunk_chars`` is set.
+            tokenizer call at ``WORKER_CHUNK_CHARS`` (in this process: ``IN_PROCESS_CHUNK_CHARS``) unless
+            ``spec.chunk_chars`` is set.
         states: saved stream states by stream number (missing: from the beginning).
     """
-    if num_workers > 0 and not spec.chunk_chars:
-        spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS)
+    if not spec.chunk_chars:
+        spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS if num_workers > 0 else IN_PROCESS_CHUNK_CHARS)
     files = [f for source in spec.sources for f in source.index.files] if isinstance(spec, MixtureSpec) else None
     start_method = worker_start_method(files or spec.index.files) if num_workers > 0 else None
     environment = dict(os.environ) if start_method is not None else None

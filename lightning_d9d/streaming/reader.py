@@ -7,7 +7,9 @@ after a start, so that the first batch after a resume waits for a few documents 
 asks for holds little beyond what it needs). Null and empty texts are skipped; units
 that hold no text at all are skipped too (without reading them where the footer statistics prove it), and
 each document carries how many of either were skipped since the document before it, so that counters are the
-same however documents were batched.
+same however documents were batched. A text over ``max_document_chars`` characters is skipped the same way,
+before it becomes a Python string (its length is read off the column), counted, and named in one warning per
+process: memory then never grows with a document beyond that cap, at the cost of never training on it.
 
 State: a :class:`ReadPosition` ``(pass, slot, row)``: the unit ``slot`` of pass ``pass`` and a row of its row
 group. Reading resumes exactly there; a position is normalised (a row past its unit's end names the next unit,
@@ -19,6 +21,7 @@ columnar and simple at the cost of re-reading the rows before the position once 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +30,17 @@ import numpy as np
 
 from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order
 from lightning_d9d.streaming.state import InvalidDataState, integer, mapping, version
+from lightning_d9d.streaming.storage import redact
 
 # A stream that meets this many passes in a row without a single document stops with an error instead of
 # spinning: with text anywhere in the corpus, shuffled passes make that practically impossible.
 MAX_PASSES_WITHOUT_TEXT = 100
+# Longer documents are skipped by default: 64 Mi characters is far beyond natural documents (a long book is a few
+# million characters; crawls truncate pages at about 1 MiB) yet a document that long still fits in memory
+# (about 10 bytes a character while it is read, tokenized in pieces and packed).
+DEFAULT_MAX_DOCUMENT_CHARS = 1 << 26
+# Documents already named in a warning, by (file, row group of the file, row): one warning per document per process.
+_WARNED_TOO_LONG: set[tuple[str, int, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,8 @@ class TextChunk:
         texts: the documents.
         empty_before: for each document, the null or empty rows skipped since the document before it.
         units_before: for each document, the text-free units skipped since the document before it.
+        long_before: documents over ``max_document_chars`` skipped since the document before it, by the index of
+            the document (only where there were any: they are rare).
     """
 
     pass_index: int
@@ -98,6 +110,7 @@ class TextChunk:
     texts: list[str]
     empty_before: np.ndarray
     units_before: np.ndarray
+    long_before: dict[int, int] = field(default_factory=dict)
 
     def position_of(self, doc: int) -> ReadPosition:
         """The position of document ``doc`` (reading from there yields it first)."""
@@ -162,14 +175,24 @@ class TextReader:
         tokenizer_batch_size: documents per chunk, at most.
         chunk_chars: a chunk also ends before its text passes this many characters (0: no limit; a single
             longer document is a chunk of its own).
+        max_document_chars: texts over this many characters are skipped, counted and warned about (``None``: no
+            limit).
 
     Raises:
         ValueError: (when iterated) ``MAX_PASSES_WITHOUT_TEXT`` passes in a row without a document.
     """
 
-    def __init__(self, units: StreamUnits, start: ReadPosition, tokenizer_batch_size: int, chunk_chars: int = 0):
+    def __init__(
+        self,
+        units: StreamUnits,
+        start: ReadPosition,
+        tokenizer_batch_size: int,
+        chunk_chars: int = 0,
+        max_document_chars: int | None = None,
+    ):
         self.units = units
         self.tokenizer_batch_size, self.chunk_chars = tokenizer_batch_size, chunk_chars
+        self.max_document_chars = max_document_chars
         self.reset(start)
 
     def reset(self, initial_state: ReadPosition) -> None:
@@ -185,7 +208,7 @@ class TextReader:
         size = 1  # grows to tokenizer_batch_size
         start = self._next
         pass_index, slot, row = start.pass_index, start.slot, start.row
-        empty_since = units_since = 0  # skipped since the last document handed out
+        empty_since = units_since = long_since = 0  # skipped since the last document handed out
         passes_without_text = 0
         while True:
             slots = units.of_pass(pass_index)
@@ -193,24 +216,25 @@ class TextReader:
             while slot < len(slots):
                 unit = int(slots[slot])
                 group, stop = int(units.units.group[unit]), int(units.units.stop[unit])
-                row = max(row, int(units.units.start[unit]))
-                texts = None if index.text_free[group] else index.read_texts(group)
-                if texts is None or not any(texts[int(units.units.start[unit]) : stop]):
+                row = max(row, first_row := int(units.units.start[unit]))
+                texts, too_long = (None, {}) if index.text_free[group] else self._read(group)
+                if texts is None or not (any(texts[first_row:stop]) or any(first_row <= r < stop for r in too_long)):
                     units_since += 1  # a text-free unit is counted as one, not as its rows
                     slot, row = slot + 1, 0
                     continue
+                long_rows = _skipped_long(index, group, too_long, row, stop, self.max_document_chars)
                 if not any(texts[row:stop]):  # resumed after the unit's last document
-                    empty_since += stop - row
+                    empty_since, long_since = empty_since + stop - row - len(long_rows), long_since + len(long_rows)
                     slot, row = slot + 1, 0
                     continue
                 found = True
                 kept = [r for r in range(row, stop) if texts[r]]
                 gaps = np.diff(np.asarray([row - 1, *kept], np.int64)) - 1
                 gaps[0] += empty_since
-                units_before = np.zeros(len(kept), np.int64)
-                units_before[0] = units_since
-                empty_since = stop - 1 - kept[-1]
-                units_since = 0
+                long_before, long_after = _long_before(kept, long_rows, long_since, gaps)
+                units_before = np.asarray([units_since] + [0] * (len(kept) - 1), np.int64)
+                empty_since = stop - 1 - kept[-1] - long_after
+                units_since, long_since = 0, long_after
                 lengths = np.fromiter((len(texts[r]) for r in kept), np.int64, len(kept)) if self.chunk_chars else None
                 first = 0
                 while first < len(kept):
@@ -225,6 +249,7 @@ class TextReader:
                         [texts[r] for r in kept[first:last]],
                         gaps[first:last],
                         units_before[first:last],
+                        {d - first: n for d, n in long_before.items() if first <= d < last},
                     )
                     self._next = ReadPosition(pass_index, slot, kept[last - 1] + 1)
                     yield chunk
@@ -238,6 +263,41 @@ class TextReader:
                     f"units without a non-empty text in column {index.text_column!r}"
                 )
             pass_index, slot, row = pass_index + 1, 0, 0
+
+    def _read(self, group: int) -> tuple[list[str | None], dict[int, int]]:
+        if self.max_document_chars is None:
+            return self.units.index.read_texts(group), {}
+        return self.units.index.read_capped(group, self.max_document_chars)
+
+
+def _long_before(kept: list[int], long_rows: list[int], since: int, gaps: np.ndarray) -> tuple[dict[int, int], int]:
+    """Where the skipped long rows count: before the next document kept (not as empty rows, so taken out of
+    ``gaps`` in place); ``({document: long rows before it}, long rows after the last document)``."""
+    if not long_rows and not since:
+        return {}, 0
+    counts = np.bincount(np.searchsorted(kept, long_rows), minlength=len(kept) + 1)
+    gaps -= counts[:-1]
+    counts[0] += since
+    return {int(doc): int(counts[doc]) for doc in np.flatnonzero(counts[:-1])}, int(counts[-1])
+
+
+def _skipped_long(
+    index: RowGroupIndex, group: int, lengths: dict[int, int], row: int, stop: int, cap: int | None
+) -> list[int]:
+    """The rows ``[row, stop)`` of ``group`` skipped for their length, in order; one warning per document over the
+    cap, the first time this process skips it."""
+    rows = sorted(r for r in lengths if row <= r < stop)
+    path, in_file = redact(index.files[int(index.file_of[group])]), int(index.group_in_file[group])
+    for skipped in rows:
+        if (path, in_file, skipped) in _WARNED_TOO_LONG:
+            continue
+        _WARNED_TOO_LONG.add((path, in_file, skipped))
+        warnings.warn(
+            f"skipped a document of {lengths[skipped]} characters (over max_document_chars={cap}): parquet file "
+            f"{path!r}, row group {in_file}, row {skipped}; raise max_document_chars (None: no limit) to train on it",
+            stacklevel=2,
+        )
+    return rows
 
 
 def _fitting(lengths: np.ndarray, budget: int) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -309,6 +310,38 @@ class RowGroupIndex:
                 and row).
             StorageError: the store refused access, or stayed unreachable for ``storage.read_retry_seconds``.
         """
+        column, where = self._read_column(group)
+        if rows is not None:
+            column = column.take(pa.array(rows, pa.int64()))
+        return column_texts(column, where, rows)
+
+    def read_capped(self, group: int, max_chars: int | None) -> tuple[list[str | None], dict[int, int]]:
+        """Read the text column of one global row group, leaving out texts over ``max_chars`` characters.
+
+        A text over the cap never becomes a Python string: it is ``None`` in the list, and its row and length
+        are in the dict (``max_chars=None``: no cap, an empty dict).
+
+        Raises:
+            ValueError, StorageError: as :meth:`read_texts`.
+        """
+        column, where = self._read_column(group)
+        too_long: dict[int, int] = {}
+        if max_chars is not None:
+            # A text has at most as many characters as bytes: the byte lengths (read off the offsets) pick the
+            # few candidates whose characters need counting, so an ordinary row group costs one comparison.
+            candidates = np.flatnonzero(pc.fill_null(pc.binary_length(column), 0).to_numpy() > max_chars)
+            for row in candidates.tolist():  # a slice, not a take: a take would copy the long text
+                chars = pc.utf8_length(column.slice(row, 1))[0].as_py()
+                if chars > max_chars:
+                    too_long[row] = chars
+            if too_long:
+                mask = np.zeros(len(column), bool)
+                mask[list(too_long)] = True
+                column = pc.if_else(pa.array(mask), pa.scalar(None, column.type), column)
+        return column_texts(column, where, None), too_long
+
+    def _read_column(self, group: int) -> tuple[pa.ChunkedArray, Callable[[], str]]:
+        """One row group's text column as plain strings, and where it was read (for messages)."""
         file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
         path = self.files[file_index]
 
@@ -332,10 +365,7 @@ class RowGroupIndex:
                 raise
             except (pa.ArrowException, OSError) as err:
                 raise ValueError(f"cannot read {where()}: {err}") from err
-        column = plain_strings(table.column(0))
-        if rows is not None:
-            column = column.take(pa.array(rows, pa.int64()))
-        return column_texts(column, where, rows)
+        return plain_strings(table.column(0)), where
 
 
 def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:

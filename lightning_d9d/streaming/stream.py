@@ -87,6 +87,7 @@ class StreamSpec:
         prefetch: chunks read and tokenized ahead (0: inline, no threads).
         chunk_chars: a tokenizer call also ends before its text passes this many characters (0: no limit).
         pad_id: the token id at ``bestfit_split``'s padding positions.
+        max_document_chars: longer documents are skipped and counted (``None``: no limit).
     """
 
     index: RowGroupIndex
@@ -104,6 +105,7 @@ class StreamSpec:
     prefetch: int = 4
     chunk_chars: int = 0
     pad_id: int = 0
+    max_document_chars: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -121,6 +123,7 @@ class StreamCounters:
         docs: documents taken by the packer (concat: begun; best-fit: added to its buffer).
         empty: null or empty texts skipped before the position.
         text_free_units: units skipped before the position because they hold no text.
+        too_long: documents over ``max_document_chars`` skipped before the position.
         tokens: tokens of the documents taken, BOS included (so ``tokens`` ≥ ``emitted``; the rest is still
             buffered, inside the current document, or cropped).
         emitted: document tokens in the rows yielded.
@@ -135,6 +138,7 @@ class StreamCounters:
     docs: int = 0
     empty: int = 0
     text_free_units: int = 0
+    too_long: int = 0
     tokens: int = 0
     emitted: int = 0
     padding: int = 0
@@ -155,6 +159,8 @@ class StreamCounters:
             InvalidDataState: a counter missing, or not an integer >= 0.
         """
         state = mapping(state, path)
+        if "too_long" not in state:  # saved before documents could be skipped for their length
+            state = {**state, "too_long": 0}
         return cls(**{f.name: integer(state, f.name, path) for f in dataclasses.fields(cls)})
 
 
@@ -414,7 +420,9 @@ class TokenStream:
         """
         spec, state = self.spec, self.state
         units = spec.stream_units(self.stream)
-        reader = TextReader(units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars)
+        reader = TextReader(
+            units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars, spec.max_document_chars
+        )
         # Chunks on demand until the first block is out and asked past (a hosting process asks every stream's
         # first block before any second one), then prefetched.
         cropped_to = spec.capacity if spec.packing == "bestfit" else None
@@ -472,6 +480,7 @@ class _Taken:
     tokens: int = 0
     empty: int = 0
     text_free_units: int = 0
+    too_long: int = 0
 
 
 class _Stage:
@@ -512,17 +521,20 @@ class _Stage:
         taken.tokens += int(lengths[first:stop].sum())
         taken.empty += int(chunk.empty_before[first:stop].sum())
         taken.text_free_units += int(chunk.units_before[first:stop].sum())
+        if chunk.long_before:
+            taken.too_long += sum(n for doc, n in chunk.long_before.items() if first <= doc < stop)
 
     def emitted(self, block: RowBlock, packing: PackingState, packer: PackerCounters) -> tuple[RowBlock, StreamState]:
         """``block`` with the state after it: the documents taken folded into the counters, the packer's set."""
         c, taken = self.counters, self.taken
         self.counters = StreamCounters(
             docs=c.docs + taken.docs, empty=c.empty + taken.empty, text_free_units=c.text_free_units
-            + taken.text_free_units, tokens=c.tokens + taken.tokens, emitted=packer.tokens_emitted,
-            padding=packer.padding, crops=packer.crops, cropped=packer.tokens_cropped, split_docs=packer.split_docs,
-            chunks=packer.chunks, rows=c.rows + len(block),
+            + taken.text_free_units, too_long=c.too_long + taken.too_long, tokens=c.tokens + taken.tokens,
+            emitted=packer.tokens_emitted, padding=packer.padding, crops=packer.crops, cropped=packer.tokens_cropped,
+            split_docs=packer.split_docs, chunks=packer.chunks, rows=c.rows + len(block),
         )  # fmt: skip
-        taken.docs = taken.tokens = taken.empty = taken.text_free_units = 0  # in place: refill() holds it
+        # In place: refill() holds it.
+        taken.docs = taken.tokens = taken.empty = taken.text_free_units = taken.too_long = 0
         self.blocks_done += 1
         self.state = StreamState(packing, self.counters, self.blocks_done)
         return block, self.state
@@ -612,12 +624,14 @@ class _Cursor:
     starts: list[int] = dataclasses.field(default_factory=list)
     empty_before: list[int] = dataclasses.field(default_factory=list)
     units_before: list[int] = dataclasses.field(default_factory=list)
+    long_before: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def load(self, laid: _Laid) -> None:
         chunk, self.laid = laid.chunk, laid
         self.next_doc, self.payload, self.group = 0, laid.payload, chunk.group
         self.lengths, self.rows, self.starts = laid.lengths.tolist(), chunk.rows.tolist(), laid.starts.tolist()
         self.empty_before, self.units_before = chunk.empty_before.tolist(), chunk.units_before.tolist()
+        self.long_before = chunk.long_before
 
 
 class _BestFit(_Stage):
@@ -685,6 +699,8 @@ class _BestFit(_Stage):
             taken.tokens += length
             taken.empty += cursor.empty_before[doc]
             taken.text_free_units += cursor.units_before[doc]
+            if cursor.long_before:
+                taken.too_long += cursor.long_before.get(doc, 0)
             cursor.next_doc = doc + 1
 
         return refill

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import random
+import warnings
 
 import numpy as np
 import pytest
-from support import BOS, WORDS, make_docs, train_tokenizer, write_parquet
+from support import BOS, WORDS, digest, make_docs, train_tokenizer, write_parquet
 
-from lightning_d9d.streaming import tokenize
+from lightning_d9d import PretrainingDataModule
+from lightning_d9d.streaming import reader, tokenize
+from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.stream import StreamSpec, StreamState, TokenStream
 
@@ -99,3 +102,119 @@ def test_resume_inside_long_documents_is_exact(corpus: dict, monkeypatch, packin
         saved = StreamState.from_dict(full[cut][1].to_dict(), packing)
         resumed = blocks(TokenStream(s, 0, saved), 90 - cut - 1)
         np.testing.assert_array_equal(rows(resumed), rows(full[cut + 1 :]))
+
+
+# ------------------------------------------------------------------------------------------------ max_document_chars
+CAP = 2000
+HUGE_AT = 27  # file 0 (30 documents), row group 1 (rows 20..39 of the file), row 7 of the group
+DM_OPTIONS = dict(seq_len=32, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=2,
+                  steps_per_epoch=1000, bestfit_buffer_size=8, tokenizer_batch_size=4, pin_memory=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One corpus with a document over ``CAP``, and the same corpus with that document empty (so the same units)."""
+    root = tmp_path_factory.mktemp("capped")
+    docs = make_docs(60, seed=7, empties=True)
+    tokenizer = train_tokenizer(docs, root / "tok.json")
+    docs[HUGE_AT] = long_text(1500, seed=3)  # some 8000 characters
+    assert len(docs[HUGE_AT]) > CAP and all(len(d or "") <= CAP for i, d in enumerate(docs) if i != HUGE_AT)
+    write_parquet(root / "huge", docs, files=2, row_group_size=20)
+    write_parquet(root / "emptied", [d if i != HUGE_AT else "" for i, d in enumerate(docs)], files=2, row_group_size=20)
+    return {"root": root, "tokenizer": str(root / "tok.json"), "length": len(docs[HUGE_AT]), "tok": tokenizer}
+
+
+def capped_dm(capped: dict, data: str, packing: str, cap: int | None = CAP, **options) -> PretrainingDataModule:
+    dm = PretrainingDataModule(str(capped["root"] / data), capped["tokenizer"], packing=packing,
+                               max_document_chars=cap, **{**DM_OPTIONS, **options})  # fmt: skip
+    dm.setup("fit")
+    return dm
+
+
+def take(dm: PretrainingDataModule, n: int) -> list[str]:
+    batches = iter(dm.train_dataloader())
+    out = [digest(next(batches)) for _ in range(n)]
+    batches.close()
+    return out
+
+
+def too_long_warnings(record: list) -> list[str]:
+    return [str(w.message) for w in record if "max_document_chars" in str(w.message)]
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit", "bestfit_split"])
+def test_a_document_over_the_cap_is_skipped_counted_and_named_once(capped: dict, packing: str, monkeypatch) -> None:
+    """Several passes over the corpus: the rows are those of the corpus with that document empty, the counter
+    counts it once per pass, and one warning names its file, row group, row and length."""
+    monkeypatch.setattr(reader, "_WARNED_TOO_LONG", set())  # once per process: forget the other tests' warnings
+    steps = 40
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dm = capped_dm(capped, "huge", packing)
+        got = take(dm, steps * dm.microbatches_per_step)
+    emptied = capped_dm(capped, "emptied", packing)
+    assert got == take(emptied, steps * emptied.microbatches_per_step)
+    stats, reference = dm.stream_stats(), emptied.stream_stats()
+    assert stats["too_long"] >= 2, "met on every pass, counted on every pass"
+    assert stats["too_long"] + stats["empty"] == reference["empty"] and reference["too_long"] == 0
+    assert stats["docs"] == reference["docs"] and stats["tokens"] == reference["tokens"]
+    assert sum(source["too_long"] for source in dm.source_stats().values()) == stats["too_long"]
+    named = too_long_warnings(record)
+    assert len(named) == 1, named
+    assert "part-000.parquet" in named[0] and "row group 1, row 7" in named[0]
+    assert f"{capped['length']} characters" in named[0] and f"max_document_chars={CAP}" in named[0]
+
+
+def test_without_a_cap_the_document_is_trained_on(capped: dict) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dm = capped_dm(capped, "huge", "concat", cap=None)
+        got = take(dm, 40 * dm.microbatches_per_step)
+    assert not too_long_warnings(record) and dm.stream_stats()["too_long"] == 0
+    assert got != take(capped_dm(capped, "huge", "concat"), 40 * dm.microbatches_per_step)
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit", "bestfit_split"])
+def test_resume_with_a_skipped_document_is_exact(capped: dict, packing: str) -> None:
+    """A state saved before the skipped document resumes onto the same batches and the same counters."""
+    uninterrupted = capped_dm(capped, "huge", packing)
+    m = uninterrupted.microbatches_per_step
+    batches = iter(uninterrupted.train_dataloader())
+    for _ in range(5 * m):
+        next(batches)
+    state, before = uninterrupted.state_dict(), uninterrupted.stream_stats()
+    want = [digest(next(batches)) for _ in range(40 * m)]
+    after = uninterrupted.stream_stats()
+    batches.close()
+    assert after["too_long"] > before["too_long"], "the resumed part meets the skipped document"
+    resumed = capped_dm(capped, "huge", packing)
+    resumed.load_state_dict(state)
+    assert take(resumed, 40 * m) == want
+    assert resumed.stream_stats() == after
+
+
+def test_the_epoch_estimate_skips_documents_over_the_cap(capped: dict) -> None:
+    huge, emptied = capped_dm(capped, "huge", "concat"), capped_dm(capped, "emptied", "concat")
+    assert huge.estimated_pass_tokens == emptied.estimated_pass_tokens
+    assert capped_dm(capped, "huge", "concat", cap=None).estimated_pass_tokens > huge.estimated_pass_tokens
+
+
+def test_a_changed_cap_is_refused_and_checkpoints_from_before_it_resume(capped: dict) -> None:
+    state = capped_dm(capped, "huge", "concat").state_dict()
+    with pytest.raises(ValueError, match=r"max_document_chars: checkpoint 2000, this run 3000"):
+        capped_dm(capped, "huge", "concat", cap=3000).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"max_document_chars: checkpoint 2000, this run None"):
+        capped_dm(capped, "huge", "concat", cap=None).load_state_dict(state)
+    # A fingerprint saved before the setting existed (no cap then) matches no cap and the default, not others.
+    older = {k: v for k, v in state["fingerprint"].items() if k != "max_document_chars"}
+    assert capped_dm(capped, "huge", "concat", cap=None).fingerprint.mismatches(older) == []
+    assert capped_dm(capped, "huge", "concat", cap=DEFAULT_MAX_DOCUMENT_CHARS).fingerprint.mismatches(older) == []
+    assert capped_dm(capped, "huge", "concat").fingerprint.mismatches(older) == [
+        "max_document_chars: checkpoint <missing>, this run 2000"
+    ]
+
+
+@pytest.mark.parametrize("cap", [0, -1, 1.5, "64"])
+def test_a_cap_that_is_not_a_positive_integer_is_one_error(capped: dict, cap) -> None:
+    with pytest.raises(ValueError, match="max_document_chars"):
+        PretrainingDataModule(str(capped["root"] / "huge"), capped["tokenizer"], max_document_chars=cap)
