@@ -17,7 +17,11 @@ The stream yields :class:`RowBlock` s of ``spec.rows_per_block`` rows with the :
 Packers take documents one at a time and a position never names a chunk boundary, so neither the rows nor any
 state depend on how documents were batched for the tokenizer, or on timing. After a start or resume the
 reader's chunks grow 1, 2, 3, 5, … documents and are read on demand until the first block is out, so the first
-block waits for a few documents only.
+block waits for a few documents only. A fresh best-fit stream's buffer starts at ``buffer_start`` documents
+(pieces) and grows by ``buffer_growth`` per row it packs (:class:`~lightning_d9d.streaming.packing.BufferGrowth`),
+so its first row waits for a few documents instead of a whole buffer; the size is a function of the stream's rows
+alone (never of time or of the process hosting it) and the growth is saved in the state, so rows stay the same on
+any layout and after any resume.
 
 Positions: inside a document (concat's next unemitted token, ``offset`` tokens into it) the position is that
 document's row; between documents it is the row just after the last document taken, whose following empty
