@@ -1011,6 +1011,80 @@ def _variant(text: str) -> tuple[str, dict]:
     return label, patches
 
 
+# ------------------------------------------------------------------------------------------- first batch
+def _first_batch_child(conn, files: object, args: dict, packing: str, growth: bool, waste: bool) -> None:
+    """In a fresh process: set up a DataModule (world size 1), time its first batch, send the figures."""
+    from dataclasses import replace
+
+    from lightning_d9d.datamodules.pretraining import PretrainingDataModule
+    from lightning_d9d.streaming.mixture_stream import MixtureSpec
+
+    weights = {name: 1.0 for name in files} if isinstance(files, dict) else None
+    dm = PretrainingDataModule(
+        files, args["tokenizer"], seq_len=args["seq_len"], global_batch_size=args["global_batch"],
+        microbatch_size=args["microbatch"], packing=packing, num_workers=args["workers"], steps_per_epoch=10**9,
+        tokenizer_batch_size=args["batch_size"], bestfit_buffer_size=args["buffer"], pin_memory=False,
+        weights=weights,
+    )  # fmt: skip
+    dm.setup("fit")
+    if not growth:  # the buffers full from the first row, as before they grew
+        spec = dm.train_spec
+        if isinstance(spec, MixtureSpec):
+            dm.train_spec = replace(spec, sources=tuple(replace(s, buffer_growth=0) for s in spec.sources))
+        else:
+            dm.train_spec = replace(spec, buffer_growth=0)
+    start = time.perf_counter()
+    iterator = iter(dm.train_dataloader())
+    next(iterator)
+    first_s = time.perf_counter() - start
+    result = {"first_s": first_s, "waste": None}
+    if waste:
+        steps = args["steps"]
+        for _ in range(steps * dm.microbatches_per_step - 1):  # on to where the buffers are grown
+            next(iterator)
+        before = dm.stream_stats()
+        for _ in range(steps // 2 * dm.microbatches_per_step):  # a window of grown buffers
+            next(iterator)
+        after = dm.stream_stats()
+        emitted, padding, cropped = (after[k] - before[k] for k in ("emitted", "padding", "cropped"))
+        result["waste"] = (padding + cropped) / max(1, emitted + padding + cropped)
+    dm.teardown("fit")
+    conn.send(result)
+
+
+def _in_process(*args: object) -> dict:
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(target=_first_batch_child, args=(child, *args))
+    process.start()
+    result = parent.recv()
+    process.join()
+    return result
+
+
+def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace) -> None:
+    """The first batch of a fresh start, each packing, one corpus and a 2-source mixture of its two halves,
+    each in a process of its own (DataLoader workers started from scratch), with growing buffers and with buffers
+    full from the first row; and ``bestfit_split``'s waste (padding) over ``--grown-steps`` / 2 steps once the
+    buffers are full (after ``--grown-steps`` steps), both ways."""
+    settings = {"tokenizer": args.tokenizer_path, "seq_len": args.seq_len, "global_batch": args.global_batch,
+                "microbatch": args.microbatch, "workers": args.workers, "batch_size": args.tokenizer_batch,
+                "buffer": args.buffer, "steps": args.grown_steps}  # fmt: skip
+    print(f"\nfirst batch of a fresh start, world size 1, {args.workers} workers, default K, buffer {args.buffer}:")
+    for name, (single, mixture) in corpora.items():
+        for packing in PACKINGS:
+            for label, files in (("single", single), ("mixture of 2", mixture)):
+                waste = packing == "bestfit_split" and label == "single" and args.grown_steps > 0
+                grown = _in_process(files, settings, packing, True, waste)
+                line = f"  {name}, {packing}, {label}: first batch {grown['first_s']:.1f}s"
+                if packing != "concat":
+                    full = _in_process(files, settings, packing, False, waste)
+                    line += f" (buffer full from the first row: {full['first_s']:.1f}s)"
+                    if waste:
+                        line += (f"; waste of steps {args.grown_steps}..{args.grown_steps * 3 // 2}: "
+                                 f"{grown['waste']:.2%} (full from the first row: {full['waste']:.2%})")  # fmt: skip
+                print(line, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=40.0, help="at most this many MB of stdlib text in the corpus")
@@ -1046,6 +1120,10 @@ def main() -> None:
     )
     parser.add_argument("--inline", action="store_true", help="run every configuration in this process")
     parser.add_argument(
+        "--first-batch", action="store_true", help="only time the first batch of fresh starts (and grown waste)"
+    )
+    parser.add_argument("--grown-steps", type=int, default=70, help="--first-batch: steps until buffers are full")
+    parser.add_argument(
         "--quick", action="store_true", help="a 2 MB corpus, small buffers, 1 short round, inline (smoke test)"
     )
     args = parser.parse_args()
@@ -1070,6 +1148,16 @@ def main() -> None:
         args.tokenizer_path = str(Path(tmp) / "tokenizer.json")
         tok.save(args.tokenizer_path)
         corpora = {"long": (texts, 128), "short": (short, 1024)}
+        if args.first_batch:
+            written = {}
+            for name in args.corpora.split(","):
+                docs, group_size = corpora[name]
+                group_size = min(group_size, max(1, len(docs) // (4 * 16)))
+                halves = {"a": docs[::2], "b": docs[1::2]}
+                mixture = {k: write_corpus(Path(tmp) / name / k, v, group_size) for k, v in halves.items()}
+                written[name] = (write_corpus(Path(tmp) / name / "all", docs, group_size), mixture)
+            first_batch(written, args)
+            return
         for name in args.corpora.split(","):
             docs, group_size = corpora[name]
             # Smaller row groups where needed, so that every stream gets several (on 2 cores they stay 128 and

@@ -172,6 +172,31 @@ class BufferState:
     counters: PackerCounters = PackerCounters()
 
 
+@dataclass(frozen=True)
+class BufferGrowth:
+    """How a best-fit buffer grows to its size as a stream starts: before each row it is topped up to
+    ``min(buffer_size, start + rows_taken * per_row)`` items, so a fresh stream's first rows wait for ``start``
+    documents instead of a whole buffer. The size depends only on the rows the stream has packed, never on time
+    or on the process that hosts it, so rows stay a function of the data and settings.
+
+    Attributes:
+        start: the buffer's size for the first row.
+        per_row: items the size grows by per row packed (0: no growth; the full size from the first row).
+    """
+
+    start: int = 16
+    per_row: int = 4
+
+    def size(self, buffer_size: int, rows_taken: int) -> int:
+        """The buffer's size before a stream's row ``rows_taken`` (counting from 0)."""
+        if self.per_row <= 0:
+            return buffer_size
+        return min(buffer_size, self.start + rows_taken * self.per_row)
+
+
+FULL_BUFFER = BufferGrowth(0, 0)  # no growth: the full buffer from the first row
+
+
 class _Counted:
     """The counters every packer keeps: plain integer attributes (a packer adds to them per document, where
     an attribute is the cheapest), read and set back as one :class:`PackerCounters` through ``counters``."""
@@ -344,13 +369,16 @@ class BestFitPacker(_Counted):
 
     META_COLUMNS = ("seq", "length", "key0", "key1", "hash")
 
-    def __init__(self, capacity: int, buffer_size: int = 1000) -> None:
+    def __init__(self, capacity: int, buffer_size: int = 1000, growth: BufferGrowth = FULL_BUFFER) -> None:
         if capacity <= 1:
             raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
         if buffer_size <= 0:
             raise ValueError(f"bestfit buffer_size must be > 0, got {buffer_size}")
+        _check_growth(growth)
         self.capacity = capacity
         self.buffer_size = buffer_size
+        self.growth = growth
+        self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
         self._buffer = _PieceBuffer(len(self.META_COLUMNS), max(16, 2 * buffer_size))
         self.next_seq = 0
         self.crops = 0
@@ -402,7 +430,8 @@ class BestFitPacker(_Counted):
     def take(self, num_rows: int, refill: Callable[[], None]) -> np.ndarray:
         """Pack ``num_rows`` rows; ``refill()`` must add at least one document each call.
 
-        The buffer is topped up to ``buffer_size`` before every pick, so the choice always sees a full buffer.
+        The buffer is topped up to its size (``buffer_size``, or less while it grows: :class:`BufferGrowth`)
+        before every pick, so the choice always sees a full buffer.
         (nanochat tops up a whole tokenizer batch at a time; refilling one document per call makes the
         result independent of how the caller batches its tokenization.)
         """
@@ -410,8 +439,10 @@ class BestFitPacker(_Counted):
         buffer, lengths = self._buffer, self._buffer.lengths
         for r in range(num_rows):
             pos = 0
+            size = self.growth.size(self.buffer_size, self.rows_taken)
+            self.rows_taken += 1
             while pos < self.capacity:
-                while buffer.count < self.buffer_size:
+                while buffer.count < size:
                     before = buffer.count
                     refill()
                     if buffer.count == before:
@@ -493,21 +524,25 @@ class BestFitSplitPacker(_Counted):
         pad_id: the token id written at padding positions (any valid id: padding is never a target, and its
             flags mark it).
         buffer_size: pieces the buffer is topped up to before every pick.
+        growth: how the buffer grows to ``buffer_size`` as the stream starts (default: full from the start).
 
     Raises:
-        ValueError: ``capacity <= 1`` or ``buffer_size <= 0``.
+        ValueError: ``capacity <= 1``, ``buffer_size <= 0`` or a negative ``growth`` field.
     """
 
     META_COLUMNS = ("seq", "length", "key0", "key1", "chunk", "final", "hash")
 
-    def __init__(self, capacity: int, pad_id: int, buffer_size: int = 1000) -> None:
+    def __init__(self, capacity: int, pad_id: int, buffer_size: int = 1000, growth: BufferGrowth = FULL_BUFFER) -> None:
         if capacity <= 1:
             raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
         if buffer_size <= 0:
             raise ValueError(f"bestfit_split buffer_size must be > 0, got {buffer_size}")
+        _check_growth(growth)
         self.capacity = capacity
         self.pad_id = pad_id
         self.buffer_size = buffer_size
+        self.growth = growth
+        self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
         self._buffer = _PieceBuffer(len(self.META_COLUMNS), max(16, 2 * buffer_size))
         self._padding_run = np.full(capacity, pad_id, np.int32)
         self.next_seq = 0
@@ -562,8 +597,8 @@ class BestFitSplitPacker(_Counted):
     def take(self, num_rows: int, refill: Callable[[], None]) -> tuple[np.ndarray, np.ndarray]:
         """Pack ``num_rows`` rows; ``refill()`` must add exactly one document (:meth:`add`) per call.
 
-        The buffer is topped up to ``buffer_size`` pieces before every pick, one document per call, so the
-        rows never depend on how the caller batches its tokenization.
+        The buffer is topped up to its size in pieces (:class:`BufferGrowth`) before every pick, one document
+        per call, so the rows never depend on how the caller batches its tokenization.
 
         Returns:
             ``(tokens, flags)``: ``(num_rows, capacity)`` int32 token ids and uint8 ``START`` / ``NO_TARGET``
@@ -573,7 +608,7 @@ class BestFitSplitPacker(_Counted):
             RuntimeError: a ``refill()`` call did not add exactly one document.
             ValueError: a piece restored by :meth:`restore` no longer matches its saved length or checksum.
         """
-        capacity, size = self.capacity, self.buffer_size
+        capacity, growth = self.capacity, self.growth
         buffer = self._buffer
         lengths, pop = buffer.lengths, buffer.pop
         find = bisect.bisect_right
@@ -584,6 +619,8 @@ class BestFitSplitPacker(_Counted):
         row_start = 0
         for _ in range(num_rows):
             pos = 0
+            size = growth.size(self.buffer_size, self.rows_taken)
+            self.rows_taken += 1
             while True:
                 while buffer.count < size:
                     docs = self.docs
@@ -685,6 +722,11 @@ class BestFitSplitPacker(_Counted):
                 + f" (got {len(tokens)} tokens; did the data files or the tokenizer change since the checkpoint?)"
             )
         return tokens
+
+
+def _check_growth(growth: BufferGrowth) -> None:
+    if growth.start < 0 or growth.per_row < 0 or (growth.per_row and not growth.start):
+        raise ValueError(f"buffer growth {growth} must have start > 0 and per_row >= 0 (per_row 0: no growth)")
 
 
 def _buffer_state(packer: BestFitPacker | BestFitSplitPacker) -> BufferState:

@@ -17,7 +17,11 @@ The stream yields :class:`RowBlock` s of ``spec.rows_per_block`` rows with the :
 Packers take documents one at a time and a position never names a chunk boundary, so neither the rows nor any
 state depend on how documents were batched for the tokenizer, or on timing. After a start or resume the
 reader's chunks grow 1, 2, 3, 5, … documents and are read on demand until the first block is out, so the first
-block waits for a few documents only.
+block waits for a few documents only. A fresh best-fit stream's buffer starts at ``buffer_start`` documents
+(pieces) and grows by ``buffer_growth`` per row it packs (:class:`~lightning_d9d.streaming.packing.BufferGrowth`),
+so its first row waits for a few documents instead of a whole buffer; the size is a function of the stream's rows
+alone (never of time or of the process hosting it) and the growth is saved in the state, so rows stay the same on
+any layout and after any resume.
 
 Positions: inside a document (concat's next unemitted token, ``offset`` tokens into it) the position is that
 document's row; between documents it is the row just after the last document taken, whose following empty
@@ -44,8 +48,10 @@ import numpy as np
 
 from lightning_d9d.streaming.bestfit_restore import BufferedTexts, buffer_fetch
 from lightning_d9d.streaming.packing import (
+    FULL_BUFFER,
     BestFitPacker,
     BestFitSplitPacker,
+    BufferGrowth,
     BufferState,
     ConcatPacker,
     PackerCounters,
@@ -88,6 +94,10 @@ class StreamSpec:
         chunk_chars: a tokenizer call also ends before its text passes this many characters (0: no limit).
         pad_id: the token id at ``bestfit_split``'s padding positions.
         max_document_chars: longer documents are skipped and counted (``None``: no limit).
+        buffer_start: best-fit's buffer size for a fresh stream's first row (it grows from there).
+        buffer_growth: documents (pieces) best-fit's buffer grows by per row the stream packs, until it holds
+            ``buffer_size``; 0: the full buffer from the first row. Saved in the state, so a resumed stream
+            keeps the growth it started with.
     """
 
     index: RowGroupIndex
@@ -106,6 +116,8 @@ class StreamSpec:
     chunk_chars: int = 0
     pad_id: int = 0
     max_document_chars: int | None = None
+    buffer_start: int = 16
+    buffer_growth: int = 4
 
     @property
     def capacity(self) -> int:
@@ -193,15 +205,17 @@ class BestFitState:
     """Best-fit's state: the reader's position after the last document added, and the buffered documents.
 
     ``buffer`` holds one int64 row per buffered document (``bestfit``) or piece (``bestfit_split``), the packer's
-    ``META_COLUMNS``; ``next_seq`` is the next insertion number; ``kind`` is the packing.
+    ``META_COLUMNS``; ``next_seq`` is the next insertion number; ``kind`` is the packing; ``growth`` how the
+    buffer grows with the stream's rows (a state of version 1 had none: its buffer is full from the start).
     """
 
-    VERSION = 1
+    VERSION = 2
 
     read: ReadPosition = dataclasses.field(default_factory=ReadPosition)
     buffer: np.ndarray | None = None
     next_seq: int = 0
     kind: str = "bestfit"
+    growth: BufferGrowth = FULL_BUFFER
 
     def to_dict(self) -> dict[str, Any]:
         buffer = self.buffer
@@ -212,16 +226,25 @@ class BestFitState:
             "reader": self.read.to_dict(),
             "buffer": np.zeros((0, columns), np.int64) if buffer is None else np.asarray(buffer, np.int64),
             "next_seq": self.next_seq,
+            "buffer_start": self.growth.start,
+            "buffer_growth": self.growth.per_row,
         }
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any], path: str, kind: str) -> BestFitState:
-        if "version" in state:  # state version 2 wrote the fields beside the stream's, without one
-            version(state, path, (cls.VERSION,))
+        saved_version = 1  # state version 2 wrote the fields beside the stream's, without one
+        if "version" in state:
+            saved_version = version(state, path, (1, cls.VERSION))
+        growth = FULL_BUFFER  # before version 2 the buffer was full from the first row
+        if saved_version >= 2:
+            start = integer(state, "buffer_start", path)
+            growth = BufferGrowth(start, integer(state, "buffer_growth", path))
+            if growth.per_row and not start:
+                raise InvalidDataState(join(path, "buffer_start"), start, "a growing buffer must start at >= 1")
         read_key = "reader" if "reader" in state else "read"
         read = ReadPosition.from_dict(field(state, read_key, path), join(path, read_key))
         buffer = int_table(state, "buffer", path, len(_META_COLUMNS[kind]))
-        return cls(read, buffer, integer(state, "next_seq", path), kind)
+        return cls(read, buffer, integer(state, "next_seq", path), kind, growth)
 
     def check(self, spec: StreamSpec, units: StreamUnits, path: str, reader: str = "reader") -> None:
         """Raises :class:`InvalidDataState` unless every buffered row names a row of the data and fits the rows."""
@@ -372,8 +395,9 @@ class TokenStream:
             (:func:`~lightning_d9d.streaming.bestfit_restore.read_buffered_texts`); ``None``: the stream reads them.
 
     Raises:
-        ValueError: an unknown packing or a negative ``chunk_chars``; (when iterated) reading errors, a stream
-            that finds no text in ``MAX_PASSES_WITHOUT_TEXT`` passes, a restored document that changed.
+        ValueError: an unknown packing, a negative ``chunk_chars`` or buffer growth; (when iterated) reading
+            errors, a stream that finds no text in ``MAX_PASSES_WITHOUT_TEXT`` passes, a restored document that
+            changed.
     """
 
     def __init__(
@@ -387,6 +411,11 @@ class TokenStream:
             raise ValueError(f"packing={spec.packing!r} is not one of {PACKINGS}")
         if spec.chunk_chars < 0:
             raise ValueError(f"chunk_chars={spec.chunk_chars} must be >= 0 (0: no limit)")
+        if spec.buffer_growth < 0 or (spec.buffer_growth and spec.buffer_start < 1):
+            raise ValueError(
+                f"buffer_start={spec.buffer_start}, buffer_growth={spec.buffer_growth}: the growth must be >= 0 "
+                "(0: no growth) and a growing buffer must start at >= 1"
+            )
         if not 0 <= stream < spec.num_streams:
             raise ValueError(f"stream {stream} is not one of the {spec.num_streams} streams")
         self.spec, self.stream = spec, stream
@@ -399,7 +428,9 @@ class TokenStream:
             InvalidDataState: the state's positions or buffered documents lie outside this stream's data.
         """
         if initial_state is None:
-            fresh = ConcatState() if self.spec.packing == "concat" else BestFitState(kind=self.spec.packing)
+            spec = self.spec
+            growth = BufferGrowth(spec.buffer_start, spec.buffer_growth) if spec.buffer_growth else FULL_BUFFER
+            fresh = ConcatState() if spec.packing == "concat" else BestFitState(kind=spec.packing, growth=growth)
             initial_state = StreamState(fresh)
         else:
             initial_state.check(self.spec, self.stream)
@@ -661,16 +692,18 @@ class _BestFit(_Stage):
                 read = self.after(cursor.laid.chunk, cursor.next_doc - 1)
             block = RowBlock(*result) if split else RowBlock(result)
             packed = packer.get_state()
-            yield self.emitted(block, BestFitState(read, packed.rows, packed.next_seq, spec.packing), packed.counters)
+            state = BestFitState(read, packed.rows, packed.next_seq, spec.packing, start.growth)
+            yield self.emitted(block, state, packed.counters)
 
     def _packer(self, start: BestFitState) -> BestFitPacker | BestFitSplitPacker:
         """A packer of the stream's kind, with the counters and buffer of ``start``."""
         spec = self.spec
         packer: BestFitPacker | BestFitSplitPacker
         if spec.packing == "bestfit_split":
-            packer = BestFitSplitPacker(spec.capacity, spec.pad_id, spec.buffer_size)
+            packer = BestFitSplitPacker(spec.capacity, spec.pad_id, spec.buffer_size, start.growth)
         else:
-            packer = BestFitPacker(spec.capacity, spec.buffer_size)
+            packer = BestFitPacker(spec.capacity, spec.buffer_size, start.growth)
+        packer.rows_taken = self.counters.rows  # the buffer's size follows the rows packed
         buffer = start.buffer if start.buffer is not None else np.zeros((0, len(packer.META_COLUMNS)), np.int64)
         fetch = buffer_fetch(spec, buffer, self.texts) if len(buffer) else None
         self.texts = None

@@ -441,3 +441,17 @@ def test_a_streams_step_by_step_quotas_are_the_plans(weights) -> None:
     for start in (0, 4, 11):
         got = list(itertools.islice(plan.quotas_from(start), 20))
         assert got == [plan.rows_of_step(step) for step in range(start, start + 20)]
+
+
+def test_growing_buffers_give_the_same_rows_on_any_layout_and_resume_exactly_mid_growth(corpus: dict) -> None:
+    """Buffers of 40 pieces grow from 16 by 4 per row: every source's buffer grows through the first steps."""
+    weights, grows = {"a": 0.5, "b": 0.5}, dict(bestfit_buffer_size=40)
+    alone = global_steps(corpus, 1, 0, 8, weights=weights, **grows)
+    assert global_steps(corpus, 2, 0, 8, weights=weights, microbatch_size=1, **grows) == alone
+    assert global_steps(corpus, 2, 2, 8, weights=weights, **grows) == alone
+    dm = datamodule(corpus, weights=weights, **grows)
+    state, _ = state_after(dm, 3)
+    sizes = [len(s.packing.buffer) for k in dm.position.states.values() for s in k.sources.values()]
+    assert max(sizes) < 40, sizes  # still growing at the checkpoint
+    for world, workers in ((1, 0), (2, 2)):
+        assert global_steps(corpus, world, workers, 5, state=state, weights=weights, **grows) == alone[3:]
