@@ -214,6 +214,11 @@ class InlineTokenizing(Generic[T]):
             close()
 
 
+# How long closing waits for the reader thread to finish the read it is in (a row group, or an object-storage
+# read retrying an outage): bounded, so closing never hangs on a stalled store.
+_READER_JOIN_SECONDS = 30.0
+
+
 class _ReadAhead:
     """The reader thread's side of :class:`PrefetchedTokenizing`: it holds nothing of the consumer, so a consumer
     dropped without ``close()`` is still freed, and its ``__del__`` stops this thread."""
@@ -266,7 +271,7 @@ class PrefetchedTokenizing(Generic[T]):
         self.slots = threading.Semaphore(1 if self.on_demand else self.ahead)  # on demand: the first at once
         self.asked, self.closed = 0, False
         # Bound here so that closing at interpreter exit needs no module global.
-        self._empty, self._future = queue.Empty, Future
+        self._empty, self._future, self._current_thread = queue.Empty, Future, threading.current_thread
         self.read_ahead = _ReadAhead(encode, self.slots, lookahead)
         self.reader = threading.Thread(
             target=self.read_ahead.run, args=(chunks,), name=f"lightning-d9d-{name}-reader", daemon=True
@@ -312,6 +317,10 @@ class PrefetchedTokenizing(Generic[T]):
                 break
             if isinstance(item, self._future):
                 item.cancel()
+        # Wait for the reader to leave the read it is in: a thread still inside pyarrow's C++ when the process
+        # exits aborts it ("terminate called without an active exception"). It stops at its next slot.
+        if self.reader is not self._current_thread():
+            self.reader.join(timeout=_READER_JOIN_SECONDS)
 
     def __del__(self) -> None:
         self.close()
