@@ -1027,12 +1027,15 @@ def _first_batch_child(conn, files: object, args: dict, packing: str, growth: bo
         weights=weights,
     )  # fmt: skip
     dm.setup("fit")
-    if not growth:  # the buffers full from the first row, as before they grew
-        spec = dm.train_spec
-        if isinstance(spec, MixtureSpec):
-            dm.train_spec = replace(spec, sources=tuple(replace(s, buffer_growth=0) for s in spec.sources))
-        else:
-            dm.train_spec = replace(spec, buffer_growth=0)
+    # growing: the package's default growth, or --buffer-start/--buffer-growth; else full from the first row
+    change = {"buffer_growth": 0}
+    if growth:
+        change = {k: args[k] for k in ("buffer_start", "buffer_growth") if args[k] is not None}
+    spec = dm.train_spec
+    if isinstance(spec, MixtureSpec):
+        dm.train_spec = replace(spec, sources=tuple(replace(s, **change) for s in spec.sources))
+    else:
+        dm.train_spec = replace(spec, **change)
     start = time.perf_counter()
     iterator = iter(dm.train_dataloader())
     next(iterator)
@@ -1068,10 +1071,19 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
     buffers are full (after ``--grown-steps`` steps), both ways."""
     settings = {"tokenizer": args.tokenizer_path, "seq_len": args.seq_len, "global_batch": args.global_batch,
                 "microbatch": args.microbatch, "workers": args.workers, "batch_size": args.tokenizer_batch,
-                "buffer": args.buffer, "steps": args.grown_steps}  # fmt: skip
-    print(f"\nfirst batch of a fresh start, world size 1, {args.workers} workers, default K, buffer {args.buffer}:")
+                "buffer": args.buffer, "steps": args.grown_steps, "buffer_start": args.buffer_start,
+                "buffer_growth": args.buffer_growth}  # fmt: skip
+    from lightning_d9d.streaming.stream import StreamSpec
+
+    start, per_row = (StreamSpec.buffer_start, StreamSpec.buffer_growth)
+    start = start if args.buffer_start is None else args.buffer_start
+    per_row = per_row if args.buffer_growth is None else args.buffer_growth
+    print(
+        f"\nfirst batch of a fresh start, world size 1, {args.workers} workers, default K, buffer {args.buffer} "
+        f"(growing: {start} + {per_row} per row):"
+    )
     for name, (single, mixture) in corpora.items():
-        for packing in PACKINGS:
+        for packing in args.packings.split(","):
             for label, files in (("single", single), ("mixture of 2", mixture)):
                 waste = packing == "bestfit_split" and label == "single" and args.grown_steps > 0
                 grown = _in_process(files, settings, packing, True, waste)
@@ -1123,13 +1135,18 @@ def main() -> None:
         "--first-batch", action="store_true", help="only time the first batch of fresh starts (and grown waste)"
     )
     parser.add_argument("--grown-steps", type=int, default=70, help="--first-batch: steps until buffers are full")
+    parser.add_argument("--buffer-start", type=int, help="--first-batch: a growing buffer's start (default: ours)")
+    parser.add_argument("--buffer-growth", type=int, help="--first-batch: its growth per row (default: ours)")
+    parser.add_argument("--packings", default=",".join(PACKINGS), help="--first-batch: which packings to run")
     parser.add_argument(
-        "--quick", action="store_true", help="a 2 MB corpus, small buffers, 1 short round, inline (smoke test)"
+        "--quick",
+        action="store_true",
+        help="a 1.5 MB corpus of short documents, small buffers, 1 short round, inline (smoke test)",
     )
     args = parser.parse_args()
     if args.quick:
         args.mb, args.seconds, args.long_seconds, args.runs, args.vocab = 1.5, 0.3, 0.3, 1, 2048
-        args.buffer, args.quality_steps, args.inline = 16, 2, True
+        args.buffer, args.quality_steps, args.inline, args.corpora = 16, 2, True, "short"
     args.compare_packings = [p for p in args.compare_packings.split(",") if p]
     args.variant_labels = {label for label, _ in args.variant}
 

@@ -26,8 +26,6 @@ from tokenizers import Tokenizer
 from lightning_d9d.datamodules.pretraining_mixture import (
     SINGLE_SOURCE_NAME,
     SourceConfig,
-    files_summary,
-    mixture_fingerprint,
 )
 from lightning_d9d.resume import Fingerprint
 from lightning_d9d.streaming.estimate import estimate_pass, first_text
@@ -40,18 +38,10 @@ from lightning_d9d.streaming.stream import StreamSpec
 from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
 
 
-@dataclass(frozen=True)
-class StreamFingerprint(Fingerprint):
-    """What decides the rows of every step (how documents are batched for the tokenizer does not).
+@dataclass(frozen=True, kw_only=True)
+class PackedRowsFingerprint(Fingerprint):
+    """The settings that decide the packed rows, one corpus or a mixture alike (the subclasses add the files)."""
 
-    ``file_digests`` holds one footer digest per file (row counts, sizes and text statistics of its row
-    groups), so a file rewritten with other text is noticed and named; ``file_labels`` only names files in
-    messages and is not compared.
-    """
-
-    files: str
-    file_digests: tuple[int, ...]
-    text_column: str
     tokenizer: str
     bos_token: str
     seq_len: int
@@ -64,6 +54,26 @@ class StreamFingerprint(Fingerprint):
     max_document_chars: int | None = field(
         default=DEFAULT_MAX_DOCUMENT_CHARS, metadata={"when_missing": (None, DEFAULT_MAX_DOCUMENT_CHARS)}
     )
+
+    @staticmethod
+    def settings_of(settings: CorpusSettings, tokenizer: str) -> dict[str, Any]:
+        """This class's fields: ``tokenizer`` (the tokenizer's digest) and the rest read off ``settings``."""
+        names = (f.name for f in dataclasses.fields(PackedRowsFingerprint) if f.name != "tokenizer")
+        return {"tokenizer": tokenizer, **{name: getattr(settings, name) for name in names}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamFingerprint(PackedRowsFingerprint):
+    """What decides the rows of every step of one corpus (how documents are batched for the tokenizer does not).
+
+    ``file_digests`` holds one footer digest per file (row counts, sizes and text statistics of its row
+    groups), so a file rewritten with other text is noticed and named; ``file_labels`` only names files in
+    messages and is not compared.
+    """
+
+    files: str
+    file_digests: tuple[int, ...]
+    text_column: str
     file_labels: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def describe_difference(self, name: str, then: Any, now: Any) -> str:
@@ -77,6 +87,41 @@ class StreamFingerprint(Fingerprint):
         names = [self.file_labels[i] if i < len(self.file_labels) else f"file {i}" for i in changed]
         shown = ", ".join(repr(name) for name in names[:5]) + (" ..." if len(names) > 5 else "")
         return f"files: {len(changed)} of {len(now)} changed since the checkpoint ({shown})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixtureFingerprint(PackedRowsFingerprint):
+    """What decides a mixture's rows, besides the shares: the settings and, by source name, each source's
+    ``(files summary, footer digests, text column)``. A source added is no mismatch here (it starts fresh, once
+    the change of shares it brings is accepted); one removed or whose files changed is."""
+
+    sources: tuple[tuple[str, str, tuple[int, ...], str], ...]
+
+    def mismatches(self, saved: dict[str, Any]) -> list[str]:
+        others = {name: value for name, value in saved.items() if name != "sources"}
+        differences = [d for d in super().mismatches({**others, "sources": self.to_dict()["sources"]})]
+        now = {source[0]: source for source in self.to_dict()["sources"]}
+        then = saved.get("sources")
+        if not isinstance(then, list):
+            return [*differences, f"sources: checkpoint {then!r}, this run {list(now)} (not a mixture's checkpoint)"]
+        for source in then:
+            name = source[0]
+            if name not in now:
+                differences.append(
+                    f"sources: {name!r} is in the checkpoint but not in this run (a source cannot be removed on "
+                    f"resume; keep it and give it weight 0 from the resume step on)"
+                )
+            elif list(source) != list(now[name]):
+                differences.append(f"sources[{name!r}]: checkpoint {source[1:]!r}, this run {now[name][1:]!r}")
+        return differences
+
+
+def files_summary(index: RowGroupIndex) -> str:
+    """``"N files, R rows, sha256 …"`` of a source's files (labels and footer digests)."""
+    files = hashlib.sha256()
+    for label, digest in zip(index.file_labels(), index.file_digests):
+        files.update(f"{label}\0{digest}\0".encode())
+    return f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)
@@ -196,12 +241,13 @@ class PretrainingCorpus:
             indexes.append(index)
             total_tokens += tokens
         plan = MixturePlan(schedule, settings.global_batch_size)
-        fingerprint = mixture_fingerprint(
-            sources, indexes, tokenizer=self.tokenizer_digest, bos_token=settings.bos_token,
-            seq_len=settings.seq_len, packing=settings.packing, seed=settings.seed,
-            global_batch_size=settings.global_batch_size, num_streams=settings.num_streams,
-            bestfit_buffer_size=settings.bestfit_buffer_size, max_document_chars=settings.max_document_chars,
-        )  # fmt: skip
+        described = tuple(
+            (source.name, files_summary(index), tuple(index.file_digests), source.text_column)
+            for source, index in zip(sources, indexes)
+        )
+        fingerprint = MixtureFingerprint(
+            sources=described, **PackedRowsFingerprint.settings_of(settings, self.tokenizer_digest)
+        )
         spec = MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan)
         return TrainCorpus(spec, fingerprint, total_tokens, pass_rows)
 
@@ -243,19 +289,10 @@ class PretrainingCorpus:
 
     def fingerprint(self, index: RowGroupIndex) -> StreamFingerprint:
         """The fingerprint of one corpus: its files (labels and footer digests), tokenizer and settings."""
-        settings = self.settings
         return StreamFingerprint(
             files=files_summary(index),
             file_digests=tuple(index.file_digests),
-            text_column=settings.text_column,
-            tokenizer=self.tokenizer_digest,
-            bos_token=settings.bos_token,
-            seq_len=settings.seq_len,
-            packing=settings.packing,
-            seed=settings.seed,
-            global_batch_size=settings.global_batch_size,
-            num_streams=settings.num_streams,
-            bestfit_buffer_size=settings.bestfit_buffer_size,
-            max_document_chars=settings.max_document_chars,
+            text_column=self.settings.text_column,
             file_labels=tuple(index.file_labels()),
+            **PackedRowsFingerprint.settings_of(self.settings, self.tokenizer_digest),
         )

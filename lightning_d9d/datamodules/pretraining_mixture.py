@@ -1,4 +1,4 @@
-"""Weighted mixtures for PretrainingDataModule: named sources, their fingerprint, the plan saved and restored.
+"""Weighted mixtures for PretrainingDataModule: named sources, the plan saved and restored, counters per source.
 
 ``train_files`` (and ``val_files``) may map names to sources: ``{name: file spec}`` or ``{name: {"files": spec,
 "text_column": column}}``. The rows of each step are planned per source by
@@ -6,9 +6,6 @@
 holds what the DataModule adds around them:
 
 * **parsing** the sources (one error naming the value and what is valid);
-* **the fingerprint** (:class:`MixtureFingerprint`): every source's files, digests and text column by name, so
-  files changed under a source or a source removed are refused as any other change of data, while a source
-  added is not (it starts fresh, once the change of shares it brings is accepted);
 * **the plan on resume** (:func:`resumed_plan`): the checkpoint's plan is kept when the shares are unchanged;
   other shares are refused with one error naming the old and new shares, unless ``on_mixture_change=
   "continue"``: the new shares then count from the resume step, every source from the rows it had given;
@@ -21,17 +18,13 @@ change of shares gets its own check and its own way to continue, instead of rest
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_d9d.resume import Fingerprint
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.mixture_stream import MixtureSpec, MixtureState
-from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
-from lightning_d9d.streaming.source import RowGroupIndex
 from lightning_d9d.streaming.state import InvalidDataState
 from lightning_d9d.streaming.stream import StreamSpec, StreamState
 
@@ -102,63 +95,6 @@ def mixture_arguments(
             )
         return None, val_sources, None
     return train_sources, val_sources, MixtureSchedule([source.name for source in train_sources], weights)
-
-
-def files_summary(index: RowGroupIndex) -> str:
-    """``"N files, R rows, sha256 …"`` of a source's files (labels and footer digests)."""
-    files = hashlib.sha256()
-    for label, digest in zip(index.file_labels(), index.file_digests):
-        files.update(f"{label}\0{digest}\0".encode())
-    return f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}"
-
-
-@dataclass(frozen=True)
-class MixtureFingerprint(Fingerprint):
-    """What decides a mixture's rows, besides the shares: the settings and, by source name, each source's
-    ``(files summary, footer digests, text column)``. A source added is no mismatch here; one removed or whose
-    files changed is."""
-
-    sources: tuple[tuple[str, str, tuple[int, ...], str], ...]
-    tokenizer: str
-    bos_token: str
-    seq_len: int
-    packing: str
-    seed: int
-    global_batch_size: int
-    num_streams: int
-    bestfit_buffer_size: int
-    # Checkpoints from before the cap had none; the default cap changes no row of an ordinary corpus.
-    max_document_chars: int | None = field(
-        default=DEFAULT_MAX_DOCUMENT_CHARS, metadata={"when_missing": (None, DEFAULT_MAX_DOCUMENT_CHARS)}
-    )
-
-    def mismatches(self, saved: dict[str, Any]) -> list[str]:
-        others = {name: value for name, value in saved.items() if name != "sources"}
-        differences = [d for d in super().mismatches({**others, "sources": self.to_dict()["sources"]})]
-        now = {source[0]: source for source in self.to_dict()["sources"]}
-        then = saved.get("sources")
-        if not isinstance(then, list):
-            return [*differences, f"sources: checkpoint {then!r}, this run {list(now)} (not a mixture's checkpoint)"]
-        for source in then:
-            name = source[0]
-            if name not in now:
-                differences.append(
-                    f"sources: {name!r} is in the checkpoint but not in this run (a source cannot be removed on "
-                    f"resume; keep it and give it weight 0 from the resume step on)"
-                )
-            elif list(source) != list(now[name]):
-                differences.append(f"sources[{name!r}]: checkpoint {source[1:]!r}, this run {now[name][1:]!r}")
-        return differences
-
-
-def mixture_fingerprint(
-    sources: Sequence[SourceConfig], indexes: Sequence[RowGroupIndex], **settings: Any
-) -> MixtureFingerprint:
-    described = tuple(
-        (source.name, files_summary(index), tuple(index.file_digests), source.text_column)
-        for source, index in zip(sources, indexes)
-    )
-    return MixtureFingerprint(sources=described, **settings)
 
 
 def resumed_plan(

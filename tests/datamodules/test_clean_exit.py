@@ -26,9 +26,9 @@ import gc, sys
 from support import LengthDataset, pad_collate
 from lightning_d9d import D9DDataModule, PretrainingDataModule
 
-kind, workers, ending = {kind!r}, {workers}, {ending!r}
+ending = {ending!r}
 
-def make(packing):
+def make(kind, workers, packing):
     if kind == "streaming":
         dm = PretrainingDataModule(train_files={train!r}, tokenizer={tokenizer!r}, seq_len=32, global_batch_size=8,
                                    microbatch_size=4, num_workers=workers, steps_per_epoch=20, num_streams=4,
@@ -39,13 +39,16 @@ def make(packing):
     dm.setup("fit")
     return dm
 
-# Two loaders, a few batches of each, as a new user would try them; the iterators stay open.
+# Two loaders of each DataModule, in-process and with workers, a few batches of each, as a new user would try
+# them; the iterators stay open.
 iterators = []
-for packing in ("concat", "bestfit"):
-    batches = iter(make(packing).train_dataloader())
-    for _ in range(3):
-        next(batches)
-    iterators.append(batches)
+for kind in ("streaming", "mapstyle"):
+    for workers in (0, 2):
+        for packing in ("concat", "bestfit"):
+            batches = iter(make(kind, workers, packing).train_dataloader())
+            for _ in range(3):
+                next(batches)
+            iterators.append(batches)
 if ending == "collect":
     del iterators, batches
     gc.collect()
@@ -53,14 +56,10 @@ print("ended", flush=True)
 """
 
 
-@pytest.mark.slow  # eight fresh interpreters, each importing torch and Lightning
+@pytest.mark.slow  # fresh interpreters, each importing torch and Lightning
 @pytest.mark.parametrize("ending", ["exit", "collect"])
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", ["streaming", "mapstyle"])
-def test_open_iterators_end_silently(parquet: Path, kind: str, workers: int, ending: str) -> None:
+def test_open_iterators_end_silently(parquet: Path, ending: str) -> None:
     code = SCRIPT.format(
-        kind=kind,
-        workers=workers,
         ending=ending,
         train=str(parquet / "train"),
         tokenizer=str(parquet / "tokenizer.json"),

@@ -1,6 +1,7 @@
 """Weighted mixtures in PretrainingDataModule: exact per-step shares in real batches, the same steps on any layout,
 exact resume (mid-epoch, across a source's pass, across a phase, on another layout), deliberate changes of the mix
-on resume, per-source counters and validation, and one clear error per bad input."""
+on resume, per-source counters and validation, and one clear error per bad input; and, for one corpus, the same
+steps on any layout."""
 
 from __future__ import annotations
 
@@ -171,6 +172,15 @@ def test_the_rows_of_every_step_are_the_same_on_any_world_size_and_workers(corpu
     assert global_steps(corpus, 2, 0, 6, weights=weights, microbatch_size=1) == alone
     assert global_steps(corpus, 2, 2, 6, weights=weights) == alone
     assert global_steps(corpus, 1, 2, 6, weights=weights) == alone
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit", "bestfit_split"])
+def test_one_corpus_gives_the_same_rows_on_any_world_size_and_resumes_on_another(corpus: dict, packing: str) -> None:
+    single = dict(train_files=str(corpus["root"] / "a"), packing=packing)
+    alone = global_steps(corpus, 1, 0, 8, **single)
+    assert global_steps(corpus, 2, 0, 8, microbatch_size=1, **single) == alone
+    state, _ = state_after(datamodule(corpus, **single), 3)
+    assert global_steps(corpus, 2, 2, 5, state=state, **single) == alone[3:]
 
 
 # ---------------------------------------------------------------------------------------------- resume
