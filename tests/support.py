@@ -367,4 +367,6 @@ def fit_in_processes(config: dict[str, Any], timeout: int = 300, expect_returnco
         timeout=timeout,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
-    assert result.returncode == expect_returncode, result.stderr[-4000:]
+    assert result.returncode == expect_returncode, (
+        f"exit status {result.returncode}\nstdout: {result.stdout[-2000:]}\nstderr: {result.stderr[-4000:]}"
+    )
