@@ -53,3 +53,18 @@ def test_quick_benchmark_runs(script: str) -> None:
     verdicts = re.findall(r"^(PASS|FAIL): (.+)$", done.stdout, re.MULTILINE)
     assert len(verdicts) >= MIN_VERDICTS[script], done.stdout  # every target is judged, met or missed
     assert all("target" in text for _, text in verdicts), verdicts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_first_batch_mode_of_the_streaming_benchmark_runs() -> None:
+    """``streaming.py --first-batch``: a fresh DataModule per configuration, its first batch timed and judged."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "streaming.py"), "--quick", "--first-batch", "--packings", "bestfit_split",
+         "--skip-full", "--grown-steps", "2"],
+        capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdicts = re.findall(r"^(PASS|FAIL): (.+)$", done.stdout, re.MULTILINE)
+    judged = [text for _, text in verdicts if "first batch of a fresh start" in text and "target <= 5 s" in text]
+    assert len(judged) == 2, done.stdout  # one corpus, alone and as a mixture of 2

@@ -1,8 +1,9 @@
 """Estimate: how many tokens and rows one pass over the corpus gives, from the footers and a small sample.
 
-Algorithm: the sample is ``sample_docs`` documents (or the whole corpus, if smaller), whatever the row-group
-size: row groups are visited in a fixed seeded order and each gives its first rows, at most
-``sample_docs / sample_groups`` of them (``sample_docs / groups`` with fewer groups), until the sample is full; so
+Algorithm: the sample is ``sample_docs`` documents or ``sample_chars`` characters of text, whichever comes first
+(or the whole corpus, if smaller), whatever the row-group size: row groups are visited in a fixed seeded order
+and each gives its first rows, at most ``sample_docs / sample_groups`` of them (``sample_docs / groups`` with
+fewer groups) and no more than it takes to reach its share of the characters, until the sample is full; so
 large row groups give a sample spread over ``sample_groups`` of them and one-row groups give ``sample_docs`` of
 them (row groups the footers prove text-free are passed over). Tokens per
 pass = the sample's tokens per row (BOS included, empty rows counted as rows) × the footers' row count. Rows:
@@ -10,15 +11,19 @@ concat and best-fit-split keep every token (best-fit-split pads very little), so
 best-fit drops cropped remainders, so its rows are scaled by a yield measured by running the real packer over
 the sample's document lengths (cycled and shuffled with a fixed seed). Deterministic, so every rank computes the
 same value without talking. Documents over ``max_document_chars`` are left out of the sample as the streams
-skip them, counted as rows like empty texts.
+skip them, counted as rows like empty texts; a sampled document over ``SAMPLE_DOCUMENT_CHARS`` counts as its
+prefix's tokens scaled by its length (tokens per character hardly change along a document).
 
 ``first_text`` finds out whether the corpus holds any text at all: the sample usually answers; otherwise the
 row groups are read in order until a non-empty text turns up (only a corpus without text reads them all).
 
 Trade-off: a sample of a few thousand documents is within a few percent for document lengths as spread as real
-text, but costs one read per sampled row group: a corpus of one-row groups pays ``sample_docs`` small reads at
-setup. It still misjudges a corpus whose row groups differ a lot from one another; the epoch length it sets is a
-count of steps, so a misjudged pass makes epochs a little longer or shorter, never wrong.
+text; capped by characters, a corpus of long documents is judged from a few hundred of them, which is less sure
+where lengths span orders of magnitude (source files, books), but keeps setup to a second or two however long
+the documents. It costs one read per sampled row group: a corpus of one-row groups pays
+``sample_docs`` small reads at setup. It still misjudges a corpus whose row groups differ a lot from one
+another; the epoch length it sets is a count of steps, so a misjudged pass makes epochs a little longer or
+shorter, never wrong.
 """
 
 from __future__ import annotations
@@ -34,14 +39,25 @@ if TYPE_CHECKING:
     from lightning_d9d.streaming.source import RowGroupIndex
     from lightning_d9d.streaming.stream import StreamSpec
 
+# Characters of text the sample tokenizes, about: a corpus of long documents (books, source files) then costs a
+# second or two at setup rather than thousands of whole documents.
+SAMPLE_CHARS = 1 << 23
+# A sampled document is tokenized up to this many characters (its tokens scaled by its length beyond), so one huge
+# document in the sample costs no more than a page of text would.
+SAMPLE_DOCUMENT_CHARS = 1 << 18
 
-def estimate_pass(spec: StreamSpec, sample_groups: int = 8, sample_docs: int = 4096) -> tuple[float, float]:
+
+def estimate_pass(
+    spec: StreamSpec, sample_groups: int = 8, sample_docs: int = 4096, sample_chars: int = SAMPLE_CHARS
+) -> tuple[float, float]:
     """Estimate ``(tokens, rows)`` of one pass over ``spec.index``, from a sample and the parquet footers.
 
     Args:
         spec: the stream settings and the row groups.
         sample_groups: row groups the sample spreads over, at least (where there are as many).
         sample_docs: rows in the sample (null and empty ones included), where the corpus has as many.
+        sample_chars: characters of text in the sample, about: a row group gives rows until its share
+            (``sample_chars / sample_groups``) is reached, and the sample ends once it holds this many.
     """
     index, tokenizer = spec.index, load_tokenizer(spec.tokenizer_json)
     candidates = np.flatnonzero(~index.text_free) if index.text_free.size else np.arange(len(index))
@@ -49,15 +65,22 @@ def estimate_pass(spec: StreamSpec, sample_groups: int = 8, sample_docs: int = 4
         return 0.0, 0.0
     # A fixed order (every rank samples the same groups) that is not file order, which may be sorted by length.
     order = candidates[np.random.default_rng(0).permutation(len(candidates))]
-    per_group = max(1, -(-sample_docs // min(len(candidates), sample_groups)))
-    raw, kept = 0, []
+    groups = min(len(candidates), sample_groups)
+    per_group, group_chars = max(1, -(-sample_docs // groups)), max(1, sample_chars // groups)
+    raw, chars, kept = 0, 0, []
     for group in order.tolist():
-        if raw >= sample_docs:
+        if raw >= sample_docs or chars >= sample_chars:
             break
         texts = index.read_capped(group, spec.max_document_chars)[0][:per_group]  # a skipped text: an empty row
+        # Rows up to the one that fills the group's share of characters (that one included).
+        texts = texts[: int(np.searchsorted(np.cumsum([len(t or "") for t in texts]), group_chars)) + 1]
         raw += len(texts)
+        chars += sum(len(t or "") for t in texts)
         kept.extend(text for text in texts if text)
-    lengths = [len(encoding) + 1 for encoding in encode_documents(tokenizer, kept)]
+    # A document longer than SAMPLE_DOCUMENT_CHARS counts as its first characters' tokens scaled by its length.
+    limit = SAMPLE_DOCUMENT_CHARS
+    encodings = encode_documents(tokenizer, [text[:limit] for text in kept])
+    lengths = [round(len(e) * max(1.0, len(text) / limit)) + 1 for e, text in zip(encodings, kept)]
     if not lengths:
         return 0.0, 0.0
     with_text = index.total_rows - int(index.num_rows[index.text_free].sum()) if index.text_free.size else None

@@ -184,7 +184,7 @@ class BufferGrowth:
         per_row: items the size grows by per row packed (0: no growth; the full size from the first row).
     """
 
-    start: int = 16
+    start: int = 8
     per_row: int = 4
 
     def size(self, buffer_size: int, rows_taken: int) -> int:

@@ -116,7 +116,7 @@ class StreamSpec:
     chunk_chars: int = 0
     pad_id: int = 0
     max_document_chars: int | None = None
-    buffer_start: int = 16
+    buffer_start: int = 8
     buffer_growth: int = 4
 
     @property

@@ -43,3 +43,26 @@ def test_the_estimate_is_within_a_few_percent_whatever_the_row_group_size(corpus
     tokens, rows = estimate_pass(dm.train_spec)
     assert abs(tokens - corpus["counted"]) / corpus["counted"] < 0.03
     assert dm.steps_per_epoch == int(rows // 8) and rows == tokens / 65
+
+
+@pytest.mark.parametrize("layout", ["one-row-groups", "five-row-groups"])
+def test_the_sample_stops_at_its_characters_so_long_documents_cost_little_at_setup(
+    corpus: dict, layout: str, monkeypatch
+) -> None:
+    import lightning_d9d.streaming.estimate as estimate
+
+    dm = PretrainingDataModule(
+        train_files=str(corpus["root"] / layout), tokenizer=str(corpus["root"] / "tokenizer.json"), seq_len=64,
+        global_batch_size=8, microbatch_size=8, num_streams=4, num_workers=0, packing="concat",
+    )  # fmt: skip
+    dm.setup("fit")
+    tokenized: list[str] = []
+    encode = estimate.encode_documents
+    monkeypatch.setattr(estimate, "encode_documents", lambda tok, texts: tokenized.extend(texts) or encode(tok, texts))
+    sample_chars, longest = 100_000, max(len(text) for text in make_texts(DOCS, seed=4))
+    tokens, _ = estimate_pass(dm.train_spec, sample_chars=sample_chars)
+    groups = min(len(dm.train_spec.index), 8)
+    # The sample reaches its characters, and passes them by at most one document per row group it read.
+    assert sample_chars <= sum(map(len, tokenized)) <= sample_chars + groups * longest
+    assert len(tokenized) < DOCS // 3
+    assert abs(tokens - corpus["counted"]) / corpus["counted"] < 0.08
