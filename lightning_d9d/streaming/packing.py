@@ -360,7 +360,36 @@ class _PieceBuffer:
         return self.table[keys & ((1 << shift) - 1)]
 
 
-class BestFitPacker(_Counted):
+class _Buffered(_Counted):
+    """What both best-fit packers share: a buffer of items described by ``META_COLUMNS`` rows, saved and set
+    back as one :class:`BufferState` (the rows, the next insertion number and the counters)."""
+
+    _buffer: _PieceBuffer
+    next_seq: int
+
+    def restore(self, meta: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Rebuild the buffer from :meth:`snapshot` rows (each packer's own columns)."""
+        raise NotImplementedError
+
+    def get_state(self) -> BufferState:
+        """The buffer's rows, the next insertion number and the counters."""
+        return BufferState(self.snapshot(), self.next_seq, self.counters)
+
+    def reset(self, initial_state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Continue from ``initial_state`` (an empty packer); ``fetch`` supplies buffered items' tokens
+        (see :meth:`restore`), needed when the state holds any."""
+        if len(initial_state.rows):
+            if fetch is None:
+                raise ValueError("a state with buffered items needs fetch() to rebuild their tokens")
+            self.restore(initial_state.rows, initial_state.next_seq, fetch)
+        self.next_seq, self.counters = initial_state.next_seq, initial_state.counters
+
+    def snapshot(self) -> np.ndarray:
+        """The buffered items (documents, or pieces) as int64 rows of ``META_COLUMNS``, in insertion order."""
+        return self._buffer.snapshot()
+
+
+class BestFitPacker(_Buffered):
     """Pack rows that all start at BOS: largest fitting document first, crop the shortest when none fits.
 
     Each buffered document is described by one row of integers (``seq``, ``length``, two caller ``key``
@@ -462,19 +491,6 @@ class BestFitPacker(_Counted):
         self.tokens_emitted += num_rows * self.capacity
         return out
 
-    def get_state(self) -> BufferState:
-        """The buffer's rows, the next insertion number and the counters."""
-        return _buffer_state(self)
-
-    def reset(self, initial_state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        """Continue from ``initial_state`` (an empty packer); ``fetch`` supplies buffered documents' tokens
-        (see :meth:`restore`), needed when the state holds any."""
-        _reset(self, initial_state, fetch)
-
-    def snapshot(self) -> np.ndarray:
-        """The buffered documents as ``(count, 5)`` int64 rows of ``META_COLUMNS``, in insertion order."""
-        return self._buffer.snapshot()
-
     def restore(self, meta: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray]) -> None:
         """Rebuild a buffer from :meth:`snapshot` rows, lazily.
 
@@ -510,7 +526,7 @@ class BestFitPacker(_Counted):
         return tokens[:expected]
 
 
-class BestFitSplitPacker(_Counted):
+class BestFitSplitPacker(_Buffered):
     """Pack rows from whole documents and row-sized chunks of longer ones, best fit first, padding the rest.
 
     A document of at most ``capacity`` tokens is one piece; a longer one is split into the pieces
@@ -664,19 +680,6 @@ class BestFitSplitPacker(_Counted):
         self.tokens_emitted += total - pad
         return flags.reshape(num_rows, capacity)
 
-    def get_state(self) -> BufferState:
-        """The buffer's rows, the next insertion number and the counters."""
-        return _buffer_state(self)
-
-    def reset(self, initial_state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        """Continue from ``initial_state`` (an empty packer); ``fetch`` supplies buffered pieces' tokens
-        (see :meth:`restore`), needed when the state holds any."""
-        _reset(self, initial_state, fetch)
-
-    def snapshot(self) -> np.ndarray:
-        """The buffered pieces as ``(pieces, 7)`` int64 rows of ``META_COLUMNS``, in insertion order."""
-        return self._buffer.snapshot()
-
     def restore(self, meta: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray]) -> None:
         """Rebuild a buffer from :meth:`snapshot` rows, lazily (counters are set back with :attr:`counters`).
 
@@ -727,17 +730,3 @@ class BestFitSplitPacker(_Counted):
 def _check_growth(growth: BufferGrowth) -> None:
     if growth.start < 0 or growth.per_row < 0 or (growth.per_row and not growth.start):
         raise ValueError(f"buffer growth {growth} must have start > 0 and per_row >= 0 (per_row 0: no growth)")
-
-
-def _buffer_state(packer: BestFitPacker | BestFitSplitPacker) -> BufferState:
-    return BufferState(packer.snapshot(), packer.next_seq, packer.counters)
-
-
-def _reset(
-    packer: BestFitPacker | BestFitSplitPacker, state: BufferState, fetch: Callable[[np.ndarray], np.ndarray] | None
-) -> None:
-    if len(state.rows):
-        if fetch is None:
-            raise ValueError("a state with buffered items needs fetch() to rebuild their tokens")
-        packer.restore(state.rows, state.next_seq, fetch)
-    packer.next_seq, packer.counters = state.next_seq, state.counters

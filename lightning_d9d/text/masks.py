@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -79,14 +80,24 @@ def _token_around(offsets: Sequence[tuple[int, int]], boundary: int) -> int | No
     return token if token >= 0 and offsets[token][1] > boundary else None
 
 
-def fit_turn_spans(
-    spans: Sequence[tuple[int, int]],
-    ids: Sequence[int],
-    offsets: Sequence[tuple[int, int]],
-    text: str,
-    control_ids: frozenset[int],
-    row: int,
-) -> list[tuple[int, int]]:
+@dataclass(frozen=True)
+class TokenizedText:
+    """A rendered text and its tokens, as the turn fitting reads them.
+
+    Attributes:
+        ids: the token ids.
+        offsets: each token's ``[start, end)`` characters in ``text``.
+        text: the rendered text.
+        control_ids: ids of the template's control tokens (headers, end-of-turn markers).
+    """
+
+    ids: Sequence[int]
+    offsets: Sequence[tuple[int, int]]
+    text: str
+    control_ids: frozenset[int]
+
+
+def fit_turn_spans(spans: Sequence[tuple[int, int]], tokens: TokenizedText, row: int) -> list[tuple[int, int]]:
     """Turns found between two renders fitted to what the model writes: each starts after a header token that
     swallowed its leading whitespace (``start_after_control_tokens``) and ends at its end-of-turn token
     (``end_at_end_of_turn``).
@@ -94,37 +105,26 @@ def fit_turn_spans(
     Raises:
         ValueError: a span (after its start moved) starts or ends inside a token, see ``check_token_boundaries``.
     """
-    spans = start_after_control_tokens(spans, ids, offsets, text, control_ids)
-    check_token_boundaries(offsets, spans, row)
-    return end_at_end_of_turn(spans, ids, offsets, text, control_ids)
+    spans = start_after_control_tokens(spans, tokens)
+    check_token_boundaries(tokens.offsets, spans, row)
+    return end_at_end_of_turn(spans, tokens)
 
 
-def start_after_control_tokens(
-    spans: Sequence[tuple[int, int]],
-    ids: Sequence[int],
-    offsets: Sequence[tuple[int, int]],
-    text: str,
-    control_ids: frozenset[int],
-) -> list[tuple[int, int]]:
+def start_after_control_tokens(spans: Sequence[tuple[int, int]], tokens: TokenizedText) -> list[tuple[int, int]]:
     """Each span whose start falls inside a control token that swallowed only whitespace of the span (a header
     token that strips to its right, as Phi-3's ``<|assistant|>``) starts after that token: the header is prompt,
     and the whitespace it holds is not a token the model could write."""
+    ids, offsets, text = tokens.ids, tokens.offsets, tokens.text
     moved = []
     for start, end in spans:
         token = _token_around(offsets, start)
-        if token is not None and ids[token] in control_ids and not text[start : offsets[token][1]].strip():
+        if token is not None and ids[token] in tokens.control_ids and not text[start : offsets[token][1]].strip():
             start = min(offsets[token][1], end)
         moved.append((start, end))
     return moved
 
 
-def end_at_end_of_turn(
-    spans: Sequence[tuple[int, int]],
-    ids: Sequence[int],
-    offsets: Sequence[tuple[int, int]],
-    text: str,
-    control_ids: frozenset[int],
-) -> list[tuple[int, int]]:
+def end_at_end_of_turn(spans: Sequence[tuple[int, int]], tokens: TokenizedText) -> list[tuple[int, int]]:
     """Each span cut after its last control token when only whitespace follows it inside the span.
 
     A turn found between two renders ends where the next turn's header starts, so it also holds the separator a
@@ -132,13 +132,14 @@ def end_at_end_of_turn(
     the end-of-turn token, not to write the separator that is never generated. A span that ends in text (a
     template without control tokens) keeps its end. Spans must start and end on token boundaries.
     """
+    ids, offsets, text = tokens.ids, tokens.offsets, tokens.text
     starts = [start for start, _ in offsets]
     cut = []
     for start, end in spans:
         first, stop = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
         new_end = end
         for token in range(stop - 1, first - 1, -1):
-            if ids[token] in control_ids:
+            if ids[token] in tokens.control_ids:
                 new_end = offsets[token][1]
                 break
             if text[offsets[token][0] : offsets[token][1]].strip():

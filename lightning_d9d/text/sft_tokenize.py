@@ -47,6 +47,7 @@ from lightning_d9d.text.masks import (
     DROPPED_TOO_LONG,
     DROPPED_UNTRAINED,
     TRUNCATED,
+    TokenizedText,
     fit_turn_spans,
     labels_from_mask,
     span_mask,
@@ -153,7 +154,7 @@ class RowTokenizer:
             spans = list(rendered.generation_spans)
         else:
             spans = _turn_spans(template, messages, rendered.text, index, self.control_tokens, last_only)
-            spans = fit_turn_spans(spans, ids, encoding.offsets, rendered.text, self.control_ids, index)
+            spans = fit_turn_spans(spans, TokenizedText(ids, encoding.offsets, rendered.text, self.control_ids), index)
         if last_only:
             spans = spans[-1:]
         mask = span_mask(encoding.offsets, spans)
@@ -180,7 +181,8 @@ class RowTokenizer:
         spans = [(len(start), len(whole))]
         mask = np.ones(len(encoding.ids), dtype=bool)
         if self.recipe.loss_on == "completion":
-            spans = fit_turn_spans(spans, encoding.ids, encoding.offsets, whole, self.control_ids, index)
+            tokens = TokenizedText(encoding.ids, encoding.offsets, whole, self.control_ids)
+            spans = fit_turn_spans(spans, tokens, index)
             mask = span_mask(encoding.offsets, spans)
         return np.asarray(encoding.ids, dtype=np.int64), labels_from_mask(encoding.ids, mask)
 

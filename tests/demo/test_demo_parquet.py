@@ -13,6 +13,8 @@ import pytest
 
 from lightning_d9d.demo.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, write_shards
 
+pytestmark = pytest.mark.slow  # builds the demo corpus and trains its tokenizer, and fits through the CLI
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO_PRETRAINING = REPO / "configs" / "demo_pretraining.yaml"
 

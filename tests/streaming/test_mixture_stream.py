@@ -453,6 +453,7 @@ def test_a_streams_step_by_step_quotas_are_the_plans(weights) -> None:
         assert got == [plan.rows_of_step(step) for step in range(start, start + 20)]
 
 
+@pytest.mark.slow
 def test_growing_buffers_give_the_same_rows_on_any_layout_and_resume_exactly_mid_growth(corpus: dict) -> None:
     """Buffers of 40 pieces grow from 16 by 4 per row: every source's buffer grows through the first steps."""
     weights, grows = {"a": 0.5, "b": 0.5}, dict(bestfit_buffer_size=40)

@@ -42,6 +42,8 @@ from lightning_d9d.streaming.loader import worker_start_method
 from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.storage import Storage, StorageError
 
+pytestmark = pytest.mark.slow  # every test serves its files from a real S3 server (moto's) on 127.0.0.1
+
 BUCKET = "corpus"
 REGION = "us-east-1"
 
