@@ -66,3 +66,22 @@ def test_the_sample_stops_at_its_characters_so_long_documents_cost_little_at_set
     assert sample_chars <= sum(map(len, tokenized)) <= sample_chars + groups * longest
     assert len(tokenized) < DOCS // 3
     assert abs(tokens - corpus["counted"]) / corpus["counted"] < 0.08
+
+
+def test_a_long_sampled_document_is_tokenized_up_to_a_limit_and_scaled_by_its_length(corpus: dict, monkeypatch) -> None:
+    import lightning_d9d.streaming.estimate as estimate
+
+    dm = PretrainingDataModule(
+        train_files=str(corpus["root"] / "five-row-groups"), tokenizer=str(corpus["root"] / "tokenizer.json"),
+        seq_len=64, global_batch_size=8, microbatch_size=8, num_streams=4, num_workers=0, packing="concat",
+    )  # fmt: skip
+    dm.setup("fit")
+    whole, _ = estimate_pass(dm.train_spec)
+    tokenized: list[str] = []
+    encode = estimate.encode_documents
+    monkeypatch.setattr(estimate, "encode_documents", lambda tok, texts: tokenized.extend(texts) or encode(tok, texts))
+    monkeypatch.setattr(estimate, "SAMPLE_DOCUMENT_CHARS", 60)
+    prefixed, _ = estimate_pass(dm.train_spec)
+    assert max(map(len, tokenized)) == 60  # longer documents reach the tokenizer as their first 60 characters
+    assert sum(len(text) > 60 for text in make_texts(DOCS, seed=4)) > DOCS // 3  # and many are longer
+    assert abs(prefixed - whole) / whole < 0.03  # tokens per character hardly change along a document
