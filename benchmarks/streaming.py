@@ -17,16 +17,14 @@ same text split at blank lines). Settings: ``seq_len`` 1024, microbatch 8, globa
 * ``nanochat concat`` / ``nanochat best-fit``: straightforward ports of nanochat's loaders (a deque of tokens; a
   Python scan of a 1000-document buffer per pick, dropping the cropped remainder), in-process.
 
-Timing. Every configuration starts once (a fresh best-fit stream must fill its buffer before its first row:
-K buffers of 1000 documents, on the long corpus several passes of each stream's share; that first step is
-reported, untimed) and is then frozen (``SIGSTOP`` of its process group, DataLoader workers included) except
-during its own windows, which are interleaved round by round: bare first and last in every round, the loaders
-in between, in one order in even rounds and in the reverse order in odd ones (a window's place in the round
-biases it, so every loader gets the same mean place; run an even number of rounds). So the machine's other
-load hits all configurations alike, an idle configuration costs nothing, and a configuration's windows are
-contiguous slices of one run (no read-ahead piles up while it waits). A window runs whole optimizer steps for
-at least ``--seconds`` (``--long-seconds``); its tokens come from ``stream_stats()`` (as of the steps handed
-out, so rows the workers prefetched are not counted). Figures:
+Timing. Every configuration starts once (its first step is reported, untimed) and is then frozen (``SIGSTOP`` of
+its process group, DataLoader workers included) except during its own windows, which are interleaved round by
+round: bare first and last in every round, the loaders in between, in one order in even rounds and in the reverse
+order in odd ones (a window's place in the round biases it, so every loader gets the same mean place; run an even
+number of rounds). So the machine's other load hits all configurations alike, an idle configuration costs nothing,
+and a configuration's windows are contiguous slices of one run (no read-ahead piles up while it waits). A window
+runs whole optimizer steps for at least ``--seconds`` (``--long-seconds``); its tokens come from ``stream_stats()``
+(as of the steps handed out, so rows the workers prefetched are not counted). Figures:
 
 * *pooled*: a configuration's tokens over all its windows / their time (what the verdicts use: a window's
   read-ahead at its edges, up to two tokenizer chunks per stream, averages out over a run, not over a window);
@@ -43,6 +41,12 @@ peak RSS of the training process and its workers, and the first batch after a re
 2-worker run (best-fit buffers then hold the corpus's longest documents) on other layouts: another
 ``num_workers`` and ``microbatch_size``, and other world sizes (a DataModule whose ``rank``/``world_size`` are
 those of a rank of a larger job); each resumed step is compared with the uninterrupted run's rows.
+
+``--first-batch`` times only fresh starts instead: each packing, the corpus alone and as a mixture of its two
+halves, each in a process of its own with its DataLoader workers started as a training script's are, from
+``iter(train_dataloader())`` to the first microbatch (``setup`` timed apart), with best-fit buffers growing as a
+fresh stream's do (``--buffer-start``/``--buffer-growth`` to try other sizes) and, unless ``--skip-full``, full
+before the first row; target: the first batch within 5 s.
 """
 
 from __future__ import annotations
