@@ -42,11 +42,11 @@ peak RSS of the training process and its workers, and the first batch after a re
 ``num_workers`` and ``microbatch_size``, and other world sizes (a DataModule whose ``rank``/``world_size`` are
 those of a rank of a larger job); each resumed step is compared with the uninterrupted run's rows.
 
-``--first-batch`` times only fresh starts instead: each packing, the corpus alone and as a mixture of its two
-halves, each in a process of its own with its DataLoader workers started as a training script's are, from
-``iter(train_dataloader())`` to the first microbatch (``setup`` timed apart), with best-fit buffers growing as a
-fresh stream's do (``--buffer-start``/``--buffer-growth`` to try other sizes) and, unless ``--skip-full``, full
-before the first row; target: the first batch within 5 s.
+``--first-batch`` times only fresh starts instead: each packing, the corpus alone and as a mixture of its documents
+dealt to ``--sources`` sources (2), each in a process of its own with its DataLoader workers started as a training
+script's are, from ``iter(train_dataloader())`` to the first microbatch (``setup`` timed apart), with best-fit
+buffers growing as a fresh stream's do (``--buffer-start``/``--buffer-growth`` to try other sizes) and, unless
+``--skip-full``, full before the first row; target: the first batch within 5 s.
 """
 
 from __future__ import annotations
@@ -1076,7 +1076,7 @@ def _in_process(*args: object) -> dict:
 
 
 def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace) -> None:
-    """The first batch of a fresh start, each packing, one corpus and a 2-source mixture of its two halves,
+    """The first batch of a fresh start, each packing, one corpus and a mixture of ``--sources`` parts of it,
     each in a process of its own (DataLoader workers started from scratch), with growing buffers and with buffers
     full from the first row; and ``bestfit_split``'s waste (padding) over ``--grown-steps`` / 2 steps once the
     buffers are full (after ``--grown-steps`` steps), both ways."""
@@ -1096,7 +1096,7 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
     verdicts = []
     for name, (single, mixture) in corpora.items():
         for packing in args.packings.split(","):
-            for label, files in (("single", single), ("mixture of 2", mixture)):
+            for label, files in (("single", single), (f"mixture of {len(mixture)}", mixture)):
                 waste = packing == "bestfit_split" and label == "single" and args.grown_steps > 0
                 grown = _in_process(files, settings, packing, True, waste)
                 verdicts.append((grown["first_s"] <= FIRST_BATCH_S, f"{name}, {packing}, {label}: first batch of "
@@ -1157,6 +1157,7 @@ def main() -> None:
     parser.add_argument("--buffer-growth", type=int, help="--first-batch: its growth per row (default: ours)")
     parser.add_argument("--packings", default=",".join(PACKINGS), help="--first-batch: which packings to run")
     parser.add_argument("--skip-full", action="store_true", help="--first-batch: not with buffers full at once")
+    parser.add_argument("--sources", type=int, default=2, help="--first-batch: sources of the mixture")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -1189,8 +1190,8 @@ def main() -> None:
             for name in args.corpora.split(","):
                 docs, group_size = corpora[name]
                 group_size = min(group_size, max(1, len(docs) // (4 * 16)))
-                halves = {"a": docs[::2], "b": docs[1::2]}
-                mixture = {k: write_corpus(Path(tmp) / name / k, v, group_size) for k, v in halves.items()}
+                parts = {f"s{k}": docs[k :: args.sources] for k in range(args.sources)}  # documents dealt in turn
+                mixture = {k: write_corpus(Path(tmp) / name / k, v, group_size) for k, v in parts.items()}
                 written[name] = (write_corpus(Path(tmp) / name / "all", docs, group_size), mixture)
             first_batch(written, args)
             return
