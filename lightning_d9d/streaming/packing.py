@@ -361,11 +361,25 @@ class _PieceBuffer:
 
 
 class _Buffered(_Counted):
-    """What both best-fit packers share: a buffer of items described by ``META_COLUMNS`` rows, saved and set
-    back as one :class:`BufferState` (the rows, the next insertion number and the counters)."""
+    """What both best-fit packers share: the checks of their sizes and a growing buffer of items described by
+    ``META_COLUMNS`` rows, saved and set back as one :class:`BufferState` (the rows, the next insertion number
+    and the counters)."""
 
-    _buffer: _PieceBuffer
-    next_seq: int
+    META_COLUMNS: tuple[str, ...]
+
+    def __init__(self, capacity: int, buffer_size: int, growth: BufferGrowth, packing: str) -> None:
+        if capacity <= 1:
+            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
+        if buffer_size <= 0:
+            raise ValueError(f"{packing} buffer_size must be > 0, got {buffer_size}")
+        _check_growth(growth)
+        self.capacity = capacity
+        self.buffer_size = buffer_size
+        self.growth = growth
+        self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
+        self._buffer = _PieceBuffer(len(self.META_COLUMNS), max(16, 2 * buffer_size))
+        self.next_seq = 0
+        self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
 
     def restore(self, meta: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray]) -> None:
         """Rebuild the buffer from :meth:`snapshot` rows (each packer's own columns)."""
@@ -399,21 +413,10 @@ class BestFitPacker(_Buffered):
     META_COLUMNS = ("seq", "length", "key0", "key1", "hash")
 
     def __init__(self, capacity: int, buffer_size: int = 1000, growth: BufferGrowth = FULL_BUFFER) -> None:
-        if capacity <= 1:
-            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
-        if buffer_size <= 0:
-            raise ValueError(f"bestfit buffer_size must be > 0, got {buffer_size}")
-        _check_growth(growth)
-        self.capacity = capacity
-        self.buffer_size = buffer_size
-        self.growth = growth
-        self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
-        self._buffer = _PieceBuffer(len(self.META_COLUMNS), max(16, 2 * buffer_size))
-        self.next_seq = 0
+        super().__init__(capacity, buffer_size, growth, "bestfit")
         self.crops = 0
         self.tokens_cropped = 0  # tokenized, then dropped with a cropped document's remainder
         self.tokens_emitted = 0
-        self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
 
     @property
     def count(self) -> int:
@@ -549,25 +552,14 @@ class BestFitSplitPacker(_Buffered):
     META_COLUMNS = ("seq", "length", "key0", "key1", "chunk", "final", "hash")
 
     def __init__(self, capacity: int, pad_id: int, buffer_size: int = 1000, growth: BufferGrowth = FULL_BUFFER) -> None:
-        if capacity <= 1:
-            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
-        if buffer_size <= 0:
-            raise ValueError(f"bestfit_split buffer_size must be > 0, got {buffer_size}")
-        _check_growth(growth)
-        self.capacity = capacity
+        super().__init__(capacity, buffer_size, growth, "bestfit_split")
         self.pad_id = pad_id
-        self.buffer_size = buffer_size
-        self.growth = growth
-        self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
-        self._buffer = _PieceBuffer(len(self.META_COLUMNS), max(16, 2 * buffer_size))
         self._padding_run = np.full(capacity, pad_id, np.int32)
-        self.next_seq = 0
         self.docs = 0
         self.split_docs = 0
         self.chunks = 0
         self.tokens_emitted = 0
         self.padding = 0
-        self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
 
     def __len__(self) -> int:
         """Pieces buffered."""
