@@ -73,9 +73,11 @@ def estimate_pass(
             break
         texts = index.read_capped(group, spec.max_document_chars)[0][:per_group]  # a skipped text: an empty row
         # Rows up to the one that fills the group's share of characters (that one included).
-        texts = texts[: int(np.searchsorted(np.cumsum([len(t or "") for t in texts]), group_chars)) + 1]
+        sizes = np.cumsum([len(text or "") for text in texts])
+        taken = int(np.searchsorted(sizes, group_chars)) + 1
+        texts = texts[:taken]
         raw += len(texts)
-        chars += sum(len(t or "") for t in texts)
+        chars += int(sizes[len(texts) - 1]) if texts else 0
         kept.extend(text for text in texts if text)
     # A document longer than SAMPLE_DOCUMENT_CHARS counts as its first characters' tokens scaled by its length.
     limit = SAMPLE_DOCUMENT_CHARS
