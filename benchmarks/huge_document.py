@@ -151,7 +151,7 @@ def rss_mib() -> float:
 
 def holds(batch, windows: list[np.ndarray]) -> bool:
     """Whether a row of ``batch`` holds one of the ``windows`` (id sequences)."""
-    rows = batch.inputs.numpy()
+    rows = batch.input_ids.numpy()
     for window in windows:
         rows_at, cols_at = np.nonzero(rows[:, : rows.shape[1] - len(window) + 1] == window[0])
         for r, c in zip(rows_at.tolist(), cols_at.tolist()):

@@ -401,7 +401,7 @@ def _apply_patches(patches: dict) -> None:
 def _rows_of(batches: list) -> np.ndarray:
     """A step's rows as int64 ``(rows, 3 * seq_len)``: inputs, targets and position ids side by side."""
     return np.concatenate(
-        [np.concatenate([b.inputs.numpy(), b.targets.numpy(), b.position_ids.numpy()], axis=1) for b in batches]
+        [np.concatenate([b.input_ids.numpy(), b.targets.numpy(), b.position_ids.numpy()], axis=1) for b in batches]
     )
 
 
@@ -451,7 +451,7 @@ class DataModuleRun:
         rows = bos_start = no_bos = bos_tokens = 0
         for _ in range(steps):
             for batch in self.step():
-                is_bos = batch.inputs.numpy() == bos
+                is_bos = batch.input_ids.numpy() == bos
                 rows += len(is_bos)
                 bos_start += int(is_bos[:, 0].sum())
                 no_bos += int((~is_bos.any(axis=1)).sum())
@@ -459,8 +459,7 @@ class DataModuleRun:
         counters = self.dm.stream_stats()
         buffered = 0
         for state in self.dm.position.states.values():
-            buffer = getattr(state.packing, "buffer", None)
-            buffered += 0 if buffer is None else len(buffer)
+            buffered += sum(len(source.packing.buffer) for source in state.sources.values())
         return {"rows": rows, "bos_start": bos_start, "no_bos": no_bos, "bos_tokens": bos_tokens,
                 "counters": counters, "buffered": buffered}  # fmt: skip
 
@@ -646,7 +645,7 @@ def long_run_yield(tok: Tokenizer, docs: list[str], capacity: int, buffer_size: 
     """Best-fit's steady-state yield on this corpus: the real packer run over 20 buffers' worth of documents
     drawn (seeded) from the corpus's length distribution (lengths estimated from chars with a tokenized
     sample's chars/token), counting only documents that left the buffer."""
-    from lightning_d9d.streaming.packing import BestFitPacker
+    from lightning_d9d.streaming.bestfit import BestFitPacker
 
     sample = docs[:: max(1, len(docs) // 300)]
     ratio = sum(map(len, sample)) / sum(len(e) + 1 for e in tok.encode_batch_fast(sample))
@@ -665,7 +664,8 @@ def long_run_yield(tok: Tokenizer, docs: list[str], capacity: int, buffer_size: 
             packer.take(1, refill)
     except StopIteration:
         pass
-    return packer.tokens_emitted / max(1, packer.tokens_emitted + packer.tokens_cropped)
+    counters = packer.counters
+    return counters.emitted / max(1, counters.emitted + counters.cropped)
 
 
 def quality_figures(q: dict, packing: str, capacity: int) -> dict:
@@ -1026,7 +1026,7 @@ def _first_batch_child(conn, files: object, args: dict, packing: str, growth: bo
     multiprocessing.set_start_method(None, force=True)
 
     from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-    from lightning_d9d.streaming.mixture_stream import MixtureSpec
+    from lightning_d9d.streaming.packing import FULL_BUFFER, BufferGrowth
 
     weights = {name: 1.0 for name in files} if isinstance(files, dict) else None
     dm = PretrainingDataModule(
@@ -1039,14 +1039,12 @@ def _first_batch_child(conn, files: object, args: dict, packing: str, growth: bo
     dm.setup("fit")
     setup_s = time.perf_counter() - start
     # growing: the package's default growth, or --buffer-start/--buffer-growth; else full from the first row
-    change = {"buffer_growth": 0}
-    if growth:
-        change = {k: args[k] for k in ("buffer_start", "buffer_growth") if args[k] is not None}
+    default = BufferGrowth()
+    start = default.start if args["buffer_start"] is None else args["buffer_start"]
+    per_row = default.per_row if args["buffer_growth"] is None else args["buffer_growth"]
+    settings = replace(dm.settings, growth=BufferGrowth(start, per_row) if growth else FULL_BUFFER)
     spec = dm.train_spec
-    if isinstance(spec, MixtureSpec):
-        dm.train_spec = replace(spec, sources=tuple(replace(s, **change) for s in spec.sources))
-    else:
-        dm.train_spec = replace(spec, **change)
+    dm.train_spec = replace(spec, sources=tuple(replace(s, settings=settings) for s in spec.sources))
     start = time.perf_counter()
     iterator = iter(dm.train_dataloader())
     next(iterator)
@@ -1084,9 +1082,9 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
                 "microbatch": args.microbatch, "workers": args.workers, "batch_size": args.tokenizer_batch,
                 "buffer": args.buffer, "steps": args.grown_steps, "buffer_start": args.buffer_start,
                 "buffer_growth": args.buffer_growth}  # fmt: skip
-    from lightning_d9d.streaming.stream import StreamSpec
+    from lightning_d9d.streaming.packing import BufferGrowth
 
-    start, per_row = (StreamSpec.buffer_start, StreamSpec.buffer_growth)
+    start, per_row = BufferGrowth().start, BufferGrowth().per_row
     start = start if args.buffer_start is None else args.buffer_start
     per_row = per_row if args.buffer_growth is None else args.buffer_growth
     print(

@@ -248,11 +248,10 @@ def count_tokens(batch: Any) -> tuple[int, int] | None:
     mask = _field(batch, "attention_mask")
     if isinstance(mask, torch.Tensor):
         return int(mask.sum()), mask.numel()
-    # Packed rows (e.g. the pretraining DataModule's inputs/targets) have no padding: every position is a token.
-    for name in ("input_ids", "inputs"):
-        ids = _field(batch, name)
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            return ids.numel(), ids.numel()
+    # Packed rows (e.g. the pretraining DataModule's) have no padding: every position is a token.
+    ids = _field(batch, "input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return ids.numel(), ids.numel()
     return None
 
 

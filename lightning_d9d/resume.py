@@ -32,9 +32,7 @@ from typing import Any
 class Fingerprint:
     """Base of every DataModule's fingerprint: a frozen dataclass of plain values (ints, strings, bools, None).
 
-    Subclasses declare the fields that decide their data. A field added later names, in its metadata under
-    ``"when_missing"``, the values that a fingerprint saved before it existed matches (those that give the data
-    of that time).
+    Subclasses declare the fields that decide their data.
     """
 
     def to_dict(self) -> dict[str, Any]:
@@ -44,11 +42,8 @@ class Fingerprint:
     def mismatches(self, saved: dict[str, Any]) -> list[str]:
         """``field: checkpoint X, this run Y`` for every field that differs from a saved fingerprint."""
         differences = []
-        older = {f.name: f.metadata["when_missing"] for f in dataclasses.fields(self) if "when_missing" in f.metadata}
         for name, now in self.to_dict().items():
             then = _plain(saved.get(name, MISSING))
-            if then is MISSING and name in older and now in older[name]:
-                continue
             if now != then:
                 differences.append(self.describe_difference(name, then, now))
         return differences
@@ -110,20 +105,20 @@ class SavedPosition:
                 offending field and value and what would be valid.
         """
         if not isinstance(state, dict):
-            raise invalid_state(
+            raise InvalidDataState(
                 "state",
                 state,
                 "the dict a lightning_d9d DataModule's state_dict() writes, with 'epoch', 'step' and 'fingerprint'",
             )
         for name in cls.KEYS:
             if name not in state:
-                raise invalid_state(name, MISSING, f"present (the state holds the keys {sorted(map(str, state))})")
+                raise InvalidDataState(name, MISSING, f"present (the state holds the keys {sorted(map(str, state))})")
         for name in ("epoch", "step"):
             value = state[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise invalid_state(name, value, "a whole number >= 0")
+                raise InvalidDataState(name, value, "a whole number >= 0")
         if not isinstance(state["fingerprint"], dict):
-            raise invalid_state("fingerprint", state["fingerprint"], "a dict of the fields that decide the data")
+            raise InvalidDataState("fingerprint", state["fingerprint"], "a dict of the fields that decide the data")
         return cls(state["epoch"], state["step"], dict(state["fingerprint"]))
 
 
@@ -136,11 +131,22 @@ MISSING: Any = _Missing()
 """Stands for a field a saved state lacks (never equal to a saved value, and not a string or a list)."""
 
 
-def invalid_state(field: str, value: Any, valid: str) -> ValueError:
-    """The one error for a malformed or contradictory data state: the field, its value and what would be valid."""
-    return ValueError(f"the checkpoint's data state is invalid: {field} = {_short(value)}: {valid}")
+class InvalidDataState(ValueError):
+    """The one error for a malformed or contradictory data state: names the field, its value and what is valid.
+
+    Args:
+        path: the field, dotted from the data state's root (``streams.3.sources.web.packing.reader.slot``).
+        value: what the state holds there.
+        valid: what would be valid.
+    """
+
+    def __init__(self, path: str, value: Any, valid: str):
+        super().__init__(f"the checkpoint's data state is invalid: {path} = {_short(value)}: {valid}")
+        self.path, self.value, self.valid = path, value, valid
 
 
 def _short(value: Any, limit: int = 300) -> str:
+    if type(value).__name__ == "ndarray":
+        return f"array(shape={tuple(value.shape)}, dtype={value.dtype})"
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -36,7 +37,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_d9d import D9DDataModule, PretrainingDataModule
+from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule
+from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.packing import BufferGrowth
+from lightning_d9d.streaming.source import Units
+from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
 
 TESTS = Path(__file__).resolve().parent
 BOS = "<|bos|>"
@@ -211,9 +216,9 @@ class RecordingModule(pl.LightningModule):
         }
         if isinstance(batch, dict) and "ids" in batch:
             line["ids"] = batch["ids"].tolist()
-        if getattr(batch, "inputs", None) is not None:  # packed rows: a digest per row, to compare steps as multisets
+        if isinstance(batch, PretrainingBatch):  # packed rows: a digest per row, to compare steps as multisets
             line["rows"] = [
-                digest([batch.inputs[i], batch.targets[i], batch.position_ids[i]]) for i in range(len(batch))
+                digest([batch.input_ids[i], batch.targets[i], batch.position_ids[i]]) for i in range(len(batch))
             ]
         prefix = "records" if kind == "train" else "val"
         with open(Path(self.record_dir) / f"{prefix}-rank{self.global_rank}.jsonl", "a") as file:
@@ -370,3 +375,78 @@ def fit_in_processes(config: dict[str, Any], timeout: int = 300, expect_returnco
     assert result.returncode == expect_returncode, (
         f"exit status {result.returncode}\nstdout: {result.stdout[-2000:]}\nstderr: {result.stderr[-4000:]}"
     )
+
+
+# ------------------------------------------------------------------------------------------------ streams
+def stream_spec(
+    tok: Tokenizer,
+    index: Any,
+    packing: str,
+    streams: int = 2,
+    seq_len: int = 24,
+    rows: int = 2,
+    growth: tuple[int, int] | None = None,
+    **options: Any,
+) -> StreamSpec:
+    """The spec of ``streams`` streams over ``index`` whose steps take ``rows`` rows of each stream (G = rows × K).
+
+    ``options``: ``seed``, ``buffer_size``, ``tokenizer_batch_size``, ``max_document_chars`` (the settings), or
+    ``bos_id``, ``shuffle``, ``prefetch``, ``chunk_chars``, ``pad_id`` (the spec); ``growth``: ``(start,
+    per_row)`` of a fresh best-fit buffer (default: the settings' default; ``(0, 0)``: full from the first row).
+    """
+    names = ("seed", "buffer_size", "tokenizer_batch_size", "max_document_chars")
+    settings = {"seed": 0, "buffer_size": 16, "tokenizer_batch_size": 8}
+    settings.update({name: options.pop(name) for name in names if name in options})
+    settings["growth"] = BufferGrowth(*growth) if growth is not None else BufferGrowth()
+    bos_id = options.pop("bos_id", tok.token_to_id(BOS))
+    spec = {"pad_id": tok.token_to_id("<unk>"), "shuffle": True}
+    spec.update(options)
+    return StreamSpec(
+        StreamSettings(seq_len=seq_len, global_batch_size=rows * streams, packing=packing, num_streams=streams,
+                       **settings),
+        index, Units.of(index, streams), tok.to_str(), bos_id, **spec,
+    )  # fmt: skip
+
+
+def take(stream: Any, n: int, rows: int = 2) -> list:
+    """``n`` blocks of ``rows`` rows of a ``TokenStream`` as ``(input_ids, targets, position_ids, state)``, the
+    tensors the loader builds."""
+    blocks = stream.blocks(itertools.repeat(rows))
+    out = [next(blocks) for _ in range(n)]
+    blocks.close()
+    return [(*stream.spec.packing.tensors(block, stream.spec.bos_id), state) for block, state in out]
+
+
+def assert_same_blocks(got: list, want: list) -> None:
+    """Identical tensors and identical states (best-fit's buffer included), block by block."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+        sa, sb = flat(a[3].to_dict()), flat(b[3].to_dict())
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
+
+
+def flat(state: dict, prefix: str = "") -> dict:
+    """A nested state as ``{"packing.reader.row": value, ...}``."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def respec(spec: StreamSpec, **changes: Any) -> StreamSpec:
+    """``spec`` with ``changes`` to its settings (``seed``, ``buffer_size``, ...) or its own fields."""
+    setting_names = {f.name for f in dataclasses.fields(StreamSettings)}
+    settings = {name: value for name, value in changes.items() if name in setting_names}
+    own = {name: value for name, value in changes.items() if name not in setting_names}
+    return dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, **settings), **own)
+
+
+def corpus_spec(spec: StreamSpec, name: str = "train") -> MixtureSpec:
+    """A corpus of the one source ``spec`` (every row of every step from it)."""
+    return MixtureSpec((name,), (spec,), MixturePlan(MixtureSchedule([name]), spec.settings.global_batch_size))

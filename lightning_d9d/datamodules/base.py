@@ -36,7 +36,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_d9d.checks import microbatches_per_step, one_of
 from lightning_d9d.datamodules.callback import DataModuleCallback
 from lightning_d9d.device.transfer import move_batch_to_device
-from lightning_d9d.resume import Fingerprint, SavedPosition, TrainPosition, invalid_state, mismatch_error
+from lightning_d9d.resume import Fingerprint, InvalidDataState, SavedPosition, TrainPosition, mismatch_error
 
 OnOrderMismatch = Literal["raise", "restart_epoch"]
 ON_ORDER_MISMATCH = ("raise", "restart_epoch")
@@ -175,13 +175,13 @@ class SteppedDataModule(pl.LightningDataModule):
             )
             step = 0
         if step > self.steps_in_epoch(saved.epoch):
-            raise invalid_state(
+            raise InvalidDataState(
                 "step", step, f"at most this run's {self.steps_in_epoch(saved.epoch)} steps in epoch {saved.epoch}"
             )
         try:
             self.restore_extra_state(state_dict if not differences else None, saved.epoch, step)
         except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as error:
-            raise invalid_state(
+            raise InvalidDataState(
                 f"{type(self).__name__}'s own part",
                 {k: v for k, v in state_dict.items() if k not in saved.KEYS},
                 f"what its state_dict() writes ({type(error).__name__}: {error})",

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
-from lightning_d9d.resume import invalid_state
+from lightning_d9d.resume import InvalidDataState
 
 if TYPE_CHECKING:
     from lightning_d9d.datamodules.base import SteppedDataModule
@@ -116,7 +116,7 @@ class DataModuleCallback(pl.Callback):
         # Another run's data (restart_epoch) may have had other epoch lengths: only its epoch is checked.
         finished = not same_data or saved.step == datamodule.steps_in_epoch(saved.epoch)
         if saved.epoch != epoch and not (saved.epoch == epoch - 1 and finished):
-            raise invalid_state(
+            raise InvalidDataState(
                 "epoch",
                 saved.epoch,
                 f"the checkpoint's loops are in epoch {epoch}, so the data must be in epoch "
@@ -124,7 +124,7 @@ class DataModuleCallback(pl.Callback):
             )
         done = _steps_done_in_epoch(checkpoint, automatic_optimization, datamodule.yield_packs)
         if same_data and saved.epoch == epoch and done is not None and saved.step != done:
-            raise invalid_state(
+            raise InvalidDataState(
                 "step",
                 saved.step,
                 f"the checkpoint's loops completed {done} optimizer steps of epoch {epoch} "

@@ -48,7 +48,7 @@ from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
-from lightning_d9d.datamodules.pretraining_corpus import CorpusSettings, PretrainingCorpus, StreamFingerprint
+from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
 from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, restored_streams, saved_streams
@@ -61,12 +61,13 @@ from lightning_d9d.streaming.loader import (
     check_layout,
     rank_streams,
 )
-from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
+from lightning_d9d.streaming.packing import RowBlock
 from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
+from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
-from lightning_d9d.streaming.stream import PACKINGS, RowBlock, StreamSpec
+from lightning_d9d.tokens import cu_seqlens_of
 
-__all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "StreamFingerprint", "storage_of"]
+__all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
 
 DEFAULT_NUM_STREAMS = 16
 
@@ -76,51 +77,41 @@ class PretrainingBatch:
     """One microbatch of packed rows.
 
     Attributes:
-        inputs: ``(microbatch_size, seq_len)`` int64 token ids.
-        targets: ``(microbatch_size, seq_len)`` int64: the next token of each input; ``-100`` (PyTorch's
-            ``ignore_index``) where there is none (``bestfit_split``: padding, and where a continuation chunk
-            follows another document). ``bestfit_split``'s padding inputs are the tokenizer's pad token (or a
-            usual pad token, else any id but BOS).
+        input_ids: ``(microbatch_size, seq_len)`` int64 token ids.
+        targets: ``(microbatch_size, seq_len)`` int64: the next token of each input (already shifted); ``-100``
+            (PyTorch's ``ignore_index``) where there is none (``bestfit_split``: padding, and where a continuation
+            chunk follows another document). ``bestfit_split``'s padding inputs are the tokenizer's pad token (or
+            a usual pad token, else any id but BOS).
         position_ids: ``(microbatch_size, seq_len)`` int64: 0 at every row start and every document start
             (BOS), and, for ``bestfit_split``, at every chunk start and every padding run, counting up from there.
-        sources: (a property) ``(microbatch_size,)`` int64: the index of each row's source in
-            ``dm.source_names`` (all 0 for a single corpus); in a validation batch of per-source validation, its
-            loader's index in ``dm.val_source_names``. ``row_sources`` holds it, ``None`` for a single corpus.
+        sources: ``(microbatch_size,)`` int64: the index of each row's source in ``dm.source_names`` (all 0 for
+            a single corpus); in a validation batch, its loader's index in ``dm.val_source_names``.
+        cu_seqlens: int32 offsets of every sequence (a row start, a document, a chunk or a padding run: where
+            ``position_ids`` is 0) in the flattened microbatch, with its total length last (flash-attention's
+            varlen convention).
+        max_seqlen: the longest of those sequences.
     """
 
-    inputs: torch.Tensor
+    input_ids: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor
-    row_sources: torch.Tensor | None = None
-
-    @property
-    def sources(self) -> torch.Tensor:
-        """``(microbatch_size,)`` int64, each row's source (see the class docstring)."""
-        if self.row_sources is None:  # one corpus: no tensor travels, every row is of source 0
-            return torch.zeros(len(self.inputs), dtype=torch.int64, device=self.inputs.device)
-        return self.row_sources
+    sources: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
 
     def __len__(self) -> int:
-        return len(self.inputs)
+        return len(self.input_ids)
 
 
-def make_batch(rows: RowBlock, bos_id: int, pin: bool, source: int | None = None) -> PretrainingBatch:
-    """The ``PretrainingBatch`` of a microbatch's rows (pinned with ``pin``).
-
-    ``bos_id`` marks document starts where the rows carry no chunk flags (all packings but ``bestfit_split``);
-    ``source`` is the index a validation loader of one source gives all its rows, where the rows carry none.
-    """
-    if rows.flags is None:
-        tensors = microbatch_tensors(rows.tokens, bos_id)
+def make_batch(rows: RowBlock, spec: MixtureSpec, pin: bool, source: int | None = None) -> PretrainingBatch:
+    """The ``PretrainingBatch`` of a microbatch's rows (pinned with ``pin``); ``source``, where given, is the
+    index a validation loader of one source gives all its rows."""
+    input_ids, targets, positions = spec.packing.tensors(rows, spec.bos_id)
+    if source is None:
+        sources = torch.from_numpy(np.asarray(rows.sources, np.int64))
     else:
-        tensors = split_microbatch_tensors(rows.tokens, rows.flags)
-    if rows.sources is not None:
-        sources = torch.from_numpy(np.array(rows.sources, np.int64))
-    elif source is not None:
         sources = torch.full((len(rows),), source, dtype=torch.int64)
-    else:
-        sources = None
-    batch = PretrainingBatch(*tensors, sources)
+    batch = PretrainingBatch(input_ids, targets, positions, sources, *cu_seqlens_of(positions))
     return pin_batch(batch) if pin else batch
 
 
@@ -192,6 +183,11 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             failing for ``read_retry_seconds``.
     """
 
+    train_spec: MixtureSpec | None = None  # set by setup, as the rest
+    fingerprint: CorpusFingerprint | None = None
+    steps_per_epoch: int | None = None  # type: ignore[assignment]
+    estimated_pass_tokens: float | None = None
+
     def __init__(
         self,
         train_files: Mapping[str, Any] | str | os.PathLike | Sequence[str | os.PathLike],
@@ -219,37 +215,36 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         max_document_chars: PositiveInt | None = DEFAULT_MAX_DOCUMENT_CHARS,
     ):
         super().__init__()
-        self.seq_len = positive_int("seq_len", seq_len)
-        self.global_batch_size = positive_int("global_batch_size", global_batch_size)
+        settings = self.settings = StreamSettings(
+            seq_len=seq_len, global_batch_size=global_batch_size, packing=packing, seed=seed, num_streams=num_streams,
+            buffer_size=bestfit_buffer_size, max_document_chars=max_document_chars,
+            tokenizer_batch_size=tokenizer_batch_size,
+        )  # fmt: skip
+        self.seq_len, self.global_batch_size, self.num_streams = (
+            settings.seq_len,
+            settings.global_batch_size,
+            num_streams,
+        )
+        self.seed, self.packing, self.bestfit_buffer_size = settings.seed, settings.packing.name, settings.buffer_size
+        self.max_document_chars, self.tokenizer_batch_size = settings.max_document_chars, tokenizer_batch_size
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
-        self.tokenizer_batch_size = positive_int("tokenizer_batch_size", tokenizer_batch_size)
-        self.bestfit_buffer_size = positive_int("bestfit_buffer_size", bestfit_buffer_size)
-        self.max_document_chars = positive_int("max_document_chars", max_document_chars, allow_none=True)
-        self.num_streams = positive_int("num_streams", num_streams)
+        microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
         self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
-        microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
-        _check_packing_and_column(packing, text_column)
+        if not isinstance(text_column, str) or not text_column:
+            raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
-        self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
+        self.text_column, self.bos_token = text_column, bos_token
         self.num_workers = non_negative_int("num_workers", num_workers)
-        self.seed, self.pin_memory = non_negative_int("seed", seed), pin_memory
-        self.on_order_mismatch = on_order_mismatch
+        self.pin_memory, self.on_order_mismatch = pin_memory, on_order_mismatch
         self.storage = storage_of(storage_options, read_retry_seconds)
         self.on_mixture_change, self.weights = on_mixture_change, weights
-        self.train_sources, self.val_sources, self.schedule = mixture_arguments(
-            train_files, val_files, text_column, weights, on_mixture_change
-        )
+        self.sources = mixture_arguments(train_files, val_files, text_column, weights, on_mixture_change)
         self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
 
-        self.train_spec: StreamSpec | None = None
-        self.val_spec: StreamSpec | None = None
-        self.val_specs: list[StreamSpec] = []  # one per validation source (a mapping val_files)
+        self.val_specs: list[MixtureSpec] = []  # one per validation source
+        self.val_steps_per_source: list[int] = []
         self.source_pass_rows: dict[str, float] = {}  # estimated rows of one pass over each source
-        self.steps_per_epoch: int | None = None  # type: ignore[assignment]
-        self.val_steps: int | None = None
-        self.estimated_pass_tokens: float | None = None
-        self.fingerprint: StreamFingerprint | None = None
         self.position = StreamPosition()
 
     @property
@@ -265,26 +260,34 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             ValueError: see the class docstring.
         """
         # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
-        self.train_sources, self.val_sources, self.schedule = mixture_arguments(
+        self.sources = mixture_arguments(
             self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change
         )
-        corpus = PretrainingCorpus(CorpusSettings.of(self), self.tokenizer)
+        corpus = PretrainingCorpus(self.settings, self.tokenizer, self.bos_token, self.storage)
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
-        check_layout(self.num_streams, self.global_batch_size, self.world_size, self.num_workers)
+        check_layout(self.num_streams, self.world_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
-            train = corpus.train(self.train_files, self.train_sources, self.schedule)
-            self.train_spec, self.fingerprint = train.spec, train.fingerprint
+            train = corpus.train(self.sources.train, self.sources.schedule, "train_files")
+            self.train_spec, self.fingerprint = train.spec, train.spec.fingerprint()
             self.source_pass_rows, self.estimated_pass_tokens = train.source_pass_rows, train.pass_tokens
-            self.steps_per_epoch = self._steps_per_epoch_arg or train.steps_per_pass(
-                self.global_batch_size, self.seq_len
-            )
-        self._setup_validation(corpus)
+            self.steps_per_epoch = self._steps_per_epoch_arg or train.steps_per_pass()
+        if self.sources.validation is not None and not self.val_specs:
+            what = "val_files" if not self.sources.validation_by_source else None
+            self.val_specs = [
+                corpus.validation(source, what or f"val_files[{source.name!r}]") for source in self.sources.validation
+            ]
+            self.val_steps_per_source = [self._val_steps_of(spec) for spec in self.val_specs]
         if stage in (None, "fit"):
             self.start_fit(
                 StreamPosition(
                     microbatches_per_step=self.microbatches_per_step, generation=self.position.generation + 1
                 )
             )
+
+    @property
+    def val_steps(self) -> int | None:
+        """Validation microbatches per rank per run (of the first validation source; ``None`` without any)."""
+        return self.val_steps_per_source[0] if self.val_steps_per_source else None
 
     def train_dataloader(self) -> TokenTrainLoader:
         """This rank's training loader: a sized iterable of ``PretrainingBatch`` (one epoch per iteration)."""
@@ -299,27 +302,21 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             per_step,
             self.position,
             self.start_point,
-            self._make_batch,
+            functools.partial(make_batch, spec=spec, pin=self.resolve_pin_memory()),
         )
         return self.track_loader(loader)
 
     def val_dataloader(self) -> TokenValidationLoader | list:
-        """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files)."""
-        if self.val_files is None:
-            return []
-        if self.val_sources is not None:
-            return [
-                self.track_loader(TokenValidationLoader(
-                    spec, self.owned_streams, self.num_workers, self.microbatch_size, steps,
-                    functools.partial(self._make_batch, source=j),
-                ), f"val/{j}")
-                for j, (spec, steps) in enumerate(zip(self.val_specs, self.val_steps_per_source))
-            ]  # fmt: skip
-        spec = self._require(self.val_spec)
-        loader = TokenValidationLoader(
-            spec, self.owned_streams, self.num_workers, self.microbatch_size, self.val_steps, self._make_batch
-        )
-        return self.track_loader(loader, "val")
+        """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files); a
+        mapping ``val_files`` gives one loader per source, in its order."""
+        loaders = [
+            self.track_loader(TokenValidationLoader(
+                spec, self.owned_streams, self.num_workers, self.microbatch_size, steps,
+                functools.partial(make_batch, spec=spec, pin=self.resolve_pin_memory(), source=j),
+            ), f"val/{j}")
+            for j, (spec, steps) in enumerate(zip(self.val_specs, self.val_steps_per_source))
+        ]  # fmt: skip
+        return loaders if self.sources.validation_by_source else (loaders[0] if loaders else [])
 
     # ------------------------------------------------------------------ the resume contract
     def extra_state(self) -> dict[str, Any]:
@@ -329,17 +326,19 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         rank 0's checkpoint, which every rank then loads.
         """
         _epoch, step = self.saved_position()
-        return saved_streams(self.position.committed_states(step), self.train_spec, self.world_size)
+        states = self.position.committed_states(step)
+        return saved_streams(states, self._require(self.train_spec), gather=self.world_size > 1)
 
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
-        """Restore the streams this rank owns to the checkpoint's last optimizer step (a mixture's plan too).
+        """Restore the streams this rank owns to the checkpoint's last optimizer step (and the plan of the mix).
 
         Every stream state is validated against this run's data before anything runs from it.
 
         Raises:
             ValueError: an unknown state version, or a state that lacks a stream this rank owns.
             InvalidDataState: (a ValueError) a stream state with a missing, mistyped or out-of-range field,
-                naming its path (``streams.<stream>.packing.reader.slot``), its value and what is valid.
+                naming its path (``streams.<stream>.sources.<name>.packing.reader.slot``), its value and what is
+                valid.
         """
         states = {}
         if state is not None:
@@ -348,40 +347,12 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         self.position.restart(epoch, step, states, self.microbatches_per_step)
 
     # ------------------------------------------------------------------ internals
-    def _make_batch(self, rows: RowBlock, source: int | None = None) -> PretrainingBatch:
-        source = source if self.val_sources is not None else None  # one validation corpus: no source tensor
-        return make_batch(rows, self._require(self.train_spec).bos_id, self._pin, source)
-
-    def _setup_validation(self, corpus: PretrainingCorpus) -> None:
-        """The validation streams (one per source of a mapping ``val_files``) and their microbatches per run."""
-        if self.val_sources is not None and not self.val_specs:
-            self.val_specs = [
-                corpus.validation(source.files, f"val_files[{source.name!r}]", source.text_column)
-                for source in self.val_sources
-            ]
-            self.val_steps_per_source = [self._val_steps_of(spec) for spec in self.val_specs]
-        elif self.val_files is not None and self.val_sources is None and self.val_spec is None:
-            self.val_spec = corpus.validation(self.val_files, "val_files")
-            self.val_steps = self._val_steps_of(self.val_spec)
-
-    def _val_steps_of(self, spec: StreamSpec) -> int:
+    def _val_steps_of(self, spec: MixtureSpec) -> int:
         """``val_steps``, else one estimated pass over ``spec`` shared by the ranks (at least 1)."""
         if self._val_steps_arg is not None:
             return self._val_steps_arg
-        _, rows = estimate_pass(spec)
+        _, rows = estimate_pass(spec.sources[0])
         return max(1, int(rows // (self.world_size * self.microbatch_size)))
-
-    @property
-    def _pin(self) -> bool:
-        return self.resolve_pin_memory()
-
-
-def _check_packing_and_column(packing: Any, text_column: Any) -> None:
-    """Raises ValueError for a packing that is not one of ``PACKINGS`` or an empty or non-string column name."""
-    if packing not in PACKINGS:
-        raise ValueError(f"packing={packing!r} is not valid: use one of {list(PACKINGS)}")
-    if not isinstance(text_column, str) or not text_column:
-        raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
 
 
 def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float) -> Storage:

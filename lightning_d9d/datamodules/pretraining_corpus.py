@@ -1,11 +1,9 @@
-"""The corpus of a PretrainingDataModule: files scanned per source, their stream specs, fingerprint and size.
+"""The corpus of a PretrainingDataModule: its sources scanned, their stream specs, and one pass estimated.
 
-:class:`PretrainingCorpus` holds the settings that decide the rows and the loaded tokenizer; from a file spec it
-scans the parquet footers (``streaming.source``), builds the :class:`~lightning_d9d.streaming.stream.StreamSpec`
-the K streams share (a :class:`~lightning_d9d.streaming.mixture_stream.MixtureSpec` over one per source for a
-mixture), the fingerprint of everything that decides the rows, and estimates one pass
-(``streaming.estimate``). It knows nothing of ranks, workers or Lightning: the DataModule holds one per
-``setup`` and keeps only what it hands to its loaders.
+:class:`PretrainingCorpus` holds the loaded tokenizer and the settings; from the sources (a single corpus is one
+source) it scans the parquet footers (``streaming.source``), builds the
+:class:`~lightning_d9d.streaming.spec.MixtureSpec` the K streams share and estimates one pass per source
+(``streaming.estimate``). It knows nothing of ranks, workers or Lightning.
 
 Trade-off: the tokenizer is read and the footers scanned again on every ``setup``, so a run always streams the
 files as they are now (and the fingerprint notices a file changed since a checkpoint), at the cost of listing
@@ -14,251 +12,133 @@ and opening every file once per ``setup``.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from lightning_d9d.datamodules.pretraining_mixture import (
-    SINGLE_SOURCE_NAME,
-    SourceConfig,
-)
-from lightning_d9d.resume import Fingerprint
+from lightning_d9d.datamodules.pretraining_mixture import SourceConfig
 from lightning_d9d.streaming.estimate import estimate_pass, first_text
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
-from lightning_d9d.streaming.mixture_stream import MixtureSpec
-from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
+from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
 from lightning_d9d.streaming.storage import Storage
-from lightning_d9d.streaming.stream import StreamSpec
 from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
-
-
-@dataclass(frozen=True, kw_only=True)
-class PackedRowsFingerprint(Fingerprint):
-    """The settings that decide the packed rows, one corpus or a mixture alike (the subclasses add the files)."""
-
-    tokenizer: str
-    bos_token: str
-    seq_len: int
-    packing: str
-    seed: int
-    global_batch_size: int
-    num_streams: int
-    bestfit_buffer_size: int
-    # Checkpoints from before the cap had none; the default cap changes no row of an ordinary corpus.
-    max_document_chars: int | None = field(
-        default=DEFAULT_MAX_DOCUMENT_CHARS, metadata={"when_missing": (None, DEFAULT_MAX_DOCUMENT_CHARS)}
-    )
-
-    @staticmethod
-    def settings_of(settings: CorpusSettings, tokenizer: str) -> dict[str, Any]:
-        """This class's fields: ``tokenizer`` (the tokenizer's digest) and the rest read off ``settings``."""
-        names = (f.name for f in dataclasses.fields(PackedRowsFingerprint) if f.name != "tokenizer")
-        return {"tokenizer": tokenizer, **{name: getattr(settings, name) for name in names}}
-
-
-@dataclass(frozen=True, kw_only=True)
-class StreamFingerprint(PackedRowsFingerprint):
-    """What decides the rows of every step of one corpus (how documents are batched for the tokenizer does not).
-
-    ``file_digests`` holds one footer digest per file (row counts, sizes and text statistics of its row
-    groups), so a file rewritten with other text is noticed and named; ``file_labels`` only names files in
-    messages and is not compared.
-    """
-
-    files: str
-    file_digests: tuple[int, ...]
-    text_column: str
-    file_labels: tuple[str, ...] = field(default=(), compare=False, repr=False)
-
-    def describe_difference(self, name: str, then: Any, now: Any) -> str:
-        if name != "file_digests":
-            return super().describe_difference(name, then, now)
-        if not isinstance(then, list):
-            return super().describe_difference(name, then, now)
-        if len(then) != len(now):
-            return f"file_digests: checkpoint {len(then)} files, this run {len(now)}"
-        changed = [i for i, (a, b) in enumerate(zip(then, now)) if a != b]
-        names = [self.file_labels[i] if i < len(self.file_labels) else f"file {i}" for i in changed]
-        shown = ", ".join(repr(name) for name in names[:5]) + (" ..." if len(names) > 5 else "")
-        return f"files: {len(changed)} of {len(now)} changed since the checkpoint ({shown})"
-
-
-@dataclass(frozen=True, kw_only=True)
-class MixtureFingerprint(PackedRowsFingerprint):
-    """What decides a mixture's rows, besides the shares: the settings and, by source name, each source's
-    ``(files summary, footer digests, text column)``. A source added is no mismatch here (it starts fresh, once
-    the change of shares it brings is accepted); one removed or whose files changed is."""
-
-    sources: tuple[tuple[str, str, tuple[int, ...], str], ...]
-
-    def mismatches(self, saved: dict[str, Any]) -> list[str]:
-        others = {name: value for name, value in saved.items() if name != "sources"}
-        differences = [d for d in super().mismatches({**others, "sources": self.to_dict()["sources"]})]
-        now = {source[0]: source for source in self.to_dict()["sources"]}
-        then = saved.get("sources")
-        if not isinstance(then, list):
-            return [*differences, f"sources: checkpoint {then!r}, this run {list(now)} (not a mixture's checkpoint)"]
-        for source in then:
-            name = source[0]
-            if name not in now:
-                differences.append(
-                    f"sources: {name!r} is in the checkpoint but not in this run (a source cannot be removed on "
-                    f"resume; keep it and give it weight 0 from the resume step on)"
-                )
-            elif list(source) != list(now[name]):
-                differences.append(f"sources[{name!r}]: checkpoint {source[1:]!r}, this run {now[name][1:]!r}")
-        return differences
-
-
-def files_summary(index: RowGroupIndex) -> str:
-    """``"N files, R rows, sha256 …"`` of a source's files (labels and footer digests)."""
-    files = hashlib.sha256()
-    for label, digest in zip(index.file_labels(), index.file_digests):
-        files.update(f"{label}\0{digest}\0".encode())
-    return f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}"
-
-
-@dataclass(frozen=True)
-class CorpusSettings:
-    """The settings of a corpus: all but ``tokenizer_batch_size`` and ``storage`` decide the rows."""
-
-    text_column: str
-    bos_token: str
-    seq_len: int
-    packing: str
-    seed: int
-    global_batch_size: int
-    num_streams: int
-    bestfit_buffer_size: int
-    max_document_chars: int | None
-    tokenizer_batch_size: int
-    storage: Storage
-
-    @classmethod
-    def of(cls, owner: Any) -> CorpusSettings:
-        """The settings of ``owner`` (a DataModule), read from its attributes of the same names."""
-        return cls(**{setting.name: getattr(owner, setting.name) for setting in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
 class TrainCorpus:
-    """The training side of a corpus: the streams' spec, its fingerprint and the estimate of one pass.
+    """The training side of a corpus: the streams' spec and the estimate of one pass.
 
-    ``source_pass_rows`` holds the estimated rows of one pass over each source (``{"train": rows}`` for one
-    corpus); ``pass_tokens`` the estimated tokens of one pass over all of them.
+    ``source_pass_rows`` holds the estimated rows of one pass over each source; ``pass_tokens`` the estimated
+    tokens of one pass over all of them.
     """
 
-    spec: StreamSpec | MixtureSpec
-    fingerprint: Fingerprint
+    spec: MixtureSpec
     pass_tokens: float
     source_pass_rows: dict[str, float]
 
-    def steps_per_pass(self, global_batch_size: int, seq_len: int) -> int:
+    def steps_per_pass(self) -> int:
         """Optimizer steps in one estimated pass over all sources.
 
         Raises:
             ValueError: the corpus is too small for one step, naming its estimated tokens and rows.
         """
+        settings = self.spec.sources[0].settings
         rows = sum(self.source_pass_rows.values())
-        steps = int(rows // global_batch_size)
+        steps = int(rows // settings.global_batch_size)
         if steps < 1:
             raise ValueError(
                 f"train_files are too small for one optimizer step: about {self.pass_tokens:.0f} tokens "
-                f"({rows:.1f} rows of seq_len+1={seq_len + 1}) per pass, but one step takes "
-                f"global_batch_size={global_batch_size} rows; add data, lower seq_len or "
+                f"({rows:.1f} rows of seq_len+1={settings.seq_len + 1}) per pass, but one step takes "
+                f"global_batch_size={settings.global_batch_size} rows; add data, lower seq_len or "
                 "global_batch_size, or set steps_per_epoch to cycle the data"
             )
         return steps
 
 
 class PretrainingCorpus:
-    """The loaded tokenizer and the settings, which turn file specs into stream specs.
+    """The loaded tokenizer and the settings, which turn sources into specs.
 
     Args:
-        settings: the corpus settings.
+        settings: the streams' settings.
         tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
+        bos_token: the token every document starts with.
+        storage: how files and URLs are reached.
 
     Raises:
-        ValueError: the tokenizer lacks ``settings.bos_token``, naming its added/special tokens.
+        ValueError: the tokenizer lacks ``bos_token``, naming its added/special tokens.
     """
 
-    def __init__(self, settings: CorpusSettings, tokenizer: str | os.PathLike | Tokenizer):
+    def __init__(
+        self, settings: StreamSettings, tokenizer: str | os.PathLike | Tokenizer, bos_token: str, storage: Storage
+    ):
         loaded = read_tokenizer(tokenizer)
-        bos_id = loaded.token_to_id(settings.bos_token)
+        bos_id = loaded.token_to_id(bos_token)
         if bos_id is None:
             special = sorted(t.content for t in loaded.get_added_tokens_decoder().values())
             raise ValueError(
-                f"the tokenizer has no token bos_token={settings.bos_token!r}; its added/special tokens are "
+                f"the tokenizer has no token bos_token={bos_token!r}; its added/special tokens are "
                 f"{special}: pass one of them as bos_token or add it to the tokenizer"
             )
-        self.settings, self.bos_id = settings, bos_id
+        self.settings, self.storage, self.bos_id = settings, storage, bos_id
         self.tokenizer_json = loaded.to_str()
         self.pad_id = pad_token_id(loaded, avoid=bos_id)  # BOS marks document starts, so padding must not use it
 
-    @property
-    def tokenizer_digest(self) -> str:
-        return f"sha256 {hashlib.sha256(self.tokenizer_json.encode()).hexdigest()[:16]}"
+    def train(self, sources: Sequence[SourceConfig], schedule: MixtureSchedule, what: str) -> TrainCorpus:
+        """The shuffled training streams of ``sources`` mixed by ``schedule`` (one source: all of every step).
 
-    def train(
-        self, files: Any, sources: Sequence[SourceConfig] | None, schedule: MixtureSchedule | None
-    ) -> TrainCorpus:
-        """The shuffled training streams of ``files`` (one corpus), or of ``sources`` mixed by ``schedule``.
+        Args:
+            sources: the sources, in order.
+            schedule: their shares.
+            what: how the files are named in errors (``train_files``; a source's ``train_files['web']``).
 
         Raises:
             ValueError: no file matches, a file is not parquet or lacks the column, the files hold no text, too
                 few rows for K streams (naming the source of a mixture).
             StorageError: a URL could not be listed or opened.
         """
-        if sources is not None:
-            return self._mixture(sources, schedule)
-        index = self.scan(files, "train_files")
-        spec = self.spec(index, shuffle=True)
-        tokens, rows = estimate_pass(spec)
-        return TrainCorpus(spec, self.fingerprint(index), tokens, {SINGLE_SOURCE_NAME: rows})
-
-    def validation(self, files: Any, what: str, text_column: str | None = None) -> StreamSpec:
-        """The streams of validation ``files``, read in file order (``what`` names them in errors)."""
-        return self.spec(self.scan(files, what, text_column), shuffle=False)
-
-    def _mixture(self, sources: Sequence[SourceConfig], schedule: MixtureSchedule) -> TrainCorpus:
-        """Scan every source and plan the mixture; the pass estimate sums the sources'."""
-        settings = self.settings
-        specs, indexes, pass_rows, total_tokens = [], [], {}, 0.0
+        specs, pass_rows, total_tokens = [], {}, 0.0
         for source in sources:
-            index = self.scan(source.files, f"train_files[{source.name!r}]", source.text_column)
-            try:
-                spec = self.spec(index, shuffle=True)
-            except ValueError as error:  # too few rows for K streams: say which source
-                raise ValueError(f"train_files[{source.name!r}]: {error}") from error
+            where = what if len(sources) == 1 and what == "train_files" else f"{what}[{source.name!r}]"
+            spec = self.spec(source, where, shuffle=True)
             tokens, pass_rows[source.name] = estimate_pass(spec)
             specs.append(spec)
-            indexes.append(index)
             total_tokens += tokens
-        plan = MixturePlan(schedule, settings.global_batch_size)
-        described = tuple(
-            (source.name, files_summary(index), tuple(index.file_digests), source.text_column)
-            for source, index in zip(sources, indexes)
-        )
-        fingerprint = MixtureFingerprint(
-            sources=described, **PackedRowsFingerprint.settings_of(settings, self.tokenizer_digest)
-        )
-        spec = MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan)
-        return TrainCorpus(spec, fingerprint, total_tokens, pass_rows)
+        plan = MixturePlan(schedule, self.settings.global_batch_size)
+        mixture = MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan)
+        return TrainCorpus(mixture, total_tokens, pass_rows)
 
-    def scan(self, files: Any, what: str, text_column: str | None = None) -> RowGroupIndex:
+    def validation(self, source: SourceConfig, what: str) -> MixtureSpec:
+        """The streams of one validation source, read in file order (``what`` names it in errors)."""
+        spec = self.spec(source, what, shuffle=False)
+        plan = MixturePlan(MixtureSchedule([source.name]), self.settings.global_batch_size)
+        return MixtureSpec((source.name,), (spec,), plan)
+
+    def spec(self, source: SourceConfig, what: str, shuffle: bool) -> StreamSpec:
+        """The spec of the K streams ``source``'s row groups are dealt to.
+
+        Raises:
+            ValueError: as :meth:`scan`, or too few rows for K streams (naming ``what``).
+        """
+        index = self.scan(source.files, what, source.text_column)
+        try:
+            units = Units.of(index, self.settings.num_streams)
+        except ValueError as error:  # too few rows for K streams: say which source of a mixture
+            if "[" not in what:
+                raise
+            raise ValueError(f"{what}: {error}") from error
+        return StreamSpec(self.settings, index, units, self.tokenizer_json, self.bos_id, self.pad_id, shuffle)
+
+    def scan(self, files: Any, what: str, text_column: str) -> RowGroupIndex:
         """The row groups of ``files`` (footers only).
 
         Raises:
             ValueError: as ``resolve_files``/``RowGroupIndex.scan``, or every text of the column is null or empty.
         """
-        text_column = text_column or self.settings.text_column
-        storage = self.settings.storage
+        storage = self.storage
         index = RowGroupIndex.scan(resolve_files(files, what, storage), text_column, storage)
         if first_text(index) is None:
             raise ValueError(
@@ -266,33 +146,3 @@ class PretrainingCorpus:
                 f"({index.total_rows} rows) is null or empty"
             )
         return index
-
-    def spec(self, index: RowGroupIndex, shuffle: bool) -> StreamSpec:
-        """The spec of the K streams ``index`` is dealt to."""
-        settings = self.settings
-        return StreamSpec(
-            index=index,
-            units=Units.of(index, settings.num_streams),
-            tokenizer_json=self.tokenizer_json,
-            bos_id=self.bos_id,
-            seq_len=settings.seq_len,
-            rows_per_block=settings.global_batch_size // settings.num_streams,
-            packing=settings.packing,
-            seed=settings.seed,
-            shuffle=shuffle,
-            num_streams=settings.num_streams,
-            tokenizer_batch_size=settings.tokenizer_batch_size,
-            buffer_size=settings.bestfit_buffer_size,
-            pad_id=self.pad_id,
-            max_document_chars=settings.max_document_chars,
-        )
-
-    def fingerprint(self, index: RowGroupIndex) -> StreamFingerprint:
-        """The fingerprint of one corpus: its files (labels and footer digests), tokenizer and settings."""
-        return StreamFingerprint(
-            files=files_summary(index),
-            file_digests=tuple(index.file_digests),
-            text_column=self.settings.text_column,
-            file_labels=tuple(index.file_labels()),
-            **PackedRowsFingerprint.settings_of(self.settings, self.tokenizer_digest),
-        )

@@ -17,20 +17,21 @@ change of shares gets its own check and its own way to continue, instead of rest
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
-from lightning_d9d.streaming.mixture_stream import MixtureSpec, MixtureState
-from lightning_d9d.streaming.state import InvalidDataState
-from lightning_d9d.streaming.stream import StreamSpec, StreamState
+from lightning_d9d.streaming.mixture_stream import MixtureState
+from lightning_d9d.streaming.spec import MixtureSpec, StreamSpec
+from lightning_d9d.streaming.stream import StreamState
 
 OnMixtureChange = Literal["raise", "continue"]
 ON_MIXTURE_CHANGE = ("raise", "continue")
 SINGLE_SOURCE_NAME = "train"  # the source name of a single corpus (``source_names``)
+SINGLE_VALIDATION_NAME = "val"  # the source name of a single validation corpus (``val_source_names``)
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,23 @@ def parse_sources(files: Any, text_column: str, what: str) -> list[SourceConfig]
     return sources
 
 
+@dataclass(frozen=True)
+class Sources:
+    """The parsed ``train_files``/``val_files``: the training sources (one, named ``"train"``, for a single
+    corpus), the validation sources (``None`` without ``val_files``; one named ``"val"`` for a single
+    validation corpus), whether each was a mapping, and the validated schedule of the training shares."""
+
+    train: list[SourceConfig]
+    validation: list[SourceConfig] | None
+    schedule: MixtureSchedule
+    mixture: bool
+    validation_by_source: bool
+
+
 def mixture_arguments(
     train_files: Any, val_files: Any, text_column: str, weights: Any, on_mixture_change: Any
-) -> tuple[list[SourceConfig] | None, list[SourceConfig] | None, MixtureSchedule | None]:
-    """The training and validation sources (``None``: one corpus) and the validated schedule of the shares.
+) -> Sources:
+    """The training and validation sources and the validated schedule of the shares.
 
     Raises:
         ValueError: a bad source, ``weights`` without a mixture, weights the schedule refuses (unknown names,
@@ -86,25 +100,30 @@ def mixture_arguments(
     """
     if on_mixture_change not in ON_MIXTURE_CHANGE:
         raise ValueError(f"on_mixture_change must be one of {list(ON_MIXTURE_CHANGE)}, got {on_mixture_change!r}")
-    train_sources = parse_sources(train_files, text_column, "train_files")
-    val_sources = parse_sources(val_files, text_column, "val_files")
-    if train_sources is None:
+    train = parse_sources(train_files, text_column, "train_files")
+    validation = parse_sources(val_files, text_column, "val_files")
+    if train is None:
         if weights is not None:
             raise ValueError(
                 f"weights={weights!r} needs a mixture: give train_files as a mapping {{name: files}} of sources"
             )
-        return None, val_sources, None
-    return train_sources, val_sources, MixtureSchedule([source.name for source in train_sources], weights)
+        train_sources = [SourceConfig(SINGLE_SOURCE_NAME, train_files, text_column)]
+    else:
+        train_sources = train
+    if validation is None and val_files is not None:
+        validation_sources: list[SourceConfig] | None = [SourceConfig(SINGLE_VALIDATION_NAME, val_files, text_column)]
+    else:
+        validation_sources = validation
+    schedule = MixtureSchedule([source.name for source in train_sources], weights)
+    return Sources(train_sources, validation_sources, schedule, train is not None, validation is not None)
 
 
-def resumed_plan(
-    spec: MixtureSpec, saved: Any, states: Mapping[int, MixtureState], on_change: OnMixtureChange
-) -> MixturePlan:
+def resumed_plan(spec: MixtureSpec, saved: Any, step: int, on_change: OnMixtureChange) -> MixturePlan:
     """The plan a resume continues with: the checkpoint's when the shares are unchanged, else (with
     ``on_change="continue"``) this run's shares from the resume step on, every source from the rows it gave.
 
     Raises:
-        InvalidDataState: a missing or malformed saved plan, streams saved at different steps.
+        InvalidDataState: a missing or malformed saved plan.
         ValueError: other shares (or sources in another order) with ``on_change="raise"``, naming the old and
             new shares.
     """
@@ -112,10 +131,6 @@ def resumed_plan(
         old = MixturePlan.from_dict(saved)
     except (KeyError, TypeError, ValueError) as err:
         raise InvalidDataState("mixture", saved, f"expected the mixture plan a checkpoint saves ({err})") from err
-    steps = sorted({state.step for state in states.values()})
-    if len(steps) > 1:
-        raise InvalidDataState("streams.*.step", steps, "every stream is saved at the same step")
-    step = steps[0] if steps else 0
     new = spec.plan.schedule
     message = old.schedule.change_message(new, step)
     if message is None and old.schedule.sources != new.sources:
@@ -131,26 +146,15 @@ def resumed_plan(
     return MixturePlan(new, spec.plan.rows_per_step, step, [done.get(name, 0) for name in new.sources])
 
 
-def read_states(saved: Mapping[Any, Any], streams: Sequence[int], packing: str, loaded: Any) -> dict[int, MixtureState]:
-    """The saved mixture states of ``streams`` (those present), type-checked."""
-    states = {}
-    for sid in streams:
-        value = saved.get(sid, saved.get(str(sid)))
-        if value is not None:
-            states[sid] = MixtureState.from_dict(loaded(value), packing, f"streams.{sid}")
-    return states
-
-
-def source_stats(spec: StreamSpec | MixtureSpec, names: Sequence[str], states: Mapping[int, Any]) -> dict:
+def source_stats(spec: MixtureSpec, states: Mapping[int, MixtureState]) -> dict:
     """Per source: ``rows``, ``tokens``, ``documents``, ``padding``, ``too_long`` of the given streams, summed, and
     ``passes`` (the mean over the streams of the passes their reader has completed, fractional)."""
     stats = {}
-    for i, name in enumerate(names):
-        source_spec = spec.sources[i] if isinstance(spec, MixtureSpec) else spec
+    for name, source_spec in zip(spec.names, spec.sources):
         rows = tokens = docs = padding = too_long = 0
         passes = []
         for sid, state in states.items():
-            sub = state.sources.get(name) if isinstance(state, MixtureState) else state
+            sub = state.sources.get(name)
             if sub is None:
                 passes.append(0.0)
                 continue
@@ -196,7 +200,3 @@ def mixture_report(
         ]
         lines.append(f"  realised shares of the first {steps} steps: " + ", ".join(shown))
     return lines
-
-
-def replace_plan(spec: MixtureSpec, plan: MixturePlan) -> MixtureSpec:
-    return dataclasses.replace(spec, plan=plan)

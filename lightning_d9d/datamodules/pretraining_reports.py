@@ -1,9 +1,9 @@
 """What a PretrainingDataModule reports about its sources and streams: names, counters, the mixture's lines.
 
 :class:`PretrainingReports` is mixed into :class:`~lightning_d9d.datamodules.pretraining.PretrainingDataModule`;
-it only reads what ``setup`` and the loaders leave on the DataModule (``train_sources``, ``val_files``,
-``val_sources``, ``train_spec``, ``source_pass_rows`` and ``position``, whose stream states the loaders advance
-as they hand out steps), and changes nothing. The figures themselves are computed by
+it only reads what ``setup`` and the loaders leave on the DataModule (``sources``, ``train_spec``,
+``source_pass_rows`` and ``position``, whose stream states the loaders advance as they hand out steps), and
+changes nothing. The figures themselves are computed by
 :mod:`lightning_d9d.datamodules.pretraining_mixture`.
 
 Trade-off: the counters are those of the streams this rank owns, read without communication, so they are the
@@ -15,46 +15,42 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_d9d.datamodules.pretraining_mixture import SINGLE_SOURCE_NAME, SourceConfig, mixture_report, source_stats
+from lightning_d9d.datamodules.pretraining_mixture import Sources, mixture_report, source_stats
 from lightning_d9d.streaming.loader import StreamPosition
-from lightning_d9d.streaming.mixture_stream import MixtureSpec
-from lightning_d9d.streaming.stream import StreamCounters, StreamSpec
+from lightning_d9d.streaming.packing import StreamCounters
+from lightning_d9d.streaming.spec import MixtureSpec
 
 
 class PretrainingReports:
     """Source names, per-source and per-stream counters and ``inspect``'s mixture lines of a pretraining run."""
 
-    train_sources: list[SourceConfig] | None
-    val_files: Any
-    val_sources: list[SourceConfig] | None
-    train_spec: StreamSpec | MixtureSpec | None
+    sources: Sources
+    train_spec: MixtureSpec | None
     source_pass_rows: dict[str, float]
     position: StreamPosition
 
     @property
     def source_names(self) -> list[str]:
         """The training sources, in order (``PretrainingBatch.sources`` indexes it); ``["train"]`` for one corpus."""
-        return [s.name for s in self.train_sources] if self.train_sources is not None else [SINGLE_SOURCE_NAME]
+        return [source.name for source in self.sources.train]
 
     @property
     def val_source_names(self) -> list[str]:
         """The validation sources, in the order of their loaders (Lightning's ``dataloader_idx``)."""
-        if self.val_files is None:
-            return []
-        return [s.name for s in self.val_sources] if self.val_sources is not None else ["val"]
+        return [source.name for source in self.sources.validation or []]
 
     def source_stats(self) -> dict[str, dict[str, float]]:
         """Per training source, as of the latest step handed out, over the streams this rank owns: ``rows``,
         ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding``, ``too_long``
         (documents over ``max_document_chars`` skipped) and ``passes`` (passes read, fractional: the mean over
         the rank's streams; the run's figure with one rank)."""
-        return source_stats(self._require(self.train_spec), self.source_names, self.position.states)
+        return source_stats(self._require(self.train_spec), self.position.states)
 
     def mixture_report(self, run_steps: int, realised: Sequence[int], steps: int) -> list[str]:
         """``inspect``'s lines on the mixture (none for one corpus): phases, expected passes of each source over
         ``run_steps`` steps, and the realised shares (``realised`` rows per source) of the first ``steps``."""
         spec = self._require(self.train_spec)
-        if not isinstance(spec, MixtureSpec):
+        if not self.sources.mixture:
             return []
         return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
 
@@ -69,11 +65,10 @@ class PretrainingReports:
         ``split_docs``/``chunks`` (documents split and their pieces, ``bestfit_split``), ``rows``. Counters are
         as of the latest step handed out, and continue across a resume.
         """
-        totals = StreamCounters().to_dict()
+        totals = StreamCounters()
         for state in self.position.states.values():
-            for key, value in state.counters.to_dict().items():
-                totals[key] += value
-        return totals
+            totals.add(state.counters)
+        return totals.to_dict()
 
     @staticmethod
     def _require(value: Any) -> Any:

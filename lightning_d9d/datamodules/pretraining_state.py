@@ -1,11 +1,12 @@
 """The saved state of a PretrainingDataModule's streams: written from every rank, read back by the streams' owners.
 
-A checkpoint holds ``{"version", "streams": {stream: state}}`` beside the position and the fingerprint (and, for
-a mixture, ``"mixture"``: its plan). Writing gathers every rank's streams with ``all_gather_object``, because
-Lightning saves only rank 0's checkpoint and every rank loads it; reading takes the streams a rank owns now (any
-layout valid for K), validates each against this run's data, and, for a mixture, decides the plan it continues
-with (``pretraining_mixture.resumed_plan``). Numpy arrays are saved as int64 tensors and numpy ints as ints, so
-a checkpoint loads with ``torch.load(weights_only=True)``.
+A checkpoint holds ``{"version", "streams": {stream: state}, "mixture": plan}`` beside the position and the
+fingerprint. Writing gathers every rank's streams with ``all_gather_object``, because Lightning saves only rank
+0's checkpoint and every rank loads it; reading takes the streams a rank owns now (any layout valid for K),
+validates each against this run's data and decides the plan it continues with
+(``pretraining_mixture.resumed_plan``). Numpy arrays are saved as int64 tensors and numpy ints as ints, so a
+checkpoint loads with ``torch.load(weights_only=True)``. A state of another format version is turned into this
+one by :func:`migrate`, the one place that knows older formats (there are none yet).
 
 Trade-off: every rank's streams travel to every rank at each save (a few KB per stream), so the state a rank
 writes is the whole run's and any world size can resume from it.
@@ -19,66 +20,67 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, read_states, replace_plan, resumed_plan
-from lightning_d9d.streaming.mixture_stream import MixtureSpec, MixtureState
+from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, resumed_plan
+from lightning_d9d.resume import InvalidDataState
+from lightning_d9d.streaming.mixture_stream import MixtureState
+from lightning_d9d.streaming.spec import MixtureSpec
 from lightning_d9d.streaming.state import mapping
-from lightning_d9d.streaming.stream import StreamSpec, StreamState
 
-STATE_VERSION = 3  # 3: each stream's state nests its packing's (with a kind), which nests its reader's
-READABLE_STATE_VERSIONS = (2, 3)  # 2: the stream's, packing's and reader's fields side by side
+STATE_VERSION = 1
 
 
-def saved_streams(
-    states: Mapping[int, StreamState | MixtureState], spec: StreamSpec | MixtureSpec | None, world_size: int
-) -> dict[str, Any]:
-    """The checkpoint's part for the streams: this rank's ``states`` and, under DDP, every other rank's."""
+def saved_streams(states: Mapping[int, MixtureState], spec: MixtureSpec, gather: bool) -> dict[str, Any]:
+    """The checkpoint's part for the streams: this rank's ``states`` and, with ``gather``, every other rank's."""
     mine = {int(sid): _saveable(state.to_dict()) for sid, state in states.items()}
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and world_size > 1:
+    if gather and torch.distributed.is_available() and torch.distributed.is_initialized():
         ranks: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine)
     else:
         ranks = [mine]
     streams = {sid: state for rank in ranks for sid, state in rank.items()}
-    if isinstance(spec, MixtureSpec):
-        return {"version": STATE_VERSION, "streams": streams, "mixture": spec.plan.to_dict()}
-    return {"version": STATE_VERSION, "streams": streams}
+    return {"version": STATE_VERSION, "streams": streams, "mixture": spec.plan.to_dict()}
+
+
+def migrate(state: dict[str, Any]) -> dict[str, Any]:
+    """A saved state in this version's format.
+
+    Raises:
+        ValueError: a version this package cannot read, naming it.
+    """
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"unknown PretrainingDataModule state version {state.get('version')!r} (this version reads "
+            f"{STATE_VERSION}): the checkpoint was written by another version of lightning_d9d"
+        )
+    return state
 
 
 def restored_streams(
-    state: dict[str, Any],
-    spec: StreamSpec | MixtureSpec,
-    owned: Sequence[int],
-    step: int,
-    on_mixture_change: OnMixtureChange,
-) -> tuple[StreamSpec | MixtureSpec, dict[int, StreamState | MixtureState]]:
-    """The spec to continue with (a mixture's may carry another plan) and the saved states of the ``owned``
-    streams, each validated against it.
+    state: dict[str, Any], spec: MixtureSpec, owned: Sequence[int], step: int, on_mixture_change: OnMixtureChange
+) -> tuple[MixtureSpec, dict[int, MixtureState]]:
+    """The spec to continue with (it may carry another plan) and the saved states of the ``owned`` streams, each
+    validated against it.
 
     Raises:
         ValueError: an unknown state version, a state that lacks an owned stream (past step 0), a mixture
             resumed under other shares with ``on_mixture_change="raise"``.
         InvalidDataState: (a ValueError) a stream state with a missing, mistyped or out-of-range field, naming
-            its path (``streams.<stream>.packing.reader.slot``), its value and what is valid.
+            its path (``streams.<stream>.sources.<name>.packing.reader.slot``), its value and what is valid.
     """
-    if state.get("version") not in READABLE_STATE_VERSIONS:
-        raise ValueError(
-            f"unknown PretrainingDataModule state version {state.get('version')!r} (this version reads "
-            f"{list(READABLE_STATE_VERSIONS)}): the checkpoint was written by another version of lightning_d9d"
-        )
+    state = migrate(state)
     saved = mapping(state.get("streams"), "streams")
     missing = [sid for sid in owned if sid not in saved and str(sid) not in saved]
     if missing and step > 0:
         raise ValueError(f"the checkpoint's data state lacks streams {missing} (it holds {sorted(saved)})")
-    if isinstance(spec, MixtureSpec):
-        states = read_states(saved, owned, spec.packing, _loaded)
-        plan = resumed_plan(spec, state.get("mixture"), states, on_mixture_change)
-        spec = replace_plan(spec, plan)
-    else:
-        states = {
-            sid: StreamState.from_dict(_loaded(saved.get(sid, saved.get(str(sid)))), spec.packing, f"streams.{sid}")
-            for sid in owned
-            if sid not in missing
-        }
+    states = {}
+    for sid in owned:
+        value = saved.get(sid, saved.get(str(sid)))
+        if value is not None:
+            states[sid] = MixtureState.from_dict(_loaded(value), spec, f"streams.{sid}")
+    steps = sorted({state.step for state in states.values()})
+    if len(steps) > 1:
+        raise InvalidDataState("streams.*.step", steps, "every stream is saved at the same step")
+    spec = spec.with_plan(resumed_plan(spec, state.get("mixture"), steps[0] if steps else 0, on_mixture_change))
     for sid, stream_state in states.items():
         stream_state.check(spec, sid, f"streams.{sid}")
     return spec, states

@@ -34,6 +34,7 @@ varlen kernels on a GPU skip it. The embeddings, MLPs and output layer never see
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import time
 from typing import Any
@@ -44,7 +45,9 @@ import torch.nn.functional as F
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch import nn
 
-from lightning_d9d.text.collate import IGNORE_INDEX, FlatBatch, TextBatch
+from lightning_d9d.datamodules.pretraining import PretrainingBatch
+from lightning_d9d.text.collate import FlatBatch, TextBatch
+from lightning_d9d.tokens import IGNORE_INDEX
 
 
 class _Block(nn.Module):
@@ -119,7 +122,13 @@ class _Tokens:
     @classmethod
     def of(cls, batch: Any) -> _Tokens:
         step_label_tokens = getattr(batch, "step_label_tokens", None)
-        if isinstance(batch, FlatBatch) or hasattr(batch, "cu_seqlens"):
+        if isinstance(batch, PretrainingBatch):
+            # Packed rows have no padding; attention stays causal over the whole row (documents see earlier
+            # documents of the row), the usual simplification of packed pretraining.
+            return cls(
+                batch.input_ids, torch.ones_like(batch.input_ids), batch.targets, batch.position_ids, shifted=True
+            )
+        if isinstance(batch, FlatBatch):
             lengths = torch.diff(batch.cu_seqlens.long())
             documents = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[None]
             return cls(
@@ -130,22 +139,9 @@ class _Tokens:
                 documents,
                 step_label_tokens=step_label_tokens,
             )
-        if isinstance(batch, TextBatch) or hasattr(batch, "attention_mask"):
+        if isinstance(batch, TextBatch):
             return cls(batch.input_ids, batch.attention_mask, batch.labels, step_label_tokens=step_label_tokens)
-        if hasattr(batch, "inputs") and hasattr(batch, "targets"):
-            # Packed rows have no padding; attention stays causal over the whole row (documents see earlier
-            # documents of the row), the usual simplification of packed pretraining.
-            return cls(
-                batch.inputs,
-                torch.ones_like(batch.inputs),
-                batch.targets,
-                getattr(batch, "position_ids", None),
-                shifted=True,
-            )
-        raise TypeError(
-            f"TinyGPT takes a TextBatch, a FlatBatch or a batch with inputs/targets (packed rows), got "
-            f"{type(batch).__name__}"
-        )
+        raise TypeError(f"TinyGPT takes a TextBatch, a FlatBatch or a PretrainingBatch, got {type(batch).__name__}")
 
 
 class TinyGPT(pl.LightningModule):
@@ -288,21 +284,21 @@ class TinyGPT(pl.LightningModule):
         loss_sum, count, _ = self._loss(batch)
         loss = loss_sum / count.clamp(min=1)
         # One validation loader per source (a mapping of val_files): the loss of each under its source's name.
-        names = getattr(getattr(self._trainer, "datamodule", None), "val_source_names", None) or []
+        names = _declared(self._trainer.datamodule if self._trainer is not None else None, "val_source_names") or []
         key = f"val/loss/{names[dataloader_idx]}" if len(names) > 1 else "val/loss"
         # Token-weighted mean over the whole validation set, so microbatch sizes do not bias it.
         self.log(key, loss, prog_bar=True, batch_size=max(int(count), 1), add_dataloader_idx=False)
         return loss
 
     def on_fit_start(self) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None)
-        vocab_size = getattr(datamodule, "vocab_size", None)
+        datamodule = self.trainer.datamodule
+        vocab_size = _declared(datamodule, "vocab_size")
         if vocab_size is not None and vocab_size > self.hparams.vocab_size:
             raise ValueError(
                 f"the tokenizer has {vocab_size} tokens but TinyGPT(vocab_size={self.hparams.vocab_size}); "
                 f"set model.init_args.vocab_size >= {vocab_size}"
             )
-        longest = getattr(datamodule, "longest_padded_length", None) or getattr(datamodule, "seq_len", None)
+        longest = _declared(datamodule, "longest_padded_length") or _declared(datamodule, "seq_len")
         if longest is not None and longest > self.hparams.max_positions:
             raise ValueError(
                 f"batches can be {longest} tokens long but TinyGPT(max_positions={self.hparams.max_positions}); "
@@ -333,3 +329,11 @@ class TinyGPT(pl.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _declared(owner: Any, name: str) -> Any:
+    """``owner.name`` where ``owner`` declares it, else ``None``: a feature a DataModule may or may not have. Its
+    value is read directly, so an error raised while computing it (a broken property) is not taken for absence."""
+    if owner is None or inspect.getattr_static(owner, name, None) is None:
+        return None
+    return getattr(owner, name)

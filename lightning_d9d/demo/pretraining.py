@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_d9d.datamodules.pretraining import PretrainingDataModule
 from lightning_d9d.demo.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, uses_demo
+from lightning_d9d.tokenizer import read_tokenizer
 
 DEMO_TOKENIZER = "demo"
 
@@ -38,7 +39,7 @@ class DemoPretrainingDataModule(PretrainingDataModule):
     def vocab_size(self) -> int:
         """The tokenizer's vocabulary, special tokens included (checked by the demo model at fit start)."""
         self._resolve_demo()
-        return self._load_tokenizer().get_vocab_size(with_added_tokens=True)
+        return read_tokenizer(self.tokenizer).get_vocab_size(with_added_tokens=True)
 
     def prepare_data(self) -> None:
         """Build the demo shards once (rank 0 of each node; ``setup`` waits on the same lock elsewhere)."""

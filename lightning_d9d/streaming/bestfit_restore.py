@@ -30,50 +30,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_d9d.streaming.packing import BestFitPacker, BestFitSplitPacker, prefix_hash
+from lightning_d9d.streaming.packing import prefix_hash
 from lightning_d9d.streaming.tokenize import encode_documents, load_tokenizer
 
 if TYPE_CHECKING:
-    from lightning_d9d.streaming.stream import StreamSpec
+    from lightning_d9d.streaming.spec import StreamSpec
 
 
 BufferedTexts = Mapping[tuple[int, int], str]
 
 
-def restore_buffer(
-    spec: StreamSpec,
-    packer: BestFitPacker | BestFitSplitPacker,
-    meta: np.ndarray,
-    next_seq: int,
-    texts: BufferedTexts | None = None,
-) -> None:
-    """Rebuild ``packer``'s buffer from ``meta`` (its ``snapshot()`` rows), lazily.
-
-    Args:
-        spec: the stream's configuration.
-        packer: a fresh packer of the stream's packing.
-        meta: the saved buffer rows.
-        next_seq: the saved next insertion number.
-        texts: the buffered documents' texts, already read (``read_buffered_texts``, shared by the streams of a
-            process); ``None``: read them here.
-
-    Raises:
-        ValueError: a saved row group cannot be read; (when a restored document is picked) its tokens differ
-            from the saved length or checksum — the data or the tokenizer changed since the checkpoint.
-    """
-    meta = np.asarray(meta, np.int64)
-    packer.restore(meta, next_seq, buffer_fetch(spec, meta, texts))
-
-
 def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None = None) -> Callable[[Any], Any]:
-    """The ``fetch`` a packer of ``spec.packing`` needs to rebuild the buffer ``meta`` (see :func:`restore_buffer`).
+    """The ``fetch`` a best-fit packer of ``spec.packing`` needs to rebuild the buffer ``meta`` (its saved rows;
+    ``texts``: their documents' texts, already read by :func:`read_buffered_texts`, or ``None`` to read them).
 
     Raises:
         ValueError: a saved row group cannot be read.
     """
     meta = np.asarray(meta, np.int64)
     own = _own_texts(spec, meta, texts)
-    return _SplitFetch(spec, meta, own) if spec.packing == "bestfit_split" else _PrefixFetch(spec, meta, own)
+    return _SplitFetch(spec, meta, own) if spec.packing.flagged else _PrefixFetch(spec, meta, own)
 
 
 def read_buffered_texts(spec: StreamSpec, metas: Iterable[np.ndarray]) -> dict[tuple[int, int], str]:
@@ -132,7 +108,7 @@ class _PrefixFetch:
             del self.texts[key]
         if length <= self.spec.capacity:
             return self._with_bos(encode_documents(load_tokenizer(self.spec.tokenizer_json), [text])[0].ids)
-        return self._long_prefix(group, index, text, length, int(row[4]))
+        return self._long_prefix(group, index, text, length, int(row[6]))
 
     def _prefix_chars(self, text: str, length: int) -> int:
         # Characters that should hold the first row's tokens, from the document's own chars/token, with margin.

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lightning_d9d.streaming.packing import BestFitPacker
+from lightning_d9d.streaming.bestfit import BestFitPacker
 from lightning_d9d.streaming.tokenize import encode_documents, load_tokenizer
 
 if TYPE_CHECKING:
     from lightning_d9d.streaming.source import RowGroupIndex
-    from lightning_d9d.streaming.stream import StreamSpec
+    from lightning_d9d.streaming.spec import StreamSpec
 
 # Characters of text the sample tokenizes, about: a corpus of long documents (books, source files) then costs a
 # second or two at setup rather than thousands of whole documents.
@@ -87,7 +87,7 @@ def estimate_pass(
         return 0.0, 0.0
     with_text = index.total_rows - int(index.num_rows[index.text_free].sum()) if index.text_free.size else None
     tokens = sum(lengths) / max(1, raw) * (with_text if with_text is not None else index.total_rows)
-    if spec.packing != "bestfit":
+    if not spec.packing.crops_to_row:
         return tokens, tokens / spec.capacity
     return tokens, tokens * _bestfit_yield(lengths, spec.capacity, spec.buffer_size) / spec.capacity
 
@@ -126,4 +126,4 @@ def _bestfit_yield(lengths: list[int], capacity: int, buffer_size: int) -> float
     except _Exhausted:
         pass
     consumed = int(order.sum()) - int(packer.snapshot()[:, 1].sum())
-    return packer.tokens_emitted / consumed if consumed > 0 else 1.0
+    return packer.counters.emitted / consumed if consumed > 0 else 1.0

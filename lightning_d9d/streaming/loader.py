@@ -56,10 +56,9 @@ import sys
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_d9d.child_processes import exit_with_process
@@ -72,12 +71,11 @@ from lightning_d9d.epoch_iterator import (
     shutdown_workers,
 )
 from lightning_d9d.resume import TrainPosition
-from lightning_d9d.streaming.bestfit_restore import read_buffered_texts
-from lightning_d9d.streaming.mixture_stream import MixtureSpec, MixtureState, mixture_streams
-from lightning_d9d.streaming.stream import BestFitState, RowBlock, StreamSpec, StreamState, TokenStream
+from lightning_d9d.streaming.mixture_stream import MixtureState, mixture_streams
+from lightning_d9d.streaming.packing import RowBlock
+from lightning_d9d.streaming.spec import MixtureSpec
 
-StreamStates = dict[int, StreamState | MixtureState]
-AnySpec = StreamSpec | MixtureSpec  # one corpus, or a mixture of sources
+StreamStates = dict[int, MixtureState]
 
 # A worker's tokenizer calls hold at most this much text: a call's size buys no speed on one core, while a call
 # of 128 long documents (MBs of text) makes a worker's rows come in bursts and holds that many Encodings in
@@ -123,19 +121,12 @@ def rank_streams(num_streams: int, world_size: int, rank: int) -> list[int]:
     return list(range(rank * per_rank, (rank + 1) * per_rank))
 
 
-def check_layout(num_streams: int, global_batch_size: int, world_size: int, num_workers: int) -> None:
+def check_layout(num_streams: int, world_size: int, num_workers: int) -> None:
     """Raises ValueError unless K streams can be shared by this layout (naming K, W, workers and valid values).
 
-    Valid: the world size divides K (every rank owns whole streams), ``num_workers`` divides K / W (every
-    worker hosts as many streams), and K divides G (every stream gives each step the same number of rows).
+    Valid: the world size divides K (every rank owns whole streams) and ``num_workers`` divides K / W (every
+    worker hosts as many streams).
     """
-    if global_batch_size % num_streams:
-        valid = [k for k in range(1, global_batch_size + 1) if global_batch_size % k == 0 and k <= 64]
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by num_streams={num_streams}: every step takes "
-            f"global_batch_size / num_streams rows of each stream; use num_streams in {valid} or a "
-            f"global_batch_size that is a multiple of {num_streams}"
-        )
     if num_streams % world_size:
         valid = [w for w in range(1, num_streams + 1) if num_streams % w == 0]
         raise ValueError(
@@ -216,17 +207,19 @@ class _HostedStreams(IterableDataset):
 
     def __init__(
         self,
-        spec: AnySpec,
+        spec: MixtureSpec,
         streams: list[int],
         num_workers: int,
         states: StreamStates,
+        chunk_chars: int,
         environment: dict[str, str] | None = None,
     ):
         self.spec, self.streams, self.num_workers, self.states = spec, streams, num_workers, states
+        self.chunk_chars = chunk_chars
         self.environment = environment  # set for workers that do not inherit this process's environment
         self.requester = os.getpid()  # the process whose end ends such workers
 
-    def __iter__(self) -> Iterator[list[tuple[int, RowBlock, StreamState]]]:
+    def __iter__(self) -> Iterator[list[tuple[int, RowBlock, MixtureState]]]:
         info = get_worker_info()
         hosted = self.streams
         if info is not None:
@@ -238,14 +231,9 @@ class _HostedStreams(IterableDataset):
             # process is set.
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
             hosted = self.streams[info.id :: self.num_workers]
-        spec = replace(self.spec, prefetch=max(1, min(self.spec.prefetch, _PREFETCH_PER_PROCESS // len(hosted))))
+        spec = self.spec.with_reading(max(1, _PREFETCH_PER_PROCESS // len(hosted)), self.chunk_chars)
         states = {sid: self.states[sid] for sid in hosted if sid in self.states}
-        if isinstance(spec, MixtureSpec):
-            iterators: list[Iterator] = [iter(stream) for stream in mixture_streams(spec, hosted, states)]
-        else:
-            texts = read_buffered_texts(spec, _saved_buffers(states.values())) if len(states) > 1 else None
-            iterators = [iter(TokenStream(spec, sid, states.get(sid), texts)) for sid in hosted]
-            del texts  # each restored stream keeps only its own documents' texts
+        iterators: list[Iterator] = [iter(stream) for stream in mixture_streams(spec, hosted, states)]
         try:
             # Every stream's first block at once: a started or resumed stream waits on its first chunks (and a
             # restored best-fit buffer on tokenizing the documents it picks), which overlap across streams but
@@ -266,12 +254,6 @@ def _take_environment(environment: dict[str, str]) -> None:
     for name in set(os.environ) - set(environment):
         del os.environ[name]
     os.environ.update(environment)
-
-
-def _saved_buffers(states: Iterable[StreamState]) -> list[np.ndarray]:
-    """The non-empty best-fit buffers among ``states``."""
-    buffers = [state.packing.buffer for state in states if isinstance(state.packing, BestFitState)]
-    return [buffer for buffer in buffers if buffer is not None and len(buffer)]
 
 
 def _as_is(item: Any) -> Any:
@@ -309,23 +291,21 @@ class _InStreamOrder:
             close()
 
 
-def rank_blocks(spec: AnySpec, streams: list[int], num_workers: int, states: StreamStates) -> Iterator[tuple]:
+def rank_blocks(spec: MixtureSpec, streams: list[int], num_workers: int, states: StreamStates) -> Iterator[tuple]:
     """Endless ``(stream, block, state)`` of a rank's streams, step after step, continuing from ``states``.
 
     Args:
         spec: the streams' configuration.
         streams: the rank's streams (``rank_streams``).
         num_workers: DataLoader worker processes (0: the streams run in this process). Workers cap each
-            tokenizer call at ``WORKER_CHUNK_CHARS`` (in this process: ``IN_PROCESS_CHUNK_CHARS``) unless
-            ``spec.chunk_chars`` is set.
+            tokenizer call at ``WORKER_CHUNK_CHARS`` (in this process: ``IN_PROCESS_CHUNK_CHARS``) unless a
+            source's ``chunk_chars`` is set.
         states: saved stream states by stream number (missing: from the beginning).
     """
-    if not spec.chunk_chars:
-        spec = replace(spec, chunk_chars=WORKER_CHUNK_CHARS if num_workers > 0 else IN_PROCESS_CHUNK_CHARS)
-    files = [f for source in spec.sources for f in source.index.files] if isinstance(spec, MixtureSpec) else None
-    start_method = worker_start_method(files or spec.index.files) if num_workers > 0 else None
+    chunk_chars = WORKER_CHUNK_CHARS if num_workers > 0 else IN_PROCESS_CHUNK_CHARS
+    start_method = worker_start_method(spec.files) if num_workers > 0 else None
     environment = dict(os.environ) if start_method is not None else None
-    dataset = _HostedStreams(spec, streams, num_workers, states, environment)
+    dataset = _HostedStreams(spec, streams, num_workers, states, chunk_chars, environment)
     if num_workers == 0:
         return _InStreamOrder(iter(dataset), streams, 1)
     with warnings.catch_warnings():
@@ -347,10 +327,7 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
             sid, block, state = next(blocks)
             parts.append(block)
             states[sid] = state
-        tokens = np.concatenate([part.tokens for part in parts])
-        flags = None if parts[0].flags is None else np.concatenate([part.flags for part in parts])
-        sources = None if parts[0].sources is None else np.concatenate([part.sources for part in parts])
-        yield RowBlock(tokens, flags, sources), states
+        yield RowBlock.joined(parts), states
 
 
 @dataclass
@@ -381,7 +358,7 @@ class TokenTrainLoader(ResumedByDataModule):
 
     def __init__(
         self,
-        spec: AnySpec,
+        spec: MixtureSpec,
         streams: list[int],
         num_workers: int,
         microbatch_size: int,
@@ -438,7 +415,7 @@ class TokenValidationLoader(OneIterationAtATime):
 
     def __init__(
         self,
-        spec: StreamSpec,
+        spec: MixtureSpec,
         streams: list[int],
         num_workers: int,
         microbatch_size: int,

@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order
-from lightning_d9d.streaming.state import InvalidDataState, integer, mapping, version
+from lightning_d9d.streaming.state import integer, mapping
 from lightning_d9d.streaming.storage import redact
 
 # A stream that meets this many passes in a row without a single document stops with an error instead of
@@ -47,25 +48,21 @@ _WARNED_TOO_LONG: set[tuple[str, int, int]] = set()
 class ReadPosition:
     """The reader's state: it reads next row ``row`` (of its row group) of unit ``slot`` of pass ``pass_index``."""
 
-    VERSION = 1
-
     pass_index: int = 0
     slot: int = 0
     row: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return {"version": self.VERSION, "pass": self.pass_index, "slot": self.slot, "row": self.row}
+        return {"pass": self.pass_index, "slot": self.slot, "row": self.row}
 
     @classmethod
     def from_dict(cls, state: Any, path: str = "reader") -> ReadPosition:
-        """Read a saved position (``version`` may be absent: state version 2 wrote none).
+        """Read a saved position.
 
         Raises:
             InvalidDataState: a missing field, or one that is not an integer >= 0.
         """
         state = mapping(state, path)
-        if "version" in state:
-            version(state, path, (cls.VERSION,))
         return cls(integer(state, "pass", path), integer(state, "slot", path), integer(state, "row", path))
 
     def check(self, units: StreamUnits, path: str = "reader") -> None:

@@ -2,7 +2,8 @@
 
 Every stage (reader, packing, stream) has a frozen dataclass state with ``to_dict()`` and ``from_dict()``; a
 stage's state nests its source's under one key (the stream's under ``"packing"``, the packing's under
-``"reader"``), carries a ``version``, and the packings carry a ``kind`` tag. What ``to_dict`` writes is plain
+``"reader"``) and the packings carry a ``kind`` tag (one format version for the whole data state is the
+DataModule's). What ``to_dict`` writes is plain
 ints, strings and int64 arrays, so checkpoints load with ``torch.load(weights_only=True)``.
 
 A checkpoint's state is validated, never trusted: ``from_dict`` checks each field's presence and type, and each
@@ -21,28 +22,7 @@ from typing import Any
 
 import numpy as np
 
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-MISSING = _Missing()  # the value shown for a field the state lacks
-
-
-class InvalidDataState(ValueError):
-    """A checkpoint's data state that cannot be this data's: names the field, its value and what is valid.
-
-    Args:
-        path: the field, dotted from the data state's root (``streams.3.packing.reader.slot``).
-        value: what the state holds there.
-        valid: what would be valid.
-    """
-
-    def __init__(self, path: str, value: Any, valid: str):
-        shown = _short(value)
-        super().__init__(f"the checkpoint's data state is invalid: {path} = {shown}: {valid}")
-        self.path, self.value, self.valid = path, value, valid
+from lightning_d9d.resume import MISSING, InvalidDataState
 
 
 def mapping(state: Any, path: str) -> Mapping[str, Any]:
@@ -73,16 +53,6 @@ def integer(state: Mapping[str, Any], key: str, path: str, low: int = 0, high: i
     return value
 
 
-def version(state: Mapping[str, Any], path: str, known: tuple[int, ...]) -> int:
-    """The state's ``version``, one of ``known``."""
-    value = field(state, "version", path)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) not in known:
-        raise InvalidDataState(
-            join(path, "version"), value, f"this lightning_d9d reads versions {list(known)} of this state"
-        )
-    return int(value)
-
-
 def int_table(state: Mapping[str, Any], key: str, path: str, columns: int) -> np.ndarray:
     """``state[key]`` as an int64 ``(rows, columns)`` array (a tensor comes in as numpy already)."""
     value = field(state, key, path)
@@ -107,10 +77,3 @@ def check_column(table: np.ndarray, column: int, name: str, path: str, low: int,
 
 def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        return f"array(shape={tuple(value.shape)}, dtype={value.dtype})"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

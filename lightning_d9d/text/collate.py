@@ -36,9 +36,7 @@ import torch
 
 from lightning_d9d.checks import positive_int
 from lightning_d9d.device.pin import pin_batch
-
-IGNORE_INDEX = -100
-"""Label of positions without a target (padding, a flattened document's first token); PyTorch's CE default."""
+from lightning_d9d.tokens import IGNORE_INDEX
 
 
 @dataclasses.dataclass

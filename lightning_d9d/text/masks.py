@@ -31,7 +31,8 @@ from typing import Literal
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from lightning_d9d.tokens import IGNORE_INDEX
+
 Truncation = Literal["error", "drop", "keep_start"]
 TRUNCATIONS: tuple[str, ...] = ("error", "drop", "keep_start")
 KEPT, TRUNCATED, DROPPED_TOO_LONG, DROPPED_UNTRAINED = 0, 1, 2, 3

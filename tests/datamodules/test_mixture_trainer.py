@@ -37,10 +37,10 @@ class SourceRecorder(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         rows = []
         for i in range(len(batch)):
-            h = hashlib.sha256(batch.inputs[i].numpy().tobytes() + batch.targets[i].numpy().tobytes())
+            h = hashlib.sha256(batch.input_ids[i].numpy().tobytes() + batch.targets[i].numpy().tobytes())
             rows.append((int(batch.sources[i]), h.hexdigest()[:16]))
         self.train_rows.append((self.global_step, rows))
-        return ((self.weight - batch.inputs.float().mean() / 100) ** 2).mean()
+        return ((self.weight - batch.input_ids.float().mean() / 100) ** 2).mean()
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.val_batches.append((dataloader_idx, batch.sources.tolist()))

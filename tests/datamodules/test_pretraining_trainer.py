@@ -220,7 +220,7 @@ def test_epochs_are_step_counts_and_the_stream_continues_across_them(data: Path)
     assert dm.position.committed[:2] == (1, 3)
     stats = dm.stream_stats()  # best-fit reports its crops
     assert stats["crops"] > 0 and stats["emitted"] == 12 * 2 * 17 and stats["tokens"] > stats["emitted"]
-    assert not any(torch.equal(a.inputs, b.inputs) for a in first for b in second)
+    assert not any(torch.equal(a.input_ids, b.input_ids) for a in first for b in second)
     # The default epoch is one pass's worth, estimated from footers and a sample.
     estimated = make_dm(data, steps_per_epoch=None, packing="concat")
     assert estimated.steps_per_epoch == int(estimated.estimated_pass_tokens / 17 // 4)
@@ -257,7 +257,9 @@ def test_restart_epoch_accepts_a_state_from_other_settings(data: Path) -> None:
     with pytest.warns(UserWarning, match="seed: checkpoint 0, this run 1.*restarting epoch 0"):
         other.load_state_dict(state)
     fresh = make_dm(data, seed=1)
-    assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(other.train_dataloader(), fresh.train_dataloader()))
+    assert all(
+        torch.equal(a.input_ids, b.input_ids) for a, b in zip(other.train_dataloader(), fresh.train_dataloader())
+    )
 
 
 @pytest.mark.parametrize("packing", ["concat", "bestfit"])
@@ -273,7 +275,7 @@ def test_a_stream_resumes_exactly_after_changing_the_tokenizer_batch_size(data: 
     got = list(resumed.train_dataloader())
     assert len(got) == 14
     for a, b in zip(got, expected):
-        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.position_ids, b.position_ids)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
 
 
 def test_a_file_edited_in_place_is_named_at_resume(data: Path, tmp_path: Path) -> None:

@@ -39,8 +39,8 @@ def test_the_estimate_is_within_a_few_percent_whatever_the_row_group_size(corpus
         packing="concat",
     )
     dm.setup("fit")
-    assert len(dm.train_spec.index) == groups
-    tokens, rows = estimate_pass(dm.train_spec)
+    assert len(dm.train_spec.sources[0].index) == groups
+    tokens, rows = estimate_pass(dm.train_spec.sources[0])
     assert abs(tokens - corpus["counted"]) / corpus["counted"] < 0.03
     assert dm.steps_per_epoch == int(rows // 8) and rows == tokens / 65
 
@@ -60,8 +60,8 @@ def test_the_sample_stops_at_its_characters_so_long_documents_cost_little_at_set
     encode = estimate.encode_documents
     monkeypatch.setattr(estimate, "encode_documents", lambda tok, texts: tokenized.extend(texts) or encode(tok, texts))
     sample_chars, longest = 100_000, max(len(text) for text in make_texts(DOCS, seed=4))
-    tokens, _ = estimate_pass(dm.train_spec, sample_chars=sample_chars)
-    groups = min(len(dm.train_spec.index), 8)
+    tokens, _ = estimate_pass(dm.train_spec.sources[0], sample_chars=sample_chars)
+    groups = min(len(dm.train_spec.sources[0].index), 8)
     # The sample reaches its characters, and passes them by at most one document per row group it read.
     assert sample_chars <= sum(map(len, tokenized)) <= sample_chars + groups * longest
     assert len(tokenized) < DOCS // 3
@@ -76,12 +76,12 @@ def test_a_long_sampled_document_is_tokenized_up_to_a_limit_and_scaled_by_its_le
         seq_len=64, global_batch_size=8, microbatch_size=8, num_streams=4, num_workers=0, packing="concat",
     )  # fmt: skip
     dm.setup("fit")
-    whole, _ = estimate_pass(dm.train_spec)
+    whole, _ = estimate_pass(dm.train_spec.sources[0])
     tokenized: list[str] = []
     encode = estimate.encode_documents
     monkeypatch.setattr(estimate, "encode_documents", lambda tok, texts: tokenized.extend(texts) or encode(tok, texts))
     monkeypatch.setattr(estimate, "SAMPLE_DOCUMENT_CHARS", 60)
-    prefixed, _ = estimate_pass(dm.train_spec)
+    prefixed, _ = estimate_pass(dm.train_spec.sources[0])
     assert max(map(len, tokenized)) == 60  # longer documents reach the tokenizer as their first 60 characters
     assert sum(len(text) > 60 for text in make_texts(DOCS, seed=4)) > DOCS // 3  # and many are longer
     assert abs(prefixed - whole) / whole < 0.03  # tokens per character hardly change along a document

@@ -6,6 +6,7 @@ steps on any layout."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def datamodule(corpus: dict, names: str = "ab", world: int = 1, rank: int = 0, *
 
 def row_digest(batch, i: int) -> str:
     h = hashlib.sha256()
-    for tensor in (batch.inputs[i], batch.targets[i], batch.position_ids[i]):
+    for tensor in (batch.input_ids[i], batch.targets[i], batch.position_ids[i]):
         h.update(tensor.numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -137,7 +138,7 @@ def test_every_step_takes_exactly_the_planned_rows_of_each_source(corpus: dict, 
         batch = next(batches)
         for i in range(len(batch)):
             name = "ab"[int(batch.sources[i])]
-            ids = set(batch.inputs[i].tolist()) - specials
+            ids = set(batch.input_ids[i].tolist()) - specials
             assert ids <= vocab[name], (name, ids - vocab[name])
     batches.close()
 
@@ -149,7 +150,7 @@ def test_a_single_corpus_batch_says_source_0(corpus: dict) -> None:
     )  # fmt: skip
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    assert batch.row_sources is None and torch.equal(batch.sources, torch.zeros(M_SIZE, dtype=torch.int64))
+    assert torch.equal(batch.sources, torch.zeros(M_SIZE, dtype=torch.int64))
     assert dm.source_names == ["train"]
     dm.close_loaders()
 
@@ -319,7 +320,7 @@ def test_validation_per_source_gives_one_loader_each_in_order(corpus: dict) -> N
         assert len(batches) == 3
         for batch in batches:
             assert torch.equal(batch.sources, torch.full((len(batch),), index))
-            assert set(batch.inputs.flatten().tolist()) - specials <= vocab[name]
+            assert set(batch.input_ids.flatten().tolist()) - specials <= vocab[name]
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -369,8 +370,8 @@ def test_a_stream_gives_the_same_rows_however_they_are_grouped_into_blocks(corpu
     """``TokenStream.blocks(sizes)``: blocks of any size, 0 included; an empty block leaves the position as it was."""
     from lightning_d9d.streaming.stream import TokenStream
 
-    spec = datamodule(corpus, packing=packing).train_spec.source_spec(0)
-    fixed = iter(TokenStream(spec, 1))
+    spec = datamodule(corpus, packing=packing).train_spec.sources[0]
+    fixed = TokenStream(spec, 1).blocks(itertools.repeat(2))
     want = [next(fixed)[0] for _ in range(4)]  # 4 blocks of G / K = 2 rows
     fixed.close()
     sizes = [0, 3, 0, 0, 1, 2, 0, 2]
@@ -411,7 +412,7 @@ def test_per_source_validation_works_beside_a_single_training_corpus(corpus: dic
 
 
 def test_a_corrupted_mixture_state_is_one_error_naming_the_field(corpus: dict) -> None:
-    from lightning_d9d.streaming.state import InvalidDataState
+    from lightning_d9d.resume import InvalidDataState
 
     state, _ = state_after(datamodule(corpus), 3)
     bad = {**state, "streams": {**state["streams"]}}
@@ -423,7 +424,7 @@ def test_a_corrupted_mixture_state_is_one_error_naming_the_field(corpus: dict) -
         datamodule(corpus).load_state_dict(bad)
     with pytest.raises(InvalidDataState, match=r"mixture = .*expected the mixture plan"):
         datamodule(corpus).load_state_dict({**state, "mixture": {"schedule": 1}})
-    with pytest.raises(InvalidDataState, match=r"streams\.1\.kind = 'concat'.*expected 'mixture'"):
+    with pytest.raises(InvalidDataState, match=r"streams\.1\.sources = <missing>: the state must hold 'sources'"):
         datamodule(corpus).load_state_dict({**state, "streams": {**state["streams"], 1: {"kind": "concat"}}})
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import pickle
 import threading
@@ -14,16 +13,29 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support import BOS, WORDS, make_docs, train_tokenizer, write_parquet
+from support import (
+    BOS,
+    WORDS,
+    assert_same_blocks,
+    corpus_spec,
+    make_docs,
+    respec,
+    stream_spec,
+    take,
+    train_tokenizer,
+    write_parquet,
+)
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming import bestfit_restore, tokenize
 from lightning_d9d.streaming.estimate import estimate_pass
 from lightning_d9d.streaming.loader import rank_blocks, rank_streams
-from lightning_d9d.streaming.packing import microbatch_tensors, split_microbatch_tensors
+from lightning_d9d.streaming.mixture_stream import MixtureState
+from lightning_d9d.streaming.packing import bos_tensors, flagged_tensors
 from lightning_d9d.streaming.reader import ReadPosition, TextChunk
 from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order, resolve_files
-from lightning_d9d.streaming.stream import PACKINGS, StreamSpec, StreamState, TokenStream
+from lightning_d9d.streaming.spec import PACKINGS, StreamSpec
+from lightning_d9d.streaming.stream import StreamState, TokenStream
 
 
 @pytest.fixture(scope="module")
@@ -37,56 +49,7 @@ def corpus(tmp_path_factory) -> dict:
 
 
 def spec_for(corpus: dict, packing: str, streams: int = 2, seq_len: int = 24, **kw) -> StreamSpec:
-    tok, index = corpus["tok"], kw.pop("index", corpus["index"])
-    options = dict(rows_per_block=2, seed=0, shuffle=True, tokenizer_batch_size=8, buffer_size=16)
-    options.update(kw)
-    return StreamSpec(
-        index=index,
-        units=Units.of(index, streams),
-        tokenizer_json=tok.to_str(),
-        bos_id=tok.token_to_id(BOS),
-        seq_len=seq_len,
-        packing=packing,
-        num_streams=streams,
-        pad_id=tok.token_to_id("<unk>"),
-        **options,
-    )
-
-
-def take(stream: TokenStream, n: int) -> list:
-    """``n`` blocks as ``(inputs, targets, position_ids, state)``, the tensors the loader builds."""
-    iterator = iter(stream)
-    out = [next(iterator) for _ in range(n)]
-    iterator.close()
-    tensors = []
-    for block, state in out:
-        if block.flags is None:
-            tensors.append((*microbatch_tensors(block.tokens, stream.spec.bos_id), state))
-        else:
-            tensors.append((*split_microbatch_tensors(block.tokens, block.flags), state))
-    return tensors
-
-
-def assert_same_blocks(got: list, want: list) -> None:
-    """Identical tensors and identical states (best-fit's buffer included), block by block."""
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
-        sa, sb = flat(a[3].to_dict()), flat(b[3].to_dict())
-        assert sa.keys() == sb.keys()
-        for key in sa:
-            np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
-
-
-def flat(state: dict, prefix: str = "") -> dict:
-    """A nested state as ``{"packing.reader.row": value, ...}``."""
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+    return stream_spec(corpus["tok"], kw.pop("index", corpus["index"]), packing, streams, seq_len, **kw)
 
 
 def unit_text(spec: StreamSpec, stream: int, read: ReadPosition) -> str | None:
@@ -185,7 +148,7 @@ def test_tokenizer_post_processor_truncation_and_padding_do_not_reach_the_rows(c
     assert dressed.encode("wa" + " wb" * 9).ids[0] == bos and len(dressed.encode("wa").ids) == 40  # really dressed
     rows = {}
     for name, tok in (("plain", plain), ("dressed", dressed)):
-        spec = dataclasses.replace(spec_for(corpus, packing, streams=2), tokenizer_json=tok.to_str())
+        spec = respec(spec_for(corpus, packing, streams=2), tokenizer_json=tok.to_str())
         rows[name] = [inputs for inputs, _, _, _ in take(TokenStream(spec, 0), 40)]
     for a, b in zip(rows["plain"], rows["dressed"]):
         assert torch.equal(a, b)
@@ -213,7 +176,7 @@ def test_bestfit_rows_start_at_bos_and_positions_restart_there(corpus: dict) -> 
 def test_bestfit_split_keeps_every_document_that_fits_whole_and_pads_rarely(corpus: dict) -> None:
     spec = spec_for(corpus, "bestfit_split", seq_len=40, buffer_size=24)
     tok, capacity = corpus["tok"], spec.capacity
-    iterator = iter(TokenStream(spec, 0))
+    iterator = TokenStream(spec, 0).blocks(itertools.repeat(2))
     blocks = [next(iterator) for _ in range(150)]
     iterator.close()
     order = np.concatenate([spec.stream_units(0).of_pass(p) for p in range(4)])
@@ -225,7 +188,7 @@ def test_bestfit_split_keeps_every_document_that_fits_whole_and_pads_rarely(corp
     ]
     pieces = []
     for block, _ in blocks:
-        _, targets, positions = split_microbatch_tensors(block.tokens, block.flags)
+        _, targets, positions = flagged_tensors(block.tokens, block.flags)
         for row, flags in zip(block.tokens, block.flags):
             starts = [*np.flatnonzero(flags & 1).tolist(), capacity]
             for a, b in itertools.pairwise(starts):
@@ -256,7 +219,9 @@ def test_resume_from_any_block_is_byte_identical(corpus: dict, packing: str) -> 
     assert len({state.packing.read.pass_index for *_, state in full}) > 1, "the run must cross a pass boundary"
     for cut in [0, 1, 17, 63, 64, 90]:
         saved = pickle.loads(pickle.dumps(full[cut][3].to_dict()))  # what a checkpoint would carry
-        assert_same_blocks(take(TokenStream(spec, 1, StreamState.from_dict(saved)), 120 - cut - 1), full[cut + 1 :])
+        assert_same_blocks(
+            take(TokenStream(spec, 1, StreamState.from_dict(saved, spec)), 120 - cut - 1), full[cut + 1 :]
+        )
 
 
 def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
@@ -360,7 +325,8 @@ def test_a_process_restoring_several_streams_reads_each_buffered_row_group_once(
         return real(self, group, rows)
 
     monkeypatch.setattr(RowGroupIndex, "read_texts", counted)
-    blocks = rank_blocks(spec, streams, num_workers=0, states=states)
+    saved = {sid: MixtureState(20, {"train": state}) for sid, state in states.items()}
+    blocks = rank_blocks(corpus_spec(spec), streams, num_workers=0, states=saved)
     got = [next(blocks) for _ in range(4 * 10)]
     blocks._shutdown_workers()
     restore_reads = [group for group, of_rows in reads if of_rows]
@@ -368,11 +334,11 @@ def test_a_process_restoring_several_streams_reads_each_buffered_row_group_once(
     for sid in streams:
         mine = [(block, state) for s, block, state in got if s == sid]
         for (block, state), want in zip(mine, full[sid][20:]):
-            resumed = microbatch_tensors(block.tokens, spec.bos_id) if block.flags is None else None
+            resumed = bos_tensors(block.tokens, spec.bos_id) if block.flags is None else None
             if resumed is None:
-                resumed = split_microbatch_tensors(block.tokens, block.flags)
+                resumed = flagged_tensors(block.tokens, block.flags)
             assert all(torch.equal(x, y) for x, y in zip(resumed, want[:3]))
-            assert state.counters == want[3].counters
+            assert state.sources["train"].counters == want[3].counters
 
 
 @pytest.mark.parametrize("packing", PACKINGS)
@@ -397,13 +363,13 @@ def test_how_documents_are_batched_for_the_tokenizer_changes_no_row_or_state(
     assert any(not unit_text(plain, 1, state.packing.read) for *_, state in full), "no state points at an empty row"
 
     calls = spy_on_tokenizer_calls(monkeypatch)
-    capped = dataclasses.replace(plain, chunk_chars=cap)
+    capped = respec(plain, chunk_chars=cap)
     assert_same_blocks(take(TokenStream(capped, 1), n), full)
     sizes = [(len(texts), sum(map(len, texts))) for texts in calls]
     assert all(docs == 1 or chars <= cap for docs, chars in sizes), sizes
     assert any(docs > 1 for docs, _ in sizes)
     assert any(chars > cap for _, chars in sizes) == (packing != "concat")  # only that corpus has longer docs
-    one_per_call = dataclasses.replace(plain, tokenizer_batch_size=1)  # a call boundary after every document
+    one_per_call = respec(plain, tokenizer_batch_size=1)  # a call boundary after every document
     assert_same_blocks(take(TokenStream(one_per_call, 1), n), full)
     for variant in (capped, one_per_call):
         for cut in (17, 45, 90):
@@ -416,16 +382,16 @@ def test_worker_processes_hand_over_exactly_their_streams_blocks_in_a_fixed_orde
     spec = spec_for(corpus, packing, streams=8)
     streams = rank_streams(8, world_size=2, rank=1)  # rank 1 of 2 owns streams 4..7; 2 workers host 2 each
     assert streams == [4, 5, 6, 7]
-    blocks = rank_blocks(spec, streams, num_workers=2, states={})
+    blocks = rank_blocks(corpus_spec(spec), streams, num_workers=2, states={})
     got = [next(blocks) for _ in range(40)]
     del blocks
     # Worker 0 hosts streams 4 and 6, worker 1 streams 5 and 7; the DataLoader alternates between them.
     assert [sid for sid, _, _ in got[:8]] == [4, 5, 6, 7] * 2
     for sid in streams:
-        iterator = iter(TokenStream(dataclasses.replace(spec, chunk_chars=1 << 18), sid))
+        iterator = TokenStream(respec(spec, chunk_chars=1 << 18), sid).blocks(itertools.repeat(2))
         expected = [next(iterator) for _ in range(10)]
         iterator.close()
-        mine = [(block, state) for s, block, state in got if s == sid]
+        mine = [(block, state.sources["train"]) for s, block, state in got if s == sid]
         assert len(mine) == 10
         for (block, state), (want, want_state) in zip(mine, expected):
             assert block.tokens.dtype == np.int32 and block.tokens.shape == (2, spec.capacity)
@@ -464,7 +430,7 @@ def test_text_free_row_groups_are_skipped_and_counted_on_every_stream(corpus: di
         steps_per_epoch=40,
     )
     dm.setup("fit")
-    assert dm.train_spec.index.text_free.tolist() == [False, True, False, True, False, False]
+    assert dm.train_spec.sources[0].index.text_free.tolist() == [False, True, False, True, False, False]
     batches = list(dm.train_dataloader())
     assert len(batches) == 40 * 3
     stats = dm.stream_stats()
@@ -628,9 +594,3 @@ def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Pa
     assert state.counters.empty == 2 * state.counters.docs - 1 > 0
     stats = dm.stream_stats()
     assert stats["empty"] == state.counters.empty and stats["emitted"] == 6 * 5 and stats["crops"] == 0
-
-
-def test_negative_chunk_chars_names_the_value(corpus: dict) -> None:
-    spec = dataclasses.replace(spec_for(corpus, "concat"), chunk_chars=-1)
-    with pytest.raises(ValueError, match=r"chunk_chars=-1 must be >= 0 \(0: no limit\)"):
-        TokenStream(spec, 0)

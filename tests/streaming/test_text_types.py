@@ -8,6 +8,7 @@ setup or when a stream meets it later.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pandas as pd
@@ -15,11 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support import BOS, make_texts, train_tokenizer
+from support import make_texts, stream_spec, train_tokenizer
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
-from lightning_d9d.streaming.stream import StreamSpec, TokenStream
+from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.stream import TokenStream
 
 TEXTS = make_texts(200, seed=8)
 
@@ -70,10 +71,10 @@ def test_every_string_type_gives_the_rows_of_plain_strings(root: Path, kind: str
     got = make_dm(root, str(root / kind), num_workers=2)
     want.setup("fit")
     got.setup("fit")
-    assert got.fingerprint.file_digests != () and got.steps_per_epoch == want.steps_per_epoch
+    assert got.fingerprint.sources[0][2] != () and got.steps_per_epoch == want.steps_per_epoch
     pairs = list(zip(got.train_dataloader(), want.train_dataloader()))
     assert len(pairs) == 16
-    assert all(torch.equal(a.inputs, b.inputs) and torch.equal(a.position_ids, b.position_ids) for a, b in pairs)
+    assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids) for a, b in pairs)
 
 
 def write_with_bad_row(path: Path, bad: bytes, row: int) -> None:
@@ -102,22 +103,8 @@ def test_text_that_is_not_utf8_is_named_when_a_stream_meets_it(root: Path, tmp_p
     write_with_bad_row(path, BAD_BYTES[bad], row=37)
     index = RowGroupIndex.scan([str(path)], "text")  # footers only: nothing has read the row yet
     tokenizer = train_tokenizer(TEXTS)
-    spec = StreamSpec(
-        index=index,
-        units=Units.of(index, 1),
-        tokenizer_json=tokenizer.to_str(),
-        bos_id=tokenizer.token_to_id(BOS),
-        seq_len=16,
-        rows_per_block=2,
-        packing="concat",
-        seed=0,
-        shuffle=True,
-        num_streams=1,
-        tokenizer_batch_size=8,
-        buffer_size=16,
-        pad_id=tokenizer.token_to_id("<unk>"),
-    )
+    spec = stream_spec(tokenizer, index, "concat", streams=1, seq_len=16)
     message = r"row group 3 of parquet file '.*broken\.parquet', row 7: the text is not valid UTF-8"
     with pytest.raises(ValueError, match=message):
-        for _ in zip(range(1000), TokenStream(spec, 0)):
+        for _ in zip(range(1000), TokenStream(spec, 0).blocks(itertools.repeat(2))):
             pass

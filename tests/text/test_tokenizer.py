@@ -39,7 +39,11 @@ def test_both_datamodule_paths_report_a_missing_tokenizer_alike(tmp_path: Path) 
             dataset=str(tmp_path / "docs.parquet"), tokenizer=missing, global_batch_size=4, microbatch_size=2
         )
     pretraining = PretrainingDataModule(
-        train_files=str(tmp_path / "docs.parquet"), tokenizer=missing, global_batch_size=4, microbatch_size=2
+        train_files=str(tmp_path / "docs.parquet"),
+        tokenizer=missing,
+        global_batch_size=4,
+        microbatch_size=2,
+        num_streams=4,
     )
     with pytest.raises(ValueError) as pretraining_error:
         pretraining.setup("fit")

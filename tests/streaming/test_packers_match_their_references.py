@@ -1,4 +1,4 @@
-"""The packers against straightforward ports of the reference algorithms, and position ids."""
+"""The best-fit and concat packers against straightforward ports of the reference algorithms, and positions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_d9d.streaming.packing import BestFitPacker, ConcatPacker, position_ids
+from lightning_d9d.streaming.bestfit import BestFitPacker
+from lightning_d9d.streaming.concat import ConcatPacker
+from lightning_d9d.tokens import restart_positions
 
 BOS = 0
 
@@ -58,7 +60,7 @@ def run_bestfit(docs: list[np.ndarray], capacity: int, rows: int, buffer_size: i
             packer.add(doc[:capacity], len(doc), (consumed[0], 0))
             consumed[0] += 1
 
-    return packer.take(rows, refill), packer
+    return packer.take(rows, refill)[0], packer
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,15 +76,15 @@ def test_bestfit_picks_exactly_what_the_reference_scan_picks(lengths, capacity, 
     expected, expected_crops = reference_bestfit(docs, capacity, rows, buffer_size, batch)
     got, packer = run_bestfit(docs, capacity, rows, buffer_size, batch)
     np.testing.assert_array_equal(got, expected)
-    assert packer.crops == expected_crops
+    assert packer.counters.crops == expected_crops
     assert (got[:, 0] == BOS).all()  # every row starts at a document start
 
 
 def test_bestfit_reports_crops_and_dropped_tokens() -> None:
     docs = [make_doc(i, n) for i, n in enumerate([30, 5, 12, 40, 7, 3, 25, 9] * 20)]
     got, packer = run_bestfit(docs, capacity=16, rows=30, buffer_size=6, batch=4)
-    assert packer.crops > 0 and packer.tokens_cropped > 0
-    assert packer.tokens_emitted == got.size
+    assert packer.counters.crops > 0 and packer.counters.cropped > 0
+    assert packer.counters.emitted == got.size
     # every emitted token is a prefix of one document: a BOS starts each piece, positions follow on
     for row in got:
         starts = np.flatnonzero(row == BOS)
@@ -108,7 +110,7 @@ def test_bestfit_snapshot_restore_continues_identically() -> None:
             packer.add(doc[:capacity], len(doc), (cursor[0], 0))
         cursor[0] += 1
 
-    first = packer.take(25, refill)
+    first = packer.take(25, refill)[0]
     meta, next_seq, at = packer.snapshot(), packer.next_seq, cursor[0]
     # Rebuild from positions only: each buffered document's prefix comes back from the "source".
     by_seq = {}
@@ -119,10 +121,10 @@ def test_bestfit_snapshot_restore_continues_identically() -> None:
             seq += 1
     restored = BestFitPacker(capacity, buffer_size)
     fetched = []
-    restored.restore(meta, next_seq, lambda row: fetched.append(int(row[0])) or by_seq[int(row[0])][:capacity])
+    restored.reset(meta, next_seq, lambda row: fetched.append(int(row[0])) or by_seq[int(row[0])][:capacity])
     assert fetched == []  # nothing is fetched until picked
     packer, cursor[0] = restored, at
-    second = packer.take(35, refill)
+    second = packer.take(35, refill)[0]
     np.testing.assert_array_equal(np.concatenate([first, second]), full)
     assert 0 < len(fetched) == len(set(fetched)) <= len(meta)
 
@@ -134,8 +136,8 @@ def test_bestfit_restore_rejects_a_changed_prefix() -> None:
     changed = make_doc(1, 20)[:8].copy()
     changed[3] += 1
     restored = BestFitPacker(8, 1)
-    restored.restore(meta, 1, lambda row: changed)
-    with pytest.raises(ValueError, match=r"document \(0, 0\) does not match its saved length 20 / checksum"):
+    restored.reset(meta, 1, lambda row: changed)
+    with pytest.raises(ValueError, match=r"piece 0 of document \(0, 0\) does not match its saved length 20 / checksum"):
         restored.take(1, lambda: None)
 
 
@@ -179,7 +181,7 @@ def test_concat_position_names_the_document_and_offset_of_the_next_token() -> No
 def test_position_ids_restart_at_row_start_and_every_bos() -> None:
     inputs = np.array([[0, 5, 6, 0, 7], [8, 9, 0, 1, 2], [0, 0, 3, 4, 0]])
     expected = np.array([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2], [0, 0, 1, 2, 0]])
-    np.testing.assert_array_equal(position_ids(inputs, BOS), expected)
+    np.testing.assert_array_equal(restart_positions(inputs == BOS), expected)
 
 
 @pytest.mark.parametrize("bad", [0, 1, -3])

@@ -1,0 +1,549 @@
+"""Best-fit packing: every row filled with the largest buffered piece that still fits, two rules for a gap.
+
+Algorithm: the stream keeps a buffer of *pieces*; before every pick it is topped up to its size, one document per
+refill (so the buffer never depends on how documents were batched for the tokenizer), and each row is filled
+with the largest piece that fits the space left, ties to the piece buffered first (nanochat's linear scan picks
+the same). The two packings differ in what a piece is and in what happens when no piece fits (:meth:`_gap`):
+
+* ``bestfit`` (nanochat's best-fit loader): a piece is a whole document, of which only a row-sized prefix is
+  kept (the rest can never be emitted). When nothing fits, the *shortest* piece is cropped to fill the row
+  exactly and its remainder is dropped: every row starts at a BOS and nothing is padded.
+* ``bestfit_split`` (best-fit without cropping, as in "Fewer Truncations Improve Language Modeling"): a document
+  longer than a row is split into row-sized chunks, each a piece. When nothing fits, the rest of the row is
+  padding. Nothing is cropped; rows carry ``START`` / ``NO_TARGET`` flags: positions restart at every piece and
+  padding run, and padding and a continuation chunk's first token are no targets. A non-final chunk fills a
+  whole row, so nothing follows it.
+
+The buffer is a sorted list of the distinct lengths present plus a FIFO per length, so a pick is one ``bisect``
+(O(log buffer)) rather than nanochat's scan (O(buffer) Python steps); each piece is one row of integers in a slot
+table (``META_COLUMNS``: insertion number, length, the document's row group and row, chunk index, whether it is
+the document's last piece, and a checksum of its tokens where its length does not determine them), which is all
+a saved state holds. A restored buffer is usable at once; a piece's tokens are fetched
+(:mod:`~lightning_d9d.streaming.bestfit_restore`) and verified when it is first picked.
+
+Trade-off: ``bestfit`` trades tokens for alignment (its yield, tokens emitted / tokenized, is far below 1 on
+long-document corpora); ``bestfit_split`` keeps every token and pays a little padding, and a long document's
+chunks lose the attention to their predecessors. Memory is about ``buffer_size × (seq_len + 1)`` tokens (a
+document's chunks all enter ``bestfit_split``'s buffer at once, briefly exceeding its size).
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+from collections import deque
+from collections.abc import Callable, Generator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lightning_d9d.resume import InvalidDataState
+from lightning_d9d.streaming.bestfit_restore import BufferedTexts, buffer_fetch
+from lightning_d9d.streaming.packing import (
+    FULL_BUFFER,
+    NO_TARGET,
+    START,
+    BufferGrowth,
+    PackingStage,
+    RowBlock,
+    StreamCounters,
+    bos_tensors,
+    flagged_tensors,
+    prefix_hash,
+    read_kind,
+)
+from lightning_d9d.streaming.reader import ReadPosition, StreamUnits
+from lightning_d9d.streaming.state import check_column, int_table, integer, join
+from lightning_d9d.streaming.state import field as state_field
+
+if TYPE_CHECKING:
+    from lightning_d9d.streaming.spec import StreamSpec
+
+META_COLUMNS = ("seq", "length", "key0", "key1", "chunk", "final", "hash")
+"""The integers that describe a buffered piece (``key0``/``key1``: its document's row group and row)."""
+
+
+class _PieceBuffer:
+    """Buffered pieces by length, each with one row of integers describing it.
+
+    The distinct lengths present are kept sorted (``lengths``), each with a FIFO of its pieces, so the largest
+    piece that fits a space is one ``bisect`` and ties go to the piece buffered first. Each piece owns a slot of
+    an int64 table holding its row, so a snapshot is a few whole-table numpy operations; a row is written with
+    one ``struct.pack_into``, cheaper than a numpy row assignment from a tuple.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.lengths: list[int] = []
+        self.by_length: dict[int, deque] = {}  # length -> FIFO of (slot, payload)
+        self.count = 0
+        self.table = np.zeros((slots, len(META_COLUMNS)), np.int64)
+        self.used = bytearray(slots)  # 1 where a slot holds a buffered piece (a numpy view is made per snapshot)
+        self.free = list(range(slots - 1, -1, -1))
+        self.row_bytes = 8 * len(META_COLUMNS)
+        self.pack_into = struct.Struct(f"={len(META_COLUMNS)}q").pack_into
+
+    def push(self, length: int, row: tuple[int, ...], payload: Any) -> None:
+        """Buffer one piece of ``length`` (its sort key) described by ``row``; ``payload`` comes back on pop."""
+        if not self.free:  # double the slots
+            size = len(self.table)
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.used.extend(bytes(size))
+            self.free = list(range(2 * size - 1, size - 1, -1))
+        slot = self.free.pop()
+        self.pack_into(self.table, slot * self.row_bytes, *row)
+        self.used[slot] = 1
+        bucket = self.by_length.get(length)
+        if bucket is None:
+            bucket = self.by_length[length] = deque()
+            bisect.insort(self.lengths, length)
+        bucket.append((slot, payload))
+        self.count += 1
+
+    def pop(self, index: int) -> tuple[int, Any, int]:
+        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, slot)``; the slot's row
+        stays readable (``table[slot]``) until the next :meth:`push`."""
+        length = self.lengths[index]
+        bucket = self.by_length[length]
+        slot, payload = bucket.popleft()
+        if not bucket:
+            del self.by_length[length]
+            del self.lengths[index]
+        self.used[slot] = 0
+        self.free.append(slot)
+        self.count -= 1
+        return length, payload, slot
+
+    def snapshot(self) -> np.ndarray:
+        """The rows of the buffered pieces, sorted by insertion number."""
+        slots = np.flatnonzero(np.frombuffer(self.used, np.bool_))
+        # Sorting insertion numbers with the slot in the low bits is a plain sort, cheaper than an argsort.
+        shift = max(1, len(self.table) - 1).bit_length()
+        keys = np.sort((self.table[slots, 0] << shift) | slots)
+        return self.table[keys & ((1 << shift) - 1)]
+
+
+class BestFitPacker:
+    """``bestfit``: rows that all start at BOS; largest fitting document first, the shortest cropped when none fits.
+
+    Args:
+        capacity: tokens per row (``seq_len + 1``).
+        buffer_size: pieces the buffer is topped up to before every pick.
+        growth: how the buffer grows to ``buffer_size`` as the stream starts (default: full from the start).
+        counters: the stream's counters (the packer adds what it emits, pads, crops and splits).
+
+    Raises:
+        ValueError: ``capacity <= 1`` or ``buffer_size <= 0``.
+    """
+
+    flagged = False
+
+    def __init__(
+        self,
+        capacity: int,
+        buffer_size: int = 1000,
+        growth: BufferGrowth = FULL_BUFFER,
+        counters: StreamCounters | None = None,
+    ) -> None:
+        if capacity <= 1:
+            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
+        if buffer_size <= 0:
+            raise ValueError(f"best-fit buffer_size must be > 0, got {buffer_size}")
+        self.capacity, self.buffer_size, self.growth = capacity, buffer_size, growth
+        self.counters = counters if counters is not None else StreamCounters()
+        self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
+        self.next_seq = 0
+        self.added = 0  # documents added: each refill() must add one
+        self._buffer = _PieceBuffer(max(16, 2 * buffer_size))
+        self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        """Pieces buffered."""
+        return self._buffer.count
+
+    def add(self, tokens: np.ndarray, length: int, key: tuple[int, int]) -> None:
+        """Buffer one document: its first ``min(length, capacity)`` tokens (BOS first), ordered by ``length``.
+
+        Raises:
+            ValueError: fewer tokens than that prefix.
+        """
+        capacity = self.capacity
+        keep = length if length < capacity else capacity
+        if len(tokens) != keep:
+            if len(tokens) < keep:
+                raise ValueError(f"document prefix has {len(tokens)} tokens, expected {keep}")
+            tokens = tokens[:keep]
+        whole = length <= capacity
+        seq = self.next_seq
+        self._buffer.push(length, (seq, length, key[0], key[1], 0, int(whole), 0 if whole else prefix_hash(tokens)),
+                          (tokens, False))  # fmt: skip
+        self.next_seq = seq + 1
+        self.added += 1
+        self.counters.docs += 1
+
+    def take(self, num_rows: int, refill: Callable[[], None]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Pack ``num_rows`` rows; each ``refill()`` must add a document.
+
+        The buffer is topped up to its size (:class:`~lightning_d9d.streaming.packing.BufferGrowth`) before
+        every pick; a caller that adds one document per call gets rows that never depend on how it batches
+        tokenization (the stream's stage does).
+
+        Returns:
+            ``(tokens, flags)``: ``(num_rows, capacity)`` int32 token ids and, for ``bestfit_split``, uint8
+            ``START`` / ``NO_TARGET`` bits (``None`` for ``bestfit``).
+
+        Raises:
+            RuntimeError: a ``refill()`` call added no document.
+            ValueError: a restored piece no longer matches its saved length or checksum.
+        """
+        capacity, buffer = self.capacity, self._buffer
+        lengths, find = buffer.lengths, bisect.bisect_right
+        out = np.empty((num_rows, capacity), np.int32)
+        # Flat offsets where a piece or a padding run starts, of continuation chunks' first tokens (no target),
+        # and of each padding run (bestfit_split only).
+        marks: tuple[list[int], list[int], list[int]] | None = ([], [], []) if self.flagged else None
+        padding = 0
+        for r in range(num_rows):
+            pos = 0
+            size = self.growth.size(self.buffer_size, self.rows_taken)
+            self.rows_taken += 1
+            while pos < capacity:
+                while buffer.count < size:
+                    added = self.added
+                    refill()
+                    if self.added == added:
+                        raise RuntimeError("refill() added no document")
+                i = find(lengths, capacity - pos) - 1
+                if i < 0:  # nothing fits
+                    padding += self._gap(out, r, pos, marks)
+                    break
+                length, (tokens, continuation), slot = buffer.pop(i)
+                if tokens is None:  # restored lazily: fetch and verify it now
+                    tokens = self._materialize(buffer.table[slot].copy())
+                out[r, pos : pos + length] = tokens
+                if marks is not None:
+                    marks[0].append(r * capacity + pos)
+                    if continuation:  # its predecessor in the row is another document
+                        marks[1].append(r * capacity + pos)
+                pos += length
+        self.counters.emitted += num_rows * capacity - padding
+        self.counters.padding += padding
+        if marks is None:
+            return out, None
+        return out, _flags(out.shape, *marks)
+
+    def _gap(self, out: np.ndarray, row: int, pos: int, marks: Any) -> int:
+        """No piece fits the rest of row ``row`` from ``pos``: crop the shortest piece to fill it exactly.
+
+        Returns:
+            the padding tokens written (none: a cropped row is full).
+        """
+        remaining = self.capacity - pos
+        length, (tokens, _), slot = self._buffer.pop(0)
+        if tokens is None:
+            tokens = self._materialize(self._buffer.table[slot].copy())
+        out[row, pos:] = tokens[:remaining]
+        self.counters.crops += 1
+        self.counters.cropped += length - remaining
+        return 0
+
+    def reset(self, buffer: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray] | None) -> None:
+        """Continue from a saved buffer (its :meth:`snapshot` rows), lazily: a piece's tokens are fetched
+        (``fetch(row) -> tokens``) and verified when it is first picked, so the first rows after a resume
+        tokenize a few documents, not the buffer.
+
+        Raises:
+            RuntimeError: the packer is not empty.
+            ValueError: a buffer that is not ``(pieces, 7)`` or whose pieces do not fit this packer's rows, or
+                buffered pieces but no ``fetch``.
+        """
+        if self._buffer.count:
+            raise RuntimeError("reset() needs an empty packer")
+        buffer = np.asarray(buffer, np.int64)
+        if buffer.ndim != 2 or (len(buffer) and buffer.shape[1] != len(META_COLUMNS)):
+            raise ValueError(f"a best-fit buffer must be (pieces, {len(META_COLUMNS)}), got {buffer.shape}")
+        if self.flagged and len(buffer) and not ((buffer[:, 1] >= 1) & (buffer[:, 1] <= self.capacity)).all():
+            raise ValueError(
+                f"the buffer holds pieces of {int(buffer[:, 1].min())}..{int(buffer[:, 1].max())} tokens, rows here "
+                f"hold {self.capacity} (was seq_len changed since the checkpoint?)"
+            )
+        if len(buffer) and fetch is None:
+            raise ValueError("a state with buffered pieces needs fetch() to rebuild their tokens")
+        self._fetch = fetch
+        for row in buffer.tolist():
+            self._buffer.push(row[1], tuple(row), (None, row[4] > 0))
+        self.next_seq = next_seq
+
+    def _materialize(self, row: np.ndarray) -> np.ndarray:
+        _seq, length, key0, key1, chunk, final, checksum = row.tolist()
+        tokens = np.asarray(self._fetch(row), np.int32)
+        expected = min(length, self.capacity)
+        hashed = chunk > 0 or not final  # a whole document's tokens are pinned down by its length
+        if len(tokens) < expected or (prefix_hash(tokens[:expected]) != checksum if hashed else len(tokens) != length):
+            raise ValueError(
+                f"buffered piece {chunk} of document {(key0, key1)} does not match its saved length {length}"
+                + (" / checksum" if hashed else "")
+                + f" (got {len(tokens)} tokens; did the data files or the tokenizer change since the checkpoint?)"
+            )
+        return tokens[:expected]
+
+    def snapshot(self) -> np.ndarray:
+        """The buffered pieces as int64 rows of ``META_COLUMNS``, in insertion order."""
+        return self._buffer.snapshot()
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Tokens in the buffered pieces (costs a :meth:`snapshot`)."""
+        rows = self.snapshot()
+        return int(np.minimum(rows[:, 1], self.capacity).sum())
+
+
+class BestFitSplitPacker(BestFitPacker):
+    """``bestfit_split``: documents longer than a row split into row-sized chunks; a gap no piece fits is padding.
+
+    Args:
+        capacity: tokens per row (``seq_len + 1``).
+        pad_id: the token id written at padding positions (never a target; its flags mark it).
+        buffer_size, growth, counters: as :class:`BestFitPacker`'s.
+
+    Raises:
+        ValueError: ``capacity <= 1`` or ``buffer_size <= 0``.
+    """
+
+    flagged = True
+
+    def __init__(
+        self,
+        capacity: int,
+        pad_id: int,
+        buffer_size: int = 1000,
+        growth: BufferGrowth = FULL_BUFFER,
+        counters: StreamCounters | None = None,
+    ) -> None:
+        super().__init__(capacity, buffer_size, growth, counters)
+        self.pad_id = pad_id
+
+    def add(self, tokens: np.ndarray, key: tuple[int, int]) -> None:  # type: ignore[override]
+        """Buffer one whole document (1-D token ids, BOS first): one piece, or all its chunks when longer than a row.
+
+        Raises:
+            ValueError: ``tokens`` is empty or not 1-D.
+        """
+        tokens = np.asarray(tokens, np.int32)
+        length = len(tokens)
+        if tokens.ndim != 1 or length == 0:
+            raise ValueError(f"a document must be a non-empty 1-D token array, got shape {tokens.shape}")
+        capacity, seq, push = self.capacity, self.next_seq, self._buffer.push
+        key0, key1 = key
+        if length <= capacity:
+            push(length, (seq, length, key0, key1, 0, 1, 0), (tokens, False))
+            self.next_seq = seq + 1
+        else:
+            pieces = -(-length // capacity)
+            for chunk in range(pieces):
+                piece = tokens[chunk * capacity : (chunk + 1) * capacity]
+                row = (seq + chunk, len(piece), key0, key1, chunk, int(chunk == pieces - 1), prefix_hash(piece))
+                push(len(piece), row, (piece, chunk > 0))
+            self.next_seq = seq + pieces
+            self.counters.split_docs += 1
+            self.counters.chunks += pieces
+        self.added += 1
+        self.counters.docs += 1
+
+    def _gap(self, out: np.ndarray, row: int, pos: int, marks: Any) -> int:
+        """No piece fits the rest of row ``row`` from ``pos``: pad it (a run that starts positions and trains
+        nothing); returns the padding tokens written."""
+        out[row, pos:] = self.pad_id
+        marks[0].append(row * self.capacity + pos)
+        marks[2].append(row * self.capacity + pos)
+        return self.capacity - pos
+
+
+def _flags(shape: tuple[int, int], starts: list[int], blocked: list[int], padded: list[int]) -> np.ndarray:
+    """The rows' ``START`` / ``NO_TARGET`` bits from flat offsets of starts, continuation starts and padding."""
+    rows, capacity = shape
+    flags = np.zeros(rows * capacity, np.uint8)
+    flags[starts] = START
+    flags[blocked] |= NO_TARGET
+    for at in padded:
+        flags[at : at - at % capacity + capacity] |= NO_TARGET
+    return flags.reshape(shape)
+
+
+@dataclass(frozen=True)
+class BestFitState:
+    """A best-fit packing's state: the reader's position after the last document added, and the buffer.
+
+    ``buffer`` holds one int64 row of ``META_COLUMNS`` per buffered piece, in insertion order; ``next_seq`` is the
+    next insertion number; ``growth`` how the buffer grows with the stream's rows.
+    """
+
+    kind: str = "bestfit"
+    read: ReadPosition = field(default_factory=ReadPosition)
+    buffer: np.ndarray = field(default_factory=lambda: np.zeros((0, len(META_COLUMNS)), np.int64))
+    next_seq: int = 0
+    growth: BufferGrowth = FULL_BUFFER
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "reader": self.read.to_dict(),
+            "buffer": np.asarray(self.buffer, np.int64),
+            "next_seq": self.next_seq,
+            "buffer_start": self.growth.start,
+            "buffer_growth": self.growth.per_row,
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], path: str, kind: str) -> BestFitState:
+        """Raises :class:`InvalidDataState` for a missing or mistyped field, or another packing's state."""
+        read_kind(state, path, kind)
+        start, per_row = integer(state, "buffer_start", path), integer(state, "buffer_growth", path)
+        try:
+            growth = BufferGrowth(start, per_row)
+        except ValueError as error:
+            raise InvalidDataState(join(path, "buffer_start"), start, str(error)) from error
+        read = ReadPosition.from_dict(state_field(state, "reader", path), join(path, "reader"))
+        buffer = int_table(state, "buffer", path, len(META_COLUMNS))
+        return cls(kind, read, buffer, integer(state, "next_seq", path), growth)
+
+    def check(self, spec: StreamSpec, units: StreamUnits, path: str) -> None:
+        """Raises :class:`InvalidDataState` unless every buffered row names a row of the data and fits the rows."""
+        self.read.check(units, join(path, "reader"))
+        buffer, where = self.buffer, join(path, "buffer")
+        if not len(buffer):
+            return
+        check_column(buffer, 0, "seq", where, 0, self.next_seq)
+        if len(np.unique(buffer[:, 0])) != len(buffer):
+            raise InvalidDataState(f"{where}.seq", buffer[:, 0].tolist()[:20], "insertion numbers must be distinct")
+        split = self.kind == "bestfit_split"
+        check_column(buffer, 1, "length", where, 1, spec.capacity + 1 if split else np.iinfo(np.int64).max)
+        check_column(buffer, 2, "key0 (row group)", where, 0, len(spec.index.num_rows))
+        check_column(buffer, 3, "key1 (row)", where, 0, spec.index.num_rows[buffer[:, 2]])
+        check_column(buffer, 4, "chunk", where, 0, np.iinfo(np.int64).max if split else 1)
+        check_column(buffer, 5, "final", where, 0, 2)
+        check_column(buffer, 6, "hash", where, 0, 1 << 32)
+
+
+@dataclass(slots=True)
+class _Cursor:
+    """The chunk whose documents best-fit is adding to its buffer, and its next document; the chunk's columns as
+    Python lists, converted once per chunk rather than per document."""
+
+    laid: Any = None
+    next_doc: int = 0
+    payload: Any = None
+    lengths: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    group: int = 0
+    starts: list[int] = field(default_factory=list)
+    empty_before: list[int] = field(default_factory=list)
+    units_before: list[int] = field(default_factory=list)
+    long_before: dict[int, int] = field(default_factory=dict)
+
+    def load(self, laid: Any) -> None:
+        chunk, self.laid = laid.chunk, laid
+        self.next_doc, self.payload, self.group = 0, laid.payload, chunk.group
+        self.lengths, self.rows, self.starts = laid.lengths.tolist(), chunk.rows.tolist(), laid.starts.tolist()
+        self.empty_before, self.units_before = chunk.empty_before.tolist(), chunk.units_before.tolist()
+        self.long_before = chunk.long_before
+
+
+class BestFitStage(PackingStage):
+    """A best-fit packing's stage: its packer fed one document per refill, blocks of rows out."""
+
+    def __init__(
+        self,
+        spec: StreamSpec,
+        units: StreamUnits,
+        state: BestFitState,
+        counters: StreamCounters,
+        texts: BufferedTexts | None,
+    ):
+        super().__init__(spec, units, counters)
+        self.start = state
+        split = state.kind == "bestfit_split"
+        self.packer = (
+            BestFitSplitPacker(spec.capacity, spec.pad_id, spec.buffer_size, state.growth, counters)
+            if split
+            else BestFitPacker(spec.capacity, spec.buffer_size, state.growth, counters)
+        )
+        self.packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
+        fetch = buffer_fetch(spec, state.buffer, texts) if len(state.buffer) else None
+        self.packer.reset(state.buffer, state.next_seq, fetch)
+
+    def blocks(self, chunks: Iterator[Any], sizes: Iterator[int]) -> Generator[tuple[RowBlock, Any], None, None]:
+        spec, start, packer = self.spec, self.start, self.packer
+        cursor = _Cursor()
+        refill = self._refiller(chunks, cursor)
+        state, take, split = start, packer.take, packer.flagged
+        while True:
+            rows_per_block = next(sizes)
+            if rows_per_block == 0:  # nothing taken: the buffer and the position stay
+                yield RowBlock.empty(spec.capacity, split), state
+                continue
+            added = packer.added
+            tokens, flags = take(rows_per_block, refill)
+            read = state.read
+            if packer.added != added:  # only the last document added names the position
+                read = self.after(cursor.laid.chunk, cursor.next_doc - 1)
+            state = BestFitState(start.kind, read, packer.snapshot(), packer.next_seq, start.growth)
+            yield RowBlock(tokens, flags), state
+
+    def _refiller(self, chunks: Iterator[Any], cursor: _Cursor) -> Callable[[], None]:
+        """``refill()``: add the next document (one per call, so the buffer never depends on chunk sizes)."""
+        packer, counters = self.packer, self.counters
+        split = packer.flagged
+        add = packer.add
+
+        def refill() -> None:
+            doc = cursor.next_doc
+            while cursor.laid is None or doc >= len(cursor.lengths):
+                cursor.load(next(chunks))
+                doc = 0
+            length = cursor.lengths[doc]
+            if split:
+                start = cursor.starts[doc]
+                add(cursor.payload[start : start + length], (cursor.group, cursor.rows[doc]))
+            else:
+                add(cursor.payload[doc], length, (cursor.group, cursor.rows[doc]))
+            counters.tokens += length
+            counters.empty += cursor.empty_before[doc]
+            counters.text_free_units += cursor.units_before[doc]
+            if cursor.long_before:
+                counters.too_long += cursor.long_before.get(doc, 0)
+            cursor.next_doc = doc + 1
+
+        return refill
+
+
+@dataclass(frozen=True)
+class BestFitPacking:
+    """A best-fit strategy: ``bestfit`` (crop) or ``bestfit_split`` (split and pad); see the module docstring."""
+
+    name: str = "bestfit"
+
+    @property
+    def crops_to_row(self) -> bool:
+        return self.name == "bestfit"
+
+    @property
+    def flagged(self) -> bool:
+        return self.name == "bestfit_split"
+
+    def fresh_state(self, spec: StreamSpec) -> BestFitState:
+        return BestFitState(kind=self.name, growth=spec.growth)
+
+    def state_from_dict(self, state: Mapping[str, Any], path: str) -> BestFitState:
+        return BestFitState.from_dict(state, path, self.name)
+
+    def stage(
+        self, spec: StreamSpec, units: StreamUnits, state: BestFitState, counters: StreamCounters, texts: Any
+    ) -> BestFitStage:
+        return BestFitStage(spec, units, state, counters, texts)
+
+    def tensors(self, rows: RowBlock, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if rows.flags is None:
+            return bos_tensors(rows.tokens, bos_id)
+        return flagged_tensors(rows.tokens, rows.flags)

@@ -1,0 +1,234 @@
+"""Concat packing (nanochat's original loader): documents concatenated into one token stream, cut into rows.
+
+Algorithm: BOS-prefixed documents arrive a chunk at a time and are appended to one numpy array; a row is a slice
+of ``seq_len + 1`` tokens of it, so packing costs one copy per token and wastes nothing. Rows usually start
+mid-document. Its state is the reader's position of the document holding the next unemitted token and how many
+of that document's tokens were already emitted (``offset``); between documents, the position just after the
+last document begun.
+
+Trade-off: nothing is dropped or padded, but a document's start is often in the row before (its tokens lose the
+attention to their own beginning).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from lightning_d9d.resume import InvalidDataState
+from lightning_d9d.streaming.packing import PackingStage, RowBlock, StreamCounters, bos_tensors, read_kind
+from lightning_d9d.streaming.reader import ReadPosition, StreamUnits, TextChunk
+from lightning_d9d.streaming.state import field as state_field
+from lightning_d9d.streaming.state import integer, join
+
+if TYPE_CHECKING:
+    from lightning_d9d.streaming.spec import StreamSpec
+
+
+class ConcatPacker:
+    """Concatenate BOS-prefixed documents into one stream and cut it into rows of ``capacity`` tokens.
+
+    Documents arrive in chunks, each tagged with a caller-chosen ``ref``; the position of the next unemitted
+    token is reported as ``(ref of its chunk, document index in the chunk, offset in the document)``.
+
+    Raises:
+        ValueError: ``capacity <= 1``.
+    """
+
+    def __init__(self, capacity: int, counters: StreamCounters | None = None) -> None:
+        if capacity <= 1:
+            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
+        self.capacity = capacity
+        self.counters = counters if counters is not None else StreamCounters()
+        self._tokens = np.empty(0, np.int32)
+        self._pos = 0
+        self._chunk_starts: list[int] = []  # offset of each buffered chunk in _tokens
+        self._chunk_docs: list[np.ndarray] = []  # each chunk's document offsets, relative to the chunk
+        self._chunk_refs: list[object] = []
+
+    @property
+    def available(self) -> int:
+        """Tokens buffered and not yet emitted."""
+        return len(self._tokens) - self._pos
+
+    def add(self, tokens: np.ndarray, doc_starts: np.ndarray, ref: object, skip: int = 0) -> None:
+        """Append one chunk's tokens (BOS-prefixed documents, concatenated).
+
+        Args:
+            tokens: 1-D int32 token ids.
+            doc_starts: where each document starts in ``tokens`` (ascending, the first is 0).
+            ref: what the caller needs to find this chunk again.
+            skip: tokens of this chunk already emitted (used once, when resuming inside a document).
+        """
+        # Drop fully consumed chunks, keeping the one that holds the next token.
+        first_live = bisect.bisect_right(self._chunk_starts, self._pos) - 1
+        if first_live > 0:
+            cut = self._chunk_starts[first_live]
+            self._tokens = self._tokens[cut:]
+            self._pos -= cut
+            self._chunk_starts = [s - cut for s in self._chunk_starts[first_live:]]
+            self._chunk_docs = self._chunk_docs[first_live:]
+            self._chunk_refs = self._chunk_refs[first_live:]
+        if self._chunk_starts:
+            self._chunk_starts.append(len(self._tokens))
+            self._tokens = np.concatenate([self._tokens, np.asarray(tokens, np.int32)])
+        else:
+            self._chunk_starts = [0]
+            self._tokens = np.asarray(tokens, np.int32)
+        self._chunk_docs.append(np.asarray(doc_starts, np.int64))
+        self._chunk_refs.append(ref)
+        self._pos += skip
+
+    def take(self, num_rows: int) -> np.ndarray | None:
+        """Return ``(num_rows, capacity)`` tokens, or ``None`` when fewer are buffered (add more, retry)."""
+        need = num_rows * self.capacity
+        if self.available < need:
+            return None
+        rows = self._tokens[self._pos : self._pos + need].reshape(num_rows, self.capacity)
+        self._pos += need
+        self.counters.emitted += need
+        return rows
+
+    def position(self) -> tuple[object, int, int]:
+        """``(ref, document, offset)`` of the next unemitted token.
+
+        When every buffered token was emitted, it is the position just after the last buffered document:
+        ``(ref of the last chunk, its number of documents, 0)``.
+        """
+        if not self._chunk_starts:
+            raise RuntimeError("the packer holds no chunk yet")
+        if self._pos == len(self._tokens):
+            return self._chunk_refs[-1], len(self._chunk_docs[-1]), 0
+        i = bisect.bisect_right(self._chunk_starts, self._pos) - 1
+        offset = self._pos - self._chunk_starts[i]
+        doc = int(np.searchsorted(self._chunk_docs[i], offset, side="right")) - 1
+        return self._chunk_refs[i], doc, offset - int(self._chunk_docs[i][doc])
+
+
+@dataclass(frozen=True)
+class ConcatState:
+    """Concat's state: the reader's position and the tokens of the document there already emitted."""
+
+    kind: ClassVar[str] = "concat"
+
+    read: ReadPosition = field(default_factory=ReadPosition)
+    offset: int = 0
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """Nothing is buffered between blocks that a resume would rebuild (the carried tokens are re-read)."""
+        return np.zeros((0, 0), np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "reader": self.read.to_dict(), "offset": self.offset}
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], path: str) -> ConcatState:
+        """Raises :class:`InvalidDataState` for a missing or mistyped field, or another packing's state."""
+        read_kind(state, path, cls.kind)
+        reader = ReadPosition.from_dict(state_field(state, "reader", path), join(path, "reader"))
+        return cls(reader, integer(state, "offset", path))
+
+    def check(self, spec: StreamSpec, units: StreamUnits, path: str) -> None:
+        self.read.check(units, join(path, "reader"))
+
+
+@dataclass(slots=True)
+class _Begun:
+    """A chunk added to the concat packer, and how many of its documents were counted as begun."""
+
+    laid: Any
+    counted: int = 0
+
+
+class ConcatStage(PackingStage):
+    """Concat's stage: chunks in, blocks of rows out; counts each document once, when its first token is
+    emitted, so the counters never depend on how documents were batched for the tokenizer."""
+
+    def __init__(self, spec: StreamSpec, units: StreamUnits, state: ConcatState, counters: StreamCounters):
+        super().__init__(spec, units, counters)
+        self.start = state
+
+    def blocks(self, chunks: Iterator[Any], sizes: Iterator[int]) -> Generator[tuple[RowBlock, Any], None, None]:
+        spec, start = self.spec, self.start
+        packer = ConcatPacker(spec.capacity, self.counters)
+        skip = start.offset
+        self.carried = start.offset > 0  # resumed inside a document: it was counted before the checkpoint
+        after_last = start.read  # the position after the last document begun (or where reading started)
+        pending: list[_Begun] = []  # chunks not yet all begun, oldest first
+        last_begun: tuple[TextChunk, int] | None = None  # (chunk, document) begun last, once after_last is stale
+        state = start
+        while True:
+            rows_per_block = next(sizes)
+            if rows_per_block == 0:  # nothing taken: the position stays
+                yield RowBlock.empty(spec.capacity, False), state
+                continue
+            rows = packer.take(rows_per_block)
+            while rows is None:
+                laid = next(chunks)
+                if skip and skip >= laid.lengths[0]:
+                    raise InvalidDataState(
+                        "packing.offset", skip, f"the document there holds {int(laid.lengths[0])} tokens"
+                    )
+                packer.add(laid.payload, laid.starts, laid, skip=skip)
+                pending.append(_Begun(laid))
+                skip = 0
+                rows = packer.take(rows_per_block)
+            laid, doc, offset = packer.position()
+            counted_last = self._count_begun(pending, laid, doc + (1 if offset > 0 else 0))
+            if counted_last is not None:
+                last_begun = counted_last
+            if offset > 0:
+                read = laid.chunk.position_of(doc)
+            else:
+                if last_begun is not None:  # only the last document begun names the position, so only it is placed
+                    after_last, last_begun = self.after(*last_begun), None
+                read = after_last
+            state = ConcatState(read, offset)
+            yield RowBlock(rows), state
+
+    def _count_begun(self, pending: list[_Begun], laid: Any, begun: int) -> tuple[TextChunk, int] | None:
+        """Count every document begun by now (``begun`` of ``laid``'s), each once, in stream order; the last one."""
+        last = None
+        while pending:
+            current = pending[0]
+            upto = begun if current.laid is laid else len(current.laid.lengths)
+            if upto > current.counted:
+                first = current.counted + (1 if self.carried else 0)
+                self.carried = False
+                self.took_range(current.laid.chunk, current.laid.lengths, first, upto)
+                last = (current.laid.chunk, upto - 1)
+            if current.laid is not laid:
+                pending.pop(0)
+                continue
+            current.counted = upto
+            break
+        return last
+
+
+@dataclass(frozen=True)
+class ConcatPacking:
+    """The concat strategy (see the module docstring)."""
+
+    name: ClassVar[str] = "concat"
+    crops_to_row: ClassVar[bool] = False
+    flagged: ClassVar[bool] = False
+
+    def fresh_state(self, spec: StreamSpec) -> ConcatState:
+        return ConcatState()
+
+    def state_from_dict(self, state: Mapping[str, Any], path: str) -> ConcatState:
+        return ConcatState.from_dict(state, path)
+
+    def stage(
+        self, spec: StreamSpec, units: StreamUnits, state: ConcatState, counters: StreamCounters, texts: Any
+    ) -> ConcatStage:
+        return ConcatStage(spec, units, state, counters)
+
+    def tensors(self, rows: RowBlock, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return bos_tensors(rows.tokens, bos_id)

@@ -1,0 +1,338 @@
+"""Spec: everything the K streams of a corpus need, checked once, picklable for DataLoader workers.
+
+A corpus is a mixture of one or more *sources* (a single corpus is a mixture of one): :class:`MixtureSpec` holds
+the sources' :class:`StreamSpec` s (each: its row groups and units, the tokenizer, the packing and its settings),
+the plan of every step's rows per source, and the fingerprint of everything that decides the rows. The
+DataModule builds one from its arguments; each spec checks its own settings when it is made, so a stream never
+starts from a contradictory one.
+
+Trade-off: a spec carries the tokenizer's serialized JSON (a few MB) to every worker, rather than a path that
+could change under a running job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_d9d.checks import non_negative_int, positive_int
+from lightning_d9d.digest import digest
+from lightning_d9d.resume import MISSING, Fingerprint
+from lightning_d9d.streaming.bestfit import BestFitPacking
+from lightning_d9d.streaming.concat import ConcatPacking
+from lightning_d9d.streaming.mixture import MixturePlan
+from lightning_d9d.streaming.packing import BufferGrowth, Packing
+from lightning_d9d.streaming.reader import StreamUnits
+from lightning_d9d.streaming.source import RowGroupIndex, Units
+
+PACKINGS: dict[str, Packing] = {
+    "bestfit": BestFitPacking("bestfit"),
+    "bestfit_split": BestFitPacking("bestfit_split"),
+    "concat": ConcatPacking(),
+}
+"""The packing strategies by name (``streaming.concat``, ``streaming.bestfit``)."""
+
+
+def packing_of(name: Any) -> Packing:
+    """The packing strategy named ``name``.
+
+    Raises:
+        ValueError: an unknown name, naming the valid ones.
+    """
+    packing = PACKINGS.get(name) if isinstance(name, str) else None
+    if packing is None:
+        raise ValueError(f"packing={name!r} is not valid: use one of {list(PACKINGS)}")
+    return packing
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """The settings that decide a corpus's rows (and the tokenizer batch size, which does not), checked once.
+
+    Attributes:
+        seq_len: tokens per row of ``input_ids`` (rows hold ``seq_len + 1`` tokens).
+        global_batch_size: rows of every step over all ranks (G).
+        packing: the packing strategy, or its name (:data:`PACKINGS`).
+        seed: seeds each pass's unit order.
+        num_streams: K, the streams the units are dealt to; K must divide G.
+        buffer_size: best-fit's buffer (documents; pieces for ``bestfit_split``).
+        max_document_chars: longer documents are skipped and counted (``None``: no limit).
+        tokenizer_batch_size: documents per tokenizer call, at most (never changes a row).
+        growth: how a fresh best-fit buffer grows to ``buffer_size`` (a resumed stream keeps the growth it
+            started with, which its state holds).
+
+    Raises:
+        ValueError: a setting out of range or an unknown packing, naming it and what would be valid.
+    """
+
+    seq_len: int
+    global_batch_size: int
+    packing: Packing
+    seed: int = 0
+    num_streams: int = 16
+    buffer_size: int = 1000
+    max_document_chars: int | None = None
+    tokenizer_batch_size: int = 128
+    growth: BufferGrowth = field(default_factory=BufferGrowth)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "packing", packing_of(self.packing) if isinstance(self.packing, str) else self.packing)
+        if self.packing not in PACKINGS.values():
+            raise ValueError(f"packing={self.packing!r} is not valid: use one of {list(PACKINGS)}")
+        for name in ("seq_len", "global_batch_size", "num_streams", "buffer_size", "tokenizer_batch_size"):
+            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+        object.__setattr__(self, "seed", non_negative_int("seed", self.seed))
+        object.__setattr__(
+            self, "max_document_chars", positive_int("max_document_chars", self.max_document_chars, allow_none=True)
+        )
+        if self.global_batch_size % self.num_streams:
+            valid = [k for k in range(1, self.global_batch_size + 1) if self.global_batch_size % k == 0 and k <= 64]
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by num_streams={self.num_streams}: "
+                f"every step takes global_batch_size / num_streams rows of each stream; use num_streams in {valid} "
+                f"or a global_batch_size that is a multiple of {self.num_streams}"
+            )
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """The streams of one source: its data, the tokenizer, the settings, and how a process reads ahead.
+
+    Attributes:
+        settings: the settings shared by every source of the corpus.
+        index: the row groups to read.
+        units: the units dealt to streams (row groups, or parts of them).
+        tokenizer_json: the tokenizer, serialized (``Tokenizer.to_str()``).
+        bos_id: the BOS token id prepended to every document.
+        pad_id: the token id at ``bestfit_split``'s padding positions.
+        shuffle: reshuffle units every pass (``False``: rotated file order, for validation).
+        prefetch: chunks read and tokenized ahead (0: inline, no threads); never changes a row.
+        chunk_chars: a tokenizer call also ends before its text passes this many characters (0: no limit);
+            never changes a row.
+    """
+
+    settings: StreamSettings
+    index: RowGroupIndex
+    units: Units
+    tokenizer_json: str
+    bos_id: int
+    pad_id: int = 0
+    shuffle: bool = True
+    prefetch: int = 4
+    chunk_chars: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.settings.seq_len
+
+    @property
+    def capacity(self) -> int:
+        return self.settings.seq_len + 1
+
+    @property
+    def packing(self) -> Packing:
+        return self.settings.packing
+
+    @property
+    def num_streams(self) -> int:
+        return self.settings.num_streams
+
+    @property
+    def buffer_size(self) -> int:
+        return self.settings.buffer_size
+
+    @property
+    def growth(self) -> BufferGrowth:
+        return self.settings.growth
+
+    @property
+    def max_document_chars(self) -> int | None:
+        return self.settings.max_document_chars
+
+    @property
+    def tokenizer_batch_size(self) -> int:
+        return self.settings.tokenizer_batch_size
+
+    def stream_units(self, stream: int) -> StreamUnits:
+        return StreamUnits(self.index, self.units, stream, self.num_streams, self.settings.seed, self.shuffle)
+
+    def with_reading(self, prefetch: int, chunk_chars: int) -> StreamSpec:
+        """This spec with another read-ahead and tokenizer-call size (neither changes a row)."""
+        return dataclasses.replace(self, prefetch=prefetch, chunk_chars=chunk_chars)
+
+
+@dataclass(frozen=True)
+class MixtureSpec:
+    """The K streams of a corpus: one or more named sources, and the rows each gives every step.
+
+    Attributes:
+        names: the source names, in order (a row's source index refers to it).
+        sources: each source's stream spec (the same K, seq_len, packing, tokenizer; own files and text column).
+        plan: the rows per source of every step (one source: all of them).
+
+    Raises:
+        ValueError: no source, names and specs that differ in number, or sources that disagree on K, seq_len,
+            the packing or the tokenizer.
+    """
+
+    names: tuple[str, ...]
+    sources: tuple[StreamSpec, ...]
+    plan: MixturePlan
+
+    def __post_init__(self) -> None:
+        if not self.sources or len(self.names) != len(self.sources):
+            raise ValueError(f"a corpus needs one spec per source name, got {len(self.names)} names and "
+                             f"{len(self.sources)} specs")  # fmt: skip
+        first = self.sources[0]
+        for name, spec in zip(self.names, self.sources):
+            for setting in ("settings", "bos_id", "tokenizer_json"):
+                if getattr(spec, setting) != getattr(first, setting):
+                    raise ValueError(f"source {name!r} has another {setting} than source {self.names[0]!r}")
+        if self.plan.rows_per_step != first.settings.global_batch_size:
+            raise ValueError(
+                f"the plan takes {self.plan.rows_per_step} rows a step, the settings "
+                f"global_batch_size={first.settings.global_batch_size}"
+            )
+
+    @property
+    def num_streams(self) -> int:
+        return self.sources[0].num_streams
+
+    @property
+    def rows_per_block(self) -> int:
+        """Rows each stream gives per step (``G / K``)."""
+        return self.plan.rows_per_step // self.num_streams
+
+    @property
+    def packing(self) -> Packing:
+        return self.sources[0].packing
+
+    @property
+    def bos_id(self) -> int:
+        return self.sources[0].bos_id
+
+    @property
+    def capacity(self) -> int:
+        return self.sources[0].capacity
+
+    @property
+    def files(self) -> list[str]:
+        """Every file of every source."""
+        return [path for source in self.sources for path in source.index.files]
+
+    def with_reading(self, prefetch_cap: int, chunk_chars: int) -> MixtureSpec:
+        """Every source reading ahead at most ``prefetch_cap`` chunks (at least 1) and, unless its own is set,
+        ending tokenizer calls at ``chunk_chars`` characters (neither changes a row)."""
+        sources = tuple(
+            spec.with_reading(max(1, min(spec.prefetch, prefetch_cap)), spec.chunk_chars or chunk_chars)
+            for spec in self.sources
+        )
+        return dataclasses.replace(self, sources=sources)
+
+    def with_plan(self, plan: MixturePlan) -> MixtureSpec:
+        return dataclasses.replace(self, plan=plan)
+
+    def fingerprint(self) -> CorpusFingerprint:
+        """What decides the rows of every step: the settings, and by source its files and text column."""
+        first, settings = self.sources[0], self.sources[0].settings
+        return CorpusFingerprint(
+            tokenizer=digest(first.tokenizer_json),
+            bos_id=first.bos_id,
+            seq_len=settings.seq_len,
+            packing=settings.packing.name,
+            seed=settings.seed,
+            global_batch_size=settings.global_batch_size,
+            num_streams=settings.num_streams,
+            bestfit_buffer_size=settings.buffer_size,
+            max_document_chars=settings.max_document_chars,
+            sources=tuple(
+                (name, files_summary(spec.index), tuple(spec.index.file_digests), spec.index.text_column)
+                for name, spec in zip(self.names, self.sources)
+            ),
+            file_labels=tuple(tuple(spec.index.file_labels()) for spec in self.sources),
+        )
+
+
+def files_summary(index: RowGroupIndex) -> str:
+    """``"N files, R rows, sha256 …"`` of a source's files (labels and content digests)."""
+    labels = "".join(f"{label}\0{file_digest}\0" for label, file_digest in zip(index.file_labels(), index.file_digests))
+    return f"{len(index.files)} files, {index.total_rows} rows, sha256 {digest(labels)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusFingerprint(Fingerprint):
+    """What decides a corpus's rows (how documents are batched for the tokenizer, read ahead or cached does not).
+
+    ``sources`` holds per source ``(name, files summary, file digests, text column)``: a file digest summarises
+    the file's content (a parquet footer's row counts, sizes and text statistics), so a file rewritten with other
+    text is noticed and named; ``file_labels`` only names files in messages. A source added is no mismatch here
+    (it starts fresh, once the change of shares it brings is accepted); one removed, or whose files changed, is.
+    """
+
+    tokenizer: str
+    bos_id: int
+    seq_len: int
+    packing: str
+    seed: int
+    global_batch_size: int
+    num_streams: int
+    bestfit_buffer_size: int
+    max_document_chars: int | None
+    sources: tuple[tuple[str, str, tuple[int, ...], str], ...]
+    file_labels: tuple[tuple[str, ...], ...] = field(default=(), compare=False, repr=False)
+
+    def mismatches(self, saved: dict[str, Any]) -> list[str]:
+        now = self.to_dict()
+        differences = [
+            self.describe_difference(name, _plain(saved.get(name, MISSING)), value)
+            for name, value in now.items()
+            if name != "sources" and _plain(saved.get(name, MISSING)) != value
+        ]
+        then = saved.get("sources", MISSING)
+        if not isinstance(then, (list, tuple)) or not all(isinstance(s, (list, tuple)) and len(s) == 4 for s in then):
+            return [*differences, f"sources: checkpoint {_short(then)}, this run {[s[0] for s in self.sources]}"]
+        mine = {source[0]: (i, source) for i, source in enumerate(now["sources"])}
+        saved_names = [source[0] for source in then]
+        for source in then:
+            name = source[0]
+            if name not in mine:
+                differences.append(_removed_message(name, saved_names, list(mine)))
+                continue
+            i, current = mine[name]
+            differences.extend(self._source_differences(i, list(_plain(source)), current))
+        return differences
+
+    def _source_differences(self, i: int, then: list, now: list) -> list[str]:
+        """How source ``i`` differs from its saved ``(name, summary, digests, column)``."""
+        where = "files" if len(self.sources) == 1 else f"sources[{now[0]!r}]"
+        differences = []
+        if then[3] != now[3]:
+            differences.append(f"{where}.text_column: checkpoint {then[3]!r}, this run {now[3]!r}")
+        if then[1:3] == now[1:3]:
+            return differences
+        if not isinstance(then[2], list) or len(then[2]) != len(now[2]):
+            return [*differences, f"{where}: checkpoint {then[1]!r}, this run {now[1]!r}"]
+        changed = [j for j, (a, b) in enumerate(zip(then[2], now[2])) if a != b]
+        labels = self.file_labels[i] if i < len(self.file_labels) else ()
+        names = [labels[j] if j < len(labels) else f"file {j}" for j in changed]
+        shown = ", ".join(repr(name) for name in names[:5]) + (" ..." if len(names) > 5 else "")
+        if not changed:  # the same contents under other names
+            return [*differences, f"{where}: checkpoint {then[1]!r}, this run {now[1]!r}"]
+        return [*differences, f"{where}: {len(changed)} of {len(now[2])} changed since the checkpoint ({shown})"]
+
+
+def _removed_message(name: str, saved: list[str], now: list[str]) -> str:
+    return (
+        f"sources: {name!r} is in the checkpoint but not in this run (a source cannot be removed on resume; keep it "
+        "and give it weight 0 from the resume step on)"
+    )
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(item) for item in value] if isinstance(value, (list, tuple)) else value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
