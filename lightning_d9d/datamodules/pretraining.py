@@ -180,13 +180,18 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         on_mixture_change: resuming a mixture under other weights or sources: ``"raise"`` (one error naming the
             old and new shares), or ``"continue"``: every source continues where it stopped under the new
             shares (a source added starts fresh).
+        allow_shared_files: accept a file held by two sources of ``train_files`` (or of a mapping ``val_files``):
+            the same path, or globs or directories that overlap. By default that is refused, naming both sources
+            and the file, because each source reads its files on its own: every document of a shared file would
+            be trained twice per pass, once under each name. ``True`` means those duplicates are meant.
 
     Raises:
         ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m; in ``setup``, no file
             matches, a file is not parquet or lacks the column, the files hold no text, the tokenizer lacks the
             BOS token, a layout that cannot share K streams (naming K, the world size, ``num_workers`` and what
             would be valid), a dataset too small for one step, a text that is not valid UTF-8 (naming the file,
-            row group and row; also when met later, while streaming).
+            row group and row; also when met later, while streaming), a file two sources hold (naming both and
+            the file; unless ``allow_shared_files``).
         StorageError: in ``setup`` (an ``OSError``), a URL could not be listed or opened (unreachable endpoint,
             refused credentials, access denied), naming the URL and the cause; while streaming, a read that kept
             failing for ``read_retry_seconds``.
@@ -217,6 +222,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         weights: dict[str, float] | list[tuple[int, dict[str, float]]] | list[dict[str, Any]] | None = None,
         on_mixture_change: OnMixtureChange = "raise",
         max_document_chars: PositiveInt | None = DEFAULT_MAX_DOCUMENT_CHARS,
+        allow_shared_files: bool = False,
     ):
         super().__init__()
         self.seq_len = positive_int("seq_len", seq_len)
@@ -237,6 +243,9 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         self.on_order_mismatch = on_order_mismatch
         self.storage = storage_of(storage_options, read_retry_seconds)
         self.on_mixture_change, self.weights = on_mixture_change, weights
+        if not isinstance(allow_shared_files, bool):
+            raise ValueError(f"allow_shared_files must be True or False, got {allow_shared_files!r}")
+        self.allow_shared_files = allow_shared_files
         self.train_sources, self.val_sources, self.schedule = mixture_arguments(
             train_files, val_files, text_column, weights, on_mixture_change
         )
@@ -272,7 +281,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
         check_layout(self.num_streams, self.global_batch_size, self.world_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
-            train = corpus.train(self.train_files, self.train_sources, self.schedule)
+            train = corpus.train(self.train_files, self.train_sources, self.schedule, self.allow_shared_files)
             self.train_spec, self.fingerprint = train.spec, train.fingerprint
             self.source_pass_rows, self.estimated_pass_tokens = train.source_pass_rows, train.pass_tokens
             self.steps_per_epoch = self._steps_per_epoch_arg or train.steps_per_pass(
@@ -355,10 +364,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     def _setup_validation(self, corpus: PretrainingCorpus) -> None:
         """The validation streams (one per source of a mapping ``val_files``) and their microbatches per run."""
         if self.val_sources is not None and not self.val_specs:
-            self.val_specs = [
-                corpus.validation(source.files, f"val_files[{source.name!r}]", source.text_column)
-                for source in self.val_sources
-            ]
+            self.val_specs = corpus.validation_sources(self.val_sources, self.allow_shared_files)
             self.val_steps_per_source = [self._val_steps_of(spec) for spec in self.val_specs]
         elif self.val_files is not None and self.val_sources is None and self.val_spec is None:
             self.val_spec = corpus.validation(self.val_files, "val_files")

@@ -7,6 +7,11 @@ mixture), the fingerprint of everything that decides the rows, and estimates one
 (``streaming.estimate``). It knows nothing of ranks, workers or Lightning: the DataModule holds one per
 ``setup`` and keeps only what it hands to its loaders.
 
+The files of every source of a mixture (and of every validation source) are resolved before any footer is read,
+and a file that two sources claim (the same path, or an overlapping glob; URLs compared without their query and
+credentials, local paths after symlinks) is refused unless ``allow_shared_files``: each source reads its files on
+its own, so a shared file's documents would be trained twice per pass, once under each name.
+
 Trade-off: the tokenizer is read and the footers scanned again on every ``setup``, so a run always streams the
 files as they are now (and the fingerprint notices a file changed since a checkpoint), at the cost of listing
 and opening every file once per ``setup``.
@@ -33,7 +38,7 @@ from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.mixture_stream import MixtureSpec
 from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
-from lightning_d9d.streaming.storage import Storage
+from lightning_d9d.streaming.storage import Storage, canonical, redact
 from lightning_d9d.streaming.stream import StreamSpec
 from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
 
@@ -124,6 +129,44 @@ def files_summary(index: RowGroupIndex) -> str:
     return f"{len(index.files)} files, {index.total_rows} rows, sha256 {files.hexdigest()[:16]}"
 
 
+def file_identity(path: str) -> str:
+    """What makes two resolved paths the same file: a local path (or ``file://`` URL) after symlinks, a URL without
+    its query and credentials (``s3a://`` is ``s3://``)."""
+    if "://" not in path:
+        return os.path.realpath(path)
+    url = canonical(path)
+    scheme, rest = url.split("://", 1)
+    if scheme == "file":
+        return os.path.realpath(rest)
+    return f"{'s3' if scheme == 's3a' else scheme}://{rest}"
+
+
+def check_shared_files(resolved: Sequence[tuple[str, Sequence[str]]], what: str) -> None:
+    """Raises ValueError when a file belongs to two of the named sources' resolved files, naming both sources, the
+    first such file and how many they share.
+
+    Args:
+        resolved: ``(source name, its resolved files)`` per source, in order.
+        what: the argument's name (``train_files``, ``val_files``).
+    """
+    owners: dict[str, tuple[str, str]] = {}
+    shared: dict[tuple[str, str], list[str]] = {}
+    for name, files in resolved:
+        for path in files:
+            owner, first_path = owners.setdefault(file_identity(path), (name, path))
+            if owner != name:
+                shared.setdefault((owner, name), []).append(first_path)
+    if not shared:
+        return
+    (first, second), paths = next(iter(shared.items()))
+    more = f" and {len(paths) - 1} more file{'s' if len(paths) > 2 else ''}" if len(paths) > 1 else ""
+    raise ValueError(
+        f"{what}[{first!r}] and {what}[{second!r}] both hold {redact(paths[0])!r}{more}: each source reads its files "
+        "on its own, so that file's documents would be read twice per pass, once under each name; give each file "
+        "to one source (weights set the sources' shares), or pass allow_shared_files=True if the duplicates are meant"
+    )
+
+
 @dataclass(frozen=True)
 class CorpusSettings:
     """The settings of a corpus: all but ``tokenizer_batch_size`` and ``storage`` decide the rows."""
@@ -206,17 +249,22 @@ class PretrainingCorpus:
         return f"sha256 {hashlib.sha256(self.tokenizer_json.encode()).hexdigest()[:16]}"
 
     def train(
-        self, files: Any, sources: Sequence[SourceConfig] | None, schedule: MixtureSchedule | None
+        self,
+        files: Any,
+        sources: Sequence[SourceConfig] | None,
+        schedule: MixtureSchedule | None,
+        allow_shared_files: bool = False,
     ) -> TrainCorpus:
         """The shuffled training streams of ``files`` (one corpus), or of ``sources`` mixed by ``schedule``.
 
         Raises:
             ValueError: no file matches, a file is not parquet or lacks the column, the files hold no text, too
-                few rows for K streams (naming the source of a mixture).
+                few rows for K streams (naming the source of a mixture), a file two sources hold (unless
+                ``allow_shared_files``).
             StorageError: a URL could not be listed or opened.
         """
         if sources is not None:
-            return self._mixture(sources, schedule)
+            return self._mixture(sources, schedule, allow_shared_files)
         index = self.scan(files, "train_files")
         spec = self.spec(index, shuffle=True)
         tokens, rows = estimate_pass(spec)
@@ -226,12 +274,35 @@ class PretrainingCorpus:
         """The streams of validation ``files``, read in file order (``what`` names them in errors)."""
         return self.spec(self.scan(files, what, text_column), shuffle=False)
 
-    def _mixture(self, sources: Sequence[SourceConfig], schedule: MixtureSchedule) -> TrainCorpus:
-        """Scan every source and plan the mixture; the pass estimate sums the sources'."""
+    def validation_sources(self, sources: Sequence[SourceConfig], allow_shared_files: bool = False) -> list[StreamSpec]:
+        """The streams of every validation source, in order; their files are all resolved before any is read.
+
+        Raises:
+            ValueError: as ``validation``, or a file two sources hold (unless ``allow_shared_files``).
+        """
+        resolved = self._resolved(sources, "val_files", allow_shared_files)
+        return [
+            self.spec(self._index(files, f"val_files[{source.name!r}]", source.text_column), shuffle=False)
+            for source, files in zip(sources, resolved)
+        ]
+
+    def _resolved(self, sources: Sequence[SourceConfig], what: str, allow_shared_files: bool) -> list[list[str]]:
+        """Every source's files, resolved (listing only, no footer read), checked for files two sources hold."""
+        storage = self.settings.storage
+        resolved = [resolve_files(source.files, f"{what}[{source.name!r}]", storage) for source in sources]
+        if not allow_shared_files:
+            check_shared_files([(source.name, files) for source, files in zip(sources, resolved)], what)
+        return resolved
+
+    def _mixture(
+        self, sources: Sequence[SourceConfig], schedule: MixtureSchedule, allow_shared_files: bool
+    ) -> TrainCorpus:
+        """Resolve every source's files, scan them and plan the mixture; the pass estimate sums the sources'."""
         settings = self.settings
         specs, indexes, pass_rows, total_tokens = [], [], {}, 0.0
-        for source in sources:
-            index = self.scan(source.files, f"train_files[{source.name!r}]", source.text_column)
+        resolved = self._resolved(sources, "train_files", allow_shared_files)
+        for source, files in zip(sources, resolved):
+            index = self._index(files, f"train_files[{source.name!r}]", source.text_column)
             try:
                 spec = self.spec(index, shuffle=True)
             except ValueError as error:  # too few rows for K streams: say which source
@@ -252,14 +323,17 @@ class PretrainingCorpus:
         return TrainCorpus(spec, fingerprint, total_tokens, pass_rows)
 
     def scan(self, files: Any, what: str, text_column: str | None = None) -> RowGroupIndex:
-        """The row groups of ``files`` (footers only).
+        """The row groups of the file spec ``files`` (footers only).
 
         Raises:
             ValueError: as ``resolve_files``/``RowGroupIndex.scan``, or every text of the column is null or empty.
         """
+        return self._index(resolve_files(files, what, self.settings.storage), what, text_column)
+
+    def _index(self, paths: list[str], what: str, text_column: str | None = None) -> RowGroupIndex:
+        """The row groups of resolved files (footers only); raises ValueError when they hold no text."""
         text_column = text_column or self.settings.text_column
-        storage = self.settings.storage
-        index = RowGroupIndex.scan(resolve_files(files, what, storage), text_column, storage)
+        index = RowGroupIndex.scan(paths, text_column, self.settings.storage)
         if first_text(index) is None:
             raise ValueError(
                 f"{what} hold no text: every value of column {text_column!r} in {len(index.files)} file(s) "

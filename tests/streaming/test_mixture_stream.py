@@ -283,8 +283,8 @@ def test_a_removed_source_or_changed_files_are_refused(corpus: dict) -> None:
     shrunk = datamodule(corpus, names="ab", on_mixture_change="continue")
     with pytest.raises(ValueError, match=r"'c' is in the checkpoint but not in this run"):
         shrunk.load_state_dict(state)
-    swapped = datamodule(corpus, names="abc", on_mixture_change="continue")
-    swapped.train_files = {**swapped.train_files, "c": str(corpus["root"] / "a")}
+    swapped = datamodule(corpus, names="abc", on_mixture_change="continue", allow_shared_files=True)
+    swapped.train_files = {**swapped.train_files, "c": str(corpus["root"] / "a")}  # a's files, shared on purpose
     swapped.train_spec = None
     swapped.setup("fit")
     with pytest.raises(ValueError, match=r"sources\['c'\]: checkpoint"):
@@ -352,6 +352,31 @@ def test_weights_without_sources_and_a_source_without_text_are_errors(corpus: di
         datamodule(corpus, train_files={"a": str(root / "a"), "t": str(root / "tiny")})
     with pytest.raises(ValueError, match=r"train_files\['b'\]=.*matches no file"):
         datamodule(corpus, train_files={"a": str(root / "a"), "b": str(Path(root) / "nothing" / "*.parquet")})
+
+
+def test_a_file_two_sources_hold_is_refused_naming_both_before_any_file_is_read(corpus: dict) -> None:
+    root = corpus["root"]
+    junk = root / "junk"
+    junk.mkdir(exist_ok=True)
+    (junk / "x.parquet").write_text("not parquet")  # read first, it would fail: the check comes before any read
+    same = {"a": str(root / "a"), "b": str(root / "a"), "j": str(junk)}
+    with pytest.raises(ValueError, match=r"train_files\['a'\] and train_files\['b'\] both hold '.*a/part-000\.parquet' "
+                       r"and 2 more files: .*allow_shared_files=True"):  # fmt: skip
+        datamodule(corpus, train_files=same)
+    # An overlapping glob, a file reached through a symlinked folder: the same file, named as the first source has it.
+    (root / "a_link").symlink_to(root / "a", target_is_directory=True)
+    claimed_twice = r"train_files\['a'\] and train_files\['c'\] both hold '.*/a/part-001\.parquet':"
+    for other in (str(root / "a" / "part-*1.parquet"), str(root / "a_link" / "part-001.parquet")):
+        with pytest.raises(ValueError, match=claimed_twice):
+            datamodule(corpus, train_files={"a": str(root / "a"), "b": sources(corpus)["b"], "c": other})
+    with pytest.raises(ValueError, match=r"val_files\['x'\] and val_files\['y'\] both hold '.*c/part-000\.parquet'"):
+        datamodule(corpus, names="abc", val_files={"x": str(root / "c"), "y": [str(root / "c" / "part-000.parquet")]})
+    # Meant duplicates: accepted when asked for; a training file may also be a validation file.
+    shared = datamodule(corpus, train_files={"a": str(root / "a"), "b": str(root / "a")}, allow_shared_files=True)
+    assert shared.source_names == ["a", "b"]
+    assert datamodule(corpus, val_files={"a": str(root / "a")}).val_source_names == ["a"]
+    with pytest.raises(ValueError, match=r"allow_shared_files must be True or False, got 'yes'"):
+        datamodule(corpus, allow_shared_files="yes")
 
 
 def test_inspect_prints_the_phases_expected_passes_and_realised_shares(corpus: dict) -> None:
