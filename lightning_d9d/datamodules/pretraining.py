@@ -44,12 +44,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
+from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import CorpusSettings, PretrainingCorpus, StreamFingerprint
-from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments
+from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments, unvalidated_sources
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, restored_streams, saved_streams
 from lightning_d9d.device.pin import pin_batch
@@ -138,7 +139,8 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         microbatch_size: rows per forward/backward on one rank (m).
         val_files: optional validation files (same forms), read in file order from the start on every run; a
             mapping ``{name: files}`` gives one validation loader per source, in its order (Lightning's
-            ``dataloader_idx``; ``dm.val_source_names``).
+            ``dataloader_idx``; ``dm.val_source_names``). Beside a mixture, each name must be a training
+            source's (the training sources without one are listed once, at construction).
         text_column: the column holding the documents.
         bos_token: the token prepended to every document; it must be in the tokenizer's vocabulary.
         packing: ``"bestfit"`` (every row starts at BOS; a document that does not fit is cropped, its rest
@@ -186,7 +188,8 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             be trained twice per pass, once under each name. ``True`` means those duplicates are meant.
 
     Raises:
-        ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m; in ``setup``, no file
+        ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m, a ``val_files`` name
+            that is no training source's (beside a mixture, naming the training sources); in ``setup``, no file
             matches, a file is not parquet or lacks the column, the files hold no text, the tokenizer lacks the
             BOS token, a layout that cannot share K streams (naming K, the world size, ``num_workers`` and what
             would be valid), a dataset too small for one step, a text that is not valid UTF-8 (naming the file,
@@ -249,6 +252,12 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         self.train_sources, self.val_sources, self.schedule = mixture_arguments(
             train_files, val_files, text_column, weights, on_mixture_change
         )
+        unvalidated = unvalidated_sources(self.train_sources, self.val_sources)
+        if unvalidated:  # said once, here: setup parses the sources again, but they are the same
+            rank_zero_info(
+                f"val_files validates {[s.name for s in self.val_sources]} only: training sources {unvalidated} "
+                "have no validation data (no validation loss is measured for them)"
+            )
         self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
 
         self.train_spec: StreamSpec | None = None

@@ -5,7 +5,9 @@
 :mod:`lightning_d9d.streaming.mixture` and taken by :mod:`lightning_d9d.streaming.mixture_stream`; this module
 holds what the DataModule adds around them:
 
-* **parsing** the sources (one error naming the value and what is valid);
+* **parsing** the sources (one error naming the value and what is valid); beside a mixture, the names of a
+  mapping ``val_files`` must be training sources' (a validation source measures the source of its name), and
+  the training sources left without one are listed (:func:`unvalidated_sources`);
 * **the plan on resume** (:func:`resumed_plan`): the checkpoint's plan is kept when the shares are unchanged;
   other shares are refused with one error naming the old and new shares, unless ``on_mixture_change=
   "continue"``: the new shares then count from the resume step, every source from the rows it had given;
@@ -80,9 +82,13 @@ def mixture_arguments(
 ) -> tuple[list[SourceConfig] | None, list[SourceConfig] | None, MixtureSchedule | None]:
     """The training and validation sources (``None``: one corpus) and the validated schedule of the shares.
 
+    A mapping ``val_files`` beside one training corpus may name its sources freely (there are no training names
+    to match).
+
     Raises:
         ValueError: a bad source, ``weights`` without a mixture, weights the schedule refuses (unknown names,
-            negative or all-zero weights, phases out of order), an unknown ``on_mixture_change``.
+            negative or all-zero weights, phases out of order), an unknown ``on_mixture_change``, a validation
+            source beside a mixture that is named after no training source (naming the training sources).
     """
     if on_mixture_change not in ON_MIXTURE_CHANGE:
         raise ValueError(f"on_mixture_change must be one of {list(ON_MIXTURE_CHANGE)}, got {on_mixture_change!r}")
@@ -94,7 +100,25 @@ def mixture_arguments(
                 f"weights={weights!r} needs a mixture: give train_files as a mapping {{name: files}} of sources"
             )
         return None, val_sources, None
-    return train_sources, val_sources, MixtureSchedule([source.name for source in train_sources], weights)
+    names = [source.name for source in train_sources]
+    unknown = [source.name for source in val_sources or () if source.name not in names]
+    if unknown:
+        raise ValueError(
+            f"val_files names {unknown}, which {'is' if len(unknown) == 1 else 'are'} no training source: a "
+            f"validation source is named after the training source it measures, one of {names}"
+        )
+    return train_sources, val_sources, MixtureSchedule(names, weights)
+
+
+def unvalidated_sources(
+    train_sources: Sequence[SourceConfig] | None, val_sources: Sequence[SourceConfig] | None
+) -> list[str]:
+    """The training sources of a mixture that a mapping ``val_files`` gives no validation source (``[]`` when
+    either is not a mapping)."""
+    if train_sources is None or val_sources is None:
+        return []
+    validated = {source.name for source in val_sources}
+    return [source.name for source in train_sources if source.name not in validated]
 
 
 def resumed_plan(

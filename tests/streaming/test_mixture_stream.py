@@ -6,6 +6,7 @@ steps on any layout."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -320,6 +321,34 @@ def test_validation_per_source_gives_one_loader_each_in_order(corpus: dict) -> N
         for batch in batches:
             assert torch.equal(batch.sources, torch.full((len(batch),), index))
             assert set(batch.inputs.flatten().tolist()) - specials <= vocab[name]
+
+
+def test_validation_sources_are_training_sources_and_the_ones_without_are_said_once(corpus: dict, caplog) -> None:
+    root = corpus["root"]
+    with pytest.raises(ValueError, match=r"val_files names \['zz'\], which is no training source: a validation "
+                       r"source is named after the training source it measures, one of \['a', 'b'\]"):  # fmt: skip
+        datamodule(corpus, val_files={"a": str(root / "a"), "zz": str(root / "c")})
+    # Lightning's logger stops propagating (so misses caplog's root handler) when it was imported before any root
+    # handler existed: then caplog's handler is attached to it directly.
+    logger = logging.getLogger("lightning.pytorch")
+    attached = not logger.propagate
+    if attached:
+        logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            dm = datamodule(corpus, names="abc", val_files={"b": sources(corpus)["b"]}, val_steps=1)
+            partly = [record.getMessage() for record in caplog.records if "no validation data" in record.getMessage()]
+            caplog.clear()
+            datamodule(corpus, names="ab", val_files={"b": sources(corpus)["b"], "a": str(root / "a")}, val_steps=1)
+            every = [record.getMessage() for record in caplog.records if "no validation data" in record.getMessage()]
+    finally:
+        if attached:
+            logger.removeHandler(caplog.handler)
+    assert partly == [
+        "val_files validates ['b'] only: training sources ['a', 'c'] have no validation data (no validation loss is "
+        "measured for them)"
+    ]  # once, though setup parses the sources again
+    assert every == [] and dm.val_source_names == ["b"] and len(dm.val_dataloader()) == 1
 
 
 # ---------------------------------------------------------------------------------------------- bad input
