@@ -98,7 +98,9 @@ class StreamFingerprint(PackedRowsFingerprint):
 class MixtureFingerprint(PackedRowsFingerprint):
     """What decides a mixture's rows, besides the shares: the settings and, by source name, each source's
     ``(files summary, footer digests, text column)``. A source added is no mismatch here (it starts fresh, once
-    the change of shares it brings is accepted); one removed or whose files changed is."""
+    the change of shares it brings is accepted); one removed or whose files changed is. A source's position is
+    saved under its name, so a renamed source is one removed and one added: the error names both, and its advice
+    is the way that works (``mismatch_advice``), not a restart of the epoch."""
 
     sources: tuple[tuple[str, str, tuple[int, ...], str], ...]
 
@@ -109,16 +111,61 @@ class MixtureFingerprint(PackedRowsFingerprint):
         then = saved.get("sources")
         if not isinstance(then, list):
             return [*differences, f"sources: checkpoint {then!r}, this run {list(now)} (not a mixture's checkpoint)"]
+        removed, added = self._removed_and_added(then)
+        if removed and added:
+            differences.append(
+                f"sources: {_names(removed)} {'is' if len(removed) == 1 else 'are'} in the checkpoint but not in this "
+                f"run, and {_names(added)} {'is' if len(added) == 1 else 'are'} in this run but not in the "
+                "checkpoint: a renamed source?"
+            )
+        elif removed:
+            differences.append(
+                f"sources: {_names(removed)} {'is' if len(removed) == 1 else 'are'} in the checkpoint but not in this "
+                "run: a source cannot be removed on resume"
+            )
         for source in then:
             name = source[0]
-            if name not in now:
-                differences.append(
-                    f"sources: {name!r} is in the checkpoint but not in this run (a source cannot be removed on "
-                    f"resume; keep it and give it weight 0 from the resume step on)"
-                )
-            elif list(source) != list(now[name]):
+            if name in now and list(source) != list(now[name]):
                 differences.append(f"sources[{name!r}]: checkpoint {source[1:]!r}, this run {now[name][1:]!r}")
         return differences
+
+    def mismatch_advice(self, saved: dict[str, Any]) -> str | None:
+        """When sources were removed (or renamed) and nothing else differs: keep the checkpoint's names, or keep
+        a removed source at weight 0 from the resume step on under ``on_mixture_change='continue'`` (which starts
+        an added source fresh and refuses a removed one). ``on_order_mismatch='restart_epoch'`` would throw away
+        every source's position, so it is not offered."""
+        then = saved.get("sources")
+        if not isinstance(then, list):
+            return None
+        removed, added = self._removed_and_added(then)
+        only_sources = len(self.mismatches(saved)) == 1
+        if not removed or not only_sources:
+            return None
+        old = _names(removed)
+        zero = ", ".join([f"{name!r}: 0" for name in removed] + [f"{name!r}: <weight>" for name in added])
+        keep = (
+            f"To continue {old} where {'it' if len(removed) == 1 else 'they'} stopped, use the checkpoint's "
+            f"name{'s' if len(removed) > 1 else ''} {old} again (a source's position is saved under its name). "
+            if added
+            else ""
+        )
+        instead = f"To replace {old} by {_names(added)}" if added else f"To stop reading {old}"
+        fresh = f" ({_names(added)} then start{'s' if len(added) == 1 else ''} fresh)" if added else ""
+        return (
+            f"{keep}{instead}, keep {old} in train_files, give {'it' if len(removed) == 1 else 'them'} weight 0 from "
+            f"the resume step on (the checkpoint's global step S: weights=[[0, <the checkpoint's weights>], [S, "
+            f"{{..., {zero}}}]]) and pass on_mixture_change='continue'{fresh}"
+        )
+
+    def _removed_and_added(self, then: list[Any]) -> tuple[list[str], list[str]]:
+        """The checkpoint's source names this run lacks, and this run's names the checkpoint lacks, in order."""
+        saved_names = [source[0] for source in then if isinstance(source, (list, tuple)) and source]
+        names = [source[0] for source in self.sources]
+        return [n for n in saved_names if n not in names], [n for n in names if n not in saved_names]
+
+
+def _names(names: Sequence[str]) -> str:
+    return repr(names[0]) if len(names) == 1 else repr(list(names))
 
 
 def files_summary(index: RowGroupIndex) -> str:

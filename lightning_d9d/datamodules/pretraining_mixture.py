@@ -103,9 +103,10 @@ def mixture_arguments(
     names = [source.name for source in train_sources]
     unknown = [source.name for source in val_sources or () if source.name not in names]
     if unknown:
+        what = "is not a training source" if len(unknown) == 1 else "are not training sources"
         raise ValueError(
-            f"val_files names {unknown}, which {'is' if len(unknown) == 1 else 'are'} no training source: a "
-            f"validation source is named after the training source it measures, one of {names}"
+            f"val_files names {unknown}, which {what}: a validation source is named after the training source it "
+            f"measures, one of {names}"
         )
     return train_sources, val_sources, MixtureSchedule(names, weights)
 
