@@ -44,13 +44,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
-from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import CorpusSettings, PretrainingCorpus, StreamFingerprint
-from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments, unvalidated_sources
+from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments, say_unvalidated_sources
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, restored_streams, saved_streams
 from lightning_d9d.device.pin import pin_batch
@@ -139,8 +138,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         microbatch_size: rows per forward/backward on one rank (m).
         val_files: optional validation files (same forms), read in file order from the start on every run; a
             mapping ``{name: files}`` gives one validation loader per source, in its order (Lightning's
-            ``dataloader_idx``; ``dm.val_source_names``). Beside a mixture, each name must be a training
-            source's (the training sources without one are listed once, at construction).
+            ``dataloader_idx``; ``dm.val_source_names``); beside a mixture, a name is a training source's.
         text_column: the column holding the documents.
         bos_token: the token prepended to every document; it must be in the tokenizer's vocabulary.
         packing: ``"bestfit"`` (every row starts at BOS; a document that does not fit is cropped, its rest
@@ -182,19 +180,15 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         on_mixture_change: resuming a mixture under other weights or sources: ``"raise"`` (one error naming the
             old and new shares), or ``"continue"``: every source continues where it stopped under the new
             shares (a source added starts fresh).
-        allow_shared_files: accept a file held by two sources of ``train_files`` (or of a mapping ``val_files``):
-            the same path, or globs or directories that overlap. By default that is refused, naming both sources
-            and the file, because each source reads its files on its own: every document of a shared file would
-            be trained twice per pass, once under each name. ``True`` means those duplicates are meant.
+        allow_shared_files: accept a file that two sources of ``train_files`` (or of ``val_files``) hold; else it
+            is refused, naming both and the file: each source reads it, so its documents would be read twice a pass.
 
     Raises:
-        ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m, a ``val_files`` name
-            that is no training source's (beside a mixture, naming the training sources); in ``setup``, no file
-            matches, a file is not parquet or lacks the column, the files hold no text, the tokenizer lacks the
-            BOS token, a layout that cannot share K streams (naming K, the world size, ``num_workers`` and what
-            would be valid), a dataset too small for one step, a text that is not valid UTF-8 (naming the file,
-            row group and row; also when met later, while streaming), a file two sources hold (naming both and
-            the file; unless ``allow_shared_files``).
+        ValueError: at construction, a size ≤ 0, an unknown packing or ``val_files`` name, G not divisible by m;
+            in ``setup``, no file matches, a file two sources hold, a file not parquet or without the column, no
+            text, the tokenizer lacks the BOS token, a layout that cannot share K streams (naming K, the world
+            size, ``num_workers`` and what would be valid), a dataset too small for one step, a text that is not
+            valid UTF-8 (naming the file, row group and row; also when met later, while streaming).
         StorageError: in ``setup`` (an ``OSError``), a URL could not be listed or opened (unreachable endpoint,
             refused credentials, access denied), naming the URL and the cause; while streaming, a read that kept
             failing for ``read_retry_seconds``.
@@ -243,21 +237,12 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         self.text_column, self.bos_token, self.packing = text_column, bos_token, packing
         self.num_workers = non_negative_int("num_workers", num_workers)
         self.seed, self.pin_memory = non_negative_int("seed", seed), pin_memory
-        self.on_order_mismatch = on_order_mismatch
-        self.storage = storage_of(storage_options, read_retry_seconds)
-        self.on_mixture_change, self.weights = on_mixture_change, weights
-        if not isinstance(allow_shared_files, bool):
-            raise ValueError(f"allow_shared_files must be True or False, got {allow_shared_files!r}")
-        self.allow_shared_files = allow_shared_files
+        self.on_order_mismatch, self.storage = on_order_mismatch, storage_of(storage_options, read_retry_seconds)
+        self.on_mixture_change, self.weights, self.allow_shared_files = on_mixture_change, weights, allow_shared_files
         self.train_sources, self.val_sources, self.schedule = mixture_arguments(
-            train_files, val_files, text_column, weights, on_mixture_change
+            train_files, val_files, text_column, weights, on_mixture_change, allow_shared_files
         )
-        unvalidated = unvalidated_sources(self.train_sources, self.val_sources)
-        if unvalidated:  # said once, here: setup parses the sources again, but they are the same
-            rank_zero_info(
-                f"val_files validates {[s.name for s in self.val_sources]} only: training sources {unvalidated} "
-                "have no validation data (no validation loss is measured for them)"
-            )
+        say_unvalidated_sources(self.train_sources, self.val_sources)  # once: setup parses the same sources again
         self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
 
         self.train_spec: StreamSpec | None = None

@@ -7,7 +7,7 @@ holds what the DataModule adds around them:
 
 * **parsing** the sources (one error naming the value and what is valid); beside a mixture, the names of a
   mapping ``val_files`` must be training sources' (a validation source measures the source of its name), and
-  the training sources left without one are listed (:func:`unvalidated_sources`);
+  the training sources left without one are said once (:func:`say_unvalidated_sources`);
 * **the plan on resume** (:func:`resumed_plan`): the checkpoint's plan is kept when the shares are unchanged;
   other shares are refused with one error naming the old and new shares, unless ``on_mixture_change=
   "continue"``: the new shares then count from the resume step, every source from the rows it had given;
@@ -24,6 +24,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.mixture_stream import MixtureSpec, MixtureState
@@ -78,7 +80,12 @@ def parse_sources(files: Any, text_column: str, what: str) -> list[SourceConfig]
 
 
 def mixture_arguments(
-    train_files: Any, val_files: Any, text_column: str, weights: Any, on_mixture_change: Any
+    train_files: Any,
+    val_files: Any,
+    text_column: str,
+    weights: Any,
+    on_mixture_change: Any,
+    allow_shared_files: Any = False,
 ) -> tuple[list[SourceConfig] | None, list[SourceConfig] | None, MixtureSchedule | None]:
     """The training and validation sources (``None``: one corpus) and the validated schedule of the shares.
 
@@ -88,10 +95,13 @@ def mixture_arguments(
     Raises:
         ValueError: a bad source, ``weights`` without a mixture, weights the schedule refuses (unknown names,
             negative or all-zero weights, phases out of order), an unknown ``on_mixture_change``, a validation
-            source beside a mixture that is named after no training source (naming the training sources).
+            source beside a mixture that is named after no training source (naming the training sources), an
+            ``allow_shared_files`` that is not a bool.
     """
     if on_mixture_change not in ON_MIXTURE_CHANGE:
         raise ValueError(f"on_mixture_change must be one of {list(ON_MIXTURE_CHANGE)}, got {on_mixture_change!r}")
+    if not isinstance(allow_shared_files, bool):
+        raise ValueError(f"allow_shared_files must be True or False, got {allow_shared_files!r}")
     train_sources = parse_sources(train_files, text_column, "train_files")
     val_sources = parse_sources(val_files, text_column, "val_files")
     if train_sources is None:
@@ -111,15 +121,21 @@ def mixture_arguments(
     return train_sources, val_sources, MixtureSchedule(names, weights)
 
 
-def unvalidated_sources(
+def say_unvalidated_sources(
     train_sources: Sequence[SourceConfig] | None, val_sources: Sequence[SourceConfig] | None
 ) -> list[str]:
     """The training sources of a mixture that a mapping ``val_files`` gives no validation source (``[]`` when
-    either is not a mapping)."""
+    either is not a mapping), said in one info message on rank 0 when there are any."""
     if train_sources is None or val_sources is None:
         return []
-    validated = {source.name for source in val_sources}
-    return [source.name for source in train_sources if source.name not in validated]
+    validated = [source.name for source in val_sources]
+    missing = [source.name for source in train_sources if source.name not in validated]
+    if missing:
+        rank_zero_info(
+            f"val_files validates {validated} only: training sources {missing} have no validation data (no "
+            "validation loss is measured for them)"
+        )
+    return missing
 
 
 def resumed_plan(

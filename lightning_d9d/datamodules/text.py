@@ -159,12 +159,9 @@ class TextDataModule(D9DDataModule):
         eos_token: str | None = None,
     ):
         self.max_length, self.num_proc = _checked_arguments(dataset, tokenizer, max_length, num_proc)
-        columns = Columns(text_column, prompt_column, completion_column, messages_column)
-        self.finetuning = FineTuningOptions(
-            format, columns, chat_template, loss_on, truncation, tokenizer == DEMO, eos_token=eos_token
-        )
-        self.sft = FineTuningState()
-        self.dataset, self.tokenizer, self.cache_dir = dataset, tokenizer, cache_dir
+        columns, demo = Columns(text_column, prompt_column, completion_column, messages_column), tokenizer == DEMO
+        self.finetuning = FineTuningOptions(format, columns, chat_template, loss_on, truncation, demo, eos_token)
+        self.sft, self.dataset, self.tokenizer, self.cache_dir = FineTuningState(), dataset, tokenizer, cache_dir
         self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
         self.padded_collator, self.collator = _collators(pad_to_multiple_of, padding_side, padding_free)
         super().__init__(
