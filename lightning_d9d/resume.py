@@ -52,17 +52,24 @@ class Fingerprint:
         """How a differing field is named in the error (a subclass may say it better for large values)."""
         return f"{name}: checkpoint {then!r}, this run {now!r}"
 
+    def mismatch_advice(self, saved: dict[str, Any]) -> str | None:
+        """What to do instead of the usual advice (same settings, or ``on_order_mismatch``) when a subclass knows
+        a better way for the differences from ``saved``; ``None``: the usual advice."""
+        return None
+
 
 def _plain(value: Any) -> Any:
     return [_plain(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
-def mismatch_error(owner: str, differences: list[str], epoch: int) -> ValueError:
-    """The one error for a checkpoint whose data does not match this run's (naming every differing field)."""
-    return ValueError(
-        f"the checkpoint's data does not match this {owner} ({'; '.join(differences)}). Resume with the same "
-        f"settings, or pass on_order_mismatch='restart_epoch' to start epoch {epoch} over with this run's data"
+def mismatch_error(owner: str, differences: list[str], epoch: int, advice: str | None = None) -> ValueError:
+    """The one error for a checkpoint whose data does not match this run's (naming every differing field), with
+    ``advice`` (the fingerprint's ``mismatch_advice``) in place of the usual one when given."""
+    advice = advice or (
+        f"Resume with the same settings, or pass on_order_mismatch='restart_epoch' to start epoch {epoch} over "
+        "with this run's data"
     )
+    return ValueError(f"the checkpoint's data does not match this {owner} ({'; '.join(differences)}). {advice}")
 
 
 @dataclasses.dataclass

@@ -394,8 +394,8 @@ def stream_spec(
     ``bos_id``, ``shuffle``, ``prefetch``, ``chunk_chars``, ``pad_id`` (the spec); ``growth``: ``(start,
     per_row)`` of a fresh best-fit buffer (default: the settings' default; ``(0, 0)``: full from the first row).
     """
-    names = ("seed", "buffer_size", "tokenizer_batch_size", "max_document_chars")
-    settings = {"seed": 0, "buffer_size": 16, "tokenizer_batch_size": 8}
+    names = ("seed", "tokenizer_batch_size", "max_document_chars")
+    settings = {"seed": 0, "bestfit_buffer_size": options.pop("buffer_size", 16), "tokenizer_batch_size": 8}
     settings.update({name: options.pop(name) for name in names if name in options})
     settings["growth"] = BufferGrowth(*growth) if growth is not None else BufferGrowth()
     bos_id = options.pop("bos_id", tok.token_to_id(BOS))
@@ -441,6 +441,8 @@ def flat(state: dict, prefix: str = "") -> dict:
 
 def respec(spec: StreamSpec, **changes: Any) -> StreamSpec:
     """``spec`` with ``changes`` to its settings (``seed``, ``buffer_size``, ...) or its own fields."""
+    if "buffer_size" in changes:
+        changes["bestfit_buffer_size"] = changes.pop("buffer_size")
     setting_names = {f.name for f in dataclasses.fields(StreamSettings)}
     settings = {name: value for name, value in changes.items() if name in setting_names}
     own = {name: value for name, value in changes.items() if name not in setting_names}

@@ -167,7 +167,8 @@ class SteppedDataModule(pl.LightningDataModule):
         differences = fingerprint.mismatches(saved.fingerprint)
         if differences:
             if self.on_order_mismatch == "raise":
-                raise mismatch_error(type(self).__name__, differences, saved.epoch)
+                advice = fingerprint.mismatch_advice(saved.fingerprint)
+                raise mismatch_error(type(self).__name__, differences, saved.epoch, advice)
             warnings.warn(
                 f"the checkpoint's data does not match this {type(self).__name__} ({'; '.join(differences)}); "
                 f"restarting epoch {saved.epoch} from its first step with this run's data",

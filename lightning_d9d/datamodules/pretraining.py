@@ -49,7 +49,7 @@ from tokenizers import Tokenizer
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
-from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments
+from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments, say_unvalidated_sources
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, restored_streams, saved_streams
 from lightning_d9d.device.pin import pin_batch
@@ -115,6 +115,16 @@ def make_batch(rows: RowBlock, spec: MixtureSpec, pin: bool, source: int | None 
     return pin_batch(batch) if pin else batch
 
 
+class _Setting:
+    """A DataModule attribute that is one of its stream settings (read-only: the settings are checked once)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, owner: Any, kind: type | None = None) -> Any:
+        return self if owner is None else getattr(owner.settings, self.name)
+
+
 class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     """Stream parquet text into packed token rows for ``Trainer.fit``: the same global batches on any GPU count.
 
@@ -129,7 +139,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         microbatch_size: rows per forward/backward on one rank (m).
         val_files: optional validation files (same forms), read in file order from the start on every run; a
             mapping ``{name: files}`` gives one validation loader per source, in its order (Lightning's
-            ``dataloader_idx``; ``dm.val_source_names``).
+            ``dataloader_idx``; ``dm.val_source_names``); beside a mixture, a name is a training source's.
         text_column: the column holding the documents.
         bos_token: the token prepended to every document; it must be in the tokenizer's vocabulary.
         packing: ``"bestfit"`` (every row starts at BOS; a document that does not fit is cropped, its rest
@@ -171,18 +181,27 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         on_mixture_change: resuming a mixture under other weights or sources: ``"raise"`` (one error naming the
             old and new shares), or ``"continue"``: every source continues where it stopped under the new
             shares (a source added starts fresh).
+        allow_shared_files: accept a file that two sources of ``train_files`` (or of ``val_files``) hold; else it
+            is refused, naming both and the file: each source reads it, so its documents would be read twice a pass.
 
     Raises:
-        ValueError: at construction, a size ≤ 0, an unknown packing, G not divisible by m; in ``setup``, no file
-            matches, a file is not parquet or lacks the column, the files hold no text, the tokenizer lacks the
-            BOS token, a layout that cannot share K streams (naming K, the world size, ``num_workers`` and what
-            would be valid), a dataset too small for one step, a text that is not valid UTF-8 (naming the file,
-            row group and row; also when met later, while streaming).
+        ValueError: at construction, a size ≤ 0, an unknown packing or ``val_files`` name, G not divisible by m or
+            by K; in ``setup``, no file matches, a file two sources hold, a file not parquet or without the column,
+            no text, the tokenizer lacks the BOS token, a layout that cannot share K streams (naming K, the world
+            size, ``num_workers`` and what would be valid), a dataset too small for one step, a text that is not
+            valid UTF-8 (naming the file, row group and row; also when met later, while streaming).
         StorageError: in ``setup`` (an ``OSError``), a URL could not be listed or opened (unreachable endpoint,
             refused credentials, access denied), naming the URL and the cause; while streaming, a read that kept
             failing for ``read_retry_seconds``.
     """
 
+    seq_len = _Setting("seq_len")
+    global_batch_size = _Setting("global_batch_size")  # type: ignore[assignment]
+    num_streams = _Setting("num_streams")
+    seed = _Setting("seed")
+    bestfit_buffer_size = _Setting("bestfit_buffer_size")
+    max_document_chars = _Setting("max_document_chars")
+    tokenizer_batch_size = _Setting("tokenizer_batch_size")
     train_spec: MixtureSpec | None = None  # set by setup, as the rest
     fingerprint: CorpusFingerprint | None = None
     steps_per_epoch: int | None = None  # type: ignore[assignment]
@@ -213,20 +232,14 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         weights: dict[str, float] | list[tuple[int, dict[str, float]]] | list[dict[str, Any]] | None = None,
         on_mixture_change: OnMixtureChange = "raise",
         max_document_chars: PositiveInt | None = DEFAULT_MAX_DOCUMENT_CHARS,
+        allow_shared_files: bool = False,
     ):
         super().__init__()
-        settings = self.settings = StreamSettings(
+        self.settings = StreamSettings(
             seq_len=seq_len, global_batch_size=global_batch_size, packing=packing, seed=seed, num_streams=num_streams,
-            buffer_size=bestfit_buffer_size, max_document_chars=max_document_chars,
+            bestfit_buffer_size=bestfit_buffer_size, max_document_chars=max_document_chars,
             tokenizer_batch_size=tokenizer_batch_size,
         )  # fmt: skip
-        self.seq_len, self.global_batch_size, self.num_streams = (
-            settings.seq_len,
-            settings.global_batch_size,
-            num_streams,
-        )
-        self.seed, self.packing, self.bestfit_buffer_size = settings.seed, settings.packing.name, settings.buffer_size
-        self.max_document_chars, self.tokenizer_batch_size = settings.max_document_chars, tokenizer_batch_size
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
         microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
         self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
@@ -238,14 +251,21 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         self.num_workers = non_negative_int("num_workers", num_workers)
         self.pin_memory, self.on_order_mismatch = pin_memory, on_order_mismatch
         self.storage = storage_of(storage_options, read_retry_seconds)
-        self.on_mixture_change, self.weights = on_mixture_change, weights
-        self.sources = mixture_arguments(train_files, val_files, text_column, weights, on_mixture_change)
+        self.on_mixture_change, self.weights, self.allow_shared_files = on_mixture_change, weights, allow_shared_files
+        self.sources = mixture_arguments(
+            train_files, val_files, text_column, weights, on_mixture_change, allow_shared_files
+        )
+        say_unvalidated_sources(self.sources)  # once: setup parses the same sources again
         self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
-
         self.val_specs: list[MixtureSpec] = []  # one per validation source
         self.val_steps_per_source: list[int] = []
         self.source_pass_rows: dict[str, float] = {}  # estimated rows of one pass over each source
         self.position = StreamPosition()
+
+    @property
+    def packing(self) -> str:
+        """The packing's name."""
+        return self.settings.packing.name
 
     @property
     def owned_streams(self) -> list[int]:
@@ -261,21 +281,21 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         """
         # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
         self.sources = mixture_arguments(
-            self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change
-        )
+            self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change,
+            self.allow_shared_files,
+        )  # fmt: skip
         corpus = PretrainingCorpus(self.settings, self.tokenizer, self.bos_token, self.storage)
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
         check_layout(self.num_streams, self.world_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
-            train = corpus.train(self.sources.train, self.sources.schedule, "train_files")
+            sources = self.sources
+            train = corpus.train(sources.train, sources.schedule, sources.mixture, self.allow_shared_files)
             self.train_spec, self.fingerprint = train.spec, train.spec.fingerprint()
             self.source_pass_rows, self.estimated_pass_tokens = train.source_pass_rows, train.pass_tokens
             self.steps_per_epoch = self._steps_per_epoch_arg or train.steps_per_pass()
         if self.sources.validation is not None and not self.val_specs:
-            what = "val_files" if not self.sources.validation_by_source else None
-            self.val_specs = [
-                corpus.validation(source, what or f"val_files[{source.name!r}]") for source in self.sources.validation
-            ]
+            by_source = self.sources.validation_by_source
+            self.val_specs = corpus.validation(self.sources.validation, by_source, self.allow_shared_files)
             self.val_steps_per_source = [self._val_steps_of(spec) for spec in self.val_specs]
         if stage in (None, "fit"):
             self.start_fit(

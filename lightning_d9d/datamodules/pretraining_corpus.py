@@ -5,6 +5,11 @@ source) it scans the parquet footers (``streaming.source``), builds the
 :class:`~lightning_d9d.streaming.spec.MixtureSpec` the K streams share and estimates one pass per source
 (``streaming.estimate``). It knows nothing of ranks, workers or Lightning.
 
+The files of every source (and of every validation source) are resolved before any footer is read, and a file
+that two sources claim (the same path, or an overlapping glob; URLs compared without their query and
+credentials, local paths after symlinks) is refused unless ``allow_shared_files``: each source reads its files on
+its own, so a shared file's documents would be trained twice per pass, once under each name.
+
 Trade-off: the tokenizer is read and the footers scanned again on every ``setup``, so a run always streams the
 files as they are now (and the fingerprint notices a file changed since a checkpoint), at the cost of listing
 and opening every file once per ``setup``.
@@ -15,7 +20,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -24,7 +28,7 @@ from lightning_d9d.streaming.estimate import estimate_pass, first_text
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
-from lightning_d9d.streaming.storage import Storage
+from lightning_d9d.streaming.storage import Storage, canonical, redact
 from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
 
 
@@ -87,23 +91,27 @@ class PretrainingCorpus:
         self.tokenizer_json = loaded.to_str()
         self.pad_id = pad_token_id(loaded, avoid=bos_id)  # BOS marks document starts, so padding must not use it
 
-    def train(self, sources: Sequence[SourceConfig], schedule: MixtureSchedule, what: str) -> TrainCorpus:
+    def train(
+        self, sources: Sequence[SourceConfig], schedule: MixtureSchedule, mixture: bool, allow_shared_files: bool
+    ) -> TrainCorpus:
         """The shuffled training streams of ``sources`` mixed by ``schedule`` (one source: all of every step).
 
         Args:
             sources: the sources, in order.
             schedule: their shares.
-            what: how the files are named in errors (``train_files``; a source's ``train_files['web']``).
+            mixture: the sources are named (``train_files['web']`` in errors), not one corpus (``train_files``).
+            allow_shared_files: accept a file that two sources hold.
 
         Raises:
-            ValueError: no file matches, a file is not parquet or lacks the column, the files hold no text, too
-                few rows for K streams (naming the source of a mixture).
+            ValueError: no file matches, a file two sources hold, a file is not parquet or lacks the column, the
+                files hold no text, too few rows for K streams (naming the source of a mixture).
             StorageError: a URL could not be listed or opened.
         """
         specs, pass_rows, total_tokens = [], {}, 0.0
-        for source in sources:
-            where = what if len(sources) == 1 and what == "train_files" else f"{what}[{source.name!r}]"
-            spec = self.spec(source, where, shuffle=True)
+        whats = [f"train_files[{source.name!r}]" if mixture else "train_files" for source in sources]
+        resolved = self._resolved(sources, whats, "train_files", allow_shared_files)
+        for source, what, files in zip(sources, whats, resolved):
+            spec = self.spec(source, files, what, shuffle=True)
             tokens, pass_rows[source.name] = estimate_pass(spec)
             specs.append(spec)
             total_tokens += tokens
@@ -111,19 +119,38 @@ class PretrainingCorpus:
         mixture = MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan)
         return TrainCorpus(mixture, total_tokens, pass_rows)
 
-    def validation(self, source: SourceConfig, what: str) -> MixtureSpec:
-        """The streams of one validation source, read in file order (``what`` names it in errors)."""
-        spec = self.spec(source, what, shuffle=False)
-        plan = MixturePlan(MixtureSchedule([source.name]), self.settings.global_batch_size)
-        return MixtureSpec((source.name,), (spec,), plan)
+    def validation(
+        self, sources: Sequence[SourceConfig], by_source: bool, allow_shared_files: bool
+    ) -> list[MixtureSpec]:
+        """The streams of every validation source, each a corpus of its own read in file order.
 
-    def spec(self, source: SourceConfig, what: str, shuffle: bool) -> StreamSpec:
-        """The spec of the K streams ``source``'s row groups are dealt to.
+        Raises:
+            ValueError: as :meth:`train`.
+        """
+        whats = [f"val_files[{source.name!r}]" if by_source else "val_files" for source in sources]
+        resolved = self._resolved(sources, whats, "val_files", allow_shared_files)
+        plans = [MixturePlan(MixtureSchedule([source.name]), self.settings.global_batch_size) for source in sources]
+        return [
+            MixtureSpec((source.name,), (self.spec(source, files, what, shuffle=False),), plan)
+            for source, what, files, plan in zip(sources, whats, resolved, plans)
+        ]
+
+    def _resolved(
+        self, sources: Sequence[SourceConfig], whats: Sequence[str], what: str, allow_shared_files: bool
+    ) -> list[list[str]]:
+        """Every source's files, resolved (listing only, no footer read), checked for files two sources hold."""
+        resolved = [resolve_files(source.files, name, self.storage) for source, name in zip(sources, whats)]
+        if not allow_shared_files:
+            check_shared_files([(source.name, files) for source, files in zip(sources, resolved)], what)
+        return resolved
+
+    def spec(self, source: SourceConfig, files: list[str], what: str, shuffle: bool) -> StreamSpec:
+        """The spec of the K streams ``source``'s row groups (of its resolved ``files``) are dealt to.
 
         Raises:
             ValueError: as :meth:`scan`, or too few rows for K streams (naming ``what``).
         """
-        index = self.scan(source.files, what, source.text_column)
+        index = self.scan(files, what, source.text_column)
         try:
             units = Units.of(index, self.settings.num_streams)
         except ValueError as error:  # too few rows for K streams: say which source of a mixture
@@ -132,17 +159,54 @@ class PretrainingCorpus:
             raise ValueError(f"{what}: {error}") from error
         return StreamSpec(self.settings, index, units, self.tokenizer_json, self.bos_id, self.pad_id, shuffle)
 
-    def scan(self, files: Any, what: str, text_column: str) -> RowGroupIndex:
-        """The row groups of ``files`` (footers only).
+    def scan(self, files: list[str], what: str, text_column: str) -> RowGroupIndex:
+        """The row groups of resolved ``files`` (footers only).
 
         Raises:
-            ValueError: as ``resolve_files``/``RowGroupIndex.scan``, or every text of the column is null or empty.
+            ValueError: as ``RowGroupIndex.scan``, or every text of the column is null or empty.
         """
-        storage = self.storage
-        index = RowGroupIndex.scan(resolve_files(files, what, storage), text_column, storage)
+        index = RowGroupIndex.scan(files, text_column, self.storage)
         if first_text(index) is None:
             raise ValueError(
                 f"{what} hold no text: every value of column {text_column!r} in {len(index.files)} file(s) "
                 f"({index.total_rows} rows) is null or empty"
             )
         return index
+
+
+def file_identity(path: str) -> str:
+    """What makes two resolved paths the same file: a local path (or ``file://`` URL) after symlinks, a URL without
+    its query and credentials (``s3a://`` is ``s3://``)."""
+    if "://" not in path:
+        return os.path.realpath(path)
+    url = canonical(path)
+    scheme, rest = url.split("://", 1)
+    if scheme == "file":
+        return os.path.realpath(rest)
+    return f"{'s3' if scheme == 's3a' else scheme}://{rest}"
+
+
+def check_shared_files(resolved: Sequence[tuple[str, Sequence[str]]], what: str) -> None:
+    """Raises ValueError when a file belongs to two of the named sources' resolved files, naming both sources, the
+    first such file and how many they share.
+
+    Args:
+        resolved: ``(source name, its resolved files)`` per source, in order.
+        what: the argument's name (``train_files``, ``val_files``).
+    """
+    owners: dict[str, tuple[str, str]] = {}
+    shared: dict[tuple[str, str], list[str]] = {}
+    for name, files in resolved:
+        for path in files:
+            owner, first_path = owners.setdefault(file_identity(path), (name, path))
+            if owner != name:
+                shared.setdefault((owner, name), []).append(first_path)
+    if not shared:
+        return
+    (first, second), paths = next(iter(shared.items()))
+    more = f" and {len(paths) - 1} more file{'s' if len(paths) > 2 else ''}" if len(paths) > 1 else ""
+    raise ValueError(
+        f"{what}[{first!r}] and {what}[{second!r}] both hold {redact(paths[0])!r}{more}: each source reads its files "
+        "on its own, so that file's documents would be read twice per pass, once under each name; give each file "
+        "to one source (weights set the sources' shares), or pass allow_shared_files=True if the duplicates are meant"
+    )

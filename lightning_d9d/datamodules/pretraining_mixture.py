@@ -5,7 +5,9 @@
 :mod:`lightning_d9d.streaming.mixture` and taken by :mod:`lightning_d9d.streaming.mixture_stream`; this module
 holds what the DataModule adds around them:
 
-* **parsing** the sources (one error naming the value and what is valid);
+* **parsing** the sources (one error naming the value and what is valid); beside a mixture, the names of a
+  mapping ``val_files`` must be training sources' (a validation source measures the source of its name), and
+  the training sources left without one are said once (:func:`say_unvalidated_sources`);
 * **the plan on resume** (:func:`resumed_plan`): the checkpoint's plan is kept when the shares are unchanged;
   other shares are refused with one error naming the old and new shares, unless ``on_mixture_change=
   "continue"``: the new shares then count from the resume step, every source from the rows it had given;
@@ -21,6 +23,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
@@ -90,16 +94,23 @@ class Sources:
 
 
 def mixture_arguments(
-    train_files: Any, val_files: Any, text_column: str, weights: Any, on_mixture_change: Any
+    train_files: Any, val_files: Any, text_column: str, weights: Any, on_mixture_change: Any, allow_shared_files: Any
 ) -> Sources:
     """The training and validation sources and the validated schedule of the shares.
 
+    A mapping ``val_files`` beside one training corpus may name its sources freely (there are no training names
+    to match).
+
     Raises:
         ValueError: a bad source, ``weights`` without a mixture, weights the schedule refuses (unknown names,
-            negative or all-zero weights, phases out of order), an unknown ``on_mixture_change``.
+            negative or all-zero weights, phases out of order), an unknown ``on_mixture_change``, a validation
+            source beside a mixture that is named after no training source (naming the training sources), an
+            ``allow_shared_files`` that is not a bool.
     """
     if on_mixture_change not in ON_MIXTURE_CHANGE:
         raise ValueError(f"on_mixture_change must be one of {list(ON_MIXTURE_CHANGE)}, got {on_mixture_change!r}")
+    if not isinstance(allow_shared_files, bool):
+        raise ValueError(f"allow_shared_files must be True or False, got {allow_shared_files!r}")
     train = parse_sources(train_files, text_column, "train_files")
     validation = parse_sources(val_files, text_column, "val_files")
     if train is None:
@@ -114,8 +125,31 @@ def mixture_arguments(
         validation_sources: list[SourceConfig] | None = [SourceConfig(SINGLE_VALIDATION_NAME, val_files, text_column)]
     else:
         validation_sources = validation
-    schedule = MixtureSchedule([source.name for source in train_sources], weights)
-    return Sources(train_sources, validation_sources, schedule, train is not None, validation is not None)
+    names = [source.name for source in train_sources]
+    unknown = [source.name for source in validation or () if source.name not in names] if train is not None else []
+    if unknown:
+        what = "is not a training source" if len(unknown) == 1 else "are not training sources"
+        raise ValueError(
+            f"val_files names {unknown}, which {what}: a validation source is named after the training source it "
+            f"measures, one of {names}"
+        )
+    return Sources(train_sources, validation_sources, MixtureSchedule(names, weights), train is not None,
+                   validation is not None)  # fmt: skip
+
+
+def say_unvalidated_sources(sources: Sources) -> list[str]:
+    """The training sources of a mixture that a mapping ``val_files`` gives no validation source (``[]`` when
+    either is not a mapping), said in one info message on rank 0 when there are any."""
+    if not (sources.mixture and sources.validation_by_source):
+        return []
+    validated = [source.name for source in sources.validation or ()]
+    missing = [source.name for source in sources.train if source.name not in validated]
+    if missing:
+        rank_zero_info(
+            f"val_files validates {validated} only: training sources {missing} have no validation data (no "
+            "validation loss is measured for them)"
+        )
+    return missing
 
 
 def resumed_plan(spec: MixtureSpec, saved: Any, step: int, on_change: OnMixtureChange) -> MixturePlan:

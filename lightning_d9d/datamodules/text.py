@@ -106,6 +106,11 @@ class TextDataModule(D9DDataModule):
         truncation: a fine-tuning sample longer than ``max_length``: ``"error"``, ``"drop"`` (counted) or
             ``"keep_start"`` (cut, counted). A sample left with nothing to train is always dropped (counted).
             Text keeps its first ``max_length`` tokens, as before.
+        eos_token: the token ending every prompt/completion string completion (trained with it); ``None``: the
+            ``eos_token`` of the ``tokenizer_config.json`` (or ``special_tokens_map.json``) next to the tokenizer
+            file, else the special token its post-processor appends, else a usual EOS of its vocabulary. String
+            completions with none of these are refused: trained without an end token, a model never learns to
+            stop. Completions given as messages end with the template's end-of-turn token instead.
 
     Raises:
         ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
@@ -114,7 +119,8 @@ class TextDataModule(D9DDataModule):
             construction); columns of no format, a ``loss_on`` the format lacks, a chat template that cannot be
             parsed or uses an undefined special token, a bad row (naming it: missing value, unknown role, a
             template that raises, no assistant turn, a turn that cannot be located), a row over ``max_length``
-            under ``truncation="error"``, no row left to train (in ``prepare_data``/``setup``).
+            under ``truncation="error"``, no row left to train, prompt/completion strings with a tokenizer that
+            has no EOS token or an ``eos_token`` it lacks (in ``prepare_data``/``setup``).
         FileNotFoundError: a tokenizer file, local dataset path or ``chat_template`` file that does not exist.
     """
 
@@ -150,12 +156,12 @@ class TextDataModule(D9DDataModule):
         chat_template: str | None = None,
         loss_on: Literal["all", "completion", "assistant", "last_assistant"] | None = None,
         truncation: Literal["error", "drop", "keep_start"] = "drop",
+        eos_token: str | None = None,
     ):
         self.max_length, self.num_proc = _checked_arguments(dataset, tokenizer, max_length, num_proc)
-        columns = Columns(text_column, prompt_column, completion_column, messages_column)
-        self.finetuning = FineTuningOptions(format, columns, chat_template, loss_on, truncation, tokenizer == DEMO)
-        self.sft = FineTuningState()
-        self.dataset, self.tokenizer, self.cache_dir = dataset, tokenizer, cache_dir
+        columns, demo = Columns(text_column, prompt_column, completion_column, messages_column), tokenizer == DEMO
+        self.finetuning = FineTuningOptions(format, columns, chat_template, loss_on, truncation, demo, eos_token)
+        self.sft, self.dataset, self.tokenizer, self.cache_dir = FineTuningState(), dataset, tokenizer, cache_dir
         self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
         self.padded_collator, self.collator = _collators(pad_to_multiple_of, padding_side, padding_free)
         super().__init__(

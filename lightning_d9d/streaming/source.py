@@ -41,6 +41,9 @@ import pyarrow.parquet as pq
 from lightning_d9d.streaming.storage import Storage, StorageError, canonical, parse_url, redact, with_query
 
 _GLOB_CHARS = ("*", "?", "[")
+# Guards making an index's per-process lock; a forked child gets a fresh one (another thread may hold the parent's).
+_PROCESS_LOCK = [threading.Lock()]
+os.register_at_fork(after_in_child=lambda: _PROCESS_LOCK.__setitem__(0, threading.Lock()))
 
 
 def _rejoin(spec: str, path: str) -> str:
@@ -285,7 +288,10 @@ class RowGroupIndex:
     def _local(self) -> threading.Lock:
         """This process's lock (a forked or unpickled copy gets fresh handles and a fresh lock)."""
         if self._pid != os.getpid():
-            self._open, self._lock, self._pid = OrderedDict(), threading.Lock(), os.getpid()
+            # Several streams' threads may be the first of a process to read: one of them makes the lock.
+            with _PROCESS_LOCK[0]:
+                if self._pid != os.getpid():
+                    self._open, self._lock, self._pid = OrderedDict(), threading.Lock(), os.getpid()
         return self._lock
 
     def file_labels(self) -> list[str]:

@@ -56,7 +56,7 @@ class StreamSettings:
         packing: the packing strategy, or its name (:data:`PACKINGS`).
         seed: seeds each pass's unit order.
         num_streams: K, the streams the units are dealt to; K must divide G.
-        buffer_size: best-fit's buffer (documents; pieces for ``bestfit_split``).
+        bestfit_buffer_size: best-fit's buffer (documents; pieces for ``bestfit_split``).
         max_document_chars: longer documents are skipped and counted (``None``: no limit).
         tokenizer_batch_size: documents per tokenizer call, at most (never changes a row).
         growth: how a fresh best-fit buffer grows to ``buffer_size`` (a resumed stream keeps the growth it
@@ -71,7 +71,7 @@ class StreamSettings:
     packing: Packing
     seed: int = 0
     num_streams: int = 16
-    buffer_size: int = 1000
+    bestfit_buffer_size: int = 1000
     max_document_chars: int | None = None
     tokenizer_batch_size: int = 128
     growth: BufferGrowth = field(default_factory=BufferGrowth)
@@ -80,7 +80,7 @@ class StreamSettings:
         object.__setattr__(self, "packing", packing_of(self.packing) if isinstance(self.packing, str) else self.packing)
         if self.packing not in PACKINGS.values():
             raise ValueError(f"packing={self.packing!r} is not valid: use one of {list(PACKINGS)}")
-        for name in ("seq_len", "global_batch_size", "num_streams", "buffer_size", "tokenizer_batch_size"):
+        for name in ("seq_len", "global_batch_size", "num_streams", "bestfit_buffer_size", "tokenizer_batch_size"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         object.__setattr__(self, "seed", non_negative_int("seed", self.seed))
         object.__setattr__(
@@ -140,7 +140,7 @@ class StreamSpec:
 
     @property
     def buffer_size(self) -> int:
-        return self.settings.buffer_size
+        return self.settings.bestfit_buffer_size
 
     @property
     def growth(self) -> BufferGrowth:
@@ -244,7 +244,7 @@ class MixtureSpec:
             seed=settings.seed,
             global_batch_size=settings.global_batch_size,
             num_streams=settings.num_streams,
-            bestfit_buffer_size=settings.buffer_size,
+            bestfit_buffer_size=settings.bestfit_buffer_size,
             max_document_chars=settings.max_document_chars,
             sources=tuple(
                 (name, files_summary(spec.index), tuple(spec.index.file_digests), spec.index.text_column)
@@ -293,15 +293,47 @@ class CorpusFingerprint(Fingerprint):
         if not isinstance(then, (list, tuple)) or not all(isinstance(s, (list, tuple)) and len(s) == 4 for s in then):
             return [*differences, f"sources: checkpoint {_short(then)}, this run {[s[0] for s in self.sources]}"]
         mine = {source[0]: (i, source) for i, source in enumerate(now["sources"])}
-        saved_names = [source[0] for source in then]
+        removed, added = self._removed_and_added(then)
+        if removed:
+            differences.append(_removed_message(removed, added))
         for source in then:
-            name = source[0]
-            if name not in mine:
-                differences.append(_removed_message(name, saved_names, list(mine)))
-                continue
-            i, current = mine[name]
-            differences.extend(self._source_differences(i, list(_plain(source)), current))
+            if source[0] in mine:
+                i, current = mine[source[0]]
+                differences.extend(self._source_differences(i, list(_plain(source)), current))
         return differences
+
+    def mismatch_advice(self, saved: dict[str, Any]) -> str | None:
+        """When sources were removed (or renamed) and nothing else differs: keep the checkpoint's names, or keep
+        a removed source at weight 0 from the resume step on under ``on_mixture_change='continue'`` (which starts
+        an added source fresh and refuses a removed one). ``on_order_mismatch='restart_epoch'`` would throw away
+        every source's position, so it is not offered."""
+        then = saved.get("sources")
+        if not isinstance(then, (list, tuple)):
+            return None
+        removed, added = self._removed_and_added(then)
+        if not removed or len(self.mismatches(saved)) != 1:
+            return None
+        old, one = _names(removed), len(removed) == 1
+        zero = ", ".join([f"{name!r}: 0" for name in removed] + [f"{name!r}: <weight>" for name in added])
+        keep = (
+            f"To continue {old} where {'it' if one else 'they'} stopped, use the checkpoint's name{'' if one else 's'} "
+            f"{old} again (a source's position is saved under its name). "
+            if added
+            else ""
+        )
+        instead = f"To replace {old} by {_names(added)}" if added else f"To stop reading {old}"
+        fresh = f" ({_names(added)} then start{'s' if len(added) == 1 else ''} fresh)" if added else ""
+        return (
+            f"{keep}{instead}, keep {old} in train_files, give {'it' if one else 'them'} weight 0 from the resume "
+            f"step on (the checkpoint's global step S: weights=[[0, <the checkpoint's weights>], [S, {{..., {zero}}}]])"
+            f" and pass on_mixture_change='continue'{fresh}"
+        )
+
+    def _removed_and_added(self, then: Any) -> tuple[list[str], list[str]]:
+        """The checkpoint's source names this run lacks, and this run's names the checkpoint lacks, in order."""
+        saved_names = [source[0] for source in then if isinstance(source, (list, tuple)) and source]
+        names = [source[0] for source in self.sources]
+        return [n for n in saved_names if n not in names], [n for n in names if n not in saved_names]
 
     def _source_differences(self, i: int, then: list, now: list) -> list[str]:
         """How source ``i`` differs from its saved ``(name, summary, digests, column)``."""
@@ -322,11 +354,20 @@ class CorpusFingerprint(Fingerprint):
         return [*differences, f"{where}: {len(changed)} of {len(now[2])} changed since the checkpoint ({shown})"]
 
 
-def _removed_message(name: str, saved: list[str], now: list[str]) -> str:
+def _removed_message(removed: list[str], added: list[str]) -> str:
+    are = "is" if len(removed) == 1 else "are"
+    if added:
+        return (
+            f"sources: {_names(removed)} {are} in the checkpoint but not in this run, and {_names(added)} "
+            f"{'is' if len(added) == 1 else 'are'} in this run but not in the checkpoint: a renamed source?"
+        )
     return (
-        f"sources: {name!r} is in the checkpoint but not in this run (a source cannot be removed on resume; keep it "
-        "and give it weight 0 from the resume step on)"
+        f"sources: {_names(removed)} {are} in the checkpoint but not in this run: a source cannot be removed on resume"
     )
+
+
+def _names(names: list[str]) -> str:
+    return repr(names[0]) if len(names) == 1 else repr(list(names))
 
 
 def _plain(value: Any) -> Any:

@@ -142,17 +142,32 @@ def load_chat_template(source: str | None, tokenizer_path: str) -> ChatTemplate 
             text = path.read_text(encoding="utf-8")
     else:
         text, where = source, "the chat_template string"
-    special = _special_tokens(_read_json(config_file)) if config_file.is_file() else {}
-    # Older model folders keep their special tokens in special_tokens_map.json only (transformers reads both).
-    map_file = config_file.parent / "special_tokens_map.json"
-    if map_file.is_file():
-        special = {**_special_tokens(_read_json(map_file)), **special}
+    special = _config_special_tokens(config_file)
     template = ChatTemplate(text, tuple(sorted(special.items())))
     try:
         _compile(text)
     except Exception as error:  # jinja2.TemplateSyntaxError, with its line
         raise ValueError(f"cannot parse the chat template from {where}: {error}") from error
     return template
+
+
+def special_tokens_beside(tokenizer_path: str) -> dict[str, str]:
+    """The special-token strings of the ``tokenizer_config.json`` (then ``special_tokens_map.json``) in the
+    tokenizer file's folder, whether or not it holds a chat template (``{}`` when there is neither).
+
+    Raises:
+        ValueError: one of those files is not a JSON object.
+    """
+    return _config_special_tokens(Path(tokenizer_path).expanduser().parent / "tokenizer_config.json")
+
+
+def _config_special_tokens(config_file: Path) -> dict[str, str]:
+    special = _special_tokens(_read_json(config_file)) if config_file.is_file() else {}
+    # Older model folders keep their special tokens in special_tokens_map.json only (transformers reads both).
+    map_file = config_file.parent / "special_tokens_map.json"
+    if map_file.is_file():
+        special = {**_special_tokens(_read_json(map_file)), **special}
+    return special
 
 
 def check_special_tokens_defined(template: ChatTemplate) -> None:

@@ -3,7 +3,8 @@
 Algorithm: ``FineTuningOptions.split`` loads the raw split (as the text path does), detects its format from the
 columns (:mod:`lightning_d9d.text.formats`) and returns ``None`` for text, which the text path tokenizes exactly as
 before. Otherwise it resolves ``loss_on`` for the format, the chat template (:mod:`lightning_d9d.text.chat_template`;
-the demo tokenizer gets ``DEMO_CHAT_TEMPLATE``) and the EOS token, and tokenizes the split
+the demo tokenizer gets ``DEMO_CHAT_TEMPLATE``) and the EOS token (string completions refuse a tokenizer without
+one: their model would never learn to stop), and tokenizes the split
 (:mod:`lightning_d9d.text.sft_tokenize`).
 
 Trade-off: the format is only known once the split is loaded, so a text split is opened twice (the second time
@@ -28,7 +29,7 @@ from lightning_d9d.text.masks import TRUNCATIONS
 from lightning_d9d.text.sft_tokenize import (
     SFTRecipe,
     SFTSplit,
-    default_eos_token,
+    completion_eos_token,
     load_sft_tokenizer,
     resolve_loss_on,
     sft_tokenized_split,
@@ -83,6 +84,9 @@ class FineTuningOptions:
             ``"last_assistant"``.
         truncation: ``"error"``, ``"drop"`` or ``"keep_start"``.
         demo_tokenizer: the tokenizer is the demo's (its template is ``DEMO_CHAT_TEMPLATE``).
+        eos_token: the token that ends every string completion; ``None``: the ``eos_token`` of the tokenizer's
+            config, else the one its post-processor appends, else a usual one of its vocabulary
+            (``completion_eos_token``).
     """
 
     format: str | None = None
@@ -91,6 +95,7 @@ class FineTuningOptions:
     loss_on: str | None = None
     truncation: str = "drop"
     demo_tokenizer: bool = False
+    eos_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.format is not None and self.format not in FORMATS:
@@ -101,6 +106,8 @@ class FineTuningOptions:
             )
         if self.truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {list(TRUNCATIONS)}, got {self.truncation!r}")
+        if self.eos_token is not None and (not isinstance(self.eos_token, str) or not self.eos_token):
+            raise ValueError(f"eos_token must be a non-empty token string or None, got {self.eos_token!r}")
 
     def template(self, tokenizer_path: str) -> ChatTemplate | None:
         """The chat template these options name (``None`` when there is none)."""
@@ -134,6 +141,7 @@ class FineTuningOptions:
         digest = file_sha256(tokenizer_path)
         template = self.template(tokenizer_path)
         tokenizer = load_sft_tokenizer(tokenizer_path, digest)
+        strings = format == "prompt_completion" and _holds_strings(raw, self.columns.completion)
         recipe = SFTRecipe(
             format=format,
             loss_on=loss_on,
@@ -141,6 +149,15 @@ class FineTuningOptions:
             max_length=max_length,
             columns=self.columns,
             template=template,
-            eos_token=default_eos_token(tokenizer, template),
+            eos_token=completion_eos_token(tokenizer, template, tokenizer_path, self.eos_token, strings),
         )
         return recipe, sft_tokenized_split(raw, recipe, tokenizer_path, digest, num_proc=num_proc, name=name)
+
+
+def _holds_strings(raw: Any, column: str) -> bool:
+    """Whether ``column`` of a loaded split holds strings (not lists of messages): one Arrow type per column, so
+    the features tell for every row."""
+    from datasets import Value
+
+    feature = raw.features.get(column)
+    return isinstance(feature, Value) and feature.dtype in ("string", "large_string")

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from lightning_d9d.text.chat_template import ChatTemplate, TemplateRenderError
+from lightning_d9d.text.chat_template import ChatTemplate, TemplateRenderError, special_tokens_beside
 from lightning_d9d.text.formats import Columns, Format, required_columns, row_messages, row_part
 from lightning_d9d.text.masks import (
     DROPPED_TOO_LONG,
@@ -352,11 +352,16 @@ def load_sft_tokenizer(path: str, digest: str) -> Any:
     return tokenizer
 
 
-def default_eos_token(tokenizer: Any, template: ChatTemplate | None) -> str | None:
-    """The template config's ``eos_token``, else the special token the post-processor ends a text with, else a
-    usual EOS token of the vocabulary, else ``None``."""
+def default_eos_token(
+    tokenizer: Any, template: ChatTemplate | None, beside: dict[str, str] | None = None
+) -> str | None:
+    """The template config's ``eos_token``, else that of the special tokens ``beside`` the tokenizer (its folder's
+    ``tokenizer_config.json``, which may hold no template), else the special token the post-processor ends a text
+    with, else a usual EOS token of the vocabulary, else ``None``."""
     if template is not None and template.special("eos_token"):
         return template.special("eos_token")
+    if beside and beside.get("eos_token"):
+        return beside["eos_token"]
     encoding = tokenizer.encode("a")
     if encoding.special_tokens_mask and encoding.special_tokens_mask[-1]:
         return tokenizer.id_to_token(encoding.ids[-1])
@@ -364,6 +369,45 @@ def default_eos_token(tokenizer: Any, template: ChatTemplate | None) -> str | No
         if tokenizer.token_to_id(token) is not None:
             return token
     return None
+
+
+def completion_eos_token(
+    tokenizer: Any,
+    template: ChatTemplate | None,
+    tokenizer_path: str,
+    explicit: str | None = None,
+    string_completions: bool = True,
+) -> str | None:
+    """The EOS token string completions end with: ``explicit`` (``eos_token=``), else ``default_eos_token``.
+
+    Without one a completion is trained with no end token and the model never learns to stop, so string
+    completions (``string_completions``) refuse a tokenizer that has none; completions given as messages end
+    with the template's end-of-turn token and need none.
+
+    Raises:
+        ValueError: ``explicit``, or (for string completions) the token found, is not a token of the tokenizer;
+            string completions and no EOS token at all (naming the tokenizer file and how to set one).
+    """
+    if explicit is not None:
+        token, source = explicit, "eos_token="
+    else:
+        token = default_eos_token(tokenizer, template, special_tokens_beside(tokenizer_path))
+        source = "the tokenizer config's eos_token "  # the only source of a token the vocabulary may lack
+    added = sorted(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content)
+    if token is not None and tokenizer.token_to_id(token) is None and (explicit is not None or string_completions):
+        raise ValueError(
+            f"{source}{token!r} is not a token of the tokenizer {tokenizer_path!r} (its added/special tokens: "
+            f"{added}): pass eos_token= one of its tokens"
+        )
+    if token is None and string_completions:
+        raise ValueError(
+            f"the tokenizer {tokenizer_path!r} has no end-of-sequence token, and prompt/completion strings need one "
+            "after every completion (trained without it, the model never learns to stop): no eos_token in a "
+            "tokenizer_config.json or special_tokens_map.json beside it, none its post-processor appends, none of "
+            f"{list(EOS_CANDIDATES)}; pass eos_token= (a token of the tokenizer; its added/special tokens: {added}) "
+            'to TextDataModule, or put {"eos_token": "..."} in a tokenizer_config.json next to the tokenizer.json'
+        )
+    return token
 
 
 @dataclasses.dataclass

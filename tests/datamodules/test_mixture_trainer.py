@@ -63,7 +63,7 @@ def data(tmp_path_factory) -> Path:
 def datamodule(data: Path, **changes: Any) -> PretrainingDataModule:
     options = dict(
         train_files={"web": str(data / "web"), "code": {"files": str(data / "code"), "text_column": "content"}},
-        val_files={"val_web": str(data / "val_web"), "code": {"files": str(data / "code"), "text_column": "content"}},
+        val_files={"web": str(data / "val_web"), "code": {"files": str(data / "code"), "text_column": "content"}},
         tokenizer=str(data / "tokenizer.json"), seq_len=16, global_batch_size=G, microbatch_size=2, num_streams=K,
         num_workers=0, steps_per_epoch=5, val_steps=2, tokenizer_batch_size=8, bestfit_buffer_size=8,
         packing="bestfit_split", weights=WEIGHTS,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -279,13 +280,44 @@ def test_a_source_added_on_resume_starts_fresh(corpus: dict) -> None:
     assert grown.source_stats()["c"]["rows"] == sum(1 for rows in following for s, _ in rows if s == 2)
 
 
+def test_a_renamed_source_is_refused_naming_both_names_and_the_way_that_works(corpus: dict) -> None:
+    root = corpus["root"]
+    weights = {"a": 1, "b": 1}
+    state, before = state_after(datamodule(corpus, weights=weights), 3)
+    renamed = datamodule(corpus, train_files={"a": str(root / "a"), "bb": sources(corpus)["b"]})
+    with pytest.raises(ValueError) as refused:
+        renamed.load_state_dict(state)
+    message = str(refused.value)
+    assert "'b' is in the checkpoint but not in this run, and 'bb' is in this run but not in the checkpoint" in message
+    assert "use the checkpoint's name 'b' again" in message and "on_mixture_change='continue'" in message
+    assert "weights=[[0, <the checkpoint's weights>], [S, {..., 'b': 0, 'bb': <weight>}]]" in message
+    assert "on_order_mismatch" not in message
+    # The ways it names work: the old name continues exactly; or 'b' kept at weight 0 from the resume step on,
+    # beside a new source (here other files) that starts fresh, under on_mixture_change="continue".
+    uninterrupted = run_steps(datamodule(corpus, weights=weights), 6)
+    same_name = datamodule(corpus, weights=weights)
+    same_name.load_state_dict(state)
+    assert before + run_steps(same_name, 3) == uninterrupted
+    replaced = {"a": str(root / "a"), "b": sources(corpus)["b"], "bb": str(root / "c")}
+    phases = [[0, weights], [3, {"a": 1, "bb": 1}]]
+    replacing = datamodule(corpus, train_files=replaced, weights=phases, on_mixture_change="continue")
+    replacing.load_state_dict(state)
+    after = run_steps(replacing, 3)
+    assert {source for rows in after for source, _ in rows} == {0, 2}  # a and bb, no row of b
+    # A source removed without a new one: the same advice, without the renaming part.
+    shrunk = datamodule(corpus, names="a")
+    with pytest.raises(ValueError, match=r"'b' is in the checkpoint but not in this run: a source cannot be removed on "
+                       r"resume\)\. To stop reading 'b', keep 'b' in train_files, give it weight 0"):  # fmt: skip
+        shrunk.load_state_dict(state)
+
+
 def test_a_removed_source_or_changed_files_are_refused(corpus: dict) -> None:
     state, _ = state_after(datamodule(corpus, names="abc", weights={"a": 1, "b": 1, "c": 1}), 2)
     shrunk = datamodule(corpus, names="ab", on_mixture_change="continue")
     with pytest.raises(ValueError, match=r"'c' is in the checkpoint but not in this run"):
         shrunk.load_state_dict(state)
-    swapped = datamodule(corpus, names="abc", on_mixture_change="continue")
-    swapped.train_files = {**swapped.train_files, "c": str(corpus["root"] / "a")}
+    swapped = datamodule(corpus, names="abc", on_mixture_change="continue", allow_shared_files=True)
+    swapped.train_files = {**swapped.train_files, "c": str(corpus["root"] / "a")}  # a's files, shared on purpose
     swapped.train_spec = None
     swapped.setup("fit")
     with pytest.raises(ValueError, match=r"sources\['c'\]: checkpoint"):
@@ -323,6 +355,34 @@ def test_validation_per_source_gives_one_loader_each_in_order(corpus: dict) -> N
             assert set(batch.input_ids.flatten().tolist()) - specials <= vocab[name]
 
 
+def test_validation_sources_are_training_sources_and_the_ones_without_are_said_once(corpus: dict, caplog) -> None:
+    root = corpus["root"]
+    with pytest.raises(ValueError, match=r"val_files names \['zz'\], which is not a training source: a validation "
+                       r"source is named after the training source it measures, one of \['a', 'b'\]"):  # fmt: skip
+        datamodule(corpus, val_files={"a": str(root / "a"), "zz": str(root / "c")})
+    # Lightning's logger stops propagating (so misses caplog's root handler) when it was imported before any root
+    # handler existed: then caplog's handler is attached to it directly.
+    logger = logging.getLogger("lightning.pytorch")
+    attached = not logger.propagate
+    if attached:
+        logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            dm = datamodule(corpus, names="abc", val_files={"b": sources(corpus)["b"]}, val_steps=1)
+            partly = [record.getMessage() for record in caplog.records if "no validation data" in record.getMessage()]
+            caplog.clear()
+            datamodule(corpus, names="ab", val_files={"b": sources(corpus)["b"], "a": str(root / "a")}, val_steps=1)
+            every = [record.getMessage() for record in caplog.records if "no validation data" in record.getMessage()]
+    finally:
+        if attached:
+            logger.removeHandler(caplog.handler)
+    assert partly == [
+        "val_files validates ['b'] only: training sources ['a', 'c'] have no validation data (no validation loss is "
+        "measured for them)"
+    ]  # once, though setup parses the sources again
+    assert every == [] and dm.val_source_names == ["b"] and len(dm.val_dataloader()) == 1
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     ("change", "message"),
@@ -353,6 +413,31 @@ def test_weights_without_sources_and_a_source_without_text_are_errors(corpus: di
         datamodule(corpus, train_files={"a": str(root / "a"), "t": str(root / "tiny")})
     with pytest.raises(ValueError, match=r"train_files\['b'\]=.*matches no file"):
         datamodule(corpus, train_files={"a": str(root / "a"), "b": str(Path(root) / "nothing" / "*.parquet")})
+
+
+def test_a_file_two_sources_hold_is_refused_naming_both_before_any_file_is_read(corpus: dict) -> None:
+    root = corpus["root"]
+    junk = root / "junk"
+    junk.mkdir(exist_ok=True)
+    (junk / "x.parquet").write_text("not parquet")  # read first, it would fail: the check comes before any read
+    same = {"a": str(root / "a"), "b": str(root / "a"), "j": str(junk)}
+    with pytest.raises(ValueError, match=r"train_files\['a'\] and train_files\['b'\] both hold '.*a/part-000\.parquet' "
+                       r"and 2 more files: .*allow_shared_files=True"):  # fmt: skip
+        datamodule(corpus, train_files=same)
+    # An overlapping glob, a file reached through a symlinked folder: the same file, named as the first source has it.
+    (root / "a_link").symlink_to(root / "a", target_is_directory=True)
+    claimed_twice = r"train_files\['a'\] and train_files\['c'\] both hold '.*/a/part-001\.parquet':"
+    for other in (str(root / "a" / "part-*1.parquet"), str(root / "a_link" / "part-001.parquet")):
+        with pytest.raises(ValueError, match=claimed_twice):
+            datamodule(corpus, train_files={"a": str(root / "a"), "b": sources(corpus)["b"], "c": other})
+    with pytest.raises(ValueError, match=r"val_files\['a'\] and val_files\['c'\] both hold '.*c/part-000\.parquet'"):
+        datamodule(corpus, names="abc", val_files={"a": str(root / "c"), "c": [str(root / "c" / "part-000.parquet")]})
+    # Meant duplicates: accepted when asked for; a training file may also be a validation file.
+    shared = datamodule(corpus, train_files={"a": str(root / "a"), "b": str(root / "a")}, allow_shared_files=True)
+    assert shared.source_names == ["a", "b"]
+    assert datamodule(corpus, val_files={"a": str(root / "a")}).val_source_names == ["a"]
+    with pytest.raises(ValueError, match=r"allow_shared_files must be True or False, got 'yes'"):
+        datamodule(corpus, allow_shared_files="yes")
 
 
 def test_inspect_prints_the_phases_expected_passes_and_realised_shares(corpus: dict) -> None:

@@ -5,6 +5,7 @@ clear error for bad rows."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from sft_support import CHATML, LLAMA_LIKE, hf_tokenizer, write_model_folder
-from support import make_texts
+from support import make_texts, train_tokenizer
 
 from lightning_d9d import TextDataModule
 from lightning_d9d.text.collate import IGNORE_INDEX
@@ -153,6 +154,43 @@ def test_sharegpt_and_prompt_completion_are_detected(data: dict, tmp_path: Path)
     eos = sample["input_ids"][-1]
     assert sample["labels"][-1] == eos  # the completion ends with a trained EOS
     assert sample["labels"][0] == IGNORE_INDEX
+
+
+def test_prompt_completion_strings_refuse_a_tokenizer_without_eos_and_take_one_from_eos_token_or_its_config(
+    data: dict, tmp_path: Path
+) -> None:
+    # A real word-level tokenizer whose only special tokens are <unk> and <end>: no usual EOS name, no
+    # post-processor, no tokenizer_config.json. Its completions would be trained with no end token.
+    folder = tmp_path / "no_eos"
+    folder.mkdir()
+    tokenizer = train_tokenizer([message["content"] for chat in data["conversations"] for message in chat], bos=None)
+    tokenizer.add_special_tokens(["<end>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    path = str(folder / "tokenizer.json")
+    refusal = (
+        rf"the tokenizer '{re.escape(path)}' has no end-of-sequence token, and prompt/completion strings need one .* "
+        r"never learns to stop.* pass eos_token= \(a token of the tokenizer; its added/special tokens: "
+        r"\['<end>', '<unk>'\]\) to TextDataModule, or put \{\"eos_token\": \"\.\.\.\"\} in a "
+        r"tokenizer_config\.json next to the tokenizer\.json"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        make_dm(data, tmp_path, dataset="pairs.parquet", tokenizer=path)
+    with pytest.raises(ValueError, match=r"eos_token='<nope>' is not a token of the tokenizer .*pass eos_token= one"):
+        make_dm(data, tmp_path, dataset="pairs.parquet", tokenizer=path, eos_token="<nope>")
+    end = tokenizer.token_to_id("<end>")
+    given = make_dm(data, tmp_path, dataset="pairs.parquet", tokenizer=path, eos_token="<end>")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<end>"}))  # a config without a template
+    configured = make_dm(data, tmp_path, dataset="pairs.parquet", tokenizer=path)
+    for dm in (given, configured):
+        for i in range(len(dm.train_dataset)):
+            sample = dm.train_dataset[i]
+            assert sample["input_ids"][-1] == end == sample["labels"][-1]  # every completion ends, trained, in <end>
+            assert (sample["input_ids"] == end).sum() == 1
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ValueError, match=r"the tokenizer config's eos_token '</s>' is not a token of the tokenizer"):
+        make_dm(data, tmp_path, dataset="pairs.parquet", tokenizer=path)
+    with pytest.raises(ValueError, match=r"eos_token must be a non-empty token string or None, got ''"):
+        make_dm(data, tmp_path, dataset="pairs.parquet", tokenizer=path, eos_token="")
 
 
 def test_the_fine_tuning_settings_are_part_of_the_fingerprint(data: dict, tmp_path: Path) -> None:

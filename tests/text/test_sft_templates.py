@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 from sft_support import CHATML, CONVERSATIONS, LLAMA_LIKE, hf_tokenizer, write_model_folder
+from support import make_texts, train_tokenizer
 from tokenizers import Tokenizer, processors
 
-from lightning_d9d.text.chat_template import load_chat_template
+from lightning_d9d.text.chat_template import ChatTemplate, load_chat_template
 from lightning_d9d.text.formats import Columns, detect_format, row_messages
 from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe, load_sft_tokenizer
 from lightning_d9d.text.tokenize import file_sha256
@@ -95,6 +96,46 @@ def test_last_assistant_trains_only_the_last_turn(folders: dict) -> None:
     assert tokenizer.decode(ids[trained].tolist(), skip_special_tokens=False) == "An immutable one.<|im_end|>"
     _, all_labels, _ = row_tokenizer(folders["chatml"], "all")({"messages": messages}, 0)
     assert np.array_equal(all_labels, ids)
+
+
+CHATML_PLAIN = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+"""ChatML as most models ship it: no generation blocks, so the turns are found turn by turn."""
+
+
+@pytest.mark.parametrize("template", [CHATML_PLAIN, CHATML], ids=["turn_by_turn", "generation_blocks"])
+def test_chatml_trains_each_answer_and_its_im_end_not_the_newline_after_it(template: str) -> None:
+    """docs/finetuning.md: the newline ChatML writes after <|im_end|> is never generated, so it is not trained.
+
+    The tokenizer: support's byte-level BPE (trained here on the test text; its post-processor appends <eos>) with
+    <|im_start|> and <|im_end|> added as special tokens, as a model's tokenizer knows them.
+    """
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "waa wab wac"},
+        {"role": "assistant", "content": "wad wae"},
+        {"role": "user", "content": "waf"},
+        {"role": "assistant", "content": "wag wah wba"},
+    ]
+    tokenizer = train_tokenizer(make_texts(200) + [m["content"] for m in messages], kind="bpe")
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    im_end, newline = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("Ċ")  # byte-level "\n"
+    assert im_end is not None and newline is not None and tokenizer.encode("\n").ids[0] == newline
+    chat_template = ChatTemplate(template, (("eos_token", "<|im_end|>"),))
+    for loss_on, answers in (("assistant", messages[2::2]), ("last_assistant", messages[4:])):
+        recipe = SFTRecipe("messages", loss_on, "error", 10_000, Columns(), chat_template, None)
+        ids, labels, _ = RowTokenizer(recipe, tokenizer)({"messages": messages}, 0)
+        # The truth, independent of the masking code: each answer's own tokens, then <|im_end|>.
+        expected = [i for m in answers for i in [*tokenizer.encode(m["content"], add_special_tokens=False).ids, im_end]]
+        assert ids[labels != -100].tolist() == expected
+        assert np.array_equal(labels[labels != -100], ids[labels != -100])
+        ends = np.flatnonzero(ids == im_end)
+        assert len(ends) == len(messages) and ids[-1] == newline  # every turn, the last too, ends "<|im_end|>\n"
+        assert ids[ends + 1].tolist() == [newline] * len(messages) and (labels[ends + 1] == -100).all()
+    # A completion given as messages: the same answer and <|im_end|>, not the newline after it.
+    recipe = SFTRecipe("prompt_completion", "completion", "error", 10_000, Columns(), chat_template, None)
+    ids, labels, _ = RowTokenizer(recipe, tokenizer)({"prompt": messages[:-1], "completion": messages[-1:]}, 0)
+    assert ids[labels != -100].tolist() == [*tokenizer.encode("wag wah wba", add_special_tokens=False).ids, im_end]
+    assert ids[-1] == newline and labels[-1] == -100
 
 
 def test_at_most_one_bos_even_when_the_tokenizer_adds_one(tmp_path: Path, folders: dict) -> None:
