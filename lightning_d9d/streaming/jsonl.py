@@ -31,6 +31,7 @@ rest of the frames it starts and ends in). Groups are kept whole in memory while
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -470,6 +471,9 @@ def _load_cached(cache_dir: str, identity: dict[str, Any], storage: Storage) -> 
 def _save_cached(cache_dir: str, layout: JsonlLayout, storage: Storage) -> None:
     """Write the layout where :func:`_load_cached` looks: atomically (a reader sees a whole entry or none)."""
     identity = {"path": layout.path, "group_bytes": layout.group_bytes}
+    if cache_dir.split("://", 1)[0].lower() in ("s3", "s3a") and "://" in cache_dir:
+        # A delayed open lets pyarrow send a small object as one PUT (else a multipart upload of one part).
+        storage = dataclasses.replace(storage, options={**storage.options, "allow_delayed_open": True})
     fs, entry = _cache_entry(cache_dir, identity, storage)
     text = json.dumps({"version": _CACHE_VERSION, "layout": layout.to_dict()}, separators=(",", ":")).encode()
     if isinstance(fs, pafs.LocalFileSystem):
@@ -487,11 +491,11 @@ def _save_cached(cache_dir: str, layout: JsonlLayout, storage: Storage) -> None:
         return
 
     def put() -> None:
-        # One small object: object storage makes it visible whole, when the stream closes.
+        # One object: object storage makes it visible whole, when the stream closes.
         with fs.open_output_stream(entry, compression=None) as out:
             out.write(text)
 
-    storage.retrying(put, lambda: f"JSONL layout cache {redact(entry)!r}", lambda: None)
+    storage.retrying(put, lambda: f"JSONL layout cache entry {redact(entry)!r} (writing it)", lambda: None)
 
 
 # ---------------------------------------------------------------------------------------------- read
@@ -647,15 +651,13 @@ def _parse_fast(data: bytes, objects: np.ndarray, lengths: np.ndarray, text_colu
 
 
 def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (int, float)):
         return "a number"
     return {dict: "an object", list: "an array", str: "a string"}.get(type(value), type(value).__name__)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _parse_lines(
@@ -678,12 +680,13 @@ def _parse_lines(
         problem, text = None, None
         try:
             # surrogateescape: bytes that are not UTF-8 fail below only where they are in the text, as in pyarrow.
-            value = json.loads(raw.decode("utf-8", "surrogateescape"), parse_constant=_no_constant)
+            # NaN and Infinity are taken, as pyarrow takes them (outside the text).
+            value = json.loads(raw.decode("utf-8", "surrogateescape"))
         except (ValueError, RecursionError) as err:
             problem = f"not valid JSON ({err})"
         else:
             if not isinstance(value, dict):
-                problem = f"{_json_type(value)}, not a JSON object"
+                problem = f"it is {_json_type(value)}, not a JSON object"
             else:
                 text = value.get(text_column)
                 if text is not None and not isinstance(text, str):
