@@ -128,7 +128,7 @@ class JsonlLayout:
     """What a scan of one JSONL file found: its identity and its groups.
 
     Attributes:
-        path: the file, canonical (no endpoint options or credentials).
+        path: the file: its absolute path, or its URL without endpoint options and credentials.
         size: its size on storage, in bytes.
         mtime_ns: its modification time as storage reports it (``None`` where it reports none).
         digest: SHA-256 (hex) of its stored bytes: it changes when the file is edited.
@@ -262,22 +262,23 @@ def _decompressed(
             if not raw:
                 break
         piece = raw[at : at + _FEED_BYTES]
+        fed = True
         try:
-            if compression == "zstd":
-                outputs: list[bytes] = [decoder.decompress(piece)]
-            else:
-                outputs = [decoder.decompress(piece, _GZIP_OUT_BYTES)]
-                while decoder.unconsumed_tail and not decoder.eof:
-                    outputs.append(decoder.decompress(decoder.unconsumed_tail, _GZIP_OUT_BYTES))
+            output = decoder.decompress(piece) if compression == "zstd" else decoder.decompress(piece, _GZIP_OUT_BYTES)
+            while True:
+                if output:
+                    yield frame, output
+                    produced += len(output)
+                # A full output may leave more behind, even with all input taken: ask until it comes up short.
+                if compression == "zstd" or decoder.eof:
+                    break
+                if not decoder.unconsumed_tail and len(output) < _GZIP_OUT_BYTES:
+                    break
+                output = decoder.decompress(decoder.unconsumed_tail, _GZIP_OUT_BYTES)
         except (zstandard.ZstdError, zlib.error) as err:
             raise ValueError(
                 f"{what} is not valid {compression} data at compressed byte {offset} or after: {err}"
             ) from err
-        fed = True
-        for output in outputs:
-            if output:
-                yield frame, output
-                produced += len(output)
         if not decoder.eof:
             at += len(piece)
             offset += len(piece)
@@ -336,7 +337,13 @@ def scan_jsonl(
     info = _checked(storage, lambda: fs.get_file_info(fs_path), path)
     if info.type != pafs.FileType.File:
         raise ValueError(f"JSONL file {redact(path)!r} does not exist" + (" (a directory)" if info.type else ""))
-    identity = {"path": canonical(path), "size": info.size, "mtime_ns": info.mtime_ns, "group_bytes": group_bytes}
+    # A local file is known by its absolute path, a URL without its endpoint options and credentials.
+    identity = {
+        "path": canonical(path) if "://" in path else fs_path,
+        "size": info.size,
+        "mtime_ns": info.mtime_ns,
+        "group_bytes": group_bytes,
+    }
     if cache_dir is not None:
         cached = _load_cached(cache_dir, identity, storage)
         if cached is not None:

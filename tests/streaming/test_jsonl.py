@@ -149,6 +149,20 @@ def test_texts_come_back_one_row_per_line_in_every_group(tmp_path: Path, kind: s
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_tiny_reads_and_decompressor_calls_cut_nothing(tmp_path: Path, monkeypatch, kind: str) -> None:
+    """Storage reads, decompressor inputs and outputs of a few bytes: every boundary falls everywhere."""
+    monkeypatch.setattr(jsonl, "_READ_BYTES", 17)
+    monkeypatch.setattr(jsonl, "_FEED_BYTES", 5)
+    monkeypatch.setattr(jsonl, "_GZIP_OUT_BYTES", 7)
+    lines = docs(40)
+    path = write(tmp_path / f"x{SUFFIX[kind]}", lines, kind, frame_bytes=150)
+    layout = scan_jsonl(str(path), STORAGE, group_bytes=400)
+    assert read_all(path, layout) == expected(lines)
+    monkeypatch.undo()
+    assert scan_jsonl(str(path), STORAGE, group_bytes=400) == layout
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_file_without_a_final_newline_keeps_its_last_line(tmp_path: Path, kind: str) -> None:
     lines = [json.dumps({"text": f"doc {i}"}) for i in range(30)]
     path = tmp_path / f"x{SUFFIX[kind]}"
@@ -396,10 +410,13 @@ def test_the_cache_is_used_while_the_file_is_unchanged_and_rebuilt_after_an_edit
     cache = tmp_path / "cache"
     first = scan_jsonl(str(path), STORAGE, group_bytes=800, cache_dir=str(cache))
     assert len(cache_entries(cache)) == 1 and not list(cache.glob(".layout-*"))  # no temporary left over
+    assert first.path == str(path) and first.mtime_ns == path.stat().st_mtime_ns
     scans = []
     original = jsonl._scan
     monkeypatch.setattr(jsonl, "_scan", lambda *args: scans.append(1) or original(*args))
     assert scan_jsonl(str(path), STORAGE, group_bytes=800, cache_dir=str(cache)) == first and scans == []
+    monkeypatch.chdir(tmp_path)  # the same file by a relative path: the same entry
+    assert scan_jsonl("x.jsonl.gz", STORAGE, group_bytes=800, cache_dir="cache") == first and scans == []
     # Another group size is another entry.
     assert scan_jsonl(str(path), STORAGE, group_bytes=900, cache_dir=str(cache)) != first and len(scans) == 1
     assert len(cache_entries(cache)) == 2
