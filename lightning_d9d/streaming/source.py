@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from lightning_d9d.streaming.jsonl import is_jsonl
 from lightning_d9d.streaming.storage import Storage, StorageError, canonical, parse_url, redact, with_query
 
 _GLOB_CHARS = ("*", "?", "[")
@@ -84,7 +85,9 @@ def _expand(spec: str, storage: Storage, what: str) -> list[str]:
     info = _file_infos(fs, path, spec, what)
     if info.type == pafs.FileType.Directory:
         infos = _file_infos(fs, pafs.FileSelector(path, recursive=True), spec, what)
-        found = [i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")]
+        found = [
+            i.path for i in infos if i.type == pafs.FileType.File and (i.path.endswith(".parquet") or is_jsonl(i.path))
+        ]
         return [_rejoin(spec, p) for p in sorted(found)]
     if info.type == pafs.FileType.File:
         return [spec if "://" in spec else path]
@@ -94,13 +97,14 @@ def _expand(spec: str, storage: Storage, what: str) -> list[str]:
 def resolve_files(
     spec: str | os.PathLike | Sequence[str | os.PathLike], what: str = "train_files", storage: Storage | None = None
 ) -> list[str]:
-    """Resolve a file spec into a de-duplicated list of parquet files (each pattern's matches sorted).
+    """Resolve a file spec into a de-duplicated list of parquet and JSONL files (each pattern's matches sorted).
 
     Args:
-        spec: a directory (every ``*.parquet`` below it), a glob (``data/*.parquet``, ``data/**/x.parquet``), a
-            single file, a URL with any of those forms (``s3://…``, ``gs://…``, ``file://…``, or any fsspec
-            scheme when fsspec is installed), or a list of them (kept in list order). An ``s3://`` URL may carry
-            options (``?endpoint_override=host:port&scheme=http``); the files it expands to keep them.
+        spec: a directory (every ``*.parquet`` file and JSONL file, ``streaming.jsonl.JSONL_SUFFIXES``, below
+            it), a glob (``data/*.parquet``, ``data/**/x.jsonl.zst``), a single file, a URL with any of those
+            forms (``s3://…``, ``gs://…``, ``file://…``, or any fsspec scheme when fsspec is installed), or a list
+            of them (kept in list order). An ``s3://`` URL may carry options
+            (``?endpoint_override=host:port&scheme=http``); the files it expands to keep them.
         what: the argument's name, for error messages.
         storage: endpoint, credentials and options for URLs (see ``streaming.storage``).
 
@@ -119,8 +123,8 @@ def resolve_files(
         if not matched:
             raise ValueError(
                 f"{what}={redact(os.fspath(item))!r} matches no file: give an existing directory (its *.parquet "
-                "files are used), a glob such as 'data/*.parquet', a parquet file, or a URL such as "
-                "'s3://bucket/data/*.parquet'"
+                "and *.jsonl[.gz|.zst] files are used), a glob such as 'data/*.parquet', a parquet or JSONL file, or "
+                "a URL such as 's3://bucket/data/*.parquet'"
             )
         files.extend(m for m in matched if m not in files)
     return files

@@ -70,6 +70,7 @@ _PYARROW_S3_KEYS = frozenset(
         "external_id",
         "load_frequency",
         "proxy_options",
+        "allow_delayed_open",
         "allow_bucket_creation",
         "allow_bucket_deletion",
         "check_directory_existence_before_creation",
@@ -87,7 +88,13 @@ _CLIENT_KWARGS = {
     "aws_session_token": "session_token",
 }
 _CONFIG_KWARGS = {"connect_timeout": "connect_timeout", "read_timeout": "request_timeout", "region_name": "region"}
-_BOOL_QUERY_KEYS = {"anonymous", "allow_bucket_creation", "allow_bucket_deletion", "force_virtual_addressing"}
+_BOOL_QUERY_KEYS = {
+    "anonymous",
+    "allow_delayed_open",
+    "allow_bucket_creation",
+    "allow_bucket_deletion",
+    "force_virtual_addressing",
+}
 _FLOAT_QUERY_KEYS = {"request_timeout", "connect_timeout", "load_frequency"}
 
 # AWS SDK error names (as pyarrow prints them) and HTTP statuses that a later attempt may not meet again.
