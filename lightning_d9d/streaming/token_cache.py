@@ -67,8 +67,8 @@ MAX_NAMED_ENTRIES = 8
 _VERSION_NAME = re.compile(r"[0-9a-f]{16}")
 _FILE_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,127}")
 
-# What this process has warned about, and the cache versions it no longer writes to. A forked worker inherits
-# both, which keeps a failure it would meet again from being warned about once more per worker.
+# What this process has warned about, and the cache versions (by where()) it no longer writes to. A forked
+# worker inherits both, which keeps a failure it would meet again from being warned about once more per worker.
 _WARNED: set[tuple[str, ...]] = set()
 _NAMED: dict[str, int] = {}
 _NOT_WRITING: dict[str, str] = {}
@@ -286,7 +286,7 @@ class TokenCache:
 
     def where(self, relative: str = "") -> str:
         """``relative`` inside this version's folder, for messages (a URL without query or credentials)."""
-        root = canonical(self.root).rstrip("/")
+        root = canonical(self.root).rstrip("/") if "://" in self.root else self._filesystem()[1]
         return f"{root}/{self.digest}/{relative}" if relative else f"{root}/{self.digest}"
 
     @staticmethod
@@ -334,7 +334,7 @@ class TokenCache:
             return None
         except OSError as err:
             self._count(misses=1)
-            self._warn_once(("read", self.digest), f"cannot read token cache entry {self.where(name)!r} ({err}); "
+            self._warn_once(("read", self.where()), f"cannot read token cache entry {self.where(name)!r} ({err}); "
                                                   "its unit is tokenized instead (further read failures of this "
                                                   "cache are not reported)")  # fmt: skip
             return None
@@ -402,8 +402,8 @@ class TokenCache:
 
     def _report_bad(self, name: str, label: str | None, group: int, start: int, stop: int, reason: str) -> None:
         with _LOCK:
-            named = _NAMED.get(self.digest, 0)
-            _NAMED[self.digest] = named + 1
+            named = _NAMED.get(self.where(), 0)
+            _NAMED[self.where()] = named + 1
         if named < MAX_NAMED_ENTRIES:
             unit = f"{label + ', ' if label else ''}row group {group}, rows {start}..{stop - 1}"
             _warn(f"token cache entry {self.where(name)!r} ({unit}) is unusable, {reason}: it is deleted, and the "
@@ -423,7 +423,7 @@ class TokenCache:
     @property
     def writing(self) -> bool:
         """Whether this process still stores entries (``False`` after a full disk, quota or permission error)."""
-        return self.digest not in _NOT_WRITING
+        return self.where() not in _NOT_WRITING
 
     def store(self, file_digest: int | str, group_in_file: int, start: int, stop: int, unit: CachedUnit) -> bool:
         """Store the tokenization of a whole unit, atomically; whether it was stored.
@@ -535,14 +535,14 @@ class TokenCache:
         )
         if stops:
             with _LOCK:
-                first = self.digest not in _NOT_WRITING
-                _NOT_WRITING[self.digest] = str(err)
+                first = self.where() not in _NOT_WRITING
+                _NOT_WRITING[self.where()] = str(err)
             if first:
                 _warn(f"token cache {canonical(self.root)!r}: cannot store tokens ({err}); this process stops "
                       "writing to the cache and keeps reading it, tokenizing the units it lacks")  # fmt: skip
             return
         kind = type(err).__name__ + str(err.errno or "")
-        self._warn_once(("store", self.digest, kind), f"could not store token cache entry {self.where(name)!r} "
+        self._warn_once(("store", self.where(), kind), f"could not store token cache entry {self.where(name)!r} "
                         f"({err}); its unit is tokenized again when next read (further {kind} failures of this "
                         "cache are not reported)")  # fmt: skip
 
