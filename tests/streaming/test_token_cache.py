@@ -128,6 +128,10 @@ def test_empty_unit_and_documents_without_ids(tmp_path: Path) -> None:
 def test_an_id_outside_the_vocabulary_raises_instead_of_wrapping(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"token id 65536 \(at position 2\) is outside the vocabulary \[0, 65536\)"):
         CachedUnit.of(0, 0, 2, [0, 1], [[1, 2], [65536]], vocab_size=1 << 16)
+    with pytest.raises(ValueError, match=r"token id 1500 \(at position 1\) is outside the vocabulary \[0, 1000\)"):
+        CachedUnit.of(0, 0, 1, [0], [[3, 1500]], vocab_size=1000)  # fits uint16, not the vocabulary
+    with pytest.raises(ValueError, match="token id 70000"):
+        CachedUnit.of(0, 0, 1, [0], [np.asarray([3, 70_000], np.int32)], vocab_size=1 << 16)  # arrays: no wrap
     with pytest.raises(ValueError, match="token id -1"):
         token_array(np.asarray([3, -1], np.int32), 1000)
     assert token_array([65536], (1 << 16) + 1).dtype == np.uint32
