@@ -57,7 +57,9 @@ FORMAT_VERSION = 1
 MAGIC = b"D9DTOKS\n"
 ENTRY_SUFFIX = ".tok"
 MANIFEST = "manifest.json"
-# magic, format version, header length in bytes, the header's CRC-32.
+# magic, format version, header length in bytes, the header's CRC-32. CRC-32 (zlib, in the standard library)
+# checks at several GB/s, a small share of a load; a faster hash (xxhash) would be an optional dependency, and
+# entries written with and without it would need two formats.
 _PREFIX = struct.Struct("<8sIII")
 _INDEX = np.dtype("<i8")
 # Store failures that the next store would meet too: the process stops writing.
@@ -237,8 +239,10 @@ class TokenCache:
     Args:
         root: a local folder or a URL (``s3://bucket/prefix``) holding one folder per key.
         storage: how ``root`` is reached (endpoint, credentials), as for the parquet files.
-        key: everything that decides the tokens (tokenizer digest, text column, ``max_document_chars``, recipe
-            version), JSON-serialisable; it names the version folder and is kept in its manifest.
+        key: everything that decides the tokens, JSON-serialisable: the tokenizer's digest, the text column,
+            ``max_document_chars``, and a recipe version that covers the rest of the code's choices (e.g.
+            ``tokenize.LONG_DOCUMENT_CHARS``, which decides where a long document is cut into pieces). It names
+            the version folder and is kept in its manifest.
         vocab_size: the tokenizer's vocabulary size; it decides the dtype (:func:`token_dtype`).
 
     Raises:
