@@ -26,6 +26,7 @@ EXPECTED = {
     "streaming.py": ("bare vs bare", "own work / tokenizer's"),
     "huge_document.py": ("(peak - before) / document", "whole call / pieces"),
     "token_budget.py": ("budget-free", "padding-free / padded tokens/s"),
+    "token_cache.py": ("read() MB/s", "store of 1 M tokens uint32"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
 MIN_VERDICTS = {
@@ -37,6 +38,7 @@ MIN_VERDICTS = {
     "streaming.py": 10,
     "huge_document.py": 2,
     "token_budget.py": 8,
+    "token_cache.py": 4,
 }
 
 

@@ -1,0 +1,695 @@
+"""Token cache: each unit's tokens, stored the first time the unit is tokenized and read back instead of tokenizing.
+
+Algorithm: a cache lives under ``root`` (a local folder or an object-storage URL), one folder per *version*,
+named by ``sha256(key)[:16]``. The key is everything that decides the tokens (the tokenizer's content, the text
+column, ``max_document_chars``, the recipe), so a changed tokenizer or setting looks in another folder and
+never meets stale tokens; the folder's ``manifest.json`` holds the key in plain JSON, for people and for
+:meth:`TokenCache.describe_other_versions`. An entry holds one unit (rows ``[start, stop)`` of a row group) of
+one file, named by the file's content digest, the row group and the rows:
+``<version>/<file digest>/<group>-<start>-<stop>.tok``. An edited file has another digest, so its old entries
+are never looked up. An entry holds what the reader and tokenizer produced for the unit: the rows of the
+documents kept, each document's ids (without BOS) as offsets into one flat uint16/uint32 array, and the rows
+skipped as too long with their lengths. Replaying it gives the same documents and counters as tokenizing.
+
+An entry validates itself. It starts with a magic, the format version and a JSON header with its own CRC-32
+that names the unit and the array sizes; the arrays and their CRC-32 follow. Loading reads the entry in one
+request and checks the sizes against the length, then the checksum, then the structure (ascending rows inside
+the unit, monotone offsets, ids below the vocabulary size), and only then hands out views of the bytes. A bad
+entry is a miss: it is named in a warning and deleted, so the caller's next store replaces it.
+
+Stores are atomic. A local entry is written under a unique temporary name in its folder, fsynced and renamed
+onto its name. An object is written in one upload that the store commits only once it completes, so a killed
+writer leaves no object. Writers never coordinate: every writer of an entry writes the same bytes, so
+concurrent stores (tensor-parallel peers, two runs) are harmless and the last rename wins. A full disk, a
+quota or a refused permission is one warning; the process then stops writing and keeps reading.
+
+Trade-off: one file per unit (about a row group) keeps writers independent and commits atomic, with no index
+to update. The price is a file or object per row group (many small objects for a large corpus) and reading an
+entry whole. The checksum costs a second pass over the bytes, which keeps a damaged file from ever becoming
+tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import itertools
+import json
+import os
+import re
+import struct
+import threading
+import uuid
+import warnings
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow.fs as pafs
+
+from lightning_d9d.streaming.storage import Storage, canonical, is_transient
+
+FORMAT_VERSION = 1
+MAGIC = b"D9DTOKS\n"
+ENTRY_SUFFIX = ".tok"
+MANIFEST = "manifest.json"
+# magic, format version, header length in bytes, the header's CRC-32. CRC-32 (zlib, in the standard library)
+# checks at several GB/s, a small share of a load; a faster hash (xxhash) would be an optional dependency, and
+# entries written with and without it would need two formats.
+_PREFIX = struct.Struct("<8sIII")
+_INDEX = np.dtype("<i8")
+# Store failures that the next store would meet too: the process stops writing.
+_STOPS_WRITING = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS}
+# Bad entries named in a warning per cache version and process. Past that many, the cache is probably damaged
+# as a whole; one more warning says so, and the rest are only counted.
+MAX_NAMED_ENTRIES = 8
+_VERSION_NAME = re.compile(r"[0-9a-f]{16}")
+_FILE_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,127}")
+
+# What this process has warned about, and the cache versions (by where()) it no longer writes to. A forked
+# worker inherits both, which keeps a failure it would meet again from being warned about once more per worker.
+_WARNED: set[tuple[str, ...]] = set()
+_NAMED: dict[str, int] = {}
+_NOT_WRITING: dict[str, str] = {}
+_LOCK = threading.Lock()
+
+
+class TokenCacheWarning(UserWarning):
+    """The token cache could not be used as it should (a bad entry, a failed store); training goes on."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id of a vocabulary of ``vocab_size`` tokens.
+
+    Raises:
+        ValueError: ``vocab_size`` is below 1 or above 2**32.
+    """
+    if not 1 <= vocab_size <= 1 << 32:
+        raise ValueError(f"vocab_size={vocab_size} must be in 1..2**32")
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def token_array(ids: Any, vocab_size: int) -> np.ndarray:
+    """``ids`` in the cache's dtype (:func:`token_dtype`), after checking that every id is in
+    ``[0, vocab_size)``. The check prevents a silent wrap when a wide id is cast to a narrow dtype.
+
+    Raises:
+        ValueError: an id outside the vocabulary (naming it and its position), or ids that are not integers.
+    """
+    dtype = token_dtype(vocab_size)
+    array = np.asarray(ids)
+    if array.size == 0:
+        return np.zeros(0, dtype)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, not {array.dtype}")
+    array = array.reshape(-1)
+    if int(array.min()) < 0 or int(array.max()) >= vocab_size:
+        bad = int(np.flatnonzero((array < 0) | (array >= vocab_size))[0])
+        raise ValueError(
+            f"token id {int(array[bad])} (at position {bad}) is outside the vocabulary [0, {vocab_size}): a "
+            f"{dtype} token cache cannot store it"
+        )
+    return array.astype(dtype, copy=False)
+
+
+@dataclass(frozen=True, eq=False)
+class CachedUnit:
+    """What reading and tokenizing one unit produced, enough to replay both without the text.
+
+    The null and empty rows are those of ``[start, stop)`` that are neither kept nor too long
+    (:meth:`empty_rows`).
+
+    Attributes:
+        group_in_file: the unit's row group, counted within its file (global row group numbers depend on the
+            list of files; this one does not).
+        start, stop: the unit's rows ``[start, stop)`` of that row group.
+        rows: int64, ascending: the row of each document kept.
+        offsets: int64, ``len(rows) + 1`` entries: document ``i``'s ids are ``tokens[offsets[i]:offsets[i+1]]``.
+        tokens: every document's ids (BOS not included: the stream prepends it), uint16 or uint32.
+        too_long_rows: int64, ascending: the rows skipped for exceeding ``max_document_chars``.
+        too_long_chars: int64: their lengths in characters.
+    """
+
+    group_in_file: int
+    start: int
+    stop: int
+    rows: np.ndarray
+    offsets: np.ndarray
+    tokens: np.ndarray
+    too_long_rows: np.ndarray
+    too_long_chars: np.ndarray
+
+    @classmethod
+    def of(
+        cls,
+        group_in_file: int,
+        start: int,
+        stop: int,
+        rows: Sequence[int] | np.ndarray,
+        documents: Sequence[Sequence[int] | np.ndarray],
+        too_long: Mapping[int, int] | None = None,
+        *,
+        vocab_size: int,
+    ) -> CachedUnit:
+        """Build a unit from each kept document's row and ids (lists, as ``Encoding.ids``, or integer arrays).
+
+        Args:
+            too_long: ``{row: characters}`` of the rows skipped for their length (as ``read_capped`` returns).
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)``, or as many rows as documents missing.
+        """
+        if len(rows) != len(documents):
+            raise ValueError(f"{len(rows)} rows for {len(documents)} documents")
+        lengths = np.fromiter(map(len, documents), np.int64, len(documents))
+        offsets = np.zeros(len(documents) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        dtype, tokens = token_dtype(vocab_size), None
+        if all(isinstance(ids, list) for ids in documents):
+            # Python ints straight into the narrow dtype (2-3x faster than through int64): numpy raises on one
+            # out of the dtype's range, and the checked path below names it (or one past the vocabulary).
+            with contextlib.suppress(OverflowError):
+                tokens = np.fromiter(itertools.chain.from_iterable(documents), dtype, int(offsets[-1]))
+        if tokens is None or (len(tokens) and int(tokens.max()) >= vocab_size):
+            flat = np.concatenate([np.asarray(ids, np.int64) for ids in documents]) if documents else []
+            tokens = token_array(flat, vocab_size)
+        long_rows = sorted((too_long or {}).items())
+        return cls(
+            int(group_in_file),
+            int(start),
+            int(stop),
+            np.asarray(rows, np.int64).reshape(-1),
+            offsets,
+            tokens,
+            np.asarray([row for row, _ in long_rows], np.int64),
+            np.asarray([chars for _, chars in long_rows], np.int64),
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def ids(self, doc: int) -> np.ndarray:
+        """Document ``doc``'s ids (a view, read-only when loaded)."""
+        return self.tokens[int(self.offsets[doc]) : int(self.offsets[doc + 1])]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each document's id count (BOS not included)."""
+        return np.diff(self.offsets)
+
+    def empty_rows(self) -> np.ndarray:
+        """The rows of ``[start, stop)`` that held a null or empty text."""
+        return np.setdiff1d(np.arange(self.start, self.stop, dtype=np.int64), np.union1d(self.rows, self.too_long_rows))
+
+
+class Coverage(NamedTuple):
+    """How much of a list of units a cache holds: ``cached`` of ``total`` units, in ``bytes`` bytes."""
+
+    cached: int
+    total: int
+    bytes: int
+
+
+@dataclass
+class CacheCounters:
+    """What one process's :class:`TokenCache` did: loads that hit or missed, bad entries, stores."""
+
+    hits: int = 0
+    misses: int = 0
+    bad: int = 0
+    stored: int = 0
+    store_failures: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class _BadEntry(Exception):
+    """An entry that must not be read as tokens; the message says why."""
+
+
+class TokenCache:
+    """The tokens of every unit tokenized with one key, under ``root``.
+
+    Picklable: a worker process opens its own filesystem and keeps its own counters.
+
+    Args:
+        root: a local folder or a URL (``s3://bucket/prefix``) holding one folder per key.
+        storage: how ``root`` is reached (endpoint, credentials), as for the parquet files.
+        key: everything that decides the tokens, JSON-serialisable: the tokenizer's digest, the text column,
+            ``max_document_chars``, and a recipe version that covers the rest of the code's choices (e.g.
+            ``tokenize.LONG_DOCUMENT_CHARS``, which decides where a long document is cut into pieces). It names
+            the version folder and is kept in its manifest.
+        vocab_size: the tokenizer's vocabulary size; it decides the dtype (:func:`token_dtype`).
+
+    Raises:
+        ValueError: a key that is not JSON-serialisable, or a bad ``vocab_size``.
+    """
+
+    def __init__(self, root: str, storage: Storage, key: Mapping[str, Any] | str, *, vocab_size: int):
+        self.root, self.storage, self.vocab_size = root, storage, int(vocab_size)
+        self.key: Any = key if isinstance(key, str) else dict(key)
+        self.dtype = token_dtype(self.vocab_size)
+        try:
+            identity = json.dumps(
+                {"format": FORMAT_VERSION, "key": self.key, "vocab_size": self.vocab_size},
+                sort_keys=True,
+                separators=(",", ":"),
+            )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"token cache key {key!r} is not JSON-serialisable: {err}") from err
+        self.digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+        self._setup()
+
+    def _setup(self) -> None:
+        self.counters = CacheCounters()
+        self._fs: pafs.FileSystem | None = None
+        self._base = ""
+        self._manifest_written = False
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("root", "storage", "vocab_size", "key", "dtype", "digest")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    def __repr__(self) -> str:
+        return f"TokenCache({self.where()!r}, vocab_size={self.vocab_size})"
+
+    # ------------------------------------------------------------------------------------------------ paths
+    def _filesystem(self) -> tuple[pafs.FileSystem, str]:
+        if self._fs is None:
+            fs, base = self.storage.filesystem(self.root)
+            self._fs, self._base = fs, base.rstrip("/")
+        return self._fs, self._base
+
+    @property
+    def _local(self) -> bool:
+        return isinstance(self._filesystem()[0], pafs.LocalFileSystem)
+
+    def _path(self, relative: str = "") -> str:
+        """The filesystem path of ``relative`` inside this version's folder."""
+        base = f"{self._filesystem()[1]}/{self.digest}"
+        return f"{base}/{relative}" if relative else base
+
+    def where(self, relative: str = "") -> str:
+        """``relative`` inside this version's folder, for messages (a URL without query or credentials)."""
+        root = canonical(self.root).rstrip("/") if "://" in self.root else self._filesystem()[1]
+        return f"{root}/{self.digest}/{relative}" if relative else f"{root}/{self.digest}"
+
+    @staticmethod
+    def entry_name(file_digest: int | str, group_in_file: int, start: int, stop: int) -> str:
+        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.tok``.
+
+        Raises:
+            ValueError: a negative number, or a string digest that is not a plain file name.
+        """
+        if isinstance(file_digest, str):
+            if not _FILE_NAME.fullmatch(file_digest):
+                raise ValueError(f"file digest {file_digest!r} must be letters, digits, '.', '_', '-'")
+            file_part = file_digest
+        elif int(file_digest) >= 0:
+            file_part = f"{int(file_digest):016x}"
+        else:
+            raise ValueError(f"file digest {file_digest} must be >= 0")
+        if not 0 <= start <= stop or group_in_file < 0:
+            raise ValueError(f"row group {group_in_file}, rows [{start}, {stop}) are not a unit")
+        return f"{file_part}/{int(group_in_file)}-{int(start)}-{int(stop)}{ENTRY_SUFFIX}"
+
+    # ------------------------------------------------------------------------------------------------ loading
+    def load(
+        self, file_digest: int | str, group_in_file: int, start: int, stop: int, file_label: str | None = None
+    ) -> CachedUnit | None:
+        """The unit's cached tokenization, or ``None`` (not cached, unreadable, or bad).
+
+        A bad entry (truncated, damaged, of another format or unit) is named in a warning (the first
+        ``MAX_NAMED_ENTRIES`` of this version per process), deleted where the store allows, and a miss: the
+        caller tokenizes the unit and stores it again. A read that fails (network, permissions) is one warning
+        per process and a miss.
+
+        Args:
+            file_label: the file as messages should name it (e.g. its path relative to the corpus).
+
+        Raises:
+            ValueError: as :meth:`entry_name`.
+        """
+        name = self.entry_name(file_digest, group_in_file, start, stop)
+        path = self._path(name)
+        try:
+            data = self._read(path)
+        except FileNotFoundError:
+            self._count(misses=1)
+            return None
+        except OSError as err:
+            self._count(misses=1)
+            self._warn_once(("read", self.where()), f"cannot read token cache entry {self.where(name)!r} ({err}); "
+                                                  "its unit is tokenized instead (further read failures of this "
+                                                  "cache are not reported)")  # fmt: skip
+            return None
+        try:
+            unit = self._decode(data, name.split("/", 1)[0], group_in_file, start, stop)
+        except _BadEntry as bad:
+            self._count(misses=1, bad=1)
+            self._report_bad(name, file_label, group_in_file, start, stop, str(bad))
+            self._delete(path)
+            return None
+        self._count(hits=1, bytes_read=len(data))
+        return unit
+
+    def _read(self, path: str) -> Any:
+        if self._local:
+            with open(path, "rb") as entry:
+                return entry.read()  # one read of the whole file: its size is known from fstat
+        fs, _ = self._filesystem()
+        with fs.open_input_file(path) as entry:
+            return entry.read_buffer()
+
+    def _decode(self, data: Any, file_part: str, group: int, start: int, stop: int) -> CachedUnit:
+        """The unit ``data`` holds, after checking everything; raises :class:`_BadEntry` naming the problem."""
+        size = len(data)
+        if size < _PREFIX.size:
+            raise _BadEntry(f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
+        magic, version, header_size, header_crc = _PREFIX.unpack_from(data, 0)
+        if magic != MAGIC:
+            raise _BadEntry(f"not a token cache entry (it starts with {bytes(magic)!r}, not {MAGIC!r})")
+        if version != FORMAT_VERSION:
+            raise _BadEntry(f"format version {version}; this code reads version {FORMAT_VERSION}")
+        payload_at = _PREFIX.size + header_size
+        if payload_at > size:
+            raise _BadEntry(f"truncated: {size} bytes, shorter than its {header_size}-byte header")
+        raw = memoryview(data)[_PREFIX.size : payload_at]
+        if zlib.crc32(raw) != header_crc:
+            raise _BadEntry("its header fails its CRC-32 check")
+        try:
+            header = json.loads(bytes(raw))
+            counts = [int(header[name]) for name in ("documents", "too_long", "tokens")]
+        except (ValueError, KeyError, TypeError) as err:
+            raise _BadEntry(f"unreadable header ({err})") from err
+        for name, value in self._identity(file_part, group, start, stop).items():
+            if header.get(name) != value:
+                raise _BadEntry(f"its header says {name}={header.get(name)!r}, expected {value!r}")
+        docs, long_docs, tokens = counts
+        if min(counts) < 0:
+            raise _BadEntry(f"its header holds negative counts {counts}")
+        payload = _INDEX.itemsize * (2 * docs + 1 + 2 * long_docs) + self.dtype.itemsize * tokens
+        if size != payload_at + payload:
+            state = "truncated" if size < payload_at + payload else "longer than its header says"
+            raise _BadEntry(f"{state}: {size} bytes, its header describes {payload_at + payload}")
+        if zlib.crc32(memoryview(data)[payload_at:]) != header.get("payload_crc32"):
+            raise _BadEntry("its arrays fail their CRC-32 check")
+        arrays, at = [], payload_at
+        for dtype, count in ((_INDEX, docs), (_INDEX, docs + 1), (_INDEX, long_docs), (_INDEX, long_docs),
+                             (self.dtype, tokens)):  # fmt: skip
+            arrays.append(np.frombuffer(data, dtype, count, at))
+            at += dtype.itemsize * count
+        unit = CachedUnit(int(group), int(start), int(stop), arrays[0], arrays[1], arrays[4], arrays[2], arrays[3])
+        problem = _problem(unit, self.vocab_size)
+        if problem is not None:
+            raise _BadEntry(problem)
+        return unit
+
+    def _report_bad(self, name: str, label: str | None, group: int, start: int, stop: int, reason: str) -> None:
+        with _LOCK:
+            named = _NAMED.get(self.where(), 0)
+            _NAMED[self.where()] = named + 1
+        if named < MAX_NAMED_ENTRIES:
+            unit = f"{label + ', ' if label else ''}row group {group}, rows {start}..{stop - 1}"
+            _warn(f"token cache entry {self.where(name)!r} ({unit}) is unusable, {reason}: it is deleted, and the "
+                  "unit is tokenized and stored again")  # fmt: skip
+        elif named == MAX_NAMED_ENTRIES:
+            _warn(f"token cache {self.where()!r}: more than {MAX_NAMED_ENTRIES} unusable entries; the rest are "
+                  "deleted and rebuilt without a warning each (TokenCache.counters.bad counts them)")  # fmt: skip
+
+    def _delete(self, path: str) -> None:
+        with contextlib.suppress(OSError):  # best effort: a later store replaces it anyway
+            if self._local:
+                os.unlink(path)
+            else:
+                self._filesystem()[0].delete_file(path)
+
+    # ------------------------------------------------------------------------------------------------ storing
+    @property
+    def writing(self) -> bool:
+        """Whether this process still stores entries (``False`` after a full disk, quota or permission error)."""
+        return self.where() not in _NOT_WRITING
+
+    def store(self, file_digest: int | str, group_in_file: int, start: int, stop: int, unit: CachedUnit) -> bool:
+        """Store the tokenization of a whole unit, atomically; whether it was stored.
+
+        A failure to write is never an exception. Lack of space, a quota, a file size limit or a refused
+        permission is one warning naming the root and the cause, and the process stops writing (it keeps
+        reading). Any other failure is one warning per kind and process; that entry is not stored. Nothing half
+        written is left under an entry's name.
+
+        Raises:
+            ValueError: ``unit`` is not a valid tokenization of that unit (ids outside the vocabulary, rows
+                outside ``[start, stop)``, offsets that do not match the tokens): a bug in the caller.
+        """
+        name = self.entry_name(file_digest, group_in_file, start, stop)
+        if (unit.group_in_file, unit.start, unit.stop) != (group_in_file, start, stop):
+            raise ValueError(f"unit of row group {unit.group_in_file}, rows [{unit.start}, {unit.stop}) stored as "
+                             f"row group {group_in_file}, rows [{start}, {stop})")  # fmt: skip
+        if unit.tokens.dtype != self.dtype:
+            unit = dataclasses.replace(unit, tokens=token_array(unit.tokens, self.vocab_size))
+        problem = _problem(unit, self.vocab_size)
+        if problem is not None:
+            raise ValueError(f"cannot store {self.where(name)!r}: {problem}")
+        if not self.writing:
+            return False
+        pieces = self._encode(unit, name.split("/", 1)[0])
+        try:
+            self._write_manifest()
+            self._write(self._path(name), pieces)
+        except OSError as err:
+            self._count(store_failures=1)
+            self._store_failed(name, err)
+            return False
+        self._count(stored=1, bytes_written=sum(len(piece) for piece in pieces))
+        return True
+
+    def _identity(self, file_part: str, group: int, start: int, stop: int) -> dict[str, Any]:
+        """What an entry's header says it is: a check that the file is the entry looked up, of this version."""
+        identity = {"format": FORMAT_VERSION, "key": self.digest, "vocab_size": self.vocab_size}
+        identity.update(dtype=self.dtype.name, file=file_part, group=int(group), start=int(start), stop=int(stop))
+        return identity
+
+    def _encode(self, unit: CachedUnit, file_part: str) -> list[memoryview]:
+        arrays = [np.ascontiguousarray(a, _INDEX) for a in (unit.rows, unit.offsets, unit.too_long_rows,
+                                                            unit.too_long_chars)]  # fmt: skip
+        arrays.append(np.ascontiguousarray(unit.tokens, self.dtype))
+        views = [memoryview(a).cast("B") for a in arrays]
+        crc = 0
+        for view in views:
+            crc = zlib.crc32(view, crc)
+        header = self._identity(file_part, unit.group_in_file, unit.start, unit.stop)
+        header.update(documents=len(unit.rows), too_long=len(unit.too_long_rows), tokens=len(unit.tokens))
+        header["payload_crc32"] = crc
+        header = json.dumps(header, sort_keys=True).encode()
+        header += b" " * (-(_PREFIX.size + len(header)) % 8)  # the arrays start 8-byte aligned
+        prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header))
+        return [memoryview(prefix), memoryview(header), *views]
+
+    def _write(self, path: str, pieces: list[memoryview]) -> None:
+        """Write ``pieces`` as the file ``path``, so that ``path`` holds all of them or stays as it was."""
+        if self._local:
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            # Unique per writer, in the same folder (a rename does not cross filesystems), hidden from listings.
+            temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+            try:
+                with open(temporary, "wb") as out:
+                    for piece in pieces:
+                        out.write(piece)
+                    out.flush()
+                    os.fsync(out.fileno())  # the data is on disk before the name points at it
+                os.replace(temporary, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+                raise
+            return
+        fs, _ = self._filesystem()
+        data = b"".join(pieces)  # one write: a failure cannot leave part of the entry queued for the commit
+        out = fs.open_output_stream(path)
+        try:
+            out.write(data)
+        except BaseException:
+            # pyarrow streams have no abort, and closing one (here, or when it is freed) commits what it holds:
+            # delete whatever that committed (a peer's complete entry at worst, stored again later).
+            with contextlib.suppress(Exception):
+                out.close()
+            with contextlib.suppress(OSError):
+                fs.delete_file(path)
+            raise
+        out.close()  # the object exists from here on, whole
+
+    def _write_manifest(self) -> None:
+        """The version's manifest, once per process (every writer writes the same one)."""
+        if self._manifest_written:
+            return
+        path = self._path(MANIFEST)
+        fs, _ = self._filesystem()
+        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+            manifest = {"format": FORMAT_VERSION, "key": self.key, "vocab_size": self.vocab_size,
+                        "dtype": self.dtype.name}  # fmt: skip
+            self._write(path, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")])
+        self._manifest_written = True
+
+    def _store_failed(self, name: str, err: OSError) -> None:
+        stops = (
+            isinstance(err, PermissionError)
+            or err.errno in _STOPS_WRITING
+            or (not self._local and not is_transient(err))
+        )
+        if stops:
+            with _LOCK:
+                first = self.where() not in _NOT_WRITING
+                _NOT_WRITING[self.where()] = str(err)
+            if first:
+                _warn(f"token cache {canonical(self.root)!r}: cannot store tokens ({err}); this process stops "
+                      "writing to the cache and keeps reading it, tokenizing the units it lacks")  # fmt: skip
+            return
+        kind = type(err).__name__ + str(err.errno or "")
+        self._warn_once(("store", self.where(), kind), f"could not store token cache entry {self.where(name)!r} "
+                        f"({err}); its unit is tokenized again when next read (further {kind} failures of this "
+                        "cache are not reported)")  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------------ inspecting
+    def _listing(self) -> dict[str, int]:
+        """``{entry name: bytes}`` of this version's entries (temporary files and the manifest left out)."""
+        fs, _ = self._filesystem()
+        base = self._path()
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        out = {}
+        for info in infos:
+            name = info.base_name
+            if info.type == pafs.FileType.File and name.endswith(ENTRY_SUFFIX) and not name.startswith("."):
+                out[info.path[len(base) + 1 :]] = int(info.size)
+        return out
+
+    def coverage(self, units: Iterable[tuple[int | str, int, int, int]]) -> Coverage:
+        """How many of ``units`` (``(file digest, group in file, start, stop)``) have an entry, and their bytes.
+
+        One listing of the version folder; entries are counted, not validated.
+
+        Raises:
+            OSError: the root cannot be listed (an unreachable store, refused access).
+        """
+        entries = self._listing()
+        cached = total = size = 0
+        for file_digest, group, start, stop in units:
+            total += 1
+            found = entries.get(self.entry_name(file_digest, group, start, stop))
+            if found is not None:
+                cached, size = cached + 1, size + found
+        return Coverage(cached, total, size)
+
+    def size(self) -> int:
+        """Bytes under this version's folder (entries, manifest, and temporary files of killed writers).
+
+        Raises:
+            OSError: as :meth:`coverage`.
+        """
+        fs, _ = self._filesystem()
+        infos = fs.get_file_info(pafs.FileSelector(self._path(), recursive=True, allow_not_found=True))
+        return sum(int(info.size) for info in infos if info.type == pafs.FileType.File)
+
+    def other_versions(self) -> dict[str, Any]:
+        """The other version folders under ``root``: ``{folder: its key}`` (``None`` where the manifest cannot
+        be read)."""
+        fs, base = self._filesystem()
+        out: dict[str, Any] = {}
+        for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
+            name = info.base_name
+            if info.type != pafs.FileType.Directory or not _VERSION_NAME.fullmatch(name) or name == self.digest:
+                continue
+            try:
+                with fs.open_input_stream(f"{base}/{name}/{MANIFEST}") as manifest:
+                    out[name] = json.loads(manifest.read()).get("key")
+            except (OSError, ValueError, AttributeError):
+                out[name] = None
+        return out
+
+    def describe_other_versions(self) -> str | None:
+        """A message for the user when ``root`` holds tokens of other keys (a changed tokenizer or setting):
+        which folder this run uses and how the others differ; ``None`` when there are none.
+
+        Say it once per run (e.g. on rank 0): every process computes the same message.
+
+        Raises:
+            OSError: as :meth:`coverage`.
+        """
+        others = self.other_versions()
+        if not others:
+            return None
+        fs, _ = self._filesystem()
+        exists = fs.get_file_info(self._path(MANIFEST)).type != pafs.FileType.NotFound
+        described = []
+        for name, key in sorted(others.items()):
+            differs = _differences(self.key, key)
+            described.append(f"{name} (differs in {', '.join(differs)})" if differs else name)
+        state = "continues" if exists else "starts"
+        return (
+            f"token cache {canonical(self.root)!r} holds tokens of {len(others)} other tokenizer or settings "
+            f"version(s): {'; '.join(described)}. This run {state} its own version {self.digest} (key: "
+            f"{json.dumps(self.key, sort_keys=True)[:300]}) and tokenizes the units it lacks; the others are "
+            "kept (delete their folders to free space)"
+        )
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _count(self, **amounts: int) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self.counters, name, getattr(self.counters, name) + amount)
+
+    @staticmethod
+    def _warn_once(what: tuple[str, ...], message: str) -> None:
+        with _LOCK:
+            if what in _WARNED:
+                return
+            _WARNED.add(what)
+        _warn(message)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, TokenCacheWarning, stacklevel=3)
+
+
+def _differences(ours: Any, theirs: Any) -> list[str]:
+    """The fields in which two keys differ (``["key"]`` unless both are mappings)."""
+    if not isinstance(ours, Mapping) or not isinstance(theirs, Mapping):
+        return [] if ours == theirs else ["key"]
+    return sorted(name for name in set(ours) | set(theirs) if ours.get(name) != theirs.get(name))
+
+
+def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
+    """What makes ``unit`` an invalid tokenization of its rows, or ``None``."""
+    arrays = {"rows": unit.rows, "offsets": unit.offsets, "too_long_rows": unit.too_long_rows,
+              "too_long_chars": unit.too_long_chars, "tokens": unit.tokens}  # fmt: skip
+    for name, array in arrays.items():
+        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iu":
+            return f"{name} is not a 1-D integer array"
+    rows, offsets, tokens, start, stop = unit.rows, unit.offsets, unit.tokens, unit.start, unit.stop
+    if not 0 <= start <= stop:
+        return f"rows [{start}, {stop}) are not a range"
+    for name, some in (("documents", rows), ("too-long rows", unit.too_long_rows)):
+        if len(some) and (some[0] < start or some[-1] >= stop or bool(np.any(some[1:] <= some[:-1]))):
+            return f"the {name} are not ascending rows inside [{start}, {stop})"
+    if len(unit.too_long_chars) != len(unit.too_long_rows) or bool(np.any(unit.too_long_chars < 1)):
+        return "the too-long rows' lengths do not match them"
+    if len(unit.too_long_rows) and np.intersect1d(rows, unit.too_long_rows).size:
+        return "a row is both a document and too long"
+    if len(offsets) != len(rows) + 1 or offsets[0] != 0 or offsets[-1] != len(tokens):
+        return f"{len(offsets)} offsets from {offsets[0] if len(offsets) else None} do not frame {len(rows)} documents"
+    if bool(np.any(offsets[1:] < offsets[:-1])):
+        return "the document offsets decrease"
+    if tokens.dtype != token_dtype(vocab_size):
+        return f"tokens are {tokens.dtype}, not {token_dtype(vocab_size)}"
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        return f"token id {int(tokens.max())} is outside the vocabulary [0, {vocab_size})"
+    return None
