@@ -452,3 +452,43 @@ def respec(spec: StreamSpec, **changes: Any) -> StreamSpec:
 def corpus_spec(spec: StreamSpec, name: str = "train") -> MixtureSpec:
     """A corpus of the one source ``spec`` (every row of every step from it)."""
     return MixtureSpec((name,), (spec,), MixturePlan(MixtureSchedule([name]), spec.settings.global_batch_size))
+
+
+class RankDataModule(PretrainingDataModule):
+    """One rank of a simulated world, in this process (each rank's loader is what a DDP rank would run)."""
+
+    def __init__(self, *args: Any, world: int = 1, rank: int = 0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._world, self._rank = world, rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+
+def row_digest(batch: Any, i: int) -> str:
+    """A digest of row ``i`` of a ``PretrainingBatch`` (its inputs, targets and positions)."""
+    h = hashlib.sha256()
+    for tensor in (batch.input_ids[i], batch.targets[i], batch.position_ids[i]):
+        h.update(tensor.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def run_steps(dm: PretrainingDataModule, steps: int) -> list[list[tuple[int, str]]]:
+    """``steps`` optimizer steps of this rank: per step, every row as ``(source index, digest)`` in order."""
+    batches = iter(dm.train_dataloader())
+    out = []
+    for _ in range(steps):
+        rows = []
+        for _ in range(dm.microbatches_per_step):
+            batch = next(batches)
+            assert batch.sources.dtype == torch.int64 and batch.sources.shape == (len(batch),)
+            rows += [(int(batch.sources[i]), row_digest(batch, i)) for i in range(len(batch))]
+        out.append(rows)
+    batches.close()
+    dm.close_loaders()
+    return out

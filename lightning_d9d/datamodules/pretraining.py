@@ -126,73 +126,57 @@ class _Setting:
 
 
 class PretrainingDataModule(PretrainingReports, SteppedDataModule):
-    """Stream parquet text into packed token rows for ``Trainer.fit``: the same global batches on any GPU count.
+    """Stream parquet or JSONL text into packed token rows for ``Trainer.fit``: the same global batches on any
+    number of GPUs.
 
     Args:
-        train_files: a directory, a glob, a file, a ``s3://``/``gs://``/``file://`` (or any fsspec) URL of
-            those, or a list of them; or a weighted mixture: a mapping ``{name: files}`` or
-            ``{name: {"files": files, "text_column": column}}`` (see ``weights``).
-        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``. Documents are encoded without its
-            post-processor's special tokens, truncation or padding: each document is ``bos_token`` + its tokens.
-        seq_len: tokens per row of ``inputs`` (each row is cut from ``seq_len + 1`` tokens).
-        global_batch_size: rows per optimizer step, summed over ranks and accumulation (G).
+        train_files: a directory, glob, file or URL (``s3://``, ``gs://``, ``file://``, any fsspec scheme) of
+            parquet or JSONL (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ...) files, or a list of them; or a
+            mixture: ``{name: files}`` or ``{name: {"files": files, "text_column": column}}`` (see ``weights``).
+        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``; each document is ``bos_token`` + its
+            tokens (no post-processor tokens, truncation or padding).
+        seq_len: tokens per row of ``input_ids`` (each row is cut from ``seq_len + 1`` tokens).
+        global_batch_size: rows per optimizer step over all ranks and accumulation (G).
         microbatch_size: rows per forward/backward on one rank (m).
-        val_files: optional validation files (same forms), read in file order from the start on every run; a
-            mapping ``{name: files}`` gives one validation loader per source, in its order (Lightning's
-            ``dataloader_idx``; ``dm.val_source_names``); beside a mixture, a name is a training source's.
-        text_column: the column holding the documents.
+        val_files: validation files (same forms), read in file order on every run; ``{name: files}``: one loader
+            per source, in order (``dm.val_source_names``); beside a mixture, each name is a training source's.
+        text_column: the column (JSONL: the field) holding the documents.
         bos_token: the token prepended to every document; it must be in the tokenizer's vocabulary.
-        packing: ``"bestfit"`` (every row starts at BOS; a document that does not fit is cropped, its rest
-            dropped), ``"bestfit_split"`` (documents longer than a row are split into row-sized chunks, nothing
-            fitting a row is ever cut, gaps are padded) or ``"concat"`` (one token stream cut into rows).
-        steps_per_epoch: optimizer steps per Lightning epoch; ``None``: one pass's worth, estimated.
-        val_steps: validation microbatches per rank per validation run; ``None``: one pass's worth, estimated.
-        num_streams: K, the streams the corpus is dealt to; the rows of every step are a function of K and the
-            data, whatever the world size, ``num_workers`` or ``microbatch_size``. The world size must divide K,
-            ``num_workers`` must divide K / world size, and K must divide ``global_batch_size``.
-        num_workers: DataLoader worker processes per rank; each tokenizes on one core and hosts K / (world size
-            · num_workers) streams. 0 runs the rank's streams in the training process, whose tokenizer then uses
-            every core.
-        tokenizer_batch_size: documents per ``encode_batch_fast`` call, at most (a worker's call also ends at
-            ``streaming.loader.WORKER_CHUNK_CHARS`` characters of text). It does not change the rows.
+        packing: ``"bestfit"`` (rows start at BOS; a document that does not fit is cropped), ``"bestfit_split"``
+            (long documents split into row-sized chunks, gaps padded) or ``"concat"`` (one stream cut into rows).
+        steps_per_epoch: optimizer steps per epoch; ``None``: one pass's worth, estimated.
+        val_steps: validation microbatches per rank per run; ``None``: one pass's worth, estimated.
+        num_streams: K, the streams the corpus is dealt to (the rows of every step are a function of K and the
+            data); the data-parallel size must divide K, ``num_workers`` K / that size, and K must divide G.
+        num_workers: DataLoader workers per rank, each tokenizing on one core; 0: in the training process.
+        tokenizer_batch_size: documents per tokenizer call, at most (never changes a row).
         seed: seeds the unit order of every pass.
-        max_document_chars: a document longer than this many characters is skipped (never read into a Python
-            string, tokenized or packed), counted in ``stream_stats()["too_long"]`` and named (file, row group,
-            row, length) in one warning per process, so that memory stays bounded by the settings whatever the
-            data (docs/streaming.md). The default, 64 Mi, is far beyond natural documents; ``None``: no limit.
-            It changes the rows, so a resume needs the same value (checkpoints from before it match the default
-            and ``None``).
+        max_document_chars: longer documents are skipped (never read into a string), counted
+            (``stream_stats()["too_long"]``) and named once, so memory is bounded by the settings; ``None``: no
+            limit. It changes the rows.
         bestfit_buffer_size: documents (``bestfit``) or pieces (``bestfit_split``) best-fit chooses from.
-        pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.
-        on_order_mismatch: resuming from a checkpoint of other data or settings: ``"raise"``, or
-            ``"restart_epoch"`` to start that epoch over with fresh streams.
-        storage_options: options for the filesystem of every URL in ``train_files``/``val_files``, in fsspec's
-            convention (for ``s3://``: ``key``, ``secret``, ``token``, ``endpoint_url``, ``client_kwargs``, or
-            pyarrow's ``endpoint_override``, ``scheme``, ``region``, ...; see docs/object_storage.md). Options in
-            a URL's query win over them; the AWS environment and config files fill in what neither gives. They
-            decide no row, so a resume may reach the same files through other options.
-        read_retry_seconds: how long a read keeps retrying transient storage failures (refused or reset
-            connections, timeouts, HTTP 5xx, throttling) before the run fails with an error naming the file, the
-            row group and the last cause.
-        weights: a mixture's shares of every step's rows: ``{name: weight}`` (non-negative, normalised; ``None``:
-            equal), or phases ``[[from_step, {name: weight}], ...]``, the first from step 0, piecewise constant
-            in the global step. Every step takes exactly the planned rows of each source, cumulatively within one
-            row of ``global_batch_size × Σ shares`` (after a paused source, see ``streaming.mixture``).
-        on_mixture_change: resuming a mixture under other weights or sources: ``"raise"`` (one error naming the
-            old and new shares), or ``"continue"``: every source continues where it stopped under the new
-            shares (a source added starts fresh).
-        allow_shared_files: accept a file that two sources of ``train_files`` (or of ``val_files``) hold; else it
-            is refused, naming both and the file: each source reads it, so its documents would be read twice a pass.
+        pin_memory: ``None`` pins exactly when the trainer's device is CUDA.
+        on_order_mismatch: a checkpoint of other data or settings: ``"raise"``, or ``"restart_epoch"``.
+        storage_options: filesystem options for URLs (fsspec's or pyarrow's keys; docs/object_storage.md); a
+            URL's query wins; they decide no row.
+        read_retry_seconds: how long reads retry transient storage failures before one error naming the file.
+        weights: a mixture's shares, ``{name: weight}`` or phases ``[[from_step, {name: weight}], ...]``
+            (docs/mixtures.md); every step takes exactly the planned rows of each source.
+        on_mixture_change: resuming a mixture under other weights or sources: ``"raise"``, or ``"continue"``
+            (every source continues where it stopped; a source added starts fresh).
+        allow_shared_files: accept a file that two sources hold (refused by default: it would be read twice).
+        token_cache: a folder or URL where each unit's tokens are kept the first time a stream tokenizes it;
+            later passes, resumes and runs with the same tokenizer and files read them instead, with the same rows
+            (docs/token_cache.md); JSONL layouts are kept there too. ``None``: no cache.
+        on_malformed: a malformed JSONL line: ``"error"`` (naming the file and line) or ``"skip"`` (a row
+            without text, counted as empty, warned about once).
 
     Raises:
-        ValueError: at construction, a size ≤ 0, an unknown packing or ``val_files`` name, G not divisible by m or
-            by K; in ``setup``, no file matches, a file two sources hold, a file not parquet or without the column,
-            no text, the tokenizer lacks the BOS token, a layout that cannot share K streams (naming K, the world
-            size, ``num_workers`` and what would be valid), a dataset too small for one step, a text that is not
-            valid UTF-8 (naming the file, row group and row; also when met later, while streaming).
-        StorageError: in ``setup`` (an ``OSError``), a URL could not be listed or opened (unreachable endpoint,
-            refused credentials, access denied), naming the URL and the cause; while streaming, a read that kept
-            failing for ``read_retry_seconds``.
+        ValueError: at construction, a bad size or setting (naming it); in ``setup``, no file matches, a file two
+            sources hold, a file without the column, no text, the tokenizer lacks ``bos_token``, a layout that
+            cannot share K streams, a corpus too small for one step, a text that is not UTF-8 or a malformed JSONL
+            line (naming the file and row; also when met later, while streaming).
+        StorageError: a URL could not be listed or opened, or a read kept failing for ``read_retry_seconds``.
     """
 
     seq_len = _Setting("seq_len")
@@ -233,6 +217,8 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         on_mixture_change: OnMixtureChange = "raise",
         max_document_chars: PositiveInt | None = DEFAULT_MAX_DOCUMENT_CHARS,
         allow_shared_files: bool = False,
+        token_cache: str | None = None,
+        on_malformed: Literal["error", "skip"] = "error",
     ):
         super().__init__()
         self.settings = StreamSettings(
@@ -244,11 +230,9 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
         self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
-        if not isinstance(text_column, str) or not text_column:
-            raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
-        self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
-        self.text_column, self.bos_token = text_column, bos_token
         self.num_workers = non_negative_int("num_workers", num_workers)
+        self.train_files, self.val_files, self.tokenizer, self.bos_token = train_files, val_files, tokenizer, bos_token
+        self.text_column, self.token_cache, self.on_malformed = _reading(text_column, token_cache, on_malformed)
         self.pin_memory, self.on_order_mismatch = pin_memory, on_order_mismatch
         self.storage = storage_of(storage_options, read_retry_seconds)
         self.on_mixture_change, self.weights, self.allow_shared_files = on_mixture_change, weights, allow_shared_files
@@ -284,7 +268,9 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change,
             self.allow_shared_files,
         )  # fmt: skip
-        corpus = PretrainingCorpus(self.settings, self.tokenizer, self.bos_token, self.storage)
+        corpus = PretrainingCorpus(
+            self.settings, self.tokenizer, self.bos_token, self.storage, self.token_cache, self.on_malformed
+        )
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
         check_layout(self.num_streams, self.world_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
@@ -373,6 +359,22 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             return self._val_steps_arg
         _, rows = estimate_pass(spec.sources[0])
         return max(1, int(rows // (self.world_size * self.microbatch_size)))
+
+
+def _reading(text_column: Any, token_cache: Any, on_malformed: Any) -> tuple[str, str | None, str]:
+    """``text_column``, ``token_cache`` (as a string) and ``on_malformed``, checked.
+
+    Raises:
+        ValueError: an empty or non-string column name, a ``token_cache`` that is not a path or URL, an
+            ``on_malformed`` other than ``"error"`` and ``"skip"``.
+    """
+    if not isinstance(text_column, str) or not text_column:
+        raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
+    if token_cache is not None and (not isinstance(token_cache, (str, os.PathLike)) or not os.fspath(token_cache)):
+        raise ValueError(f"token_cache must be a folder or URL (or None: no cache), got {token_cache!r}")
+    if on_malformed not in ("error", "skip"):
+        raise ValueError(f"on_malformed must be 'error' or 'skip', got {on_malformed!r}")
+    return text_column, None if token_cache is None else os.fspath(token_cache), on_malformed
 
 
 def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float) -> Storage:

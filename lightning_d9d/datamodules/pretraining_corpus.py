@@ -24,12 +24,18 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from lightning_d9d.datamodules.pretraining_mixture import SourceConfig
+from lightning_d9d.digest import digest
 from lightning_d9d.streaming.estimate import estimate_pass, first_text
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
 from lightning_d9d.streaming.storage import Storage, canonical, redact
+from lightning_d9d.streaming.token_cache import StreamCache, TokenCache
+from lightning_d9d.streaming.tokenize import LONG_DOCUMENT_CHARS
 from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
+
+# Bump when how a document becomes ids changes in a way the cache key does not name, so old entries are not read.
+TOKEN_RECIPE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -71,13 +77,21 @@ class PretrainingCorpus:
         tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
         bos_token: the token every document starts with.
         storage: how files and URLs are reached.
+        token_cache: a folder or URL for the token cache (and the JSONL layouts), or ``None``.
+        on_malformed: what a malformed JSONL line is: ``"error"`` or ``"skip"``.
 
     Raises:
         ValueError: the tokenizer lacks ``bos_token``, naming its added/special tokens.
     """
 
     def __init__(
-        self, settings: StreamSettings, tokenizer: str | os.PathLike | Tokenizer, bos_token: str, storage: Storage
+        self,
+        settings: StreamSettings,
+        tokenizer: str | os.PathLike | Tokenizer,
+        bos_token: str,
+        storage: Storage,
+        token_cache: str | None = None,
+        on_malformed: str = "error",
     ):
         loaded = read_tokenizer(tokenizer)
         bos_id = loaded.token_to_id(bos_token)
@@ -88,7 +102,9 @@ class PretrainingCorpus:
                 f"{special}: pass one of them as bos_token or add it to the tokenizer"
             )
         self.settings, self.storage, self.bos_id = settings, storage, bos_id
+        self.token_cache, self.on_malformed = token_cache, on_malformed
         self.tokenizer_json = loaded.to_str()
+        self.vocab_size = loaded.get_vocab_size(with_added_tokens=True)
         self.pad_id = pad_token_id(loaded, avoid=bos_id)  # BOS marks document starts, so padding must not use it
 
     def train(
@@ -157,7 +173,20 @@ class PretrainingCorpus:
             if "[" not in what:
                 raise
             raise ValueError(f"{what}: {error}") from error
-        return StreamSpec(self.settings, index, units, self.tokenizer_json, self.bos_id, self.pad_id, shuffle)
+        cache = StreamCache(self._token_cache(source.text_column), index) if self.token_cache is not None else None
+        return StreamSpec(self.settings, index, units, self.tokenizer_json, self.bos_id, self.pad_id, shuffle,
+                          cache=cache)  # fmt: skip
+
+    def _token_cache(self, text_column: str) -> TokenCache:
+        """The token cache of a source's text column: keyed by everything that decides its documents' tokens."""
+        key = {
+            "tokenizer": digest(self.tokenizer_json),
+            "text_column": text_column,
+            "max_document_chars": self.settings.max_document_chars,
+            "long_document_chars": LONG_DOCUMENT_CHARS,
+            "recipe": TOKEN_RECIPE_VERSION,
+        }
+        return TokenCache(self.token_cache, self.storage, key, vocab_size=self.vocab_size)
 
     def scan(self, files: list[str], what: str, text_column: str) -> RowGroupIndex:
         """The row groups of resolved ``files`` (footers only).
@@ -165,7 +194,8 @@ class PretrainingCorpus:
         Raises:
             ValueError: as ``RowGroupIndex.scan``, or every text of the column is null or empty.
         """
-        index = RowGroupIndex.scan(files, text_column, self.storage)
+        layouts = f"{self.token_cache.rstrip('/')}/jsonl-layouts" if self.token_cache is not None else None
+        index = RowGroupIndex.scan(files, text_column, self.storage, layouts, self.on_malformed)
         if first_text(index) is None:
             raise ValueError(
                 f"{what} hold no text: every value of column {text_column!r} in {len(index.files)} file(s) "

@@ -98,6 +98,10 @@ class TextChunk:
         units_before: for each document, the text-free units skipped since the document before it.
         long_before: documents over ``max_document_chars`` skipped since the document before it, by the index of
             the document (only where there were any: they are rare).
+        tokens: for a chunk replayed from the token cache, its documents' ids (BOS not included) one after the
+            other and each document's count; its ``texts`` are then empty.
+        record: what records the chunk's tokens for the cache (a unit read whole from text), or ``None``.
+        closes_unit: the last chunk of a recorded unit (the cache stores the unit once it is tokenized).
     """
 
     pass_index: int
@@ -108,6 +112,9 @@ class TextChunk:
     empty_before: np.ndarray
     units_before: np.ndarray
     long_before: dict[int, int] = field(default_factory=dict)
+    tokens: tuple[np.ndarray, np.ndarray] | None = None
+    record: Any = None
+    closes_unit: bool = False
 
     def position_of(self, doc: int) -> ReadPosition:
         """The position of document ``doc`` (reading from there yields it first)."""
@@ -163,6 +170,29 @@ class StreamUnits:
             slots = self.of_pass(pass_index)
 
 
+@dataclass
+class _UnitRead:
+    """One unit's documents: the rows that hold text and those skipped for their length, with the texts (read) or
+    the tokens (from the token cache), and what records their tokens for the cache."""
+
+    rows: np.ndarray
+    too_long: dict[int, int]
+    texts: list[str | None] | None
+    cached: Any = None
+    recorder: Any = None
+
+    def chunk(self, where: tuple[int, int, int], rows: list[int], before: tuple, closes: bool) -> TextChunk:
+        """The chunk of documents ``rows`` (``where``: pass, slot, row group; ``before``: the skipped counts)."""
+        cached = self.cached
+        if cached is None:
+            texts = [self.texts[r] for r in rows]
+            return TextChunk(*where, np.asarray(rows, np.int64), texts, *before, None, self.recorder, closes)
+        first, last = np.searchsorted(cached.rows, [rows[0], rows[-1]]).tolist()
+        offsets = cached.offsets[first : last + 2]
+        tokens = (cached.tokens[int(offsets[0]) : int(offsets[-1])], np.diff(offsets))
+        return TextChunk(*where, np.asarray(rows, np.int64), [], *before, tokens)
+
+
 class TextReader:
     """Yields a stream's :class:`TextChunk` s from a position on, forever.
 
@@ -174,6 +204,8 @@ class TextReader:
             longer document is a chunk of its own).
         max_document_chars: texts over this many characters are skipped, counted and warned about (``None``: no
             limit).
+        cache: the source's token cache (``streaming.token_cache.StreamCache``): a unit it holds is replayed from
+            its tokens (one chunk, no text read), a unit read whole is recorded for it; ``None``: no cache.
 
     Raises:
         ValueError: (when iterated) ``MAX_PASSES_WITHOUT_TEXT`` passes in a row without a document.
@@ -186,10 +218,11 @@ class TextReader:
         tokenizer_batch_size: int,
         chunk_chars: int = 0,
         max_document_chars: int | None = None,
+        cache: Any = None,
     ):
         self.units = units
         self.tokenizer_batch_size, self.chunk_chars = tokenizer_batch_size, chunk_chars
-        self.max_document_chars = max_document_chars
+        self.max_document_chars, self.cache = max_document_chars, cache
         self.reset(start)
 
     def reset(self, initial_state: ReadPosition) -> None:
@@ -214,40 +247,29 @@ class TextReader:
                 unit = int(slots[slot])
                 group, stop = int(units.units.group[unit]), int(units.units.stop[unit])
                 row = max(row, first_row := int(units.units.start[unit]))
-                texts, too_long = (None, {}) if index.text_free[group] else self._read(group)
-                if texts is None or not (any(texts[first_row:stop]) or any(first_row <= r < stop for r in too_long)):
+                read = self._read_unit(group, first_row, stop, whole=row == first_row)
+                if read is None:
                     units_since += 1  # a text-free unit is counted as one, not as its rows
                     slot, row = slot + 1, 0
                     continue
-                long_rows = _skipped_long(index, group, too_long, row, stop, self.max_document_chars)
-                if not any(texts[row:stop]):  # resumed after the unit's last document
+                long_rows = _skipped_long(index, group, read.too_long, row, stop, self.max_document_chars)
+                kept = read.rows[read.rows >= row].tolist()
+                if not kept:  # resumed after the unit's last document
                     empty_since, long_since = empty_since + stop - row - len(long_rows), long_since + len(long_rows)
                     slot, row = slot + 1, 0
                     continue
                 found = True
-                kept = [r for r in range(row, stop) if texts[r]]
                 gaps = np.diff(np.asarray([row - 1, *kept], np.int64)) - 1
                 gaps[0] += empty_since
                 long_before, long_after = _long_before(kept, long_rows, long_since, gaps)
                 units_before = np.asarray([units_since] + [0] * (len(kept) - 1), np.int64)
                 empty_since = stop - 1 - kept[-1] - long_after
                 units_since, long_since = 0, long_after
-                lengths = np.fromiter((len(texts[r]) for r in kept), np.int64, len(kept)) if self.chunk_chars else None
                 first = 0
-                while first < len(kept):
-                    last = min(first + size, len(kept))
-                    if lengths is not None:
-                        last = first + max(1, _fitting(lengths[first:last], self.chunk_chars))
-                    chunk = TextChunk(
-                        pass_index,
-                        slot,
-                        group,
-                        np.asarray(kept[first:last], np.int64),
-                        [texts[r] for r in kept[first:last]],
-                        gaps[first:last],
-                        units_before[first:last],
-                        {d - first: n for d, n in long_before.items() if first <= d < last},
-                    )
+                for last in self._chunk_ends(read, kept, size):
+                    before = (gaps[first:last], units_before[first:last],
+                              {d - first: n for d, n in long_before.items() if first <= d < last})  # fmt: skip
+                    chunk = read.chunk((pass_index, slot, group), kept[first:last], before, last == len(kept))
                     self._next = ReadPosition(pass_index, slot, kept[last - 1] + 1)
                     yield chunk
                     first = last
@@ -260,6 +282,39 @@ class TextReader:
                     f"units without a non-empty text in column {index.text_column!r}"
                 )
             pass_index, slot, row = pass_index + 1, 0, 0
+
+    def _read_unit(self, group: int, start: int, stop: int, whole: bool) -> _UnitRead | None:
+        """Unit ``[start, stop)`` of ``group``: from the token cache if it holds it, else read (and recorded for the
+        cache when read from its start); ``None`` when it holds no text at all."""
+        if self.units.index.text_free[group]:
+            return None
+        cached = self.cache.load(group, start, stop) if self.cache is not None else None
+        if cached is not None:
+            too_long = dict(zip(cached.too_long_rows.tolist(), cached.too_long_chars.tolist()))
+            read = _UnitRead(cached.rows, too_long, None, cached)
+        else:
+            texts, too_long = self._read(group)
+            too_long = {r: n for r, n in too_long.items() if start <= r < stop}
+            rows = np.asarray([r for r in range(start, stop) if texts[r]], np.int64)
+            recorder = self.cache.recorder(group, start, stop, too_long) if self.cache is not None and whole else None
+            read = _UnitRead(rows, too_long, texts, None, recorder)
+        return read if len(read.rows) or read.too_long else None
+
+    def _chunk_ends(self, read: _UnitRead, kept: list[int], size: int) -> Iterator[int]:
+        """Where each chunk of the documents ``kept`` ends: one chunk of cached tokens (nothing to tokenize), else
+        growing sizes up to ``tokenizer_batch_size``, also ended at ``chunk_chars`` characters."""
+        if read.cached is not None:
+            yield len(kept)
+            return
+        lengths = np.fromiter((len(read.texts[r]) for r in kept), np.int64, len(kept)) if self.chunk_chars else None
+        first = 0
+        while first < len(kept):
+            last = min(first + size, len(kept))
+            if lengths is not None:
+                last = first + max(1, _fitting(lengths[first:last], self.chunk_chars))
+            yield last
+            first = last
+            size = min(size + (size + 1) // 2, self.tokenizer_batch_size)
 
     def _read(self, group: int) -> tuple[list[str | None], dict[int, int]]:
         if self.max_document_chars is None:

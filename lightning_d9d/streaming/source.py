@@ -27,6 +27,7 @@ import fnmatch
 import hashlib
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,10 +39,11 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from lightning_d9d.streaming.jsonl import is_jsonl
+from lightning_d9d.streaming.jsonl import DEFAULT_GROUP_BYTES, JsonlLayout, is_jsonl, read_jsonl_group, scan_jsonl
 from lightning_d9d.streaming.storage import Storage, StorageError, canonical, parse_url, redact, with_query
 
 _GLOB_CHARS = ("*", "?", "[")
+JSONL_GROUP_BYTES = DEFAULT_GROUP_BYTES  # text per unit of a JSONL file (its groups of whole lines)
 # Guards making an index's per-process lock; a forked child gets a fresh one (another thread may hold the parent's).
 _PROCESS_LOCK = [threading.Lock()]
 os.register_at_fork(after_in_child=lambda: _PROCESS_LOCK.__setitem__(0, threading.Lock()))
@@ -198,18 +200,23 @@ def column_texts(column: pa.ChunkedArray, where: Callable[[], str], rows: list[i
 
 @dataclass
 class RowGroupIndex:
-    """Every row group of a list of parquet files, addressed by one global index.
+    """Every row group of a list of parquet and JSONL files, addressed by one global index.
+
+    A JSONL file's "row groups" are its groups of whole lines (:mod:`~lightning_d9d.streaming.jsonl`), each line a
+    row, so every stage after this one reads both formats alike.
 
     Attributes:
         files: the resolved files, in order.
-        text_column: the column that holds the documents.
+        text_column: the column (JSONL: the field) that holds the documents.
         file_of: for each global row group, the index of its file.
         group_in_file: for each global row group, its index inside its file.
-        num_rows: for each global row group, its row count (from the footer).
-        file_digests: for each file, a 63-bit digest of its footer (row counts, sizes and text statistics of
-            every row group): it changes when the file is rewritten with other text.
+        num_rows: for each global row group, its row count (from the footer, or the JSONL layout).
+        file_digests: for each file, a 63-bit digest of its content (a parquet footer's row counts, sizes and text
+            statistics of every row group; a JSONL file's bytes): it changes when the file is rewritten.
         text_free: for each global row group, whether its footer statistics prove it holds no text (every value
             null or empty); ``False`` where statistics are missing.
+        layouts: each JSONL file's layout, by file index.
+        on_malformed: a malformed JSONL line is an error (``"error"``) or a row without text (``"skip"``).
         storage: how the files are reached (endpoint, credentials, read retries); it decides no row.
     """
 
@@ -220,56 +227,61 @@ class RowGroupIndex:
     num_rows: np.ndarray
     file_digests: tuple[int, ...] = ()
     text_free: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    layouts: dict[int, JsonlLayout] = field(default_factory=dict, repr=False)
+    on_malformed: str = "error"
     storage: Storage = field(default_factory=Storage, compare=False)
     _open: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _pid: int = field(default_factory=os.getpid, repr=False, compare=False)
 
     @classmethod
-    def scan(cls, files: list[str], text_column: str, storage: Storage | None = None) -> RowGroupIndex:
-        """Read every file's footer, check the text column, list the row groups.
+    def scan(
+        cls,
+        files: list[str],
+        text_column: str,
+        storage: Storage | None = None,
+        layout_cache: str | None = None,
+        on_malformed: str = "error",
+    ) -> RowGroupIndex:
+        """Read every parquet file's footer (checking the text column) and every JSONL file's layout, and list the
+        row groups.
+
+        Args:
+            files: the resolved files.
+            text_column: the column (field) of the documents.
+            storage: how to reach them.
+            layout_cache: where JSONL layouts are kept (``None``: each JSONL file is scanned again).
+            on_malformed: ``"error"`` or ``"skip"`` for malformed JSONL lines.
 
         Raises:
-            ValueError: a file is not valid parquet (the error names it), lacks ``text_column`` (naming the
-                file and its columns), or the files hold no rows at all.
+            ValueError: a file is not valid parquet, gzip or zstd (the error names it), a parquet file lacks
+                ``text_column`` (naming the file and its columns), or the files hold no rows at all.
             StorageError: a file could not be reached (naming it and the cause).
         """
         storage = storage or Storage()
-        file_of, group_in_file, num_rows, text_free = [], [], [], []
-        file_digests: list[int] = []
+        groups: list[tuple[int, int, int, bool]] = []  # (file, group in file, rows, text-free) per row group
+        file_digests, layouts = [], {}
         for file_index, path in enumerate(files):
-            pf = open_parquet(path, storage)
-            names = pf.schema_arrow.names
-            if text_column not in names:
-                raise ValueError(
-                    f"parquet file {redact(path)!r} has no column text_column={text_column!r}; its columns are {names}"
-                )
-            column_type = pf.schema_arrow.field(text_column).type
-            if not is_text_type(column_type):
-                raise ValueError(
-                    f"parquet file {redact(path)!r}: column text_column={text_column!r} has type {column_type}; "
-                    "it must hold strings (text)"
-                )
-            column = names.index(text_column)
-            digest = hashlib.sha256()
-            for g in range(pf.metadata.num_row_groups):
-                group = pf.metadata.row_group(g)
-                file_of.append(file_index)
-                group_in_file.append(g)
-                num_rows.append(group.num_rows)
-                chunk = group.column(column)
-                stats = chunk.statistics if chunk.is_stats_set else None
-                text_free.append(_proves_text_free(stats, group.num_rows))
-                digest.update(repr(_footer_facts(group.num_rows, chunk, stats)).encode())
-            file_digests.append(int.from_bytes(digest.digest()[:8], "little") >> 1)
+            if is_jsonl(path):
+                layout = scan_jsonl(path, storage, group_bytes=JSONL_GROUP_BYTES, cache_dir=layout_cache)
+                layouts[file_index] = layout
+                groups += [(file_index, g, int(n), False) for g, n in enumerate(layout.num_rows.tolist())]
+                file_digests.append(int(layout.digest[:16], 16) >> 1)
+            else:
+                rows, free, digest = _parquet_groups(path, text_column, storage)
+                groups += [(file_index, g, n, t) for g, (n, t) in enumerate(zip(rows, free))]
+                file_digests.append(digest)
+        columns = list(zip(*groups)) if groups else [(), (), (), ()]
         index = cls(
             list(files),
             text_column,
-            np.asarray(file_of, np.int64),
-            np.asarray(group_in_file, np.int64),
-            np.asarray(num_rows, np.int64),
+            np.asarray(columns[0], np.int64),
+            np.asarray(columns[1], np.int64),
+            np.asarray(columns[2], np.int64),
             tuple(file_digests),
-            np.asarray(text_free, bool),
+            np.asarray(columns[3], bool),
+            layouts,
+            on_malformed,
             storage,
         )
         if index.total_rows == 0:
@@ -354,6 +366,14 @@ class RowGroupIndex:
         """One row group's text column as plain strings, and where it was read (for messages)."""
         file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
         path = self.files[file_index]
+        layout = self.layouts.get(file_index)
+        if layout is not None:
+            span = layout.groups[in_file]
+            column, skipped = read_jsonl_group(path, self.storage, layout, in_file, self.text_column,
+                                               on_malformed=self.on_malformed)  # fmt: skip
+            if skipped:
+                _warn_malformed(path, span.first_line, span.num_rows, skipped)
+            return column, lambda: f"lines {span.first_line + 1}..{span.first_line + span.num_rows} of {redact(path)!r}"
 
         def read() -> pa.Table:
             pf = self._open.pop(file_index, None) or _open_file(path, self.storage)
@@ -376,6 +396,52 @@ class RowGroupIndex:
             except (pa.ArrowException, OSError) as err:
                 raise ValueError(f"cannot read {where()}: {err}") from err
         return plain_strings(table.column(0)), where
+
+
+_WARNED_MALFORMED: set[tuple[str, int]] = set()
+
+
+def _warn_malformed(path: str, first_line: int, rows: int, skipped: int) -> None:
+    """One warning per group of a JSONL file whose malformed lines were skipped (read as rows without text)."""
+    key = (redact(path), first_line)
+    if key not in _WARNED_MALFORMED:
+        _WARNED_MALFORMED.add(key)
+        warnings.warn(
+            f"skipped {skipped} malformed line(s) among lines {first_line + 1}..{first_line + rows} of JSONL file "
+            f"{key[0]!r} (on_malformed='skip': each is a row without text, counted as empty)",
+            stacklevel=2,
+        )
+
+
+def _parquet_groups(path: str, text_column: str, storage: Storage) -> tuple[list[int], list[bool], int]:
+    """A parquet file's row counts, whether each row group is text-free, and its footer digest.
+
+    Raises:
+        ValueError: not valid parquet, or no text column ``text_column`` (naming the file and its columns).
+    """
+    pf = open_parquet(path, storage)
+    names = pf.schema_arrow.names
+    if text_column not in names:
+        raise ValueError(
+            f"parquet file {redact(path)!r} has no column text_column={text_column!r}; its columns are {names}"
+        )
+    column_type = pf.schema_arrow.field(text_column).type
+    if not is_text_type(column_type):
+        raise ValueError(
+            f"parquet file {redact(path)!r}: column text_column={text_column!r} has type {column_type}; it must "
+            "hold strings (text)"
+        )
+    column = names.index(text_column)
+    digest = hashlib.sha256()
+    rows, free = [], []
+    for g in range(pf.metadata.num_row_groups):
+        group = pf.metadata.row_group(g)
+        chunk = group.column(column)
+        stats = chunk.statistics if chunk.is_stats_set else None
+        rows.append(group.num_rows)
+        free.append(_proves_text_free(stats, group.num_rows))
+        digest.update(repr(_footer_facts(group.num_rows, chunk, stats)).encode())
+    return rows, free, int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
 def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:

@@ -110,6 +110,7 @@ class StreamSpec:
         prefetch: chunks read and tokenized ahead (0: inline, no threads); never changes a row.
         chunk_chars: a tokenizer call also ends before its text passes this many characters (0: no limit);
             never changes a row.
+        cache: the source's token cache (``streaming.token_cache.StreamCache``), or ``None``; never changes a row.
     """
 
     settings: StreamSettings
@@ -121,6 +122,7 @@ class StreamSpec:
     shuffle: bool = True
     prefetch: int = 4
     chunk_chars: int = 0
+    cache: Any = None
 
     @property
     def seq_len(self) -> int:

@@ -126,7 +126,7 @@ class TokenStream:
         spec, state = self.spec, self.state
         units = spec.stream_units(self.stream)
         reader = TextReader(
-            units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars, spec.max_document_chars
+            units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars, spec.max_document_chars, spec.cache
         )
         cropped_to = spec.capacity if spec.packing.crops_to_row else None
         # Chunks on demand until the first block is out and asked past (a hosting process asks every stream's
@@ -166,6 +166,9 @@ class LaidOut:
 
     def __init__(self, chunk: TextChunk, encodings: list, bos_id: int, capacity: int | None):
         self.chunk = chunk
+        if chunk.tokens is not None:
+            self._lay_out_tokens(chunk.tokens, bos_id, capacity)
+            return
         self.lengths = np.fromiter(map(len, encodings), np.int64, len(encodings)) + 1  # len() builds no list
         self.starts = np.concatenate([[0], np.cumsum(self.lengths[:-1])]) if len(encodings) else self.lengths
         head = (bos_id,)
@@ -185,6 +188,18 @@ class LaidOut:
             )
             flat = np.fromiter(chain.from_iterable(prefixes), np.int32, ends[-1] if ends else 0)
             self.payload = [flat[s:e] for s, e in zip([0, *ends[:-1]], ends)]
+
+    def _lay_out_tokens(self, tokens: tuple[np.ndarray, np.ndarray], bos_id: int, capacity: int | None) -> None:
+        """The same layout from cached ids: one insert of every BOS, no Python loop over tokens."""
+        ids, counts = tokens
+        self.lengths = counts + 1
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths[:-1])]) if len(counts) else self.lengths
+        flat = np.insert(ids.astype(np.int32), np.concatenate([[0], np.cumsum(counts[:-1])]), bos_id)
+        if capacity is None:
+            self.payload = flat
+        else:
+            ends = self.starts + np.minimum(self.lengths, capacity)
+            self.payload = [flat[s:e] for s, e in zip(self.starts.tolist(), ends.tolist())]
 
 
 def saved_buffers(states: Mapping[Any, StreamState] | list[StreamState]) -> list[np.ndarray]:

@@ -693,3 +693,91 @@ def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
     if len(tokens) and int(tokens.max()) >= vocab_size:
         return f"token id {int(tokens.max())} is outside the vocabulary [0, {vocab_size})"
     return None
+
+
+# ------------------------------------------------------------------------------------------------ streams
+class StreamCache:
+    """A token cache as a source's streams use it: the reader loads a unit's entry instead of reading its texts,
+    the tokenizer records a unit it tokenized whole and stores it at the unit's last document.
+
+    Args:
+        cache: the cache.
+        index: the source's row groups (``streaming.source.RowGroupIndex``): it names each unit's file by digest.
+    """
+
+    def __init__(self, cache: TokenCache, index: Any):
+        self.cache, self.index = cache, index
+
+    def _where(self, group: int) -> tuple[int, int, str]:
+        file = int(self.index.file_of[group])
+        return self.index.file_digests[file], int(self.index.group_in_file[group]), self.index.files[file]
+
+    def load(self, group: int, start: int, stop: int) -> CachedUnit | None:
+        """Unit ``[start, stop)`` of global row group ``group``, or ``None`` when it is not (validly) cached."""
+        digest, in_file, path = self._where(group)
+        return self.cache.load(digest, in_file, start, stop, redact_label(path))
+
+    def recorder(self, group: int, start: int, stop: int, too_long: Mapping[int, int]) -> UnitRecorder | None:
+        """What records the unit's documents as they are tokenized (``None`` when this process stores nothing)."""
+        if not self.cache.writing:
+            return None
+        digest, in_file, _ = self._where(group)
+        long_rows = {row: chars for row, chars in too_long.items() if start <= row < stop}
+        return UnitRecorder(self.cache, digest, in_file, start, stop, long_rows)
+
+    def coverage(self, units: Any) -> Coverage:
+        """How much of ``units`` (``streaming.source.Units`` of this index) the cache holds."""
+        return self.cache.coverage(
+            (*self._where(int(group))[:2], int(begin), int(end))
+            for group, begin, end in zip(units.group, units.start, units.stop)
+        )
+
+
+class UnitRecorder:
+    """A unit's documents as they are tokenized, chunk after chunk, kept as compact ids; stored once whole.
+
+    Args:
+        cache: where to store it.
+        file_digest, group_in_file, start, stop: the unit.
+        too_long: the unit's rows skipped for their length, with their characters.
+    """
+
+    def __init__(self, cache: TokenCache, file_digest: int, group_in_file: int, start: int, stop: int, too_long: dict):
+        self.cache, self.unit = cache, (file_digest, group_in_file, start, stop)
+        self.too_long = too_long
+        self.rows: list[np.ndarray] = []
+        self.ids: list[np.ndarray] = []
+        self.lengths: list[np.ndarray] = []
+
+    def add(self, rows: np.ndarray, encodings: Sequence[Any]) -> None:
+        """Record one chunk's documents (their rows and encodings, in the stream's order)."""
+        lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
+        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
+        self.rows.append(np.asarray(rows, np.int64))
+        self.ids.append(token_array(flat, self.cache.vocab_size))
+        self.lengths.append(lengths)
+
+    def store(self) -> None:
+        """Store the unit (once all its documents were added)."""
+        _digest, group_in_file, start, stop = self.unit
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        long_rows = sorted(self.too_long.items())
+        unit = CachedUnit(
+            group_in_file,
+            start,
+            stop,
+            np.concatenate(self.rows) if self.rows else np.zeros(0, np.int64),
+            offsets,
+            np.concatenate(self.ids) if self.ids else np.zeros(0, self.cache.dtype),
+            np.asarray([row for row, _ in long_rows], np.int64),
+            np.asarray([chars for _, chars in long_rows], np.int64),
+        )
+        self.cache.store(*self.unit, unit)
+        self.rows, self.ids, self.lengths = [], [], []
+
+
+def redact_label(path: str) -> str:
+    """A file as named in the cache's messages (a URL without its query and credentials)."""
+    return canonical(path) if "://" in path else path

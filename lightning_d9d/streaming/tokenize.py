@@ -190,7 +190,14 @@ class _Encode:
         self.tokenizer, self.lay_out = tokenizer, lay_out
 
     def __call__(self, chunk: TextChunk) -> T:
-        return self.lay_out(chunk, encode_documents(self.tokenizer, chunk.texts))
+        if chunk.tokens is not None:  # replayed from the token cache: nothing to tokenize
+            return self.lay_out(chunk, [])
+        encodings = encode_documents(self.tokenizer, chunk.texts)
+        if chunk.record is not None:  # a unit read whole: its tokens go to the cache once it is complete
+            chunk.record.add(chunk.rows, encodings)
+            if chunk.closes_unit:
+                chunk.record.store()
+        return self.lay_out(chunk, encodings)
 
 
 class InlineTokenizing(Generic[T]):
@@ -219,6 +226,13 @@ class InlineTokenizing(Generic[T]):
 _READER_JOIN_SECONDS = 30.0
 
 
+@dataclass(slots=True)
+class _Done:
+    """A chunk already laid out by the reader thread (replayed from the token cache)."""
+
+    value: Any
+
+
 class _ReadAhead:
     """The reader thread's side of :class:`PrefetchedTokenizing`: it holds nothing of the consumer, so a consumer
     dropped without ``close()`` is still freed, and its ``__del__`` stops this thread."""
@@ -235,7 +249,10 @@ class _ReadAhead:
                 if not self._slot():
                     return
                 on_demand = not self.lookahead.is_set()
-                self.out.put(chunk if on_demand else self.pool.submit(self.encode, chunk))
+                if chunk.tokens is not None:  # cached: laid out here, without queueing behind tokenizing
+                    self.out.put(_Done(self.encode(chunk)))
+                else:
+                    self.out.put(chunk if on_demand else self.pool.submit(self.encode, chunk))
         except BaseException as error:  # handed to the consumer, which raises it
             self.out.put(error)
 
@@ -300,7 +317,10 @@ class PrefetchedTokenizing(Generic[T]):
         if isinstance(item, BaseException):
             self.close()
             raise item
-        result = item.result() if isinstance(item, Future) else self.encode(item)
+        if isinstance(item, _Done):
+            result = item.value
+        else:
+            result = item.result() if isinstance(item, Future) else self.encode(item)
         if not self.on_demand:
             self.slots.release()
         return result

@@ -5,7 +5,6 @@ steps on any layout."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 from collections import Counter
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import make_docs, train_tokenizer, write_parquet
+from support import RankDataModule, make_docs, run_steps, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
@@ -50,22 +49,6 @@ def sources(corpus: dict, names: str = "ab") -> dict:
     return {name: every[name] for name in names}
 
 
-class RankDataModule(PretrainingDataModule):
-    """One rank of a simulated world, in this process (each rank's loader is what a DDP rank would run)."""
-
-    def __init__(self, *args, world: int = 1, rank: int = 0, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._world, self._rank = world, rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-
 def datamodule(corpus: dict, names: str = "ab", world: int = 1, rank: int = 0, **changes) -> RankDataModule:
     options = dict(
         train_files=sources(corpus, names), tokenizer=str(corpus["root"] / "tokenizer.json"), seq_len=16,
@@ -76,29 +59,6 @@ def datamodule(corpus: dict, names: str = "ab", world: int = 1, rank: int = 0, *
     dm = RankDataModule(world=world, rank=rank, **options)
     dm.setup("fit")
     return dm
-
-
-def row_digest(batch, i: int) -> str:
-    h = hashlib.sha256()
-    for tensor in (batch.input_ids[i], batch.targets[i], batch.position_ids[i]):
-        h.update(tensor.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def run_steps(dm: PretrainingDataModule, steps: int) -> list[list[tuple[int, str]]]:
-    """``steps`` optimizer steps of this rank: per step, every row as ``(source index, digest)`` in order."""
-    batches = iter(dm.train_dataloader())
-    out = []
-    for _ in range(steps):
-        rows = []
-        for _ in range(dm.microbatches_per_step):
-            batch = next(batches)
-            assert batch.sources.dtype == torch.int64 and batch.sources.shape == (len(batch),)
-            rows += [(int(batch.sources[i]), row_digest(batch, i)) for i in range(len(batch))]
-        out.append(rows)
-    batches.close()
-    dm.close_loaders()
-    return out
 
 
 def per_stream_sequences(steps: list[list[tuple[int, str]]], plan: MixturePlan, first_step: int = 0) -> dict:

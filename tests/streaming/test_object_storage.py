@@ -545,7 +545,9 @@ def test_a_mixture_with_a_source_in_object_storage_trains_the_rows_of_a_local_on
     s3 = aws_env
     storage = {"endpoint_url": s3["endpoint"], "key": s3["key"], "secret": s3["secret"]}
     half = str(s3["root"] / "data" / "part-000.parquet")
-    local = make_dm(s3, {"local": half, "remote": str(s3["root"] / "data")}, weights={"local": 1, "remote": 3})
+    # "local" and "remote" hold one file twice on purpose: the same rows through two ways of reaching them.
+    local = make_dm(s3, {"local": half, "remote": str(s3["root"] / "data")}, weights={"local": 1, "remote": 3},
+                    allow_shared_files=True)  # fmt: skip
     remote = make_dm(s3, {"local": half, "remote": f"s3://{BUCKET}/data/*.parquet"}, weights={"local": 1, "remote": 3},
                      storage_options=storage, num_workers=2)  # fmt: skip
     assert remote.fingerprint == local.fingerprint
