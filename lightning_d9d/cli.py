@@ -38,6 +38,7 @@ from lightning_d9d.cli_errors import (
     full_tracebacks,
     report_configuration_error,
 )
+from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 
 INSPECT = "inspect"
 _INSPECT_HELP = "Print steps per epoch, microbatches and tokens per step, padding and the first batch's shapes."
@@ -177,7 +178,10 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
         ]
     else:
         lines.append("tokens per step, padding: n/a (the batch has no attention_mask, input_ids or inputs)")
-    lines += [*_mixture_lines(datamodule, trainer, rows_by_source, steps), "first microbatch:"]
+    lines += _mixture_lines(datamodule, trainer, rows_by_source, steps)
+    if isinstance(datamodule, PretrainingReports):
+        lines += datamodule.token_cache_report()
+    lines.append("first microbatch:")
     lines += [f"  {line}" for line in describe_batch(first)]
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -22,8 +23,10 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -492,3 +495,31 @@ def run_steps(dm: PretrainingDataModule, steps: int) -> list[list[tuple[int, str
     batches.close()
     dm.close_loaders()
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_server(port: int | None = None) -> Iterator[tuple[Any, str]]:
+    """A moto S3 server on 127.0.0.1, yielded with its endpoint URL.
+
+    moto keeps its buckets per process, not per server, so a server started by one test module would otherwise see
+    the objects another module left: the state is reset when the server starts and when it stops.
+    """
+    import requests
+    from moto.server import ThreadedMotoServer
+
+    port = free_port() if port is None else port
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    requests.post(f"{endpoint}/moto-api/reset").raise_for_status()
+    try:
+        yield server, endpoint
+    finally:
+        requests.post(f"{endpoint}/moto-api/reset").raise_for_status()
+        server.stop()

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
+from lightning.pytorch.utilities import rank_zero_warn
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
@@ -187,6 +188,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     max_document_chars = _Setting("max_document_chars")
     tokenizer_batch_size = _Setting("tokenizer_batch_size")
     train_spec: MixtureSpec | None = None  # set by setup, as the rest
+    _cache_said = False
     fingerprint: CorpusFingerprint | None = None
     steps_per_epoch: int | None = None  # type: ignore[assignment]
     estimated_pass_tokens: float | None = None
@@ -279,6 +281,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             self.train_spec, self.fingerprint = train.spec, train.spec.fingerprint()
             self.source_pass_rows, self.estimated_pass_tokens = train.source_pass_rows, train.pass_tokens
             self.steps_per_epoch = self._steps_per_epoch_arg or train.steps_per_pass()
+            self._say_cache_changes(train.spec)
         if self.sources.validation is not None and not self.val_specs:
             by_source = self.sources.validation_by_source
             self.val_specs = corpus.validation(self.sources.validation, by_source, self.allow_shared_files)
@@ -353,6 +356,14 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         self.position.restart(epoch, step, states, self.microbatches_per_step)
 
     # ------------------------------------------------------------------ internals
+    def _say_cache_changes(self, spec: MixtureSpec) -> None:
+        """Once per DataModule: what its token cache holds of other tokenizers, settings or file contents."""
+        if self.token_cache is None or self._cache_said:
+            return
+        self._cache_said = True
+        for message in dict.fromkeys(m for source in spec.sources for m in source.cache.changes()):
+            rank_zero_warn(message)
+
     def _val_steps_of(self, spec: MixtureSpec) -> int:
         """``val_steps``, else one estimated pass over ``spec`` shared by the ranks (at least 1)."""
         if self._val_steps_arg is not None:

@@ -54,6 +54,22 @@ class PretrainingReports:
             return []
         return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
 
+    def token_cache_report(self) -> list[str]:
+        """``inspect``'s lines on the token cache: per source, the units it holds of all, and their size (none
+        without a cache)."""
+        spec = self._require(self.train_spec)
+        lines = []
+        for name, source in zip(spec.names, spec.sources):
+            if source.cache is None:
+                continue
+            covered = source.cache.coverage(source.units)
+            share = 100.0 * covered.cached / max(1, covered.total)
+            lines.append(
+                f"token cache {source.cache.cache.where()!r}, source {name!r}: {covered.cached} of {covered.total} "
+                f"units cached ({share:.0f} %), {covered.bytes / 2**20:,.1f} MiB"
+            )
+        return lines
+
     def stream_stats(self) -> dict[str, int]:
         """This rank's stream counters so far, summed over the streams it owns (see ``StreamCounters``).
 

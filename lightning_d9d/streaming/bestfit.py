@@ -83,6 +83,8 @@ class _PieceBuffer:
         self.free = list(range(slots - 1, -1, -1))
         self.row_bytes = 8 * len(META_COLUMNS)
         self.pack_into = struct.Struct(f"={len(META_COLUMNS)}q").pack_into
+        self.pushed: list[tuple[int, ...]] = []  # rows pushed and insertion numbers popped since the last advance
+        self.popped: list[int] = []
 
     def push(self, length: int, row: tuple[int, ...], payload: Any) -> None:
         """Buffer one piece of ``length`` (its sort key) described by ``row``; ``payload`` comes back on pop."""
@@ -93,6 +95,7 @@ class _PieceBuffer:
             self.free = list(range(2 * size - 1, size - 1, -1))
         slot = self.free.pop()
         self.pack_into(self.table, slot * self.row_bytes, *row)
+        self.pushed.append(row)
         self.used[slot] = 1
         bucket = self.by_length.get(length)
         if bucket is None:
@@ -107,6 +110,7 @@ class _PieceBuffer:
         length = self.lengths[index]
         bucket = self.by_length[length]
         slot, payload = bucket.popleft()
+        self.popped.append(int(self.table[slot, 0]))
         if not bucket:
             del self.by_length[length]
             del self.lengths[index]
@@ -114,6 +118,23 @@ class _PieceBuffer:
         self.free.append(slot)
         self.count -= 1
         return length, payload, slot
+
+    def advance(self, previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """The rows of the buffered pieces (as :meth:`snapshot`), from ``previous`` (the rows at the last
+        advance) and the pieces pushed and popped since, with which of ``previous`` stay and the rows added:
+        a step changes a few pieces of a buffer of thousands, so this costs the change, not the buffer."""
+        pushed, popped = self.pushed, self.popped
+        self.pushed, self.popped = [], []
+        if previous is None:
+            return self.snapshot(), None, None
+        added = np.asarray(pushed, np.int64).reshape(-1, len(META_COLUMNS))
+        if popped:
+            gone = np.asarray(popped, np.int64)
+            kept = ~np.isin(previous[:, 0], gone)
+            added = added[~np.isin(added[:, 0], gone)]
+        else:
+            kept = np.ones(len(previous), bool)
+        return np.concatenate([previous[kept], added]), kept, added
 
     def snapshot(self) -> np.ndarray:
         """The rows of the buffered pieces, sorted by insertion number."""
@@ -384,6 +405,9 @@ class BestFitState:
     buffer: np.ndarray = field(default_factory=lambda: np.zeros((0, len(META_COLUMNS)), np.int64))
     next_seq: int = 0
     growth: BufferGrowth = FULL_BUFFER
+    # How ``buffer`` came from the state before (that buffer, which of its rows stay, the rows added), where known:
+    # what crosses from a worker is that change, not the buffer. Never saved or compared.
+    change: tuple | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -478,6 +502,8 @@ class BestFitStage(PackingStage):
         cursor = _Cursor()
         refill = self._refiller(chunks, cursor)
         state, take, split = start, packer.take, packer.flagged
+        packer._buffer.advance(None)  # the restored buffer is the start's: changes count from here
+        last = start.buffer
         while True:
             rows_per_block = next(sizes)
             if rows_per_block == 0:  # nothing taken: the buffer and the position stay
@@ -488,7 +514,10 @@ class BestFitStage(PackingStage):
             read = state.read
             if packer.added != added:  # only the last document added names the position
                 read = self.after(cursor.laid.chunk, cursor.next_doc - 1)
-            state = BestFitState(start.kind, read, packer.snapshot(), packer.next_seq, start.growth)
+            buffer, kept, added = packer._buffer.advance(last)
+            change = (last, kept, added) if kept is not None else None
+            state = BestFitState(start.kind, read, buffer, packer.next_seq, start.growth, change)
+            last = buffer
             yield RowBlock(tokens, flags), state
 
     def _refiller(self, chunks: Iterator[Any], cursor: _Cursor) -> Callable[[], None]:

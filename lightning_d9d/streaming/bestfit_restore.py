@@ -48,8 +48,46 @@ def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None
         ValueError: a saved row group cannot be read.
     """
     meta = np.asarray(meta, np.int64)
+    cached = _cached_fetch(spec, meta) if spec.cache is not None else None
+    if cached is not None:
+        return cached
     own = _own_texts(spec, meta, texts)
     return _SplitFetch(spec, meta, own) if spec.packing.flagged else _PrefixFetch(spec, meta, own)
+
+
+def _cached_fetch(spec: StreamSpec, meta: np.ndarray) -> Callable[[Any], Any] | None:
+    """A ``fetch`` that cuts every buffered piece out of its unit's cached tokens (no text read, nothing
+    tokenized), or ``None`` when one of the units is not cached (the texts are read then)."""
+    units, documents = spec.units, {}
+    for group in np.unique(meta[:, 2]).tolist():
+        rows = np.unique(meta[meta[:, 2] == group, 3])
+        of_group = np.flatnonzero(units.group == group)
+        for unit in of_group[(units.start[of_group] <= rows.max()) & (units.stop[of_group] > rows.min())].tolist():
+            start, stop = int(units.start[unit]), int(units.stop[unit])
+            inside = rows[(rows >= start) & (rows < stop)]
+            if not len(inside):
+                continue
+            cached = spec.cache.load(group, start, stop)
+            if cached is None:
+                return None
+            at = np.searchsorted(cached.rows, inside)
+            if (at >= len(cached.rows)).any() or (cached.rows[np.minimum(at, len(cached.rows) - 1)] != inside).any():
+                return None  # a buffered row the cache does not hold as a document: another content
+            for row, doc in zip(inside.tolist(), at.tolist()):
+                documents[(group, row)] = cached.ids(doc)
+    capacity, bos = spec.capacity, spec.bos_id
+
+    def fetch(row: np.ndarray) -> np.ndarray:
+        length, chunk = int(row[1]), int(row[4])
+        ids = documents[(int(row[2]), int(row[3]))]
+        start = chunk * capacity
+        end = start + min(length, capacity)
+        tokens = np.empty(min(len(ids) + 1, end), np.int32)  # BOS, then the ids up to the piece's end
+        tokens[0] = bos
+        tokens[1:] = ids[: len(tokens) - 1]
+        return tokens[start:end]
+
+    return fetch
 
 
 def read_buffered_texts(spec: StreamSpec, metas: Iterable[np.ndarray]) -> dict[tuple[int, int], str]:

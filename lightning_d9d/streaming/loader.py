@@ -59,6 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_d9d.child_processes import exit_with_process
@@ -71,9 +72,11 @@ from lightning_d9d.epoch_iterator import (
     shutdown_workers,
 )
 from lightning_d9d.resume import TrainPosition
+from lightning_d9d.streaming.bestfit import BestFitState
 from lightning_d9d.streaming.mixture_stream import MixtureState, mixture_streams
 from lightning_d9d.streaming.packing import RowBlock
 from lightning_d9d.streaming.spec import MixtureSpec
+from lightning_d9d.streaming.stream import StreamState
 
 StreamStates = dict[int, MixtureState]
 
@@ -231,6 +234,7 @@ class _HostedStreams(IterableDataset):
             # process is set.
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
             hosted = self.streams[info.id :: self.num_workers]
+        deltas = WireFormat() if info is not None else None  # what crosses to the training process, compactly
         spec = self.spec.with_reading(max(1, _PREFETCH_PER_PROCESS // len(hosted)), self.chunk_chars)
         states = {sid: self.states[sid] for sid in hosted if sid in self.states}
         iterators: list[Iterator] = [iter(stream) for stream in mixture_streams(spec, hosted, states)]
@@ -241,12 +245,91 @@ class _HostedStreams(IterableDataset):
             if len(hosted) > 1:
                 with ThreadPoolExecutor(len(hosted), thread_name_prefix="lightning-d9d-start") as pool:
                     firsts = list(pool.map(next, iterators))
-                yield [(sid, block, state) for sid, (block, state) in zip(hosted, firsts)]
+                items = [(sid, block, state) for sid, (block, state) in zip(hosted, firsts)]
+                yield items if deltas is None else deltas.encode(items)
             while True:
-                yield [(sid, *next(blocks)) for sid, blocks in zip(hosted, iterators)]
+                items = [(sid, *next(blocks)) for sid, blocks in zip(hosted, iterators)]
+                yield items if deltas is None else deltas.encode(items)
         finally:
             for blocks in iterators:
                 blocks.close()
+
+
+class WireFormat:
+    """A worker's items (every hosted stream's block and state of one step) as they cross to the training
+    process, compactly; the training process rebuilds exactly the same blocks and states.
+
+    A step's items are pickled through a pipe, and with tokens replayed from the token cache that transfer is
+    what limits a rank: so token ids travel as uint16 where they fit (as int32 otherwise), ``bestfit_split``'s
+    flags as the positions of their few non-zero bytes, and a best-fit buffer (thousands of integers per stream,
+    of which a step changes a few) as the bits of the previous rows that stay and the rows added (they come last:
+    rows are in insertion order). One instance per side, per started set of workers.
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, str], np.ndarray] = {}
+
+    def encode(self, items: list[tuple]) -> list[tuple]:
+        """The worker's side."""
+        return [(sid, _packed_block(block), self._map(sid, state, self._delta)) for sid, block, state in items]
+
+    def decode(self, items: list[tuple]) -> list[tuple]:
+        """The training process's side."""
+        return [(sid, _unpacked_block(block), self._map(sid, state, self._rebuilt)) for sid, block, state in items]
+
+    def _map(self, sid: int, state: MixtureState, change: Callable[[tuple[int, str], Any], Any]) -> MixtureState:
+        sources = {}
+        for name, sub in state.sources.items():
+            packing = sub.packing
+            if isinstance(packing, BestFitState):  # made directly: dataclasses.replace costs more than the rest
+                packing = BestFitState(packing.kind, packing.read, change((sid, name), packing), packing.next_seq,
+                                       packing.growth)  # fmt: skip
+                sub = StreamState(packing, sub.counters, sub.blocks)
+            sources[name] = sub
+        return MixtureState(state.step, sources)
+
+    def _delta(self, key: tuple[int, str], packing: BestFitState) -> tuple[np.ndarray, np.ndarray]:
+        buffer, change, previous = packing.buffer, packing.change, self.sent.get(key)
+        self.sent[key] = buffer
+        if previous is None or not len(previous):
+            return np.zeros(0, np.uint8), buffer
+        if change is not None and change[0] is previous:  # the stage knows what changed since
+            return np.packbits(change[1]), change[2]
+        added = buffer[:, 0] > previous[-1, 0]
+        kept = np.isin(previous[:, 0], buffer[~added, 0], assume_unique=True)
+        return np.packbits(kept), buffer[added]
+
+    def _rebuilt(self, key: tuple[int, str], packing: BestFitState) -> np.ndarray:
+        bits, added = packing.buffer
+        previous = self.sent.get(key)
+        if previous is None or not len(previous):
+            buffer = added
+        else:
+            kept = np.unpackbits(bits, count=len(previous)).view(bool)
+            buffer = np.concatenate([previous[kept], added])
+        self.sent[key] = buffer
+        return buffer
+
+
+def _packed_block(block: RowBlock) -> tuple:
+    tokens = block.tokens
+    if tokens.size and int(tokens.max()) < 1 << 16:
+        tokens = tokens.astype(np.uint16)
+    flags = None
+    if block.flags is not None:
+        at = np.flatnonzero(block.flags)
+        flags = (block.flags.shape, at.astype(np.uint32), block.flags.reshape(-1)[at])
+    return tokens, flags, block.sources
+
+
+def _unpacked_block(packed: tuple) -> RowBlock:
+    tokens, sparse, sources = packed
+    flags = None
+    if sparse is not None:
+        shape, at, values = sparse
+        flags = np.zeros(shape, np.uint8)
+        flags.reshape(-1)[at] = values
+    return RowBlock(tokens, flags, sources)
 
 
 def _take_environment(environment: dict[str, str]) -> None:
@@ -268,8 +351,8 @@ class _InStreamOrder:
     blocks are those of the next ``processes`` lists.
     """
 
-    def __init__(self, lists: Iterator[list[tuple]], streams: list[int], processes: int):
-        self.lists, self.processes = lists, processes
+    def __init__(self, lists: Iterator[list[tuple]], streams: list[int], processes: int, deltas: Any = None):
+        self.lists, self.processes, self.deltas = lists, processes, deltas
         self.order = {sid: i for i, sid in enumerate(streams)}
         self.pending: list[tuple] = []
 
@@ -279,6 +362,8 @@ class _InStreamOrder:
     def __next__(self) -> tuple:
         if not self.pending:
             step = [item for _ in range(self.processes) for item in next(self.lists)]
+            if self.deltas is not None:
+                step = self.deltas.decode(step)
             step.sort(key=lambda item: self.order[item[0]], reverse=True)  # popped from the end
             self.pending = step
         return self.pending.pop()
@@ -316,7 +401,7 @@ def rank_blocks(spec: MixtureSpec, streams: list[int], num_workers: int, states:
         loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=2, collate_fn=_as_is,
                             multiprocessing_context=context)  # fmt: skip
     collect_before_fork()
-    return _InStreamOrder(iter(loader), streams, num_workers)
+    return _InStreamOrder(iter(loader), streams, num_workers, WireFormat())
 
 
 def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, StreamStates]]:

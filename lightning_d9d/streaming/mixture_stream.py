@@ -182,6 +182,8 @@ def mixture_streams(spec: MixtureSpec, hosted: list[int], states: Mapping[int, M
     texts: dict[int, dict[str, Any]] = {sid: {} for sid in hosted}
     if len(states) > 1:
         for i, name in enumerate(spec.names):
+            if spec.sources[i].cache is not None:
+                continue  # restored from the cache's tokens (each stream reads the texts itself if it lacks some)
             owners = [sid for sid, state in states.items() if name in state.sources]
             buffers = saved_buffers([states[sid].sources[name] for sid in owners])
             if buffers:

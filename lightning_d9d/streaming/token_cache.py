@@ -284,7 +284,10 @@ class TokenCache:
     # ------------------------------------------------------------------------------------------------ paths
     def _filesystem(self) -> tuple[pafs.FileSystem, str]:
         if self._fs is None:
-            fs, base = self.storage.filesystem(self.root)
+            storage = self.storage
+            if self.root.split("://", 1)[0].lower() in ("s3", "s3a"):  # a small object in one PUT, not a multipart
+                storage = dataclasses.replace(storage, options={**storage.options, "allow_delayed_open": True})
+            fs, base = storage.filesystem(self.root)
             self._fs, self._base = fs, base.rstrip("/")
         return self._fs, self._base
 
@@ -707,6 +710,14 @@ class StreamCache:
 
     def __init__(self, cache: TokenCache, index: Any):
         self.cache, self.index = cache, index
+        self.labelled: set[int] = set()  # files whose label record this process has written
+        self._labels: list[str] | None = None
+
+    def label(self, file: int) -> str:
+        """A file's label (its path relative to the corpus's common folder): the same wherever the corpus is."""
+        if self._labels is None:
+            self._labels = self.index.file_labels()
+        return self._labels[file]
 
     def _where(self, group: int) -> tuple[int, int, str]:
         file = int(self.index.file_of[group])
@@ -723,7 +734,60 @@ class StreamCache:
             return None
         digest, in_file, _ = self._where(group)
         long_rows = {row: chars for row, chars in too_long.items() if start <= row < stop}
-        return UnitRecorder(self.cache, digest, in_file, start, stop, long_rows)
+        return UnitRecorder(self, group, digest, in_file, start, stop, long_rows)
+
+    def stored(self, group: int) -> None:
+        """A unit of ``group``'s file was stored: record once which file (by label) its digest belongs to, so a
+        later run can say which files changed since their tokens were cached."""
+        file = int(self.index.file_of[group])
+        if file in self.labelled:
+            return
+        self.labelled.add(file)
+        label = self.label(file)
+        record = f"{TokenCache.entry_name(self.index.file_digests[file], 0, 0, 0).split('/')[0]}\n{label}\n"
+        with contextlib.suppress(OSError):
+            self.cache._write(self.cache._path(f"labels/{hashlib.sha256(label.encode()).hexdigest()[:16]}"),
+                              [memoryview(record.encode())])  # fmt: skip
+
+    def changes(self) -> list[str]:
+        """What a user should hear once about this cache: other versions of it (a changed tokenizer or setting),
+        and files whose tokens were cached under another content (edited since), which are tokenized again."""
+        messages = []
+        with contextlib.suppress(OSError):
+            other = self.cache.describe_other_versions()
+            if other is not None:
+                messages.append(other)
+        with contextlib.suppress(OSError):
+            changed = self._changed_files()
+            if changed:
+                shown = ", ".join(repr(label) for label in changed[:5]) + (" ..." if len(changed) > 5 else "")
+                messages.append(
+                    f"token cache {self.cache.where()!r}: {len(changed)} file(s) changed since their tokens were "
+                    f"cached ({shown}); their tokens are rebuilt as they are read, the old ones are never used"
+                )
+        return messages
+
+    def _changed_files(self) -> list[str]:
+        """The labels of files with no entries under their digest whose label record names another digest."""
+        fs, _ = self.cache._filesystem()
+        present = {
+            info.base_name for info in fs.get_file_info(pafs.FileSelector(self.cache._path(), allow_not_found=True))
+        }
+        changed = []
+        for file, file_digest in enumerate(self.index.file_digests):
+            part = TokenCache.entry_name(file_digest, 0, 0, 0).split("/")[0]
+            if part in present:
+                continue
+            label = self.label(file)
+            path = self.cache._path(f"labels/{hashlib.sha256(label.encode()).hexdigest()[:16]}")
+            try:
+                with fs.open_input_stream(path) as stream:
+                    recorded = stream.read().decode().split("\n", 1)[0]
+            except OSError:
+                continue  # never cached: a new file, not a changed one
+            if recorded != part:
+                changed.append(label)
+        return changed
 
     def coverage(self, units: Any) -> Coverage:
         """How much of ``units`` (``streaming.source.Units`` of this index) the cache holds."""
@@ -737,13 +801,24 @@ class UnitRecorder:
     """A unit's documents as they are tokenized, chunk after chunk, kept as compact ids; stored once whole.
 
     Args:
-        cache: where to store it.
+        source: the source's cache.
+        group: the unit's global row group.
         file_digest, group_in_file, start, stop: the unit.
         too_long: the unit's rows skipped for their length, with their characters.
     """
 
-    def __init__(self, cache: TokenCache, file_digest: int, group_in_file: int, start: int, stop: int, too_long: dict):
-        self.cache, self.unit = cache, (file_digest, group_in_file, start, stop)
+    def __init__(
+        self,
+        source: StreamCache,
+        group: int,
+        file_digest: int,
+        group_in_file: int,
+        start: int,
+        stop: int,
+        too_long: dict,
+    ):
+        self.source, self.cache, self.group = source, source.cache, group
+        self.unit = (file_digest, group_in_file, start, stop)
         self.too_long = too_long
         self.rows: list[np.ndarray] = []
         self.ids: list[np.ndarray] = []
@@ -774,7 +849,8 @@ class UnitRecorder:
             np.asarray([row for row, _ in long_rows], np.int64),
             np.asarray([chars for _, chars in long_rows], np.int64),
         )
-        self.cache.store(*self.unit, unit)
+        if self.cache.store(*self.unit, unit):
+            self.source.stored(self.group)
         self.rows, self.ids, self.lengths = [], [], []
 
 

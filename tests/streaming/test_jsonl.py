@@ -14,7 +14,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from support import moto_server
 
 from lightning_d9d.streaming import jsonl
 from lightning_d9d.streaming.jsonl import (
@@ -465,29 +465,16 @@ def test_an_unwritable_cache_warns_and_the_layout_is_still_given(tmp_path: Path)
 # ---------------------------------------------------------------------------------------------- s3
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3() -> Any:
     """A moto S3 server on 127.0.0.1 with a bucket."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
-                          aws_secret_access_key="test")  # fmt: skip
-    client.create_bucket(Bucket="corpus")
-    try:
-        yield {"client": client, "endpoint": endpoint, "port": port}
-    finally:
-        server.stop()
+    with moto_server() as (_, endpoint):
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                              aws_secret_access_key="test")  # fmt: skip
+        client.create_bucket(Bucket="corpus")
+        yield {"client": client, "endpoint": endpoint, "port": int(endpoint.rsplit(":", 1)[1])}
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -31,11 +30,13 @@ from urllib.parse import quote
 
 import boto3
 import fsspec
+import pyarrow.parquet as pq
 import pytest
 import requests
 import torch
+import zstandard
 from moto.server import ThreadedMotoServer
-from support import make_docs, train_tokenizer, write_parquet
+from support import free_port, make_docs, moto_server, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming.loader import worker_start_method
@@ -48,18 +49,6 @@ BUCKET = "corpus"
 REGION = "us-east-1"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(port: int) -> ThreadedMotoServer:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory) -> dict[str, Any]:
     """A moto server on 127.0.0.1 holding a copy of a local corpus, and a user allowed s3:* with its key."""
@@ -67,9 +56,12 @@ def s3(tmp_path_factory) -> dict[str, Any]:
     docs = make_docs(240, seed=11, max_words=30, long_every=9, long_words=90)
     paths = write_parquet(root / "data", docs, files=3, row_group_size=10)
     train_tokenizer(docs, root / "tokenizer.json")
-    port = free_port()
-    server = start_server(port)
-    endpoint = f"http://127.0.0.1:{port}"
+    with moto_server() as (server, endpoint):
+        yield _served_corpus(root, paths, server, endpoint)
+
+
+def _served_corpus(root: Path, paths: list[Path], server: Any, endpoint: str) -> dict[str, Any]:
+    port = int(endpoint.rsplit(":", 1)[1])
     iam = boto3.client("iam", endpoint_url=endpoint, region_name=REGION, aws_access_key_id="setup",
                        aws_secret_access_key="setup")  # fmt: skip
     iam.create_user(UserName="trainer")
@@ -82,11 +74,8 @@ def s3(tmp_path_factory) -> dict[str, Any]:
     for path in paths:
         client.upload_file(str(path), BUCKET, f"data/{path.name}")
     client.upload_file(str(paths[0]), BUCKET, "other/notes.txt")
-    try:
-        yield {"root": root, "port": port, "endpoint": endpoint, "key": key["AccessKeyId"],
-               "secret": key["SecretAccessKey"], "server": server}  # fmt: skip
-    finally:
-        server.stop()
+    return {"root": root, "port": port, "endpoint": endpoint, "key": key["AccessKeyId"],
+            "secret": key["SecretAccessKey"], "server": server}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -451,7 +440,9 @@ def test_an_outage_longer_than_read_retry_seconds_is_one_error_naming_url_row_gr
     s3 = aws_env
     credentials_env(s3, monkeypatch)
     port = free_port()
-    server = start_server(port)
+    # A second server on the same process serves the same buckets (moto's state is per process).
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
     url = f"s3://{BUCKET}/data/*.parquet?endpoint_override=127.0.0.1:{port}&scheme=http"
     index = RowGroupIndex.scan(resolve_files(url), "text", Storage(read_retry_seconds=3))
     server.stop()
@@ -556,3 +547,28 @@ def test_a_mixture_with_a_source_in_object_storage_trains_the_rows_of_a_local_on
     assert_same_batches(got, want)
     assert [b.sources.tolist() for b in got] == [b.sources.tolist() for b in want]
     assert {s for b in got for s in b.sources.tolist()} == {0, 1}
+
+
+def test_jsonl_and_a_token_cache_in_object_storage_give_the_rows_of_local_files(aws_env: dict, tmp_path: Path) -> None:
+    """JSONL (zstd) files read from the bucket, and a token cache kept in it, change no row."""
+    s3 = aws_env
+    storage = {"endpoint_url": s3["endpoint"], "key": s3["key"], "secret": s3["secret"]}
+    client = boto3.client("s3", endpoint_url=s3["endpoint"], region_name=REGION, aws_access_key_id=s3["key"],
+                          aws_secret_access_key=s3["secret"])  # fmt: skip
+    (tmp_path / "jsonl").mkdir()
+    for path in sorted((s3["root"] / "data").glob("*.parquet")):
+        texts = pq.read_table(path).column("text").to_pylist()
+        lines = "".join(json.dumps({"text": text}) + "\n" for text in texts).encode()
+        local = tmp_path / "jsonl" / f"{path.stem}.jsonl.zst"
+        local.write_bytes(zstandard.ZstdCompressor().compress(lines))
+        client.upload_file(str(local), BUCKET, f"jsonl/{local.name}")
+    want = list(make_dm(s3, str(tmp_path / "jsonl")).train_dataloader())
+    remote = dict(storage_options=storage, token_cache=f"s3://{BUCKET}/cache", num_workers=2)
+    assert_same_batches(list(make_dm(s3, f"s3://{BUCKET}/jsonl/", **remote).train_dataloader()), want)
+    cached = client.list_objects_v2(Bucket=BUCKET, Prefix="cache/")["Contents"]
+    assert any(item["Key"].endswith(".tok") for item in cached)
+    assert any("jsonl-layouts" in item["Key"] for item in cached)
+    assert_same_batches(list(make_dm(s3, f"s3://{BUCKET}/jsonl/", **remote).train_dataloader()), want)
+    parquet = list(make_dm(s3, str(s3["root"] / "data")).train_dataloader())
+    for _ in range(2):  # an empty cache, then the one it filled
+        assert_same_batches(list(make_dm(s3, f"s3://{BUCKET}/data/*.parquet", **remote).train_dataloader()), parquet)

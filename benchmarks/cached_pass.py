@@ -1,0 +1,158 @@
+"""Token cache benchmark: a pass over a corpus read from the token cache against the same pass tokenizing.
+
+Run: ``python benchmarks/cached_pass.py`` (``--quick`` for a smoke test). The corpus is the stdlib text that
+``benchmarks/streaming.py`` uses (help topics, then source files: long documents), as one parquet file, and a
+byte-level BPE trained on it. For each packing, in this process's children with the same settings (``--workers``
+DataLoader workers, K 16, seq_len 1024, G 64, m 8):
+
+1. three passes without a cache (tokenizing), two with an empty cache (tokenizing and storing: every stream reads
+   all its units), then three with the cache they filled (reading it): useful tokens (document tokens in rows)
+   per second over the passes after the first (steady state), side by side;
+2. the first batch of a resume from the cache: a state saved half-way through, loaded by a fresh DataModule whose
+   workers start from scratch, timed from ``iter()`` to the first batch;
+3. the cache's size on disk beside the parquet file's.
+
+Targets: the cached pass >= 10x the tokenizing pass's useful tokens/s (``concat`` and ``bestfit_split``), the first
+batch of a cached resume <= 1 s. Rows are checked to be the same in the three passes (digest of every batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import multiprocessing
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+
+from common import print_verdicts
+from streaming import stdlib_texts, train_tokenizer, write_corpus
+
+SPEEDUP_TARGET = 10.0
+RESUME_FIRST_BATCH_S = 1.0
+PASSES = 3  # per measured run: the first warms up (best-fit buffers fill, workers start), the others are timed
+CACHED_PASSES = 8  # cached passes are short: more of them to time
+
+
+def _datamodule(files: str, tokenizer: str, packing: str, cache: str | None, args: dict):
+    from lightning_d9d import PretrainingDataModule
+
+    dm = PretrainingDataModule(
+        files, tokenizer, seq_len=args["seq_len"], global_batch_size=args["global_batch"],
+        microbatch_size=args["microbatch"], packing=packing, num_workers=args["workers"],
+        steps_per_epoch=args["steps"], bos_token="<|bos|>", pin_memory=False, token_cache=cache,
+    )  # fmt: skip
+    dm.setup("fit")
+    return dm
+
+
+def _pass(conn, files: str, tokenizer: str, packing: str, cache: str | None, args: dict, passes: int) -> None:
+    """In a fresh process: ``passes × args["steps"]`` steps; the rows of the first ``args["steps"]`` digested, a
+    state saved half-way through them; useful tokens/s over the passes after the first (steady: best-fit buffers
+    full, workers running); the cache's coverage at the end."""
+    multiprocessing.set_start_method(None, force=True)  # workers start as a training script's do
+    dm = _datamodule(files, tokenizer, packing, cache, {**args, "steps": passes * args["steps"]})
+    per_pass = args["steps"] * dm.microbatches_per_step
+    digest, state, start, before = hashlib.sha256(), None, time.perf_counter(), 0
+    for i, batch in enumerate(dm.train_dataloader()):
+        if i < per_pass:
+            digest.update(batch.input_ids.numpy().tobytes())
+        if i == per_pass // 2 - 1:
+            state = dm.state_dict()
+        if i == per_pass - 1:  # the timed part starts after the first pass
+            start, before = time.perf_counter(), dm.stream_stats()["emitted"]
+    elapsed = time.perf_counter() - start
+    useful = dm.stream_stats()["emitted"] - before
+    covered = sum(source.cache.coverage(source.units).cached for source in dm.train_spec.sources if source.cache)
+    units = len(dm.train_spec.sources[0].units)
+    dm.teardown("fit")
+    saved = io.BytesIO()
+    torch.save(state, saved)  # bytes: tensors through a pipe would outlive this process as shared memory
+    conn.send({"tokens_per_s": useful / elapsed, "digest": digest.hexdigest(), "state": saved.getvalue(),
+               "covered": covered, "units": units})  # fmt: skip
+
+
+def _resume(conn, files: str, tokenizer: str, packing: str, cache: str, state: bytes, args: dict) -> None:
+    """In a fresh process: a DataModule resumed from ``state``; seconds from ``iter()`` to its first batch."""
+    multiprocessing.set_start_method(None, force=True)
+    dm = _datamodule(files, tokenizer, packing, cache, args)
+    dm.load_state_dict(torch.load(io.BytesIO(state), weights_only=True))
+    start = time.perf_counter()
+    next(iter(dm.train_dataloader()))
+    conn.send(time.perf_counter() - start)
+    dm.teardown("fit")
+
+
+def _in_child(target, *args: object):
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(target=target, args=(child, *args))
+    process.start()
+    result = parent.recv()
+    process.join()
+    return result
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=24.0, help="MB of stdlib text in the corpus")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--packings", default="concat,bestfit_split")
+    parser.add_argument("--quick", action="store_true", help="a small corpus and few steps (smoke test)")
+    options = parser.parse_args()
+    mb = 1.0 if options.quick else options.mb
+    args = {"seq_len": 1024, "global_batch": 64, "microbatch": 8, "workers": options.workers}
+    root = Path(tempfile.mkdtemp(prefix="cached-pass-"))
+    try:
+        texts = stdlib_texts(mb)
+        files = write_corpus(root / "data", texts, row_group_size=64)
+        tokenizer = str(root / "tokenizer.json")
+        tok = train_tokenizer(texts, 8192)
+        tok.save(tokenizer)
+        tokens = sum(len(e) + 1 for e in tok.encode_batch_fast(texts))
+        args["steps"] = max(4, int(tokens // (args["global_batch"] * (args["seq_len"] + 1))))  # about one pass
+        parquet_mb = _size(root / "data") / 1e6
+        print(f"corpus: {len(texts)} documents, {sum(map(len, texts)) / 1e6:.1f} MB of text, {tokens / 1e6:.2f} M "
+              f"tokens, parquet {parquet_mb:.1f} MB; {args['steps']} steps of {args['global_batch']} rows x "
+              f"{args['seq_len'] + 1} tokens, {options.workers} workers")  # fmt: skip
+        print(f"{'packing':<15}{'tokenizing tok/s':>18}{'filling tok/s':>15}{'cached tok/s':>15}{'cached / tok':>14}"
+              f"{'resume 1st s':>14}{'cache MB':>10}")  # fmt: skip
+        verdicts = []
+        for packing in options.packings.split(","):
+            cache = root / f"cache-{packing}"
+            plain = _in_child(_pass, files, tokenizer, packing, None, args, PASSES)
+            filling = _in_child(_pass, files, tokenizer, packing, str(cache), args, 2)  # every stream reads all
+            cached = _in_child(_pass, files, tokenizer, packing, str(cache), args, CACHED_PASSES)
+            resume = _in_child(_resume, files, tokenizer, packing, str(cache), cached["state"], args)
+            same = plain["digest"] == filling["digest"] == cached["digest"]
+            speedup = cached["tokens_per_s"] / plain["tokens_per_s"]
+            cache_mb = _size(cache) / 1e6
+            print(f"{packing:<15}{plain['tokens_per_s']:>18,.0f}{filling['tokens_per_s']:>15,.0f}"
+                  f"{cached['tokens_per_s']:>15,.0f}{speedup:>13.1f}x{resume:>14.2f}{cache_mb:>10.1f}")  # fmt: skip
+            verdicts += [
+                (same, f"{packing}: the same rows tokenizing, filling and cached (target: identical)"),
+                (speedup >= SPEEDUP_TARGET, f"{packing}: cached / tokenizing useful tokens/s {speedup:.1f}x "
+                 f"(target >= {SPEEDUP_TARGET:.0f}x)"),
+                (resume <= RESUME_FIRST_BATCH_S, f"{packing}: first batch of a cached resume {resume:.2f} s "
+                 f"(target <= {RESUME_FIRST_BATCH_S:.0f} s)"),
+            ]  # fmt: skip
+            print(f"  cache / parquet size: {cache_mb / parquet_mb:.2f}; units cached after filling: "
+                  f"{filling['covered']} of {filling['units']}")  # fmt: skip
+        print_verdicts(verdicts)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
