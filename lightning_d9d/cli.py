@@ -152,38 +152,53 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
         f"microbatches per step per rank: {microbatches_per_step(global_batch_size, world_size, microbatch_size)}",
         f"samples per step: {global_batch_size}",
     ]
-    first: Any = None
-    real_tokens = positions = 0
-    counted = True
     steps = min(steps, datamodule.steps_per_epoch)
     # With yield_packs each batch is already one step's pack of microbatches.
     packs = bool(getattr(datamodule, "yield_packs", False))
+    token_lines, first, rows_by_source = _read_steps(batches, steps, 1 if packs else per_step_here, packs)
+    lines += token_lines
+    lines += _pretraining_lines(datamodule, trainer, rows_by_source, steps)
+    lines.append("first microbatch:")
+    lines += [f"  {line}" for line in describe_batch(first)]
+    return "\n".join(lines)
+
+
+_NO_TOKEN_COUNT = "tokens per step, padding: n/a (the batch has no attention_mask, input_ids or inputs)"
+
+
+def _read_steps(
+    batches: Iterator[Any], steps: int, batches_per_step: int, packs: bool
+) -> tuple[list[str], Any, Counter[int]]:
+    """The tokens and padding lines of the first ``steps`` steps, the first microbatch and the rows per source."""
+    first: Any = None
+    real_tokens = positions = 0
     rows_by_source: Counter[int] = Counter()  # a mixture's rows per source
-    for _ in range(steps * (1 if packs else per_step_here)):
+    for _ in range(steps * batches_per_step):
         batch = next(batches)
         rows_by_source.update(_row_sources(batch))
         if first is None:
             first = batch[0] if packs else batch
         counts = count_tokens(batch)
         if counts is None:
-            counted = False
-            break
+            return (
+                [_NO_TOKEN_COUNT],
+                first,
+                rows_by_source,
+            )
         real_tokens += counts[0]
         positions += counts[1]
-    if counted and positions:
-        lines += [
-            f"tokens per step (mean of the first {steps} steps): {real_tokens / steps:,.0f} real, "
-            f"{positions / steps:,.0f} with padding",
-            f"padding: {100.0 * (1 - real_tokens / positions):.2f} %",
-        ]
-    else:
-        lines.append("tokens per step, padding: n/a (the batch has no attention_mask, input_ids or inputs)")
-    lines += _mixture_lines(datamodule, trainer, rows_by_source, steps)
-    if isinstance(datamodule, PretrainingReports):
-        lines += datamodule.token_cache_report()
-    lines.append("first microbatch:")
-    lines += [f"  {line}" for line in describe_batch(first)]
-    return "\n".join(lines)
+    if not positions:
+        return (
+            [_NO_TOKEN_COUNT],
+            first,
+            rows_by_source,
+        )
+    lines = [
+        f"tokens per step (mean of the first {steps} steps): {real_tokens / steps:,.0f} real, "
+        f"{positions / steps:,.0f} with padding",
+        f"padding: {100.0 * (1 - real_tokens / positions):.2f} %",
+    ]
+    return lines, first, rows_by_source
 
 
 def _row_sources(batch: Any) -> list[int]:
@@ -192,13 +207,15 @@ def _row_sources(batch: Any) -> list[int]:
     return sources.tolist() if isinstance(sources, torch.Tensor) else []
 
 
-def _mixture_lines(datamodule: Any, trainer: Any, rows_by_source: Counter[int], steps: int) -> list[str]:
-    """A mixture's phases, expected passes over the run and realised shares (none for other DataModules)."""
-    report = getattr(datamodule, "mixture_report", None)
-    if report is None:
+def _pretraining_lines(datamodule: Any, trainer: Any, rows_by_source: Counter[int], steps: int) -> list[str]:
+    """A pretraining mixture's phases, expected passes over the run, realised shares and token cache (none for
+    other DataModules)."""
+    if not isinstance(datamodule, PretrainingReports):
         return []
-    sources = range(len(getattr(datamodule, "source_names", ())))
-    return report(_run_steps(trainer, datamodule.steps_per_epoch), [rows_by_source[i] for i in sources], steps)
+    sources = range(len(datamodule.source_names))
+    shares = [rows_by_source[i] for i in sources]
+    lines = datamodule.mixture_report(_run_steps(trainer, datamodule.steps_per_epoch), shares, steps)
+    return lines + datamodule.token_cache_report()
 
 
 def _run_steps(trainer: Any, steps_per_epoch: int) -> int:

@@ -1,31 +1,27 @@
 """JSONL: compressed or plain JSON-lines files as groups of whole lines, read like parquet row groups.
 
 Algorithm: a one-off scan streams a file once (``*.jsonl``, or gzip/zstd compressed: ``*.jsonl.gz``,
-``*.json.gz``, ``*.jsonl.zst``, ...), hashing its stored bytes and counting newlines in the decompressed text, and
-cuts it into *groups*: ranges ``[start, stop)`` of the decompressed bytes that end at the first newline after
-``group_bytes``, so a group is never a part of a line. A line is a row: a blank line (JSON whitespace only) is a
-row without text, like a null parquet value, so the rows of a group are its ``\\n``-separated lines, a last line
-without ``\\n`` included. For compressed files the scan also notes the *frames* (zstd frames, gzip members:
-pieces that decompress on their own): each group keeps the compressed offset and the decompressed start of the
-frame holding its first byte, and the compressed end of the frame holding its last, so it is read by fetching
-those compressed bytes only and decompressing from that frame. The :class:`JsonlLayout` (groups, size, digest)
-can be kept as JSON in a cache directory, keyed by the file's path, and is trusted only while the file's size and
+``*.json.gz``, ``*.jsonl.zst``, ...), hashing its stored bytes and counting newlines in its text, and cuts the
+text into *groups*: decompressed byte ranges ``[start, stop)`` that end at the first newline after
+``group_bytes``. A line is a row (a last line without ``\\n`` included); a blank line (JSON whitespace only) is a
+row without text, like a null parquet value. For compressed files the scan notes the *frames* (zstd frames, gzip
+members: pieces that decompress on their own) each group starts and ends in, so reading a group fetches only those
+compressed bytes and decompresses from its first frame. The :class:`JsonlLayout` (groups, size, digest) can be
+kept as JSON in a cache directory, keyed by the file's path, and is trusted only while the file's size and
 modification time are the ones it records.
 
-A group's bytes are parsed by ``pyarrow.json`` (only the text field is kept) after a check, on the lines' first
-and last bytes, that every line that is not blank is one JSON object: then pyarrow's rows are the lines that are
-not blank, one for one, and the blank ones are put back as nulls. A group that fails the check or the parse is
-parsed again line by line with the standard library, which names the file and line of the first malformed line
-(not JSON, not an object, a text field that is not a string, text that is not valid UTF-8), or, with
-``on_malformed="skip"``, makes each such line a null row and counts it: row numbers never move.
+A group is parsed by ``pyarrow.json`` (only the text field is kept) after a check, on each line's first and last
+bytes, that every line that is not blank is one JSON object: pyarrow's rows are then those lines, one for one, and
+the blank ones are put back as nulls. A group that fails the check or the parse is parsed again line by line with
+the standard library, which names the file and line of the first malformed line (not JSON, not an object, a text
+field that is not a string, text that is not valid UTF-8) or, with ``on_malformed="skip"``, makes each such line a
+counted null row: row numbers never move.
 
-Trade-off: a group of a file made of one frame (a plain ``zstd`` or ``gzip`` file) starts inside that frame, so
-reading it decompresses the file from its start, skipping the text before the group unparsed: reading all ``G``
-groups of such a file costs about ``G / 2`` decompressions of it per pass, and a resume inside its last group
-re-decompresses nearly the whole file. Multi-frame files (zstd written in frames, e.g. by ``pzstd`` or the
-seekable format; multi-member gzip, e.g. ``bgzip``) and plain files read only the bytes of the group (plus the
-rest of the frames it starts and ends in). Groups are kept whole in memory while parsed, which bounds
-``group_bytes``.
+Trade-off: a group of a single-frame file (a plain ``zstd`` or ``gzip`` file) starts inside that frame, so reading
+it decompresses the file from its start: all ``G`` groups cost about ``G / 2`` decompressions per pass, and a
+resume in the last group nearly a whole one. Multi-frame files (e.g. ``pzstd``, seekable zstd, ``bgzip``) and
+plain files read only a group's bytes (plus the rest of the frames it starts and ends in). Groups are held whole
+in memory while parsed, which bounds ``group_bytes``.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ import os
 import tempfile
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -376,6 +372,7 @@ def _checked(storage: Storage, action: Callable[[], Any], path: str) -> Any:
 
 
 def _scan(stream: Any, compression: Compression, identity: dict[str, Any], path: str) -> JsonlLayout:
+    """The layout of the file ``stream`` reads, in one pass that hashes its stored bytes and cuts its text."""
     digest = hashlib.sha256()  # with SHA instructions faster than decompression, and collisions out of reach
     stored = 0
 
@@ -387,13 +384,53 @@ def _scan(stream: Any, compression: Compression, identity: dict[str, Any], path:
         return chunk
 
     frames = _Frames([], [], [])
-    group_bytes = identity["group_bytes"]
-    # Per group: start, stop, first line, rows, frame of its first byte, frame of its last byte.
+    pieces = _decompressed(read, compression, 0, 0, frames, f"JSONL file {redact(path)!r}")
+    groups, uncompressed_size = _cut_into_groups(pieces, identity["group_bytes"])
+    if stored != identity["size"]:
+        raise ValueError(
+            f"JSONL file {redact(path)!r} changed while it was scanned: {stored} bytes read, "
+            f"{identity['size']} expected"
+        )
+    plain = compression == "none"
+    return JsonlLayout(
+        path=identity["path"],
+        size=stored,
+        mtime_ns=identity["mtime_ns"],
+        digest=digest.hexdigest(),
+        compression=compression,
+        frames=len(frames.offsets) if not plain else 1,
+        uncompressed_size=uncompressed_size,
+        group_bytes=identity["group_bytes"],
+        groups=tuple(
+            JsonlGroup(
+                g_start,
+                g_stop,
+                g_line,
+                g_rows,
+                0 if plain else frames.offsets[f_first],
+                0 if plain else frames.starts[f_first],
+                stored if plain else frames.stops[f_last],
+            )
+            for g_start, g_stop, g_line, g_rows, f_first, f_last in groups
+        ),
+    )
+
+
+def _cut_into_groups(
+    pieces: Iterable[tuple[int, bytes]], group_bytes: int
+) -> tuple[list[tuple[int, int, int, int, int, int]], int]:
+    """Cut the text that ``pieces`` (``(frame index, piece)``, in order) make up into groups of whole lines, each
+    ending at the first newline at or after its ``group_bytes``-th byte.
+
+    Returns:
+        Per group: start, stop, first line, rows, frame of its first byte, frame of its last byte; and the text's
+        size in bytes.
+    """
     groups: list[tuple[int, int, int, int, int, int]] = []
     position = 0  # decompressed offset of the current piece
     start, first_line, lines, first_frame = 0, 0, 0, -1  # the open group
     last_frame, last_byte = 0, _NEWLINE
-    for frame, piece in _decompressed(read, compression, 0, 0, frames, f"JSONL file {redact(path)!r}"):
+    for frame, piece in pieces:
         size, counted = len(piece), 0  # newlines of piece[:counted] are in ``lines`` or in closed groups
         while True:
             if first_frame < 0 and counted < size:
@@ -412,34 +449,7 @@ def _scan(stream: Any, compression: Compression, identity: dict[str, Any], path:
         last_frame, last_byte = frame, piece[-1]
     if position > start:  # the last line has no newline: it is a row too
         groups.append((start, position, first_line, lines + (last_byte != _NEWLINE), first_frame, last_frame))
-    if stored != identity["size"]:
-        raise ValueError(
-            f"JSONL file {redact(path)!r} changed while it was scanned: {stored} bytes read, "
-            f"{identity['size']} expected"
-        )
-    plain = compression == "none"
-    return JsonlLayout(
-        path=identity["path"],
-        size=stored,
-        mtime_ns=identity["mtime_ns"],
-        digest=digest.hexdigest(),
-        compression=compression,
-        frames=len(frames.offsets) if not plain else 1,
-        uncompressed_size=position,
-        group_bytes=group_bytes,
-        groups=tuple(
-            JsonlGroup(
-                g_start,
-                g_stop,
-                g_line,
-                g_rows,
-                0 if plain else frames.offsets[f_first],
-                0 if plain else frames.starts[f_first],
-                stored if plain else frames.stops[f_last],
-            )
-            for g_start, g_stop, g_line, g_rows, f_first, f_last in groups
-        ),
-    )
+    return groups, position
 
 
 # ---------------------------------------------------------------------------------------------- layout cache

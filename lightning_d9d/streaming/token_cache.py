@@ -1,32 +1,25 @@
 """Token cache: each unit's tokens, stored the first time the unit is tokenized and read back instead of tokenizing.
 
-Algorithm: a cache lives under ``root`` (a local folder or an object-storage URL), one folder per *version*,
-named by ``sha256(key)[:16]``. The key is everything that decides the tokens (the tokenizer's content, the text
-column, ``max_document_chars``, the recipe), so a changed tokenizer or setting looks in another folder and
-never meets stale tokens; the folder's ``manifest.json`` holds the key in plain JSON, for people and for
-:meth:`TokenCache.describe_other_versions`. An entry holds one unit (rows ``[start, stop)`` of a row group) of
-one file, named by the file's content digest, the row group and the rows:
-``<version>/<file digest>/<group>-<start>-<stop>.tok``. An edited file has another digest, so its old entries
-are never looked up. An entry holds what the reader and tokenizer produced for the unit: the rows of the
+Algorithm: under ``root`` (a local folder or an object-storage URL) lives one folder per *version*, named by
+``sha256(key)[:16]``. The key is everything that decides the tokens (the tokenizer's content, the text column,
+``max_document_chars``, the recipe), so a changed setting looks in another folder and never meets stale tokens;
+the folder's ``manifest.json`` keeps the key readable (:meth:`TokenCache.describe_other_versions`). An entry,
+``<version>/<file digest>/<group>-<start>-<stop>.tok``, holds one unit (rows ``[start, stop)`` of a row group) of
+a file named by its content digest, so an edited file's old entries are never looked up. It holds the rows of the
 documents kept, each document's ids (without BOS) as offsets into one flat uint16/uint32 array, and the rows
-skipped as too long with their lengths. Replaying it gives the same documents and counters as tokenizing.
+skipped as too long with their lengths: replaying it gives the same documents and counters as tokenizing.
 
-An entry validates itself. It starts with a magic, the format version and a JSON header with its own CRC-32
-that names the unit and the array sizes; the arrays and their CRC-32 follow. Loading reads the entry in one
-request and checks the sizes against the length, then the checksum, then the structure (ascending rows inside
-the unit, monotone offsets, ids below the vocabulary size), and only then hands out views of the bytes. A bad
-entry is a miss: it is named in a warning and deleted, so the caller's next store replaces it.
+An entry validates itself: a magic, the format version and a JSON header with its own CRC-32 (the unit, the array
+sizes), then the arrays and their CRC-32. A load reads it in one request and checks the sizes, the checksum, then
+the structure (ascending rows inside the unit, monotone offsets, ids below the vocabulary size) before handing out
+views of the bytes; a bad entry is a miss, named in a warning and deleted, so the next store replaces it. Stores
+are atomic (a local temporary file, fsynced and renamed; one object upload, committed whole) and uncoordinated:
+every writer of an entry writes the same bytes. A full disk, quota or refused permission is one warning; the
+process then stops writing and keeps reading.
 
-Stores are atomic. A local entry is written under a unique temporary name in its folder, fsynced and renamed
-onto its name. An object is written in one upload that the store commits only once it completes, so a killed
-writer leaves no object. Writers never coordinate: every writer of an entry writes the same bytes, so
-concurrent stores (tensor-parallel peers, two runs) are harmless and the last rename wins. A full disk, a
-quota or a refused permission is one warning; the process then stops writing and keeps reading.
-
-Trade-off: one file per unit (about a row group) keeps writers independent and commits atomic, with no index
-to update. The price is a file or object per row group (many small objects for a large corpus) and reading an
-entry whole. The checksum costs a second pass over the bytes, which keeps a damaged file from ever becoming
-tokens.
+Trade-off: one file per unit keeps writers independent and commits atomic, with no index to update, at the price
+of a file or object per row group and of reading an entry whole. The checksum costs a second pass over the bytes,
+which keeps a damaged file from ever becoming tokens.
 """
 
 from __future__ import annotations
@@ -254,14 +247,9 @@ class TokenCache:
         self.key: Any = key if isinstance(key, str) else dict(key)
         self.dtype = token_dtype(self.vocab_size)
         try:
-            identity = json.dumps(
-                {"format": FORMAT_VERSION, "key": self.key, "vocab_size": self.vocab_size},
-                sort_keys=True,
-                separators=(",", ":"),
-            )
+            self.digest = _version_digest(self.key, self.vocab_size)
         except (TypeError, ValueError) as err:
             raise ValueError(f"token cache key {key!r} is not JSON-serialisable: {err}") from err
-        self.digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
         self._setup()
 
     def _setup(self) -> None:
@@ -290,10 +278,6 @@ class TokenCache:
             fs, base = storage.filesystem(self.root)
             self._fs, self._base = fs, base.rstrip("/")
         return self._fs, self._base
-
-    @property
-    def _local(self) -> bool:
-        return isinstance(self._filesystem()[0], pafs.LocalFileSystem)
 
     def _path(self, relative: str = "") -> str:
         """The filesystem path of ``relative`` inside this version's folder."""
@@ -324,6 +308,12 @@ class TokenCache:
             raise ValueError(f"row group {group_in_file}, rows [{start}, {stop}) are not a unit")
         return f"{file_part}/{int(group_in_file)}-{int(start)}-{int(stop)}{ENTRY_SUFFIX}"
 
+    def _identity(self, file_part: str, group: int, start: int, stop: int) -> dict[str, Any]:
+        """What an entry's header says it is: a check that the file is the entry looked up, of this version."""
+        identity = {"format": FORMAT_VERSION, "key": self.digest, "vocab_size": self.vocab_size}
+        identity.update(dtype=self.dtype.name, file=file_part, group=int(group), start=int(start), stop=int(stop))
+        return identity
+
     # ------------------------------------------------------------------------------------------------ loading
     def load(
         self, file_digest: int | str, group_in_file: int, start: int, stop: int, file_label: str | None = None
@@ -343,97 +333,28 @@ class TokenCache:
         """
         name = self.entry_name(file_digest, group_in_file, start, stop)
         path = self._path(name)
+        fs, _ = self._filesystem()
         try:
-            data = self._read(path)
+            data = _read_whole(fs, path)
         except FileNotFoundError:
             self._count(misses=1)
             return None
         except OSError as err:
             self._count(misses=1)
-            self._warn_once(("read", self.where()), f"cannot read token cache entry {self.where(name)!r} ({err}); "
-                                                  "its unit is tokenized instead (further read failures of this "
-                                                  "cache are not reported)")  # fmt: skip
+            _warn_once(("read", self.where()), f"cannot read token cache entry {self.where(name)!r} ({err}); its "
+                                              "unit is tokenized instead (further read failures of this cache are "
+                                              "not reported)")  # fmt: skip
             return None
         try:
-            unit = self._decode(data, name.split("/", 1)[0], group_in_file, start, stop)
+            unit = _decode(data, self._identity(name.split("/", 1)[0], group_in_file, start, stop), self.vocab_size)
         except _BadEntry as bad:
             self._count(misses=1, bad=1)
-            self._report_bad(name, file_label, group_in_file, start, stop, str(bad))
-            self._delete(path)
+            described = f"{file_label + ', ' if file_label else ''}row group {group_in_file}, rows {start}..{stop - 1}"
+            _report_bad(self.where(), self.where(name), described, str(bad))
+            _delete_quietly(fs, path)
             return None
         self._count(hits=1, bytes_read=len(data))
         return unit
-
-    def _read(self, path: str) -> Any:
-        if self._local:
-            with open(path, "rb") as entry:
-                return entry.read()  # one read of the whole file: its size is known from fstat
-        fs, _ = self._filesystem()
-        with fs.open_input_file(path) as entry:
-            return entry.read_buffer()
-
-    def _decode(self, data: Any, file_part: str, group: int, start: int, stop: int) -> CachedUnit:
-        """The unit ``data`` holds, after checking everything; raises :class:`_BadEntry` naming the problem."""
-        size = len(data)
-        if size < _PREFIX.size:
-            raise _BadEntry(f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
-        magic, version, header_size, header_crc = _PREFIX.unpack_from(data, 0)
-        if magic != MAGIC:
-            raise _BadEntry(f"not a token cache entry (it starts with {bytes(magic)!r}, not {MAGIC!r})")
-        if version != FORMAT_VERSION:
-            raise _BadEntry(f"format version {version}; this code reads version {FORMAT_VERSION}")
-        payload_at = _PREFIX.size + header_size
-        if payload_at > size:
-            raise _BadEntry(f"truncated: {size} bytes, shorter than its {header_size}-byte header")
-        raw = memoryview(data)[_PREFIX.size : payload_at]
-        if zlib.crc32(raw) != header_crc:
-            raise _BadEntry("its header fails its CRC-32 check")
-        try:
-            header = json.loads(bytes(raw))
-            counts = [int(header[name]) for name in ("documents", "too_long", "tokens")]
-        except (ValueError, KeyError, TypeError) as err:
-            raise _BadEntry(f"unreadable header ({err})") from err
-        for name, value in self._identity(file_part, group, start, stop).items():
-            if header.get(name) != value:
-                raise _BadEntry(f"its header says {name}={header.get(name)!r}, expected {value!r}")
-        docs, long_docs, tokens = counts
-        if min(counts) < 0:
-            raise _BadEntry(f"its header holds negative counts {counts}")
-        payload = _INDEX.itemsize * (2 * docs + 1 + 2 * long_docs) + self.dtype.itemsize * tokens
-        if size != payload_at + payload:
-            state = "truncated" if size < payload_at + payload else "longer than its header says"
-            raise _BadEntry(f"{state}: {size} bytes, its header describes {payload_at + payload}")
-        if zlib.crc32(memoryview(data)[payload_at:]) != header.get("payload_crc32"):
-            raise _BadEntry("its arrays fail their CRC-32 check")
-        arrays, at = [], payload_at
-        for dtype, count in ((_INDEX, docs), (_INDEX, docs + 1), (_INDEX, long_docs), (_INDEX, long_docs),
-                             (self.dtype, tokens)):  # fmt: skip
-            arrays.append(np.frombuffer(data, dtype, count, at))
-            at += dtype.itemsize * count
-        unit = CachedUnit(int(group), int(start), int(stop), arrays[0], arrays[1], arrays[4], arrays[2], arrays[3])
-        problem = _problem(unit, self.vocab_size)
-        if problem is not None:
-            raise _BadEntry(problem)
-        return unit
-
-    def _report_bad(self, name: str, label: str | None, group: int, start: int, stop: int, reason: str) -> None:
-        with _LOCK:
-            named = _NAMED.get(self.where(), 0)
-            _NAMED[self.where()] = named + 1
-        if named < MAX_NAMED_ENTRIES:
-            unit = f"{label + ', ' if label else ''}row group {group}, rows {start}..{stop - 1}"
-            _warn(f"token cache entry {self.where(name)!r} ({unit}) is unusable, {reason}: it is deleted, and the "
-                  "unit is tokenized and stored again")  # fmt: skip
-        elif named == MAX_NAMED_ENTRIES:
-            _warn(f"token cache {self.where()!r}: more than {MAX_NAMED_ENTRIES} unusable entries; the rest are "
-                  "deleted and rebuilt without a warning each (TokenCache.counters.bad counts them)")  # fmt: skip
-
-    def _delete(self, path: str) -> None:
-        with contextlib.suppress(OSError):  # best effort: a later store replaces it anyway
-            if self._local:
-                os.unlink(path)
-            else:
-                self._filesystem()[0].delete_file(path)
 
     # ------------------------------------------------------------------------------------------------ storing
     @property
@@ -464,72 +385,19 @@ class TokenCache:
             raise ValueError(f"cannot store {self.where(name)!r}: {problem}")
         if not self.writing:
             return False
-        pieces = self._encode(unit, name.split("/", 1)[0])
+        identity = self._identity(name.split("/", 1)[0], unit.group_in_file, unit.start, unit.stop)
+        pieces = _encode(unit, identity, self.dtype)
+        fs, _ = self._filesystem()
         try:
             self._write_manifest()
-            self._write(self._path(name), pieces)
+            _write_atomic(fs, self._path(name), pieces)
         except OSError as err:
             self._count(store_failures=1)
-            self._store_failed(name, err)
+            local = isinstance(fs, pafs.LocalFileSystem)
+            _store_failed(canonical(self.root), self.where(), self.where(name), local, err)
             return False
         self._count(stored=1, bytes_written=sum(len(piece) for piece in pieces))
         return True
-
-    def _identity(self, file_part: str, group: int, start: int, stop: int) -> dict[str, Any]:
-        """What an entry's header says it is: a check that the file is the entry looked up, of this version."""
-        identity = {"format": FORMAT_VERSION, "key": self.digest, "vocab_size": self.vocab_size}
-        identity.update(dtype=self.dtype.name, file=file_part, group=int(group), start=int(start), stop=int(stop))
-        return identity
-
-    def _encode(self, unit: CachedUnit, file_part: str) -> list[memoryview]:
-        arrays = [np.ascontiguousarray(a, _INDEX) for a in (unit.rows, unit.offsets, unit.too_long_rows,
-                                                            unit.too_long_chars)]  # fmt: skip
-        arrays.append(np.ascontiguousarray(unit.tokens, self.dtype))
-        views = [memoryview(a).cast("B") for a in arrays]
-        crc = 0
-        for view in views:
-            crc = zlib.crc32(view, crc)
-        header = self._identity(file_part, unit.group_in_file, unit.start, unit.stop)
-        header.update(documents=len(unit.rows), too_long=len(unit.too_long_rows), tokens=len(unit.tokens))
-        header["payload_crc32"] = crc
-        header = json.dumps(header, sort_keys=True).encode()
-        header += b" " * (-(_PREFIX.size + len(header)) % 8)  # the arrays start 8-byte aligned
-        prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header))
-        return [memoryview(prefix), memoryview(header), *views]
-
-    def _write(self, path: str, pieces: list[memoryview]) -> None:
-        """Write ``pieces`` as the file ``path``, so that ``path`` holds all of them or stays as it was."""
-        if self._local:
-            folder = os.path.dirname(path)
-            os.makedirs(folder, exist_ok=True)
-            # Unique per writer, in the same folder (a rename does not cross filesystems), hidden from listings.
-            temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-            try:
-                with open(temporary, "wb") as out:
-                    for piece in pieces:
-                        out.write(piece)
-                    out.flush()
-                    os.fsync(out.fileno())  # the data is on disk before the name points at it
-                os.replace(temporary, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
-                raise
-            return
-        fs, _ = self._filesystem()
-        data = b"".join(pieces)  # one write: a failure cannot leave part of the entry queued for the commit
-        out = fs.open_output_stream(path)
-        try:
-            out.write(data)
-        except BaseException:
-            # pyarrow streams have no abort, and closing one (here, or when it is freed) commits what it holds:
-            # delete whatever that committed (a peer's complete entry at worst, stored again later).
-            with contextlib.suppress(Exception):
-                out.close()
-            with contextlib.suppress(OSError):
-                fs.delete_file(path)
-            raise
-        out.close()  # the object exists from here on, whole
 
     def _write_manifest(self) -> None:
         """The version's manifest, once per process (every writer writes the same one)."""
@@ -540,41 +408,10 @@ class TokenCache:
         if fs.get_file_info(path).type == pafs.FileType.NotFound:
             manifest = {"format": FORMAT_VERSION, "key": self.key, "vocab_size": self.vocab_size,
                         "dtype": self.dtype.name}  # fmt: skip
-            self._write(path, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")])
+            _write_atomic(fs, path, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")])
         self._manifest_written = True
 
-    def _store_failed(self, name: str, err: OSError) -> None:
-        stops = (
-            isinstance(err, PermissionError)
-            or err.errno in _STOPS_WRITING
-            or (not self._local and not is_transient(err))
-        )
-        if stops:
-            with _LOCK:
-                first = self.where() not in _NOT_WRITING
-                _NOT_WRITING[self.where()] = str(err)
-            if first:
-                _warn(f"token cache {canonical(self.root)!r}: cannot store tokens ({err}); this process stops "
-                      "writing to the cache and keeps reading it, tokenizing the units it lacks")  # fmt: skip
-            return
-        kind = type(err).__name__ + str(err.errno or "")
-        self._warn_once(("store", self.where(), kind), f"could not store token cache entry {self.where(name)!r} "
-                        f"({err}); its unit is tokenized again when next read (further {kind} failures of this "
-                        "cache are not reported)")  # fmt: skip
-
     # ------------------------------------------------------------------------------------------------ inspecting
-    def _listing(self) -> dict[str, int]:
-        """``{entry name: bytes}`` of this version's entries (temporary files and the manifest left out)."""
-        fs, _ = self._filesystem()
-        base = self._path()
-        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        out = {}
-        for info in infos:
-            name = info.base_name
-            if info.type == pafs.FileType.File and name.endswith(ENTRY_SUFFIX) and not name.startswith("."):
-                out[info.path[len(base) + 1 :]] = int(info.size)
-        return out
-
     def coverage(self, units: Iterable[tuple[int | str, int, int, int]]) -> Coverage:
         """How many of ``units`` (``(file digest, group in file, start, stop)``) have an entry, and their bytes.
 
@@ -583,7 +420,7 @@ class TokenCache:
         Raises:
             OSError: the root cannot be listed (an unreachable store, refused access).
         """
-        entries = self._listing()
+        entries = _entry_sizes(self._filesystem()[0], self._path())
         cached = total = size = 0
         for file_digest, group, start, stop in units:
             total += 1
@@ -598,25 +435,12 @@ class TokenCache:
         Raises:
             OSError: as :meth:`coverage`.
         """
-        fs, _ = self._filesystem()
-        infos = fs.get_file_info(pafs.FileSelector(self._path(), recursive=True, allow_not_found=True))
-        return sum(int(info.size) for info in infos if info.type == pafs.FileType.File)
+        return sum(int(info.size) for info in _files(self._filesystem()[0], self._path()))
 
     def other_versions(self) -> dict[str, Any]:
         """The other version folders under ``root``: ``{folder: its key}`` (``None`` where the manifest cannot
         be read)."""
-        fs, base = self._filesystem()
-        out: dict[str, Any] = {}
-        for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
-            name = info.base_name
-            if info.type != pafs.FileType.Directory or not _VERSION_NAME.fullmatch(name) or name == self.digest:
-                continue
-            try:
-                with fs.open_input_stream(f"{base}/{name}/{MANIFEST}") as manifest:
-                    out[name] = json.loads(manifest.read()).get("key")
-            except (OSError, ValueError, AttributeError):
-                out[name] = None
-        return out
+        return _version_keys(*self._filesystem(), skip=self.digest)
 
     def describe_other_versions(self) -> str | None:
         """A message for the user when ``root`` holds tokens of other keys (a changed tokenizer or setting):
@@ -632,35 +456,57 @@ class TokenCache:
             return None
         fs, _ = self._filesystem()
         exists = fs.get_file_info(self._path(MANIFEST)).type != pafs.FileType.NotFound
-        described = []
-        for name, key in sorted(others.items()):
-            differs = _differences(self.key, key)
-            described.append(f"{name} (differs in {', '.join(differs)})" if differs else name)
-        state = "continues" if exists else "starts"
-        return (
-            f"token cache {canonical(self.root)!r} holds tokens of {len(others)} other tokenizer or settings "
-            f"version(s): {'; '.join(described)}. This run {state} its own version {self.digest} (key: "
-            f"{json.dumps(self.key, sort_keys=True)[:300]}) and tokenizes the units it lacks; the others are "
-            "kept (delete their folders to free space)"
-        )
+        return _versions_message(canonical(self.root), others, self.key, self.digest, exists)
 
-    # ------------------------------------------------------------------------------------------------ helpers
     def _count(self, **amounts: int) -> None:
         with self._lock:
             for name, amount in amounts.items():
                 setattr(self.counters, name, getattr(self.counters, name) + amount)
 
-    @staticmethod
-    def _warn_once(what: tuple[str, ...], message: str) -> None:
-        with _LOCK:
-            if what in _WARNED:
-                return
-            _WARNED.add(what)
-        _warn(message)
+
+# ------------------------------------------------------------------------------------------------ versions
+def _version_digest(key: Any, vocab_size: int) -> str:
+    """The version folder's name: a hash of everything that decides the tokens, so that a change looks elsewhere.
+
+    Raises:
+        TypeError, ValueError: ``key`` is not JSON-serialisable.
+    """
+    identity = json.dumps(
+        {"format": FORMAT_VERSION, "key": key, "vocab_size": vocab_size}, sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message, TokenCacheWarning, stacklevel=3)
+def _version_keys(fs: pafs.FileSystem, base: str, skip: str) -> dict[str, Any]:
+    """``{folder: its key}`` of the version folders under ``base`` but ``skip`` (``None`` where the manifest
+    cannot be read)."""
+    out: dict[str, Any] = {}
+    for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
+        name = info.base_name
+        if info.type != pafs.FileType.Directory or not _VERSION_NAME.fullmatch(name) or name == skip:
+            continue
+        try:
+            with fs.open_input_stream(f"{base}/{name}/{MANIFEST}") as manifest:
+                out[name] = json.loads(manifest.read()).get("key")
+        except (OSError, ValueError, AttributeError):
+            out[name] = None
+    return out
+
+
+def _versions_message(root: str, others: Mapping[str, Any], key: Any, digest: str, exists: bool) -> str:
+    """What :meth:`TokenCache.describe_other_versions` says: the other versions, how their keys differ from
+    ``key``, and that version ``digest`` is used (continued where it ``exists``)."""
+    described = []
+    for name, their_key in sorted(others.items()):
+        differs = _differences(key, their_key)
+        described.append(f"{name} (differs in {', '.join(differs)})" if differs else name)
+    state = "continues" if exists else "starts"
+    return (
+        f"token cache {root!r} holds tokens of {len(others)} other tokenizer or settings version(s): "
+        f"{'; '.join(described)}. This run {state} its own version {digest} (key: "
+        f"{json.dumps(key, sort_keys=True)[:300]}) and tokenizes the units it lacks; the others are kept (delete "
+        "their folders to free space)"
+    )
 
 
 def _differences(ours: Any, theirs: Any) -> list[str]:
@@ -668,6 +514,183 @@ def _differences(ours: Any, theirs: Any) -> list[str]:
     if not isinstance(ours, Mapping) or not isinstance(theirs, Mapping):
         return [] if ours == theirs else ["key"]
     return sorted(name for name in set(ours) | set(theirs) if ours.get(name) != theirs.get(name))
+
+
+# ------------------------------------------------------------------------------------------------ entries
+def _encode(unit: CachedUnit, identity: Mapping[str, Any], dtype: np.dtype) -> list[memoryview]:
+    """An entry's bytes, as pieces to write in order: the prefix, the header (``identity``, the array sizes and
+    the arrays' CRC-32), then the arrays, with the tokens in ``dtype``."""
+    arrays = [np.ascontiguousarray(a, _INDEX) for a in (unit.rows, unit.offsets, unit.too_long_rows,
+                                                        unit.too_long_chars)]  # fmt: skip
+    arrays.append(np.ascontiguousarray(unit.tokens, dtype))
+    views = [memoryview(a).cast("B") for a in arrays]
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    header = dict(identity, documents=len(unit.rows), too_long=len(unit.too_long_rows), tokens=len(unit.tokens))
+    header["payload_crc32"] = crc
+    header = json.dumps(header, sort_keys=True).encode()
+    header += b" " * (-(_PREFIX.size + len(header)) % 8)  # the arrays start 8-byte aligned
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header))
+    return [memoryview(prefix), memoryview(header), *views]
+
+
+def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUnit:
+    """The unit ``data`` holds, after checking everything, its header against ``identity`` (the entry looked
+    up, of this version) included; raises :class:`_BadEntry` naming the problem."""
+    size, dtype = len(data), token_dtype(vocab_size)
+    if size < _PREFIX.size:
+        raise _BadEntry(f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, version, header_size, header_crc = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise _BadEntry(f"not a token cache entry (it starts with {bytes(magic)!r}, not {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise _BadEntry(f"format version {version}; this code reads version {FORMAT_VERSION}")
+    payload_at = _PREFIX.size + header_size
+    if payload_at > size:
+        raise _BadEntry(f"truncated: {size} bytes, shorter than its {header_size}-byte header")
+    raw = memoryview(data)[_PREFIX.size : payload_at]
+    if zlib.crc32(raw) != header_crc:
+        raise _BadEntry("its header fails its CRC-32 check")
+    try:
+        header = json.loads(bytes(raw))
+        counts = [int(header[name]) for name in ("documents", "too_long", "tokens")]
+    except (ValueError, KeyError, TypeError) as err:
+        raise _BadEntry(f"unreadable header ({err})") from err
+    for name, value in identity.items():
+        if header.get(name) != value:
+            raise _BadEntry(f"its header says {name}={header.get(name)!r}, expected {value!r}")
+    docs, long_docs, tokens = counts
+    if min(counts) < 0:
+        raise _BadEntry(f"its header holds negative counts {counts}")
+    payload = _INDEX.itemsize * (2 * docs + 1 + 2 * long_docs) + dtype.itemsize * tokens
+    if size != payload_at + payload:
+        state = "truncated" if size < payload_at + payload else "longer than its header says"
+        raise _BadEntry(f"{state}: {size} bytes, its header describes {payload_at + payload}")
+    if zlib.crc32(memoryview(data)[payload_at:]) != header.get("payload_crc32"):
+        raise _BadEntry("its arrays fail their CRC-32 check")
+    arrays, at = [], payload_at
+    for array_dtype, count in ((_INDEX, docs), (_INDEX, docs + 1), (_INDEX, long_docs), (_INDEX, long_docs),
+                               (dtype, tokens)):  # fmt: skip
+        arrays.append(np.frombuffer(data, array_dtype, count, at))
+        at += array_dtype.itemsize * count
+    unit = CachedUnit(identity["group"], identity["start"], identity["stop"], arrays[0], arrays[1], arrays[4],
+                      arrays[2], arrays[3])  # fmt: skip
+    problem = _problem(unit, vocab_size)
+    if problem is not None:
+        raise _BadEntry(problem)
+    return unit
+
+
+# ------------------------------------------------------------------------------------------------ files
+def _read_whole(fs: pafs.FileSystem, path: str) -> Any:
+    """The file ``path``, in one read."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        with open(path, "rb") as entry:
+            return entry.read()  # one read of the whole file: its size is known from fstat
+    with fs.open_input_file(path) as entry:
+        return entry.read_buffer()
+
+
+def _write_atomic(fs: pafs.FileSystem, path: str, pieces: list[memoryview]) -> None:
+    """Write ``pieces`` as the file ``path``, so that ``path`` holds all of them or stays as it was."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        # Unique per writer, in the same folder (a rename does not cross filesystems), hidden from listings.
+        temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            with open(temporary, "wb") as out:
+                for piece in pieces:
+                    out.write(piece)
+                out.flush()
+                os.fsync(out.fileno())  # the data is on disk before the name points at it
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+        return
+    data = b"".join(pieces)  # one write: a failure cannot leave part of the entry queued for the commit
+    out = fs.open_output_stream(path)
+    try:
+        out.write(data)
+    except BaseException:
+        # pyarrow streams have no abort, and closing one (here, or when it is freed) commits what it holds:
+        # delete whatever that committed (a peer's complete entry at worst, stored again later).
+        with contextlib.suppress(Exception):
+            out.close()
+        with contextlib.suppress(OSError):
+            fs.delete_file(path)
+        raise
+    out.close()  # the object exists from here on, whole
+
+
+def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
+    with contextlib.suppress(OSError):  # best effort: a later store replaces it anyway
+        if isinstance(fs, pafs.LocalFileSystem):
+            os.unlink(path)
+        else:
+            fs.delete_file(path)
+
+
+def _files(fs: pafs.FileSystem, folder: str) -> list[pafs.FileInfo]:
+    """The files under ``folder``, at any depth (none where it does not exist)."""
+    infos = fs.get_file_info(pafs.FileSelector(folder, recursive=True, allow_not_found=True))
+    return [info for info in infos if info.type == pafs.FileType.File]
+
+
+def _entry_sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
+    """``{entry name: bytes}`` of the entries under a version's ``folder`` (temporary files and the manifest
+    left out)."""
+    out = {}
+    for info in _files(fs, folder):
+        name = info.base_name
+        if name.endswith(ENTRY_SUFFIX) and not name.startswith("."):
+            out[info.path[len(folder) + 1 :]] = int(info.size)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ warnings
+def _warn(message: str) -> None:
+    warnings.warn(message, TokenCacheWarning, stacklevel=3)
+
+
+def _warn_once(what: tuple[str, ...], message: str) -> None:
+    with _LOCK:
+        if what in _WARNED:
+            return
+        _WARNED.add(what)
+    _warn(message)
+
+
+def _report_bad(version: str, entry: str, unit: str, reason: str) -> None:
+    """Name the bad ``entry`` (of ``unit``) in a warning, up to ``MAX_NAMED_ENTRIES`` per ``version``."""
+    with _LOCK:
+        named = _NAMED.get(version, 0)
+        _NAMED[version] = named + 1
+    if named < MAX_NAMED_ENTRIES:
+        _warn(f"token cache entry {entry!r} ({unit}) is unusable, {reason}: it is deleted, and the unit is "
+              "tokenized and stored again")  # fmt: skip
+    elif named == MAX_NAMED_ENTRIES:
+        _warn(f"token cache {version!r}: more than {MAX_NAMED_ENTRIES} unusable entries; the rest are deleted and "
+              "rebuilt without a warning each (TokenCache.counters.bad counts them)")  # fmt: skip
+
+
+def _store_failed(root: str, version: str, entry: str, local: bool, err: OSError) -> None:
+    """Warn that ``entry`` could not be stored; stop writing to ``version`` where the next store would fail too."""
+    stops = isinstance(err, PermissionError) or err.errno in _STOPS_WRITING or (not local and not is_transient(err))
+    if stops:
+        with _LOCK:
+            first = version not in _NOT_WRITING
+            _NOT_WRITING[version] = str(err)
+        if first:
+            _warn(f"token cache {root!r}: cannot store tokens ({err}); this process stops writing to the cache and "
+                  "keeps reading it, tokenizing the units it lacks")  # fmt: skip
+        return
+    kind = type(err).__name__ + str(err.errno or "")
+    _warn_once(("store", version, kind), f"could not store token cache entry {entry!r} ({err}); its unit is "
+               f"tokenized again when next read (further {kind} failures of this cache are not reported)")  # fmt: skip
 
 
 def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
@@ -745,9 +768,9 @@ class StreamCache:
         self.labelled.add(file)
         label = self.label(file)
         record = f"{TokenCache.entry_name(self.index.file_digests[file], 0, 0, 0).split('/')[0]}\n{label}\n"
+        path = self.cache._path(f"labels/{hashlib.sha256(label.encode()).hexdigest()[:16]}")
         with contextlib.suppress(OSError):
-            self.cache._write(self.cache._path(f"labels/{hashlib.sha256(label.encode()).hexdigest()[:16]}"),
-                              [memoryview(record.encode())])  # fmt: skip
+            _write_atomic(self.cache._filesystem()[0], path, [memoryview(record.encode())])
 
     def changes(self) -> list[str]:
         """What a user should hear once about this cache: other versions of it (a changed tokenizer or setting),
