@@ -1,6 +1,7 @@
 """Argument checks shared by every stage: one message shape, so a bad value always names itself the same way.
 
-``microbatches_per_step`` is the one divisibility rule of a step, ``G = W·M·m``, for every DataModule.
+``microbatches_per_step`` is the one divisibility rule of a step, ``G = D·M·m`` (``D`` data-parallel replicas),
+for every DataModule.
 
 jsonargparse's ``PositiveInt``/``NonNegativeInt`` reject bad values while a CLI config is parsed; these checks
 give Python callers the same errors and return plain ``int`` (so checkpoints load with ``weights_only=True``).
@@ -50,24 +51,29 @@ def non_negative_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def microbatches_per_step(global_batch_size: int, world_size: int, microbatch_size: int) -> int:
-    """M: how many microbatches of ``microbatch_size`` one rank runs per optimizer step.
+def microbatches_per_step(global_batch_size: int, dp_size: int, microbatch_size: int) -> int:
+    """M: how many microbatches of ``microbatch_size`` one data-parallel replica runs per optimizer step.
+
+    Args:
+        global_batch_size: G, samples per optimizer step over all replicas.
+        dp_size: the data-parallel size (replicas; not processes under tensor/context/pipeline parallelism).
+        microbatch_size: m.
 
     Raises:
-        ValueError: non-positive sizes, or G not divisible by ``world_size × microbatch_size``.
+        ValueError: non-positive sizes, or G not divisible by ``dp_size × microbatch_size``.
     """
     for name, value in (
         ("global_batch_size", global_batch_size),
-        ("world_size", world_size),
+        ("dp_size", dp_size),
         ("microbatch_size", microbatch_size),
     ):
         positive_int(name, value)
-    per_step = world_size * microbatch_size
+    per_step = dp_size * microbatch_size
     if global_batch_size % per_step:
         valid = [per_step * k for k in range(1, 4)]
         raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by world_size × microbatch_size = "
-            f"{world_size} × {microbatch_size} = {per_step}; use a multiple of {per_step} (e.g. {valid}) "
+            f"global_batch_size={global_batch_size} is not divisible by data-parallel size × microbatch_size = "
+            f"{dp_size} × {microbatch_size} = {per_step}; use a multiple of {per_step} (e.g. {valid}) "
             f"or another microbatch_size"
         )
     return global_batch_size // per_step
@@ -91,23 +97,25 @@ def token_step_microbatches(global_batch_tokens: int, microbatch_tokens: int) ->
     return global_batch_tokens // microbatch_tokens
 
 
-def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int, world_size: int) -> int:
-    """M = P / W with token budgets: P = ``global_batch_tokens / microbatch_tokens`` microbatches per step.
+def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int, dp_size: int) -> int:
+    """M = P / D with token budgets: P = ``global_batch_tokens / microbatch_tokens`` microbatches per step, D the
+    data-parallel size.
 
     Raises:
         ValueError: non-positive budgets, a ``global_batch_tokens`` that is not a multiple of
-            ``microbatch_tokens``, or P not divisible by ``world_size``.
+            ``microbatch_tokens``, or P not divisible by ``dp_size``.
     """
     per_step = token_step_microbatches(global_batch_tokens, microbatch_tokens)
-    positive_int("world_size", world_size)
-    if per_step % world_size:
-        valid = [world_size * k * microbatch_tokens for k in range(1, 4)]
+    positive_int("dp_size", dp_size)
+    if per_step % dp_size:
+        valid = [dp_size * k * microbatch_tokens for k in range(1, 4)]
         raise ValueError(
             f"global_batch_tokens / microbatch_tokens = {global_batch_tokens} / {microbatch_tokens} = {per_step} "
-            f"microbatches per step do not divide among world_size={world_size} ranks; use a global_batch_tokens "
-            f"that is a multiple of world_size × microbatch_tokens = {world_size * microbatch_tokens} (e.g. {valid})"
+            f"microbatches per step do not divide among dp_size={dp_size} data-parallel replicas; use a "
+            f"global_batch_tokens that is a multiple of data-parallel size × microbatch_tokens = "
+            f"{dp_size * microbatch_tokens} (e.g. {valid})"
         )
-    return per_step // world_size
+    return per_step // dp_size
 
 
 def one_of(name: str, value: Any, valid: tuple[str, ...]) -> Any:

@@ -39,6 +39,7 @@ from lightning_d9d.cli_errors import (
     report_configuration_error,
 )
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
+from lightning_d9d.topology import DataParallelTopology
 
 INSPECT = "inspect"
 _INSPECT_HELP = "Print steps per epoch, microbatches and tokens per step, padding and the first batch's shapes."
@@ -126,13 +127,13 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
 
     Args:
         datamodule: a D9DDataModule (any LightningDataModule works; then only the first batch is described).
-        trainer: the configured (not fitted) Trainer, read for the world size ``num_nodes × devices``.
+        trainer: the configured (not fitted) Trainer, read for the world size ``num_nodes × devices`` and the
+            data-parallel size (``ModelParallelStrategy``'s ``data_parallel_size``; every process elsewhere).
         steps: global batches to read for the tokens and padding figures.
     """
-    world_size = int(trainer.num_nodes) * int(trainer.num_devices) if trainer is not None else 1
+    world_size, lines = _layout_lines(datamodule, trainer)  # world_size: what the data is dealt among
     datamodule.prepare_data()
     datamodule.setup("fit")
-    lines = [f"data: {type(datamodule).__module__}.{type(datamodule).__qualname__}", f"world size: {world_size}"]
     if getattr(datamodule, "plan", None) is not None:
         return "\n".join(lines + describe_token_plan(datamodule, world_size))
     global_batch_size = getattr(datamodule, "global_batch_size", None)
@@ -199,6 +200,29 @@ def _read_steps(
         f"padding: {100.0 * (1 - real_tokens / positions):.2f} %",
     ]
     return lines, first, rows_by_source
+
+
+def _layout_lines(datamodule: Any, trainer: Any) -> tuple[int, list[str]]:
+    """The data-parallel size, and the report's first lines (the data, the world size, the data-parallel size)."""
+    processes = int(trainer.num_nodes) * int(trainer.num_devices) if trainer is not None else 1
+    replicas = _data_parallel_size(datamodule, trainer, processes)
+    lines = [f"data: {type(datamodule).__module__}.{type(datamodule).__qualname__}", f"world size: {processes}"]
+    if replicas != processes:
+        lines.append(f"data-parallel size: {replicas} (each replica's {processes // replicas} processes share data)")
+    return replicas, lines
+
+
+def _data_parallel_size(datamodule: Any, trainer: Any, processes: int) -> int:
+    """Replicas the data will be dealt among, read before any process starts: a ``DataParallelTopology`` given
+    to the DataModule, ``ModelParallelStrategy``'s ``data_parallel_size`` (``"auto"``: one per node), else one
+    replica per process (a mesh's layout is known only once processes run)."""
+    given = getattr(datamodule, "data_parallel", None)
+    if isinstance(given, DataParallelTopology):
+        return given.dp_size
+    size = getattr(getattr(trainer, "strategy", None), "_data_parallel_size", None)
+    if size is not None:
+        return int(trainer.num_nodes) if size == "auto" else int(size)
+    return processes
 
 
 def _row_sources(batch: Any) -> list[int]:

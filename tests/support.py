@@ -8,9 +8,11 @@
 * ``BatchRecorder``: the same records as a callback, for the CLI's runs of the demo model.
 * ``SaveAtBatch``: saves a checkpoint at given (epoch, batch_idx) points, mid accumulation window like a
   time-based checkpoint would.
-* ``fit(config)``: builds a D9DDataModule or a PretrainingDataModule from a JSON-able config and runs every fit
-  of ``config["runs"]`` in turn; ``tests/fit_script.py`` runs it as a script, because Lightning's DDP launcher
-  re-runs the main script in each rank's process (so DDP start-up is paid once for several fits).
+* ``fit(config)``: builds a D9DDataModule, TextDataModule or PretrainingDataModule from a JSON-able config and
+  runs every fit of ``config["runs"]`` in turn (a run may name its strategy: ``"ddp"`` or
+  ``[data_parallel_size, tensor_parallel_size]`` for Lightning's ``ModelParallelStrategy``);
+  ``tests/fit_script.py`` runs it as a script, because Lightning's DDP launcher re-runs the main script in each
+  rank's process (so DDP start-up is paid once for several fits).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule
+from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule, TextDataModule
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.packing import BufferGrowth
 from lightning_d9d.streaming.source import Units
 from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
+from lightning_d9d.topology import DataParallelTopology
 
 TESTS = Path(__file__).resolve().parent
 BOS = "<|bos|>"
@@ -214,6 +217,8 @@ class RecordingModule(pl.LightningModule):
             "epoch": self.current_epoch,
             "step": self.global_step,
             "rank": self.global_rank,
+            "dp_rank": getattr(self.trainer.datamodule, "dp_rank", self.global_rank),
+            "accumulate": self.trainer.accumulate_grad_batches,
             "batch_idx": batch_idx,
             "digest": digest(batch),
         }
@@ -229,7 +234,8 @@ class RecordingModule(pl.LightningModule):
 
     def _loss(self, batch: Any) -> torch.Tensor:
         scale = sum(float(t.float().sum()) for t in tensors_of(batch)) / 1e4
-        return ((self.weight - scale) ** 2).mean()
+        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+        return ((weight - scale) ** 2).mean()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         if self.kill_at_step is not None and self.global_step == self.kill_at_step:
@@ -248,10 +254,21 @@ class RecordingModule(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._record("val", batch, batch_idx)
 
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy (which requires this hook) the weight becomes a DTensor replicated over the
+        mesh: the strategy saves and loads only distributed modules."""
+        mesh = self.device_mesh
+        if mesh is not None and not hasattr(self.weight, "to_local"):
+            from torch.distributed.tensor import Replicate, distribute_tensor
+
+            placements = [Replicate()] * mesh.ndim
+            self.weight = torch.nn.Parameter(distribute_tensor(self.weight.data, mesh, placements))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.use_estimated_steps:
             assert self.trainer.estimated_stepping_batches > 0
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        # Momentum under ModelParallelStrategy: its loader cannot restore an optimizer state without entries.
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9 if self.device_mesh is not None else 0)
 
 
 class SaveAtBatch(pl.Callback):
@@ -292,19 +309,44 @@ def read_records(record_dir: str | Path, kind: str = "train", run: str | None = 
 
 
 # ------------------------------------------------------------------------------------------------ fitting
+class DealtByProcess(D9DDataModule):
+    """A broken D9DDataModule that deals its training data by process, as every DataModule did before issue 30."""
+
+    def train_dataloader(self):  # type: ignore[override]
+        trainer = self.trainer
+        return self.track_loader(
+            self._train_loader(trainer.world_size, trainer.global_rank, self.position, self.start_point)
+        )
+
+
 def build_datamodule(config: dict[str, Any]) -> pl.LightningDataModule:
-    """A D9DDataModule over ``LengthDataset`` (``config["data"] == "d9d"``) or a PretrainingDataModule."""
+    """A D9DDataModule over ``LengthDataset`` (``config["data"]``: ``"d9d"``, or ``"d9d_by_process"`` for the broken
+    one), a TextDataModule (``"text"``) or a PretrainingDataModule (``"pretraining"``)."""
     options = dict(config.get("options", {}))
-    if config.get("data", "d9d") == "d9d":
+    data = config.get("data", "d9d")
+    if data in ("d9d", "d9d_by_process"):
         size, val_size = options.pop("size", 200), options.pop("val_size", None)
         options.setdefault("sort_buffer_size", 64)
-        return D9DDataModule(
+        return (D9DDataModule if data == "d9d" else DealtByProcess)(
             LengthDataset(size),
             pad_collate,
             val_dataset=LengthDataset(val_size, seed=1) if val_size else None,
             **options,
         )
+    if data == "text":
+        return TextDataModule(**options)
     return PretrainingDataModule(**options)
+
+
+def make_strategy(strategy: Any, devices: int) -> Any:
+    """``"ddp"``, ``[dp, tp]`` (ModelParallelStrategy, whole-file checkpoints) or the default for ``devices``."""
+    if isinstance(strategy, list):
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(
+            data_parallel_size=strategy[0], tensor_parallel_size=strategy[1], save_distributed_checkpoint=False
+        )
+    return strategy or ("ddp" if devices > 1 else "auto")
 
 
 def make_trainer(run: dict[str, Any], devices: int = 1, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
@@ -313,7 +355,7 @@ def make_trainer(run: dict[str, Any], devices: int = 1, callbacks: list[pl.Callb
     return pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        strategy=make_strategy(run.get("strategy"), devices),
         max_epochs=run.get("max_epochs", -1 if "max_steps" in run else 2),
         max_steps=run.get("max_steps", -1),
         callbacks=callbacks,
@@ -330,16 +372,19 @@ def make_trainer(run: dict[str, Any], devices: int = 1, callbacks: list[pl.Callb
 def fit(config: dict[str, Any]) -> None:
     """Run every fit of ``config["runs"]`` in turn.
 
-    ``config``: ``data`` ("d9d" or "pretraining"), ``options`` (the DataModule's arguments), ``devices``,
-    ``record_dir``, ``ckpt_dir``, ``packs``, and ``runs``: a list of dicts with ``name``, ``max_epochs`` or
-    ``max_steps``, ``ckpt_path``, ``every_n_train_steps``, ``epoch_end_ckpt``, ``save_at``, ``estimated``,
-    ``kill_at_step``, ``options`` (overrides of the DataModule's arguments for this run), ``trainer``.
+    ``config``: ``data`` ("d9d", "d9d_by_process", "text" or "pretraining"), ``options`` (the DataModule's
+    arguments), ``devices``, ``record_dir``, ``ckpt_dir``, ``packs``, and ``runs``: a list of dicts with ``name``,
+    ``max_epochs`` or ``max_steps``, ``ckpt_path``, ``every_n_train_steps``, ``epoch_end_ckpt``, ``save_at``,
+    ``estimated``, ``kill_at_step``, ``ckpt_dir``, ``options`` (overrides of the DataModule's arguments for this
+    run), ``data`` (another DataModule kind for this run, with all its ``options``), ``strategy``, ``trainer``,
+    ``expect_error`` (the run must raise an exception whose message contains this; its type and message are
+    written to ``<record_dir>/errors-rank<R>.txt``).
     """
     record_dir = config["record_dir"]
     Path(record_dir).mkdir(parents=True, exist_ok=True)
     for run in config["runs"]:
         callbacks: list[pl.Callback] = []
-        ckpt_dir = config.get("ckpt_dir")
+        ckpt_dir = run.get("ckpt_dir", config.get("ckpt_dir"))
         if ckpt_dir and run.get("every_n_train_steps"):
             callbacks.append(
                 ModelCheckpoint(
@@ -354,7 +399,11 @@ def fit(config: dict[str, Any]) -> None:
             callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="end-{epoch}", save_top_k=-1))
         if ckpt_dir and run.get("save_at"):
             callbacks.append(SaveAtBatch(ckpt_dir, run["save_at"]))
-        datamodule = build_datamodule({**config, "options": {**config.get("options", {}), **run.get("options", {})}})
+        # A run of another DataModule kind gives all its options; others override the config's.
+        options = {**(config.get("options", {}) if "data" not in run else {}), **run.get("options", {})}
+        datamodule = build_datamodule(
+            {**config, "data": run.get("data", config.get("data", "d9d")), "options": options}
+        )
         module = RecordingModule(
             record_dir,
             run.get("name", ""),
@@ -363,7 +412,18 @@ def fit(config: dict[str, Any]) -> None:
             kill_at_step=run.get("kill_at_step"),
         )
         trainer = make_trainer({**run, "record_dir": record_dir}, config.get("devices", 1), callbacks)
-        trainer.fit(module, datamodule=datamodule, ckpt_path=run.get("ckpt_path"))
+        if "expect_error" not in run:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=run.get("ckpt_path"))
+            continue
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=run.get("ckpt_path"))
+        except Exception as error:
+            with open(Path(record_dir) / f"errors-rank{trainer.global_rank}.txt", "a") as file:
+                file.write(f"{run.get('name', '')}: {type(error).__name__}: {error}\n")
+            if run["expect_error"] not in str(error):
+                raise
+        else:
+            raise AssertionError(f"run {run.get('name')!r} was expected to raise {run['expect_error']!r}")
 
 
 def fit_in_processes(config: dict[str, Any], timeout: int = 300, expect_returncode: int = 0) -> None:
@@ -458,19 +518,11 @@ def corpus_spec(spec: StreamSpec, name: str = "train") -> MixtureSpec:
 
 
 class RankDataModule(PretrainingDataModule):
-    """One rank of a simulated world, in this process (each rank's loader is what a DDP rank would run)."""
+    """One data-parallel rank of a simulated world, in this process (its loader is what that rank would run)."""
 
     def __init__(self, *args: Any, world: int = 1, rank: int = 0, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._world, self._rank = world, rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
-    def rank(self) -> int:
-        return self._rank
+        topology = DataParallelTopology(dp_rank=rank, dp_size=world, process_rank=rank, world_size=world)
+        super().__init__(*args, data_parallel=topology, **kwargs)
 
 
 def row_digest(batch: Any, i: int) -> str:

@@ -2,9 +2,11 @@
 
 This layer (``lightning_d9d.datamodules``) is the only one that imports Lightning. Its base class owns:
 
-* **topology**: world size and rank (the trainer's, else 1 and 0), and ``M`` microbatches per rank per
-  optimizer step (``M = G / (W·m)``; a subclass may size steps otherwise, e.g. ``P / W`` with token budgets);
-  ``steps_in_epoch(epoch)`` may differ between epochs;
+* **topology**: the data-parallel size and rank (:mod:`lightning_d9d.topology`, resolved once per ``setup``
+  from the trainer's strategy or the ``data_parallel`` setting; 1 and 0 without a trainer). Data is dealt by
+  data-parallel rank, never by process, so tensor/context/pipeline-parallel peers get the same microbatches;
+  ``M`` microbatches per replica per optimizer step (``M = G / (D·m)``; a subclass may size steps otherwise,
+  e.g. ``P / D`` with token budgets); ``steps_in_epoch(epoch)`` may differ between epochs;
 * **the resume contract** (:mod:`lightning_d9d.resume`): ``state_dict()`` is ``{"epoch", "step",
   "fingerprint"}`` plus what a subclass adds, the step counting only optimizer steps done (a microbatch in
   flight when the checkpoint is taken is not); ``load_state_dict`` validates the state (one error per bad
@@ -16,7 +18,8 @@ This layer (``lightning_d9d.datamodules``) is the only one that imports Lightnin
   loader is made, at ``teardown`` and when training raises.
 
 What the Trainer must be told or corrected (``accumulate_grad_batches``, a reload every epoch, its restored
-counters, a checkpoint's loops that contradict the data state) is done by
+counters, a checkpoint's loops that contradict the data state), and the opt-in peer check (``verify_peers``),
+are done by
 :class:`~lightning_d9d.datamodules.callback.DataModuleCallback`, attached in ``start_fit``.
 
 Trade-off: the saved step reads Lightning's processed-batch counter (``fit_loop.epoch_loop.batch_progress``),
@@ -35,6 +38,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_d9d.checks import microbatches_per_step, one_of
 from lightning_d9d.datamodules.callback import DataModuleCallback
+from lightning_d9d.datamodules.data_parallel import DataParallelMixin
 from lightning_d9d.device.transfer import move_batch_to_device
 from lightning_d9d.resume import Fingerprint, InvalidDataState, SavedPosition, TrainPosition, mismatch_error
 
@@ -49,14 +53,15 @@ class ClosableLoader(Protocol):
 Loader = TypeVar("Loader", bound=ClosableLoader)
 
 
-class SteppedDataModule(pl.LightningDataModule):
-    """Base of every lightning_d9d DataModule: steps, the resume contract, counters, pinning, shutdown.
+class SteppedDataModule(DataParallelMixin, pl.LightningDataModule):
+    """Base of every lightning_d9d DataModule: topology, steps, the resume contract, counters, pinning, shutdown.
 
     Subclasses set ``global_batch_size`` and ``microbatch_size`` (or override ``microbatches_for`` and
-    ``describe_step`` to size steps otherwise), ``pin_memory``, ``yield_packs`` and ``on_order_mismatch``; in
-    ``setup`` they set ``fingerprint`` and call ``start_fit()`` for the fit stage; they define ``steps_per_epoch``
-    (and ``steps_in_epoch`` and ``reloads_train_loader_every_epoch`` where epochs differ) and may add to the
-    state with ``extra_state``/``restore_extra_state``.
+    ``describe_step`` to size steps otherwise), ``pin_memory``, ``yield_packs``, ``on_order_mismatch``,
+    ``data_parallel`` and ``verify_peers``; ``setup`` starts with ``resolve_topology()``, sets ``fingerprint`` and
+    calls ``start_fit()`` for the fit stage; they deal data by ``dp_rank`` of ``dp_size``; they define
+    ``steps_per_epoch`` (and ``steps_in_epoch`` and ``reloads_train_loader_every_epoch`` where epochs differ)
+    and may add to the state with ``extra_state``/``restore_extra_state``.
     """
 
     global_batch_size: int | None
@@ -80,33 +85,19 @@ class SteppedDataModule(pl.LightningDataModule):
     def on_order_mismatch(self, value: OnOrderMismatch) -> None:
         self._on_order_mismatch = one_of("on_order_mismatch", value, ON_ORDER_MISMATCH)
 
-    # ------------------------------------------------------------------ topology
-    @property
-    def world_size(self) -> int:
-        trainer = self._trainer
-        return trainer.world_size if trainer is not None else 1
-
-    @property
-    def rank(self) -> int:
-        trainer = self._trainer
-        return trainer.global_rank if trainer is not None else 0
-
-    @property
-    def _trainer(self) -> pl.Trainer | None:
-        return getattr(self, "trainer", None)
-
+    # ------------------------------------------------------------------ steps
     @property
     def microbatches_per_step(self) -> int:
-        """M: microbatches one rank runs per optimizer step at this world size."""
-        return self.microbatches_for(self.world_size)
+        """M: microbatches one data-parallel replica runs per optimizer step."""
+        return self.microbatches_for(self.dp_size)
 
-    def microbatches_for(self, world_size: int) -> int:
-        """M at ``world_size``: ``G / (W·m)`` unless a subclass sizes steps otherwise.
+    def microbatches_for(self, dp_size: int) -> int:
+        """M at data-parallel size ``dp_size``: ``G / (D·m)`` unless a subclass sizes steps otherwise.
 
         Raises:
-            ValueError: G not divisible by ``world_size × m``.
+            ValueError: G not divisible by ``dp_size × m``.
         """
-        return microbatches_per_step(self.global_batch_size, world_size, self.microbatch_size)
+        return microbatches_per_step(self.global_batch_size, dp_size, self.microbatch_size)
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of ``epoch``; the same for every epoch unless a subclass says otherwise."""
@@ -118,9 +109,9 @@ class SteppedDataModule(pl.LightningDataModule):
         return 1 if self.yield_packs else self.microbatches_per_step
 
     def describe_step(self) -> str:
-        """How the settings give M, for messages (``global_batch_size=…, world_size=… and … give M …``)."""
+        """How the settings give M, for messages (``global_batch_size=…, data-parallel size … give M …``)."""
         return (
-            f"global_batch_size={self.global_batch_size}, world_size={self.world_size} and "
+            f"global_batch_size={self.global_batch_size}, data-parallel size {self.dp_size} and "
             f"microbatch_size={self.microbatch_size} give {self.microbatches_per_step} microbatches per step"
         )
 
@@ -215,7 +206,7 @@ class SteppedDataModule(pl.LightningDataModule):
         """Restore what ``extra_state`` saved; ``state`` is ``None`` when the epoch restarts with new data."""
 
     def start_point(self) -> tuple[int, int]:
-        """(epoch, microbatch of this rank) where the next epoch iteration starts; read at its first ``next()``.
+        """(epoch, microbatch of this replica) where the next epoch iteration starts; read at its first ``next()``.
 
         Under a Trainer the epoch is the trainer's: the position continues where it stands in that epoch (a
         restored one included; a finished one stays finished), and any other epoch starts at 0. Without one (a

@@ -12,7 +12,12 @@ This callback keeps them in agreement, so the DataModule itself never edits the 
 * ``on_train_start`` (after the loops are restored, before the first batch): Lightning restored its in-epoch
   batch counters in the old run's microbatches, wrong after a mid-window checkpoint or a change of world size or
   microbatch size; they are set to the data position. A mid-epoch resume whose checkpoint gave the DataModule
-  no state would train a wrong partial epoch, so it is an error there, naming the checkpoint's keys.
+  no state would train a wrong partial epoch, so it is an error there, naming the checkpoint's keys;
+* the peer check (``verify_peers = N``, :mod:`lightning_d9d.peer_check`): each microbatch of the first N
+  optimizer steps of a fit (and of its first validation run) is digested at ``on_train_batch_start``; at the
+  step's last microbatch every process all-gathers the digests and the processes of each data-parallel replica
+  must agree. Every process reaches the same points (each runs M microbatches per step), so the collective
+  never waits on a process that skipped it.
 
 Trade-off: aligning Lightning's counters and reading its checkpointed loop state touch its loop internals
 (``fit_loop.epoch_loop.batch_progress``, the loops' saved progress); tests pin this down so an upgrade that
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
+from lightning_d9d.peer_check import batch_digest, verify_peer_step
 from lightning_d9d.resume import InvalidDataState
 
 if TYPE_CHECKING:
@@ -38,6 +44,7 @@ class DataModuleCallback(pl.Callback):
     def __init__(self, datamodule: SteppedDataModule):
         self._datamodule = datamodule
         self._checkpoint_keys: list[str] | None = None
+        self._peers = _PeerCheck(datamodule)
 
     @classmethod
     def attach(cls, trainer: pl.Trainer, datamodule: SteppedDataModule) -> None:
@@ -134,6 +141,22 @@ class DataModuleCallback(pl.Callback):
     # ------------------------------------------------------------------ Lightning's restored counters
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.align_lightning_progress(trainer)
+        self._peers.start()
+
+    # ------------------------------------------------------------------ the peer check
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        self._peers.collect(trainer, batch)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        self._peers.verify_if_step_ends()
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any
+    ) -> None:
+        self._peers.collect_validation(trainer, batch)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._peers.verify_validation(trainer)
 
     def align_lightning_progress(self, trainer: pl.Trainer) -> None:
         """Set Lightning's restored in-epoch batch counters to the restored data position.
@@ -180,6 +203,42 @@ class DataModuleCallback(pl.Callback):
             f"ckpt[{name!r}] = ckpt.pop('<that name>')), or pass on_order_mismatch='restart_epoch' to start "
             f"epoch {epoch} over"
         )
+
+
+class _PeerCheck:
+    """Digests of the first ``verify_peers`` optimizer steps of a fit (and of the trainer's first validation run),
+    compared among the processes of each data-parallel replica when the step (or the run) ends."""
+
+    def __init__(self, datamodule: SteppedDataModule):
+        self._datamodule = datamodule
+        self._checked, self._step, self._digests = 0, 0, []
+        self._validation: list[str] | None = []  # None once a validation run was checked
+
+    def start(self) -> None:
+        self._checked, self._step, self._digests = 0, 0, []
+
+    def collect(self, trainer: pl.Trainer, batch: Any) -> None:
+        if trainer.world_size == 1 or self._checked >= self._datamodule.verify_peers:
+            return
+        if not self._digests:
+            self._step = trainer.global_step
+        self._digests.append(batch_digest(batch))
+
+    def verify_if_step_ends(self) -> None:
+        if self._digests and len(self._digests) == self._datamodule.batches_per_step:
+            step, digests = self._step, self._digests
+            self._digests, self._checked = [], self._checked + 1
+            verify_peer_step(step, digests, self._datamodule.dp_rank)
+
+    def collect_validation(self, trainer: pl.Trainer, batch: Any) -> None:
+        if trainer.world_size > 1 and self._datamodule.verify_peers and self._validation is not None:
+            self._validation.append(batch_digest(batch))
+
+    def verify_validation(self, trainer: pl.Trainer) -> None:
+        if trainer.world_size == 1 or not self._datamodule.verify_peers or self._validation is None:
+            return
+        digests, self._validation = self._validation, None
+        verify_peer_step(f"{trainer.global_step} (validation)", digests, self._datamodule.dp_rank)
 
 
 def _steps_done_in_epoch(checkpoint: dict[str, Any], automatic_optimization: bool, packs: bool) -> int | None:

@@ -1,7 +1,8 @@
 """D9DDataModule: order → shard → load → pack → pin → transfer over a map-style dataset, exactly resumable.
 
-It builds the schedule of every epoch once per ``setup`` and hands each rank a ``TrainLoader`` (a sized iterable,
-so Lightning neither swaps in a distributed sampler nor saves the loader's own state), and carries the data
+It builds the schedule of every epoch once per ``setup`` and hands each data-parallel rank a ``TrainLoader`` (a
+sized iterable, so Lightning neither swaps in a distributed sampler nor saves the loader's own state), and carries
+the data
 position through the resume contract of :class:`SteppedDataModule` (Lightning stores it in every checkpoint
 under the DataModule's class name). Two ways to size a step, two strategies of :mod:`lightning_d9d.mapstyle.steps`
 behind one interface:
@@ -17,8 +18,10 @@ behind one interface:
   the loading epoch's steps × ``max_epochs``, off by the few steps the epochs differ by.
 
 Resume is exact because the position is global optimizer steps and the schedule is a pure function of the seed,
-the data and the settings, never of world size or workers: on resume the remaining batches of the epoch are
-recomputed, on any world size, microbatch size (sample counts) or worker count.
+the data and the settings, never of the layout or workers: on resume the remaining batches of the epoch are
+recomputed, on any data-parallel size (any tensor/context/pipeline-parallel layout around it), microbatch size
+(sample counts) or worker count. Data is dealt by data-parallel rank (``data_parallel``,
+:mod:`lightning_d9d.topology`): every process of a replica gets the same microbatches.
 
 Trade-off: the schedule of an epoch is computed in the main process of every rank (cheap: a permutation, or one
 pass over the lengths with token budgets) instead of being shared; and its fingerprint summarises the data
@@ -49,6 +52,7 @@ from lightning_d9d.mapstyle.steps import (
     step_sizing,
 )
 from lightning_d9d.resume import Fingerprint, TrainPosition
+from lightning_d9d.topology import DataParallelSetting
 
 DatasetOrFactory = Dataset | Callable[[], Dataset]
 __all__ = ["DEFAULT_MICROBATCH_SIZE", "D9DDataModule", "OrderFingerprint", "TokenPlanFingerprint"]
@@ -90,14 +94,25 @@ class D9DDataModule(SteppedDataModule):
         padding_free: plan for a ``collate_fn`` that concatenates a microbatch's samples into one row (e.g.
             :class:`~lightning_d9d.text.collate.FlatteningCollator`). Token budgets only.
         pad_to_multiple_of: the padded length's rounding the plan counts (padded token budgets); ``None``: the
-            ``collate_fn``'s own ``pad_to_multiple_of`` if it has one, else 1.
+            ``collate_fn``'s own ``pad_to_multiple_of`` if it has one, else 1. A ``collate_fn`` with a
+            ``context_parallel_size`` (``FlatteningCollator``) makes padding-free budgets count each sample
+            rounded up to ``2 × context_parallel_size``.
+        data_parallel: which processes share data: ``None`` (default) follows the strategy (DDP/FSDP: every
+            process is a replica; ``ModelParallelStrategy``: its ``data_parallel`` dim); else dim names of the
+            strategy's ``device_mesh``, a ``DeviceMesh`` or a ``DataParallelTopology`` (docs/model_parallelism.md).
+            Replicas get disjoint data, the processes of one replica the same microbatches.
+        verify_peers: the first N optimizer steps of each fit (and its first validation run) compare their
+            microbatches among each replica's processes, one all-gather per step; a difference raises, naming
+            the step and the processes (0: off).
 
     Raises:
         ValueError: non-positive sizes; both or neither of ``global_batch_size``/``global_batch_tokens``; a
             setting of the other mode; ``global_batch_tokens`` not a multiple of ``microbatch_tokens``; a buffer
             smaller than G; a padded collate with ``padding_free`` (or a flattening one without); an unknown
-            ``on_order_mismatch`` — at construction. G (or P) not divisible by the world size (× m), a dataset
-            shorter than one step, a missing or non-comparable sort key, a sample longer than
+            ``on_order_mismatch``; a malformed ``data_parallel``; a ``microbatch_tokens`` not a multiple of the
+            collate's ``2 × context_parallel_size`` — at construction. A ``data_parallel`` that cannot be resolved
+            (e.g. a mesh without the named dims), G (or P) not divisible by the data-parallel size (× m), a
+            dataset shorter than one step, a missing or non-comparable sort key, a sample longer than
             ``microbatch_tokens`` (naming it), a conflicting ``accumulate_grad_batches`` or
             ``reload_dataloaders_every_n_epochs`` — in ``setup``.
         InvalidLengthError: (a ``ValueError`` and a ``TypeError``) with token budgets, a length that is not a
@@ -124,8 +139,11 @@ class D9DDataModule(SteppedDataModule):
         microbatch_tokens: PositiveInt | None = None,
         padding_free: bool = False,
         pad_to_multiple_of: PositiveInt | None = None,
+        data_parallel: DataParallelSetting = None,
+        verify_peers: NonNegativeInt = 0,
     ):
         super().__init__()
+        self.data_parallel, self.verify_peers = data_parallel, verify_peers
         self.collate_fn = collate_fn if collate_fn is not None else torch.utils.data.default_collate
         self.steps: SampleCountSteps | TokenBudgetSteps = step_sizing(
             global_batch_size,
@@ -193,11 +211,11 @@ class D9DDataModule(SteppedDataModule):
         """Token-budget epochs differ in length, and Lightning reads a train loader's length once per load."""
         return self.steps.epochs_differ
 
-    def microbatches_for(self, world_size: int) -> int:
-        return self.steps.microbatches_per_step(world_size)
+    def microbatches_for(self, dp_size: int) -> int:
+        return self.steps.microbatches_per_step(dp_size)
 
     def describe_step(self) -> str:
-        return self.steps.describe(self.world_size)
+        return self.steps.describe(self.dp_size)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -216,7 +234,8 @@ class D9DDataModule(SteppedDataModule):
                 source()
 
     def setup(self, stage: str | None = None) -> None:
-        """Build datasets and the schedule; under a Trainer, attach the callback. Starts the position at 0."""
+        """Resolve the layout, build datasets and the schedule, attach the callback; the position starts at 0."""
+        self.resolve_topology()
         if self.train_dataset is None:
             self.train_dataset = _materialise(self._train_source, "train_dataset")
             if self._val_source is not None:
@@ -224,7 +243,7 @@ class D9DDataModule(SteppedDataModule):
         self.schedule, self.fingerprint = self.steps.schedule(self.train_dataset, self._order_settings)
         if self.val_dataset is not None:
             self.steps.prepare_validation(self.val_dataset, self._order_settings)
-        per_step = self.microbatches_per_step  # validates divisibility by W·m (or W)
+        per_step = self.microbatches_per_step  # validates divisibility by D·m (or D)
         if stage in (None, "fit"):
             self.start_fit(TrainPosition(microbatches_per_step=per_step))
 
@@ -233,26 +252,27 @@ class D9DDataModule(SteppedDataModule):
         return OrderSettings(self.sort_buffer_size, self.sort_key, self.seed, self.shuffle)
 
     def train_dataloader(self) -> TrainLoader:
-        """This rank's training loader: a sized iterable of microbatches (or packs), continuing the position."""
-        return self.track_loader(self._train_loader(self.world_size, self.rank, self.position, self.start_point))
+        """This replica's training loader: a sized iterable of microbatches (or packs), continuing the position."""
+        return self.track_loader(self._train_loader(self.dp_size, self.dp_rank, self.position, self.start_point))
 
-    def train_dataloader_for_rank(self, rank: int, world_size: int, epoch: int = 0) -> TrainLoader:
-        """What rank ``rank`` of ``world_size`` would train in ``epoch`` — for exploration and simulation.
+    def train_dataloader_for_rank(self, dp_rank: int, dp_size: int, epoch: int = 0) -> TrainLoader:
+        """What data-parallel rank ``dp_rank`` of ``dp_size`` would train in ``epoch`` — for exploration and
+        simulation (every process of that replica trains the same).
 
         It has its own position (from the epoch's start) and does not touch the DataModule's.
 
         Raises:
-            ValueError: a rank outside ``[0, world_size)`` or a step that does not divide among ``world_size``
-                ranks (G by ``world_size × m``, or P by ``world_size``).
+            ValueError: a rank outside ``[0, dp_size)`` or a step that does not divide among ``dp_size``
+                replicas (G by ``dp_size × m``, or P by ``dp_size``).
         """
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        return self._train_loader(world_size, rank, TrainPosition(epoch=epoch), lambda: (epoch, 0))
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+        return self._train_loader(dp_size, dp_rank, TrainPosition(epoch=epoch), lambda: (epoch, 0))
 
     def _train_loader(
         self,
-        world_size: int,
-        rank: int,
+        dp_size: int,
+        dp_rank: int,
         position: TrainPosition,
         start_point: Callable[[], tuple[int, int]],
     ) -> TrainLoader:
@@ -260,9 +280,9 @@ class D9DDataModule(SteppedDataModule):
             self.train_dataset,
             self.collate_fn,
             self._require_schedule(),
-            world_size=world_size,
-            rank=rank,
-            microbatches_per_step=self.microbatches_for(world_size),
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            microbatches_per_step=self.microbatches_for(dp_size),
             position=position,
             start_point=start_point,
             num_workers=self.num_workers,
@@ -274,8 +294,9 @@ class D9DDataModule(SteppedDataModule):
         if self.val_dataset is None:
             return []
         self._require_schedule()
+        # Split among replicas, not processes: every sample once per replica set, peers identical.
         microbatches = self.steps.validation_microbatches(
-            self.val_dataset, self._order_settings, self.world_size, self.rank
+            self.val_dataset, self._order_settings, self.dp_size, self.dp_rank
         )
         loader = ValidationLoader(
             self.val_dataset, self.collate_fn, microbatches, self.num_workers, self.resolve_pin_memory()

@@ -67,6 +67,7 @@ from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.tokens import cu_seqlens_of
+from lightning_d9d.topology import DataParallelSetting
 
 __all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
 
@@ -171,6 +172,12 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             (docs/token_cache.md); JSONL layouts are kept there too. ``None``: no cache.
         on_malformed: a malformed JSONL line: ``"error"`` (naming the file and line) or ``"skip"`` (a row
             without text, counted as empty, warned about once).
+        data_parallel: which processes share data: ``None`` follows the strategy (DDP/FSDP: every process is a
+            replica; ``ModelParallelStrategy``: its ``data_parallel`` dim); else dim names of the strategy's
+            ``device_mesh``, a ``DeviceMesh`` or a ``DataParallelTopology`` (docs/model_parallelism.md). Streams
+            are dealt to replicas; the processes of one replica read the same streams and get the same rows.
+        verify_peers: the first N optimizer steps of each fit compare their microbatches among each replica's
+            processes (one all-gather per step); a difference raises, naming the step and processes (0: off).
 
     Raises:
         ValueError: at construction, a bad size or setting (naming it); in ``setup``, no file matches, a file two
@@ -221,8 +228,11 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         allow_shared_files: bool = False,
         token_cache: str | None = None,
         on_malformed: Literal["error", "skip"] = "error",
+        data_parallel: DataParallelSetting = None,
+        verify_peers: NonNegativeInt = 0,
     ):
         super().__init__()
+        self.data_parallel, self.verify_peers = data_parallel, verify_peers
         self.settings = StreamSettings(
             seq_len=seq_len, global_batch_size=global_batch_size, packing=packing, seed=seed, num_streams=num_streams,
             bestfit_buffer_size=bestfit_buffer_size, max_document_chars=max_document_chars,
@@ -255,8 +265,9 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
 
     @property
     def owned_streams(self) -> list[int]:
-        """The streams this rank reads (a contiguous block of K / world size)."""
-        return rank_streams(self.num_streams, self.world_size, self.rank)
+        """The streams this data-parallel replica reads (a contiguous block of K / ``dp_size``), the same on every
+        process of the replica."""
+        return rank_streams(self.num_streams, self.dp_size, self.dp_rank)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str | None = None) -> None:
@@ -265,6 +276,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         Raises:
             ValueError: see the class docstring.
         """
+        self.resolve_topology()
         # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
         self.sources = mixture_arguments(
             self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change,
@@ -274,7 +286,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             self.settings, self.tokenizer, self.bos_token, self.storage, self.token_cache, self.on_malformed
         )
         _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
-        check_layout(self.num_streams, self.world_size, self.num_workers)
+        check_layout(self.num_streams, self.dp_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
             sources = self.sources
             train = corpus.train(sources.train, sources.schedule, sources.mixture, self.allow_shared_files)
@@ -336,7 +348,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         """
         _epoch, step = self.saved_position()
         states = self.position.committed_states(step)
-        return saved_streams(states, self._require(self.train_spec), gather=self.world_size > 1)
+        return saved_streams(states, self._require(self.train_spec), gather=self.dp_size > 1)
 
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
         """Restore the streams this rank owns to the checkpoint's last optimizer step (and the plan of the mix).
@@ -369,7 +381,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         if self._val_steps_arg is not None:
             return self._val_steps_arg
         _, rows = estimate_pass(spec.sources[0])
-        return max(1, int(rows // (self.world_size * self.microbatch_size)))
+        return max(1, int(rows // (self.dp_size * self.microbatch_size)))
 
 
 def _reading(text_column: Any, token_cache: Any, on_malformed: Any) -> tuple[str, str | None, str]:

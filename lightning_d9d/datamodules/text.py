@@ -22,6 +22,7 @@ fly are the pretraining DataModule's job.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +40,7 @@ from lightning_d9d.text.formats import Columns
 from lightning_d9d.text.sft_schedule import FineTuningFingerprint, LabelCountSchedule
 from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, tokenized_split
 from lightning_d9d.tokenizer import check_tokenizer_file, pad_token_id, read_tokenizer
+from lightning_d9d.topology import DataParallelSetting
 
 
 class TextDataModule(D9DDataModule):
@@ -51,10 +53,12 @@ class TextDataModule(D9DDataModule):
     (``padding_free=True``), both with Hugging Face-style ``labels`` and ``step_label_tokens``.
 
     Loss normalisation: a model that sums its token losses over a microbatch and divides by
-    ``step_label_tokens`` trains on the exact per-token mean of the optimizer step. DDP averages gradients over
-    the W ranks and Lightning's automatic optimization divides each microbatch's loss by
-    ``accumulate_grad_batches`` (M), so return ``loss_sum / step_label_tokens × W × M`` (manual optimization
-    with ``yield_packs``: × W); Hugging Face models: ``num_items_in_batch=step_label_tokens``, then × W × M.
+    ``step_label_tokens`` trains on the exact per-token mean of the optimizer step. DDP/FSDP average gradients
+    over the D data-parallel replicas (``dm.dp_size``; tensor-parallel peers compute the same loss, so they do not
+    count) and Lightning's automatic optimization divides each microbatch's loss by ``accumulate_grad_batches``
+    (M), so return ``loss_sum / step_label_tokens × D × M`` (manual optimization with ``yield_packs``: × D);
+    Hugging Face models: ``num_items_in_batch=step_label_tokens``, then × D × M. Under context parallelism each
+    CP rank sums the loss of its slice, and gradients are averaged over D × CP processes: × D × CP × M.
 
     ``dataset="demo"`` / ``tokenizer="demo"`` select the corpus and tokenizer built from Python's own
     documentation (:mod:`lightning_d9d.demo_corpus`); ``dataset="demo-chat"`` a conversation set made from it.
@@ -95,7 +99,8 @@ class TextDataModule(D9DDataModule):
             ``pad_to_multiple_of`` when padded, the sum of lengths when padding-free; at least the longest
             document (``max_length`` bounds it).
         padding_free: one flattened row per microbatch (``FlatBatch``: ``input_ids``, ``labels``,
-            ``position_ids`` restarting per document, ``cu_seqlens``, ``max_seqlen``). Token budgets only.
+            ``position_ids`` restarting per document, ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen``).
+            Token budgets only.
         format: ``None`` detects it from the columns; ``"text"``, ``"prompt_completion"`` or ``"messages"``.
         prompt_column, completion_column, messages_column: column names of the fine-tuning formats.
         chat_template: a Jinja template string, a ``.jinja`` file or a ``tokenizer_config.json``; ``None``:
@@ -111,6 +116,13 @@ class TextDataModule(D9DDataModule):
             file, else the special token its post-processor appends, else a usual EOS of its vocabulary. String
             completions with none of these are refused: trained without an end token, a model never learns to
             stop. Completions given as messages end with the template's end-of-turn token instead.
+        context_parallel_size: the CP size batches are laid out for (1: none). Padding-free, every document is
+            padded to a multiple of ``2 × context_parallel_size`` (labels ``-100``, positions continuing) and
+            counted so in ``microbatch_tokens``, which must be a multiple of it; padded, ``pad_to_multiple_of``
+            must be a multiple of it. Slice each batch per CP rank with
+            :func:`lightning_d9d.context_parallel.cp_shard_batch` (docs/model_parallelism.md).
+        data_parallel, verify_peers: which processes share data, and the opt-in peer check (see
+            :class:`D9DDataModule`).
 
     Raises:
         ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
@@ -120,7 +132,10 @@ class TextDataModule(D9DDataModule):
             parsed or uses an undefined special token, a bad row (naming it: missing value, unknown role, a
             template that raises, no assistant turn, a turn that cannot be located), a row over ``max_length``
             under ``truncation="error"``, no row left to train, prompt/completion strings with a tokenizer that
-            has no EOS token or an ``eos_token`` it lacks (in ``prepare_data``/``setup``).
+            has no EOS token or an ``eos_token`` it lacks (in ``prepare_data``/``setup``). A
+            ``context_parallel_size`` whose ``2 × context_parallel_size`` does not divide ``microbatch_tokens``
+            (padding-free) or ``pad_to_multiple_of`` (padded), naming both (at construction); a document whose
+            padded length exceeds ``microbatch_tokens`` (in ``setup``).
         FileNotFoundError: a tokenizer file, local dataset path or ``chat_template`` file that does not exist.
     """
 
@@ -157,33 +172,31 @@ class TextDataModule(D9DDataModule):
         loss_on: Literal["all", "completion", "assistant", "last_assistant"] | None = None,
         truncation: Literal["error", "drop", "keep_start"] = "drop",
         eos_token: str | None = None,
+        context_parallel_size: PositiveInt = 1,
+        data_parallel: DataParallelSetting = None,
+        verify_peers: NonNegativeInt = 0,
     ):
         self.max_length, self.num_proc = _checked_arguments(dataset, tokenizer, max_length, num_proc)
         columns, demo = Columns(text_column, prompt_column, completion_column, messages_column), tokenizer == DEMO
         self.finetuning = FineTuningOptions(format, columns, chat_template, loss_on, truncation, demo, eos_token)
         self.sft, self.dataset, self.tokenizer, self.cache_dir = FineTuningState(), dataset, tokenizer, cache_dir
         self.text_column, self.split, self.val_split, self.data_files = text_column, split, val_split, data_files
-        self.padded_collator, self.collator = _collators(pad_to_multiple_of, padding_side, padding_free)
-        super().__init__(
-            train_dataset=functools.partial(self._tokenized_split, "split"),
-            collate_fn=self.collator,
-            # Plain ints: jsonargparse's int subclasses in the checkpoint's state fail torch.load(weights_only=True).
-            global_batch_size=plain_int(global_batch_size),
-            microbatch_size=plain_int(microbatch_size),
-            sort_buffer_size=plain_int(sort_buffer_size),
-            sort_key="token_counts",
-            val_dataset=functools.partial(self._tokenized_split, "val_split") if val_split is not None else None,
-            seed=plain_int(seed),
-            shuffle=shuffle,
-            num_workers=plain_int(num_workers),
-            pin_memory=pin_memory,
-            yield_packs=yield_packs,
-            on_order_mismatch=on_order_mismatch,
-            global_batch_tokens=plain_int(global_batch_tokens),
-            microbatch_tokens=plain_int(microbatch_tokens),
-            padding_free=padding_free,
-            pad_to_multiple_of=None if padding_free else int(pad_to_multiple_of),
+        self.context_parallel_size = _checked_context_parallel(context_parallel_size, pad_to_multiple_of, padding_free)
+        self.padded_collator, self.collator = _collators(
+            pad_to_multiple_of, padding_side, padding_free, self.context_parallel_size
         )
+        # Plain ints: jsonargparse's int subclasses in the checkpoint's state fail torch.load(weights_only=True).
+        super().__init__(
+            train_dataset=functools.partial(self._tokenized_split, "split"), collate_fn=self.collator,
+            global_batch_size=plain_int(global_batch_size), microbatch_size=plain_int(microbatch_size),
+            sort_buffer_size=plain_int(sort_buffer_size), sort_key="token_counts",
+            val_dataset=functools.partial(self._tokenized_split, "val_split") if val_split is not None else None,
+            seed=plain_int(seed), shuffle=shuffle, num_workers=plain_int(num_workers), pin_memory=pin_memory,
+            yield_packs=yield_packs, on_order_mismatch=on_order_mismatch,
+            global_batch_tokens=plain_int(global_batch_tokens), microbatch_tokens=plain_int(microbatch_tokens),
+            padding_free=padding_free, pad_to_multiple_of=None if padding_free else int(pad_to_multiple_of),
+            data_parallel=data_parallel, verify_peers=plain_int(verify_peers),
+        )  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
@@ -228,7 +241,7 @@ class TextDataModule(D9DDataModule):
         )
         if sft is not None:
             self.sft.record(which, recipe, sft)
-            self.padded_collator.pad_token_id = pad_token_id(read_tokenizer(tokenizer_path))
+            self._set_pad_token_id(pad_token_id(read_tokenizer(tokenizer_path)))
             return sft.dataset
         tokenized = tokenized_split(
             dataset_path,
@@ -241,8 +254,14 @@ class TextDataModule(D9DDataModule):
             num_proc=self.num_proc,
             name=self.dataset,
         )
-        self.padded_collator.pad_token_id = tokenized.pad_token_id
+        self._set_pad_token_id(tokenized.pad_token_id)
         return tokenized.dataset
+
+    def _set_pad_token_id(self, value: int) -> None:
+        """The tokenizer's pad id for padding (and for context-parallel padding of flattened rows)."""
+        self.padded_collator.pad_token_id = value
+        if isinstance(self.collator, FlatteningCollator):
+            self.collator.pad_token_id = value
 
     # ------------------------------------------------------------------ fine-tuning data
     @property
@@ -299,10 +318,28 @@ def _checked_arguments(dataset: str, tokenizer: str, max_length: Any, num_proc: 
     return checked_max_length, plain_int(num_proc)
 
 
+def _checked_context_parallel(context_parallel_size: Any, pad_to_multiple_of: Any, padding_free: bool) -> int:
+    """``context_parallel_size`` as a plain int; padded batches must split into ``2 × cp`` equal chunks.
+
+    Raises:
+        ValueError: a non-positive ``context_parallel_size``, or (padded) a ``pad_to_multiple_of`` that is not a
+            multiple of ``2 × context_parallel_size``, naming both. (Padding-free budgets are checked by the plan.)
+    """
+    size = positive_int("context_parallel_size", context_parallel_size)
+    multiple = positive_int("pad_to_multiple_of", pad_to_multiple_of)
+    if size > 1 and not padding_free and multiple % (2 * size):
+        raise ValueError(
+            f"pad_to_multiple_of={multiple} is not a multiple of 2 × context_parallel_size = {2 * size}: a padded "
+            f"sequence must split into equal chunks over the {size} context-parallel ranks; use "
+            f"pad_to_multiple_of={math.lcm(multiple, 2 * size)}"
+        )
+    return size
+
+
 def _collators(
-    pad_to_multiple_of: int, padding_side: Literal["left", "right"], padding_free: bool
+    pad_to_multiple_of: int, padding_side: Literal["left", "right"], padding_free: bool, context_parallel_size: int
 ) -> tuple[CausalLMCollator, CausalLMCollator | FlatteningCollator]:
     """The padding collator (``setup`` gives it the tokenizer's ``pad_token_id``) and the collator batches use:
-    the same one, or a flattening one when padding-free."""
+    the same one, or a flattening one (laid out for ``context_parallel_size``) when padding-free."""
     padded = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
-    return padded, FlatteningCollator() if padding_free else padded
+    return padded, FlatteningCollator(context_parallel_size=context_parallel_size) if padding_free else padded

@@ -14,8 +14,9 @@ flattened row's ``position_ids`` restart per document), so the same samples give
 right or flattened.
 
 Loss: the summed token losses of the microbatch over its batch's ``step_label_tokens`` (the predicted tokens of
-the whole optimizer step over all ranks), times ``world_size × accumulate_grad_batches``: DDP averages gradients
-over the W ranks and Lightning's automatic optimization divides every microbatch's loss by
+the whole optimizer step over all ranks), times ``dp_size × accumulate_grad_batches``: DDP averages gradients
+over the D data-parallel replicas (the DataModule's ``dp_size``; the world size where the DataModule has none)
+and Lightning's automatic optimization divides every microbatch's loss by
 ``accumulate_grad_batches``, so the gradient that reaches the optimizer is exactly that of the step's per-token
 mean, however the step's tokens fall on microbatches and ranks. A batch without ``step_label_tokens`` falls back
 to its own per-token mean.
@@ -256,15 +257,15 @@ class TinyGPT(pl.LightningModule):
         """The loss to return from ``training_step`` so that the optimizer sees the step's per-token mean.
 
         ``loss_sum / step_label_tokens`` summed over every microbatch of the step on every rank is that mean;
-        DDP averages gradients over ``world_size`` ranks and automatic optimization divides each microbatch's
-        loss by ``accumulate_grad_batches``, so both are multiplied back.
+        DDP averages gradients over the ``dp_size`` data-parallel replicas and automatic optimization divides each
+        microbatch's loss by ``accumulate_grad_batches``, so both are multiplied back.
         """
         if step_label_tokens is None:
             return loss_sum / count.clamp(min=1)
         trainer = self._trainer
-        world_size = trainer.world_size if trainer is not None else 1
+        replicas = getattr(trainer.datamodule, "dp_size", trainer.world_size) if trainer is not None else 1
         accumulated = trainer.accumulate_grad_batches if trainer is not None and self.automatic_optimization else 1
-        return loss_sum * (world_size * accumulated / max(int(step_label_tokens), 1))
+        return loss_sum * (replicas * accumulated / max(int(step_label_tokens), 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss_sum, count, tokens = self._loss(batch)

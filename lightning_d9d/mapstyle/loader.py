@@ -1,7 +1,7 @@
-"""Load and pack: turn this rank's share of the order into collated (and pinned) microbatches or packs.
+"""Load and pack: turn a data-parallel rank's share of the order into collated (and pinned) microbatches or packs.
 
 Algorithm: at the first ``next()`` of an epoch the loader asks where to start (epoch, microbatch), builds a
-lazy iterable of index lists — this rank's microbatches of the remaining steps, read from a schedule (the
+lazy iterable of index lists — this data-parallel rank's microbatches of the remaining steps, read from a schedule (the
 sample-count :class:`~lightning_d9d.mapstyle.shard.GlobalBatchSchedule` or the token-budget
 :class:`~lightning_d9d.mapstyle.plan.TokenPlan`) — and hands it to torchdata's ``StatefulDataLoader`` as its
 ``batch_sampler``. Workers only fetch ``dataset[i]`` and collate; the order is decided in the main process, so
@@ -19,8 +19,9 @@ alone; its length also stops Lightning's prefetcher from reading a batch ahead, 
 training is handed out but not yet trained (the DataModule saves its step from Lightning's processed count).
 
 Errors: a sample or ``collate_fn`` that raises is reported with the microbatch's sample indices and where it
-sits (epoch, step, rank), the original exception chained; an epoch that comes up short of the microbatches its
-plan holds (a dataset that raised ``StopIteration``, say) raises instead of ending the epoch quietly.
+sits (epoch, step, data-parallel rank), the original exception chained; an epoch that comes up short of the
+microbatches its plan holds (a dataset that raised ``StopIteration``, say) raises instead of ending the epoch
+quietly.
 
 Both loaders (training and validation) live the same way: one epoch iteration at a time, a new one stopping the
 previous one's workers, ``close()`` stopping the live one (the DataModule closes them at teardown and on errors).
@@ -55,11 +56,12 @@ STEP_LABEL_TOKENS = "step_label_tokens"
 
 
 class StepSchedule(Protocol):
-    """What the training loader reads: steps per epoch, a rank's microbatches of a step, the step's label count."""
+    """What the training loader reads: steps per epoch, a data-parallel rank's microbatches of a step, the step's
+    label count."""
 
     def steps_in_epoch(self, epoch: int) -> int: ...
 
-    def rank_microbatches(self, epoch: int, step: int, world_size: int, rank: int) -> list[np.ndarray]: ...
+    def rank_microbatches(self, epoch: int, step: int, dp_size: int, dp_rank: int) -> list[np.ndarray]: ...
 
     def step_label_tokens(self, epoch: int, step: int) -> int | None: ...
 
@@ -69,7 +71,7 @@ class DataLoadingError(RuntimeError):
 
 
 class MicrobatchIndices(list):
-    """A microbatch's sample indices, with where it sits in training (``"epoch 0, step 3, rank 1"``)."""
+    """A microbatch's sample indices, with where it sits in training (``"epoch 0, step 3, dp rank 1"``)."""
 
     def __init__(self, indices: Any, where: str = ""):
         super().__init__(indices)
@@ -80,19 +82,19 @@ class MicrobatchIndices(list):
 
 
 class _IndexBatches:
-    """This rank's microbatches (lists of sample indices) from a start point to the end of the epoch, lazily."""
+    """A data-parallel rank's microbatches (lists of sample indices) from a start point to the epoch's end, lazily."""
 
     def __init__(
         self,
         schedule: StepSchedule,
         epoch: int,
         start_microbatch: int,
-        world_size: int,
-        rank: int,
+        dp_size: int,
+        dp_rank: int,
         microbatches_per_step: int,
     ):
         self._schedule, self._epoch, self._start = schedule, epoch, start_microbatch
-        self._world_size, self._rank, self._per_step = world_size, rank, microbatches_per_step
+        self._dp_size, self._dp_rank, self._per_step = dp_size, dp_rank, microbatches_per_step
 
     def __len__(self) -> int:
         return max(0, self._schedule.steps_in_epoch(self._epoch) * self._per_step - self._start)
@@ -100,8 +102,8 @@ class _IndexBatches:
     def __iter__(self) -> Iterator[MicrobatchIndices]:
         first_step, skip = divmod(self._start, self._per_step)
         for step in range(first_step, self._schedule.steps_in_epoch(self._epoch)):
-            mine = self._schedule.rank_microbatches(self._epoch, step, self._world_size, self._rank)
-            where = f"epoch {self._epoch}, step {step}, rank {self._rank}"
+            mine = self._schedule.rank_microbatches(self._epoch, step, self._dp_size, self._dp_rank)
+            where = f"epoch {self._epoch}, step {step}, dp rank {self._dp_rank}"
             for microbatch in mine[skip:]:
                 yield MicrobatchIndices(microbatch.tolist(), where)
             skip = 0
@@ -129,13 +131,14 @@ def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
 
 
 class TrainLoader(OneIterationAtATime, ResumedByDataModule):
-    """The training loader: a sized iterable of microbatches (or packs of M microbatches) for one rank.
+    """The training loader: a sized iterable of microbatches (or packs of M microbatches) for one data-parallel
+    rank (every process of that replica gets the same).
 
     Args:
         dataset: map-style dataset (``dataset[i]`` returns one sample).
         collate_fn: list of samples -> microbatch.
         schedule: the steps of every epoch (shared by all ranks).
-        world_size, rank: data-parallel topology.
+        dp_size, dp_rank: the data-parallel size and this replica's rank (:mod:`lightning_d9d.topology`).
         microbatches_per_step: M (this rank's microbatches per step).
         position: the shared position counter this loader advances.
         start_point: returns ``(epoch, microbatch)`` where the next epoch iteration starts (without side
@@ -150,8 +153,8 @@ class TrainLoader(OneIterationAtATime, ResumedByDataModule):
         dataset: Dataset,
         collate_fn: Callable[[list[Any]], Any],
         schedule: StepSchedule,
-        world_size: int,
-        rank: int,
+        dp_size: int,
+        dp_rank: int,
         microbatches_per_step: int,
         position: TrainPosition,
         start_point: Callable[[], tuple[int, int]],
@@ -160,7 +163,7 @@ class TrainLoader(OneIterationAtATime, ResumedByDataModule):
         yield_packs: bool = False,
     ):
         self.dataset, self.collate_fn, self.schedule = dataset, collate_fn, schedule
-        self.world_size, self.rank = world_size, rank
+        self.dp_size, self.dp_rank = dp_size, dp_rank
         self.microbatches_per_step = microbatches_per_step
         self.position, self.start_point = position, start_point
         self.num_workers, self.pin_memory, self.yield_packs = num_workers, pin_memory, yield_packs
@@ -181,7 +184,7 @@ class TrainLoader(OneIterationAtATime, ResumedByDataModule):
         if self.yield_packs and start % self.microbatches_per_step:
             raise ValueError(f"cannot start packs mid-step (microbatch {start} with M={self.microbatches_per_step})")
         index_batches = _IndexBatches(
-            self.schedule, epoch, start, self.world_size, self.rank, self.microbatches_per_step
+            self.schedule, epoch, start, self.dp_size, self.dp_rank, self.microbatches_per_step
         )
         expected = len(index_batches)
         if expected == 0:
@@ -211,14 +214,14 @@ class TrainLoader(OneIterationAtATime, ResumedByDataModule):
             stop(loader)
         if received < expected:
             raise RuntimeError(
-                f"epoch {epoch} on rank {self.rank} ended after {received} of its {expected} microbatches: the "
-                "DataLoader stopped early (a StopIteration raised by the dataset, a sampler or collate_fn ends "
-                "a DataLoader quietly); no samples may go missing, so this is an error"
+                f"epoch {epoch} on data-parallel rank {self.dp_rank} ended after {received} of its {expected} "
+                "microbatches: the DataLoader stopped early (a StopIteration raised by the dataset, a sampler or "
+                "collate_fn ends a DataLoader quietly); no samples may go missing, so this is an error"
             )
 
 
 class ValidationLoader(OneIterationAtATime):
-    """Sized iterable over this rank's validation microbatches (exactly-once across ranks, no padding)."""
+    """Sized iterable over a data-parallel rank's validation microbatches (exactly once over replicas, unpadded)."""
 
     def __init__(
         self,
@@ -318,7 +321,7 @@ class FetchWithContext(Dataset):
 
 
 def _place(indices: Any) -> str:
-    """``microbatch [..] (epoch e, step s, rank r)`` for an error message."""
+    """``microbatch [..] (epoch e, step s, dp rank r)`` for an error message."""
     where = getattr(indices, "where", "")
     return f"microbatch {list(indices)}" + (f" ({where})" if where else "")
 

@@ -3,8 +3,8 @@
 An optimizer step is ``P = global_batch_tokens / microbatch_tokens`` microbatches over all ranks, each within
 ``microbatch_tokens``: counted as *samples × padded longest sample* when microbatches are padded, as the *sum
 of lengths* when they are padding-free (one flattened row per microbatch). The plan of an epoch is a pure
-function of (seed, epoch, lengths, budgets, buffer, padding mode): it never sees the world size or the worker
-count, so the same steps are trained on 1 GPU or 8, and a resume on another world size continues them.
+function of (seed, epoch, lengths, budgets, buffer, padding mode): it never sees the data-parallel size or the
+worker count, so the same steps are trained on 1 GPU or 8, and a resume on another layout continues them.
 
 Algorithm (one pass over the lengths per epoch, vectorised per window; Python loops run per microbatch, never
 per sample):
@@ -33,8 +33,8 @@ per sample):
    then hold length neighbours, like the sample-count order's global batches); fewer than ``P`` left at the
    end are dropped (different samples each epoch). The steps are visited in a seeded random order: the whole
    epoch is planned at once, so a global shuffle of steps costs one permutation.
-6. Rank ``r`` of ``W`` trains the step's microbatches ``k`` with ``snake_owner(k, W) == r``
-   (:mod:`lightning_d9d.mapstyle.shard`): ``M = P / W`` each, the only part that depends on ``W``.
+6. Data-parallel rank ``r`` of ``D`` trains the step's microbatches ``k`` with ``snake_owner(k, D) == r``
+   (:mod:`lightning_d9d.mapstyle.shard`): ``M = P / D`` each, the only part that depends on ``D``.
 
 Each step's number of predicted tokens over all ranks (``step_label_tokens``: ``length - 1`` per sample, the
 labels left after a causal LM's shift) is a by-product, so a loss can be normalised by the whole step without a
@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from lightning_d9d.checks import positive_int, token_step_microbatches
+from lightning_d9d.context_parallel import cp_multiple
 from lightning_d9d.mapstyle.order import KeyLookup, SeededPermutation
 from lightning_d9d.mapstyle.shard import snake_owner
 
@@ -85,34 +86,60 @@ class TokenBudget:
         padding_free: ``True``: a microbatch costs the sum of its lengths (a collate that concatenates);
             ``False``: its sample count × its longest sample rounded up to ``pad_to_multiple_of``.
         pad_to_multiple_of: the padded length's rounding (the collate's), padded microbatches only.
+        context_parallel_size: the CP size the batches are laid out for. Padding-free, each sample then costs its
+            length rounded up to ``2 × context_parallel_size`` (the collate pads every document so, to split it
+            evenly over CP ranks); padded, ``pad_to_multiple_of`` must be a multiple of it (the row splits).
 
     Raises:
-        ValueError: non-positive values, or ``global_batch_tokens`` not a multiple of ``microbatch_tokens``.
+        ValueError: non-positive values, ``global_batch_tokens`` not a multiple of ``microbatch_tokens``; with
+            ``context_parallel_size > 1``, a padding-free ``microbatch_tokens`` or a padded
+            ``pad_to_multiple_of`` that is not a multiple of ``2 × context_parallel_size`` (naming both).
     """
 
     global_batch_tokens: int
     microbatch_tokens: int
     padding_free: bool = False
     pad_to_multiple_of: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         token_step_microbatches(self.global_batch_tokens, self.microbatch_tokens)
         positive_int("pad_to_multiple_of", self.pad_to_multiple_of)
+        multiple = cp_multiple(positive_int("context_parallel_size", self.context_parallel_size))
+        name, value = (
+            ("microbatch_tokens", self.microbatch_tokens)
+            if self.padding_free
+            else ("pad_to_multiple_of", self.pad_to_multiple_of)
+        )
+        if value % multiple:
+            raise ValueError(
+                f"{name}={value} is not a multiple of 2 × context_parallel_size = {multiple}: a "
+                f"{'row' if self.padding_free else 'padded sequence'} must split into equal chunks over the "
+                f"{self.context_parallel_size} context-parallel ranks; use a multiple of {multiple}"
+            )
 
     @property
     def microbatches_per_step(self) -> int:
         """P: microbatches of one step over all ranks."""
         return self.global_batch_tokens // self.microbatch_tokens
 
+    @property
+    def document_multiple(self) -> int:
+        """Padding-free: each sample's cost rounding (``2 × context_parallel_size`` under CP, else 1); padded: 1."""
+        return cp_multiple(self.context_parallel_size) if self.padding_free else 1
+
     def padded_lengths(self, lengths: np.ndarray) -> np.ndarray:
-        """What each sample costs alone: its length, rounded up to ``pad_to_multiple_of`` when padded."""
-        if self.padding_free or self.pad_to_multiple_of == 1:
+        """What each sample costs alone: its length, rounded up to ``pad_to_multiple_of`` when padded (to
+        ``2 × context_parallel_size`` when padding-free under CP)."""
+        multiple = self.document_multiple if self.padding_free else self.pad_to_multiple_of
+        if multiple == 1:
             return lengths
-        multiple = self.pad_to_multiple_of
         return -(-lengths // multiple) * multiple
 
     def describe(self) -> str:
         mode = "padding-free (sum of lengths)" if self.padding_free else "padded (samples × padded longest)"
+        if self.document_multiple > 1:
+            mode = f"padding-free (sum of lengths, each rounded up to {self.document_multiple} for CP)"
         return (
             f"global_batch_tokens={self.global_batch_tokens}, microbatch_tokens={self.microbatch_tokens}, "
             f"{self.microbatches_per_step} microbatches per step, {mode}"
@@ -182,10 +209,10 @@ def check_lengths_fit(lengths: np.ndarray, budget: TokenBudget, what: str = "tra
     too_long = costs > budget.microbatch_tokens
     first = int(np.flatnonzero(too_long)[0])
     longest = int(np.argmax(lengths))
+    multiple = budget.document_multiple if budget.padding_free else budget.pad_to_multiple_of
+    why = f" = 2 × context_parallel_size={budget.context_parallel_size}" if budget.document_multiple > 1 else ""
     rounded = (
-        f" (padded to a multiple of {budget.pad_to_multiple_of}: {int(costs[first])})"
-        if costs[first] != lengths[first]
-        else ""
+        f" (padded to a multiple of {multiple}{why}: {int(costs[first])})" if costs[first] != lengths[first] else ""
     )
     raise ValueError(
         f"{what} sample {first} has {int(lengths[first])} tokens{rounded}, more than microbatch_tokens="
@@ -223,7 +250,13 @@ def _runs(order: np.ndarray, lengths: np.ndarray, costs: np.ndarray, cuts: list[
     sizes = np.diff(cut)
     cumulative = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     tokens = cumulative[cut[1:]] - cumulative[cut[:-1]]
-    run_costs = sizes * np.maximum.reduceat(costs, cut[:-1]) if padded and len(sizes) else tokens
+    if padded and len(sizes):
+        run_costs = sizes * np.maximum.reduceat(costs, cut[:-1])
+    elif costs is lengths:
+        run_costs = tokens
+    else:  # padding-free, each sample rounded up (context parallelism): the sum of the rounded lengths
+        cumulative_costs = np.concatenate([[0], np.cumsum(costs, dtype=np.int64)])
+        run_costs = cumulative_costs[cut[1:]] - cumulative_costs[cut[:-1]]
     return Packed(order, sizes, tokens, run_costs)
 
 
@@ -288,7 +321,7 @@ def pack_next_fit(lengths: np.ndarray, budget: TokenBudget) -> Packed:
     """Samples in their given order, each microbatch taking the following samples while they fit."""
     lengths = lengths.astype(np.int64)
     costs = budget.padded_lengths(lengths)
-    cumulative = np.concatenate([[0], np.cumsum(lengths)])
+    cumulative = np.concatenate([[0], np.cumsum(costs)])
     cuts = [0]
     limit = budget.microbatch_tokens
     while cuts[-1] < len(lengths):
@@ -308,7 +341,13 @@ def pack(lengths: np.ndarray, budget: TokenBudget, sort: bool = True) -> Packed:
     if not sort:
         return pack_next_fit(lengths, budget)
     if budget.padding_free:
-        return pack_largest_fit(lengths, budget.microbatch_tokens)
+        costs = budget.padded_lengths(lengths)
+        packed = pack_largest_fit(costs, budget.microbatch_tokens)
+        if costs is not lengths:  # rounded for context parallelism: the real tokens are fewer than the costs
+            cumulative = np.concatenate([[0], np.cumsum(lengths[packed.order], dtype=np.int64)])
+            bounds = np.concatenate([[0], np.cumsum(packed.sizes)])
+            packed.tokens = cumulative[bounds[1:]] - cumulative[bounds[:-1]]
+        return packed
     ascending = np.argsort(lengths, kind="stable")
     packed = pack_padded_sorted(lengths[ascending], budget)
     packed.order = ascending[packed.order]
@@ -329,7 +368,7 @@ def _carried(packed: Packed, budget: TokenBudget, limit: int, sort: bool) -> int
         return 1 if len(packed.sizes) and packed.sizes[-1] <= limit else 0
     floor = _CARRY_BELOW * budget.microbatch_tokens
     count = samples = 0
-    for size, tokens in zip(packed.sizes[::-1].tolist(), packed.tokens[::-1].tolist()):
+    for size, tokens in zip(packed.sizes[::-1].tolist(), packed.costs[::-1].tolist()):
         if tokens >= floor or samples + size > limit:
             break
         count, samples = count + 1, samples + size
@@ -514,11 +553,12 @@ class TokenPlan:
     def steps_in_epoch(self, epoch: int) -> int:
         return self.epoch(epoch).steps
 
-    def rank_microbatches(self, epoch: int, step: int, world_size: int, rank: int) -> list[np.ndarray]:
-        """Rank ``rank``'s M microbatches of ``step``: the step's microbatches ``k`` it owns by snake dealing."""
+    def rank_microbatches(self, epoch: int, step: int, dp_size: int, dp_rank: int) -> list[np.ndarray]:
+        """Data-parallel rank ``dp_rank``'s M microbatches of ``step``: the microbatches ``k`` it owns by snake
+        dealing."""
         plan = self.epoch(epoch)
         return [
-            plan.microbatch(step, k) for k in range(plan.microbatches_per_step) if snake_owner(k, world_size) == rank
+            plan.microbatch(step, k) for k in range(plan.microbatches_per_step) if snake_owner(k, dp_size) == dp_rank
         ]
 
     def step_label_tokens(self, epoch: int, step: int) -> int:

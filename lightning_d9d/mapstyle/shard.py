@@ -1,14 +1,16 @@
 """Shard: split each global batch across data-parallel ranks as equal numbers of microbatches.
 
-Algorithm: a global batch of G samples, in sorted order, is cut into ``W·M`` microbatches of ``m`` consecutive
-samples (``M = G / (W·m)``), so each microbatch holds length neighbours and pads little. Microbatches are then
-dealt to ranks in snake order (0, 1, …, W-1, W-1, …, 1, 0, 0, 1, …): because they ascend in length, every
-rank receives a mix of short and long ones, which balances tokens per rank per step without reading a single
-sort key. Every rank gets exactly M microbatches per step, so no rank ever waits for another.
+Algorithm: a global batch of G samples, in sorted order, is cut into ``D·M`` microbatches of ``m`` consecutive
+samples (``M = G / (D·m)``, ``D`` the data-parallel size), so each microbatch holds length neighbours and pads
+little. Microbatches are then dealt to data-parallel ranks in snake order (0, 1, …, D-1, D-1, …, 1, 0, 0, 1, …):
+because they ascend in length, every rank receives a mix of short and long ones, which balances tokens per rank
+per step without reading a single sort key. Every rank gets exactly M microbatches per step, so no rank ever
+waits for another. The processes of one replica (tensor/context/pipeline-parallel peers,
+:mod:`lightning_d9d.topology`) share its data-parallel rank, so they get the same microbatches.
 
-Validation is different: every sample must be evaluated exactly once, so nothing is dropped or padded with
-duplicates. The (sorted) validation set is cut into microbatches (the last may be short) and dealt round-robin;
-rank counts differ by at most one microbatch.
+Validation is different: every sample must be evaluated exactly once per replica set, so nothing is dropped or
+padded with duplicates. The (sorted) validation set is cut into microbatches (the last may be short) and dealt
+round-robin over data-parallel ranks; their counts differ by at most one microbatch.
 
 ``GlobalBatchSchedule`` is the sample-count training schedule the loader reads (the token-budget one is
 :class:`lightning_d9d.mapstyle.plan.TokenPlan`): steps per epoch, a rank's microbatches of a step, and the
@@ -29,26 +31,26 @@ if TYPE_CHECKING:
     from lightning_d9d.mapstyle.order import GlobalBatchOrder
 
 
-def snake_owner(microbatch: int, world_size: int) -> int:
-    """The rank that receives microbatch number ``microbatch`` of a step under snake dealing."""
-    lap, offset = divmod(microbatch, world_size)
-    return offset if lap % 2 == 0 else world_size - 1 - offset
+def snake_owner(microbatch: int, dp_size: int) -> int:
+    """The data-parallel rank that receives microbatch number ``microbatch`` of a step under snake dealing."""
+    lap, offset = divmod(microbatch, dp_size)
+    return offset if lap % 2 == 0 else dp_size - 1 - offset
 
 
-def rank_microbatches(global_batch: np.ndarray, world_size: int, rank: int, microbatch_size: int) -> list[np.ndarray]:
-    """This rank's M microbatches (arrays of sample indices) of one global batch."""
+def rank_microbatches(global_batch: np.ndarray, dp_size: int, dp_rank: int, microbatch_size: int) -> list[np.ndarray]:
+    """Data-parallel rank ``dp_rank``'s M microbatches (arrays of sample indices) of one global batch."""
     microbatches = global_batch.reshape(-1, microbatch_size)
-    return [microbatches[i] for i in range(len(microbatches)) if snake_owner(i, world_size) == rank]
+    return [microbatches[i] for i in range(len(microbatches)) if snake_owner(i, dp_size) == dp_rank]
 
 
 def validation_microbatches(
-    ordered_indices: np.ndarray, world_size: int, rank: int, microbatch_size: int
+    ordered_indices: np.ndarray, dp_size: int, dp_rank: int, microbatch_size: int
 ) -> list[np.ndarray]:
-    """This rank's share of an exactly-once validation pass: round-robin over consecutive microbatches."""
+    """A replica's share of an exactly-once validation pass: round-robin over consecutive microbatches."""
     chunks = [
         ordered_indices[start : start + microbatch_size] for start in range(0, len(ordered_indices), microbatch_size)
     ]
-    return chunks[rank::world_size]
+    return chunks[dp_rank::dp_size]
 
 
 class GlobalBatchSchedule:
@@ -72,8 +74,8 @@ class GlobalBatchSchedule:
     def steps_in_epoch(self, epoch: int) -> int:
         return self.order.steps_per_epoch
 
-    def rank_microbatches(self, epoch: int, step: int, world_size: int, rank: int) -> list[np.ndarray]:
-        return rank_microbatches(self.order.global_batch(epoch, step), world_size, rank, self.microbatch_size)
+    def rank_microbatches(self, epoch: int, step: int, dp_size: int, dp_rank: int) -> list[np.ndarray]:
+        return rank_microbatches(self.order.global_batch(epoch, step), dp_size, dp_rank, self.microbatch_size)
 
     def step_label_tokens(self, epoch: int, step: int) -> int | None:
         """Predicted tokens of the step over all ranks, or ``None`` when the sort keys are not lengths."""

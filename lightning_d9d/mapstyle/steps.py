@@ -4,16 +4,17 @@ Two strategies behind one interface, so a DataModule never asks which one it hol
 
 * :class:`SampleCountSteps` (``global_batch_size`` G, ``microbatch_size`` m): every step is G samples, the
   order's global batch (:mod:`~lightning_d9d.mapstyle.order`) cut into microbatches of m; ``floor(N / G)``
-  steps an epoch; ``M = G / (W·m)``. Validation: the set (sorted by a column key) cut into microbatches of m.
+  steps an epoch; ``M = G / (D·m)`` over ``D`` data-parallel replicas. Validation: the set (sorted by a column
+  key) cut into microbatches of m.
 * :class:`TokenBudgetSteps` (a :class:`~lightning_d9d.mapstyle.plan.TokenBudget`): every step is
   ``P = global_batch_tokens / microbatch_tokens`` microbatches, each within ``microbatch_tokens``, planned per
-  epoch from every sample's length (:mod:`~lightning_d9d.mapstyle.plan`); ``M = P / W``; epochs differ a little
+  epoch from every sample's length (:mod:`~lightning_d9d.mapstyle.plan`); ``M = P / D``; epochs differ a little
   in their number of steps. Validation: packed by the same budget.
 
-Each strategy gives: the schedule the loader reads (steps of an epoch, a rank's microbatches of a step, a step's
-label tokens) with the fingerprint of what decides it; M for a world size; a rank's validation microbatches;
-whether epochs differ in length; and a description of its sizes for messages. :func:`step_sizing` turns a
-DataModule's arguments into one of them, with one clear error for every mixed or missing setting.
+Each strategy gives: the schedule the loader reads (steps of an epoch, a replica's microbatches of a step, a
+step's label tokens) with the fingerprint of what decides it; M for a data-parallel size; a replica's validation
+microbatches; whether epochs differ in length; and a description of its sizes for messages. :func:`step_sizing`
+turns a DataModule's arguments into one of them, with one clear error for every mixed or missing setting.
 
 Trade-off: the sample-count fingerprint samples 64 sort keys instead of hashing all of them, so two datasets of
 the same length that differ only between the sampled keys are not told apart (hashing every key would cost O(N)
@@ -79,6 +80,8 @@ class TokenPlanFingerprint(Fingerprint):
     shuffle: bool
     lengths_digest: str
     plan_version: int
+    # Padding-free under context parallelism each sample costs its length rounded up to this (2 × CP size).
+    document_multiple: int = dataclasses.field(default=1, metadata={"when_missing": (1,)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +99,9 @@ class StepSizing(Protocol):
 
     epochs_differ: bool
 
-    def microbatches_per_step(self, world_size: int) -> int: ...
+    def microbatches_per_step(self, dp_size: int) -> int: ...
 
-    def describe(self, world_size: int) -> str: ...
+    def describe(self, dp_size: int) -> str: ...
 
     def check_sort_buffer_size(self, sort_buffer_size: int) -> None: ...
 
@@ -107,7 +110,7 @@ class StepSizing(Protocol):
     def prepare_validation(self, dataset: Any, settings: OrderSettings) -> None: ...
 
     def validation_microbatches(
-        self, dataset: Any, settings: OrderSettings, world_size: int, rank: int
+        self, dataset: Any, settings: OrderSettings, dp_size: int, dp_rank: int
     ) -> list[np.ndarray]: ...
 
 
@@ -125,13 +128,13 @@ class SampleCountSteps:
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
         microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
 
-    def microbatches_per_step(self, world_size: int) -> int:
-        return microbatches_per_step(self.global_batch_size, world_size, self.microbatch_size)
+    def microbatches_per_step(self, dp_size: int) -> int:
+        return microbatches_per_step(self.global_batch_size, dp_size, self.microbatch_size)
 
-    def describe(self, world_size: int) -> str:
+    def describe(self, dp_size: int) -> str:
         return (
-            f"global_batch_size={self.global_batch_size}, world_size={world_size} and microbatch_size="
-            f"{self.microbatch_size} give {self.microbatches_per_step(world_size)} microbatches per step"
+            f"global_batch_size={self.global_batch_size}, data-parallel size {dp_size} and microbatch_size="
+            f"{self.microbatch_size} give {self.microbatches_per_step(dp_size)} microbatches per step"
         )
 
     def check_sort_buffer_size(self, sort_buffer_size: int) -> None:
@@ -168,15 +171,15 @@ class SampleCountSteps:
         """Nothing to read ahead: validation keys are read when its loader is made."""
 
     def validation_microbatches(
-        self, dataset: Any, settings: OrderSettings, world_size: int, rank: int
+        self, dataset: Any, settings: OrderSettings, dp_size: int, dp_rank: int
     ) -> list[np.ndarray]:
-        """This rank's share of the set, sorted by a column key if ``sort_key`` names one, cut into m's."""
+        """This replica's share of the set, sorted by a column key if ``sort_key`` names one, cut into m's."""
         # A callable sort_key takes training indices, so only a column (or the dataset's own method) sorts here.
         key_lookup = resolve_sort_keys(dataset, settings.sort_key if isinstance(settings.sort_key, str) else None)
         indices = np.arange(len(dataset))
         if key_lookup is not None:
             indices = indices[argsort_keys(key_lookup(indices), indices)]
-        return validation_microbatches(indices, world_size, rank, self.microbatch_size)
+        return validation_microbatches(indices, dp_size, dp_rank, self.microbatch_size)
 
 
 def _optional_keys(dataset: Any, sort_key: Any) -> KeyLookup | None:
@@ -197,14 +200,14 @@ class TokenBudgetSteps:
         self._lengths: tuple[Any, np.ndarray] | None = None  # (dataset, lengths): read once per dataset
         self._val_lengths: tuple[Any, np.ndarray] | None = None
 
-    def microbatches_per_step(self, world_size: int) -> int:
-        return token_microbatches_per_step(self.budget.global_batch_tokens, self.budget.microbatch_tokens, world_size)
+    def microbatches_per_step(self, dp_size: int) -> int:
+        return token_microbatches_per_step(self.budget.global_batch_tokens, self.budget.microbatch_tokens, dp_size)
 
-    def describe(self, world_size: int) -> str:
+    def describe(self, dp_size: int) -> str:
         return (
             f"global_batch_tokens={self.budget.global_batch_tokens}, microbatch_tokens="
-            f"{self.budget.microbatch_tokens} and world_size={world_size} give "
-            f"{self.microbatches_per_step(world_size)} microbatches per step"
+            f"{self.budget.microbatch_tokens} and data-parallel size {dp_size} give "
+            f"{self.microbatches_per_step(dp_size)} microbatches per step"
         )
 
     def check_sort_buffer_size(self, sort_buffer_size: int) -> None:
@@ -239,6 +242,7 @@ class TokenBudgetSteps:
             shuffle=settings.shuffle,
             lengths_digest=lengths_digest(lengths),
             plan_version=PLAN_VERSION,
+            document_multiple=budget.document_multiple,
         )
         return plan, fingerprint
 
@@ -264,12 +268,12 @@ class TokenBudgetSteps:
         self._val_lengths = (dataset, lengths)
 
     def validation_microbatches(
-        self, dataset: Any, settings: OrderSettings, world_size: int, rank: int
+        self, dataset: Any, settings: OrderSettings, dp_size: int, dp_rank: int
     ) -> list[np.ndarray]:
-        """This rank's share of the validation set packed by the budget (round-robin over microbatches)."""
+        """This replica's share of the validation set packed by the budget (round-robin over microbatches)."""
         self.prepare_validation(dataset, settings)
         packed = pack(self._val_lengths[1], self.budget)
-        return np.split(packed.order, np.cumsum(packed.sizes)[:-1])[rank::world_size]
+        return np.split(packed.order, np.cumsum(packed.sizes)[:-1])[dp_rank::dp_size]
 
 
 def _length_lookup(dataset: Any, sort_key: Any) -> KeyLookup | None:
@@ -291,7 +295,8 @@ def step_sizing(
     """The strategy the arguments ask for; one clear error for every mixed or missing setting.
 
     ``pad_to_multiple_of=None`` takes the ``collate_fn``'s own ``pad_to_multiple_of`` (else 1). A ``collate_fn``
-    that says whether it flattens (a ``flattens`` attribute) must agree with ``padding_free``.
+    that says whether it flattens (a ``flattens`` attribute) must agree with ``padding_free``; one with a
+    ``context_parallel_size`` lays batches out for context parallelism, which token budgets count.
 
     Raises:
         ValueError: both or neither of ``global_batch_size``/``global_batch_tokens``, the other mode's settings,
@@ -329,7 +334,11 @@ def step_sizing(
     multiple = positive_int("pad_to_multiple_of", multiple)
     _check_collate_matches(collate_fn, padding_free)
     budget = TokenBudget(
-        int(global_batch_tokens), int(microbatch_tokens), bool(padding_free), 1 if padding_free else multiple
+        int(global_batch_tokens),
+        int(microbatch_tokens),
+        bool(padding_free),
+        1 if padding_free else multiple,
+        int(getattr(collate_fn, "context_parallel_size", 1)),
     )
     return TokenBudgetSteps(budget)
 

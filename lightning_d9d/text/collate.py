@@ -4,7 +4,10 @@ Algorithm: ``CausalLMCollator`` pads the samples of a microbatch (consecutive in
 similar length) to the longest one, rounded up to ``pad_to_multiple_of``, with an attention mask of the real
 tokens. ``FlatteningCollator`` concatenates them into one row without padding, with ``position_ids`` that
 restart at 0 for each document and ``cu_seqlens``/``max_seqlen`` for variable-length attention (the
-conventions of flash-attention's varlen kernels and Hugging Face's ``DataCollatorWithFlattening``).
+conventions of flash-attention's varlen kernels and Hugging Face's ``DataCollatorWithFlattening``). With
+``context_parallel_size > 1`` it pads each document to a multiple of ``2 × context_parallel_size`` instead
+(:mod:`lightning_d9d.context_parallel`), so a row splits evenly over the CP ranks document by document;
+``cu_seqlens_padded`` holds the padded spans.
 
 Samples that carry their own ``labels`` (fine-tuning data with loss masks, ``-100`` where not trained) keep them:
 the collators only add the ``-100`` of padding and of each sample's first token.
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 
 from lightning_d9d.checks import positive_int
+from lightning_d9d.context_parallel import flatten_for_cp
 from lightning_d9d.device.pin import pin_batch
 from lightning_d9d.tokens import IGNORE_INDEX
 
@@ -96,8 +100,13 @@ class FlatBatch:
         labels: ``int64 [1, T]`` the input ids, ``-100`` at each document's first token (the model shifts).
         position_ids: ``int64 [1, T]`` positions restarting at 0 for each document.
         cu_seqlens: ``int32 [D + 1]`` cumulative document lengths with a leading 0.
-        max_seqlen: the longest document's length.
+        max_seqlen: the longest document's length (with context parallelism: its padded length).
         step_label_tokens: next-token targets of the whole optimizer step over all ranks (see ``TextBatch``).
+        cu_seqlens_padded: ``int32 [D + 1]`` cumulative *padded* document lengths: document ``i`` spans
+            ``cu_seqlens_padded[i]`` to ``cu_seqlens_padded[i + 1]``. Equal to ``cu_seqlens`` unless the row is laid
+            out for context parallelism (``FlatteningCollator(context_parallel_size > 1)``: every document padded
+            to a multiple of ``2 × context_parallel_size``, its padding labelled ``-100``, its positions
+            continuing through it). ``None`` given: set to ``cu_seqlens``.
     """
 
     input_ids: torch.Tensor
@@ -106,6 +115,11 @@ class FlatBatch:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     step_label_tokens: int | None = None
+    cu_seqlens_padded: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens_padded is None:
+            self.cu_seqlens_padded = self.cu_seqlens.clone()
 
     def pin_memory(self) -> FlatBatch:
         """Pinned copy (see ``TextBatch.pin_memory``)."""
@@ -113,8 +127,8 @@ class FlatBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the row (all real)."""
-        return int(self.input_ids.numel())
+        """Real tokens in the row (all of it, unless padded for context parallelism)."""
+        return int(self.cu_seqlens[-1])
 
     @property
     def num_documents(self) -> int:
@@ -126,10 +140,11 @@ class FlatBatch:
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
     def flash_attention_kwargs(self) -> dict[str, Any]:
-        """The varlen keyword arguments Hugging Face models accept beside ``position_ids``."""
+        """The varlen keyword arguments Hugging Face models accept beside ``position_ids`` (for the whole row: each
+        document's span includes its context-parallel padding, which is causal-masked and carries no labels)."""
         return {
-            "cu_seq_lens_q": self.cu_seqlens,
-            "cu_seq_lens_k": self.cu_seqlens,
+            "cu_seq_lens_q": self.cu_seqlens_padded,
+            "cu_seq_lens_k": self.cu_seqlens_padded,
             "max_length_q": self.max_seqlen,
             "max_length_k": self.max_seqlen,
         }
@@ -214,12 +229,30 @@ class FlatteningCollator:
     """Concatenate a list of ``{"input_ids": 1-D ints}`` samples into one padding-free :class:`FlatBatch` row.
 
     Picklable (a plain dataclass), so it runs in DataLoader worker processes. Pair it with token budgets and
-    ``padding_free=True``, so that each row holds at most ``microbatch_tokens`` tokens.
+    ``padding_free=True``, so that each row holds at most ``microbatch_tokens`` tokens (with context parallelism,
+    padded tokens: the planner reads ``context_parallel_size`` from this collator).
+
+    Args:
+        context_parallel_size: 1 (default): the documents back to back. ``cp > 1``: each document padded to a
+            multiple of ``2·cp`` (:func:`lightning_d9d.context_parallel.flatten_for_cp`), so that
+            :func:`~lightning_d9d.context_parallel.cp_shard_batch` splits every document evenly over the CP ranks;
+            ``cu_seqlens_padded`` gives the padded spans.
+        pad_token_id: the id at context-parallel padding (masked out of the loss, so any valid id works).
+
+    Raises:
+        ValueError: a ``context_parallel_size`` that is not a positive integer.
     """
 
     flattens: ClassVar[bool] = True  # one row of concatenated samples: token budgets count the sum of lengths
+    context_parallel_size: int = 1
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        positive_int("context_parallel_size", self.context_parallel_size)
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> FlatBatch:
+        if self.context_parallel_size > 1:
+            return self._laid_out_for_cp(samples)
         sequences, lengths = _sequences(samples)
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         total = int(cu_seqlens[-1])
@@ -236,4 +269,18 @@ class FlatteningCollator:
             cu_seqlens=torch.from_numpy(cu_seqlens),
             max_seqlen=int(lengths.max(initial=0)),
             step_label_tokens=_label_tokens(masked, lengths),
+        )
+
+    def _laid_out_for_cp(self, samples: Sequence[dict[str, Any]]) -> FlatBatch:
+        sequences, lengths = _sequences(samples)
+        masked = _sample_labels(samples)
+        row = flatten_for_cp(sequences, self.context_parallel_size, masked, self.pad_token_id)
+        return FlatBatch(
+            input_ids=torch.from_numpy(row.input_ids)[None],
+            labels=torch.from_numpy(row.labels)[None],
+            position_ids=torch.from_numpy(row.position_ids)[None],
+            cu_seqlens=torch.from_numpy(row.cu_seqlens),
+            max_seqlen=row.max_seqlen,
+            step_label_tokens=_label_tokens(masked, lengths),
+            cu_seqlens_padded=torch.from_numpy(row.cu_seqlens_padded),
         )

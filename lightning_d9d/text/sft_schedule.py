@@ -36,8 +36,8 @@ class LabelCountSchedule:
     def steps_in_epoch(self, epoch: int) -> int:
         return self.schedule.steps_in_epoch(epoch)
 
-    def rank_microbatches(self, epoch: int, step: int, world_size: int, rank: int) -> list[np.ndarray]:
-        return self.schedule.rank_microbatches(epoch, step, world_size, rank)
+    def rank_microbatches(self, epoch: int, step: int, dp_size: int, dp_rank: int) -> list[np.ndarray]:
+        return self.schedule.rank_microbatches(epoch, step, dp_size, dp_rank)
 
     def step_label_tokens(self, epoch: int, step: int) -> int:
         """Trained targets of the step over all ranks."""

@@ -246,7 +246,7 @@ def test_restart_epoch_option_accepts_another_order() -> None:
     [
         ({"global_batch_size": 0}, "global_batch_size must be a positive integer, got 0"),
         ({"microbatch_size": -1}, "microbatch_size must be a positive integer, got -1"),
-        ({"global_batch_size": 18}, "global_batch_size=18 is not divisible by world_size × microbatch_size = 1 × 4"),
+        ({"global_batch_size": 18}, "global_batch_size=18 is not divisible by data-parallel size × microbatch_size"),
         ({"sort_buffer_size": 8}, "sort_buffer_size=8 is smaller than global_batch_size=16"),
         ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
         (
@@ -333,7 +333,7 @@ def test_bad_data_gives_one_clear_error_at_setup(options: dict, error: type, mes
 def test_global_batch_not_divisible_by_simulated_world_size() -> None:
     dm = make_dm(global_batch_size=16, microbatch_size=4)
     dm.setup("fit")
-    with pytest.raises(ValueError, match=r"world_size × microbatch_size = 3 × 4 = 12"):
+    with pytest.raises(ValueError, match=r"data-parallel size × microbatch_size = 3 × 4 = 12"):
         dm.train_dataloader_for_rank(0, 3)
 
 

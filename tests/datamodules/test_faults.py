@@ -131,7 +131,7 @@ def test_a_dataset_that_raises_stop_iteration_fails_the_fit_instead_of_ending_th
     dm = make_dm(FailingDataset(SIZE, bad=37, error=StopIteration()), num_workers=num_workers)
     with pytest.raises(
         Exception,
-        match=r"dataset\[37\] of microbatch \[.*37.*\] \(epoch 0, step \d+, rank 0\) "
+        match=r"dataset\[37\] of microbatch \[.*37.*\] \(epoch 0, step \d+, dp rank 0\) "
         r"failed: StopIteration",
     ):
         trainer_for(tmp_path).fit(RecordingModule(str(tmp_path)), datamodule=dm)
@@ -143,7 +143,7 @@ def test_a_failing_sample_names_its_index_microbatch_and_place(num_workers: int)
     dm.setup("fit")
     with pytest.raises(
         Exception,
-        match=r"dataset\[11\] of microbatch \[.*\] \(epoch 0, step \d+, rank 0\) failed: "
+        match=r"dataset\[11\] of microbatch \[.*\] \(epoch 0, step \d+, dp rank 0\) failed: "
         r"KeyError: .missing field 'tokens'.",
     ) as caught:
         list(dm.train_dataloader())
@@ -169,7 +169,7 @@ def test_a_failing_collate_fn_names_the_microbatch_and_place(num_workers: int) -
     dm.setup("fit")
     with pytest.raises(
         Exception,
-        match=r"collate_fn failed on microbatch \[.*\b5\b.*\] \(epoch 0, step \d+, rank 0\): "
+        match=r"collate_fn failed on microbatch \[.*\b5\b.*\] \(epoch 0, step \d+, dp rank 0\): "
         r"ValueError: cannot stack ragged rows",
     ) as caught:
         list(dm.train_dataloader())

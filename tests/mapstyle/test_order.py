@@ -165,7 +165,7 @@ def test_snake_dealing_balances_ascending_microbatches() -> None:
 @pytest.mark.parametrize(
     ("global_batch", "world", "microbatch", "message"),
     [
-        (10, 4, 1, "global_batch_size=10 is not divisible by world_size × microbatch_size = 4 × 1 = 4"),
+        (10, 4, 1, "global_batch_size=10 is not divisible by data-parallel size × microbatch_size = 4 × 1 = 4"),
         (0, 1, 1, "global_batch_size must be a positive integer, got 0"),
         (8, 1, -2, "microbatch_size must be a positive integer, got -2"),
     ],

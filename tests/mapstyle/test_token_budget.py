@@ -294,10 +294,10 @@ def test_collators_that_contradict_the_padding_mode_are_refused() -> None:
         D9DDataModule(LengthDataset(50), FlatteningCollator(), global_batch_tokens=512, microbatch_tokens=256)
 
 
-def test_steps_that_do_not_divide_among_ranks_name_the_world_size() -> None:
+def test_steps_that_do_not_divide_among_replicas_name_the_dp_size() -> None:
     dm = token_dm(LengthDataset(400), global_batch_tokens=3 * BUDGET)
     dm.setup("fit")
-    with pytest.raises(ValueError, match=r"3 microbatches per step do not divide among world_size=2 ranks"):
+    with pytest.raises(ValueError, match=r"3 microbatches per step do not divide among dp_size=2 data-parallel"):
         dm.train_dataloader_for_rank(0, 2)
 
 

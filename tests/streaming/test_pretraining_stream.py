@@ -495,7 +495,7 @@ def test_sizes_must_be_positive(corpus: dict, name: str, value: int) -> None:
         ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
         (
             {"global_batch_size": 6, "microbatch_size": 4},
-            "global_batch_size=6 is not divisible by world_size × microbatch_size = 1 × 4",
+            "global_batch_size=6 is not divisible by data-parallel size × microbatch_size = 1 × 4",
         ),
         ({"seed": -1}, "seed must be an integer >= 0, got -1"),
         ({"on_order_mismatch": "skip"}, r"on_order_mismatch must be one of \['raise', 'restart_epoch'\]"),

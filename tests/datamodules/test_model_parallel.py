@@ -1,0 +1,230 @@
+"""Data dealt by data-parallel rank under Lightning's ModelParallelStrategy (real processes, CPU/gloo).
+
+One 2-process launch runs every fit in turn (Lightning re-runs the script per rank; its start-up is paid once):
+D9DDataModule on 1×2 (data × tensor parallel), 2×1 and plain DDP, resumed across 1×2 → 2×1 and 2×1 → 1×2;
+TextDataModule with padding-free token budgets laid out for context parallelism on 1×2 and 2×1, resumed
+1×2 → 2×1; a DataModule that deals by process under TP (the peer check must stop it at step 0); and a mesh dim
+that does not exist. A 4-process launch runs 2×2. Every microbatch of every process is recorded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from support import LengthDataset, digest, fit_in_processes, make_texts, pad_collate, read_records, train_tokenizer
+
+from lightning_d9d import D9DDataModule, TextDataModule
+
+G, M_SIZE, SIZE, VAL_SIZE = 8, 2, 48, 13  # D9D: 6 steps of 8 samples, microbatches of 2
+D9D = {"size": SIZE, "val_size": VAL_SIZE, "global_batch_size": G, "microbatch_size": M_SIZE, "sort_buffer_size": 16}
+TEXT_BUDGET = {"global_batch_tokens": 512, "microbatch_tokens": 128}  # P = 4 microbatches a step
+LAYOUTS = {"d_tp": (1, 2), "d_dp": (2, 1), "d_ddp": (2, 1), "d_tp_to_dp": (2, 1), "d_dp_to_tp": (1, 2)}
+LAYOUTS |= {"t_tp": (1, 2), "t_dp": (2, 1), "t_tp_to_dp": (2, 1), "d_2x2": (2, 2)}
+
+
+@pytest.fixture(scope="module")
+def text_options(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("mp_text")
+    texts = make_texts(240, seed=5)
+    (root / "data").mkdir()
+    pq.write_table(pa.table({"text": texts[:200]}), root / "data" / "train.parquet")
+    pq.write_table(pa.table({"text": texts[200:]}), root / "data" / "validation.parquet")
+    train_tokenizer(texts, root / "tokenizer.json", kind="bpe")
+    return {
+        "dataset": str(root / "data"),
+        "tokenizer": str(root / "tokenizer.json"),
+        "val_split": "validation",
+        "max_length": 32,
+        "sort_buffer_size": 64,
+        "num_workers": 0,
+        "cache_dir": str(root / "hf_cache"),
+        "padding_free": True,
+        "context_parallel_size": 2,
+        **TEXT_BUDGET,
+    }
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("mp2")
+    ckpt = {name: str(root / f"ckpt_{name}") for name in ("d_tp", "d_dp", "t_tp")}
+    text = {"data": "text", "options": text_options}
+    runs = [
+        {"name": "d_tp", "strategy": [1, 2], "every_n_train_steps": 3, "ckpt_dir": ckpt["d_tp"],
+         "options": {"verify_peers": 2}},
+        {"name": "d_dp", "strategy": [2, 1], "every_n_train_steps": 3, "ckpt_dir": ckpt["d_dp"]},
+        {"name": "d_ddp", "strategy": "ddp"},
+        {"name": "d_tp_to_dp", "strategy": [2, 1], "ckpt_path": f"{ckpt['d_tp']}/epoch=0-step=3.ckpt"},
+        {"name": "d_dp_to_tp", "strategy": [1, 2], "ckpt_path": f"{ckpt['d_dp']}/epoch=0-step=3.ckpt"},
+        {"name": "t_tp", "strategy": [1, 2], "every_n_train_steps": 2, "ckpt_dir": ckpt["t_tp"], **text},
+        {"name": "t_dp", "strategy": [2, 1], **text},
+        {"name": "t_tp_to_dp", "strategy": [2, 1], "ckpt_path": f"{ckpt['t_tp']}/epoch=0-step=2.ckpt", **text},
+        {"name": "broken", "data": "d9d_by_process", "strategy": [1, 2], "options": {**D9D, "verify_peers": 1},
+         "expect_error": "optimizer step 0"},
+        {"name": "bad_dims", "strategy": [1, 2], "options": {"data_parallel": ["dp_shard"]},
+         "expect_error": "the device mesh has no dim 'dp_shard'"},
+    ]  # fmt: skip
+    config = {"data": "d9d", "options": D9D, "record_dir": str(root / "records"), "devices": 2}
+    fit_in_processes({**config, "runs": [{"max_epochs": 1, **run} for run in runs]}, timeout=400)
+    return {"root": root, "records": root / "records"}
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mp4")
+    config = {"data": "d9d", "options": {**D9D, "verify_peers": 1}, "record_dir": str(root), "devices": 4}
+    fit_in_processes({**config, "runs": [{"name": "d_2x2", "strategy": [2, 2], "max_epochs": 1}]}, timeout=400)
+    return root
+
+
+# ------------------------------------------------------------------------------------------------ references
+@pytest.fixture(scope="module")
+def d9d_steps() -> dict[int, list[int]]:
+    """Step -> sorted sample ids of its global batch, from one replica without a Trainer."""
+    dm = D9DDataModule(
+        LengthDataset(SIZE), pad_collate, global_batch_size=G, microbatch_size=M_SIZE, sort_buffer_size=16
+    )
+    dm.setup("fit")
+    steps: dict[int, list[int]] = defaultdict(list)
+    for number, batch in enumerate(dm.train_dataloader_for_rank(0, 1)):
+        steps[number // (G // M_SIZE)] += batch["ids"].tolist()
+    return {step: sorted(ids) for step, ids in steps.items()}
+
+
+@pytest.fixture(scope="module")
+def text_steps(text_options: dict) -> dict[int, list[str]]:
+    """Step -> sorted digests of its microbatches, from one replica without a Trainer."""
+    dm = TextDataModule(**text_options)
+    dm.prepare_data()
+    dm.setup("fit")
+    steps: dict[int, list[str]] = defaultdict(list)
+    per_step = TEXT_BUDGET["global_batch_tokens"] // TEXT_BUDGET["microbatch_tokens"]
+    for number, batch in enumerate(dm.train_dataloader_for_rank(0, 1)):
+        steps[number // per_step].append(digest(batch))
+    return {step: sorted(digests) for step, digests in steps.items()}
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def by_process(records: list[dict]) -> dict[tuple, dict[int, list[tuple]]]:
+    """(epoch, step, dp_rank) -> process -> its microbatches (batch_idx, digest) in order."""
+    grouped: dict[tuple, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    for r in sorted(records, key=lambda r: (r["rank"], r["epoch"], r["step"], r["batch_idx"])):
+        grouped[(r["epoch"], r["step"], r["dp_rank"])][r["rank"]].append((r["batch_idx"], r["digest"]))
+    return grouped
+
+
+def one_per_replica(records: list[dict]) -> list[dict]:
+    """The records of the lowest process of every data-parallel rank (its peers trained the same)."""
+    first = {}
+    for r in records:
+        first[r["dp_rank"]] = min(first.get(r["dp_rank"], r["rank"]), r["rank"])
+    return [r for r in records if r["rank"] == first[r["dp_rank"]]]
+
+
+def union_per_step(records: list[dict], key: str) -> dict[int, list]:
+    steps: dict[int, list] = defaultdict(list)
+    for r in one_per_replica(records):
+        steps[r["step"]] += r[key] if key == "ids" else [r[key]]
+    return {step: sorted(values) for step, values in steps.items()}
+
+
+def assert_layout(records: list[dict], dp: int, tp: int, microbatches: int) -> None:
+    """Peers identical in the same order, replicas disjoint, M microbatches per process per step."""
+    assert {r["rank"] for r in records} == set(range(dp * tp))
+    assert {r["rank"]: r["dp_rank"] for r in records} == {rank: rank // tp for rank in range(dp * tp)}
+    for where, processes in by_process(records).items():
+        sequences = list(processes.values())
+        assert len(processes) == tp and all(s == sequences[0] for s in sequences), f"peers differ at {where}"
+        assert len(sequences[0]) == microbatches, f"{len(sequences[0])} microbatches at {where}, not M={microbatches}"
+    assert {r["accumulate"] for r in records if r["kind"] == "train"} == {microbatches}
+    for step in {r["step"] for r in records}:
+        replicas = [[r["digest"] for r in records if r["step"] == step and r["dp_rank"] == d] for d in range(dp)]
+        assert all(not set(a) & set(b) for i, a in enumerate(replicas) for b in replicas[i + 1 :]), step
+
+
+# ------------------------------------------------------------------------------------------------ tests
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["d_tp", "d_dp", "d_ddp"])
+def test_d9d_peers_share_replicas_split_and_every_layout_trains_the_same_global_batches(
+    two_processes: dict, d9d_steps: dict, run: str
+) -> None:
+    dp, tp = LAYOUTS[run]
+    records = read_records(two_processes["records"], run=run)
+    assert_layout(records, dp, tp, G // (dp * M_SIZE))
+    assert union_per_step(records, "ids") == d9d_steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["d_tp", "d_dp", "d_ddp"])
+def test_validation_is_split_among_replicas_and_identical_on_peers(two_processes: dict, run: str) -> None:
+    dp, tp = LAYOUTS[run]
+    val = read_records(two_processes["records"], "val", run=run)
+    for where, processes in by_process(val).items():
+        assert len(processes) == tp and len({tuple(s) for s in processes.values()}) == 1, where
+    assert sorted(i for r in one_per_replica(val) for i in r["ids"]) == list(range(VAL_SIZE))
+    assert {r["dp_rank"] for r in val} == set(range(dp))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("run", "source"), [("d_tp_to_dp", "d_tp"), ("d_dp_to_tp", "d_dp")])
+def test_resume_across_a_layout_change_continues_the_same_global_batches(
+    two_processes: dict, d9d_steps: dict, run: str, source: str
+) -> None:
+    before = [r for r in read_records(two_processes["records"], run=source) if r["step"] < 3]
+    resumed = read_records(two_processes["records"], run=run)
+    assert min(r["step"] for r in resumed) == 3
+    dp, tp = LAYOUTS[run]
+    assert_layout(resumed, dp, tp, G // (dp * M_SIZE))
+    combined = union_per_step(before, "ids") | union_per_step(resumed, "ids")
+    assert combined == d9d_steps
+
+
+@pytest.mark.slow
+def test_text_token_budgets_under_tensor_parallelism_resume_on_another_layout(
+    two_processes: dict, text_steps: dict
+) -> None:
+    per_step = TEXT_BUDGET["global_batch_tokens"] // TEXT_BUDGET["microbatch_tokens"]
+    for run in ("t_tp", "t_dp"):
+        dp, tp = LAYOUTS[run]
+        records = read_records(two_processes["records"], run=run)
+        assert_layout(records, dp, tp, per_step // dp)
+        assert union_per_step(records, "digest") == text_steps
+    before = [r for r in read_records(two_processes["records"], run="t_tp") if r["step"] < 2]
+    resumed = read_records(two_processes["records"], run="t_tp_to_dp")
+    assert_layout(resumed, 2, 1, per_step // 2)
+    assert union_per_step(before, "digest") | union_per_step(resumed, "digest") == text_steps
+    for run in ("t_tp", "t_dp"):
+        dp, tp = LAYOUTS[run]
+        val = by_process(read_records(two_processes["records"], "val", run=run))
+        assert {where[2] for where in val} == set(range(dp)), "validation split among replicas"
+        for where, processes in val.items():
+            assert len(processes) == tp and len({tuple(s) for s in processes.values()}) == 1, where
+
+
+@pytest.mark.slow
+def test_the_peer_check_stops_data_dealt_by_process_under_tensor_parallelism(two_processes: dict) -> None:
+    for rank in (0, 1):
+        errors = (two_processes["records"] / f"errors-rank{rank}.txt").read_text()
+        assert (
+            "broken: PeerMismatchError: optimizer step 0: processes of one data-parallel replica trained "
+            "different microbatches (data-parallel rank 0: processes [0] vs [1])"
+        ) in errors
+        assert "bad_dims: ValueError: the device mesh has no dim 'dp_shard'; its dims are ['data_parallel', " in errors
+    broken = read_records(two_processes["records"], run="broken")
+    assert {r["step"] for r in broken} == {0}, "stopped at the end of the first step"
+
+
+@pytest.mark.slow
+def test_two_by_two_peers_share_and_replicas_split(four_processes: Path, d9d_steps: dict) -> None:
+    records = read_records(four_processes, run="d_2x2")
+    assert_layout(records, 2, 2, G // (2 * M_SIZE))
+    assert union_per_step(records, "ids") == d9d_steps
+    val = read_records(four_processes, "val", run="d_2x2")
+    assert sorted(i for r in one_per_replica(val) for i in r["ids"]) == list(range(VAL_SIZE))
+    for where, processes in by_process(val).items():
+        assert len({tuple(s) for s in processes.values()}) == 1, where
