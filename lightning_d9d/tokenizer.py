@@ -1,9 +1,11 @@
 """The tokenizer every DataModule reads: one loader with one error text, one choice of the padding id.
 
 ``read_tokenizer`` opens a ``tokenizers`` JSON file (``tokenizer.json``) or passes a ``Tokenizer`` through, and
-names the file and how to make one when it is missing or unreadable. ``tokenizer_from_json`` rebuilds a
-tokenizer from its serialized text once per process: the streaming workers receive the text (a few MB that
-pickles with the stream's spec) rather than a path that might change under a running job.
+names the file and how to make one when it is missing or unreadable. ``load_tokenizer`` is the cached copy the
+tokenizing code uses (keyed by the file's content digest, ``tokenizer_digest``, so an edited file is read again;
+padding off, truncation only when asked). ``tokenizer_from_json`` rebuilds a tokenizer from its serialized text
+once per process: the streaming workers receive the text (a few MB that pickles with the stream's spec) rather
+than a path that might change under a running job.
 
 ``pad_token_id`` picks the id written at padding positions, in this order: the tokenizer's own padding
 setting, the first of ``PAD_TOKEN_CANDIDATES`` it knows, else the fallback ``0`` (``1`` when 0 is the id to
@@ -16,10 +18,13 @@ and unpadded); callers that want truncation enable it on their copy.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
 from tokenizers import Tokenizer
+
+from lightning_d9d.digest import file_digest
 
 PAD_TOKEN_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|endoftext|>", "</s>", "<eos>")
 """Usual pad tokens, tried in this order when the tokenizer has no padding setting."""
@@ -62,6 +67,35 @@ def read_tokenizer(source: str | os.PathLike | Tokenizer) -> Tokenizer:
     except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
         message = f"tokenizer={path!r} is not a valid tokenizers JSON file ({error}): {_HOW_TO_MAKE_ONE}"
         raise ValueError(message) from error
+
+
+def tokenizer_digest(path: str | os.PathLike) -> str:
+    """The content digest of a tokenizer file: what identifies it in fingerprints and caches."""
+    return file_digest(os.path.expanduser(os.fspath(path)))
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(path: str, digest: str, max_length: int | None = None) -> Tokenizer:
+    """The tokenizer at ``path``, cached per process, with padding off and truncation at ``max_length`` (none
+    when ``None``; truncation keeps the post-processor's special tokens within the limit).
+
+    Args:
+        path: a ``tokenizer.json`` path.
+        digest: its ``tokenizer_digest``: it keys the cache, so an edited file is read again (a caller hashes the
+            file once, not on every call of a tokenizing worker).
+        max_length: the longest encoding, or ``None``.
+
+    Raises:
+        TokenizerFileNotFoundError: the path is not a file.
+        ValueError: the file is not a tokenizers JSON file.
+    """
+    tokenizer = read_tokenizer(path)
+    tokenizer.no_padding()  # a tokenizer.json saved with padding on would pad every document to one length
+    if max_length is None:
+        tokenizer.no_truncation()
+    else:
+        tokenizer.enable_truncation(max_length)
+    return tokenizer
 
 
 def tokenizer_from_json(tokenizer_json: str) -> Tokenizer:

@@ -38,8 +38,8 @@ from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
 from lightning_d9d.text.finetune import FineTuningOptions, FineTuningState
 from lightning_d9d.text.formats import Columns
 from lightning_d9d.text.sft_schedule import FineTuningFingerprint, LabelCountSchedule
-from lightning_d9d.text.tokenize import check_local_path, file_sha256, load_tokenizer, tokenized_split
-from lightning_d9d.tokenizer import check_tokenizer_file, pad_token_id, read_tokenizer
+from lightning_d9d.text.tokenize import check_local_path, tokenized_split
+from lightning_d9d.tokenizer import check_tokenizer_file, load_tokenizer, pad_token_id, read_tokenizer, tokenizer_digest
 from lightning_d9d.topology import DataParallelSetting
 
 
@@ -202,7 +202,7 @@ class TextDataModule(D9DDataModule):
     def vocab_size(self) -> int:
         """The tokenizer's vocabulary size, special tokens included (builds the demo corpus if selected)."""
         path = self.resolved_paths()[1]
-        tokenizer = load_tokenizer(path, file_sha256(path), self.max_length)
+        tokenizer = load_tokenizer(path, tokenizer_digest(path), self.max_length)
         return int(tokenizer.get_vocab_size(with_added_tokens=True))
 
     @property

@@ -23,13 +23,14 @@ global batch would multiply padding.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from lightning_d9d.digest import digest
 
 # Feistel rounds: 4 rounds of a strong mixing function make a well-shuffled permutation; more buys nothing.
 _FEISTEL_ROUNDS = 4
@@ -209,7 +210,7 @@ def keys_digest(lookup: KeyLookup | None, num_samples: int, samples: int = 64) -
     if lookup is None:
         return "unsorted"
     indices = np.unique(np.linspace(0, num_samples - 1, num=min(samples, num_samples)).astype(np.int64))
-    return hashlib.sha256(repr(lookup(indices).tolist()).encode()).hexdigest()[:16]
+    return digest(repr(lookup(indices).tolist()))
 
 
 def check_sort_buffer_size(sort_buffer_size: int, global_batch_size: int) -> None:

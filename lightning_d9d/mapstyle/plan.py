@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +58,7 @@ import numpy as np
 
 from lightning_d9d.checks import positive_int, token_step_microbatches
 from lightning_d9d.context_parallel import cp_multiple
+from lightning_d9d.digest import digest
 from lightning_d9d.mapstyle.order import KeyLookup, SeededPermutation
 from lightning_d9d.mapstyle.shard import snake_owner
 
@@ -223,10 +223,8 @@ def check_lengths_fit(lengths: np.ndarray, budget: TokenBudget, what: str = "tra
 
 
 def lengths_digest(lengths: np.ndarray) -> str:
-    """SHA-256 (16 hex digits) of every length: the plan depends on all of them, so the fingerprint does too."""
-    return hashlib.sha256(
-        np.ascontiguousarray(lengths, dtype="<i8" if lengths.dtype.itemsize > 4 else "<i4")
-    ).hexdigest()[:16]
+    """The digest of every length: the plan depends on all of them, so the fingerprint does too."""
+    return digest(np.ascontiguousarray(lengths, dtype="<i8" if lengths.dtype.itemsize > 4 else "<i4").tobytes())
 
 
 # ---------------------------------------------------------------------------------------------- packers

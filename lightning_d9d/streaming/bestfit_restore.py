@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_d9d.streaming.packing import prefix_hash
-from lightning_d9d.streaming.tokenize import encode_documents, load_tokenizer
+from lightning_d9d.streaming.tokenize import encode_documents
+from lightning_d9d.tokenizer import tokenizer_from_json
 
 if TYPE_CHECKING:
     from lightning_d9d.streaming.spec import StreamSpec
@@ -145,7 +146,7 @@ class _PrefixFetch:
         if not self.uses[key]:
             del self.texts[key]
         if length <= self.spec.capacity:
-            return self._with_bos(encode_documents(load_tokenizer(self.spec.tokenizer_json), [text])[0].ids)
+            return self._with_bos(encode_documents(tokenizer_from_json(self.spec.tokenizer_json), [text])[0].ids)
         return self._long_prefix(group, index, text, length, int(row[6]))
 
     def _prefix_chars(self, text: str, length: int) -> int:
@@ -161,7 +162,7 @@ class _PrefixFetch:
 
     def _long_prefix(self, group: int, row: int, text: str, length: int, checksum: int) -> np.ndarray:
         """The first row's tokens of a long document, tokenizing only a prefix of its text."""
-        tokenizer, capacity = load_tokenizer(self.spec.tokenizer_json), self.spec.capacity
+        tokenizer, capacity = tokenizer_from_json(self.spec.tokenizer_json), self.spec.capacity
         cut = self._prefix_chars(text, length)
         full = None
         while True:
@@ -229,7 +230,7 @@ class _SplitFetch:
         return tokens
 
     def _with_bos(self, text: str) -> np.ndarray:
-        ids = encode_documents(load_tokenizer(self.spec.tokenizer_json), [text])[0].ids
+        ids = encode_documents(tokenizer_from_json(self.spec.tokenizer_json), [text])[0].ids
         tokens = np.empty(len(ids) + 1, np.int32)
         tokens[0] = self.spec.bos_id
         tokens[1:] = ids

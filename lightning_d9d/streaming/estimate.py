@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lightning_d9d.streaming.bestfit import BestFitPacker
-from lightning_d9d.streaming.tokenize import encode_documents, load_tokenizer
+from lightning_d9d.streaming.tokenize import encode_documents
+from lightning_d9d.tokenizer import tokenizer_from_json
 
 if TYPE_CHECKING:
     from lightning_d9d.streaming.source import RowGroupIndex
@@ -59,7 +60,7 @@ def estimate_pass(
         sample_chars: characters of text in the sample, about: a row group gives rows until its share
             (``sample_chars / sample_groups``) is reached, and the sample ends once it holds this many.
     """
-    index, tokenizer = spec.index, load_tokenizer(spec.tokenizer_json)
+    index, tokenizer = spec.index, tokenizer_from_json(spec.tokenizer_json)
     candidates = np.flatnonzero(~index.text_free) if index.text_free.size else np.arange(len(index))
     if len(candidates) == 0:
         return 0.0, 0.0

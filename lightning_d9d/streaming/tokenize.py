@@ -40,7 +40,7 @@ from tokenizers import Tokenizer
 
 from lightning_d9d.epoch_iterator import close_at_exit
 from lightning_d9d.streaming.reader import TextChunk
-from lightning_d9d.tokenizer import tokenizer_from_json as load_tokenizer  # estimate, bestfit_restore use this name
+from lightning_d9d.tokenizer import tokenizer_from_json
 
 T = TypeVar("T")
 
@@ -177,7 +177,7 @@ def tokenized(
     Raises:
         whatever reading, tokenizing or laying out raised, in the consumer, at the chunk where it happened.
     """
-    encode = _Encode(load_tokenizer(tokenizer_json), lay_out)
+    encode = _Encode(tokenizer_from_json(tokenizer_json), lay_out)
     if prefetch <= 0:
         return InlineTokenizing(chunks, encode)
     return PrefetchedTokenizing(chunks, encode, prefetch, name, lookahead)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from lightning_d9d.digest import digest
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -63,9 +64,8 @@ class ChatTemplate:
 
     @property
     def digest(self) -> str:
-        """SHA-256 of the template and its special tokens (what decides the rendered text)."""
-        payload = json.dumps([self.source, list(self.special_tokens)], ensure_ascii=False)
-        return hashlib.sha256(payload.encode()).hexdigest()
+        """The digest of the template and its special tokens (what decides the rendered text)."""
+        return digest(json.dumps([self.source, list(self.special_tokens)], ensure_ascii=False))
 
     def special(self, name: str) -> str | None:
         return dict(self.special_tokens).get(name)

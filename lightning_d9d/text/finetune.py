@@ -30,11 +30,11 @@ from lightning_d9d.text.sft_tokenize import (
     SFTRecipe,
     SFTSplit,
     completion_eos_token,
-    load_sft_tokenizer,
     resolve_loss_on,
     sft_tokenized_split,
 )
-from lightning_d9d.text.tokenize import _load_raw_split, file_sha256
+from lightning_d9d.text.tokenize import _load_raw_split
+from lightning_d9d.tokenizer import load_tokenizer, tokenizer_digest
 
 LOSS_ON = ("all", "completion", "assistant", "last_assistant")
 DEMO_CHAT_TEMPLATE = (
@@ -138,9 +138,9 @@ class FineTuningOptions:
             return None, None
         if len(raw) == 0:
             raise ValueError(f"dataset {name!r} split {split!r} is empty")
-        digest = file_sha256(tokenizer_path)
+        digest = tokenizer_digest(tokenizer_path)
         template = self.template(tokenizer_path)
-        tokenizer = load_sft_tokenizer(tokenizer_path, digest)
+        tokenizer = load_tokenizer(tokenizer_path, digest)
         strings = format == "prompt_completion" and _holds_strings(raw, self.columns.completion)
         recipe = SFTRecipe(
             format=format,

@@ -35,7 +35,6 @@ bytes each and makes the counts exact on every run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,6 +54,7 @@ from lightning_d9d.text.masks import (
     truncate,
 )
 from lightning_d9d.text.tokenize import cached_batched_map
+from lightning_d9d.tokenizer import load_tokenizer
 
 LossOn = Literal["all", "completion", "assistant", "last_assistant"]
 LOSS_ON_BY_FORMAT: dict[str, tuple[str, ...]] = {
@@ -338,20 +338,6 @@ def _turn_without_closing(after: str, start: int, message: dict[str, Any], contr
     return after[: end + len(after[end:]) - len(after[end:].lstrip())]
 
 
-@functools.lru_cache(maxsize=4)
-def load_sft_tokenizer(path: str, digest: str) -> Any:
-    """The tokenizer at ``path`` without padding or truncation (truncation is the recipe's own, counted)."""
-    from tokenizers import Tokenizer
-
-    try:
-        tokenizer = Tokenizer.from_file(path)
-    except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
-        raise ValueError(f"tokenizer file {path!r} is not a tokenizers JSON file ({error})") from error
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
-    return tokenizer
-
-
 def default_eos_token(
     tokenizer: Any, template: ChatTemplate | None, beside: dict[str, str] | None = None
 ) -> str | None:
@@ -419,7 +405,7 @@ class _TokenizeRows:
     tokenizer_digest: str
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        rows = RowTokenizer(self.recipe, load_sft_tokenizer(self.tokenizer_path, self.tokenizer_digest))
+        rows = RowTokenizer(self.recipe, load_tokenizer(self.tokenizer_path, self.tokenizer_digest))
         names = list(batch)
         out: dict[str, list[Any]] = {name: [] for name in _OUTPUT_COLUMNS}
         for position, index in enumerate(indices):

@@ -16,14 +16,12 @@ on long documents is the streaming path's job, where packing wastes nothing.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from lightning_d9d.child_processes import children_exit_with_parent
-from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
+from lightning_d9d.tokenizer import load_tokenizer, pad_token_id, read_tokenizer, tokenizer_digest
 
 # Bump when the tokenization recipe changes, so caches written by an older recipe are not reused.
 _TOKENIZE_RECIPE_VERSION = 1
@@ -124,12 +122,12 @@ def _tokenize_cached(
     """
     from datasets.fingerprint import Hasher
 
-    tokenizer_digest = file_sha256(tokenizer_path)
-    load_tokenizer(tokenizer_path, tokenizer_digest, max_length)  # a bad file fails here, before any map
-    tokenize = _TokenizeBatch(tokenizer_path, tokenizer_digest, text_column, max_length)
+    digest = tokenizer_digest(tokenizer_path)
+    load_tokenizer(tokenizer_path, digest, max_length)  # a bad file fails here, before any map
+    tokenize = _TokenizeBatch(tokenizer_path, digest, text_column, max_length)
     # datasets would fingerprint the function by pickling it, which sees the tokenizer's path but not its
     # content: an edited tokenizer.json would silently reuse stale token ids. Hash the content instead.
-    fingerprint = Hasher.hash([raw._fingerprint, tokenizer_digest, max_length, text_column, _TOKENIZE_RECIPE_VERSION])
+    fingerprint = Hasher.hash([raw._fingerprint, digest, max_length, text_column, _TOKENIZE_RECIPE_VERSION])
     return cached_batched_map(
         raw, tokenize, fingerprint, f"Tokenizing {Path(name).name or name} [{split}]", num_proc=num_proc
     )
@@ -184,27 +182,6 @@ class _TokenizeBatch:
         ids = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
         kept = [row for row in ids if len(row) >= MIN_TOKENS]
         return {"input_ids": kept, "token_counts": [len(row) for row in kept]}
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(path: str, digest: str, max_length: int) -> Any:
-    """The tokenizer at ``path``, cached per process; ``digest`` (its content hash) keys out edited files.
-
-    Raises:
-        ValueError: the file is not a tokenizer ``tokenizers`` can read (naming the file and its error).
-    """
-    tokenizer = read_tokenizer(path)
-    tokenizer.no_padding()  # a tokenizer.json saved with padding on would pad every document to one length
-    tokenizer.enable_truncation(max_length)  # keeps the post-processor's special tokens within max_length
-    return tokenizer
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:

@@ -71,8 +71,8 @@ def test_pieces_give_the_rows_of_one_call_and_bound_each_call(corpus: dict, monk
             calls.append(max(map(len, texts)))
             return real(self.tok, texts, **options)
 
-    loaded = tokenize.load_tokenizer
-    monkeypatch.setattr(tokenize, "load_tokenizer", lambda text: Spy(loaded(text)))
+    loaded = tokenize.tokenizer_from_json
+    monkeypatch.setattr(tokenize, "tokenizer_from_json", lambda text: Spy(loaded(text)))
     monkeypatch.setattr(tokenize, "LONG_DOCUMENT_CHARS", PIECE)
     pieced = blocks(TokenStream(s, 0), 120)
     np.testing.assert_array_equal(rows(pieced), rows(whole))

@@ -227,7 +227,7 @@ def test_resume_from_any_block_is_byte_identical(corpus: dict, packing: str) -> 
 def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
     """Record the texts of every ``encode_batch_fast`` call the token streams make from now on."""
     calls: list[list[str]] = []
-    real = tokenize.load_tokenizer
+    real = tokenize.tokenizer_from_json
 
     class Spy:
         def __init__(self, tok):
@@ -238,7 +238,7 @@ def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
             return self.tok.encode_batch_fast(texts, **options)
 
     for module in (tokenize, bestfit_restore):
-        monkeypatch.setattr(module, "load_tokenizer", lambda s: Spy(real(s)))
+        monkeypatch.setattr(module, "tokenizer_from_json", lambda s: Spy(real(s)))
     return calls
 
 

@@ -19,8 +19,13 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from lightning_d9d.text.chat_template import load_chat_template
 from lightning_d9d.text.formats import Columns
-from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe, load_sft_tokenizer
-from lightning_d9d.text.tokenize import file_sha256
+from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe
+from lightning_d9d.tokenizer import load_tokenizer, tokenizer_digest
+
+
+def loaded_tokenizer(path: str) -> Any:
+    return load_tokenizer(path, tokenizer_digest(path))
+
 
 transformers = pytest.importorskip("transformers")
 
@@ -348,7 +353,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def row_tokenizer(path: Path, loss_on: str = "assistant", max_length: int = 10_000, truncation="error", fmt="messages"):
     template = load_chat_template(None, str(path))
     recipe = SFTRecipe(fmt, loss_on, truncation, max_length, Columns(), template, None)
-    return RowTokenizer(recipe, load_sft_tokenizer(str(path), file_sha256(str(path))))
+    return RowTokenizer(recipe, loaded_tokenizer(str(path)))
 
 
 def hf_encode(name: str, path: Path, messages: list, **kwargs: Any) -> dict[str, Any]:
@@ -388,7 +393,7 @@ def content_and_end_of_turn_mask(name: str, path: Path, messages: list, offsets:
 
 
 def encode_rendered(path: Path, text: str) -> Any:
-    return load_sft_tokenizer(str(path), file_sha256(str(path))).encode(text, add_special_tokens=False)
+    return loaded_tokenizer(str(path)).encode(text, add_special_tokens=False)
 
 
 UNMARKED = ["llama3", "qwen25", "mistral", "llama2", "gemma", "phi3", "phi3_plain", "zephyr"]
@@ -415,7 +420,7 @@ def test_ids_equal_transformers_and_exactly_content_and_end_of_turn_are_trained(
     assert mask.tolist() == truth.tolist()
     assert np.array_equal(labels[mask], ids[mask])
     bos = FAMILIES[name][2].get("bos_token")
-    bos_id = load_sft_tokenizer(str(path), file_sha256(str(path))).token_to_id(bos) if bos else None
+    bos_id = loaded_tokenizer(str(path)).token_to_id(bos) if bos else None
     if name in POST_PROCESSOR_BOS:  # the template writes the BOS; the tokenizer's own is not added on top
         user_turns = sum(message["role"] == "user" for message in messages)
         assert (ids == bos_id).sum() == (user_turns if name == "llama2" else 1) and ids[0] == bos_id
@@ -434,7 +439,7 @@ def test_last_assistant_trains_the_last_turn_only(folders: dict, name: str) -> N
     # The last turn's tokens form the tail of the assistant mask: every trained token after the previous turn.
     gaps = np.flatnonzero(np.diff(all_trained) > 1)
     assert trained.tolist() == all_trained[gaps[-1] + 1 :].tolist()
-    text = load_sft_tokenizer(str(path), file_sha256(str(path))).decode(ids[trained].tolist(), skip_special_tokens=True)
+    text = loaded_tokenizer(str(path)).decode(ids[trained].tolist(), skip_special_tokens=True)
     assert text.strip() == "An immutable one."
 
 
@@ -460,7 +465,7 @@ def test_prompt_completion_messages_train_the_answer_and_its_end_of_turn(folders
     )
     expected = hf_encode("qwen25", path, prompt + completion)
     assert ids.tolist() == list(expected["input_ids"])
-    tokenizer = load_sft_tokenizer(str(path), file_sha256(str(path)))
+    tokenizer = loaded_tokenizer(str(path))
     assert tokenizer.decode(ids[labels != -100].tolist(), skip_special_tokens=False) == "An immutable one.<|im_end|>"
 
 
@@ -608,7 +613,7 @@ def test_the_datamodule_batches_carry_the_row_masks_and_exact_step_label_tokens(
         both = [batch for loader in loaders for batch in loader[step * per_rank : (step + 1) * per_rank]]
         counted = sum(int((batch.labels[:, 1:] != -100).sum()) for batch in both)
         assert {batch.step_label_tokens for batch in both} == {counted}
-    bos = load_sft_tokenizer(str(path), file_sha256(str(path))).token_to_id("<|begin_of_text|>")
+    bos = loaded_tokenizer(str(path)).token_to_id("<|begin_of_text|>")
     for ids, labels in seen:
         assert ids[0] == bos and ids.count(bos) == 1
         assert any(label != -100 for label in labels[1:])  # no sample without a trained target
@@ -629,7 +634,7 @@ def test_content_that_is_not_a_string_and_template_type_errors_name_the_row(fold
     messages = [{"role": "user", "content": "q", "weight": 1}, {"role": "assistant", "content": "a", "weight": 1}]
     path = folders["qwen25"]
     recipe = SFTRecipe("messages", "assistant", "error", 100, Columns(), load_chat_template(template, str(path)), None)
-    rows = RowTokenizer(recipe, load_sft_tokenizer(str(path), file_sha256(str(path))))
+    rows = RowTokenizer(recipe, loaded_tokenizer(str(path)))
     with pytest.raises(ValueError, match="row 5: the chat template failed: TypeError"):
         rows({"messages": messages}, 5)
 
@@ -661,14 +666,14 @@ def test_special_tokens_only_in_special_tokens_map_json_are_used(folders: dict, 
     assert (template.special("bos_token"), template.special("eos_token")) == ("<s>", "</s>")
     ids, labels, _ = row_tokenizer(tmp_path / "tokenizer.json")({"messages": CONVERSATIONS[1]}, 0)
     assert ids.tolist() == list(hf_encode("zephyr", folders["zephyr"], CONVERSATIONS[1])["input_ids"])
-    tokenizer = load_sft_tokenizer(str(tmp_path / "tokenizer.json"), file_sha256(str(tmp_path / "tokenizer.json")))
+    tokenizer = loaded_tokenizer(str(tmp_path / "tokenizer.json"))
     assert tokenizer.decode(ids[labels != -100].tolist(), skip_special_tokens=False).count("</s>") == 2
 
 
 @pytest.mark.parametrize(("name", "eos"), [("llama3", "<|eot_id|>"), ("mistral", "</s>"), ("qwen25", "<|im_end|>")])
 def test_prompt_completion_strings_train_the_completion_and_one_eos_after_one_bos(folders, name, eos) -> None:
     path = folders[name]
-    tokenizer = load_sft_tokenizer(str(path), file_sha256(str(path)))
+    tokenizer = loaded_tokenizer(str(path))
     recipe = SFTRecipe("prompt_completion", "completion", "error", 1_000, Columns(), None, eos)
     rows = RowTokenizer(recipe, tokenizer)
     for prompt, completion in [("Question: what is a list?\nAnswer:", " A mutable sequence."), ("Q: ünï ✓", " ")]:
@@ -713,7 +718,7 @@ def test_an_opening_assistant_turn_the_template_writes_differently_is_refused(fo
     )
     path = folders["qwen25"]
     recipe = SFTRecipe("messages", "assistant", "error", 1000, Columns(), load_chat_template(template, str(path)), None)
-    rows = RowTokenizer(recipe, load_sft_tokenizer(str(path), file_sha256(str(path))))
+    rows = RowTokenizer(recipe, loaded_tokenizer(str(path)))
     with pytest.raises(ValueError, match="row 2: the conversation opens with an assistant turn, and the chat template"):
         rows({"messages": ASSISTANT_FIRST}, 2)
     _, labels, _ = rows({"messages": ASSISTANT_FIRST[1:]}, 2)  # opening with the user, it is fine
@@ -739,7 +744,7 @@ def test_the_datamodule_reads_prompt_completion_message_lists(folders: dict, tmp
     dm.prepare_data()
     dm.setup("fit")
     assert dm.sft.recipes["split"].format == "prompt_completion" and dm.sft.recipes["split"].loss_on == "completion"
-    tokenizer = load_sft_tokenizer(str(path), file_sha256(str(path)))
+    tokenizer = loaded_tokenizer(str(path))
     for number, chat in enumerate(chats):
         sample = dm.train_dataset[number]
         assert sample["input_ids"].tolist() == list(hf_encode("qwen25", path, chat)["input_ids"])

@@ -15,8 +15,13 @@ from tokenizers import Tokenizer, processors
 
 from lightning_d9d.text.chat_template import ChatTemplate, load_chat_template
 from lightning_d9d.text.formats import Columns, detect_format, row_messages
-from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe, load_sft_tokenizer
-from lightning_d9d.text.tokenize import file_sha256
+from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe
+from lightning_d9d.tokenizer import load_tokenizer, tokenizer_digest
+
+
+def loaded_tokenizer(path: str) -> Any:
+    return load_tokenizer(path, tokenizer_digest(path))
+
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,7 +48,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def row_tokenizer(tokenizer_path: Path, loss_on: str = "assistant", chat_template: str | None = None) -> RowTokenizer:
     template = load_chat_template(chat_template, str(tokenizer_path))
     recipe = SFTRecipe("messages", loss_on, "error", 10_000, Columns(), template, None)
-    return RowTokenizer(recipe, load_sft_tokenizer(str(tokenizer_path), file_sha256(str(tokenizer_path))))
+    return RowTokenizer(recipe, loaded_tokenizer(str(tokenizer_path)))
 
 
 def hf_encode(tokenizer_path: Path, template: str, special: dict[str, str], messages: list) -> dict[str, Any]:
@@ -80,7 +85,7 @@ def test_a_template_without_generation_blocks_is_masked_turn_by_turn(folders: di
     marked = hf_encode(folders["llama"], LLAMA_LIKE_MARKED, LLAMA_SPECIAL, messages)
     assert list(marked["input_ids"]) == ids.tolist()
     assert (labels != -100).astype(int).tolist() == list(marked["assistant_masks"])
-    eos = load_sft_tokenizer(str(folders["llama"]), file_sha256(str(folders["llama"]))).token_to_id("</s>")
+    eos = loaded_tokenizer(str(folders["llama"])).token_to_id("</s>")
     assert all(labels[ids == eos] == eos)  # every end-of-turn token is trained
 
 
@@ -92,7 +97,7 @@ def test_last_assistant_trains_only_the_last_turn(folders: dict) -> None:
     assert 0 < len(trained) < (every != -100).sum()
     assert set(trained) <= set(np.flatnonzero(every != -100))
     assert trained.max() == np.flatnonzero(every != -100).max()  # the last turn's tokens
-    tokenizer = load_sft_tokenizer(str(folders["chatml"]), file_sha256(str(folders["chatml"])))
+    tokenizer = loaded_tokenizer(str(folders["chatml"]))
     assert tokenizer.decode(ids[trained].tolist(), skip_special_tokens=False) == "An immutable one.<|im_end|>"
     _, all_labels, _ = row_tokenizer(folders["chatml"], "all")({"messages": messages}, 0)
     assert np.array_equal(all_labels, ids)
