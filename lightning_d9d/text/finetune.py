@@ -24,19 +24,17 @@ from lightning_d9d.text.chat_template import (
     load_chat_template,
     with_special_tokens,
 )
-from lightning_d9d.text.formats import FORMATS, Columns, detect_format
+from lightning_d9d.text.formats import FORMATS, Columns, LossOn, detect_format, loss_on_setting, resolve_loss_on
 from lightning_d9d.text.masks import TRUNCATIONS
 from lightning_d9d.text.sft_tokenize import (
     SFTRecipe,
     SFTSplit,
     completion_eos_token,
-    resolve_loss_on,
     sft_tokenized_split,
 )
 from lightning_d9d.text.tokenize import _load_raw_split
 from lightning_d9d.tokenizer import load_tokenizer, tokenizer_digest
 
-LOSS_ON = ("all", "completion", "assistant", "last_assistant")
 DEMO_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
@@ -92,7 +90,7 @@ class FineTuningOptions:
     format: str | None = None
     columns: Columns = dataclasses.field(default_factory=Columns)
     chat_template: str | None = None
-    loss_on: str | None = None
+    loss_on: LossOn | None = None
     truncation: str = "drop"
     demo_tokenizer: bool = False
     eos_token: str | None = None
@@ -100,10 +98,7 @@ class FineTuningOptions:
     def __post_init__(self) -> None:
         if self.format is not None and self.format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)} or None (detect), got {self.format!r}")
-        if self.loss_on is not None and self.loss_on not in LOSS_ON:
-            raise ValueError(
-                f"loss_on must be one of {list(LOSS_ON)} or None (the format's default), got {self.loss_on!r}"
-            )
+        object.__setattr__(self, "loss_on", loss_on_setting(self.loss_on))
         if self.truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {list(TRUNCATIONS)}, got {self.truncation!r}")
         if self.eos_token is not None and (not isinstance(self.eos_token, str) or not self.eos_token):

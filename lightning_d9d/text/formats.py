@@ -16,10 +16,62 @@ overrides it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Literal
 
 Format = Literal["text", "prompt_completion", "messages"]
 FORMATS: tuple[str, ...] = ("text", "prompt_completion", "messages")
+
+
+class LossOn(enum.StrEnum):
+    """Which tokens of a sample are trained (its labels; the rest are ``-100``)."""
+
+    ALL = "all"
+    COMPLETION = "completion"  # prompt/completion: the completion, with its end token
+    ASSISTANT = "assistant"  # messages: every assistant turn, with its end-of-turn token
+    LAST_ASSISTANT = "last_assistant"  # messages: the last assistant turn
+
+
+LOSS_ON_BY_FORMAT: dict[str, tuple[LossOn, ...]] = {
+    "text": (LossOn.ALL,),
+    "prompt_completion": (LossOn.COMPLETION, LossOn.ALL),
+    "messages": (LossOn.ASSISTANT, LossOn.LAST_ASSISTANT, LossOn.ALL),
+}
+"""The ``loss_on`` values each format accepts; the first is its default."""
+
+
+def loss_on_setting(value: Any) -> LossOn | None:
+    """A ``loss_on`` setting as given (``None``: the format's default), checked to be a known value.
+
+    Raises:
+        ValueError: an unknown value, naming it and the valid ones.
+    """
+    if value is None:
+        return None
+    try:
+        return LossOn(value)
+    except ValueError:
+        valid = [member.value for member in LossOn]
+        raise ValueError(f"loss_on must be one of {valid} or None (the format's default), got {value!r}") from None
+
+
+def resolve_loss_on(format: str, loss_on: LossOn | str | None) -> LossOn:
+    """``loss_on`` for ``format``: the format's default for ``None``, else the value if the format has it.
+
+    Raises:
+        ValueError: an unknown value, or one the format does not have (naming the valid ones).
+    """
+    allowed = LOSS_ON_BY_FORMAT[format]
+    chosen = loss_on_setting(loss_on)
+    if chosen is None:
+        return allowed[0]
+    if chosen not in allowed:
+        raise ValueError(
+            f"loss_on={chosen.value!r} does not apply to {format!r} data; valid: {[a.value for a in allowed]}"
+        )
+    return chosen
+
+
 SHAREGPT_COLUMN = "conversations"
 # ShareGPT speakers and the roles chat templates know them as.
 SHAREGPT_ROLES = {

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from lightning_d9d.text.chat_template import ChatTemplate, TemplateRenderError, special_tokens_beside
-from lightning_d9d.text.formats import Columns, Format, required_columns, row_messages, row_part
+from lightning_d9d.text.formats import Columns, Format, LossOn, required_columns, row_messages, row_part
 from lightning_d9d.text.masks import (
     DROPPED_TOO_LONG,
     DROPPED_UNTRAINED,
@@ -56,13 +56,6 @@ from lightning_d9d.text.masks import (
 from lightning_d9d.text.tokenize import cached_batched_map
 from lightning_d9d.tokenizer import load_tokenizer
 
-LossOn = Literal["all", "completion", "assistant", "last_assistant"]
-LOSS_ON_BY_FORMAT: dict[str, tuple[str, ...]] = {
-    "text": ("all",),
-    "prompt_completion": ("completion", "all"),
-    "messages": ("assistant", "last_assistant", "all"),
-}
-"""The loss_on values each format accepts; the first is its default."""
 _SFT_RECIPE_VERSION = 2
 """Part of the tokenized cache's fingerprint: raised whenever the same rows and settings tokenize differently, so a
 cache written by an older rule is never reused."""
@@ -76,7 +69,7 @@ class SFTRecipe:
 
     Attributes:
         format: the rows' format (``messages`` or ``prompt_completion``).
-        loss_on: which tokens are trained (see ``LOSS_ON_BY_FORMAT``).
+        loss_on: which tokens are trained (``formats.LOSS_ON_BY_FORMAT``).
         truncation: ``"error"``, ``"drop"`` or ``"keep_start"``.
         max_length: tokens per sample at most.
         columns: the column names.
@@ -85,26 +78,15 @@ class SFTRecipe:
     """
 
     format: Format
-    loss_on: str
+    loss_on: LossOn
     truncation: str
     max_length: int
     columns: Columns
     template: ChatTemplate | None
     eos_token: str | None
 
-
-def resolve_loss_on(format: str, loss_on: str | None) -> str:
-    """``loss_on``, or the format's default, checked against the format.
-
-    Raises:
-        ValueError: a ``loss_on`` the format does not have (naming the valid ones).
-    """
-    allowed = LOSS_ON_BY_FORMAT[format]
-    if loss_on is None:
-        return allowed[0]
-    if loss_on not in allowed:
-        raise ValueError(f"loss_on={loss_on!r} does not apply to {format!r} data; valid: {list(allowed)}")
-    return loss_on
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss_on", LossOn(self.loss_on))
 
 
 class RowTokenizer:
@@ -145,11 +127,11 @@ class RowTokenizer:
         _check_contents_rendered(messages, rendered.text, index)
         encoding = self.tokenizer.encode(rendered.text, add_special_tokens=False)
         ids = encoding.ids
-        if self.recipe.loss_on == "all":
+        if self.recipe.loss_on is LossOn.ALL:
             return np.asarray(ids, dtype=np.int64), np.asarray(ids, dtype=np.int64)
         if not any(message["role"] == "assistant" for message in messages):
             raise ValueError(f"row {index} has no assistant turn to train (loss_on={self.recipe.loss_on!r})")
-        last_only = self.recipe.loss_on == "last_assistant"
+        last_only = self.recipe.loss_on is LossOn.LAST_ASSISTANT
         if template.has_generation_blocks:
             spans = list(rendered.generation_spans)
         else:
@@ -180,7 +162,7 @@ class RowTokenizer:
         encoding = self.tokenizer.encode(whole, add_special_tokens=False)
         spans = [(len(start), len(whole))]
         mask = np.ones(len(encoding.ids), dtype=bool)
-        if self.recipe.loss_on == "completion":
+        if self.recipe.loss_on is LossOn.COMPLETION:
             tokens = TokenizedText(encoding.ids, encoding.offsets, whole, self.control_ids)
             spans = fit_turn_spans(spans, tokens, index)
             mask = span_mask(encoding.offsets, spans)
@@ -191,7 +173,7 @@ class RowTokenizer:
         encoding = self.tokenizer.encode(prompt + completion)
         special = np.asarray(encoding.special_tokens_mask, dtype=bool)
         ids = list(encoding.ids)
-        if self.recipe.loss_on == "all":
+        if self.recipe.loss_on is LossOn.ALL:
             mask = np.ones(len(ids), dtype=bool)
         else:
             mask = span_mask(encoding.offsets, [(len(prompt), len(prompt) + len(completion))]) & ~special

@@ -12,7 +12,7 @@ from support import train_tokenizer
 from tokenizers import Tokenizer
 
 from lightning_d9d.text.chat_template import ChatTemplate
-from lightning_d9d.text.formats import Columns
+from lightning_d9d.text.formats import Columns, resolve_loss_on
 from lightning_d9d.text.masks import (
     DROPPED_TOO_LONG,
     DROPPED_UNTRAINED,
@@ -22,7 +22,7 @@ from lightning_d9d.text.masks import (
     trained_targets,
     truncate,
 )
-from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe, default_eos_token, resolve_loss_on
+from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe, default_eos_token
 
 CHATML_TEMPLATE = ChatTemplate(CHATML, (("eos_token", "<|im_end|>"),))
 
