@@ -295,7 +295,7 @@ def main() -> None:
         return
     if args.quick:
         args.size_mb, args.ordinary_mb, args.vocab, args.packings, args.workers = 2.0, 0.3, 1024, "concat", "0"
-    from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
+    from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
 
     cap = {"default": DEFAULT_MAX_DOCUMENT_CHARS, "none": None}.get(args.max_document_chars.lower())
     cap = cap if args.max_document_chars.lower() in ("default", "none") else int(args.max_document_chars)

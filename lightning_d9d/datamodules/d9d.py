@@ -46,8 +46,7 @@ from lightning_d9d.mapstyle.steps import (
     DEFAULT_MICROBATCH_SIZE,
     OrderFingerprint,
     OrderSettings,
-    SampleCountSteps,
-    TokenBudgetSteps,
+    StepSizing,
     TokenPlanFingerprint,
     step_sizing,
 )
@@ -145,7 +144,7 @@ class D9DDataModule(SteppedDataModule):
         super().__init__()
         self.data_parallel, self.verify_peers = data_parallel, verify_peers
         self.collate_fn = collate_fn if collate_fn is not None else torch.utils.data.default_collate
-        self.steps: SampleCountSteps | TokenBudgetSteps = step_sizing(
+        self.steps: StepSizing = step_sizing(
             global_batch_size,
             microbatch_size,
             global_batch_tokens,

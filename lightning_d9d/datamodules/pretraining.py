@@ -7,11 +7,12 @@ rank owns, in DataLoader workers; step ``s`` is rows ``[s·G/K, (s+1)·G/K)`` of
 Topology independence: the K streams are functions of the data and the settings only, and a step takes the
 same rows from each, so the rows of global step ``s`` — as a multiset over ranks and microbatches — do not
 depend on the world size, ``num_workers`` or ``microbatch_size``; one process and eight train the same global
-batches. Valid layouts: the world size divides K, ``num_workers`` divides K / world size, K divides G (see
-``streaming.loader.check_layout``); the default K = 16 serves 1, 2, 4 and 8 ranks with 2 workers each.
+batches. Streams are dealt to data-parallel replicas (``dp_size``, not processes: tensor/context/pipeline peers
+read the same streams). Valid layouts: ``dp_size`` divides K, ``num_workers`` divides K / ``dp_size``, K divides
+G (``streaming.loader.check_layout``); the default K = 16 serves 1, 2, 4 and 8 replicas with 2 workers each.
 
 Epochs: the streams never end (each cycles through passes, reshuffled every pass), so an epoch is a *count*:
-``steps_per_epoch`` optimizer steps, i.e. ``steps_per_epoch * M`` microbatches on every rank (M = G / (W·m)), so
+``steps_per_epoch`` optimizer steps, i.e. ``steps_per_epoch * M`` microbatches on every rank (M = G / (D·m)), so
 no DDP hang is possible from uneven data. The default ``steps_per_epoch`` is one pass's worth, *estimated* from
 the parquet footers and a tokenized sample (``streaming.estimate``), not counted.
 
@@ -44,7 +45,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
-from lightning.pytorch.utilities import rank_zero_warn
 from tokenizers import Tokenizer
 
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
@@ -62,8 +62,8 @@ from lightning_d9d.streaming.loader import (
     check_layout,
     rank_streams,
 )
+from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.packing import RowBlock
-from lightning_d9d.streaming.reader import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.tokens import cu_seqlens_of
@@ -195,7 +195,6 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     max_document_chars = _Setting("max_document_chars")
     tokenizer_batch_size = _Setting("tokenizer_batch_size")
     train_spec: MixtureSpec | None = None  # set by setup, as the rest
-    _cache_said = False
     fingerprint: CorpusFingerprint | None = None
     steps_per_epoch: int | None = None  # type: ignore[assignment]
     estimated_pass_tokens: float | None = None
@@ -368,14 +367,6 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         self.position.restart(epoch, step, states, self.microbatches_per_step)
 
     # ------------------------------------------------------------------ internals
-    def _say_cache_changes(self, spec: MixtureSpec) -> None:
-        """Once per DataModule: what its token cache holds of other tokenizers, settings or file contents."""
-        if self.token_cache is None or self._cache_said:
-            return
-        self._cache_said = True
-        for message in dict.fromkeys(m for source in spec.sources for m in source.cache.changes()):
-            rank_zero_warn(message)
-
     def _val_steps_of(self, spec: MixtureSpec) -> int:
         """``val_steps``, else one estimated pass over ``spec`` shared by the ranks (at least 1)."""
         if self._val_steps_arg is not None:

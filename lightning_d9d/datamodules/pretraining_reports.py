@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from lightning_d9d.datamodules.pretraining_mixture import Sources, mixture_report, source_stats
 from lightning_d9d.streaming.loader import StreamPosition
 from lightning_d9d.streaming.packing import StreamCounters
@@ -28,6 +30,8 @@ class PretrainingReports:
     train_spec: MixtureSpec | None
     source_pass_rows: dict[str, float]
     position: StreamPosition
+    token_cache: str | None
+    _cache_said = False
 
     @property
     def source_names(self) -> list[str]:
@@ -53,6 +57,14 @@ class PretrainingReports:
         if not self.sources.mixture:
             return []
         return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
+
+    def _say_cache_changes(self, spec: MixtureSpec) -> None:
+        """Once per DataModule: what its token cache holds of other tokenizers, settings or file contents."""
+        if self.token_cache is None or self._cache_said:
+            return
+        self._cache_said = True
+        for message in dict.fromkeys(m for source in spec.sources for m in source.cache.changes()):
+            rank_zero_warn(message)
 
     def token_cache_report(self) -> list[str]:
         """``inspect``'s lines on the token cache: per source, the units it holds of all, and their size (none

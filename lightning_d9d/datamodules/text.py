@@ -44,99 +44,60 @@ from lightning_d9d.topology import DataParallelSetting
 
 
 class TextDataModule(D9DDataModule):
-    """Causal-LM batches from raw text: ``datasets`` + a ``tokenizers`` tokenizer, on top of D9DDataModule.
+    """Causal-LM batches from raw text or fine-tuning rows: ``datasets`` + a ``tokenizers`` tokenizer.
 
-    Same order, sharding, packing, exact resume and transfer as :class:`D9DDataModule`; the datasets are the
-    tokenized splits, sorted by their ``token_counts`` column. Pass exactly one of ``global_batch_size``
-    (sample counts) and ``global_batch_tokens`` (token budgets). Batches are
-    :class:`~lightning_d9d.text.collate.TextBatch` (padded) or :class:`~lightning_d9d.text.collate.FlatBatch`
-    (``padding_free=True``), both with Hugging Face-style ``labels`` and ``step_label_tokens``.
-
-    Loss normalisation: a model that sums its token losses over a microbatch and divides by
-    ``step_label_tokens`` trains on the exact per-token mean of the optimizer step. DDP/FSDP average gradients
-    over the D data-parallel replicas (``dm.dp_size``; tensor-parallel peers compute the same loss, so they do not
-    count) and Lightning's automatic optimization divides each microbatch's loss by ``accumulate_grad_batches``
-    (M), so return ``loss_sum / step_label_tokens × D × M`` (manual optimization with ``yield_packs``: × D);
-    Hugging Face models: ``num_items_in_batch=step_label_tokens``, then × D × M. Under context parallelism each
-    CP rank sums the loss of its slice, and gradients are averaged over D × CP processes: × D × CP × M.
-
-    ``dataset="demo"`` / ``tokenizer="demo"`` select the corpus and tokenizer built from Python's own
-    documentation (:mod:`lightning_d9d.demo_corpus`); ``dataset="demo-chat"`` a conversation set made from it.
-
-    Fine-tuning data: a split with a ``messages`` (or ShareGPT ``conversations``) column, or ``prompt`` and
-    ``completion`` columns, is tokenized with loss masks (labels ``-100`` where not trained); conversations are
-    rendered with the chat template. ``dropped_samples`` / ``truncated_samples`` count what ``truncation`` did to
-    the training split (logged at ``setup``).
+    Same order, sharding, packing, exact resume and transfer as :class:`D9DDataModule`, over the tokenized splits
+    sorted by ``token_counts``. Pass one of ``global_batch_size`` (sample counts) and ``global_batch_tokens``
+    (token budgets). Batches are :class:`~lightning_d9d.text.collate.TextBatch` (padded) or
+    :class:`~lightning_d9d.text.collate.FlatBatch` (``padding_free``), with Hugging Face-style ``labels`` and
+    ``step_label_tokens``: return ``loss_sum / step_label_tokens × D × M`` (D = ``dm.dp_size``, M =
+    ``accumulate_grad_batches``; × CP under context parallelism) for the exact per-token mean of a step
+    (docs/token_budget.md). Fine-tuning rows (``messages``/ShareGPT ``conversations``, or ``prompt`` and
+    ``completion``) are tokenized with loss masks; ``dropped_samples``/``truncated_samples`` count what
+    ``truncation`` did. ``dataset``/``tokenizer="demo"`` (and ``dataset="demo-chat"``) are the embedded demo.
 
     Args:
-        dataset: anything ``datasets.load_dataset`` accepts (a hub name, a folder of parquet/json/csv/text
-            files), a single such file, a ``save_to_disk`` folder (Dataset or DatasetDict), or ``"demo"``.
-        tokenizer: path of a ``tokenizer.json`` (``tokenizers.Tokenizer.from_file``), or ``"demo"``. Its
-            post-processor decides special tokens (e.g. an end-of-document token); padding settings are ignored.
+        dataset: anything ``datasets.load_dataset`` accepts, a single data file, a ``save_to_disk`` folder, or
+            ``"demo"``.
+        tokenizer: a ``tokenizer.json`` path, or ``"demo"``; its post-processor decides special tokens.
         text_column: the column holding the text.
-        split: the training split (datasets split syntax such as ``"train[:90%]"`` works for loaded datasets).
-        val_split: optional validation split, evaluated exactly once per validation run.
-        data_files: passed to ``load_dataset`` (e.g. a glob) when ``dataset`` is a builder name or folder.
-        max_length: documents are truncated to this many tokens (special tokens included).
-        global_batch_size: samples per optimizer step over all ranks and accumulation (sample counts).
-        microbatch_size: samples per forward/backward on one rank (sample counts; default 4).
-        sort_buffer_size: samples sorted by length together (``None``: no sorting); 16×G or more pads least.
-            With token budgets: samples packed together per window.
-        num_workers: DataLoader worker processes (does not change the order).
-        seed: the order's seed.
-        pad_to_multiple_of: padded length is rounded up to a multiple of this.
-        padding_side: ``"right"`` or ``"left"``.
-        num_proc: processes for tokenization in ``prepare_data`` (``None``: one).
-        cache_dir: datasets cache folder for ``load_dataset`` (``None``: datasets' default,
-            ``$HF_DATASETS_CACHE``). Tokenized splits of a ``save_to_disk`` folder are cached next to it.
-        shuffle: ``False`` keeps dataset order.
+        split, val_split: the training split and an optional validation split (evaluated once per run).
+        data_files: passed to ``load_dataset`` when ``dataset`` is a builder name or folder.
+        max_length: tokens per sample at most (special tokens included).
+        global_batch_size, microbatch_size: samples per optimizer step over all ranks, and per microbatch.
+        sort_buffer_size: samples sorted by length together (``None``: none); 16×G or more pads least.
+        num_workers: DataLoader worker processes (never changes the order).
+        seed: the order's seed; ``shuffle=False`` keeps dataset order.
+        pad_to_multiple_of, padding_side: the padded length's rounding, and ``"right"``/``"left"``.
+        num_proc: processes tokenizing in ``prepare_data``.
+        cache_dir: the datasets cache folder (``None``: datasets' default).
         pin_memory: ``None`` pins exactly when training on CUDA.
-        yield_packs: each batch is the list of one optimizer step's microbatches (for manual optimization).
-        on_order_mismatch: resuming from a checkpoint of another order (seed, data, G, buffer): ``"raise"``, or
-            ``"restart_epoch"`` to start that epoch over with the new order.
-        global_batch_tokens: tokens per optimizer step over all ranks and accumulation (token budgets).
-        microbatch_tokens: tokens per microbatch: sample count × longest sample rounded up to
-            ``pad_to_multiple_of`` when padded, the sum of lengths when padding-free; at least the longest
-            document (``max_length`` bounds it).
-        padding_free: one flattened row per microbatch (``FlatBatch``: ``input_ids``, ``labels``,
-            ``position_ids`` restarting per document, ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen``).
-            Token budgets only.
+        yield_packs: each batch is one optimizer step's list of microbatches (manual optimization).
+        on_order_mismatch: a checkpoint of another order: ``"raise"`` or ``"restart_epoch"``.
+        global_batch_tokens, microbatch_tokens: token budgets per step and per microbatch (padded: count ×
+            padded longest; padding-free: sum of lengths).
+        padding_free: one flattened row per microbatch (``FlatBatch`` with ``position_ids``, ``cu_seqlens``,
+            ``cu_seqlens_padded``, ``max_seqlen``); token budgets only.
         format: ``None`` detects it from the columns; ``"text"``, ``"prompt_completion"`` or ``"messages"``.
-        prompt_column, completion_column, messages_column: column names of the fine-tuning formats.
-        chat_template: a Jinja template string, a ``.jinja`` file or a ``tokenizer_config.json``; ``None``:
-            ``chat_template.jinja`` or ``tokenizer_config.json`` next to the tokenizer file.
-        loss_on: trained tokens: ``"all"``, ``"completion"`` (prompt/completion), ``"assistant"`` (every
-            assistant turn with its end-of-turn token), ``"last_assistant"``; ``None``: all / completion /
-            assistant by format.
-        truncation: a fine-tuning sample longer than ``max_length``: ``"error"``, ``"drop"`` (counted) or
-            ``"keep_start"`` (cut, counted). A sample left with nothing to train is always dropped (counted).
-            Text keeps its first ``max_length`` tokens, as before.
-        eos_token: the token ending every prompt/completion string completion (trained with it); ``None``: the
-            ``eos_token`` of the ``tokenizer_config.json`` (or ``special_tokens_map.json``) next to the tokenizer
-            file, else the special token its post-processor appends, else a usual EOS of its vocabulary. String
-            completions with none of these are refused: trained without an end token, a model never learns to
-            stop. Completions given as messages end with the template's end-of-turn token instead.
-        context_parallel_size: the CP size batches are laid out for (1: none). Padding-free, every document is
-            padded to a multiple of ``2 × context_parallel_size`` (labels ``-100``, positions continuing) and
-            counted so in ``microbatch_tokens``, which must be a multiple of it; padded, ``pad_to_multiple_of``
-            must be a multiple of it. Slice each batch per CP rank with
-            :func:`lightning_d9d.context_parallel.cp_shard_batch` (docs/model_parallelism.md).
+        prompt_column, completion_column, messages_column: the fine-tuning formats' columns.
+        chat_template: a Jinja string, ``.jinja`` file or ``tokenizer_config.json``; ``None``: the one next to
+            the tokenizer.
+        loss_on: ``"all"``, ``"completion"``, ``"assistant"``, ``"last_assistant"``; ``None``: the format's.
+        truncation: a fine-tuning sample over ``max_length``: ``"error"``, ``"drop"`` or ``"keep_start"``
+            (counted); text keeps its first ``max_length`` tokens.
+        eos_token: the token ending string completions; ``None``: the tokenizer config's, else its
+            post-processor's, else a usual EOS of its vocabulary; none of these is an error.
+        context_parallel_size: the CP size batches are laid out for: each document padded to a multiple of
+            2 × it (docs/model_parallelism.md; slice with ``context_parallel.cp_shard_batch``).
         data_parallel, verify_peers: which processes share data, and the opt-in peer check (see
             :class:`D9DDataModule`).
 
     Raises:
-        ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
-            parsing); a missing text column, an empty split, a dataset that cannot be loaded (in
-            ``prepare_data``/``setup``). Fine-tuning: an unknown ``format``/``loss_on``/``truncation`` (at
-            construction); columns of no format, a ``loss_on`` the format lacks, a chat template that cannot be
-            parsed or uses an undefined special token, a bad row (naming it: missing value, unknown role, a
-            template that raises, no assistant turn, a turn that cannot be located), a row over ``max_length``
-            under ``truncation="error"``, no row left to train, prompt/completion strings with a tokenizer that
-            has no EOS token or an ``eos_token`` it lacks (in ``prepare_data``/``setup``). A
-            ``context_parallel_size`` whose ``2 × context_parallel_size`` does not divide ``microbatch_tokens``
-            (padding-free) or ``pad_to_multiple_of`` (padded), naming both (at construction); a document whose
-            padded length exceeds ``microbatch_tokens`` (in ``setup``).
-        FileNotFoundError: a tokenizer file, local dataset path or ``chat_template`` file that does not exist.
+        ValueError: a bad size or setting (at construction); in ``prepare_data``/``setup``: a missing column, an
+            empty split, a dataset that cannot be loaded, columns of no format, a ``loss_on`` the format lacks, a
+            bad chat template or row (naming it), a row over ``max_length`` under ``truncation="error"``, no row
+            left, string completions without an EOS token, a document longer than ``microbatch_tokens``.
+        FileNotFoundError: a tokenizer, local dataset or ``chat_template`` file that does not exist.
     """
 
     def __init__(

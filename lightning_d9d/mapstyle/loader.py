@@ -363,8 +363,10 @@ def make_loader(
 ) -> Iterator[Any]:
     """Batches from torchdata's ``StatefulDataLoader`` driven by precomputed index batches, pinned if asked.
 
-    The loader's own ``state_dict`` is never used: the position lives in ``TrainPosition``. Pass the result to
-    ``stop`` to end its workers.
+    The loader's own ``state_dict`` is never read: the index batches are a function of (seed, epoch, step), so a
+    resume starts a new loader at its position instead of replaying a worker snapshot. It is torchdata's loader
+    still, not torch's, because it is the one the design names for the load stage and it costs nothing more with
+    its snapshots off. Pass the result to ``stop`` to end its workers.
     """
     with warnings.catch_warnings():
         # torchdata 0.11 calls the deprecated torch.set_vital on every construction; the warning is noise.

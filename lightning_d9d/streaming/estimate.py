@@ -33,19 +33,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lightning_d9d.streaming.bestfit import BestFitPacker
+from lightning_d9d.streaming.memory import SAMPLE_CHARS, SAMPLE_DOCUMENT_CHARS
 from lightning_d9d.streaming.tokenize import encode_documents
 from lightning_d9d.tokenizer import tokenizer_from_json
 
 if TYPE_CHECKING:
     from lightning_d9d.streaming.source import RowGroupIndex
     from lightning_d9d.streaming.spec import StreamSpec
-
-# Characters of text the sample tokenizes, about: a corpus of long documents (books, source files) then costs a
-# second or two at setup rather than thousands of whole documents.
-SAMPLE_CHARS = 1 << 23
-# A sampled document is tokenized up to this many characters (its tokens scaled by its length beyond), so one huge
-# document in the sample costs no more than a page of text would.
-SAMPLE_DOCUMENT_CHARS = 1 << 18
 
 
 def estimate_pass(

@@ -73,6 +73,7 @@ from lightning_d9d.epoch_iterator import (
 )
 from lightning_d9d.resume import TrainPosition
 from lightning_d9d.streaming.bestfit import BestFitState
+from lightning_d9d.streaming.memory import IN_PROCESS_CHUNK_CHARS, WORKER_CHUNK_CHARS
 from lightning_d9d.streaming.mixture_stream import MixtureState, mixture_streams
 from lightning_d9d.streaming.packing import RowBlock
 from lightning_d9d.streaming.spec import MixtureSpec
@@ -80,13 +81,6 @@ from lightning_d9d.streaming.stream import StreamState
 
 StreamStates = dict[int, MixtureState]
 
-# A worker's tokenizer calls hold at most this much text: a call's size buys no speed on one core, while a call
-# of 128 long documents (MBs of text) makes a worker's rows come in bursts and holds that many Encodings in
-# flight. Rows never depend on it.
-WORKER_CHUNK_CHARS = 1 << 18
-# An in-process call tokenizes on every core, so it may be larger; the cap only bounds a call's text (and the
-# Encodings it makes) when documents are long: 128 documents just under LONG_DOCUMENT_CHARS would be 128 Mi.
-IN_PROCESS_CHUNK_CHARS = 1 << 22
 # Chunks each stream reads and tokenizes ahead; a process hosting many streams keeps fewer per stream.
 _PREFETCH_PER_PROCESS = 8
 

@@ -36,10 +36,6 @@ from lightning_d9d.streaming.storage import redact
 # A stream that meets this many passes in a row without a single document stops with an error instead of
 # spinning: with text anywhere in the corpus, shuffled passes make that practically impossible.
 MAX_PASSES_WITHOUT_TEXT = 100
-# Longer documents are skipped by default: 64 Mi characters is far beyond natural documents (a long book is a few
-# million characters; crawls truncate pages at about 1 MiB) yet a document that long still fits in memory
-# (about 10 bytes a character while it is read, tokenized in pieces and packed).
-DEFAULT_MAX_DOCUMENT_CHARS = 1 << 26
 # Documents already named in a warning, by (file, row group of the file, row): one warning per document per process.
 _WARNED_TOO_LONG: set[tuple[str, int, int]] = set()
 

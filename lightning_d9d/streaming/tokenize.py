@@ -39,6 +39,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from lightning_d9d.epoch_iterator import close_at_exit
+from lightning_d9d.streaming import memory
 from lightning_d9d.streaming.reader import TextChunk
 from lightning_d9d.tokenizer import tokenizer_from_json
 
@@ -64,10 +65,8 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list:
     return [e if len(text) <= limit else LongEncoding.of(tokenizer, text, limit) for text, e in zip(texts, short)]
 
 
-# A document longer than this many characters is tokenized in pieces of about this many, so that what the
-# tokenizer holds at once (an Encoding is several times the size of its ids) is bounded by this setting, not by
-# the corpus's longest document; only the document's int32 ids are kept whole. 0: every document in one call.
-LONG_DOCUMENT_CHARS = 1 << 20
+# Longer documents are tokenized in pieces (streaming.memory); 0: every document in one call.
+LONG_DOCUMENT_CHARS = memory.LONG_DOCUMENT_CHARS
 # Characters either side of a candidate cut that are tokenized to prove the cut changes no token.
 _CUT_WINDOW = 256
 
