@@ -130,8 +130,14 @@ class _PieceBuffer:
         added = np.asarray(pushed, np.int64).reshape(-1, len(META_COLUMNS))
         if popped:
             gone = np.asarray(popped, np.int64)
-            kept = ~np.isin(previous[:, 0], gone)
-            added = added[~np.isin(added[:, 0], gone)]
+            # previous is sorted by insertion number, so the popped pieces are found by bisection, not a set test
+            at = np.searchsorted(previous[:, 0], gone)
+            found = at < len(previous)
+            found[found] = previous[at[found], 0] == gone[found]
+            kept = np.ones(len(previous), bool)
+            kept[at[found]] = False
+            if len(added):
+                added = added[~np.isin(added[:, 0], gone[~found])]
         else:
             kept = np.ones(len(previous), bool)
         return np.concatenate([previous[kept], added]), kept, added
