@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_d9d.checks import plain_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch
 from lightning_d9d.datamodules.d9d import D9DDataModule
+from lightning_d9d.datamodules.observability import DEFAULT_DATA_WAIT_WARNING
 from lightning_d9d.demo.conversations import DEMO_CHAT, build_demo_conversations
 from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
@@ -121,8 +122,8 @@ class TextDataModule(D9DDataModule):
             counted so in ``microbatch_tokens``, which must be a multiple of it; padded, ``pad_to_multiple_of``
             must be a multiple of it. Slice each batch per CP rank with
             :func:`lightning_d9d.context_parallel.cp_shard_batch` (docs/model_parallelism.md).
-        data_parallel, verify_peers: which processes share data, and the opt-in peer check (see
-            :class:`D9DDataModule`).
+        data_parallel, verify_peers, data_wait_warning: which processes share data, the opt-in peer check and
+            the warning when training waits for data (see :class:`D9DDataModule`).
 
     Raises:
         ValueError: non-positive sizes, an unknown ``padding_side`` (at construction; the CLI rejects them while
@@ -175,6 +176,7 @@ class TextDataModule(D9DDataModule):
         context_parallel_size: PositiveInt = 1,
         data_parallel: DataParallelSetting = None,
         verify_peers: NonNegativeInt = 0,
+        data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING,
     ):
         self.max_length, self.num_proc = _checked_arguments(dataset, tokenizer, max_length, num_proc)
         columns, demo = Columns(text_column, prompt_column, completion_column, messages_column), tokenizer == DEMO
@@ -195,7 +197,7 @@ class TextDataModule(D9DDataModule):
             yield_packs=yield_packs, on_order_mismatch=on_order_mismatch,
             global_batch_tokens=plain_int(global_batch_tokens), microbatch_tokens=plain_int(microbatch_tokens),
             padding_free=padding_free, pad_to_multiple_of=None if padding_free else int(pad_to_multiple_of),
-            data_parallel=data_parallel, verify_peers=plain_int(verify_peers),
+            data_parallel=data_parallel, verify_peers=plain_int(verify_peers), data_wait_warning=data_wait_warning,
         )  # fmt: skip
 
     @property
