@@ -147,8 +147,7 @@ class D9DDataModule(SteppedDataModule):
         data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING,
     ):
         super().__init__()
-        self.data_parallel, self.verify_peers = data_parallel, verify_peers
-        self.data_wait_warning = data_wait_warning
+        self.data_parallel, self.verify_peers, self.data_wait_warning = data_parallel, verify_peers, data_wait_warning
         self.collate_fn = collate_fn if collate_fn is not None else torch.utils.data.default_collate
         self.steps: SampleCountSteps | TokenBudgetSteps = step_sizing(
             global_batch_size,
@@ -282,18 +281,10 @@ class D9DDataModule(SteppedDataModule):
         start_point: Callable[[], tuple[int, int]],
     ) -> TrainLoader:
         return TrainLoader(
-            self.train_dataset,
-            self.collate_fn,
-            self._require_schedule(),
-            dp_size=dp_size,
-            dp_rank=dp_rank,
-            microbatches_per_step=self.microbatches_for(dp_size),
-            position=position,
-            start_point=start_point,
-            num_workers=self.num_workers,
-            pin_memory=self.resolve_pin_memory(),
-            yield_packs=self.yield_packs,
-        )
+            self.train_dataset, self.collate_fn, self._require_schedule(), dp_size=dp_size, dp_rank=dp_rank,
+            microbatches_per_step=self.microbatches_for(dp_size), position=position, start_point=start_point,
+            num_workers=self.num_workers, pin_memory=self.resolve_pin_memory(), yield_packs=self.yield_packs,
+        )  # fmt: skip
 
     def val_dataloader(self) -> ValidationLoader | list:
         if self.val_dataset is None:

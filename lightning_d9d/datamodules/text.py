@@ -232,30 +232,17 @@ class TextDataModule(D9DDataModule):
         """Load split ``getattr(self, which)`` and tokenize it, or open the cached result of an earlier run."""
         dataset_path, tokenizer_path = self.resolved_paths()
         recipe, sft = self.finetuning.split(
-            dataset_path,
-            getattr(self, which),
-            tokenizer_path,
-            self.max_length,
-            name=self.dataset,
-            data_files=self.data_files,
-            cache_dir=self.cache_dir,
-            num_proc=self.num_proc,
-        )
+            dataset_path, getattr(self, which), tokenizer_path, self.max_length, name=self.dataset,
+            data_files=self.data_files, cache_dir=self.cache_dir, num_proc=self.num_proc,
+        )  # fmt: skip
         if sft is not None:
             self.sft.record(which, recipe, sft)
             self._set_pad_token_id(pad_token_id(read_tokenizer(tokenizer_path)))
             return sft.dataset
         tokenized = tokenized_split(
-            dataset_path,
-            getattr(self, which),
-            tokenizer_path,
-            self.text_column,
-            self.max_length,
-            data_files=self.data_files,
-            cache_dir=self.cache_dir,
-            num_proc=self.num_proc,
-            name=self.dataset,
-        )
+            dataset_path, getattr(self, which), tokenizer_path, self.text_column, self.max_length,
+            data_files=self.data_files, cache_dir=self.cache_dir, num_proc=self.num_proc, name=self.dataset,
+        )  # fmt: skip
         self._set_pad_token_id(tokenized.pad_token_id)
         return tokenized.dataset
 
