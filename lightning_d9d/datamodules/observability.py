@@ -9,7 +9,8 @@ optimizer step it measures, on the host clock (``time.perf_counter``):
   hands out the batch it already holds and then fetches the *following* one, so a gap is mostly the wait for the
   next microbatch to come out of the loader (a slow loader shows there, one microbatch early), plus the
   host-to-device copy of this microbatch and whatever Lightning runs between the two hooks (the
-  LightningModule's own ``on_train_batch_end``, the logger's step, earlier callbacks' ``on_train_batch_start``).
+  LightningModule's own ``on_train_batch_end``, Lightning's per-batch metric and logger bookkeeping, earlier
+  callbacks' ``on_train_batch_start``; not this module's own logging).
   A validation run inside the epoch is cut out of it (from ``on_validation_start`` to ``on_validation_end``);
 * **step time**: wall time from the previous step's end (or the epoch's start) to this step's last
   ``on_train_batch_end``, validation cut out the same way; the wait is part of it.
@@ -19,7 +20,7 @@ optimizer step it measures, on the host clock (``time.perf_counter``):
 shares) through ``pl_module.log`` (so they follow ``log_every_n_steps``; each logged value is that step's), only
 when the trainer has a logger, and warns once per fit (``DataWaitWarning``) when the wait exceeds
 ``data_wait_warning`` of the step time over ``WINDOW_STEPS`` steps after ``WARMUP_STEPS`` (the first steps pay
-for worker start-up and the first fetches).
+for worker start-up and the first fetches; each epoch's first step, which starts a new iterator, is left out).
 
 Tokens are counted on the host copy of each training microbatch, in the DataModule's ``transfer_batch_to_device``
 before the copy (:func:`lightning_d9d.batches.count_tokens`): a count of a CUDA tensor would make the host wait
@@ -174,7 +175,7 @@ class DataObserver:
         self._logging = False
         self._microbatches, self._tokens, self._sources = 0, 0, collections.Counter()
         self._countable = True
-        self._steps, self._warned = 0, False
+        self._steps, self._warned, self._epoch_steps = 0, False, 0
         self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW_STEPS)
 
     def fit_start(self, trainer: pl.Trainer) -> None:
@@ -190,6 +191,7 @@ class DataObserver:
     def epoch_start(self) -> None:
         self._timer.epoch_start(time.perf_counter())
         self._start_step()
+        self._epoch_steps = 0
 
     def batch_start(self, batch: Any) -> None:
         self._timer.batch_start(time.perf_counter())
@@ -206,15 +208,17 @@ class DataObserver:
 
     def batch_end(self, pl_module: pl.LightningModule) -> None:
         now = time.perf_counter()
-        self._timer.batch_end(now)
         self._microbatches += 1
-        if self._microbatches < self._datamodule.batches_per_step:
-            return
-        wait, elapsed = self._timer.step_end(now)
-        if self._logging:
-            pl_module.log_dict(self._metrics(wait, elapsed), on_step=True, on_epoch=False)
-        self._judge(wait, elapsed, pl_module.trainer.global_step)
-        self._start_step()
+        if self._microbatches >= self._datamodule.batches_per_step:
+            wait, elapsed = self._timer.step_end(now)
+            if self._logging:
+                pl_module.log_dict(self._metrics(wait, elapsed), on_step=True, on_epoch=False)
+            self._epoch_steps += 1
+            if self._epoch_steps > 1:  # an epoch's first step waits for a new iterator (workers start again)
+                self._judge(wait, elapsed, pl_module.trainer.global_step)
+            self._start_step()
+        # The gap starts after this bookkeeping: logging these figures is not a wait for data.
+        self._timer.batch_end(time.perf_counter())
 
     def validation_start(self, trainer: pl.Trainer) -> None:
         if not trainer.sanity_checking:
@@ -237,7 +241,8 @@ class DataObserver:
         return metrics
 
     def _judge(self, wait: float, elapsed: float, global_step: int) -> None:
-        """Warn once per fit when the last ``WINDOW_STEPS`` steps after the warm-up waited too long for data."""
+        """Warn once per fit when the last ``WINDOW_STEPS`` steps after the warm-up (each epoch's first step left
+        out) waited too long for data."""
         self._steps += 1
         threshold = self._datamodule.data_wait_warning
         if self._warned or not threshold or self._steps <= WARMUP_STEPS:

@@ -22,7 +22,7 @@ from lightning_d9d.datamodules.observability import WARMUP_STEPS, WINDOW_STEPS, 
 
 G, M_SIZE = 8, 4  # two microbatches per optimizer step
 STEPS = WARMUP_STEPS + WINDOW_STEPS + 2
-STEP_SLEEP = 0.02  # the training step's own time, so that fast data is a small share of it
+STEP_SLEEP = 0.04  # the training step's own time, so that fast data is a small share of it
 
 
 class SlowDataset(LengthDataset):
@@ -79,14 +79,18 @@ def fit(root: Path, datamodule: pl.LightningDataModule, module: pl.LightningModu
 def mapstyle_run(root: Path, delay: float) -> tuple[list[dict[str, str]], list[Any], LengthDataset]:
     dataset = SlowDataset(400, delay)
     dm = D9DDataModule(dataset, mask_collate, global_batch_size=G, microbatch_size=M_SIZE, num_workers=0)
+    taken, take = [], dm.take_host_counts
+    dm.take_host_counts = lambda: taken.append(take()) or taken[-1]  # type: ignore[method-assign]
     caught = fit(root, dm, SlowStepModule(str(root / "records")), STEPS)
+    # Every training microbatch was counted on the host, before its copy to the device.
+    assert len(taken) == 2 * STEPS and all(counts is not None for counts in taken)
     return read_metrics(root), caught, dataset
 
 
 def test_fast_data_logs_every_step_counts_tokens_exactly_and_does_not_warn(tmp_path: Path) -> None:
     rows, caught, dataset = mapstyle_run(tmp_path, delay=0.0)
     assert [int(row["step"]) for row in rows] == list(range(STEPS)), "one row per optimizer step"
-    assert caught == []
+    assert caught == [], [str(w.message) for w in caught]
     tokens_per_step: dict[int, int] = defaultdict(int)
     for record in read_records(tmp_path / "records"):
         tokens_per_step[record["step"]] += int(sum(dataset.lengths[i] for i in record["ids"]))
@@ -111,6 +115,24 @@ def test_slow_data_shows_in_wait_ms_and_warns_once_naming_the_fraction(tmp_path:
     assert "waited for data" in message and "data_wait_warning=0.2" in message
     fraction = float(message.split("waited for data ")[1].split("%")[0])
     assert 20 < fraction <= 100
+
+
+def test_validation_inside_the_epoch_is_not_counted_as_waiting(tmp_path: Path) -> None:
+    delay, samples = 0.02, 16  # each validation run sleeps 0.32 s
+    dm = D9DDataModule(
+        LengthDataset(400), mask_collate, global_batch_size=G, microbatch_size=M_SIZE, num_workers=0,
+        val_dataset=SlowDataset(samples, delay),
+    )  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=6, logger=CSVLogger(str(tmp_path / "logs")), log_every_n_steps=1,
+        val_check_interval=4, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(RecordingModule(str(tmp_path / "records")), datamodule=dm)
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 6
+    assert max(float(row["data/wait_ms"]) for row in rows[1:]) < 1000 * delay * samples / 2
+    assert max(float(row["data/step_ms"]) for row in rows[1:]) < 1000 * delay * samples
 
 
 def test_a_disabled_warning_and_no_logger_leave_a_slow_run_alone(tmp_path: Path) -> None:
