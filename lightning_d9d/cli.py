@@ -165,7 +165,7 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     return "\n".join(lines)
 
 
-_NO_TOKEN_COUNT = "tokens per step, padding: n/a (the batch has no attention_mask, input_ids or inputs)"
+_NO_TOKEN_COUNT = "tokens per step, padding: n/a (the batch has no attention_mask, targets or 2-D input_ids)"
 
 
 def _read_steps(
