@@ -20,7 +20,8 @@ optimizer step it measures, on the host clock (``time.perf_counter``):
 shares) through ``pl_module.log`` (so they follow ``log_every_n_steps``; each logged value is that step's), only
 when the trainer has a logger, and warns once per fit (``DataWaitWarning``) when the wait exceeds
 ``data_wait_warning`` of the step time over ``WINDOW_STEPS`` steps after ``WARMUP_STEPS`` (the first steps pay
-for worker start-up and the first fetches; each epoch's first step, which starts a new iterator, is left out).
+for worker start-up and the first fetches; each epoch's first step, which starts a new iterator, is left out),
+unless the wait is under ``MIN_WARNED_WAIT_S`` per microbatch (Lightning's own bookkeeping in toy-sized steps).
 
 Tokens are counted on the host copy of each training microbatch, in the DataModule's ``transfer_batch_to_device``
 before the copy (:func:`lightning_d9d.batches.count_tokens`): a count of a CUDA tensor would make the host wait
@@ -54,6 +55,9 @@ if TYPE_CHECKING:
 WARMUP_STEPS = 3
 # Steps the wait is judged over: enough that one slow fetch (a new file, a storage hiccup) does not warn alone.
 WINDOW_STEPS = 10
+# A wait under this per microbatch is not warned about whatever its share: Lightning's own per-batch bookkeeping
+# (metrics, loggers, hooks) takes a few milliseconds in the same gap, a large share only of toy-sized steps.
+MIN_WARNED_WAIT_S = 0.01
 DEFAULT_DATA_WAIT_WARNING = 0.2
 
 
@@ -250,9 +254,9 @@ class DataObserver:
         self._window.append((wait, elapsed))
         if len(self._window) < WINDOW_STEPS:
             return
-        total = sum(step for _, step in self._window)
-        fraction = sum(waited for waited, _ in self._window) / total if total > 0 else 0.0
-        if fraction <= threshold:
+        total, waited = sum(step for _, step in self._window), sum(waited for waited, _ in self._window)
+        fraction = waited / total if total > 0 else 0.0
+        if fraction <= threshold or waited < MIN_WARNED_WAIT_S * WINDOW_STEPS * self._datamodule.batches_per_step:
             return
         self._warned = True
         workers = getattr(self._datamodule, "num_workers", None)
