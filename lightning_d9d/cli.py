@@ -8,9 +8,9 @@ tokens per step, padding (and, with token budgets, the fill of the budget) and t
 
 How ``inspect`` measures: it runs ``prepare_data``/``setup`` as a world-size-1 DataModule (the order does not
 depend on world size, and microbatches are the same contiguous slices of each global batch at any world size),
-reads the first ``--steps`` global batches, and counts real tokens from the batch's ``attention_mask`` (a field
-or a key; a batch of packed rows without one counts every position); microbatches per step are computed for the
-world size the trainer config asks for (``num_nodes × devices``).
+reads the first ``--steps`` global batches, and counts real tokens as :func:`lightning_d9d.batches.count_tokens`
+does (the ``attention_mask``, a field or a key; packed rows: the positions with a target); microbatches per step
+are computed for the world size the trainer config asks for (``num_nodes × devices``).
 
 With token budgets the figures come from the epoch's plan itself (which samples form each microbatch, and
 their lengths): steps of the first two epochs, samples and tokens per step (mean, min, max), the fill (real
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_d9d.batches import count_tokens, row_sources
 from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
 from lightning_d9d.cli_errors import (
     CONFIGURATION_ERRORS,
@@ -164,7 +165,7 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     return "\n".join(lines)
 
 
-_NO_TOKEN_COUNT = "tokens per step, padding: n/a (the batch has no attention_mask, input_ids or inputs)"
+_NO_TOKEN_COUNT = "tokens per step, padding: n/a (the batch has no attention_mask, targets or 2-D input_ids)"
 
 
 def _read_steps(
@@ -176,7 +177,7 @@ def _read_steps(
     rows_by_source: Counter[int] = Counter()  # a mixture's rows per source
     for _ in range(steps * batches_per_step):
         batch = next(batches)
-        rows_by_source.update(_row_sources(batch))
+        rows_by_source.update(row_sources(batch))
         if first is None:
             first = batch[0] if packs else batch
         counts = count_tokens(batch)
@@ -223,12 +224,6 @@ def _data_parallel_size(datamodule: Any, trainer: Any, processes: int) -> int:
     if size is not None:
         return int(trainer.num_nodes) if size == "auto" else int(size)
     return processes
-
-
-def _row_sources(batch: Any) -> list[int]:
-    """Each row's source index of a ``PretrainingBatch`` (none for other batches)."""
-    sources = getattr(batch, "sources", None)
-    return sources.tolist() if isinstance(sources, torch.Tensor) else []
 
 
 def _pretraining_lines(datamodule: Any, trainer: Any, rows_by_source: Counter[int], steps: int) -> list[str]:
@@ -281,27 +276,6 @@ def describe_token_plan(datamodule: Any, world_size: int) -> list[str]:
     lines.append("first microbatch:")
     lines += [f"  {line}" for line in describe_batch(next(iter(datamodule.train_dataloader())))]
     return lines
-
-
-def count_tokens(batch: Any) -> tuple[int, int] | None:
-    """(real tokens, padded positions) of a batch with an ``attention_mask`` field or key, else ``None``."""
-    if isinstance(batch, (list, tuple)) and batch and not hasattr(batch, "_fields"):
-        parts = [count_tokens(part) for part in batch]  # a pack of microbatches (yield_packs=True)
-        if any(part is None for part in parts):
-            return None
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)  # type: ignore[index]
-    mask = _field(batch, "attention_mask")
-    if isinstance(mask, torch.Tensor):
-        return int(mask.sum()), mask.numel()
-    # Packed rows (e.g. the pretraining DataModule's) have no padding: every position is a token.
-    ids = _field(batch, "input_ids")
-    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-        return ids.numel(), ids.numel()
-    return None
-
-
-def _field(batch: Any, name: str) -> Any:
-    return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
 
 
 def describe_batch(batch: Any, name: str = "batch") -> list[str]:

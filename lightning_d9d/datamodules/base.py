@@ -14,6 +14,8 @@ This layer (``lightning_d9d.datamodules``) is the only one that imports Lightnin
   that step; one ``start_point``, free of side effects, decides where every epoch iteration begins;
 * **pinning and transfer**: pin only where the trainer's device is CUDA; ``transfer_batch_to_device`` copies
   with ``non_blocking=True`` and keeps the batch type;
+* **the data's speed** (:mod:`lightning_d9d.datamodules.observability`): ``data_wait_warning``, and the token
+  count of each training microbatch on the host before its copy, which the callback logs;
 * **shutdown**: the loaders it handed out are closed (worker processes stopped, there and then) when a new
   loader is made, at ``teardown`` and when training raises.
 
@@ -39,6 +41,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_d9d.checks import microbatches_per_step, one_of
 from lightning_d9d.datamodules.callback import DataModuleCallback
 from lightning_d9d.datamodules.data_parallel import DataParallelMixin
+from lightning_d9d.datamodules.observability import ObservedData
 from lightning_d9d.device.transfer import move_batch_to_device
 from lightning_d9d.resume import Fingerprint, InvalidDataState, SavedPosition, TrainPosition, mismatch_error
 
@@ -53,15 +56,15 @@ class ClosableLoader(Protocol):
 Loader = TypeVar("Loader", bound=ClosableLoader)
 
 
-class SteppedDataModule(DataParallelMixin, pl.LightningDataModule):
+class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule):
     """Base of every lightning_d9d DataModule: topology, steps, the resume contract, counters, pinning, shutdown.
 
     Subclasses set ``global_batch_size`` and ``microbatch_size`` (or override ``microbatches_for`` and
     ``describe_step`` to size steps otherwise), ``pin_memory``, ``yield_packs``, ``on_order_mismatch``,
-    ``data_parallel`` and ``verify_peers``; ``setup`` starts with ``resolve_topology()``, sets ``fingerprint`` and
-    calls ``start_fit()`` for the fit stage; they deal data by ``dp_rank`` of ``dp_size``; they define
-    ``steps_per_epoch`` (and ``steps_in_epoch`` and ``reloads_train_loader_every_epoch`` where epochs differ)
-    and may add to the state with ``extra_state``/``restore_extra_state``.
+    ``data_parallel``, ``verify_peers`` and ``data_wait_warning``; ``setup`` starts with ``resolve_topology()``,
+    sets ``fingerprint`` and calls ``start_fit()`` for the fit stage; they deal data by ``dp_rank`` of
+    ``dp_size``; they define ``steps_per_epoch`` (and ``steps_in_epoch`` and ``reloads_train_loader_every_epoch``
+    where epochs differ) and may add to the state with ``extra_state``/``restore_extra_state``.
     """
 
     global_batch_size: int | None
@@ -240,6 +243,7 @@ class SteppedDataModule(DataParallelMixin, pl.LightningDataModule):
     # ------------------------------------------------------------------ devices
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a (pinned) batch with ``non_blocking=True``, keeping its type; a pass-through on CPU."""
+        self.count_host_batch(batch)  # a training batch's tokens, counted on the host before the copy
         return move_batch_to_device(batch, device)
 
     def resolve_pin_memory(self) -> bool:

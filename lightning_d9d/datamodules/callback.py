@@ -17,7 +17,11 @@ This callback keeps them in agreement, so the DataModule itself never edits the 
   optimizer steps of a fit (and of its first validation run) is digested at ``on_train_batch_start``; at the
   step's last microbatch every process all-gathers the digests and the processes of each data-parallel replica
   must agree. Every process reaches the same points (each runs M microbatches per step), so the collective
-  never waits on a process that skipped it.
+  never waits on a process that skipped it;
+* the data's speed (:mod:`lightning_d9d.datamodules.observability`): every optimizer step's wait for data and
+  tokens per second, logged under ``data/`` where the trainer has a logger, and a warning when the wait is a
+  large share of the step time (``data_wait_warning``). This callback is added after the trainer's own
+  callbacks, so its ``on_train_batch_end`` (where a microbatch's end is taken) runs after theirs.
 
 Trade-off: aligning Lightning's counters and reading its checkpointed loop state touch its loop internals
 (``fit_loop.epoch_loop.batch_progress``, the loops' saved progress); tests pin this down so an upgrade that
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
+from lightning_d9d.datamodules.observability import DataObserver
 from lightning_d9d.peer_check import batch_digest, verify_peer_step
 from lightning_d9d.resume import InvalidDataState
 
@@ -45,6 +50,7 @@ class DataModuleCallback(pl.Callback):
         self._datamodule = datamodule
         self._checkpoint_keys: list[str] | None = None
         self._peers = _PeerCheck(datamodule)
+        self._observer = DataObserver(datamodule)
 
     @classmethod
     def attach(cls, trainer: pl.Trainer, datamodule: SteppedDataModule) -> None:
@@ -142,13 +148,28 @@ class DataModuleCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.align_lightning_progress(trainer)
         self._peers.start()
+        self._observer.fit_start(trainer)
 
-    # ------------------------------------------------------------------ the peer check
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._observer.fit_end()
+
+    # ------------------------------------------------------------------ the peer check and the data's speed
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._observer.epoch_start()
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        self._observer.batch_start(batch)  # first: the wait ends here, not after the digest
         self._peers.collect(trainer, batch)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         self._peers.verify_if_step_ends()
+        self._observer.batch_end(pl_module)  # last: the peers' all-gather is not a wait for data
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._observer.validation_start(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._observer.validation_end(trainer)
 
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any

@@ -39,6 +39,7 @@ from torch.utils.data import Dataset
 
 from lightning_d9d.checks import non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
+from lightning_d9d.datamodules.observability import DEFAULT_DATA_WAIT_WARNING
 from lightning_d9d.mapstyle.loader import StepSchedule, TrainLoader, ValidationLoader
 from lightning_d9d.mapstyle.order import GlobalBatchOrder
 from lightning_d9d.mapstyle.plan import TokenBudget, TokenPlan
@@ -103,16 +104,18 @@ class D9DDataModule(SteppedDataModule):
         verify_peers: the first N optimizer steps of each fit (and its first validation run) compare their
             microbatches among each replica's processes, one all-gather per step; a difference raises, naming
             the step and the processes (0: off).
+        data_wait_warning: warn once per fit when training waits for data more than this fraction of its step
+            time (0 to 1; ``None`` or 0: never); docs/observability.md.
 
     Raises:
         ValueError: non-positive sizes; both or neither of ``global_batch_size``/``global_batch_tokens``; a
             setting of the other mode; ``global_batch_tokens`` not a multiple of ``microbatch_tokens``; a buffer
             smaller than G; a padded collate with ``padding_free`` (or a flattening one without); an unknown
-            ``on_order_mismatch``; a malformed ``data_parallel``; a ``microbatch_tokens`` not a multiple of the
-            collate's ``2 × context_parallel_size`` — at construction. A ``data_parallel`` that cannot be resolved
-            (e.g. a mesh without the named dims), G (or P) not divisible by the data-parallel size (× m), a
-            dataset shorter than one step, a missing or non-comparable sort key, a sample longer than
-            ``microbatch_tokens`` (naming it), a conflicting ``accumulate_grad_batches`` or
+            ``on_order_mismatch``; a malformed ``data_parallel``; a ``data_wait_warning`` outside 0..1; a
+            ``microbatch_tokens`` not a multiple of the collate's ``2 × context_parallel_size`` — at construction.
+            A ``data_parallel`` that cannot be resolved (e.g. a mesh without the named dims), G (or P) not divisible by
+            the data-parallel size (× m), a dataset shorter than one step, a missing or non-comparable sort key, a
+            sample longer than ``microbatch_tokens`` (naming it), a conflicting ``accumulate_grad_batches`` or
             ``reload_dataloaders_every_n_epochs`` — in ``setup``.
         InvalidLengthError: (a ``ValueError`` and a ``TypeError``) with token budgets, a length that is not a
             whole number >= 1, or a sort-key column that is not numeric (naming the sample or column) — in
@@ -140,9 +143,10 @@ class D9DDataModule(SteppedDataModule):
         pad_to_multiple_of: PositiveInt | None = None,
         data_parallel: DataParallelSetting = None,
         verify_peers: NonNegativeInt = 0,
+        data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING,
     ):
         super().__init__()
-        self.data_parallel, self.verify_peers = data_parallel, verify_peers
+        self.data_parallel, self.verify_peers, self.data_wait_warning = data_parallel, verify_peers, data_wait_warning
         self.collate_fn = collate_fn if collate_fn is not None else torch.utils.data.default_collate
         self.steps: StepSizing = step_sizing(
             global_batch_size,
@@ -276,18 +280,10 @@ class D9DDataModule(SteppedDataModule):
         start_point: Callable[[], tuple[int, int]],
     ) -> TrainLoader:
         return TrainLoader(
-            self.train_dataset,
-            self.collate_fn,
-            self._require_schedule(),
-            dp_size=dp_size,
-            dp_rank=dp_rank,
-            microbatches_per_step=self.microbatches_for(dp_size),
-            position=position,
-            start_point=start_point,
-            num_workers=self.num_workers,
-            pin_memory=self.resolve_pin_memory(),
-            yield_packs=self.yield_packs,
-        )
+            self.train_dataset, self.collate_fn, self._require_schedule(), dp_size=dp_size, dp_rank=dp_rank,
+            microbatches_per_step=self.microbatches_for(dp_size), position=position, start_point=start_point,
+            num_workers=self.num_workers, pin_memory=self.resolve_pin_memory(), yield_packs=self.yield_packs,
+        )  # fmt: skip
 
     def val_dataloader(self) -> ValidationLoader | list:
         if self.val_dataset is None:

@@ -178,6 +178,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             are dealt to replicas; the processes of one replica read the same streams and get the same rows.
         verify_peers: the first N optimizer steps of each fit compare their microbatches among each replica's
             processes (one all-gather per step); a difference raises, naming the step and processes (0: off).
+        data_wait_warning: warn once a fit if it waits for data over this share of its steps (docs/observability.md).
 
     Raises:
         ValueError: at construction, a bad size or setting (naming it); in ``setup``, no file matches, a file two
@@ -229,9 +230,10 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         on_malformed: Literal["error", "skip"] = "error",
         data_parallel: DataParallelSetting = None,
         verify_peers: NonNegativeInt = 0,
+        data_wait_warning: float | None = 0.2,
     ):
         super().__init__()
-        self.data_parallel, self.verify_peers = data_parallel, verify_peers
+        self.data_parallel, self.verify_peers, self.data_wait_warning = data_parallel, verify_peers, data_wait_warning
         self.settings = StreamSettings(
             seq_len=seq_len, global_batch_size=global_batch_size, packing=packing, seed=seed, num_streams=num_streams,
             bestfit_buffer_size=bestfit_buffer_size, max_document_chars=max_document_chars,

@@ -12,6 +12,7 @@ run's figures only with one rank; summing them over ranks is the caller's choice
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,6 +98,28 @@ class PretrainingReports:
         for state in self.position.states.values():
             totals.add(state.counters)
         return totals.to_dict()
+
+    def step_metrics(self, rows_by_source: Counter[int]) -> dict[str, float]:
+        """What the callback logs per optimizer step beside the timing (see
+        :mod:`~lightning_d9d.datamodules.observability`).
+
+        ``data/fill``: document tokens over the row positions yielded so far (``bestfit_split``'s padding is the
+        rest); ``data/cropped``: tokens that ``bestfit``'s crops dropped over the document tokens taken; both
+        from :meth:`stream_stats`, this rank's streams since the run began (a resume continues them), as of the
+        latest step the loader handed out. A mixture adds ``data/share/<source>``: each source's share of this
+        step's rows on this rank (``rows_by_source``, by index into :attr:`source_names`).
+        """
+        stats = self.stream_stats()
+        positions = stats["emitted"] + stats["padding"]
+        metrics = {
+            "data/fill": stats["emitted"] / positions if positions else 1.0,
+            "data/cropped": stats["cropped"] / stats["tokens"] if stats["tokens"] else 0.0,
+        }
+        names = self.source_names
+        rows = sum(rows_by_source.values())
+        if len(names) > 1 and rows:
+            metrics.update({f"data/share/{name}": rows_by_source[i] / rows for i, name in enumerate(names)})
+        return metrics
 
     @staticmethod
     def _require(value: Any) -> Any:

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_d9d.checks import plain_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch
 from lightning_d9d.datamodules.d9d import D9DDataModule
+from lightning_d9d.datamodules.observability import DEFAULT_DATA_WAIT_WARNING
 from lightning_d9d.demo.conversations import DEMO_CHAT, build_demo_conversations
 from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
@@ -89,8 +90,8 @@ class TextDataModule(D9DDataModule):
             post-processor's, else a usual EOS of its vocabulary; none of these is an error.
         context_parallel_size: the CP size batches are laid out for: each document padded to a multiple of
             2 × it (docs/model_parallelism.md; slice with ``context_parallel.cp_shard_batch``).
-        data_parallel, verify_peers: which processes share data, and the opt-in peer check (see
-            :class:`D9DDataModule`).
+        data_parallel, verify_peers, data_wait_warning: which processes share data, the opt-in peer check and
+            the warning when training waits for data (see :class:`D9DDataModule`).
 
     Raises:
         ValueError: a bad size or setting (at construction); in ``prepare_data``/``setup``: a missing column, an
@@ -136,6 +137,7 @@ class TextDataModule(D9DDataModule):
         context_parallel_size: PositiveInt = 1,
         data_parallel: DataParallelSetting = None,
         verify_peers: NonNegativeInt = 0,
+        data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING,
     ):
         self.max_length, self.num_proc = _checked_arguments(dataset, tokenizer, max_length, num_proc)
         columns, demo = Columns(text_column, prompt_column, completion_column, messages_column), tokenizer == DEMO
@@ -156,7 +158,7 @@ class TextDataModule(D9DDataModule):
             yield_packs=yield_packs, on_order_mismatch=on_order_mismatch,
             global_batch_tokens=plain_int(global_batch_tokens), microbatch_tokens=plain_int(microbatch_tokens),
             padding_free=padding_free, pad_to_multiple_of=None if padding_free else int(pad_to_multiple_of),
-            data_parallel=data_parallel, verify_peers=plain_int(verify_peers),
+            data_parallel=data_parallel, verify_peers=plain_int(verify_peers), data_wait_warning=data_wait_warning,
         )  # fmt: skip
 
     @property
@@ -191,30 +193,17 @@ class TextDataModule(D9DDataModule):
         """Load split ``getattr(self, which)`` and tokenize it, or open the cached result of an earlier run."""
         dataset_path, tokenizer_path = self.resolved_paths()
         recipe, sft = self.finetuning.split(
-            dataset_path,
-            getattr(self, which),
-            tokenizer_path,
-            self.max_length,
-            name=self.dataset,
-            data_files=self.data_files,
-            cache_dir=self.cache_dir,
-            num_proc=self.num_proc,
-        )
+            dataset_path, getattr(self, which), tokenizer_path, self.max_length, name=self.dataset,
+            data_files=self.data_files, cache_dir=self.cache_dir, num_proc=self.num_proc,
+        )  # fmt: skip
         if sft is not None:
             self.sft.record(which, recipe, sft)
             self._set_pad_token_id(pad_token_id(read_tokenizer(tokenizer_path)))
             return sft.dataset
         tokenized = tokenized_split(
-            dataset_path,
-            getattr(self, which),
-            tokenizer_path,
-            self.text_column,
-            self.max_length,
-            data_files=self.data_files,
-            cache_dir=self.cache_dir,
-            num_proc=self.num_proc,
-            name=self.dataset,
-        )
+            dataset_path, getattr(self, which), tokenizer_path, self.text_column, self.max_length,
+            data_files=self.data_files, cache_dir=self.cache_dir, num_proc=self.num_proc, name=self.dataset,
+        )  # fmt: skip
         self._set_pad_token_id(tokenized.pad_token_id)
         return tokenized.dataset
 

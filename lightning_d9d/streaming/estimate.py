@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lightning_d9d.progress import count_progress
 from lightning_d9d.streaming.bestfit import BestFitPacker
 from lightning_d9d.streaming.memory import SAMPLE_CHARS, SAMPLE_DOCUMENT_CHARS
 from lightning_d9d.streaming.tokenize import encode_documents
@@ -63,6 +64,9 @@ def estimate_pass(
     groups = min(len(candidates), sample_groups)
     per_group, group_chars = max(1, -(-sample_docs // groups)), max(1, sample_chars // groups)
     raw, chars, kept = 0, 0, []
+    # Each group visited is a storage read: a bar (in sampled rows, as the sample may end early on characters)
+    # where several groups are read.
+    bar = count_progress(min(sample_docs, index.total_rows), "estimating one pass", "row", len(order))
     for group in order.tolist():
         if raw >= sample_docs or chars >= sample_chars:
             break
@@ -72,8 +76,10 @@ def estimate_pass(
         taken = int(np.searchsorted(sizes, group_chars)) + 1
         texts = texts[:taken]
         raw += len(texts)
+        bar.update(len(texts))
         chars += int(sizes[len(texts) - 1]) if texts else 0
         kept.extend(text for text in texts if text)
+    bar.close()
     # A document longer than SAMPLE_DOCUMENT_CHARS counts as its first characters' tokens scaled by its length.
     limit = SAMPLE_DOCUMENT_CHARS
     encodings = encode_documents(tokenizer, [text[:limit] for text in kept])

@@ -44,6 +44,7 @@ import pyarrow.fs as pafs
 import pyarrow.json as pajson
 import zstandard
 
+from lightning_d9d.progress import byte_progress
 from lightning_d9d.streaming.storage import Storage, StorageError, canonical, redact
 
 # The suffixes of JSONL files (matched case-insensitively) and their compression. Plain ``.json`` is left out: it
@@ -346,8 +347,10 @@ def scan_jsonl(
             return cached
 
     def scan() -> JsonlLayout:
-        with fs.open_input_stream(fs_path, compression=None) as stream:
-            return _scan(stream, compression, identity, path)
+        # A bar per attempt: a retried scan starts again from the file's first byte.
+        bar = byte_progress(info.size, f"scanning {os.path.basename(fs_path)}")
+        with fs.open_input_stream(fs_path, compression=None) as stream, bar:
+            return _scan(stream, compression, identity, path, bar.update)
 
     layout = _checked(storage, scan, path)
     if cache_dir is not None:
@@ -371,8 +374,11 @@ def _checked(storage: Storage, action: Callable[[], Any], path: str) -> Any:
         raise ValueError(f"cannot read JSONL file {redact(path)!r}: {err}") from err
 
 
-def _scan(stream: Any, compression: Compression, identity: dict[str, Any], path: str) -> JsonlLayout:
-    """The layout of the file ``stream`` reads, in one pass that hashes its stored bytes and cuts its text."""
+def _scan(
+    stream: Any, compression: Compression, identity: dict[str, Any], path: str, on_read: Callable[[int], Any]
+) -> JsonlLayout:
+    """The layout of the file ``stream`` reads, in one pass that hashes its stored bytes and cuts its text;
+    ``on_read`` is told the size of every piece read (a progress bar)."""
     digest = hashlib.sha256()  # with SHA instructions faster than decompression, and collisions out of reach
     stored = 0
 
@@ -381,6 +387,7 @@ def _scan(stream: Any, compression: Compression, identity: dict[str, Any], path:
         chunk = stream.read(size)
         digest.update(chunk)
         stored += len(chunk)
+        on_read(len(chunk))
         return chunk
 
     frames = _Frames([], [], [])

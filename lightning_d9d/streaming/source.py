@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from lightning_d9d.progress import progress
 from lightning_d9d.streaming.jsonl import DEFAULT_GROUP_BYTES, JsonlLayout, is_jsonl, read_jsonl_group, scan_jsonl
 from lightning_d9d.streaming.storage import Storage, StorageError, canonical, parse_url, redact, with_query
 
@@ -261,7 +262,8 @@ class RowGroupIndex:
         storage = storage or Storage()
         groups: list[tuple[int, int, int, bool]] = []  # (file, group in file, rows, text-free) per row group
         file_digests, layouts = [], {}
-        for file_index, path in enumerate(files):
+        # Each file costs a footer read (a request on object storage) or a JSONL scan: many files take a while.
+        for file_index, path in enumerate(progress(files, len(files), "reading footers and layouts", "file")):
             if is_jsonl(path):
                 layout = scan_jsonl(path, storage, group_bytes=JSONL_GROUP_BYTES, cache_dir=layout_cache)
                 layouts[file_index] = layout

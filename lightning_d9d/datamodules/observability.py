@@ -1,0 +1,270 @@
+"""The pipeline's speed, visible: per optimizer step, how long training waited for data and how many tokens it got.
+
+:class:`StepTimer` is driven by :class:`~lightning_d9d.datamodules.callback.DataModuleCallback`'s hooks. For each
+optimizer step it measures, on the host clock (``time.perf_counter``):
+
+* **wait**: the sum, over the step's microbatches, of the time between the end of the previous microbatch
+  (the callback's ``on_train_batch_end``; for an epoch's first microbatch, ``on_train_epoch_start``) and this
+  microbatch's ``on_train_batch_start``. Lightning's fetcher holds one batch ahead: in that gap its ``next()``
+  hands out the batch it already holds and then fetches the *following* one, so a gap is mostly the wait for the
+  next microbatch to come out of the loader (a slow loader shows there, one microbatch early), plus the
+  host-to-device copy of this microbatch and whatever Lightning runs between the two hooks (the
+  LightningModule's own ``on_train_batch_end``, Lightning's per-batch metric and logger bookkeeping, earlier
+  callbacks' ``on_train_batch_start``; not this module's own logging).
+  A validation run inside the epoch is cut out of it (from ``on_validation_start`` to ``on_validation_end``);
+* **step time**: wall time from the previous step's end (or the epoch's start) to this step's last
+  ``on_train_batch_end``, validation cut out the same way; the wait is part of it.
+
+:class:`DataObserver` turns a step's figures into logged values (``data/wait_ms``, ``data/step_ms``,
+``data/tokens``, ``data/tokens_per_s`` and what the DataModule adds, e.g. a pretraining run's fill and source
+shares) through ``pl_module.log`` (so they follow ``log_every_n_steps``; each logged value is that step's), only
+when the trainer has a logger, and warns once per fit (``DataWaitWarning``) when the wait exceeds
+``data_wait_warning`` of the step time over ``WINDOW_STEPS`` steps after ``WARMUP_STEPS`` (the first steps pay
+for worker start-up and the first fetches; each epoch's first step, which starts a new iterator, is left out),
+unless the wait is under ``MIN_WARNED_WAIT_S`` per microbatch (Lightning's own bookkeeping in toy-sized steps).
+
+Tokens are counted on the host copy of each training microbatch, in the DataModule's ``transfer_batch_to_device``
+before the copy (:func:`lightning_d9d.batches.count_tokens`): a count of a CUDA tensor would make the host wait
+for the device every microbatch. Where a LightningModule replaces that hook, the batch is counted on its device at
+``on_train_batch_start`` instead.
+
+Trade-off: every value is this process's own (no collective per step): the logger writes rank 0's, which is the
+run's wait as long as ranks load alike; a rank that waits longer shows only on its own clock. Host-clock times on
+CUDA are those of the host, which may run ahead of the device: a wait the device's queued work hides is counted,
+though it costs nothing, so read the wait as a fraction of the step time, where a data-bound run shows.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_d9d.batches import count_tokens, row_sources
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_d9d.datamodules.base import SteppedDataModule
+
+# Steps a fit runs before its wait is judged: the first pays for worker start-up and the first fetches (the
+# fetcher's lookahead included), and the next ones for the workers' own prefetch filling up.
+WARMUP_STEPS = 3
+# Steps the wait is judged over: enough that one slow fetch (a new file, a storage hiccup) does not warn alone.
+WINDOW_STEPS = 10
+# A wait under this per microbatch is not warned about whatever its share: Lightning's own per-batch bookkeeping
+# (metrics, loggers, hooks) takes a few milliseconds in the same gap, a large share only of toy-sized steps.
+MIN_WARNED_WAIT_S = 0.01
+DEFAULT_DATA_WAIT_WARNING = 0.2
+
+
+class DataWaitWarning(UserWarning):
+    """The training loop waited for data more than ``data_wait_warning`` of its step time."""
+
+
+def check_data_wait_warning(value: Any) -> float | None:
+    """``value`` as a fraction of the step time, ``None`` where it turns the warning off (``None`` or 0).
+
+    Raises:
+        ValueError: ``value`` is not a number from 0 to 1 (or ``None``), naming it.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(
+            f"data_wait_warning must be a fraction of the step time from 0 to 1 (0 or None: no warning), got {value!r}"
+        )
+    return float(value) or None
+
+
+class ObservedData:
+    """What a DataModule shares with its :class:`DataObserver`: ``data_wait_warning`` and the host counts of the
+    training microbatch in flight. Mixed into :class:`~lightning_d9d.datamodules.base.SteppedDataModule`."""
+
+    _data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING
+    _count_host_batches = False  # set by the observer while a fit with a logger runs
+    _host_counts: BatchCounts | None = None
+
+    @property
+    def data_wait_warning(self) -> float | None:
+        """Warn once per fit when training waits for data more than this fraction of its step time (``None``: no
+        warning); see :mod:`lightning_d9d.datamodules.observability`."""
+        return self._data_wait_warning
+
+    @data_wait_warning.setter
+    def data_wait_warning(self, value: float | None) -> None:
+        self._data_wait_warning = check_data_wait_warning(value)
+
+    def count_host_batch(self, batch: Any) -> None:
+        """Count a training microbatch on the host, before it is moved (``transfer_batch_to_device`` calls it)."""
+        trainer = getattr(self, "trainer", None)
+        if self._count_host_batches and trainer is not None and trainer.training:
+            self._host_counts = BatchCounts.of(batch)
+
+    def take_host_counts(self) -> BatchCounts | None:
+        """The counts of the microbatch last moved (once: the next call gives ``None`` until another is moved)."""
+        counts, self._host_counts = self._host_counts, None
+        return counts
+
+    def step_metrics(self, rows_by_source: collections.Counter[int]) -> dict[str, float]:
+        """What a DataModule logs beside the timing, per optimizer step (``rows_by_source``: the step's rows per
+        source index); nothing unless a subclass says."""
+        return {}
+
+
+@dataclass
+class BatchCounts:
+    """One microbatch's real tokens (``None``: not countable) and rows per source."""
+
+    tokens: int | None
+    sources: collections.Counter[int]
+
+    @classmethod
+    def of(cls, batch: Any) -> BatchCounts:
+        counts = count_tokens(batch)
+        return cls(None if counts is None else counts[0], collections.Counter(row_sources(batch)))
+
+
+class StepTimer:
+    """Wait and wall time per optimizer step, from the callback's hook times (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._mark: float | None = None  # the end of the last microbatch (or the epoch's start)
+        self._step_start = 0.0
+        self._wait = 0.0
+        self._paused_at: float | None = None
+
+    def epoch_start(self, now: float) -> None:
+        self._mark = self._step_start = now
+        self._wait = 0.0
+
+    def batch_start(self, now: float) -> None:
+        if self._mark is not None:
+            self._wait += now - self._mark
+
+    def batch_end(self, now: float) -> None:
+        self._mark = now
+
+    def step_end(self, now: float) -> tuple[float, float]:
+        """(wait, step time) in seconds of the step that ended ``now``; the next step starts now."""
+        figures = (self._wait, now - self._step_start)
+        self._step_start, self._wait = now, 0.0
+        return figures
+
+    def pause(self, now: float) -> None:
+        self._paused_at = now
+
+    def resume(self, now: float) -> None:
+        """Cut the time since ``pause`` out of the current gap and step (a validation run inside the epoch)."""
+        if self._paused_at is None or self._mark is None:
+            return
+        paused, self._paused_at = now - self._paused_at, None
+        self._mark += paused
+        self._step_start += paused
+
+
+class DataObserver:
+    """Times one DataModule's training steps, logs their data figures and warns when the loop waits for data.
+
+    Args:
+        datamodule: the DataModule whose steps are timed (its ``batches_per_step`` and ``data_wait_warning``).
+    """
+
+    def __init__(self, datamodule: SteppedDataModule):
+        self._datamodule = datamodule
+        self._timer = StepTimer()
+        self._logging = False
+        self._microbatches, self._tokens, self._sources = 0, 0, collections.Counter()
+        self._countable = True
+        self._steps, self._warned, self._epoch_steps = 0, False, 0
+        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW_STEPS)
+
+    def fit_start(self, trainer: pl.Trainer) -> None:
+        self._logging = bool(trainer.loggers)
+        self._datamodule._count_host_batches = self._logging
+        self._steps, self._warned = 0, False
+        self._window.clear()
+
+    def fit_end(self) -> None:
+        self._datamodule._count_host_batches = False
+        self._datamodule._host_counts = None
+
+    def epoch_start(self) -> None:
+        self._timer.epoch_start(time.perf_counter())
+        self._start_step()
+        self._epoch_steps = 0
+
+    def batch_start(self, batch: Any) -> None:
+        self._timer.batch_start(time.perf_counter())
+        if not self._logging:
+            return
+        counts = self._datamodule.take_host_counts()
+        if counts is None:  # the LightningModule moved the batch itself: count it where it is
+            counts = BatchCounts.of(batch)
+        if counts.tokens is None:
+            self._countable = False
+        else:
+            self._tokens += counts.tokens
+        self._sources.update(counts.sources)
+
+    def batch_end(self, pl_module: pl.LightningModule) -> None:
+        now = time.perf_counter()
+        self._microbatches += 1
+        if self._microbatches >= self._datamodule.batches_per_step:
+            wait, elapsed = self._timer.step_end(now)
+            if self._logging:
+                pl_module.log_dict(self._metrics(wait, elapsed), on_step=True, on_epoch=False)
+            self._epoch_steps += 1
+            if self._epoch_steps > 1:  # an epoch's first step waits for a new iterator (workers start again)
+                self._judge(wait, elapsed, pl_module.trainer.global_step)
+            self._start_step()
+        # The gap starts after this bookkeeping: logging these figures is not a wait for data.
+        self._timer.batch_end(time.perf_counter())
+
+    def validation_start(self, trainer: pl.Trainer) -> None:
+        if not trainer.sanity_checking:
+            self._timer.pause(time.perf_counter())
+
+    def validation_end(self, trainer: pl.Trainer) -> None:
+        if not trainer.sanity_checking:
+            self._timer.resume(time.perf_counter())
+
+    def _start_step(self) -> None:
+        self._microbatches, self._tokens, self._countable = 0, 0, True
+        self._sources = collections.Counter()
+
+    def _metrics(self, wait: float, elapsed: float) -> dict[str, float]:
+        metrics = {"data/wait_ms": 1000.0 * wait, "data/step_ms": 1000.0 * elapsed}
+        if self._countable:
+            metrics["data/tokens"] = float(self._tokens)
+            metrics["data/tokens_per_s"] = self._tokens / elapsed if elapsed > 0 else 0.0
+        metrics.update(self._datamodule.step_metrics(self._sources))
+        return metrics
+
+    def _judge(self, wait: float, elapsed: float, global_step: int) -> None:
+        """Warn once per fit when the last ``WINDOW_STEPS`` steps after the warm-up (each epoch's first step left
+        out) waited too long for data."""
+        self._steps += 1
+        threshold = self._datamodule.data_wait_warning
+        if self._warned or not threshold or self._steps <= WARMUP_STEPS:
+            return
+        self._window.append((wait, elapsed))
+        if len(self._window) < WINDOW_STEPS:
+            return
+        total, waited = sum(step for _, step in self._window), sum(waited for waited, _ in self._window)
+        fraction = waited / total if total > 0 else 0.0
+        if fraction <= threshold or waited < MIN_WARNED_WAIT_S * WINDOW_STEPS * self._datamodule.batches_per_step:
+            return
+        self._warned = True
+        workers = getattr(self._datamodule, "num_workers", None)
+        rank_zero_warn(
+            f"the training loop waited for data {fraction:.0%} of its step time over the {WINDOW_STEPS} optimizer "
+            f"steps before step {global_step} (more than data_wait_warning={threshold:g}): the data does not keep "
+            f"up with training. Give it more workers (num_workers={workers}) or cheaper samples, or pass "
+            "data_wait_warning=None to silence this; data/wait_ms in the logs shows the wait of every step "
+            "(docs/observability.md)",
+            category=DataWaitWarning,
+        )
