@@ -4,8 +4,9 @@ One 2-process launch runs every fit in turn (Lightning re-runs the script per ra
 D9DDataModule on 1×2 (data × tensor parallel), 2×1 and plain DDP, resumed across 1×2 → 2×1 and 2×1 → 1×2;
 TextDataModule with padding-free token budgets laid out for context parallelism on 1×2 and 2×1, resumed
 1×2 → 2×1; PretrainingDataModule (a two-source mixture packed ``bestfit_split``) on 1×2, 2×1 and plain DDP,
-resumed 1×2 → 2×1; a DataModule that deals by process under TP (the peer check must stop it at step 0); and a mesh dim
-that does not exist. A 4-process launch runs 2×2. Every microbatch of every process is recorded.
+resumed 1×2 → 2×1, and laid out for context parallelism (``bestfit``, c = 2) on 1×2 and 2×1; a DataModule that
+deals by process under TP (the peer check must stop it at step 0); and a mesh dim that does not exist. A
+4-process launch runs 2×2. Every microbatch of every process is recorded.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ TEXT_BUDGET = {"global_batch_tokens": 512, "microbatch_tokens": 128}  # P = 4 mi
 LAYOUTS = {"d_tp": (1, 2), "d_dp": (2, 1), "d_ddp": (2, 1), "d_tp_to_dp": (2, 1), "d_dp_to_tp": (1, 2)}
 LAYOUTS |= {"t_tp": (1, 2), "t_dp": (2, 1), "t_tp_to_dp": (2, 1), "d_2x2": (2, 2)}
 LAYOUTS |= {"p_tp": (1, 2), "p_dp": (2, 1), "p_ddp": (2, 1), "p_tp_to_dp": (2, 1)}
+LAYOUTS |= {"p_cp_tp": (1, 2), "p_cp_dp": (2, 1)}
+P_CP = {"context_parallel_size": 2, "packing": "bestfit"}  # rows laid out for 2 CP ranks
 P_G, P_M_SIZE, P_STEPS = 8, 2, 4  # pretraining: 4 steps of 8 rows, microbatches of 2, K = 4 streams
 
 
@@ -111,6 +114,8 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict, 
         {"name": "p_dp", "strategy": [2, 1], **pretraining},
         {"name": "p_ddp", "strategy": "ddp", **pretraining},
         {"name": "p_tp_to_dp", "strategy": [2, 1], "ckpt_path": f"{ckpt['p_tp']}/epoch=0-step=2.ckpt", **pretraining},
+        {"name": "p_cp_tp", "strategy": [1, 2], **pretraining, "options": {**pretraining_options, **P_CP}},
+        {"name": "p_cp_dp", "strategy": [2, 1], **pretraining, "options": {**pretraining_options, **P_CP}},
         {"name": "broken", "data": "d9d_by_process", "strategy": [1, 2], "options": {**D9D, "verify_peers": 1},
          "expect_error": "optimizer step 0"},
         {"name": "bad_dims", "strategy": [1, 2], "options": {"data_parallel": ["dp_shard"]},
@@ -156,12 +161,16 @@ def text_steps(text_options: dict) -> dict[int, list[str]]:
     return {step: sorted(digests) for step, digests in steps.items()}
 
 
-@pytest.fixture(scope="module")
-def pretraining_steps(pretraining_options: dict) -> dict[int, list[str]]:
+def one_replica_steps(options: dict) -> dict[int, list[str]]:
     """Step -> sorted digests of its rows, from one replica without a Trainer."""
-    dm = PretrainingDataModule(**pretraining_options)
+    dm = PretrainingDataModule(**options)
     dm.setup("fit")
     return {step: sorted(d for _, d in rows) for step, rows in enumerate(run_steps(dm, P_STEPS))}
+
+
+@pytest.fixture(scope="module")
+def pretraining_steps(pretraining_options: dict) -> dict[int, list[str]]:
+    return one_replica_steps(pretraining_options)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -279,6 +288,19 @@ def test_pretraining_streams_are_dealt_by_replica_and_every_layout_trains_the_sa
     assert {where[2] for where in val} == set(range(dp)), "validation split among replicas"
     for where, processes in val.items():
         assert len(processes) == tp and len({tuple(s) for s in processes.values()}) == 1, where
+
+
+@pytest.mark.slow
+def test_pretraining_rows_laid_out_for_context_parallelism_are_the_same_on_every_layout(
+    two_processes: dict, pretraining_options: dict
+) -> None:
+    """Peers get the same microbatches (``cu_seqlens_padded`` included: the digest covers every tensor)."""
+    reference = one_replica_steps({**pretraining_options, **P_CP})
+    for run in ("p_cp_tp", "p_cp_dp"):
+        dp, tp = LAYOUTS[run]
+        records = read_records(two_processes["records"], run=run)
+        assert_layout(records, dp, tp, P_G // (dp * P_M_SIZE))
+        assert union_per_step(records, "rows") == reference, run
 
 
 @pytest.mark.slow
