@@ -6,7 +6,8 @@ TextDataModule with padding-free token budgets laid out for context parallelism 
 1×2 → 2×1; PretrainingDataModule (a two-source mixture packed ``bestfit_split``) on 1×2, 2×1 and plain DDP,
 resumed 1×2 → 2×1, and laid out for context parallelism (``bestfit``, c = 2) on 1×2 and 2×1; a DataModule that
 deals by process under TP (the peer check must stop it at step 0); and a mesh dim that does not exist. A
-4-process launch runs 2×2. Every microbatch of every process is recorded.
+4-process launch runs D9DDataModule and PretrainingDataModule on 2×2, the latter resumed on 4×1. Every
+microbatch of every process is recorded.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ TEXT_BUDGET = {"global_batch_tokens": 512, "microbatch_tokens": 128}  # P = 4 mi
 LAYOUTS = {"d_tp": (1, 2), "d_dp": (2, 1), "d_ddp": (2, 1), "d_tp_to_dp": (2, 1), "d_dp_to_tp": (1, 2)}
 LAYOUTS |= {"t_tp": (1, 2), "t_dp": (2, 1), "t_tp_to_dp": (2, 1), "d_2x2": (2, 2)}
 LAYOUTS |= {"p_tp": (1, 2), "p_dp": (2, 1), "p_ddp": (2, 1), "p_tp_to_dp": (2, 1)}
-LAYOUTS |= {"p_cp_tp": (1, 2), "p_cp_dp": (2, 1)}
+LAYOUTS |= {"p_cp_tp": (1, 2), "p_cp_dp": (2, 1), "p_2x2": (2, 2), "p_2x2_to_4x1": (4, 1)}
 P_CP = {"context_parallel_size": 2, "packing": "bestfit"}  # rows laid out for 2 CP ranks
 P_G, P_M_SIZE, P_STEPS = 8, 2, 4  # pretraining: 4 steps of 8 rows, microbatches of 2, K = 4 streams
 
@@ -127,10 +128,18 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict, 
 
 
 @pytest.fixture(scope="module")
-def four_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def four_processes(tmp_path_factory: pytest.TempPathFactory, pretraining_options: dict) -> Path:
     root = tmp_path_factory.mktemp("mp4")
     config = {"data": "d9d", "options": {**D9D, "verify_peers": 1}, "record_dir": str(root), "devices": 4}
-    fit_in_processes({**config, "runs": [{"name": "d_2x2", "strategy": [2, 2], "max_epochs": 1}]}, timeout=400)
+    # 2×2 saves stream states gathered from 4 processes (each stream from its replica's 2 peers); 4×1 resumes.
+    pretraining = {"data": "pretraining", "options": pretraining_options}
+    runs = [
+        {"name": "d_2x2", "strategy": [2, 2]},
+        {"name": "p_2x2", "strategy": [2, 2], "every_n_train_steps": 2, "ckpt_dir": str(root / "ckpt"), **pretraining},
+        {"name": "p_2x2_to_4x1", "strategy": [4, 1], "ckpt_path": str(root / "ckpt" / "epoch=0-step=2.ckpt"),
+         **pretraining},
+    ]  # fmt: skip
+    fit_in_processes({**config, "runs": [{"max_epochs": 1, **run} for run in runs]}, timeout=500)
     return root
 
 
@@ -336,3 +345,17 @@ def test_two_by_two_peers_share_and_replicas_split(four_processes: Path, d9d_ste
     assert sorted(i for r in one_per_replica(val) for i in r["ids"]) == list(range(VAL_SIZE))
     for where, processes in by_process(val).items():
         assert len({tuple(s) for s in processes.values()}) == 1, where
+
+
+@pytest.mark.slow
+def test_pretraining_on_two_by_two_resumes_on_four_replicas_from_states_its_peers_saved(
+    four_processes: Path, pretraining_steps: dict
+) -> None:
+    records = read_records(four_processes, run="p_2x2")
+    assert_layout(records, 2, 2, P_G // (2 * P_M_SIZE))
+    assert union_per_step(records, "rows") == pretraining_steps
+    resumed = read_records(four_processes, run="p_2x2_to_4x1")
+    assert min(r["step"] for r in resumed) == 2
+    assert_layout(resumed, 4, 1, P_G // (4 * P_M_SIZE))
+    before = [r for r in records if r["step"] < 2]
+    assert union_per_step(before, "rows") | union_per_step(resumed, "rows") == pretraining_steps
