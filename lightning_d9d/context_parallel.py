@@ -182,7 +182,10 @@ def cp_shard(tensor: Any, cp_rank: int, cp_size: int, seq_dim: int = -1, cu_seql
         cp_rank: this rank in ``[0, cp_size)``. cp_size: the context-parallel size.
         seq_dim: the sequence dimension.
         cu_seqlens_padded: cumulative padded document lengths (0 first, the row's length last), each document a
-            multiple of ``2·cp_size``; ``None`` for the per-sequence split.
+            multiple of ``2·cp_size``; ``None`` for the per-sequence split. For a 2-D ``(rows, length)`` tensor
+            split along its last dim they may instead span the flattened rows (``rows × length`` last, every row
+            start a bound: flash-attention's varlen offsets of a microbatch, as ``PretrainingBatch`` holds);
+            each row then keeps this rank's pieces of its own documents.
 
     Raises:
         ValueError: a rank out of range; a length not divisible by ``2·cp_size`` (per sequence); bounds that do not
@@ -192,6 +195,10 @@ def cp_shard(tensor: Any, cp_rank: int, cp_size: int, seq_dim: int = -1, cu_seql
     if cp_size == 1:
         _check_rank(cp_rank, cp_size)
         return tensor
+    if _rows_of_flat_bounds(tensor.shape, seq_dim, cu_seqlens_padded):
+        flat = tensor.reshape(-1)
+        index = cp_indices(flat.shape[0], cp_rank, cp_size, cu_seqlens_padded)
+        return _take(flat, index, 0).reshape(tensor.shape[0], -1)
     index = cp_indices(tensor.shape[seq_dim], cp_rank, cp_size, cu_seqlens_padded)
     return _take(tensor, index, seq_dim)
 
@@ -216,6 +223,10 @@ def cp_unshard(slices: Sequence[Any], cp_size: int, seq_dim: int = -1, cu_seqlen
     if len(sizes) != 1:
         raise ValueError(f"CP slices must be equally long, got lengths {[part.shape[seq_dim] for part in slices]}")
     length = sizes.pop() * cp_size
+    shape = (*slices[0].shape[:-1], length) if slices[0].ndim == 2 else (length,)
+    if _rows_of_flat_bounds(shape, seq_dim, cu_seqlens_padded):
+        whole = cp_unshard([part.reshape(-1) for part in slices], cp_size, 0, cu_seqlens_padded)
+        return whole.reshape(shape[0], -1)
     order = np.concatenate([cp_indices(length, rank, cp_size, cu_seqlens_padded) for rank in range(cp_size)])
     joined = (
         torch.cat(list(slices), dim=seq_dim) if isinstance(slices[0], torch.Tensor) else np.concatenate(slices, seq_dim)
@@ -273,10 +284,35 @@ def _check_rank(cp_rank: int, cp_size: int) -> None:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
 
 
+def _rows_of_flat_bounds(shape: Sequence[int], seq_dim: int, cu_seqlens_padded: Any) -> bool:
+    """Whether ``cu_seqlens_padded`` spans the flattened rows of a 2-D ``shape`` split along its last dim.
+
+    Raises:
+        ValueError: bounds over the flattened rows that miss a row's start (a sequence would cross rows).
+    """
+    if cu_seqlens_padded is None or len(shape) != 2 or seq_dim not in (-1, 1) or shape[0] < 2:
+        return False
+    bounds = _as_array(cu_seqlens_padded)
+    rows, width = int(shape[0]), int(shape[1])
+    if len(bounds) < 1 or int(bounds[-1]) != rows * width:
+        return False
+    missing = np.setdiff1d(np.arange(0, rows * width, width), bounds)
+    if len(missing):
+        raise ValueError(
+            f"cu_seqlens_padded spans {rows} rows of {width} positions but has no bound at row start "
+            f"{int(missing[0])}: every row must start a sequence"
+        )
+    return True
+
+
+def _as_array(values: Any) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
 def _checked_bounds(cu_seqlens_padded: Any, length: int, cp_size: int) -> np.ndarray:
-    if isinstance(cu_seqlens_padded, torch.Tensor):
-        cu_seqlens_padded = cu_seqlens_padded.detach().cpu().numpy()
-    bounds = np.asarray(cu_seqlens_padded, dtype=np.int64).reshape(-1)
+    bounds = _as_array(cu_seqlens_padded)
     if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != length or (np.diff(bounds) < 0).any():
         raise ValueError(
             f"cu_seqlens_padded must rise from 0 to the sequence's {length} positions, got {bounds.tolist()}"

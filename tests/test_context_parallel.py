@@ -1,6 +1,7 @@
 """Context parallelism: documents padded to 2·cp, rows laid out with positions and labels, the zigzag split of a
-row (per sequence and per document) checked against a plain index computation, its inverse, batch slicing that
-never touches metadata, the collator's CP layout, token budgets that count CP padding, pipeline-stage fields."""
+row (per sequence and per document, and per document over a microbatch's flattened rows) checked against a plain
+index computation, its inverse, batch slicing that never touches metadata, the collator's CP layout, token budgets
+that count CP padding, pipeline-stage fields."""
 
 from __future__ import annotations
 
@@ -104,6 +105,19 @@ def test_a_row_that_does_not_split_evenly_is_one_clear_error() -> None:
         cp_shard(torch.arange(8), 2, 2)
     with pytest.raises(ValueError, match="one slice per CP rank: 2 expected, got 1"):
         cp_unshard([torch.arange(4)], 2)
+
+
+def test_bounds_over_a_microbatch_of_rows_split_each_row_and_must_start_every_row() -> None:
+    rows = torch.arange(24).reshape(2, 12)  # row 0: sequences of 4 and 8; row 1: one of 12 (flat offsets)
+    bounds = torch.tensor([0, 4, 12, 24], dtype=torch.int32)
+    parts = [cp_shard(rows, rank, 2, cu_seqlens_padded=bounds) for rank in range(2)]
+    flat = rows.reshape(-1).tolist()
+    for rank, part in enumerate(parts):
+        assert part.shape == (2, 6)
+        assert part.reshape(-1).tolist() == [flat[i] for i in reference_indices([0, 4, 12, 24], rank, 2)]
+    assert torch.equal(cp_unshard(parts, 2, cu_seqlens_padded=bounds), rows)
+    with pytest.raises(ValueError, match="spans 2 rows of 12 positions but has no bound at row start 12"):
+        cp_shard(rows, 0, 2, cu_seqlens_padded=[0, 8, 24])
 
 
 def test_sharding_a_batch_slices_sequence_fields_and_never_the_metadata() -> None:

@@ -25,6 +25,10 @@ Mixtures: ``train_files={name: files}`` with ``weights`` makes each of the K str
 (``streaming.mixture_stream``) taking every step exactly the rows ``streaming.mixture`` plans per source; the
 sources, their fingerprint and the plan on resume are ``datamodules.pretraining_mixture``'s.
 
+Context parallelism: ``context_parallel_size`` c > 1 is a row-deciding setting; best-fit pads each piece of a row
+to a multiple of ``2·c`` and concat rows are one CP sequence each (``streaming.bestfit``, ``streaming.packing``),
+so ``PretrainingBatch.cu_seqlens_padded`` bounds an even split over the CP ranks of every replica.
+
 Parts: the corpus (files scanned per source, the stream specs, the fingerprint, the pass estimate) is
 ``datamodules.pretraining_corpus``'s, the streams' saved state ``datamodules.pretraining_state``'s, the reports on
 sources and streams ``datamodules.pretraining_reports``'s; the class holds the topology, the loaders and the
@@ -63,10 +67,9 @@ from lightning_d9d.streaming.loader import (
     rank_streams,
 )
 from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
-from lightning_d9d.streaming.packing import RowBlock
+from lightning_d9d.streaming.packing import RowBlock, sequence_bounds
 from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
-from lightning_d9d.tokens import cu_seqlens_of
 from lightning_d9d.topology import DataParallelSetting
 
 __all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
@@ -90,8 +93,13 @@ class PretrainingBatch:
             a single corpus); in a validation batch, its loader's index in ``dm.val_source_names``.
         cu_seqlens: int32 offsets of every sequence (a row start, a document, a chunk or a padding run: where
             ``position_ids`` is 0) in the flattened microbatch, with its total length last (flash-attention's
-            varlen convention).
-        max_seqlen: the longest of those sequences.
+            varlen convention). With ``context_parallel_size`` c > 1, the cumulative *real* lengths of the
+            sequences of ``cu_seqlens_padded`` (TransformerEngine's THD convention).
+        cu_seqlens_padded: int32, equal to ``cu_seqlens`` with c = 1. With c > 1, the offsets of every sequence
+            with its CP padding (best-fit: each piece rounded up to a multiple of 2·c, the padding the pad id with
+            target ``-100`` and positions continuing through it; concat: each row is one sequence), which
+            :func:`lightning_d9d.context_parallel.cp_shard_batch` splits by.
+        max_seqlen: the longest of those sequences (with c > 1: padded).
     """
 
     input_ids: torch.Tensor
@@ -99,6 +107,7 @@ class PretrainingBatch:
     position_ids: torch.Tensor
     sources: torch.Tensor
     cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
     max_seqlen: int
 
     def __len__(self) -> int:
@@ -113,7 +122,8 @@ def make_batch(rows: RowBlock, spec: MixtureSpec, pin: bool, source: int | None 
         sources = torch.from_numpy(np.asarray(rows.sources, np.int64))
     else:
         sources = torch.full((len(rows),), source, dtype=torch.int64)
-    batch = PretrainingBatch(input_ids, targets, positions, sources, *cu_seqlens_of(positions))
+    cu_seqlens, cu_padded, max_seqlen = sequence_bounds(rows, positions, spec.sources[0].settings.context_parallel_size)
+    batch = PretrainingBatch(input_ids, targets, positions, sources, cu_seqlens, cu_padded, max_seqlen)
     return pin_batch(batch) if pin else batch
 
 
@@ -179,6 +189,12 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         verify_peers: the first N optimizer steps of each fit compare their microbatches among each replica's
             processes (one all-gather per step); a difference raises, naming the step and processes (0: off).
         data_wait_warning: warn once a fit if it waits for data over this share of its steps (docs/observability.md).
+        context_parallel_size: the context-parallel size c rows are laid out for (1: none; it decides the rows,
+            so a checkpoint resumes only with the same c). ``seq_len`` must be a multiple of ``2·c``. With c > 1,
+            ``bestfit``/``bestfit_split`` pad every document (or chunk) in a row to a multiple of ``2·c`` (pad
+            id, target ``-100``, positions continuing; counted in ``stream_stats()``'s ``padding`` and
+            ``cp_padding``) and concat rows are one CP sequence each; ``cu_seqlens_padded`` bounds what
+            :func:`lightning_d9d.context_parallel.cp_shard_batch` splits (docs/model_parallelism.md).
 
     Raises:
         ValueError: at construction, a bad size or setting (naming it); in ``setup``, no file matches, a file two
@@ -195,6 +211,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     bestfit_buffer_size = _Setting("bestfit_buffer_size")
     max_document_chars = _Setting("max_document_chars")
     tokenizer_batch_size = _Setting("tokenizer_batch_size")
+    context_parallel_size = _Setting("context_parallel_size")
     train_spec: MixtureSpec | None = None  # set by setup, as the rest
     fingerprint: CorpusFingerprint | None = None
     steps_per_epoch: int | None = None  # type: ignore[assignment]
@@ -231,13 +248,14 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         data_parallel: DataParallelSetting = None,
         verify_peers: NonNegativeInt = 0,
         data_wait_warning: float | None = 0.2,
+        context_parallel_size: PositiveInt = 1,
     ):
         super().__init__()
         self.data_parallel, self.verify_peers, self.data_wait_warning = data_parallel, verify_peers, data_wait_warning
         self.settings = StreamSettings(
             seq_len=seq_len, global_batch_size=global_batch_size, packing=packing, seed=seed, num_streams=num_streams,
             bestfit_buffer_size=bestfit_buffer_size, max_document_chars=max_document_chars,
-            tokenizer_batch_size=tokenizer_batch_size,
+            tokenizer_batch_size=tokenizer_batch_size, context_parallel_size=context_parallel_size,
         )  # fmt: skip
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
         microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
@@ -298,7 +316,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         if self.sources.validation is not None and not self.val_specs:
             by_source = self.sources.validation_by_source
             self.val_specs = corpus.validation(self.sources.validation, by_source, self.allow_shared_files)
-            self.val_steps_per_source = [self._val_steps_of(spec) for spec in self.val_specs]
+            self.val_steps_per_source = [_val_steps_of(self, spec) for spec in self.val_specs]
         if stage in (None, "fit"):
             self.start_fit(
                 StreamPosition(
@@ -368,13 +386,13 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             self.train_spec, states = restored_streams(state, spec, self.owned_streams, step, self.on_mixture_change)
         self.position.restart(epoch, step, states, self.microbatches_per_step)
 
-    # ------------------------------------------------------------------ internals
-    def _val_steps_of(self, spec: MixtureSpec) -> int:
-        """``val_steps``, else one estimated pass over ``spec`` shared by the ranks (at least 1)."""
-        if self._val_steps_arg is not None:
-            return self._val_steps_arg
-        _, rows = estimate_pass(spec.sources[0])
-        return max(1, int(rows // (self.dp_size * self.microbatch_size)))
+
+def _val_steps_of(dm: PretrainingDataModule, spec: MixtureSpec) -> int:
+    """``val_steps``, else one estimated pass over ``spec`` shared by the replicas (at least 1)."""
+    if dm._val_steps_arg is not None:
+        return dm._val_steps_arg
+    _, rows = estimate_pass(spec.sources[0])
+    return max(1, int(rows // (dm.dp_size * dm.microbatch_size)))
 
 
 def _reading(text_column: Any, token_cache: Any, on_malformed: Any) -> tuple[str, str | None, str]:

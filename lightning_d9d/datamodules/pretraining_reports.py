@@ -89,10 +89,11 @@ class PretrainingReports:
         Keys: ``docs`` (documents taken by the packer), ``empty`` (null or empty texts skipped),
         ``text_free_units`` (units skipped for holding no text), ``too_long`` (documents over
         ``max_document_chars`` skipped), ``tokens`` (tokens of the documents taken,
-        BOS included), ``emitted`` (document tokens in rows), ``padding`` (padding tokens in rows,
-        ``bestfit_split``), ``crops``/``cropped`` (documents cropped and their dropped tokens, ``bestfit``),
-        ``split_docs``/``chunks`` (documents split and their pieces, ``bestfit_split``), ``rows``. Counters are
-        as of the latest step handed out, and continue across a resume.
+        BOS included), ``emitted`` (document tokens in rows), ``padding`` (padding tokens in rows:
+        ``bestfit_split``'s gaps and the CP padding), ``cp_padding`` (of those, what rounds best-fit pieces up to
+        a multiple of ``2 × context_parallel_size``), ``crops``/``cropped`` (documents cropped and their dropped
+        tokens, ``bestfit``), ``split_docs``/``chunks`` (documents split and their pieces, ``bestfit_split``),
+        ``rows``. Counters are as of the latest step handed out, and continue across a resume.
         """
         totals = StreamCounters()
         for state in self.position.states.values():

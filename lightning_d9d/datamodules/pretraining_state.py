@@ -37,7 +37,13 @@ def saved_streams(states: Mapping[int, MixtureState], spec: MixtureSpec, gather:
         torch.distributed.all_gather_object(ranks, mine)
     else:
         ranks = [mine]
-    streams = {sid: state for rank in ranks for sid, state in rank.items()}
+    # Processes of one data-parallel replica (tensor/context/pipeline peers) own the same streams and hold equal
+    # states of them (the peer check compares the rows they came from); the lowest process's copy is kept, so what
+    # is saved never depends on the order copies arrive in.
+    streams: dict[int, Any] = {}
+    for rank in ranks:
+        for sid, state in rank.items():
+            streams.setdefault(sid, state)
     return {"version": STATE_VERSION, "streams": streams, "mixture": spec.plan.to_dict()}
 
 

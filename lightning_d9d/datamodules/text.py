@@ -198,20 +198,14 @@ class TextDataModule(D9DDataModule):
         )  # fmt: skip
         if sft is not None:
             self.sft.record(which, recipe, sft)
-            self._set_pad_token_id(pad_token_id(read_tokenizer(tokenizer_path)))
+            _set_pad_token_id(self, pad_token_id(read_tokenizer(tokenizer_path)))
             return sft.dataset
         tokenized = tokenized_split(
             dataset_path, getattr(self, which), tokenizer_path, self.text_column, self.max_length,
             data_files=self.data_files, cache_dir=self.cache_dir, num_proc=self.num_proc, name=self.dataset,
         )  # fmt: skip
-        self._set_pad_token_id(tokenized.pad_token_id)
+        _set_pad_token_id(self, tokenized.pad_token_id)
         return tokenized.dataset
-
-    def _set_pad_token_id(self, value: int) -> None:
-        """The tokenizer's pad id for padding (and for context-parallel padding of flattened rows)."""
-        self.padded_collator.pad_token_id = value
-        if isinstance(self.collator, FlatteningCollator):
-            self.collator.pad_token_id = value
 
     # ------------------------------------------------------------------ fine-tuning data
     @property
@@ -293,3 +287,10 @@ def _collators(
     the same one, or a flattening one (laid out for ``context_parallel_size``) when padding-free."""
     padded = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
     return padded, FlatteningCollator(context_parallel_size=context_parallel_size) if padding_free else padded
+
+
+def _set_pad_token_id(dm: TextDataModule, value: int) -> None:
+    """The tokenizer's pad id for padding (and for context-parallel padding of flattened rows)."""
+    dm.padded_collator.pad_token_id = value
+    if isinstance(dm.collator, FlatteningCollator):
+        dm.collator.pad_token_id = value

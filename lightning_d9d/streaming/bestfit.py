@@ -14,6 +14,14 @@ the same). The two packings differ in what a piece is and in what happens when n
   padding run, and padding and a continuation chunk's first token are no targets. A non-final chunk fills a
   whole row, so nothing follows it.
 
+Context parallelism (``cp_multiple`` m = 2·c > 1): each piece starts at a multiple of m and occupies its length
+rounded up to one (its tokens must fit the space left; the CP padding after it is the pad id, ``CP_PAD`` and
+``NO_TARGET`` flagged, positions continuing through it, and the piece after it gets no target from it), so every
+sequence of the ``seq_len`` inputs spans a multiple of m and splits evenly over the CP ranks document by
+document. A piece may end on the row's last token (a target only), and padding that would leave only that token
+runs to the row's end. ``bestfit`` rows then carry flags too. Rounding costs up to m − 1 positions per piece
+(counted in ``padding`` and ``cp_padding``); m = 1 is the packing without CP, row for row.
+
 The buffer is a sorted list of the distinct lengths present plus a FIFO per length, so a pick is one ``bisect``
 (O(log buffer)) rather than nanochat's scan (O(buffer) Python steps); each piece is one row of integers in a slot
 table (``META_COLUMNS``: insertion number, length, the document's row group and row, chunk index, whether it is
@@ -42,6 +50,7 @@ import torch
 from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.bestfit_restore import BufferedTexts, buffer_fetch
 from lightning_d9d.streaming.packing import (
+    CP_PAD,
     FULL_BUFFER,
     NO_TARGET,
     START,
@@ -159,12 +168,15 @@ class BestFitPacker:
         buffer_size: pieces the buffer is topped up to before every pick.
         growth: how the buffer grows to ``buffer_size`` as the stream starts (default: full from the start).
         counters: the stream's counters (the packer adds what it emits, pads, crops and splits).
+        cp_multiple: pieces are padded to a multiple of this (``2·context_parallel_size``; 1: no CP padding).
+        pad_id: the token id written at padding positions.
 
     Raises:
-        ValueError: ``capacity <= 1`` or ``buffer_size <= 0``.
+        ValueError: ``capacity <= 1``, ``buffer_size <= 0``, or a ``cp_multiple`` that does not divide the
+            ``capacity - 1`` inputs of a row.
     """
 
-    flagged = False
+    split = False  # documents longer than a row are split into chunks (else kept as a row-sized prefix)
 
     def __init__(
         self,
@@ -172,12 +184,18 @@ class BestFitPacker:
         buffer_size: int = 1000,
         growth: BufferGrowth = FULL_BUFFER,
         counters: StreamCounters | None = None,
+        cp_multiple: int = 1,
+        pad_id: int = 0,
     ) -> None:
         if capacity <= 1:
             raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
         if buffer_size <= 0:
             raise ValueError(f"best-fit buffer_size must be > 0, got {buffer_size}")
+        if cp_multiple < 1 or (capacity - 1) % cp_multiple:
+            raise ValueError(f"cp_multiple={cp_multiple} must be >= 1 and divide seq_len={capacity - 1}")
         self.capacity, self.buffer_size, self.growth = capacity, buffer_size, growth
+        self.cp_multiple, self.pad_id = cp_multiple, pad_id
+        self.flagged = self.split or cp_multiple > 1  # rows carry START / NO_TARGET (/ CP_PAD) flags
         self.counters = counters if counters is not None else StreamCounters()
         self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
         self.next_seq = 0
@@ -224,13 +242,13 @@ class BestFitPacker:
             RuntimeError: a ``refill()`` call added no document.
             ValueError: a restored piece no longer matches its saved length or checksum.
         """
-        capacity, buffer = self.capacity, self._buffer
+        capacity, buffer, multiple = self.capacity, self._buffer, self.cp_multiple
         lengths, find = buffer.lengths, bisect.bisect_right
         out = np.empty((num_rows, capacity), np.int32)
-        # Flat offsets where a piece or a padding run starts, of continuation chunks' first tokens (no target),
-        # and of each padding run (bestfit_split only).
-        marks: tuple[list[int], list[int], list[int]] | None = ([], [], []) if self.flagged else None
-        padding = 0
+        # Flat offsets where a piece or a padding run starts, of pieces' first tokens that are no target (after
+        # another document or CP padding), of each padding run, and (start, stop) of each CP padding.
+        marks: tuple[list[int], list[int], list[int], list] | None = ([], [], [], []) if self.flagged else None
+        padding = cp_padding = 0
         for r in range(num_rows):
             pos = 0
             size = self.growth.size(self.buffer_size, self.rows_taken)
@@ -254,8 +272,13 @@ class BestFitPacker:
                     if continuation:  # its predecessor in the row is another document
                         marks[1].append(r * capacity + pos)
                 pos += length
+                if multiple > 1 and pos < capacity:
+                    pos, padded = self._cp_pad(out, r, pos, marks)
+                    cp_padding += padded
+        padding += cp_padding
         self.counters.emitted += num_rows * capacity - padding
         self.counters.padding += padding
+        self.counters.cp_padding += cp_padding
         if marks is None:
             return out, None
         return out, _flags(out.shape, *marks)
@@ -271,9 +294,30 @@ class BestFitPacker:
         if tokens is None:
             tokens = self._materialize(self._buffer.table[slot].copy())
         out[row, pos:] = tokens[:remaining]
+        if marks is not None:  # rows flagged for CP: the cropped piece starts a sequence
+            marks[0].append(row * self.capacity + pos)
         self.counters.crops += 1
         self.counters.cropped += length - remaining
         return 0
+
+    def _cp_pad(self, out: np.ndarray, row: int, pos: int, marks: Any) -> tuple[int, int]:
+        """Pad row ``row`` from ``pos`` (just after a piece) to the next multiple of ``cp_multiple``, or to the row's
+        end where only its last token (a target, never an input) would be left.
+
+        Returns:
+            the position after the padding, and the padding tokens written.
+        """
+        stop = -(-pos // self.cp_multiple) * self.cp_multiple
+        if stop >= self.capacity - 1:
+            stop = self.capacity
+        if stop == pos:
+            return pos, 0
+        out[row, pos:stop] = self.pad_id
+        at = row * self.capacity
+        marks[3].append((at + pos, at + stop))
+        if stop < self.capacity:  # what follows must not be the target of padding
+            marks[1].append(at + stop)
+        return stop, stop - pos
 
     def reset(self, buffer: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray] | None) -> None:
         """Continue from a saved buffer (its :meth:`snapshot` rows), lazily: a piece's tokens are fetched
@@ -290,7 +334,7 @@ class BestFitPacker:
         buffer = np.asarray(buffer, np.int64)
         if buffer.ndim != 2 or (len(buffer) and buffer.shape[1] != len(META_COLUMNS)):
             raise ValueError(f"a best-fit buffer must be (pieces, {len(META_COLUMNS)}), got {buffer.shape}")
-        if self.flagged and len(buffer) and not ((buffer[:, 1] >= 1) & (buffer[:, 1] <= self.capacity)).all():
+        if self.split and len(buffer) and not ((buffer[:, 1] >= 1) & (buffer[:, 1] <= self.capacity)).all():
             raise ValueError(
                 f"the buffer holds pieces of {int(buffer[:, 1].min())}..{int(buffer[:, 1].max())} tokens, rows here "
                 f"hold {self.capacity} (was seq_len changed since the checkpoint?)"
@@ -332,13 +376,13 @@ class BestFitSplitPacker(BestFitPacker):
     Args:
         capacity: tokens per row (``seq_len + 1``).
         pad_id: the token id written at padding positions (never a target; its flags mark it).
-        buffer_size, growth, counters: as :class:`BestFitPacker`'s.
+        buffer_size, growth, counters, cp_multiple: as :class:`BestFitPacker`'s.
 
     Raises:
-        ValueError: ``capacity <= 1`` or ``buffer_size <= 0``.
+        ValueError: as :class:`BestFitPacker`'s.
     """
 
-    flagged = True
+    split = True
 
     def __init__(
         self,
@@ -347,9 +391,9 @@ class BestFitSplitPacker(BestFitPacker):
         buffer_size: int = 1000,
         growth: BufferGrowth = FULL_BUFFER,
         counters: StreamCounters | None = None,
+        cp_multiple: int = 1,
     ) -> None:
-        super().__init__(capacity, buffer_size, growth, counters)
-        self.pad_id = pad_id
+        super().__init__(capacity, buffer_size, growth, counters, cp_multiple, pad_id)
 
     def add(self, tokens: np.ndarray, key: tuple[int, int]) -> None:  # type: ignore[override]
         """Buffer one whole document (1-D token ids, BOS first): one piece, or all its chunks when longer than a row.
@@ -387,14 +431,19 @@ class BestFitSplitPacker(BestFitPacker):
         return self.capacity - pos
 
 
-def _flags(shape: tuple[int, int], starts: list[int], blocked: list[int], padded: list[int]) -> np.ndarray:
-    """The rows' ``START`` / ``NO_TARGET`` bits from flat offsets of starts, continuation starts and padding."""
+def _flags(
+    shape: tuple[int, int], starts: list[int], blocked: list[int], padded: list[int], cp_padded: list
+) -> np.ndarray:
+    """The rows' ``START`` / ``NO_TARGET`` / ``CP_PAD`` bits from flat offsets of starts, of first tokens that are
+    no target, of padding runs (to their row's end) and ``(start, stop)`` of CP padding."""
     rows, capacity = shape
     flags = np.zeros(rows * capacity, np.uint8)
     flags[starts] = START
     flags[blocked] |= NO_TARGET
     for at in padded:
         flags[at : at - at % capacity + capacity] |= NO_TARGET
+    for start, stop in cp_padded:
+        flags[start:stop] |= CP_PAD | NO_TARGET
     return flags.reshape(shape)
 
 
@@ -493,11 +542,11 @@ class BestFitStage(PackingStage):
     ):
         super().__init__(spec, units, counters)
         self.start = state
-        split = state.kind == "bestfit_split"
+        multiple = spec.settings.cp_multiple
         self.packer = (
-            BestFitSplitPacker(spec.capacity, spec.pad_id, spec.buffer_size, state.growth, counters)
-            if split
-            else BestFitPacker(spec.capacity, spec.buffer_size, state.growth, counters)
+            BestFitSplitPacker(spec.capacity, spec.pad_id, spec.buffer_size, state.growth, counters, multiple)
+            if state.kind == "bestfit_split"
+            else BestFitPacker(spec.capacity, spec.buffer_size, state.growth, counters, multiple, spec.pad_id)
         )
         self.packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
         fetch = buffer_fetch(spec, state.buffer, texts) if len(state.buffer) else None
@@ -507,13 +556,13 @@ class BestFitStage(PackingStage):
         spec, start, packer = self.spec, self.start, self.packer
         cursor = _Cursor()
         refill = self._refiller(chunks, cursor)
-        state, take, split = start, packer.take, packer.flagged
+        state, take, flagged = start, packer.take, packer.flagged
         packer._buffer.advance(None)  # the restored buffer is the start's: changes count from here
         last = start.buffer
         while True:
             rows_per_block = next(sizes)
             if rows_per_block == 0:  # nothing taken: the buffer and the position stay
-                yield RowBlock.empty(spec.capacity, split), state
+                yield RowBlock.empty(spec.capacity, flagged), state
                 continue
             added = packer.added
             tokens, flags = take(rows_per_block, refill)
@@ -529,7 +578,7 @@ class BestFitStage(PackingStage):
     def _refiller(self, chunks: Iterator[Any], cursor: _Cursor) -> Callable[[], None]:
         """``refill()``: add the next document (one per call, so the buffer never depends on chunk sizes)."""
         packer, counters = self.packer, self.counters
-        split = packer.flagged
+        split = packer.split
         add = packer.add
 
         def refill() -> None:
@@ -565,6 +614,7 @@ class BestFitPacking:
 
     @property
     def flagged(self) -> bool:
+        """Rows carry flags without context parallelism (with it, ``bestfit``'s rows do too)."""
         return self.name == "bestfit_split"
 
     def fresh_state(self, spec: StreamSpec) -> BestFitState:

@@ -9,7 +9,9 @@ them (row groups the footers prove text-free are passed over). Tokens per
 pass = the sample's tokens per row (BOS included, empty rows counted as rows) × the footers' row count. Rows:
 concat and best-fit-split keep every token (best-fit-split pads very little), so ``tokens / (seq_len + 1)``;
 best-fit drops cropped remainders, so its rows are scaled by a yield measured by running the real packer over
-the sample's document lengths (cycled and shuffled with a fixed seed). Deterministic, so every rank computes the
+the sample's document lengths (cycled and shuffled with a fixed seed). Laid out for context parallelism,
+best-fit-split's rows grow by the sample's documents rounded up to ``2·c`` and best-fit's measured yield counts
+the packer's CP padding as positions filled (concat rows are unchanged). Deterministic, so every rank computes the
 same value without talking. Documents over ``max_document_chars`` are left out of the sample as the streams
 skip them, counted as rows like empty texts; a sampled document over ``SAMPLE_DOCUMENT_CHARS`` counts as its
 prefix's tokens scaled by its length (tokens per character hardly change along a document).
@@ -88,9 +90,12 @@ def estimate_pass(
         return 0.0, 0.0
     with_text = index.total_rows - int(index.num_rows[index.text_free].sum()) if index.text_free.size else None
     tokens = sum(lengths) / max(1, raw) * (with_text if with_text is not None else index.total_rows)
+    multiple = spec.settings.cp_multiple
     if not spec.packing.crops_to_row:
+        if multiple > 1 and spec.packing.flagged:  # bestfit_split: every piece rounded up for CP
+            return tokens, tokens * _cp_growth(lengths, spec.capacity, multiple) / spec.capacity
         return tokens, tokens / spec.capacity
-    return tokens, tokens * _bestfit_yield(lengths, spec.capacity, spec.buffer_size) / spec.capacity
+    return tokens, tokens * _bestfit_yield(lengths, spec.capacity, spec.buffer_size, multiple) / spec.capacity
 
 
 def first_text(index: RowGroupIndex) -> tuple[int, int] | None:
@@ -104,11 +109,21 @@ def first_text(index: RowGroupIndex) -> tuple[int, int] | None:
     return None
 
 
-def _bestfit_yield(lengths: list[int], capacity: int, buffer_size: int) -> float:
+def _cp_growth(lengths: list[int], capacity: int, multiple: int) -> float:
+    """Row positions per token of ``bestfit_split`` pieces rounded up to ``multiple`` (a document longer than a row
+    is row-sized chunks, which fill their rows, and a last chunk, which is rounded up)."""
+    array = np.asarray(lengths, np.int64)
+    rest = array % capacity
+    padded = array - rest + -(-rest // multiple) * multiple
+    return float(padded.sum() / max(1, array.sum()))
+
+
+def _bestfit_yield(lengths: list[int], capacity: int, buffer_size: int, cp_multiple: int = 1) -> float:
+    """Row positions filled (document tokens, and CP padding) per token taken, by best-fit over ``lengths``."""
     rng = np.random.default_rng(0)
     feed = int(min(50_000, max(3 * len(lengths), 4 * buffer_size)))
     order = rng.choice(np.asarray(lengths), size=feed)
-    packer = BestFitPacker(capacity, buffer_size)
+    packer = BestFitPacker(capacity, buffer_size, cp_multiple=cp_multiple)
     fed = iter(order.tolist())
     zeros = np.zeros(capacity, np.int32)
 
@@ -127,4 +142,5 @@ def _bestfit_yield(lengths: list[int], capacity: int, buffer_size: int) -> float
     except _Exhausted:
         pass
     consumed = int(order.sum()) - int(packer.snapshot()[:, 1].sum())
-    return packer.counters.emitted / consumed if consumed > 0 else 1.0
+    filled = packer.counters.emitted + packer.counters.cp_padding
+    return filled / consumed if consumed > 0 else 1.0

@@ -118,26 +118,29 @@ def rank_streams(num_streams: int, world_size: int, rank: int) -> list[int]:
     return list(range(rank * per_rank, (rank + 1) * per_rank))
 
 
-def check_layout(num_streams: int, world_size: int, num_workers: int) -> None:
-    """Raises ValueError unless K streams can be shared by this layout (naming K, W, workers and valid values).
+def check_layout(num_streams: int, dp_size: int, num_workers: int) -> None:
+    """Raises ValueError unless K streams can be shared by this layout (naming K, the data-parallel size, workers
+    and valid values).
 
-    Valid: the world size divides K (every rank owns whole streams) and ``num_workers`` divides K / W (every
-    worker hosts as many streams).
+    Valid: the data-parallel size divides K (every replica owns whole streams; the processes of a replica, its
+    tensor/context/pipeline peers, read the same ones) and ``num_workers`` divides K / dp_size (every worker hosts
+    as many streams).
     """
-    if num_streams % world_size:
+    if num_streams % dp_size:
         valid = [w for w in range(1, num_streams + 1) if num_streams % w == 0]
         raise ValueError(
-            f"num_streams={num_streams} streams cannot be shared by world_size={world_size} ranks: every rank owns "
-            f"num_streams / world_size whole streams; with num_streams={num_streams} the world size can be {valid}, "
-            f"or choose num_streams as a multiple of {world_size} (e.g. {world_size * max(1, num_workers) * 2})"
+            f"num_streams={num_streams} streams cannot be shared by data-parallel size dp_size={dp_size}: every "
+            f"data-parallel replica owns num_streams / dp_size whole streams; with num_streams={num_streams} the "
+            f"data-parallel size can be {valid}, or choose num_streams as a multiple of {dp_size} "
+            f"(e.g. {dp_size * max(1, num_workers) * 2})"
         )
-    per_rank = num_streams // world_size
+    per_rank = num_streams // dp_size
     if num_workers and per_rank % num_workers:
         valid = [n for n in range(1, per_rank + 1) if per_rank % n == 0]
         raise ValueError(
-            f"num_workers={num_workers} workers cannot share the {per_rank} streams of each rank (num_streams="
-            f"{num_streams}, world_size={world_size}): every worker hosts the same number of streams; use "
-            f"num_workers in {[0, *valid]}, or num_streams a multiple of {world_size * num_workers}"
+            f"num_workers={num_workers} workers cannot share the {per_rank} streams of each data-parallel replica "
+            f"(num_streams={num_streams}, dp_size={dp_size}): every worker hosts the same number of streams; use "
+            f"num_workers in {[0, *valid]}, or num_streams a multiple of {dp_size * num_workers}"
         )
 
 

@@ -15,7 +15,14 @@ What they share lives here:
 * :class:`RowBlock` and :class:`PackingStage`: the rows a stage yields, and the bookkeeping of documents taken
   (counters and the reader's position after the last one);
 * the tensors of a microbatch: positions restart at BOS (``concat``, ``bestfit``) or at the ``START`` flags a
-  packer writes (``bestfit_split``).
+  packer writes (``bestfit_split``, and ``bestfit`` laid out for context parallelism);
+* the sequence bounds of a microbatch (:func:`sequence_bounds`): ``cu_seqlens`` and ``cu_seqlens_padded``.
+
+Context parallelism (``context_parallel_size`` c > 1, :mod:`lightning_d9d.context_parallel`): a CP rank keeps
+chunks of each sequence, so every sequence of a row must span a multiple of ``2·c`` positions. Best-fit packers
+pad each piece to that (``CP_PAD`` flags: pad id, positions continuing, no target; the ``-100`` the map-style
+path's :func:`~lightning_d9d.context_parallel.flatten_for_cp` writes), and the counters count that padding; a
+concat row is one sequence (``seq_len`` is a multiple of ``2·c``), split as a whole.
 
 Trade-off: counters are plain attributes bumped per document (a short document is a few dozen tokens, so
 bookkeeping per document must be a few additions), at the price of one shared mutable object per stream.
@@ -35,13 +42,14 @@ import torch
 from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.reader import ReadPosition, StreamUnits, TextChunk
 from lightning_d9d.streaming.state import integer, mapping
-from lightning_d9d.tokens import IGNORE_INDEX, restart_positions
+from lightning_d9d.tokens import IGNORE_INDEX, cu_seqlens_of, restart_positions
 
 if TYPE_CHECKING:
     from lightning_d9d.streaming.spec import StreamSpec
 
 START = 1  # flag bit: this token starts a piece (or a padding run); positions restart here
 NO_TARGET = 2  # flag bit: this token must not be the training target of the token before it
+CP_PAD = 4  # flag bit: padding that rounds a piece up to a multiple of 2·cp (positions continue through it)
 
 
 @dataclass(slots=True)
@@ -56,12 +64,14 @@ class StreamCounters:
         tokens: tokens of the documents taken, BOS included (``tokens`` ≥ ``emitted``: the rest is buffered,
             inside the current document, or cropped).
         emitted: document tokens in the rows yielded.
-        padding: padding tokens in the rows yielded (``bestfit_split``).
+        padding: padding tokens in the rows yielded (``bestfit_split``'s gaps, and the CP padding).
         crops: documents cropped (``bestfit``).
         cropped: tokens dropped with their remainders (``bestfit``).
         split_docs: documents longer than a row, split into chunks (``bestfit_split``).
         chunks: pieces that came from split documents (``bestfit_split``).
         rows: rows yielded.
+        cp_padding: of ``padding``, the tokens that round pieces up to a multiple of ``2·context_parallel_size``
+            (best-fit with context parallelism).
     """
 
     docs: int = 0
@@ -76,6 +86,7 @@ class StreamCounters:
     split_docs: int = 0
     chunks: int = 0
     rows: int = 0
+    cp_padding: int = 0
 
     def copy(self) -> StreamCounters:
         return dataclasses.replace(self)
@@ -95,7 +106,8 @@ class StreamCounters:
         Raises:
             InvalidDataState: a counter missing, or not an integer >= 0.
         """
-        state = mapping(state, path)
+        # States saved before context parallelism existed hold no CP padding.
+        state = {"cp_padding": 0, **mapping(state, path)}
         return cls(**{name: integer(state, name, path) for name in _COUNTER_NAMES})
 
 
@@ -139,8 +151,8 @@ FULL_BUFFER = BufferGrowth(0, 0)  # no growth: the full buffer from the first ro
 
 @dataclass
 class RowBlock:
-    """Rows of ``seq_len + 1`` tokens; ``flags`` (``bestfit_split`` only) marks piece starts and non-targets;
-    ``sources`` the int64 index of each row's source."""
+    """Rows of ``seq_len + 1`` tokens; ``flags`` (``bestfit_split``, and ``bestfit`` under context parallelism)
+    marks piece starts, non-targets and CP padding; ``sources`` the int64 index of each row's source."""
 
     tokens: np.ndarray
     flags: np.ndarray | None = None
@@ -185,7 +197,7 @@ class Packing(Protocol):
 
     name: str
     crops_to_row: bool  # documents are laid out as a row-sized prefix only (the rest can never be emitted)
-    flagged: bool  # rows carry START / NO_TARGET flags
+    flagged: bool  # rows carry START / NO_TARGET flags without context parallelism (best-fit's always do with it)
 
     def fresh_state(self, spec: StreamSpec) -> PackingState: ...
 
@@ -259,6 +271,38 @@ def flagged_tensors(tokens: np.ndarray, flags: np.ndarray) -> tuple[torch.Tensor
     targets[(flags[:, 1:] & NO_TARGET) != 0] = IGNORE_INDEX
     positions = torch.from_numpy(restart_positions((flags[:, :-1] & START) != 0))
     return torch.from_numpy(tokens[:, :-1].astype(np.int64)), torch.from_numpy(targets), positions
+
+
+def sequence_bounds(
+    rows: RowBlock, positions: torch.Tensor, context_parallel_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(cu_seqlens, cu_seqlens_padded, max_seqlen)`` of a microbatch's rows (int32 offsets in the flattened
+    microbatch, 0 first and its size last: flash-attention's varlen and TransformerEngine's THD conventions).
+
+    A sequence starts wherever ``positions`` is 0 (each row start, document, chunk or padding run). Without CP
+    both tensors hold those offsets. With CP, best-fit's (flagged) rows: ``cu_seqlens_padded`` holds them (each
+    sequence with its CP padding, a multiple of ``2·c``) and ``cu_seqlens`` the cumulative real lengths (the
+    ``CP_PAD`` positions left out), as :func:`lightning_d9d.context_parallel.pad_documents_for_cp` gives; concat's
+    rows are one sequence each. ``max_seqlen``: the longest padded sequence.
+
+    Args:
+        rows: the microbatch's rows (their flags say where CP padding is).
+        positions: ``(rows, seq_len)`` positions, restarting at 0 at every sequence.
+        context_parallel_size: the CP size the rows were packed for.
+    """
+    if context_parallel_size == 1:
+        cu_seqlens, longest = cu_seqlens_of(positions)
+        return cu_seqlens, cu_seqlens.clone(), longest
+    if rows.flags is None:  # concat: the whole row is the CP sequence
+        width = positions.shape[1]
+        bounds = torch.arange(0, positions.numel() + 1, width, dtype=torch.int32)
+        return bounds, bounds.clone(), width if len(positions) else 0
+    padded, longest = cu_seqlens_of(positions)
+    pads = ((rows.flags[:, :-1] & CP_PAD) != 0).reshape(-1)
+    pads_before = np.concatenate([np.zeros(1, np.int64), np.cumsum(pads, dtype=np.int64)])
+    # The real tokens before a sequence's start are its offset less the CP padding before it.
+    offsets = padded.numpy().astype(np.int64)
+    return torch.from_numpy((offsets - pads_before[offsets]).astype(np.int32)), padded, longest
 
 
 def prefix_hash(tokens: np.ndarray) -> int:

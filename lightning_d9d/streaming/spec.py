@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_d9d.checks import non_negative_int, positive_int
+from lightning_d9d.context_parallel import cp_multiple
 from lightning_d9d.digest import digest
 from lightning_d9d.resume import MISSING, Fingerprint
 from lightning_d9d.streaming.bestfit import BestFitPacking
@@ -61,6 +62,8 @@ class StreamSettings:
         tokenizer_batch_size: documents per tokenizer call, at most (never changes a row).
         growth: how a fresh best-fit buffer grows to ``buffer_size`` (a resumed stream keeps the growth it
             started with, which its state holds).
+        context_parallel_size: the CP size rows are laid out for (c; 1: none). With c > 1, ``seq_len`` must be a
+            multiple of ``2·c``; best-fit pads every piece to a multiple of ``2·c``, concat splits whole rows.
 
     Raises:
         ValueError: a setting out of range or an unknown packing, naming it and what would be valid.
@@ -75,13 +78,24 @@ class StreamSettings:
     max_document_chars: int | None = None
     tokenizer_batch_size: int = 128
     growth: BufferGrowth = field(default_factory=BufferGrowth)
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "packing", packing_of(self.packing) if isinstance(self.packing, str) else self.packing)
         if self.packing not in PACKINGS.values():
             raise ValueError(f"packing={self.packing!r} is not valid: use one of {list(PACKINGS)}")
-        for name in ("seq_len", "global_batch_size", "num_streams", "bestfit_buffer_size", "tokenizer_batch_size"):
+        for name in (
+            "seq_len", "global_batch_size", "num_streams", "bestfit_buffer_size", "tokenizer_batch_size",
+            "context_parallel_size",
+        ):  # fmt: skip
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+        if self.seq_len % self.cp_multiple:
+            c = self.context_parallel_size
+            raise ValueError(
+                f"seq_len={self.seq_len} is not a multiple of 2 × context_parallel_size = {2 * c} "
+                f"(context_parallel_size={c}): every row is split into {2 * c} chunks over the CP ranks; use a "
+                f"seq_len that is a multiple of {2 * c}, e.g. {-(-self.seq_len // (2 * c)) * 2 * c}"
+            )
         object.__setattr__(self, "seed", non_negative_int("seed", self.seed))
         object.__setattr__(
             self, "max_document_chars", positive_int("max_document_chars", self.max_document_chars, allow_none=True)
@@ -93,6 +107,11 @@ class StreamSettings:
                 f"every step takes global_batch_size / num_streams rows of each stream; use num_streams in {valid} "
                 f"or a global_batch_size that is a multiple of {self.num_streams}"
             )
+
+    @property
+    def cp_multiple(self) -> int:
+        """What every piece of a best-fit row is padded to a multiple of: ``2·c`` (1 without CP)."""
+        return cp_multiple(self.context_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -248,6 +267,7 @@ class MixtureSpec:
             num_streams=settings.num_streams,
             bestfit_buffer_size=settings.bestfit_buffer_size,
             max_document_chars=settings.max_document_chars,
+            context_parallel_size=settings.context_parallel_size,
             sources=tuple(
                 (name, files_summary(spec.index), tuple(spec.index.file_digests), spec.index.text_column)
                 for name, spec in zip(self.names, self.sources)
@@ -282,9 +302,12 @@ class CorpusFingerprint(Fingerprint):
     bestfit_buffer_size: int
     max_document_chars: int | None
     sources: tuple[tuple[str, str, tuple[int, ...], str], ...]
+    context_parallel_size: int = 1
     file_labels: tuple[tuple[str, ...], ...] = field(default=(), compare=False, repr=False)
 
     def mismatches(self, saved: dict[str, Any]) -> list[str]:
+        # Checkpoints written before context parallelism existed were laid out for one CP rank.
+        saved = {"context_parallel_size": 1, **saved}
         now = self.to_dict()
         differences = [
             self.describe_difference(name, _plain(saved.get(name, MISSING)), value)

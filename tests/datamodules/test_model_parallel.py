@@ -3,8 +3,11 @@
 One 2-process launch runs every fit in turn (Lightning re-runs the script per rank; its start-up is paid once):
 D9DDataModule on 1×2 (data × tensor parallel), 2×1 and plain DDP, resumed across 1×2 → 2×1 and 2×1 → 1×2;
 TextDataModule with padding-free token budgets laid out for context parallelism on 1×2 and 2×1, resumed
-1×2 → 2×1; a DataModule that deals by process under TP (the peer check must stop it at step 0); and a mesh dim
-that does not exist. A 4-process launch runs 2×2. Every microbatch of every process is recorded.
+1×2 → 2×1; PretrainingDataModule (a two-source mixture packed ``bestfit_split``) on 1×2, 2×1 and plain DDP,
+resumed 1×2 → 2×1, and laid out for context parallelism (``bestfit``, c = 2) on 1×2 and 2×1; a DataModule that
+deals by process under TP (the peer check must stop it at step 0); and a mesh dim that does not exist. A
+4-process launch runs D9DDataModule and PretrainingDataModule on 2×2, the latter resumed on 4×1. Every
+microbatch of every process is recorded.
 """
 
 from __future__ import annotations
@@ -16,15 +19,57 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support import LengthDataset, digest, fit_in_processes, make_texts, pad_collate, read_records, train_tokenizer
+from support import (
+    LengthDataset,
+    digest,
+    fit_in_processes,
+    make_docs,
+    make_texts,
+    pad_collate,
+    read_records,
+    run_steps,
+    train_tokenizer,
+    write_parquet,
+)
 
-from lightning_d9d import D9DDataModule, TextDataModule
+from lightning_d9d import D9DDataModule, PretrainingDataModule, TextDataModule
 
 G, M_SIZE, SIZE, VAL_SIZE = 8, 2, 48, 13  # D9D: 6 steps of 8 samples, microbatches of 2
 D9D = {"size": SIZE, "val_size": VAL_SIZE, "global_batch_size": G, "microbatch_size": M_SIZE, "sort_buffer_size": 16}
 TEXT_BUDGET = {"global_batch_tokens": 512, "microbatch_tokens": 128}  # P = 4 microbatches a step
 LAYOUTS = {"d_tp": (1, 2), "d_dp": (2, 1), "d_ddp": (2, 1), "d_tp_to_dp": (2, 1), "d_dp_to_tp": (1, 2)}
 LAYOUTS |= {"t_tp": (1, 2), "t_dp": (2, 1), "t_tp_to_dp": (2, 1), "d_2x2": (2, 2)}
+LAYOUTS |= {"p_tp": (1, 2), "p_dp": (2, 1), "p_ddp": (2, 1), "p_tp_to_dp": (2, 1)}
+LAYOUTS |= {"p_cp_tp": (1, 2), "p_cp_dp": (2, 1), "p_2x2": (2, 2), "p_2x2_to_4x1": (4, 1)}
+P_CP = {"context_parallel_size": 2, "packing": "bestfit"}  # rows laid out for 2 CP ranks
+P_G, P_M_SIZE, P_STEPS = 8, 2, 4  # pretraining: 4 steps of 8 rows, microbatches of 2, K = 4 streams
+
+
+@pytest.fixture(scope="module")
+def pretraining_options(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A two-source mixture packed bestfit_split (long documents split, short rows padded)."""
+    root = tmp_path_factory.mktemp("mp_pretraining")
+    web, books = make_docs(80, seed=7, max_words=20, long_every=9, long_words=60), make_docs(30, seed=8)
+    write_parquet(root / "web", web, files=2, row_group_size=10)
+    write_parquet(root / "books", books, files=1, row_group_size=10)
+    write_parquet(root / "val", make_docs(30, seed=9), files=1, row_group_size=10)
+    train_tokenizer(web + books, root / "tokenizer.json")
+    return {
+        "train_files": {"web": str(root / "web"), "books": str(root / "books")},
+        "weights": {"web": 3, "books": 1},
+        "val_files": str(root / "val"),
+        "tokenizer": str(root / "tokenizer.json"),
+        "packing": "bestfit_split",
+        "seq_len": 16,
+        "global_batch_size": P_G,
+        "microbatch_size": P_M_SIZE,
+        "num_streams": 4,
+        "steps_per_epoch": P_STEPS,
+        "val_steps": 2,
+        "tokenizer_batch_size": 8,
+        "bestfit_buffer_size": 8,
+        "num_workers": 0,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +95,11 @@ def text_options(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict) -> dict[str, Any]:
+def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict, pretraining_options: dict) -> dict:
     root = tmp_path_factory.mktemp("mp2")
-    ckpt = {name: str(root / f"ckpt_{name}") for name in ("d_tp", "d_dp", "t_tp")}
+    ckpt = {name: str(root / f"ckpt_{name}") for name in ("d_tp", "d_dp", "t_tp", "p_tp")}
     text = {"data": "text", "options": text_options}
+    pretraining = {"data": "pretraining", "options": pretraining_options}
     runs = [
         {"name": "d_tp", "strategy": [1, 2], "every_n_train_steps": 3, "ckpt_dir": ckpt["d_tp"],
          "options": {"verify_peers": 2}},
@@ -64,6 +110,13 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict) 
         {"name": "t_tp", "strategy": [1, 2], "every_n_train_steps": 2, "ckpt_dir": ckpt["t_tp"], **text},
         {"name": "t_dp", "strategy": [2, 1], **text},
         {"name": "t_tp_to_dp", "strategy": [2, 1], "ckpt_path": f"{ckpt['t_tp']}/epoch=0-step=2.ckpt", **text},
+        {"name": "p_tp", "strategy": [1, 2], "every_n_train_steps": 2, "ckpt_dir": ckpt["p_tp"], **pretraining,
+         "options": {**pretraining_options, "verify_peers": 2}},
+        {"name": "p_dp", "strategy": [2, 1], **pretraining},
+        {"name": "p_ddp", "strategy": "ddp", **pretraining},
+        {"name": "p_tp_to_dp", "strategy": [2, 1], "ckpt_path": f"{ckpt['p_tp']}/epoch=0-step=2.ckpt", **pretraining},
+        {"name": "p_cp_tp", "strategy": [1, 2], **pretraining, "options": {**pretraining_options, **P_CP}},
+        {"name": "p_cp_dp", "strategy": [2, 1], **pretraining, "options": {**pretraining_options, **P_CP}},
         {"name": "broken", "data": "d9d_by_process", "strategy": [1, 2], "options": {**D9D, "verify_peers": 1},
          "expect_error": "optimizer step 0"},
         {"name": "bad_dims", "strategy": [1, 2], "options": {"data_parallel": ["dp_shard"]},
@@ -75,10 +128,18 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict) 
 
 
 @pytest.fixture(scope="module")
-def four_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def four_processes(tmp_path_factory: pytest.TempPathFactory, pretraining_options: dict) -> Path:
     root = tmp_path_factory.mktemp("mp4")
     config = {"data": "d9d", "options": {**D9D, "verify_peers": 1}, "record_dir": str(root), "devices": 4}
-    fit_in_processes({**config, "runs": [{"name": "d_2x2", "strategy": [2, 2], "max_epochs": 1}]}, timeout=400)
+    # 2×2 saves stream states gathered from 4 processes (each stream from its replica's 2 peers); 4×1 resumes.
+    pretraining = {"data": "pretraining", "options": pretraining_options}
+    runs = [
+        {"name": "d_2x2", "strategy": [2, 2]},
+        {"name": "p_2x2", "strategy": [2, 2], "every_n_train_steps": 2, "ckpt_dir": str(root / "ckpt"), **pretraining},
+        {"name": "p_2x2_to_4x1", "strategy": [4, 1], "ckpt_path": str(root / "ckpt" / "epoch=0-step=2.ckpt"),
+         **pretraining},
+    ]  # fmt: skip
+    fit_in_processes({**config, "runs": [{"max_epochs": 1, **run} for run in runs]}, timeout=500)
     return root
 
 
@@ -109,6 +170,18 @@ def text_steps(text_options: dict) -> dict[int, list[str]]:
     return {step: sorted(digests) for step, digests in steps.items()}
 
 
+def one_replica_steps(options: dict) -> dict[int, list[str]]:
+    """Step -> sorted digests of its rows, from one replica without a Trainer."""
+    dm = PretrainingDataModule(**options)
+    dm.setup("fit")
+    return {step: sorted(d for _, d in rows) for step, rows in enumerate(run_steps(dm, P_STEPS))}
+
+
+@pytest.fixture(scope="module")
+def pretraining_steps(pretraining_options: dict) -> dict[int, list[str]]:
+    return one_replica_steps(pretraining_options)
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 def by_process(records: list[dict]) -> dict[tuple, dict[int, list[tuple]]]:
     """(epoch, step, dp_rank) -> process -> its microbatches (batch_idx, digest) in order."""
@@ -127,9 +200,14 @@ def one_per_replica(records: list[dict]) -> list[dict]:
 
 
 def union_per_step(records: list[dict], key: str) -> dict[int, list]:
+    """Step -> the sorted union over replicas of ``key`` (``ids``, ``digest``, or ``rows``: each row's digest
+    cut to ``run_steps``' 16 characters)."""
     steps: dict[int, list] = defaultdict(list)
     for r in one_per_replica(records):
-        steps[r["step"]] += r[key] if key == "ids" else [r[key]]
+        if key == "rows":
+            steps[r["step"]] += [row[:16] for row in r["rows"]]
+        else:
+            steps[r["step"]] += r[key] if key == "ids" else [r[key]]
     return {step: sorted(values) for step, values in steps.items()}
 
 
@@ -207,6 +285,45 @@ def test_text_token_budgets_under_tensor_parallelism_resume_on_another_layout(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", ["p_tp", "p_dp", "p_ddp"])
+def test_pretraining_streams_are_dealt_by_replica_and_every_layout_trains_the_same_global_batches(
+    two_processes: dict, pretraining_steps: dict, run: str
+) -> None:
+    dp, tp = LAYOUTS[run]
+    records = read_records(two_processes["records"], run=run)
+    assert_layout(records, dp, tp, P_G // (dp * P_M_SIZE))
+    assert union_per_step(records, "rows") == pretraining_steps
+    val = by_process(read_records(two_processes["records"], "val", run=run))
+    assert {where[2] for where in val} == set(range(dp)), "validation split among replicas"
+    for where, processes in val.items():
+        assert len(processes) == tp and len({tuple(s) for s in processes.values()}) == 1, where
+
+
+@pytest.mark.slow
+def test_pretraining_rows_laid_out_for_context_parallelism_are_the_same_on_every_layout(
+    two_processes: dict, pretraining_options: dict
+) -> None:
+    """Peers get the same microbatches (``cu_seqlens_padded`` included: the digest covers every tensor)."""
+    reference = one_replica_steps({**pretraining_options, **P_CP})
+    for run in ("p_cp_tp", "p_cp_dp"):
+        dp, tp = LAYOUTS[run]
+        records = read_records(two_processes["records"], run=run)
+        assert_layout(records, dp, tp, P_G // (dp * P_M_SIZE))
+        assert union_per_step(records, "rows") == reference, run
+
+
+@pytest.mark.slow
+def test_pretraining_resumed_from_tensor_parallel_on_data_parallel_continues_the_same_global_batches(
+    two_processes: dict, pretraining_steps: dict
+) -> None:
+    before = [r for r in read_records(two_processes["records"], run="p_tp") if r["step"] < 2]
+    resumed = read_records(two_processes["records"], run="p_tp_to_dp")
+    assert min(r["step"] for r in resumed) == 2
+    assert_layout(resumed, 2, 1, P_G // (2 * P_M_SIZE))
+    assert union_per_step(before, "rows") | union_per_step(resumed, "rows") == pretraining_steps
+
+
+@pytest.mark.slow
 def test_the_peer_check_stops_data_dealt_by_process_under_tensor_parallelism(two_processes: dict) -> None:
     for rank in (0, 1):
         errors = (two_processes["records"] / f"errors-rank{rank}.txt").read_text()
@@ -228,3 +345,17 @@ def test_two_by_two_peers_share_and_replicas_split(four_processes: Path, d9d_ste
     assert sorted(i for r in one_per_replica(val) for i in r["ids"]) == list(range(VAL_SIZE))
     for where, processes in by_process(val).items():
         assert len({tuple(s) for s in processes.values()}) == 1, where
+
+
+@pytest.mark.slow
+def test_pretraining_on_two_by_two_resumes_on_four_replicas_from_states_its_peers_saved(
+    four_processes: Path, pretraining_steps: dict
+) -> None:
+    records = read_records(four_processes, run="p_2x2")
+    assert_layout(records, 2, 2, P_G // (2 * P_M_SIZE))
+    assert union_per_step(records, "rows") == pretraining_steps
+    resumed = read_records(four_processes, run="p_2x2_to_4x1")
+    assert min(r["step"] for r in resumed) == 2
+    assert_layout(resumed, 4, 1, P_G // (4 * P_M_SIZE))
+    before = [r for r in records if r["step"] < 2]
+    assert union_per_step(before, "rows") | union_per_step(resumed, "rows") == pretraining_steps

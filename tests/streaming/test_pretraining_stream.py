@@ -16,6 +16,7 @@ import torch
 from support import (
     BOS,
     WORDS,
+    RankDataModule,
     assert_same_blocks,
     corpus_spec,
     make_docs,
@@ -515,16 +516,26 @@ def test_bad_options_name_the_value(corpus: dict, change: dict, message: str) ->
         ),
         (
             {"num_streams": 4, "num_workers": 3, "global_batch_size": 8},
-            r"num_workers=3 workers cannot share the 4 streams of each rank \(num_streams=4, world_size=1\).*"
-            r"num_workers in \[0, 1, 2, 4\]",
+            r"num_workers=3 workers cannot share the 4 streams of each data-parallel replica \(num_streams=4, "
+            r"dp_size=1\).*num_workers in \[0, 1, 2, 4\]",
+        ),
+        (
+            {"num_streams": 4, "global_batch_size": 12, "microbatch_size": 4, "world": 3},
+            r"num_streams=4 streams cannot be shared by data-parallel size dp_size=3: .* the data-parallel size can "
+            r"be \[1, 2, 4\]",
         ),
     ],
 )
 def test_a_layout_that_cannot_share_the_streams_names_k_and_what_is_valid(
     corpus: dict, change: dict, message: str
 ) -> None:
+    options = base_options(corpus, **change)
+    world = options.pop("world", None)  # a simulated data-parallel size
     with pytest.raises(ValueError, match=message):
-        setup_dm(**base_options(corpus, **change))
+        if world is None:
+            setup_dm(**options)
+        else:
+            RankDataModule(**options, world=world, rank=0).setup("fit")
 
 
 def test_no_matching_file_names_the_pattern(corpus: dict, tmp_path: Path) -> None:
