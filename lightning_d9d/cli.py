@@ -39,6 +39,8 @@ from lightning_d9d.cli_errors import (
     full_tracebacks,
     report_configuration_error,
 )
+from lightning_d9d.datamodules.base import SteppedDataModule
+from lightning_d9d.datamodules.d9d import D9DDataModule
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.topology import DataParallelTopology
 
@@ -135,10 +137,11 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     world_size, lines = _layout_lines(datamodule, trainer)  # world_size: what the data is dealt among
     datamodule.prepare_data()
     datamodule.setup("fit")
-    if getattr(datamodule, "plan", None) is not None:
+    if isinstance(datamodule, D9DDataModule) and datamodule.plan is not None:
         return "\n".join(lines + describe_token_plan(datamodule, world_size))
-    global_batch_size = getattr(datamodule, "global_batch_size", None)
-    microbatch_size = getattr(datamodule, "microbatch_size", None)
+    stepped = isinstance(datamodule, SteppedDataModule)
+    global_batch_size = datamodule.global_batch_size if stepped else None
+    microbatch_size = datamodule.microbatch_size if stepped else None
     batches: Iterator[Any] = iter(datamodule.train_dataloader())
     if global_batch_size is None or microbatch_size is None:
         lines.append("first batch:")
@@ -156,7 +159,7 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     ]
     steps = min(steps, datamodule.steps_per_epoch)
     # With yield_packs each batch is already one step's pack of microbatches.
-    packs = bool(getattr(datamodule, "yield_packs", False))
+    packs = bool(datamodule.yield_packs)
     token_lines, first, rows_by_source = _read_steps(batches, steps, 1 if packs else per_step_here, packs)
     lines += token_lines
     lines += _pretraining_lines(datamodule, trainer, rows_by_source, steps)
@@ -217,7 +220,7 @@ def _data_parallel_size(datamodule: Any, trainer: Any, processes: int) -> int:
     """Replicas the data will be dealt among, read before any process starts: a ``DataParallelTopology`` given
     to the DataModule, ``ModelParallelStrategy``'s ``data_parallel_size`` (``"auto"``: one per node), else one
     replica per process (a mesh's layout is known only once processes run)."""
-    given = getattr(datamodule, "data_parallel", None)
+    given = datamodule.data_parallel if isinstance(datamodule, SteppedDataModule) else None
     if isinstance(given, DataParallelTopology):
         return given.dp_size
     size = getattr(getattr(trainer, "strategy", None), "_data_parallel_size", None)

@@ -43,15 +43,19 @@ from lightning_d9d.datamodules.observability import DEFAULT_DATA_WAIT_WARNING
 from lightning_d9d.mapstyle.loader import StepSchedule, TrainLoader, ValidationLoader
 from lightning_d9d.mapstyle.order import GlobalBatchOrder
 from lightning_d9d.mapstyle.plan import TokenBudget, TokenPlan
+from lightning_d9d.mapstyle.shard import GlobalBatchSchedule
 from lightning_d9d.mapstyle.steps import (
     DEFAULT_MICROBATCH_SIZE,
     OrderFingerprint,
     OrderSettings,
+    SampleCountSteps,
     StepSizing,
+    TokenBudgetSteps,
     TokenPlanFingerprint,
     step_sizing,
 )
 from lightning_d9d.resume import Fingerprint, TrainPosition
+from lightning_d9d.text.sft_schedule import LabelCountSchedule
 from lightning_d9d.topology import DataParallelSetting
 
 DatasetOrFactory = Dataset | Callable[[], Dataset]
@@ -179,17 +183,17 @@ class D9DDataModule(SteppedDataModule):
     @property
     def global_batch_size(self) -> int | None:  # type: ignore[override]
         """G, samples per step (sample counts; ``None`` with token budgets)."""
-        return getattr(self.steps, "global_batch_size", None)
+        return self.steps.global_batch_size if isinstance(self.steps, SampleCountSteps) else None
 
     @property
     def microbatch_size(self) -> int | None:  # type: ignore[override]
         """m, samples per microbatch (sample counts; ``None`` with token budgets)."""
-        return getattr(self.steps, "microbatch_size", None)
+        return self.steps.microbatch_size if isinstance(self.steps, SampleCountSteps) else None
 
     @property
     def budget(self) -> TokenBudget | None:
         """The token budget (``None`` with sample counts)."""
-        return getattr(self.steps, "budget", None)
+        return self.steps.budget if isinstance(self.steps, TokenBudgetSteps) else None
 
     @property
     def global_batch_tokens(self) -> int | None:
@@ -202,12 +206,14 @@ class D9DDataModule(SteppedDataModule):
     @property
     def order(self) -> GlobalBatchOrder | None:
         """The sample-count order (needs ``setup``; ``None`` with token budgets)."""
-        return getattr(self.schedule, "order", None)
+        schedule = _unwrapped(self.schedule)
+        return schedule.order if isinstance(schedule, GlobalBatchSchedule) else None
 
     @property
     def plan(self) -> TokenPlan | None:
         """The token-budget plan (needs ``setup``; ``None`` with sample counts)."""
-        return self.schedule if isinstance(self.schedule, TokenPlan) else None
+        schedule = _unwrapped(self.schedule)
+        return schedule if isinstance(schedule, TokenPlan) else None
 
     @property
     def reloads_train_loader_every_epoch(self) -> bool:  # type: ignore[override]
@@ -317,3 +323,8 @@ def _materialise(source: DatasetOrFactory, name: str) -> Dataset:
             f"got {type(dataset).__name__}"
         )
     return dataset
+
+
+def _unwrapped(schedule: Any) -> Any:
+    """The schedule a fine-tuning ``LabelCountSchedule`` wraps (it only recounts trained targets), else itself."""
+    return schedule.schedule if isinstance(schedule, LabelCountSchedule) else schedule

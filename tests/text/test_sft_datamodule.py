@@ -17,6 +17,7 @@ from sft_support import CHATML, LLAMA_LIKE, hf_tokenizer, write_model_folder
 from support import make_texts, train_tokenizer
 
 from lightning_d9d import TextDataModule
+from lightning_d9d.cli import inspect
 from lightning_d9d.text.collate import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
@@ -126,6 +127,13 @@ def test_step_label_tokens_counts_the_trained_targets_of_the_step_over_all_ranks
         assert {batch.step_label_tokens for batch in batches} == {counted}
         tokens = sum(int((batch.input_ids != -1).sum()) for batch in batches)
         assert counted < tokens  # prompts are masked: fewer targets than tokens
+    # The fine-tuning schedule wraps the sample-count order or the token plan; both stay visible through it.
+    if "global_batch_tokens" in budget:
+        assert dm.plan is not None and dm.order is None
+        assert dm.plan.steps_in_epoch(0) == dm.steps_in_epoch(0)
+        assert "step: 1024 tokens" in inspect(dm, None)
+    else:
+        assert dm.plan is None and dm.order is not None
 
 
 def test_keep_start_cuts_and_counts(data: dict, tmp_path: Path) -> None:
