@@ -1,16 +1,11 @@
 """JSONL: compressed or plain JSON-lines files as groups of whole lines, read like parquet row groups.
 
-A one-off scan streams a file once, hashing its stored bytes, and cuts its text into *groups*: decompressed byte
-ranges ending at the first newline after ``group_bytes``, each line a row (a blank line a row without text). For a
-compressed file it notes the frames (zstd frames, gzip members) each group starts and ends in, so a read fetches
-and decompresses only those. The :class:`JsonlLayout` can be cached as JSON, trusted while the file's size and
-mtime match. A group is parsed by ``pyarrow.json`` after a cheap check that every non-blank line is one object (so
-pyarrow's rows are the lines); one that fails is parsed line by line, which names the first malformed line or,
-with ``on_malformed="skip"``, makes each a counted null row: row numbers never move.
-
-Trade-off: in a single-frame file a group starts inside the one frame, so a pass costs about ``G / 2`` full
-decompressions; multi-frame (``pzstd``, ``bgzip``) and plain files read only a group's bytes. A group is held whole
-while parsed, which bounds ``group_bytes``.
+A one-off scan hashes a file and cuts its text into *groups* of whole lines (a line is a row) of about
+``group_bytes``, noting the compressed frames each group starts and ends in, so a read decompresses only those.
+A group is parsed by ``pyarrow.json`` after a cheap check that each non-blank line is one object, else line by line,
+which names the first malformed line (or, with ``on_malformed="skip"``, makes it a counted null row: row numbers
+never move). Trade-off: in a single-frame file a group starts inside the one frame, so a pass costs about ``G / 2``
+full decompressions; multi-frame (``pzstd``, ``bgzip``) and plain files read only a group's bytes.
 """
 
 from __future__ import annotations
@@ -65,11 +60,7 @@ _CACHE_VERSION = 1
 
 
 def compression_of(path: str) -> Compression:
-    """The compression of a JSONL file, from its suffix.
-
-    Raises:
-        ValueError: ``path`` does not end in one of :data:`JSONL_SUFFIXES`.
-    """
+    """The compression of a JSONL file, from its suffix (ValueError for another suffix)."""
     name = canonical(os.fspath(path)).lower()
     for suffix, compression in _SUFFIX_COMPRESSION.items():
         if name.endswith(suffix):
@@ -88,11 +79,9 @@ class JsonlGroup:
 
     Attributes:
         start, stop: its decompressed bytes ``[start, stop)``, whole lines.
-        first_line: the 0-based number of its first line in the file.
-        num_rows: its lines (blank ones included).
-        frame_offset, frame_start: compressed offset and decompressed start of the frame holding ``start`` (0, plain).
-        frame_stop: the compressed offset past the frame holding ``stop - 1``: a read fetches at most from
-            ``frame_offset`` to it.
+        first_line, num_rows: its first line (0-based) and its lines, blank ones included.
+        frame_offset, frame_start: compressed offset and decompressed start of the frame holding ``start``.
+        frame_stop: the compressed offset past the frame holding ``stop - 1``.
     """
 
     start: int
@@ -109,17 +98,8 @@ _GROUP_FIELDS = ("start", "stop", "first_line", "num_rows", "frame_offset", "fra
 
 @dataclass(frozen=True)
 class JsonlLayout:
-    """What a scan of one JSONL file found: its identity and its groups.
-
-    Attributes:
-        path: its absolute path, or its URL without endpoint options and credentials.
-        size, mtime_ns: its size in bytes and modification time on storage (``mtime_ns`` may be ``None``).
-        digest: SHA-256 (hex) of its stored bytes.
-        compression: ``"none"``, ``"gzip"`` or ``"zstd"``.
-        frames: independently decompressible pieces (1 for a plain file).
-        uncompressed_size: the decompressed size in bytes.
-        group_bytes: the group size the file was cut with.
-        groups: its groups, in file order.
+    """What a scan of one JSONL file found: its identity (``path``, ``size``, ``mtime_ns``, SHA-256 ``digest``), its
+    ``compression`` and ``frames``, ``uncompressed_size``, the ``group_bytes`` it was cut with, and its ``groups``.
     """
 
     path: str
@@ -147,11 +127,7 @@ class JsonlLayout:
 
     @classmethod
     def from_dict(cls, data: Any) -> JsonlLayout:
-        """Read a layout written by :meth:`to_dict`.
-
-        Raises:
-            ValueError: a field is missing or mistyped, or the groups do not tile the file.
-        """
+        """Read a layout written by :meth:`to_dict`; ValueError for a bad field or groups that do not tile the file."""
         try:
             columns = data["groups"]
             lists = [columns[name] for name in _GROUP_FIELDS]
@@ -501,7 +477,7 @@ def read_jsonl_group(
     *,
     on_malformed: Literal["error", "skip"] = "error",
 ) -> tuple[pa.ChunkedArray, int]:
-    """One group's texts: a ``large_string`` per line, null where a line is blank or lacks a string ``text_column``.
+    """One group's texts (a ``large_string`` per line, null where none) and how many malformed lines were skipped.
 
     Args:
         path: the file, as the layout was scanned from.
@@ -510,9 +486,6 @@ def read_jsonl_group(
         group: the group's index in ``layout.groups``.
         text_column: the field of each JSON object that holds the text.
         on_malformed: ``"error"``: a malformed line raises; ``"skip"``: it becomes a null row and is counted.
-
-    Returns:
-        The texts and how many malformed lines were skipped.
 
     Raises:
         ValueError: a malformed line (naming file and 1-based line), an unreadable file, or one changed since scanned.

@@ -1,12 +1,10 @@
 """Source: find the parquet and JSONL files, list their row groups, cut them into units, deal each pass's units.
 
-A file spec is resolved once into a sorted list of files; their footers give every row group, its row count and
-its text column's statistics (a digest per file, so a resume notices a file edited in place; row groups proven
-text-free are never read). A *unit* is a row group, or an equal share of one's rows when there are fewer row groups
-than streams. Pass ``p`` visits the units in an order seeded by ``(seed, p)`` and stream ``s`` of ``K`` reads
-``order[s::K]``: no unit is read twice in a pass, and a stream's order never depends on other streams' speed or on
-how many processes host them. Trade-off: whole row groups keep reads sequential and columnar, but balance is only
-as fine as a unit (streams differ by at most one unit per pass; the loader cuts epochs by step count).
+Footers give every row group's row count and text statistics (a digest per file, so a resume notices an edited
+file). A *unit* is a row group, or an equal share of one when there are fewer row groups than streams. Pass ``p``
+visits the units in an order seeded by ``(seed, p)``; stream ``s`` of ``K`` reads ``order[s::K]``, so no unit is read
+twice in a pass and no stream's order depends on another's speed or on the process layout. Trade-off: whole row
+groups keep reads sequential and columnar, but balance is only as fine as a unit.
 """
 
 from __future__ import annotations
@@ -125,7 +123,7 @@ def open_parquet(path: str, storage: Storage | None = None) -> pq.ParquetFile:
 
     Raises:
         ValueError: the file is missing, unreadable or not valid parquet.
-        StorageError: the store refused access or stayed unreachable for ``read_retry_seconds``.
+        StorageError: the store refused access or stayed unreachable.
     """
     storage = storage or Storage()
     try:
@@ -157,11 +155,7 @@ def plain_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
 
 
 def column_texts(column: pa.ChunkedArray, where: Callable[[], str], rows: list[int] | None) -> list[str | None]:
-    """A plain text column as Python strings.
-
-    Raises:
-        ValueError: a value is not valid UTF-8, naming ``where`` and the row.
-    """
+    """A plain text column as Python strings; ValueError naming ``where`` and the row for a value not valid UTF-8."""
     try:
         return column.to_pylist()
     except UnicodeDecodeError as first:
@@ -179,15 +173,13 @@ def column_texts(column: pa.ChunkedArray, where: Callable[[], str], rows: list[i
 
 @dataclass
 class RowGroupIndex:
-    """Every row group of a list of parquet and JSONL files (a JSONL "row group" is a group of whole lines), by one
-    global index.
+    """Every row group of a list of parquet and JSONL files (a JSONL "row group" is a group of lines), by global index.
 
     Attributes:
-        files: the resolved files, in order.
-        text_column: the column (JSONL: the field) that holds the documents.
+        files, text_column: the resolved files, in order, and the column (JSONL: field) of the documents.
         file_of, group_in_file, num_rows: per global row group, its file, its index in that file, its row count.
-        file_digests: per file, a 63-bit digest of its content (footer facts, or a JSONL file's bytes).
-        text_free: per global row group, whether its statistics prove it holds no text (``False`` without them).
+        file_digests: per file, a 63-bit digest of its content.
+        text_free: per global row group, whether its statistics prove it holds no text.
         layouts: each JSONL file's layout, by file index.
         on_malformed: a malformed JSONL line is an error (``"error"``) or a row without text (``"skip"``).
         storage: how the files are reached; it decides no row.
@@ -295,11 +287,11 @@ class RowGroupIndex:
         """The text column of one global row group as Python strings (``None`` for nulls).
 
         Args:
-            rows: only these rows, in this order (cheaper than converting a whole group for a few documents).
+            rows: only these rows, in this order.
 
         Raises:
             ValueError: the file cannot be read, or a text is not valid UTF-8 (naming file, row group and row).
-            StorageError: the store refused access, or stayed unreachable for ``storage.read_retry_seconds``.
+            StorageError: the store refused access, or stayed unreachable.
         """
         column, where = self._read_column(group)
         if rows is not None:
@@ -441,11 +433,7 @@ class Units:
 
     @classmethod
     def of(cls, index: RowGroupIndex, num_streams: int) -> Units:
-        """Whole row groups, or, with fewer row groups than ``num_streams``, each split into equal row ranges.
-
-        Raises:
-            ValueError: the files hold fewer rows than ``num_streams``.
-        """
+        """Whole row groups, or, with fewer than ``num_streams``, equal row ranges of each; ValueError: too few rows."""
         if len(index) >= num_streams:
             return cls(np.arange(len(index), dtype=np.int64), np.zeros(len(index), np.int64), index.num_rows.copy())
         if index.total_rows < num_streams:
@@ -474,8 +462,8 @@ class Units:
 
 
 def pass_order(num_units: int, seed: int, pass_index: int, shuffle: bool = True) -> np.ndarray:
-    """One pass's order of the units: a seeded permutation per pass, or (no shuffle) file order rotated by the pass,
-    so a stream meets other units next pass. A pure function: every rank and worker computes it without talking.
+    """One pass's order of the units: a seeded permutation, or (no shuffle) file order rotated by the pass. Pure, so
+    every rank and worker computes it without talking.
     """
     if not shuffle:
         return np.roll(np.arange(num_units, dtype=np.int64), -(pass_index % max(1, num_units)))

@@ -1,11 +1,10 @@
 """Token cache: each unit's tokens, stored the first time the unit is tokenized and read back instead of tokenizing.
 
-Under ``root``, one folder per *version* (``sha256(key)[:16]``, the key being everything that decides the tokens, so
-a changed setting never meets stale tokens) holds an entry per unit of a file named by its content digest: the kept
-rows, their ids as offsets into one flat uint16/uint32 array, and the rows skipped as too long. An entry validates
-itself (magic, format, CRC-32s, structure); a bad one is a miss, warned about and deleted. Stores are atomic and
-uncoordinated: every writer of an entry writes the same bytes. Trade-off: one file per unit needs no index and keeps
-writers independent, at the price of a file per row group and of reading an entry whole.
+Under ``root``, one folder per *version* (``sha256(key)[:16]``; the key is everything that decides the tokens, so a
+changed setting never meets stale tokens) holds one self-validating entry (CRC-32s, structure) per unit of a file
+named by its content digest; a bad entry is a miss, warned about and deleted. Stores are atomic and uncoordinated:
+every writer of an entry writes the same bytes. Trade-off: one file per unit needs no index and keeps writers
+independent, at the price of a file per row group and of reading an entry whole.
 """
 
 from __future__ import annotations
@@ -61,22 +60,14 @@ class TokenCacheWarning(UserWarning):
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every id of a ``vocab_size`` vocabulary.
-
-    Raises:
-        ValueError: ``vocab_size`` is below 1 or above 2**32.
-    """
+    """The smallest unsigned dtype holding every id of a ``vocab_size`` vocabulary (ValueError outside 1..2**32)."""
     if not 1 <= vocab_size <= 1 << 32:
         raise ValueError(f"vocab_size={vocab_size} must be in 1..2**32")
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 def token_array(ids: Any, vocab_size: int) -> np.ndarray:
-    """``ids`` in the cache's dtype, checked to lie in ``[0, vocab_size)`` (a narrow cast would wrap silently).
-
-    Raises:
-        ValueError: an id outside the vocabulary, or ids that are not integers.
-    """
+    """``ids`` in the cache's dtype; ValueError for non-integers or an id outside ``[0, vocab_size)``."""
     dtype = token_dtype(vocab_size)
     array = np.asarray(ids)
     if array.size == 0:
@@ -128,11 +119,7 @@ class CachedUnit:
         *,
         vocab_size: int,
     ) -> CachedUnit:
-        """Build a unit from each kept document's row and ids (lists or integer arrays).
-
-        Args:
-            too_long: ``{row: characters}`` of the rows skipped for their length.
-        """
+        """Build a unit from each kept document's row and ids, and the ``{row: characters}`` skipped as too long."""
         if len(rows) != len(documents):
             raise ValueError(f"{len(rows)} rows for {len(documents)} documents")
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
@@ -322,13 +309,8 @@ class TokenCache:
         return self.where() not in _NOT_WRITING
 
     def store(self, file_digest: int | str, group_in_file: int, start: int, stop: int, unit: CachedUnit) -> bool:
-        """Store a whole unit's tokenization atomically; whether it was stored.
-
-        A write failure is never an exception: one the next store would meet too (space, quota, permission) stops this
-        process's writing, any other is one warning per kind.
-
-        Raises:
-            ValueError: ``unit`` is not a valid tokenization of that unit (a bug in the caller).
+        """Store a whole unit's tokenization atomically; whether it was stored. A write failure is a warning, never an
+        exception (space, quota or permission errors stop this process's writing); ValueError for an invalid ``unit``.
         """
         name = self.entry_name(file_digest, group_in_file, start, stop)
         if (unit.group_in_file, unit.start, unit.stop) != (group_in_file, start, stop):
@@ -650,12 +632,7 @@ def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
 
 # ------------------------------------------------------------------------------------------------ streams
 class StreamCache:
-    """A token cache as a source's streams use it: load a unit instead of its texts, store a unit tokenized whole.
-
-    Args:
-        cache: the cache.
-        index: the source's ``RowGroupIndex``: it names each unit's file by digest.
-    """
+    """A token cache as a source's streams use it; ``index`` (the source's ``RowGroupIndex``) names each unit's file."""
 
     def __init__(self, cache: TokenCache, index: Any):
         self.cache, self.index = cache, index
