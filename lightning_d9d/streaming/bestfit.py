@@ -1,18 +1,12 @@
 """Best-fit packing: every row filled with the largest buffered piece that still fits, two rules for a gap.
 
-Before every pick the buffer of *pieces* is topped up to its size, one document per refill (so it never depends on
-how documents were batched for the tokenizer); ties go to the piece buffered first. ``bestfit`` (nanochat's): a
-piece is a document's row-sized prefix; when nothing fits, the shortest piece is cropped to fill the row, so every
-row starts at BOS and nothing is padded. ``bestfit_split``: a long document is split into row-sized chunks; when
-nothing fits, the rest of the row is padding, and rows carry ``START`` / ``NO_TARGET`` flags. With context
-parallelism (``cp_multiple`` m = 2·c > 1) each piece starts at a multiple of m and is padded to one (``CP_PAD``), so
-every sequence splits evenly over the CP ranks. The buffer is sorted distinct lengths plus a FIFO per length (a pick
-is one ``bisect``), each piece one row of integers (``META_COLUMNS``), which is all a saved state holds; a restored
-piece's tokens are fetched and verified when it is first picked.
-
-Trade-off: ``bestfit`` trades tokens for alignment (its yield is far below 1 on long documents); ``bestfit_split``
-keeps every token for a little padding, but a chunk loses attention to its predecessors. Memory: about
-``buffer_size × (seq_len + 1)`` tokens.
+The buffer is topped up before every pick, one document per refill, so it never depends on tokenizer batching.
+``bestfit`` (nanochat's): a piece is a document's row-sized prefix; when nothing fits, the shortest is cropped to
+fill the row, so every row starts at BOS, unpadded. ``bestfit_split``: long documents become row-sized chunks, a gap
+is padding, and rows carry ``START`` / ``NO_TARGET`` flags. Under context parallelism each piece is padded to a
+multiple of ``2·c`` (``CP_PAD``). A saved state is only the pieces' integer rows; restored pieces are fetched and
+verified when first picked. Trade-off: ``bestfit`` trades tokens for alignment; ``bestfit_split`` keeps every token
+for a little padding, but a chunk loses attention to its predecessors.
 """
 
 from __future__ import annotations
@@ -55,9 +49,7 @@ META_COLUMNS = ("seq", "length", "key0", "key1", "chunk", "final", "hash")
 
 
 class _PieceBuffer:
-    """Buffered pieces by length, each owning a slot of an int64 table that describes it (a snapshot is whole-table
-    numpy operations).
-    """
+    """Buffered pieces by length (a pick is one ``bisect``), each owning a row of an int64 table that describes it."""
 
     def __init__(self, slots: int) -> None:
         self.lengths: list[int] = []
@@ -90,9 +82,7 @@ class _PieceBuffer:
         self.count += 1
 
     def pop(self, index: int) -> tuple[int, Any, int]:
-        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, slot)``;
-        ``table[slot]`` stays readable until the next :meth:`push`.
-        """
+        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, slot)``."""
         length = self.lengths[index]
         bucket = self.by_length[length]
         slot, payload = bucket.popleft()
@@ -106,9 +96,7 @@ class _PieceBuffer:
         return length, payload, slot
 
     def advance(self, previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """The buffered rows (as :meth:`snapshot`) from ``previous`` and the changes since, with which of ``previous``
-        stay and the rows added: it costs the change, not the buffer.
-        """
+        """The buffered rows from ``previous`` and the changes since; which of ``previous`` stay, and rows added."""
         pushed, popped = self.pushed, self.popped
         self.pushed, self.popped = [], []
         if previous is None:
@@ -263,9 +251,7 @@ class BestFitPacker:
         return 0
 
     def _cp_pad(self, out: np.ndarray, row: int, pos: int, marks: Any) -> tuple[int, int]:
-        """Pad row ``row`` from ``pos`` to the next multiple of ``cp_multiple`` (to the row's end where only its last
-        token would be left); returns the position after it and the padding written.
-        """
+        """Pad from ``pos`` to the next multiple of ``cp_multiple`` (or row end); returns new position, padding."""
         stop = -(-pos // self.cp_multiple) * self.cp_multiple
         if stop >= self.capacity - 1:
             stop = self.capacity
@@ -332,7 +318,7 @@ class BestFitSplitPacker(BestFitPacker):
 
     Args:
         capacity: tokens per row (``seq_len + 1``).
-        pad_id: the token id written at padding positions (never a target; its flags mark it).
+        pad_id: the token id written at padding positions.
         buffer_size, growth, counters, cp_multiple: as :class:`BestFitPacker`'s.
     """
 
@@ -397,10 +383,8 @@ def _flags(
 
 @dataclass(frozen=True)
 class BestFitState:
-    """A best-fit packing's state: the reader's position after the last document added, and the buffer.
-
-    ``buffer`` holds one int64 row of ``META_COLUMNS`` per piece, in insertion order; ``next_seq`` is the next
-    insertion number.
+    """A best-fit packing's state: the reader's position after the last document added, and ``buffer`` (one int64
+    ``META_COLUMNS`` row per piece, in insertion order).
     """
 
     kind: str = "bestfit"

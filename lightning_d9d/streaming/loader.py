@@ -1,20 +1,13 @@
 """Loader: one rank's share of K topology-independent streams, assembled into the same global steps on any layout.
 
-Each of ``K = num_streams`` streams is a pure function of its number and the data; global step ``s`` is the rows
-``[s·R, (s+1)·R)`` of every stream, ``R = G / K``, so a step's rows never depend on the world size, ``num_workers``
-or ``microbatch_size``, and every stream's state at a step boundary resumes on any layout. Rank ``r`` of ``W`` owns
-streams ``[r·K/W, (r+1)·K/W)``; worker ``w`` of ``n`` hosts the rank's streams ``w, w+n, …`` and yields one item
-per step (every hosted stream's block of ``R`` rows and state), which DataLoader's round-robin over workers lets
-this process reorder, concatenate and cut into the step's microbatches. Handing out a step's last microbatch
-commits the states a checkpoint saves (a resume starts at a step's first microbatch). A worker tokenizes on one
-core, so ``num_workers`` is the cores a rank tokenizes on (0: in this process, on every core).
-
-Workers are forked unless a file is read over the network: then they start from a forkserver, since a forked child
-can inherit pyarrow's S3 client locks mid-request and block forever; the price is a slower first start and a
-training script that must keep its top-level code under ``if __name__ == "__main__":``.
-
-Trade-off: a larger K lets more ranks and workers share the streams, at the cost of K best-fit buffers and K
-streams to start after every resume.
+Global step ``s`` is rows ``[s·R, (s+1)·R)`` of every stream, ``R = G / K``, so a step's rows never depend on the
+world size, workers or microbatch size, and the streams' states at a step boundary resume on any layout. Rank ``r``
+owns a contiguous block of streams; each worker hosts some and yields one item per step, which DataLoader's
+round-robin lets this process reorder into the step's microbatches. Handing out a step's last microbatch commits
+the states a checkpoint saves. Workers fork unless a file is read over the network: then a forkserver, since a
+forked child can inherit pyarrow's S3 client locks mid-request and hang (the training script must then guard its
+top-level code with ``if __name__ == "__main__":``). Trade-off: a larger K lets more ranks and workers share the
+streams, at the cost of K best-fit buffers and K streams to start on every resume.
 """
 
 from __future__ import annotations
@@ -69,9 +62,7 @@ def worker_start_method(files: Iterable[str]) -> str | None:
 
 
 def _forkserver_context() -> multiprocessing.context.BaseContext:
-    """The forkserver context, its server preloading this module (and Lightning when in use), so a worker imports
-    neither again.
-    """
+    """The forkserver context, its server preloading this module (and Lightning when in use)."""
     context = multiprocessing.get_context("forkserver")
     preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or ["__main__"])
     wanted = [name for name in (__name__, "lightning") if name in sys.modules and name not in preload]
@@ -127,11 +118,7 @@ class StreamPosition(TrainPosition):
         self.previous, self.committed = self.committed, (epoch, step, dict(self.states))
 
     def committed_states(self, step: int) -> StreamStates:
-        """The streams' states at the start of ``step`` of this epoch: the last boundary or the one before.
-
-        Raises:
-            RuntimeError: ``step`` is neither this position's step nor the one before.
-        """
+        """The streams' states at the start of ``step``: the last boundary or the one before (else RuntimeError)."""
         if step == self.step:
             return self.committed[2]
         if step == self.step - 1:
@@ -213,9 +200,8 @@ class _HostedStreams(IterableDataset):
 
 
 class WireFormat:
-    """A worker's items as they cross to the training process, compactly: ids as uint16 where they fit, flags as
-    their non-zero positions, a best-fit buffer as its change since the last step. One instance per side (``encode``
-    in the worker, ``decode`` here) and set of workers.
+    """A worker's items as they cross to the training process, compactly (``encode`` in the worker, ``decode`` here):
+    ids as uint16 where they fit, flags as positions, a best-fit buffer as its change since the last step.
     """
 
     def __init__(self) -> None:

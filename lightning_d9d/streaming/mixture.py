@@ -1,17 +1,12 @@
 """Mixture planning: how many rows of each source every optimizer step takes, exactly, as a function of the step.
 
-Pure arithmetic, no I/O. The planning unit is the global batch: step ``s`` takes ``G`` rows, and source ``i`` is
-owed ``T_i(s) = G · Σ_{t<s} w_i(t)`` after steps ``[0, s)`` (exact ``Fraction``s of the weights' decimal spelling,
-so no float rounding ties or reorders sources). The rows are handed out one at a time, earliest deadline first
-(Tijdeman's rule): with constant shares every source stays within ``1 − δ``, ``δ = 1/(2N−2)``, rows of its target
-after every row (a largest-deficit greedy, as Megatron's blend, can fall more than a row behind); after a phase that
-pauses a source, within one row plus the paused sources' deficits. The step's rows, in source order, are dealt
-statelessly, slot ``j`` to stream ``(j + s) mod K``, so the plan depends on the schedule, ``G`` and ``K`` only.
-Within a phase the deficits recur, so ``cumulative_rows`` skips whole periods (step by step where they do not recur
-within ``_MAX_PERIOD_SEARCH``).
-
-Trade-off: planning the global batch makes per-source totals exact to one row for the batch (per-stream planning:
-only to ``K`` rows), at the price of a stream's share of a source varying by a row from step to step.
+Pure arithmetic. Source ``i`` is owed ``G · Σ_{t<s} w_i(t)`` rows after steps ``[0, s)`` (exact ``Fraction``s of the
+weights' decimal spelling); each step's ``G`` rows go one at a time, earliest deadline first (Tijdeman's rule), which
+keeps every source within a row of its target under constant shares (a largest-deficit greedy, as Megatron's blend,
+can fall further behind). The rows are dealt statelessly to the ``K`` streams, so the plan depends on the schedule,
+``G`` and ``K`` only; deficits recur within a phase, so ``cumulative_rows`` skips whole periods. Trade-off: planning
+the global batch makes totals exact to a row per batch (per stream: to ``K`` rows), but a stream's share of a source
+varies by a row from step to step.
 """
 
 from __future__ import annotations
@@ -157,9 +152,7 @@ class MixtureSchedule:
         return {n: s for n, s in zip(self.sources, self.shares_at(step)) if s}
 
     def change_message(self, new: MixtureSchedule, step: int) -> str | None:
-        """Why resuming at ``step`` with ``new`` (this schedule being the checkpoint's) is a change, or ``None``:
-        names the first step, past or future, whose shares differ.
-        """
+        """Why resuming at ``step`` with ``new`` (this schedule being the checkpoint's) is a change, or ``None``."""
         first = self.first_difference(new)
         if first is None:
             return None
@@ -222,11 +215,7 @@ class MixturePlan:
         return tuple(after - b for after, b in zip(self.cumulative_rows(step + 1), before))
 
     def cumulative_rows(self, step: int) -> tuple[int, ...]:
-        """Rows each source took in steps ``[start_step, step)`` plus ``start_rows``, skipping whole periods.
-
-        Raises:
-            ValueError: ``step`` before ``start_step``.
-        """
+        """Rows each source took in ``[start_step, step)`` plus ``start_rows``; ValueError before ``start_step``."""
         if step < self.start_step:
             raise ValueError(f"step={step} is before this plan's start_step={self.start_step}")
         known = max(s for s in self._known if s <= step)
@@ -321,9 +310,7 @@ class MixturePlan:
 
 
 def deal_rows(quota: Sequence[int], step: int, num_streams: int) -> list[tuple[int, ...]]:
-    """Deal one step's rows per source (``quota``, a multiple of ``num_streams`` in all): slot ``j`` of the rows in
-    source order goes to stream ``(j + step) mod K``.
-    """
+    """Deal one step's rows per source: slot ``j``, in source order, goes to stream ``(j + step) mod K``."""
     counts = [[0] * len(quota) for _ in range(num_streams)]
     slot = 0
     for source, rows in enumerate(quota):
@@ -351,8 +338,7 @@ def _kept_within_one_row(
     rows_per_step: int,
 ) -> tuple[int, ...]:
     """``quota``, or, where it leaves a source a row or more from its target after a phase change, a monotone quota
-    that does not (rows above the lower bounds to the source furthest behind), if one exists. A function of the
-    deficits, so plans stay periodic within a phase.
+    that does not, if one exists.
     """
     after = [t + rows_per_step * share for t, share in zip(targets, shares)]
     taken = [r + q for r, q in zip(rows, quota)]

@@ -1,9 +1,8 @@
 """Spec: everything the K streams of a corpus need, checked once, picklable for DataLoader workers.
 
-A :class:`MixtureSpec` holds one :class:`StreamSpec` per source (a single corpus is a mixture of one), the plan of
-every step's rows per source, and the fingerprint of what decides the rows; each spec checks its settings when
-made, so a stream never starts from a contradictory one. Trade-off: a spec carries the tokenizer's serialized JSON
-(a few MB) to every worker, rather than a path that could change under a running job.
+Each spec checks its settings when made, so a stream never starts from a contradictory one. Trade-off: a spec
+carries the tokenizer's serialized JSON (a few MB) to every worker, rather than a path that could change under a
+running job.
 """
 
 from __future__ import annotations
@@ -32,11 +31,7 @@ PACKINGS: dict[str, Packing] = {
 
 
 def packing_of(name: Any) -> Packing:
-    """The packing strategy named ``name``.
-
-    Raises:
-        ValueError: an unknown name, naming the valid ones.
-    """
+    """The packing strategy named ``name`` (ValueError naming the valid ones)."""
     packing = PACKINGS.get(name) if isinstance(name, str) else None
     if packing is None:
         raise ValueError(f"packing={name!r} is not valid: use one of {list(PACKINGS)}")
@@ -179,7 +174,7 @@ class MixtureSpec:
 
     Attributes:
         names: the source names, in order (a row's source index refers to it).
-        sources: each source's stream spec (the same K, seq_len, packing, tokenizer; own files and text column).
+        sources: each source's stream spec (shared K, seq_len, packing, tokenizer; own files and text column).
         plan: the rows per source of every step.
 
     Raises:
@@ -231,9 +226,7 @@ class MixtureSpec:
         return [path for source in self.sources for path in source.index.files]
 
     def with_reading(self, prefetch_cap: int, chunk_chars: int) -> MixtureSpec:
-        """Every source reading ahead at most ``prefetch_cap`` chunks and, unless its own is set, ending tokenizer calls
-        at ``chunk_chars`` characters.
-        """
+        """Every source reading ahead at most ``prefetch_cap`` chunks, tokenizer calls capped at ``chunk_chars``."""
         sources = tuple(
             spec.with_reading(max(1, min(spec.prefetch, prefetch_cap)), spec.chunk_chars or chunk_chars)
             for spec in self.sources
@@ -273,11 +266,8 @@ def files_summary(index: RowGroupIndex) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class CorpusFingerprint(Fingerprint):
-    """What decides a corpus's rows (not how documents are batched, read ahead or cached).
-
-    ``sources`` holds per source ``(name, files summary, file digests, text column)``, so a file rewritten with other
-    text is noticed and named. A source added is no mismatch here (once its change of shares is accepted); one removed,
-    or whose files changed, is.
+    """What decides a corpus's rows: the settings and, per source, ``(name, files summary, file digests, text
+    column)``. A source added is no mismatch here; one removed, or whose files changed, is.
     """
 
     tokenizer: str
@@ -317,7 +307,7 @@ class CorpusFingerprint(Fingerprint):
 
     def mismatch_advice(self, saved: dict[str, Any]) -> str | None:
         """Advice when sources were only removed or renamed: keep the checkpoint's names, or keep a removed source at
-        weight 0 under ``on_mixture_change='continue'`` (not ``restart_epoch``: it would lose every position).
+        weight 0 under ``on_mixture_change='continue'``.
         """
         then = saved.get("sources")
         if not isinstance(then, (list, tuple)):
