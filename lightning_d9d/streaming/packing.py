@@ -1,12 +1,9 @@
 """Packing: what every packing (``concat``, ``bestfit``, ``bestfit_split``) shares in turning documents into rows.
 
-A packing is a :class:`Packing` strategy owning its state, its stage (documents in, blocks of rows out), its
-restore, its crop rule and its tensors. Shared here: the per-stream :class:`StreamCounters`, the best-fit buffer's
-:class:`BufferGrowth`, :class:`RowBlock` and :class:`PackingStage`, the microbatch tensors (positions restart at
-BOS, or at the ``START`` flags a packer writes) and :func:`sequence_bounds`. Under context parallelism (c > 1)
-every sequence of a row must span a multiple of ``2·c`` positions: best-fit pads each piece to that (``CP_PAD``),
-and a concat row is one sequence. Trade-off: counters are plain attributes bumped per document (bookkeeping for a
-short document must be a few additions), at the price of one shared mutable object per stream.
+Counters, buffer growth, row blocks, the microbatch tensors (positions restart at BOS or at ``START`` flags) and
+sequence bounds. Under context parallelism (c > 1) every sequence of a row spans a multiple of ``2·c`` positions.
+Trade-off: counters are plain attributes bumped per document (a short document's bookkeeping must be a few
+additions), at the price of one shared mutable object per stream.
 """
 
 from __future__ import annotations
@@ -85,12 +82,8 @@ _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(StreamCounters))
 
 @dataclass(frozen=True)
 class BufferGrowth:
-    """How a best-fit buffer grows to its size as a stream starts: before each row it is topped up to
-    ``min(buffer_size, start + rows_taken * per_row)``. It depends only on the rows packed, never on time or host.
-
-    Attributes:
-        start: the buffer's size for the first row.
-        per_row: items the size grows by per row packed (0: the full size from the first row).
+    """How a best-fit buffer grows as a stream starts: before each row it is topped up to
+    ``min(buffer_size, start + rows_taken * per_row)``, a function of the rows packed only (never of time or host).
 
     Raises:
         ValueError: a negative field, or a growing buffer that starts empty.
@@ -176,10 +169,7 @@ class Packing(Protocol):
 
 
 class PackingStage:
-    """What every packing stage shares: the stream's counters and the reader's position after a document.
-
-    ``blocks(chunks, sizes)`` yields ``(RowBlock, state)`` per size pulled from ``sizes`` (0: an empty block).
-    """
+    """What every packing stage shares; ``blocks(chunks, sizes)`` yields ``(RowBlock, state)`` per size pulled."""
 
     def __init__(self, spec: StreamSpec, units: StreamUnits, counters: StreamCounters):
         self.spec, self.units, self.counters = spec, units, counters
@@ -213,11 +203,7 @@ def bos_tensors(rows: np.ndarray, bos_id: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def flagged_tensors(tokens: np.ndarray, flags: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, targets, position_ids)`` int64 tensors of rows with ``START`` / ``NO_TARGET`` flags.
-
-    Raises:
-        ValueError: ``tokens`` and ``flags`` differ in shape, or are not 2-D with at least 2 columns.
-    """
+    """``(input_ids, targets, position_ids)`` of rows with ``START`` / ``NO_TARGET`` flags (ValueError: bad shapes)."""
     if tokens.shape != flags.shape or tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(
             f"tokens {tokens.shape} and flags {flags.shape} must be the same (rows, seq_len + 1) shape, seq_len >= 1"

@@ -1,12 +1,9 @@
 """Reader: one stream's texts, pass after pass, from any position, in chunks for the tokenizer.
 
-Pass ``p`` of stream ``s`` is the units ``deal(pass_order(p), s, K)``, read in order and yielded as
-:class:`TextChunk` s of up to ``tokenizer_batch_size`` documents (fewer under ``chunk_chars``, and growing
-Fibonacci-like after a start, so a resume's first batch waits for a few documents only). Null and empty texts,
-text-free units and texts over ``max_document_chars`` (never made Python strings) are skipped, and each document
-carries the skips since the one before it, so counters never depend on batching. The state, a
-:class:`ReadPosition` ``(pass, slot, row)``, resumes exactly. Trade-off: a unit is read whole even when reading
-resumes inside it, which keeps reads columnar and simple at the cost of re-reading a unit's head once per resume.
+Chunks grow Fibonacci-like after a start, so a resume's first batch waits for a few documents only. Null, empty,
+text-free and too-long texts are skipped, and each document carries the skips since the one before it, so counters
+never depend on batching. Trade-off: a unit is read whole even when reading resumes inside it, which keeps reads
+columnar and simple at the cost of re-reading a unit's head once per resume.
 """
 
 from __future__ import annotations
@@ -99,13 +96,8 @@ class TextChunk:
 
 @dataclass(frozen=True)
 class StreamUnits:
-    """The units one stream reads and how they are dealt: enough to walk any pass from any position.
-
-    Attributes:
-        index, units: the row groups and the units cut from them.
-        stream, num_streams: this stream's number, and K.
-        seed: seeds each pass's order.
-        shuffle: reshuffle every pass (``False``: rotated file order, for validation).
+    """The units one stream reads and how they are dealt (``index``, ``units``, ``stream``, ``num_streams``,
+    ``seed``, ``shuffle``): enough to walk any pass from any position.
     """
 
     index: RowGroupIndex

@@ -152,11 +152,7 @@ def _split_endpoint(endpoint: str) -> dict[str, str]:
 
 
 def s3_options(storage_options: Mapping[str, Any]) -> dict[str, Any]:
-    """Map fsspec/s3fs ``storage_options`` (or pyarrow's own keys) to ``pyarrow.fs.S3FileSystem`` arguments.
-
-    Raises:
-        ValueError: an option neither fsspec's S3 keys nor pyarrow's.
-    """
+    """Map fsspec/s3fs ``storage_options`` (or pyarrow's keys) to ``S3FileSystem`` arguments; ValueError otherwise."""
     out: dict[str, Any] = {}
     for name, value in storage_options.items():
         if name in _PYARROW_S3_KEYS:
@@ -232,11 +228,7 @@ class Storage:
     s3_attempts: int = 3
 
     def filesystem(self, spec: str) -> tuple[pafs.FileSystem, str]:
-        """``(filesystem, path inside it)`` for a local path or a URL.
-
-        Raises:
-            ValueError: bad options in ``storage_options`` or the URL, or a scheme nothing can open.
-        """
+        """``(filesystem, path inside it)``; ValueError for bad options or a scheme nothing can open."""
         if "://" not in spec:
             return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(spec))
         scheme = spec.split("://", 1)[0].lower()

@@ -28,10 +28,7 @@ from lightning_d9d.streaming.tokenize import tokenized
 
 @dataclass(frozen=True)
 class StreamState:
-    """A stream's state after a block: its packing's state (which nests the reader's), counters and blocks.
-
-    Plain ints, strings and int64 arrays, so checkpoints load with ``torch.load(weights_only=True)``.
-    """
+    """A stream's state after a block: packing state (nesting the reader's), counters and blocks, as plain data."""
 
     packing: PackingState
     counters: StreamCounters = dataclasses.field(default_factory=StreamCounters)
@@ -50,9 +47,7 @@ class StreamState:
         return cls(packing, counters, integer(state, "blocks", path))
 
     def check(self, spec: StreamSpec, stream: int, path: str = "") -> None:
-        """Raises :class:`InvalidDataState` unless the state's positions and buffered documents lie inside the data
-        stream ``stream`` reads.
-        """
+        """Raises :class:`InvalidDataState` unless the state lies inside the data stream ``stream`` reads."""
         self.packing.check(spec, spec.stream_units(stream), join(path, "packing"))
 
 
@@ -96,9 +91,7 @@ class TokenStream:
         return self.state
 
     def blocks(self, sizes: Iterator[int]) -> Generator[tuple[RowBlock, StreamState], None, None]:
-        """Blocks of ``next(sizes)`` rows each (0: an empty block); ``sizes`` is pulled just before each block, and the
-        rows never depend on how they are grouped into blocks.
-        """
+        """Blocks of ``next(sizes)`` rows each, ``sizes`` pulled just before each; rows never depend on the grouping."""
         spec, state = self.spec, self.state
         units = spec.stream_units(self.stream)
         reader = TextReader(

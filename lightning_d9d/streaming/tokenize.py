@@ -200,9 +200,7 @@ class _Done:
 
 
 class _ReadAhead:
-    """The reader thread's side: it holds nothing of the consumer, so a consumer dropped without ``close()`` is
-    freed, and its ``__del__`` stops this thread.
-    """
+    """The reader thread's side: it holds nothing of the consumer, so a dropped consumer is freed (and stops it)."""
 
     def __init__(self, encode: Callable[[TextChunk], Any], slots: threading.Semaphore, lookahead: threading.Event):
         self.encode, self.slots, self.lookahead = encode, slots, lookahead
