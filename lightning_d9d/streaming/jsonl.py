@@ -268,7 +268,7 @@ def scan_jsonl(
         path: a local path or URL of a file ending in one of :data:`JSONL_SUFFIXES`.
         storage: how to reach it (and the cache).
         group_bytes: decompressed bytes per group, at least: a group ends at the first newline after that many.
-        cache_dir: a local directory or URL where layouts are kept, by path; ``None``: scan every time.
+        cache_dir: where layouts are kept, reused while the file's size and mtime match; ``None``: scan every time.
 
     Raises:
         ValueError: the file is missing, not valid gzip/zstd, truncated, or changed while scanned; ``group_bytes`` < 1.
