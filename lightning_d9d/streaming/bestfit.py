@@ -1,38 +1,12 @@
 """Best-fit packing: every row filled with the largest buffered piece that still fits, two rules for a gap.
 
-Algorithm: the stream keeps a buffer of *pieces*; before every pick it is topped up to its size, one document per
-refill (so the buffer never depends on how documents were batched for the tokenizer), and each row is filled
-with the largest piece that fits the space left, ties to the piece buffered first (nanochat's linear scan picks
-the same). The two packings differ in what a piece is and in what happens when no piece fits (:meth:`_gap`):
-
-* ``bestfit`` (nanochat's best-fit loader): a piece is a whole document, of which only a row-sized prefix is
-  kept (the rest can never be emitted). When nothing fits, the *shortest* piece is cropped to fill the row
-  exactly and its remainder is dropped: every row starts at a BOS and nothing is padded.
-* ``bestfit_split`` (best-fit without cropping, as in "Fewer Truncations Improve Language Modeling"): a document
-  longer than a row is split into row-sized chunks, each a piece. When nothing fits, the rest of the row is
-  padding. Nothing is cropped; rows carry ``START`` / ``NO_TARGET`` flags: positions restart at every piece and
-  padding run, and padding and a continuation chunk's first token are no targets. A non-final chunk fills a
-  whole row, so nothing follows it.
-
-Context parallelism (``cp_multiple`` m = 2·c > 1): each piece starts at a multiple of m and occupies its length
-rounded up to one (its tokens must fit the space left; the CP padding after it is the pad id, ``CP_PAD`` and
-``NO_TARGET`` flagged, positions continuing through it, and the piece after it gets no target from it), so every
-sequence of the ``seq_len`` inputs spans a multiple of m and splits evenly over the CP ranks document by
-document. A piece may end on the row's last token (a target only), and padding that would leave only that token
-runs to the row's end. ``bestfit`` rows then carry flags too. Rounding costs up to m − 1 positions per piece
-(counted in ``padding`` and ``cp_padding``); m = 1 is the packing without CP, row for row.
-
-The buffer is a sorted list of the distinct lengths present plus a FIFO per length, so a pick is one ``bisect``
-(O(log buffer)) rather than nanochat's scan (O(buffer) Python steps); each piece is one row of integers in a slot
-table (``META_COLUMNS``: insertion number, length, the document's row group and row, chunk index, whether it is
-the document's last piece, and a checksum of its tokens where its length does not determine them), which is all
-a saved state holds. A restored buffer is usable at once; a piece's tokens are fetched
-(:mod:`~lightning_d9d.streaming.bestfit_restore`) and verified when it is first picked.
-
-Trade-off: ``bestfit`` trades tokens for alignment (its yield, tokens emitted / tokenized, is far below 1 on
-long-document corpora); ``bestfit_split`` keeps every token and pays a little padding, and a long document's
-chunks lose the attention to their predecessors. Memory is about ``buffer_size × (seq_len + 1)`` tokens (a
-document's chunks all enter ``bestfit_split``'s buffer at once, briefly exceeding its size).
+The buffer is topped up before every pick, one document per refill, so it never depends on tokenizer batching.
+``bestfit`` (nanochat's): a piece is a document's row-sized prefix; when nothing fits, the shortest is cropped to
+fill the row, so every row starts at BOS, unpadded. ``bestfit_split``: long documents become row-sized chunks, a gap
+is padding, and rows carry ``START`` / ``NO_TARGET`` flags. Under context parallelism each piece is padded to a
+multiple of ``2·c`` (``CP_PAD``). A saved state is only the pieces' integer rows; restored pieces are fetched and
+verified when first picked. Trade-off: ``bestfit`` trades tokens for alignment; ``bestfit_split`` keeps every token
+for a little padding, but a chunk loses attention to its predecessors.
 """
 
 from __future__ import annotations
@@ -75,13 +49,7 @@ META_COLUMNS = ("seq", "length", "key0", "key1", "chunk", "final", "hash")
 
 
 class _PieceBuffer:
-    """Buffered pieces by length, each with one row of integers describing it.
-
-    The distinct lengths present are kept sorted (``lengths``), each with a FIFO of its pieces, so the largest
-    piece that fits a space is one ``bisect`` and ties go to the piece buffered first. Each piece owns a slot of
-    an int64 table holding its row, so a snapshot is a few whole-table numpy operations; a row is written with
-    one ``struct.pack_into``, cheaper than a numpy row assignment from a tuple.
-    """
+    """Buffered pieces by length (a pick is one ``bisect``), each owning a row of an int64 table that describes it."""
 
     def __init__(self, slots: int) -> None:
         self.lengths: list[int] = []
@@ -114,8 +82,7 @@ class _PieceBuffer:
         self.count += 1
 
     def pop(self, index: int) -> tuple[int, Any, int]:
-        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, slot)``; the slot's row
-        stays readable (``table[slot]``) until the next :meth:`push`."""
+        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, slot)``."""
         length = self.lengths[index]
         bucket = self.by_length[length]
         slot, payload = bucket.popleft()
@@ -129,9 +96,7 @@ class _PieceBuffer:
         return length, payload, slot
 
     def advance(self, previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """The rows of the buffered pieces (as :meth:`snapshot`), from ``previous`` (the rows at the last
-        advance) and the pieces pushed and popped since, with which of ``previous`` stay and the rows added:
-        a step changes a few pieces of a buffer of thousands, so this costs the change, not the buffer."""
+        """The buffered rows from ``previous`` and the changes since; which of ``previous`` stay, and rows added."""
         pushed, popped = self.pushed, self.popped
         self.pushed, self.popped = [], []
         if previous is None:
@@ -172,8 +137,7 @@ class BestFitPacker:
         pad_id: the token id written at padding positions.
 
     Raises:
-        ValueError: ``capacity <= 1``, ``buffer_size <= 0``, or a ``cp_multiple`` that does not divide the
-            ``capacity - 1`` inputs of a row.
+        ValueError: ``capacity <= 1``, ``buffer_size <= 0``, or ``cp_multiple`` not dividing ``capacity - 1``.
     """
 
     split = False  # documents longer than a row are split into chunks (else kept as a row-sized prefix)
@@ -204,15 +168,10 @@ class BestFitPacker:
         self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
 
     def __len__(self) -> int:
-        """Pieces buffered."""
         return self._buffer.count
 
     def add(self, tokens: np.ndarray, length: int, key: tuple[int, int]) -> None:
-        """Buffer one document: its first ``min(length, capacity)`` tokens (BOS first), ordered by ``length``.
-
-        Raises:
-            ValueError: fewer tokens than that prefix.
-        """
+        """Buffer one document's first ``min(length, capacity)`` tokens (BOS first), ordered by ``length``."""
         capacity = self.capacity
         keep = length if length < capacity else capacity
         if len(tokens) != keep:
@@ -228,15 +187,10 @@ class BestFitPacker:
         self.counters.docs += 1
 
     def take(self, num_rows: int, refill: Callable[[], None]) -> tuple[np.ndarray, np.ndarray | None]:
-        """Pack ``num_rows`` rows; each ``refill()`` must add a document.
-
-        The buffer is topped up to its size (:class:`~lightning_d9d.streaming.packing.BufferGrowth`) before
-        every pick; a caller that adds one document per call gets rows that never depend on how it batches
-        tokenization (the stream's stage does).
+        """Pack ``num_rows`` rows; each ``refill()`` must add one document.
 
         Returns:
-            ``(tokens, flags)``: ``(num_rows, capacity)`` int32 token ids and, for ``bestfit_split``, uint8
-            ``START`` / ``NO_TARGET`` bits (``None`` for ``bestfit``).
+            ``(tokens, flags)``: ``(num_rows, capacity)`` int32 ids and uint8 flag bits (``None`` when not flagged).
 
         Raises:
             RuntimeError: a ``refill()`` call added no document.
@@ -284,11 +238,7 @@ class BestFitPacker:
         return out, _flags(out.shape, *marks)
 
     def _gap(self, out: np.ndarray, row: int, pos: int, marks: Any) -> int:
-        """No piece fits the rest of row ``row`` from ``pos``: crop the shortest piece to fill it exactly.
-
-        Returns:
-            the padding tokens written (none: a cropped row is full).
-        """
+        """No piece fits the rest of row ``row`` from ``pos``: crop the shortest to fill it; returns 0 (padding)."""
         remaining = self.capacity - pos
         length, (tokens, _), slot = self._buffer.pop(0)
         if tokens is None:
@@ -301,12 +251,7 @@ class BestFitPacker:
         return 0
 
     def _cp_pad(self, out: np.ndarray, row: int, pos: int, marks: Any) -> tuple[int, int]:
-        """Pad row ``row`` from ``pos`` (just after a piece) to the next multiple of ``cp_multiple``, or to the row's
-        end where only its last token (a target, never an input) would be left.
-
-        Returns:
-            the position after the padding, and the padding tokens written.
-        """
+        """Pad from ``pos`` to the next multiple of ``cp_multiple`` (or row end); returns new position, padding."""
         stop = -(-pos // self.cp_multiple) * self.cp_multiple
         if stop >= self.capacity - 1:
             stop = self.capacity
@@ -320,14 +265,12 @@ class BestFitPacker:
         return stop, stop - pos
 
     def reset(self, buffer: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray] | None) -> None:
-        """Continue from a saved buffer (its :meth:`snapshot` rows), lazily: a piece's tokens are fetched
-        (``fetch(row) -> tokens``) and verified when it is first picked, so the first rows after a resume
-        tokenize a few documents, not the buffer.
+        """Continue from a saved buffer, lazily: a piece's tokens are fetched (``fetch(row) -> tokens``) and verified
+        when first picked, so a resume tokenizes a few documents, not the buffer.
 
         Raises:
             RuntimeError: the packer is not empty.
-            ValueError: a buffer that is not ``(pieces, 7)`` or whose pieces do not fit this packer's rows, or
-                buffered pieces but no ``fetch``.
+            ValueError: a malformed buffer, pieces that do not fit this packer's rows, or pieces but no ``fetch``.
         """
         if self._buffer.count:
             raise RuntimeError("reset() needs an empty packer")
@@ -375,11 +318,8 @@ class BestFitSplitPacker(BestFitPacker):
 
     Args:
         capacity: tokens per row (``seq_len + 1``).
-        pad_id: the token id written at padding positions (never a target; its flags mark it).
+        pad_id: the token id written at padding positions.
         buffer_size, growth, counters, cp_multiple: as :class:`BestFitPacker`'s.
-
-    Raises:
-        ValueError: as :class:`BestFitPacker`'s.
     """
 
     split = True
@@ -396,11 +336,7 @@ class BestFitSplitPacker(BestFitPacker):
         super().__init__(capacity, buffer_size, growth, counters, cp_multiple, pad_id)
 
     def add(self, tokens: np.ndarray, key: tuple[int, int]) -> None:  # type: ignore[override]
-        """Buffer one whole document (1-D token ids, BOS first): one piece, or all its chunks when longer than a row.
-
-        Raises:
-            ValueError: ``tokens`` is empty or not 1-D.
-        """
+        """Buffer one whole document (1-D ids, BOS first): one piece, or all its chunks when longer than a row."""
         tokens = np.asarray(tokens, np.int32)
         length = len(tokens)
         if tokens.ndim != 1 or length == 0:
@@ -423,8 +359,7 @@ class BestFitSplitPacker(BestFitPacker):
         self.counters.docs += 1
 
     def _gap(self, out: np.ndarray, row: int, pos: int, marks: Any) -> int:
-        """No piece fits the rest of row ``row`` from ``pos``: pad it (a run that starts positions and trains
-        nothing); returns the padding tokens written."""
+        """Pad the rest of the row (a run that starts positions and trains nothing); returns the padding written."""
         out[row, pos:] = self.pad_id
         marks[0].append(row * self.capacity + pos)
         marks[2].append(row * self.capacity + pos)
@@ -434,8 +369,7 @@ class BestFitSplitPacker(BestFitPacker):
 def _flags(
     shape: tuple[int, int], starts: list[int], blocked: list[int], padded: list[int], cp_padded: list
 ) -> np.ndarray:
-    """The rows' ``START`` / ``NO_TARGET`` / ``CP_PAD`` bits from flat offsets of starts, of first tokens that are
-    no target, of padding runs (to their row's end) and ``(start, stop)`` of CP padding."""
+    """The rows' flag bits from flat offsets of starts, no-target first tokens, padding runs and CP padding spans."""
     rows, capacity = shape
     flags = np.zeros(rows * capacity, np.uint8)
     flags[starts] = START
@@ -449,10 +383,8 @@ def _flags(
 
 @dataclass(frozen=True)
 class BestFitState:
-    """A best-fit packing's state: the reader's position after the last document added, and the buffer.
-
-    ``buffer`` holds one int64 row of ``META_COLUMNS`` per buffered piece, in insertion order; ``next_seq`` is the
-    next insertion number; ``growth`` how the buffer grows with the stream's rows.
+    """A best-fit packing's state: the reader's position after the last document added, and ``buffer`` (one int64
+    ``META_COLUMNS`` row per piece, in insertion order).
     """
 
     kind: str = "bestfit"
@@ -507,8 +439,7 @@ class BestFitState:
 
 @dataclass(slots=True)
 class _Cursor:
-    """The chunk whose documents best-fit is adding to its buffer, and its next document; the chunk's columns as
-    Python lists, converted once per chunk rather than per document."""
+    """The chunk whose documents are being added, and its next document (columns as lists, converted once)."""
 
     laid: Any = None
     next_doc: int = 0
@@ -604,7 +535,7 @@ class BestFitStage(PackingStage):
 
 @dataclass(frozen=True)
 class BestFitPacking:
-    """A best-fit strategy: ``bestfit`` (crop) or ``bestfit_split`` (split and pad); see the module docstring."""
+    """A best-fit strategy: ``bestfit`` (crop) or ``bestfit_split`` (split and pad)."""
 
     name: str = "bestfit"
 

@@ -1,24 +1,10 @@
 """Best-fit restore: rebuild a best-fit buffer from its saved rows, re-reading texts now, tokenizing lazily.
 
-Algorithm: a saved buffer is one integer row per buffered document (``bestfit``) or piece (``bestfit_split``),
-which locates it in the source (row group, row) and gives its length and, for documents longer than a row, a
-checksum of the tokens kept. The packer is usable at once (a pick needs only lengths and insertion numbers);
-the texts of every buffered document are re-read now (one ``read_row_group`` per row group involved, only its
-buffered rows turned into strings; a process restoring several streams reads them for all of its streams at
-once, since their buffers share row groups), and a document is tokenized only when the packer first picks it. So the
-first block after a resume costs a few documents' tokenization, not the buffer's, even when the buffer holds
-the corpus's longest documents:
-
-* ``bestfit`` keeps a row-sized prefix of a long document, so only a text prefix is tokenized: long enough for
-  the first row's worth of tokens by the document's own characters per token, with a margin; the saved
-  checksum proves the prefix's tokens are the ones an uninterrupted run kept (a prefix's tokens can differ from
-  the whole text's near the cut), else the prefix doubles, up to the whole text;
-* ``bestfit_split`` keeps every chunk of a split document: a picked chunk that is not the document's last
-  needs only a text prefix too (its tokens verified by the chunk's saved checksum); the tokens are kept while
-  any of the document's chunks is still buffered, and a chunk beyond them, or the last one, tokenizes the
-  whole text once.
-
-Trade-off: re-reading the buffered documents' row groups costs a few reads per resume, instead of saving
+A saved buffer row locates a document or piece (row group, row) and gives its length and, where the length does
+not determine the tokens, a checksum. The packer is usable at once; the buffered texts are re-read now (one read
+per row group for all of a process's streams), and a document is tokenized only when first picked, from a text
+prefix where only a prefix of its tokens is needed, verified by the checksum (a prefix's tokens can differ from the
+whole text's near the cut; a mismatch falls back to the whole text). Trade-off: a few reads per resume instead of
 MiBs of tokens per stream in every checkpoint.
 """
 
@@ -42,8 +28,7 @@ BufferedTexts = Mapping[tuple[int, int], str]
 
 
 def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None = None) -> Callable[[Any], Any]:
-    """The ``fetch`` a best-fit packer of ``spec.packing`` needs to rebuild the buffer ``meta`` (its saved rows;
-    ``texts``: their documents' texts, already read by :func:`read_buffered_texts`, or ``None`` to read them).
+    """The ``fetch`` a best-fit packer needs to rebuild the buffer ``meta`` (``texts``: already read, or ``None``).
 
     Raises:
         ValueError: a saved row group cannot be read.
@@ -57,8 +42,7 @@ def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None
 
 
 def _cached_fetch(spec: StreamSpec, meta: np.ndarray) -> Callable[[Any], Any] | None:
-    """A ``fetch`` that cuts every buffered piece out of its unit's cached tokens (no text read, nothing
-    tokenized), or ``None`` when one of the units is not cached (the texts are read then)."""
+    """A ``fetch`` that cuts every piece from its unit's cached tokens, or ``None`` when a unit is not cached."""
     units, documents = spec.units, {}
     for group in np.unique(meta[:, 2]).tolist():
         rows = np.unique(meta[meta[:, 2] == group, 3])
@@ -92,10 +76,7 @@ def _cached_fetch(spec: StreamSpec, meta: np.ndarray) -> Callable[[Any], Any] | 
 
 
 def read_buffered_texts(spec: StreamSpec, metas: Iterable[np.ndarray]) -> dict[tuple[int, int], str]:
-    """The text of every document buffered in ``metas`` (saved buffers), by (row group, row).
-
-    One read per row group for all the buffers together, only their rows turned into strings: the buffers of a
-    process's streams draw on the same row groups (each stream reads other units every pass).
+    """The text of every document buffered in ``metas``, by (row group, row), in one read per row group for all.
 
     Raises:
         ValueError: a saved row group cannot be read.
@@ -161,7 +142,6 @@ class _PrefixFetch:
         return prefix
 
     def _long_prefix(self, group: int, row: int, text: str, length: int, checksum: int) -> np.ndarray:
-        """The first row's tokens of a long document, tokenizing only a prefix of its text."""
         tokenizer, capacity = tokenizer_from_json(self.spec.tokenizer_json), self.spec.capacity
         cut = self._prefix_chars(text, length)
         full = None
@@ -177,13 +157,8 @@ class _PrefixFetch:
 
 
 class _SplitFetch:
-    """``fetch`` for ``bestfit_split``: a piece's tokens, from a verified prefix of its document's tokens.
-
-    A chunk that is not its document's last needs only the tokens up to its end: a text prefix is tokenized
-    (sized by the characters per token of the buffer's whole documents, with a margin), and the chunk cut from
-    it is kept only if its checksum is the saved one; a prefix too short or whose tokens differ near the cut is
-    replaced by the whole text. The tokens are kept while any of the document's pieces is still buffered, so
-    another chunk of it costs a slice (or, beyond the prefix, one tokenization of the whole text).
+    """``fetch`` for ``bestfit_split``: a piece's tokens, from a verified prefix of its document's tokens (kept while
+    any of the document's pieces is buffered), else from the whole text.
     """
 
     def __init__(self, spec: StreamSpec, meta: np.ndarray, texts: dict[tuple[int, int], str]):
@@ -238,6 +213,5 @@ class _SplitFetch:
 
 
 def _verified(prefix: np.ndarray, start: int, end: int, checksum: int) -> bool:
-    """Whether a prefix of a document's tokens holds the piece ``[start, end)`` as saved: the piece's checksum
-    matches, and the prefix runs on past it (a prefix's last tokens can differ from the whole text's)."""
+    """Whether a prefix holds the piece ``[start, end)`` as saved: checksum matches, and the prefix runs past it."""
     return len(prefix) >= end + 16 and prefix_hash(prefix[start:end]) == checksum

@@ -1,13 +1,9 @@
 """Concat packing (nanochat's original loader): documents concatenated into one token stream, cut into rows.
 
-Algorithm: BOS-prefixed documents arrive a chunk at a time and are appended to one numpy array; a row is a slice
-of ``seq_len + 1`` tokens of it, so packing costs one copy per token and wastes nothing. Rows usually start
-mid-document. Its state is the reader's position of the document holding the next unemitted token and how many
-of that document's tokens were already emitted (``offset``); between documents, the position just after the
-last document begun.
-
-Trade-off: nothing is dropped or padded, but a document's start is often in the row before (its tokens lose the
-attention to their own beginning).
+A row is a slice of ``seq_len + 1`` tokens of one array of BOS-prefixed documents: one copy per token, nothing
+wasted. The state is the reader's position of the document holding the next unemitted token and ``offset``, its
+tokens already emitted. Trade-off: nothing is dropped or padded, but rows usually start mid-document, whose tokens
+lose attention to their own beginning.
 """
 
 from __future__ import annotations
@@ -32,9 +28,6 @@ if TYPE_CHECKING:
 
 class ConcatPacker:
     """Concatenate BOS-prefixed documents into one stream and cut it into rows of ``capacity`` tokens.
-
-    Documents arrive in chunks, each tagged with a caller-chosen ``ref``; the position of the next unemitted
-    token is reported as ``(ref of its chunk, document index in the chunk, offset in the document)``.
 
     Raises:
         ValueError: ``capacity <= 1``.
@@ -63,7 +56,7 @@ class ConcatPacker:
             tokens: 1-D int32 token ids.
             doc_starts: where each document starts in ``tokens`` (ascending, the first is 0).
             ref: what the caller needs to find this chunk again.
-            skip: tokens of this chunk already emitted (used once, when resuming inside a document).
+            skip: tokens of this chunk already emitted (when resuming inside a document).
         """
         # Drop fully consumed chunks, keeping the one that holds the next token.
         first_live = bisect.bisect_right(self._chunk_starts, self._pos) - 1
@@ -85,7 +78,7 @@ class ConcatPacker:
         self._pos += skip
 
     def take(self, num_rows: int) -> np.ndarray | None:
-        """Return ``(num_rows, capacity)`` tokens, or ``None`` when fewer are buffered (add more, retry)."""
+        """``(num_rows, capacity)`` tokens, or ``None`` when fewer are buffered (add more, retry)."""
         need = num_rows * self.capacity
         if self.available < need:
             return None
@@ -95,11 +88,7 @@ class ConcatPacker:
         return rows
 
     def position(self) -> tuple[object, int, int]:
-        """``(ref, document, offset)`` of the next unemitted token.
-
-        When every buffered token was emitted, it is the position just after the last buffered document:
-        ``(ref of the last chunk, its number of documents, 0)``.
-        """
+        """``(ref, document, offset)`` of the next unemitted token; all emitted: ``(last ref, its documents, 0)``."""
         if not self._chunk_starts:
             raise RuntimeError("the packer holds no chunk yet")
         if self._pos == len(self._tokens):
@@ -140,15 +129,12 @@ class ConcatState:
 
 @dataclass(slots=True)
 class _Begun:
-    """A chunk added to the concat packer, and how many of its documents were counted as begun."""
-
     laid: Any
     counted: int = 0
 
 
 class ConcatStage(PackingStage):
-    """Concat's stage: chunks in, blocks of rows out; counts each document once, when its first token is
-    emitted, so the counters never depend on how documents were batched for the tokenizer."""
+    """Concat's stage: chunks in, blocks of rows out; a document counts once, when its first token is emitted."""
 
     def __init__(self, spec: StreamSpec, units: StreamUnits, state: ConcatState, counters: StreamCounters):
         super().__init__(spec, units, counters)
@@ -213,7 +199,7 @@ class ConcatStage(PackingStage):
 
 @dataclass(frozen=True)
 class ConcatPacking:
-    """The concat strategy (see the module docstring)."""
+    """The concat strategy."""
 
     name: ClassVar[str] = "concat"
     crops_to_row: ClassVar[bool] = False

@@ -1,31 +1,12 @@
 """Estimate: how many tokens and rows one pass over the corpus gives, from the footers and a small sample.
 
-Algorithm: the sample is ``sample_docs`` documents or ``sample_chars`` characters of text, whichever comes first
-(or the whole corpus, if smaller), whatever the row-group size: row groups are visited in a fixed seeded order
-and each gives its first rows, at most ``sample_docs / sample_groups`` of them (``sample_docs / groups`` with
-fewer groups) and no more than it takes to reach its share of the characters, until the sample is full; so
-large row groups give a sample spread over ``sample_groups`` of them and one-row groups give ``sample_docs`` of
-them (row groups the footers prove text-free are passed over). Tokens per
-pass = the sample's tokens per row (BOS included, empty rows counted as rows) × the footers' row count. Rows:
-concat and best-fit-split keep every token (best-fit-split pads very little), so ``tokens / (seq_len + 1)``;
-best-fit drops cropped remainders, so its rows are scaled by a yield measured by running the real packer over
-the sample's document lengths (cycled and shuffled with a fixed seed). Laid out for context parallelism,
-best-fit-split's rows grow by the sample's documents rounded up to ``2·c`` and best-fit's measured yield counts
-the packer's CP padding as positions filled (concat rows are unchanged). Deterministic, so every rank computes the
-same value without talking. Documents over ``max_document_chars`` are left out of the sample as the streams
-skip them, counted as rows like empty texts; a sampled document over ``SAMPLE_DOCUMENT_CHARS`` counts as its
-prefix's tokens scaled by its length (tokens per character hardly change along a document).
-
-``first_text`` finds out whether the corpus holds any text at all: the sample usually answers; otherwise the
-row groups are read in order until a non-empty text turns up (only a corpus without text reads them all).
-
-Trade-off: a sample of a few thousand documents is within a few percent for document lengths as spread as real
-text; capped by characters, a corpus of long documents is judged from a few hundred of them, which is less sure
-where lengths span orders of magnitude (source files, books), but keeps setup to a second or two however long
-the documents. It costs one read per sampled row group: a corpus of one-row groups pays
-``sample_docs`` small reads at setup. It still misjudges a corpus whose row groups differ a lot from one
-another; the epoch length it sets is a count of steps, so a misjudged pass makes epochs a little longer or
-shorter, never wrong.
+The sample is ``sample_docs`` documents or ``sample_chars`` characters, whichever comes first, spread over
+``sample_groups`` row groups visited in a fixed seeded order. Tokens per pass are the sample's tokens per row times
+the footers' row count; rows are ``tokens / (seq_len + 1)`` for packings that keep every token (with CP rounding
+for ``bestfit_split``), and for ``bestfit`` scaled by a yield measured by running the real packer over the sample's
+lengths. Deterministic, so every rank computes the same value without talking. Trade-off: a few thousand documents
+are within a few percent for ordinary text and keep setup short, but a corpus of very uneven lengths or row groups
+is misjudged; the epoch length is a step count, so that makes epochs a little longer or shorter, never wrong.
 """
 
 from __future__ import annotations
@@ -54,8 +35,7 @@ def estimate_pass(
         spec: the stream settings and the row groups.
         sample_groups: row groups the sample spreads over, at least (where there are as many).
         sample_docs: rows in the sample (null and empty ones included), where the corpus has as many.
-        sample_chars: characters of text in the sample, about: a row group gives rows until its share
-            (``sample_chars / sample_groups``) is reached, and the sample ends once it holds this many.
+        sample_chars: characters of text in the sample, about (a row group gives rows up to its share).
     """
     index, tokenizer = spec.index, tokenizer_from_json(spec.tokenizer_json)
     candidates = np.flatnonzero(~index.text_free) if index.text_free.size else np.arange(len(index))
@@ -110,8 +90,7 @@ def first_text(index: RowGroupIndex) -> tuple[int, int] | None:
 
 
 def _cp_growth(lengths: list[int], capacity: int, multiple: int) -> float:
-    """Row positions per token of ``bestfit_split`` pieces rounded up to ``multiple`` (a document longer than a row
-    is row-sized chunks, which fill their rows, and a last chunk, which is rounded up)."""
+    """Row positions per token of ``bestfit_split`` pieces rounded up to ``multiple``."""
     array = np.asarray(lengths, np.int64)
     rest = array % capacity
     padded = array - rest + -(-rest // multiple) * multiple

@@ -1,27 +1,11 @@
 """JSONL: compressed or plain JSON-lines files as groups of whole lines, read like parquet row groups.
 
-Algorithm: a one-off scan streams a file once (``*.jsonl``, or gzip/zstd compressed: ``*.jsonl.gz``,
-``*.json.gz``, ``*.jsonl.zst``, ...), hashing its stored bytes and counting newlines in its text, and cuts the
-text into *groups*: decompressed byte ranges ``[start, stop)`` that end at the first newline after
-``group_bytes``. A line is a row (a last line without ``\\n`` included); a blank line (JSON whitespace only) is a
-row without text, like a null parquet value. For compressed files the scan notes the *frames* (zstd frames, gzip
-members: pieces that decompress on their own) each group starts and ends in, so reading a group fetches only those
-compressed bytes and decompresses from its first frame. The :class:`JsonlLayout` (groups, size, digest) can be
-kept as JSON in a cache directory, keyed by the file's path, and is trusted only while the file's size and
-modification time are the ones it records.
-
-A group is parsed by ``pyarrow.json`` (only the text field is kept) after a check, on each line's first and last
-bytes, that every line that is not blank is one JSON object: pyarrow's rows are then those lines, one for one, and
-the blank ones are put back as nulls. A group that fails the check or the parse is parsed again line by line with
-the standard library, which names the file and line of the first malformed line (not JSON, not an object, a text
-field that is not a string, text that is not valid UTF-8) or, with ``on_malformed="skip"``, makes each such line a
-counted null row: row numbers never move.
-
-Trade-off: a group of a single-frame file (a plain ``zstd`` or ``gzip`` file) starts inside that frame, so reading
-it decompresses the file from its start: all ``G`` groups cost about ``G / 2`` decompressions per pass, and a
-resume in the last group nearly a whole one. Multi-frame files (e.g. ``pzstd``, seekable zstd, ``bgzip``) and
-plain files read only a group's bytes (plus the rest of the frames it starts and ends in). Groups are held whole
-in memory while parsed, which bounds ``group_bytes``.
+A one-off scan hashes a file and cuts its text into *groups* of whole lines (a line is a row) of about
+``group_bytes``, noting the compressed frames each group starts and ends in, so a read decompresses only those.
+A group is parsed by ``pyarrow.json`` after a cheap check that each non-blank line is one object, else line by line,
+which names the first malformed line (or, with ``on_malformed="skip"``, makes it a counted null row: row numbers
+never move). Trade-off: in a single-frame file a group starts inside the one frame, so a pass costs about ``G / 2``
+full decompressions; multi-frame (``pzstd``, ``bgzip``) and plain files read only a group's bytes.
 """
 
 from __future__ import annotations
@@ -59,10 +43,9 @@ _SUFFIX_COMPRESSION: dict[str, Compression] = {
 }
 JSONL_SUFFIXES: tuple[str, ...] = tuple(_SUFFIX_COMPRESSION)
 
-# 32 MiB of text per group: parsing holds the bytes, the Arrow column and then the Python strings of a group at
-# once (about 3-4 times the group) in every stream, so much larger groups cost memory; much smaller ones make a
-# storage request, a partial frame and a parse call a larger share of each read, and, in single-frame files,
-# multiply the groups whose prefix is re-decompressed. A 1 GiB shard still gives 32 units to deal to streams.
+# Parsing holds a group's bytes, Arrow column and Python strings at once in every stream, so larger groups cost
+# memory; smaller ones make a request, a partial frame and a parse call a larger share of each read and, in
+# single-frame files, multiply the re-decompressed prefixes.
 DEFAULT_GROUP_BYTES = 32 << 20
 # Bytes asked of storage per read: on object storage each read is a request, so reads are large.
 _READ_BYTES = 8 << 20
@@ -77,11 +60,7 @@ _CACHE_VERSION = 1
 
 
 def compression_of(path: str) -> Compression:
-    """The compression of a JSONL file, from its suffix.
-
-    Raises:
-        ValueError: ``path`` does not end in one of :data:`JSONL_SUFFIXES`.
-    """
+    """The compression of a JSONL file, from its suffix (ValueError for another suffix)."""
     name = canonical(os.fspath(path)).lower()
     for suffix, compression in _SUFFIX_COMPRESSION.items():
         if name.endswith(suffix):
@@ -90,7 +69,7 @@ def compression_of(path: str) -> Compression:
 
 
 def is_jsonl(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names a JSONL file (by its suffix, case-insensitively; a URL's query is ignored)."""
+    """Whether ``path`` names a JSONL file (by suffix, case-insensitively; a URL's query is ignored)."""
     return canonical(os.fspath(path)).lower().endswith(JSONL_SUFFIXES)
 
 
@@ -99,13 +78,10 @@ class JsonlGroup:
     """One group of lines of a JSONL file.
 
     Attributes:
-        start, stop: its decompressed bytes ``[start, stop)``; ``start`` begins a line, ``stop`` ends one.
-        first_line: the 0-based number of its first line in the file.
-        num_rows: its lines (blank ones included).
-        frame_offset: the compressed offset of the frame holding ``start`` (0 for a plain file).
-        frame_start: the decompressed offset where that frame's text begins (0 for a plain file).
-        frame_stop: the compressed offset just past the frame holding ``stop - 1`` (the file size for a plain
-            file): reading the group fetches ``[frame_offset, frame_stop)`` at most.
+        start, stop: its decompressed bytes ``[start, stop)``, whole lines.
+        first_line, num_rows: its first line (0-based) and its lines, blank ones included.
+        frame_offset, frame_start: compressed offset and decompressed start of the frame holding ``start``.
+        frame_stop: the compressed offset past the frame holding ``stop - 1``.
     """
 
     start: int
@@ -122,19 +98,8 @@ _GROUP_FIELDS = ("start", "stop", "first_line", "num_rows", "frame_offset", "fra
 
 @dataclass(frozen=True)
 class JsonlLayout:
-    """What a scan of one JSONL file found: its identity and its groups.
-
-    Attributes:
-        path: the file: its absolute path, or its URL without endpoint options and credentials.
-        size: its size on storage, in bytes.
-        mtime_ns: its modification time as storage reports it (``None`` where it reports none).
-        digest: SHA-256 (hex) of its stored bytes: it changes when the file is edited.
-        compression: ``"none"``, ``"gzip"`` or ``"zstd"``.
-        frames: independently decompressible pieces (zstd frames, gzip members; 1 for a plain file). With one
-            frame, reading a group decompresses the file from its start.
-        uncompressed_size: the decompressed size in bytes.
-        group_bytes: the group size the file was cut with.
-        groups: its groups, in file order (none for an empty file).
+    """What a scan of one JSONL file found: its identity (``path``, ``size``, ``mtime_ns``, SHA-256 ``digest``), its
+    ``compression`` and ``frames``, ``uncompressed_size``, the ``group_bytes`` it was cut with, and its ``groups``.
     """
 
     path: str
@@ -149,7 +114,6 @@ class JsonlLayout:
 
     @property
     def num_rows(self) -> np.ndarray:
-        """Each group's row count."""
         return np.asarray([group.num_rows for group in self.groups], np.int64)
 
     @property
@@ -163,12 +127,7 @@ class JsonlLayout:
 
     @classmethod
     def from_dict(cls, data: Any) -> JsonlLayout:
-        """Read a layout written by :meth:`to_dict`, checking that its groups tile the file.
-
-        Raises:
-            ValueError: a field is missing or has the wrong type, or the groups do not follow one another from
-                byte 0 to the end with consistent line numbers and frames.
-        """
+        """Read a layout written by :meth:`to_dict`; ValueError for a bad field or groups that do not tile the file."""
         try:
             columns = data["groups"]
             lists = [columns[name] for name in _GROUP_FIELDS]
@@ -225,7 +184,7 @@ class JsonlLayout:
 
 @dataclass
 class _Frames:
-    """Frames met so far while decompressing: compressed offset, decompressed start and compressed end of each."""
+    """Frames met so far: compressed offset, decompressed start and compressed end of each."""
 
     offsets: list[int]
     starts: list[int]
@@ -235,12 +194,8 @@ class _Frames:
 def _decompressed(
     read: Callable[[int], bytes], compression: Compression, offset: int, start: int, frames: _Frames, what: str
 ) -> Iterator[tuple[int, bytes]]:
-    """Decompress a stream that begins with a frame at compressed ``offset`` whose text begins at ``start``.
-
-    Yields ``(frame index, piece)`` pieces of text in order; ``frames`` records each frame as it begins and ends.
-
-    Raises:
-        ValueError: the data is not valid ``compression``, or ends inside a frame (naming ``what``).
+    """``(frame index, piece)`` of the text of a stream that begins with a frame at ``offset`` (text at ``start``);
+    records each frame in ``frames``. ValueError (naming ``what``) for invalid data or a truncated frame.
     """
     frames.offsets.append(offset)
     frames.starts.append(start)
@@ -307,23 +262,16 @@ def _decoder(compression: Compression) -> Any:
 def scan_jsonl(
     path: str, storage: Storage | None = None, *, group_bytes: int = DEFAULT_GROUP_BYTES, cache_dir: str | None = None
 ) -> JsonlLayout:
-    """The layout of one JSONL file: read once from storage, or from ``cache_dir``.
-
-    The scan streams the file once, never holding more than a few MiB of it, and retries transient storage
-    failures from the file's start.
+    """The layout of one JSONL file: scanned once from storage (retried from the start), or read from ``cache_dir``.
 
     Args:
         path: a local path or URL of a file ending in one of :data:`JSONL_SUFFIXES`.
         storage: how to reach it (and the cache).
-        group_bytes: decompressed bytes per group, at least: a group ends at the first newline after that
-            many bytes (a line longer than that makes a longer group; the last group may be shorter).
-        cache_dir: a local directory or URL where layouts are kept as JSON, by the file's path. A layout there
-            is used when its file's size and modification time (and ``group_bytes``) are unchanged; any other,
-            or one that cannot be read, is rebuilt and replaced. ``None``: scan every time.
+        group_bytes: decompressed bytes per group, at least: a group ends at the first newline after that many.
+        cache_dir: where layouts are kept, reused while the file's size and mtime match; ``None``: scan every time.
 
     Raises:
-        ValueError: the file is missing, is not valid gzip/zstd, is truncated, or changed while it was scanned
-            (naming it), or ``group_bytes`` < 1.
+        ValueError: the file is missing, not valid gzip/zstd, truncated, or changed while scanned; ``group_bytes`` < 1.
         StorageError: storage refused access, or stayed unreachable for ``storage.read_retry_seconds``.
     """
     storage = storage or Storage()
@@ -377,9 +325,8 @@ def _checked(storage: Storage, action: Callable[[], Any], path: str) -> Any:
 def _scan(
     stream: Any, compression: Compression, identity: dict[str, Any], path: str, on_read: Callable[[int], Any]
 ) -> JsonlLayout:
-    """The layout of the file ``stream`` reads, in one pass that hashes its stored bytes and cuts its text;
-    ``on_read`` is told the size of every piece read (a progress bar)."""
-    digest = hashlib.sha256()  # with SHA instructions faster than decompression, and collisions out of reach
+    """The layout, in one pass that hashes the stored bytes and cuts the text; ``on_read`` gets each piece's size."""
+    digest = hashlib.sha256()
     stored = 0
 
     def read(size: int) -> bytes:
@@ -426,12 +373,8 @@ def _scan(
 def _cut_into_groups(
     pieces: Iterable[tuple[int, bytes]], group_bytes: int
 ) -> tuple[list[tuple[int, int, int, int, int, int]], int]:
-    """Cut the text that ``pieces`` (``(frame index, piece)``, in order) make up into groups of whole lines, each
-    ending at the first newline at or after its ``group_bytes``-th byte.
-
-    Returns:
-        Per group: start, stop, first line, rows, frame of its first byte, frame of its last byte; and the text's
-        size in bytes.
+    """Cut the text of ``pieces`` into groups of whole lines; returns per group (start, stop, first line, rows, first
+    and last frame) and the text's size.
     """
     groups: list[tuple[int, int, int, int, int, int]] = []
     position = 0  # decompressed offset of the current piece
@@ -470,7 +413,7 @@ def _cache_entry(cache_dir: str, identity: dict[str, Any], storage: Storage) -> 
 
 
 def _load_cached(cache_dir: str, identity: dict[str, Any], storage: Storage) -> JsonlLayout | None:
-    """The cached layout of the file ``identity`` describes, or ``None`` (absent, unreadable, stale or corrupt)."""
+    """The cached layout, or ``None`` (absent, unreadable, stale or corrupt)."""
     fs, entry = _cache_entry(cache_dir, identity, storage)
 
     def load() -> bytes:
@@ -493,7 +436,7 @@ def _load_cached(cache_dir: str, identity: dict[str, Any], storage: Storage) -> 
 
 
 def _save_cached(cache_dir: str, layout: JsonlLayout, storage: Storage) -> None:
-    """Write the layout where :func:`_load_cached` looks: atomically (a reader sees a whole entry or none)."""
+    """Write the layout where :func:`_load_cached` looks, atomically."""
     identity = {"path": layout.path, "group_bytes": layout.group_bytes}
     if cache_dir.split("://", 1)[0].lower() in ("s3", "s3a") and "://" in cache_dir:
         # A delayed open lets pyarrow send a small object as one PUT (else a multipart upload of one part).
@@ -534,27 +477,18 @@ def read_jsonl_group(
     *,
     on_malformed: Literal["error", "skip"] = "error",
 ) -> tuple[pa.ChunkedArray, int]:
-    """Read one group's texts: one ``large_string`` value per row (line), null where a row has no text.
-
-    A row has no text when its line is blank, its object lacks ``text_column``, or holds ``null`` there. In a
-    multi-frame or plain file only the group's frames are fetched and decompressed; in a single-frame file
-    the text before the group is decompressed again and skipped unparsed.
+    """One group's texts (a ``large_string`` per line, null where none) and how many malformed lines were skipped.
 
     Args:
-        path: the file, as the layout was scanned from (a URL may carry endpoint options).
+        path: the file, as the layout was scanned from.
         storage: how to reach it.
         layout: its layout (from :func:`scan_jsonl`).
         group: the group's index in ``layout.groups``.
-        text_column: the field of each JSON object that holds the text; other fields are ignored.
+        text_column: the field of each JSON object that holds the text.
         on_malformed: ``"error"``: a malformed line raises; ``"skip"``: it becomes a null row and is counted.
 
-    Returns:
-        The texts (``layout.groups[group].num_rows`` of them) and how many malformed lines were skipped.
-
     Raises:
-        ValueError: a malformed line (not JSON, not a JSON object, a ``text_column`` that is not a string,
-            text that is not valid UTF-8), naming the file and the line (1-based); or the file is unreadable,
-            not valid gzip/zstd, or changed since it was scanned.
+        ValueError: a malformed line (naming file and 1-based line), an unreadable file, or one changed since scanned.
         StorageError: storage refused access, or stayed unreachable for ``storage.read_retry_seconds``.
     """
     storage = storage or Storage()

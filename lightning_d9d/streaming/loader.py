@@ -1,50 +1,13 @@
 """Loader: one rank's share of K topology-independent streams, assembled into the same global steps on any layout.
 
-Algorithm: the corpus is read by ``K = num_streams`` streams (:class:`~lightning_d9d.streaming.stream.TokenStream`),
-each a pure function of its number and the data; global optimizer step ``s`` is the rows
-``[s·R, (s+1)·R)`` of every stream, ``R = G / K``. So the rows of a step — as a multiset over ranks and
-microbatches — never depend on the world size, ``num_workers`` or ``microbatch_size``, and a position saved as
-every stream's state at a step boundary resumes on any layout: each rank takes the streams it now owns.
-
-* Rank ``r`` of ``W`` owns streams ``[r·K/W, (r+1)·K/W)``; with workers, worker ``w`` of ``n`` hosts the
-  rank's streams ``w, w+n, …`` (the same number each).
-* A worker yields, step after step, one item holding a block of ``R`` rows for every stream it hosts (one
-  DataLoader item per worker and step, not per stream: a DataLoader item costs both processes far more than
-  tokenizing a block of short rows). torch's DataLoader hands out an ``IterableDataset``'s items strictly
-  round-robin over workers, so the training process receives each step's blocks from every worker, puts them
-  in stream order, concatenates them into the rank's ``G / W`` rows and cuts them into the step's ``M``
-  microbatches of ``m`` rows.
-* Each block comes with its stream's state after it; when the last microbatch of a step is handed out, the
-  loader commits a copy of every owned stream's state: the position a checkpoint saves (the commit before it
-  while that last microbatch is still in flight). Lightning does not checkpoint accumulated gradients, so a
-  resume starts at the first microbatch of a step.
-
-Mixtures: for a weighted mixture of sources each stream is a
-:class:`~lightning_d9d.streaming.mixture_stream.MixtureStream` (one sub-stream per source, the planned rows of
-each in every step); it still gives ``R`` rows per step, with each row's source, so nothing here changes.
-
-Workers: a process tokenizes with one thread (:mod:`~lightning_d9d.streaming.tokenize`), shared by every stream
-it hosts; a DataLoader worker's tokenizer uses one core, so ``num_workers`` is the number of cores a rank
-tokenizes on (``num_workers=0`` runs the rank's streams in this process, where the tokenizer uses every core).
-A worker's tokenizer calls also end at ``WORKER_CHUNK_CHARS`` characters of text, so its blocks come steadily
-rather than in bursts; in-process calls end at ``IN_PROCESS_CHUNK_CHARS``, which bounds their memory. Blocks
-cross to this process as compact int32 numpy, pickled through the worker's pipe;
-the int64 tensors of a microbatch are built here.
-
-Worker start: workers are forked (fast, nothing to import or pickle) unless a file is read over the network
-(``s3://`` and other URLs): then they start from a forkserver, a clean process that never made a storage client.
-A forked child inherits the state of pyarrow's S3 client (the AWS SDK's locks, held by any thread of this process
-that is inside a request at that moment) and can block forever making its own client; a forkserver child makes
-its first client in a fresh process. Such a worker also gets this process's environment as it is when the
-workers start (a forkserver keeps the one it started with), so the AWS variables it reads are the same. The
-trade-off: the first workers also start the forkserver (a new interpreter importing torch and Lightning), and,
-as with any start that is not a fork, each worker re-runs the training script's imports, so the script must
-keep its top-level code under ``if __name__ == "__main__":``.
-
-Trade-off: a larger K lets more ranks (and workers) share the streams, at the cost of K best-fit buffers in
-memory (over all ranks) and K streams to start after every resume; rows of one step come from K places in the
-corpus at once. The workers live as long as the loader's iterator (across epochs, since streams never restart
-at an epoch boundary); a resume or a new ``fit`` restarts them from the committed states.
+Global step ``s`` is rows ``[s·R, (s+1)·R)`` of every stream, ``R = G / K``, so a step's rows never depend on the
+world size, workers or microbatch size, and the streams' states at a step boundary resume on any layout. Rank ``r``
+owns a contiguous block of streams; each worker hosts some and yields one item per step, which DataLoader's
+round-robin lets this process reorder into the step's microbatches. Handing out a step's last microbatch commits
+the states a checkpoint saves. Workers fork unless a file is read over the network: then a forkserver, since a
+forked child can inherit pyarrow's S3 client locks mid-request and hang (the training script must then guard its
+top-level code with ``if __name__ == "__main__":``). Trade-off: a larger K lets more ranks and workers share the
+streams, at the cost of K best-fit buffers and K streams to start on every resume.
 """
 
 from __future__ import annotations
@@ -91,8 +54,7 @@ _FORKABLE_SCHEMES = frozenset({"file", "local", "memory"})
 
 
 def worker_start_method(files: Iterable[str]) -> str | None:
-    """How DataLoader workers start for these files: ``"forkserver"`` when any is read through a network client
-    (not fork-safe, see the module docstring), else ``None`` (torch's default, fork)."""
+    """``"forkserver"`` when any file is read through a network client (not fork-safe), else ``None`` (fork)."""
     for path in files:
         if "://" in path and path.split("://", 1)[0].lower() not in _FORKABLE_SCHEMES:
             return "forkserver"
@@ -100,10 +62,7 @@ def worker_start_method(files: Iterable[str]) -> str | None:
 
 
 def _forkserver_context() -> multiprocessing.context.BaseContext:
-    """The forkserver context, its server importing this module (and Lightning, when this process uses it) as it
-    starts, added to any preload already set: a worker forked from it then imports neither torch, pyarrow and
-    tokenizers for the dataset, nor Lightning when it re-runs the training script's imports (as every worker that
-    is not forked from the training process does)."""
+    """The forkserver context, its server preloading this module (and Lightning when in use)."""
     context = multiprocessing.get_context("forkserver")
     preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or ["__main__"])
     wanted = [name for name in (__name__, "lightning") if name in sys.modules and name not in preload]
@@ -119,13 +78,7 @@ def rank_streams(num_streams: int, world_size: int, rank: int) -> list[int]:
 
 
 def check_layout(num_streams: int, dp_size: int, num_workers: int) -> None:
-    """Raises ValueError unless K streams can be shared by this layout (naming K, the data-parallel size, workers
-    and valid values).
-
-    Valid: the data-parallel size divides K (every replica owns whole streams; the processes of a replica, its
-    tensor/context/pipeline peers, read the same ones) and ``num_workers`` divides K / dp_size (every worker hosts
-    as many streams).
-    """
+    """Raises ValueError unless the data-parallel size divides K and ``num_workers`` divides K / dp_size."""
     if num_streams % dp_size:
         valid = [w for w in range(1, num_streams + 1) if num_streams % w == 0]
         raise ValueError(
@@ -151,8 +104,7 @@ class StreamPosition(TrainPosition):
     Attributes:
         states: the latest state of each stream this rank owns (by stream number).
         committed: ``(epoch, step, states)`` at the last optimizer-step boundary (what checkpoints save).
-        previous: ``committed`` of the boundary before it: what a checkpoint saves while the last microbatch
-            of a step is handed out but not yet trained.
+        previous: ``committed`` of the boundary before, saved while a step's last microbatch is still in flight.
         generation: bumped whenever the position is replaced (resume), which invalidates running streams.
     """
 
@@ -166,11 +118,7 @@ class StreamPosition(TrainPosition):
         self.previous, self.committed = self.committed, (epoch, step, dict(self.states))
 
     def committed_states(self, step: int) -> StreamStates:
-        """The streams' states at the start of ``step`` of this epoch: the last boundary or the one before.
-
-        Raises:
-            RuntimeError: ``step`` is neither this position's step nor the one before (a step in flight).
-        """
+        """The streams' states at the start of ``step``: the last boundary or the one before (else RuntimeError)."""
         if step == self.step:
             return self.committed[2]
         if step == self.step - 1:
@@ -193,8 +141,7 @@ class StreamPosition(TrainPosition):
         self.states.update(states)
 
     def hand_out(self, microbatches_per_step: int) -> int:
-        """Count one microbatch handed out; returns its index in its step. Handing out a step's last commits
-        the streams' states: a checkpoint from then on resumes at the next step."""
+        """Count one microbatch handed out; returns its index in its step. A step's last commits the states."""
         index = self.microbatches % microbatches_per_step
         self.microbatches += 1
         if index == microbatches_per_step - 1:
@@ -253,25 +200,17 @@ class _HostedStreams(IterableDataset):
 
 
 class WireFormat:
-    """A worker's items (every hosted stream's block and state of one step) as they cross to the training
-    process, compactly; the training process rebuilds exactly the same blocks and states.
-
-    A step's items are pickled through a pipe, and with tokens replayed from the token cache that transfer is
-    what limits a rank: so token ids travel as uint16 where they fit (as int32 otherwise), ``bestfit_split``'s
-    flags as the positions of their few non-zero bytes, and a best-fit buffer (thousands of integers per stream,
-    of which a step changes a few) as the bits of the previous rows that stay and the rows added (they come last:
-    rows are in insertion order). One instance per side, per started set of workers.
+    """A worker's items as they cross to the training process, compactly (``encode`` in the worker, ``decode`` here):
+    ids as uint16 where they fit, flags as positions, a best-fit buffer as its change since the last step.
     """
 
     def __init__(self) -> None:
         self.sent: dict[tuple[int, str], np.ndarray] = {}
 
     def encode(self, items: list[tuple]) -> list[tuple]:
-        """The worker's side."""
         return [(sid, _packed_block(block), self._map(sid, state, self._delta)) for sid, block, state in items]
 
     def decode(self, items: list[tuple]) -> list[tuple]:
-        """The training process's side."""
         return [(sid, _unpacked_block(block), self._map(sid, state, self._rebuilt)) for sid, block, state in items]
 
     def _map(self, sid: int, state: MixtureState, change: Callable[[tuple[int, str], Any], Any]) -> MixtureState:
@@ -342,11 +281,7 @@ def _as_is(item: Any) -> Any:
 
 
 class _InStreamOrder:
-    """``(stream, block, state)`` one at a time, in the rank's stream order, from per-process lists of each step.
-
-    Each of ``processes`` processes gives one list per step (the DataLoader alternates between them), so a step's
-    blocks are those of the next ``processes`` lists.
-    """
+    """``(stream, block, state)`` one at a time, in the rank's stream order, from per-process lists of each step."""
 
     def __init__(self, lists: Iterator[list[tuple]], streams: list[int], processes: int, deltas: Any = None):
         self.lists, self.processes, self.deltas = lists, processes, deltas
@@ -379,9 +314,7 @@ def rank_blocks(spec: MixtureSpec, streams: list[int], num_workers: int, states:
     Args:
         spec: the streams' configuration.
         streams: the rank's streams (``rank_streams``).
-        num_workers: DataLoader worker processes (0: the streams run in this process). Workers cap each
-            tokenizer call at ``WORKER_CHUNK_CHARS`` (in this process: ``IN_PROCESS_CHUNK_CHARS``) unless a
-            source's ``chunk_chars`` is set.
+        num_workers: DataLoader worker processes (0: the streams run in this process).
         states: saved stream states by stream number (missing: from the beginning).
     """
     chunk_chars = WORKER_CHUNK_CHARS if num_workers > 0 else IN_PROCESS_CHUNK_CHARS
@@ -414,8 +347,7 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
 
 @dataclass
 class _Running:
-    """A training loader's running streams: started for ``generation`` of the position, their ``(stream, block,
-    state)`` items and the rank's steps assembled from them."""
+    """A training loader's running streams, started for ``generation`` of the position, and the steps from them."""
 
     generation: int
     blocks: Iterator[tuple]
@@ -433,9 +365,8 @@ class TokenTrainLoader(ResumedByDataModule):
         microbatches_per_epoch: ``steps_per_epoch * microbatches_per_step``.
         microbatches_per_step: M; states are committed every M microbatches.
         position: the shared position this loader advances.
-        start_point: called at the first ``next()`` of an epoch, returns ``(epoch, microbatch)`` to start at
-            (the streams continue from ``position.states`` either way).
-        make_batch: turns a microbatch's rows (a ``RowBlock``) into the batch handed to training (and pins it).
+        start_point: called at an epoch's first ``next()``, returns ``(epoch, microbatch)`` to start at.
+        make_batch: turns a microbatch's ``RowBlock`` into the batch handed to training (and pins it).
     """
 
     def __init__(

@@ -1,37 +1,12 @@
 """Mixture planning: how many rows of each source every optimizer step takes, exactly, as a function of the step.
 
-Pure arithmetic, no I/O: a :class:`MixtureSchedule` (the validated ``weights``: one mapping of shares, or phases
-``(from_step, {name: weight})``, piecewise constant in the step) and a :class:`MixturePlan` (the rows per source
-of every step).
-
-Algorithm. The planning unit is the *global batch*: step ``s`` takes ``G`` rows over all ranks. The target of
-source ``i`` after steps ``[0, s)`` is ``T_i(s) = G · Σ_{t<s} w_i(t)`` (exact rationals: weights become
-``Fraction``s of their decimal spelling, so ``0.7`` is ``7/10`` and no float rounding can tie or reorder
-sources). Step ``s`` hands its ``G`` rows out one at a time, earliest deadline first (Tijdeman's rule for the
-chairman assignment problem): each row raises every active source's target by its share; among the sources at
-least ``δ = 1/(2N−2)`` rows behind, the row goes to the one that would fall ``1 − δ`` rows behind soonest, ties
-to the earlier source; a source whose weight is 0 in the step gets none. With constant shares every source
-stays within ``1 − δ`` rows of its target after every row, so after every step (a largest-deficit greedy, as
-Megatron's blend, can fall more than a row behind when sources of tiny share are served early). Across a phase
-that zeroes a source, that source keeps its deficit (less than a row) while it is paused, and the active sources
-must carry it: each step then keeps every source within a row whenever whole rows allow it. They do not always:
-paused sources behind by more than a row in total leave the active ones that much ahead, so the bound after a
-pause is one row plus the paused sources' deficits (tested on random phases). Rows taken never decrease.
-
-The step's ``G`` rows are then dealt to the ``K`` streams (``R = G / K`` each) without any state:
-the step's rows are laid out in source order, slot ``j`` going to stream ``(j + s) mod K``, so every stream
-gets exactly ``R`` rows and a source's extra rows rotate over the streams from step to step. The plan is a
-function of the schedule, ``G`` and ``K`` only, never of the world size, workers or microbatch size.
-
-Fast cumulative rows: the rule's state inside a phase is the vector of deficits, which recurs (exact
-rationals; within steps on the order of the shares' common denominator, e.g. 10 for 0.7/0.3); once a state recurs the
-plan is periodic and ``cumulative_rows(s)`` jumps over whole periods, so ``s = 10⁷`` costs one period, not
-``s`` steps. A phase whose deficits do not recur within ``_MAX_PERIOD_SEARCH`` steps (shares with huge
-denominators) is iterated step by step: correct, slower.
-
-Trade-off: planning the global batch (not each stream's ``R`` rows on its own) is what makes the per-source
-totals exact to one row for the whole batch (per-stream planning would be exact per stream, so only to ``K``
-rows for the batch); the price is that a stream's share of a source varies by a row from step to step.
+Pure arithmetic. Source ``i`` is owed ``G · Σ_{t<s} w_i(t)`` rows after steps ``[0, s)`` (exact ``Fraction``s of the
+weights' decimal spelling); each step's ``G`` rows go one at a time, earliest deadline first (Tijdeman's rule), which
+keeps every source within a row of its target under constant shares (a largest-deficit greedy, as Megatron's blend,
+can fall further behind). The rows are dealt statelessly to the ``K`` streams, so the plan depends on the schedule,
+``G`` and ``K`` only; deficits recur within a phase, so ``cumulative_rows`` skips whole periods. Trade-off: planning
+the global batch makes totals exact to a row per batch (per stream: to ``K`` rows), but a stream's share of a source
+varies by a row from step to step.
 """
 
 from __future__ import annotations
@@ -60,16 +35,12 @@ class MixtureSchedule:
 
     Args:
         sources: the source names, in their order (ties go to the earlier source).
-        weights: ``None`` (equal shares), a mapping ``{name: weight}``, or a list of phases, each
-            ``(from_step, {name: weight})``, ``[from_step, {...}]`` or ``{"from_step": n, "weights": {...}}``;
-            the first phase from step 0, then strictly increasing steps. Weights are non-negative numbers,
-            normalised per phase; a source a phase does not name gets 0 there.
+        weights: ``None`` (equal shares), ``{name: weight}``, or phases ``(from_step, {name: weight})`` (also as a list
+            or ``{"from_step": n, "weights": {...}}``), the first from step 0; normalised per phase, unnamed sources 0.
 
     Raises:
-        ValueError: no sources, a duplicate or empty source name, an unknown name in ``weights`` (listing the
-            known ones), a weight that is negative, NaN, infinite or not a number, a phase whose weights are all
-            0, a first phase not at step 0, phases out of order or duplicated, a malformed phase, or a source
-            with weight 0 in every phase.
+        ValueError: bad or duplicate source names, an unknown name or invalid weight in ``weights``, a phase of all
+            zeros, malformed or misordered phases, or a source with weight 0 in every phase.
     """
 
     def __init__(self, sources: Sequence[str], weights: Any = None):
@@ -165,7 +136,6 @@ class MixtureSchedule:
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> MixtureSchedule:
-        """The schedule ``to_dict`` wrote."""
         phases = [[step, {n: Fraction(s) for n, s in shares.items()}] for step, shares in state["phases"]]
         return cls(state["sources"], phases)
 
@@ -182,11 +152,7 @@ class MixtureSchedule:
         return {n: s for n, s in zip(self.sources, self.shares_at(step)) if s}
 
     def change_message(self, new: MixtureSchedule, step: int) -> str | None:
-        """Why resuming at ``step`` with ``new`` (this schedule being the checkpoint's) is a change, or ``None``.
-
-        The schedules differ when their shares differ at any step, past or future; the message names the first
-        such step and the old and new shares there.
-        """
+        """Why resuming at ``step`` with ``new`` (this schedule being the checkpoint's) is a change, or ``None``."""
         first = self.first_difference(new)
         if first is None:
             return None
@@ -205,13 +171,11 @@ class MixturePlan:
     Args:
         schedule: the shares per step.
         rows_per_step: G, rows of one optimizer step over all ranks.
-        start_step: the first step this plan covers; before it the plan holds ``start_rows`` (a resume under
-            changed shares: every source continues from the rows it had, targets count from there).
+        start_step: the first step this plan covers (a resume under changed shares: targets count from there).
         start_rows: rows of each source taken before ``start_step`` (default: none).
 
     Raises:
-        ValueError: ``rows_per_step`` < 1, ``start_step`` < 0, or ``start_rows`` of the wrong length, negative,
-            or not summing to ``start_step · rows_per_step``.
+        ValueError: ``rows_per_step`` < 1, ``start_step`` < 0, or ``start_rows`` not summing to ``start_step · G``.
     """
 
     def __init__(
@@ -251,12 +215,7 @@ class MixturePlan:
         return tuple(after - b for after, b in zip(self.cumulative_rows(step + 1), before))
 
     def cumulative_rows(self, step: int) -> tuple[int, ...]:
-        """Rows each source took in steps ``[start_step, step)`` plus ``start_rows``: exact, without visiting
-        every step (each phase is followed until its deficits recur, then whole periods are skipped).
-
-        Raises:
-            ValueError: ``step`` before ``start_step``.
-        """
+        """Rows each source took in ``[start_step, step)`` plus ``start_rows``; ValueError before ``start_step``."""
         if step < self.start_step:
             raise ValueError(f"step={step} is before this plan's start_step={self.start_step}")
         known = max(s for s in self._known if s <= step)
@@ -316,9 +275,6 @@ class MixturePlan:
     def stream_rows_of_step(self, step: int, num_streams: int) -> list[tuple[int, ...]]:
         """Rows each stream takes from each source in ``step``: ``K`` tuples, each summing to ``G / K``.
 
-        The step's rows are laid out in source order; slot ``j`` goes to stream ``(j + step) mod K``, so a
-        source's rows beyond a multiple of K land on other streams from step to step.
-
         Raises:
             ValueError: ``num_streams`` does not divide ``rows_per_step``.
         """
@@ -348,17 +304,13 @@ class MixturePlan:
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> MixturePlan:
-        """The plan ``to_dict`` wrote."""
         schedule = MixtureSchedule.from_dict(state["schedule"])
         rows = [int(state["start_rows"][name]) for name in schedule.sources]
         return cls(schedule, int(state["rows_per_step"]), int(state["start_step"]), rows)
 
 
 def deal_rows(quota: Sequence[int], step: int, num_streams: int) -> list[tuple[int, ...]]:
-    """Deal one step's rows per source (``quota``, summing to a multiple of ``num_streams``) to the streams.
-
-    The rows are laid out in source order; slot ``j`` goes to stream ``(j + step) mod K``.
-    """
+    """Deal one step's rows per source: slot ``j``, in source order, goes to stream ``(j + step) mod K``."""
     counts = [[0] * len(quota) for _ in range(num_streams)]
     slot = 0
     for source, rows in enumerate(quota):
@@ -373,7 +325,7 @@ def deal_rows(quota: Sequence[int], step: int, num_streams: int) -> list[tuple[i
 def _planned_quota(
     rows: Sequence[int], targets: Sequence[Fraction], shares: Sequence[Fraction], rows_per_step: int
 ) -> tuple[int, ...]:
-    """The rows each source gives one step: earliest deadline first, kept within a row where whole rows allow."""
+    """Earliest deadline first, kept within a row where whole rows allow."""
     quota = _step_quota(rows, targets, shares, rows_per_step)
     return _kept_within_one_row(rows, quota, targets, shares, rows_per_step)
 
@@ -385,14 +337,8 @@ def _kept_within_one_row(
     shares: Sequence[Fraction],
     rows_per_step: int,
 ) -> tuple[int, ...]:
-    """``quota``, or where it leaves a source a row or more from its target, a quota that does not, if one exists.
-
-    Earliest-deadline-first keeps every source within a row under constant shares, but a phase change starts the
-    rule from the deficits the previous phase left, and paused sources keep theirs. Then each source's rows after
-    the step must lie in ``[max(rows, floor(target)), ceil(target)]`` (a paused source's: exactly ``rows``); when
-    those intervals admit the step's total, the rows above the lower bounds go one at a time to the source
-    furthest behind (ties to the earlier source). Otherwise the earliest-deadline quota stands (no monotone choice
-    can do better at this step). A function of the deficits, so plans stay periodic within a phase.
+    """``quota``, or, where it leaves a source a row or more from its target after a phase change, a monotone quota
+    that does not, if one exists.
     """
     after = [t + rows_per_step * share for t, share in zip(targets, shares)]
     taken = [r + q for r, q in zip(rows, quota)]
@@ -413,15 +359,8 @@ def _kept_within_one_row(
 def _step_quota(
     rows: Sequence[int], targets: Sequence[Fraction], shares: Sequence[Fraction], rows_per_step: int
 ) -> tuple[int, ...]:
-    """The rows each source gives one step: its ``rows_per_step`` rows assigned one at a time, earliest deadline
-    first (Tijdeman's rule for the chairman assignment problem).
-
-    Row ``j`` of the step raises every active source's target by its share. A source is *eligible* when its
-    deficit (target minus rows taken) is at least ``δ = 1 / (2N − 2)``; its *deadline* is how many rows from now
-    its deficit reaches ``1 − δ`` at its share. The row goes to the eligible source with the earliest deadline,
-    ties to the earlier source. That keeps every deficit within ``1 − δ`` (Tijdeman 1980) where a greedy on the
-    largest deficit can let sources of tiny share, served early, push the others over one row behind. Sources
-    with share 0 never get a row. Integers scaled by a common denominator keep the arithmetic exact and fast.
+    """Tijdeman's rule: each row goes to the eligible source (deficit at least ``δ``) whose deficit reaches ``1 − δ``
+    soonest, ties to the earlier source; integers scaled by a common denominator keep it exact and fast.
     """
     count = len(rows)
     active = [i for i, share in enumerate(shares) if share > 0]

@@ -1,21 +1,11 @@
 """Mixture stream: one of the K streams of a corpus, each step's rows taken from its sources' streams.
 
-Algorithm: a corpus of N sources (a single corpus is N = 1) makes stream ``k`` of ``K`` out of N *sub-streams*,
-sub-stream ``i`` being source ``i``'s stream ``k`` (:class:`~lightning_d9d.streaming.stream.TokenStream` over
-source ``i``'s units dealt to K streams): a pure function of the source, the stream number and the data. At
-global step ``s`` the :class:`~lightning_d9d.streaming.mixture.MixturePlan` gives the step's rows per source;
-they are dealt to the K streams (``deal_rows``), and stream ``k`` takes its ``r_{k,i}(s)`` rows from sub-stream
-``i`` (possibly none), laid out in source order, each row tagged with its source. So a stream gives
-``R = G / K`` rows per step whatever the shares, and every stage after it (ranks, workers, microbatches) is the
-same for one source or many; the step's rows per source are the plan's, whatever the layout.
-
-State: :class:`MixtureState` ``{"step", "sources": {name: stream state}}``: the steps taken and every
-sub-stream's own state, by source name, so a resume under other shares continues every source where it
-stopped, and a source added later starts fresh.
-
-Trade-off: each sub-stream keeps its own best-fit buffer (``bestfit_buffer_size`` per source and stream), so
-memory and the documents tokenized before the first step grow with N; in exchange a source's rows never
-depend on the other sources or on the shares (only on how many rows it has given).
+Stream ``k`` is N *sub-streams*, sub-stream ``i`` being source ``i``'s stream ``k``; at step ``s`` it takes the
+rows the :class:`MixturePlan` deals it from each (possibly none), in source order, each row tagged with its source.
+So a stream gives ``R = G / K`` rows per step whatever the shares, and everything after it is the same for one
+source or many. Its state holds every sub-stream's state by source name, so a resume under other shares continues
+every source, and a source added later starts fresh. Trade-off: each sub-stream keeps its own best-fit buffer
+(memory grows with N), but a source's rows never depend on the other sources or on the shares.
 """
 
 from __future__ import annotations
@@ -52,7 +42,6 @@ class MixtureState:
 
     @property
     def counters(self) -> StreamCounters:
-        """The sources' counters summed."""
         totals = StreamCounters()
         for state in self.sources.values():
             totals.add(state.counters)
@@ -63,11 +52,10 @@ class MixtureState:
 
     @classmethod
     def from_dict(cls, state: Any, spec: MixtureSpec, path: str = "") -> MixtureState:
-        """Read a saved state of one of ``spec``'s streams, checking each field's type.
+        """Read a saved state of one of ``spec``'s streams.
 
         Raises:
-            InvalidDataState: a missing or mistyped field; a source this run lacks (a source cannot be removed on
-                resume).
+            InvalidDataState: a missing or mistyped field, or a source this run lacks.
         """
         state = mapping(state, path or "stream")
         where = join(path, "sources")
@@ -147,8 +135,7 @@ class MixtureStream:
 
 
 class StepRows:
-    """The plan's rows per stream and source of each step, computed once per step for all the streams of a
-    process (they move in lockstep), a few recent steps kept."""
+    """The plan's rows per stream and source of each step, computed once for a process's lockstep streams."""
 
     def __init__(self, plan: MixturePlan, num_streams: int):
         self.plan, self.num_streams = plan, num_streams
@@ -158,7 +145,6 @@ class StepRows:
         self._next = -1
 
     def of(self, step: int) -> list[tuple[int, ...]]:
-        """``plan.stream_rows_of_step(step, K)``."""
         with self._lock:
             dealt = self._dealt.get(step)
             if dealt is None:
@@ -177,8 +163,7 @@ def _asked(asked: list[int], source: int) -> Iterator[int]:
 
 
 def mixture_streams(spec: MixtureSpec, hosted: list[int], states: Mapping[int, MixtureState]) -> list[MixtureStream]:
-    """The streams one process hosts, continuing from ``states``; each source's buffered documents of all of them
-    read once (a row group shared by several streams' buffers is read one time)."""
+    """The streams one process hosts, continuing from ``states``, their buffered texts read once for all."""
     texts: dict[int, dict[str, Any]] = {sid: {} for sid in hosted}
     if len(states) > 1:
         for i, name in enumerate(spec.names):

@@ -1,31 +1,9 @@
-"""Packing: how a stream turns tokenized documents into rows of ``seq_len + 1`` tokens — the part every packing
-shares.
+"""Packing: what every packing (``concat``, ``bestfit``, ``bestfit_split``) shares in turning documents into rows.
 
-A packing is a strategy object (:class:`Packing`): ``concat`` (:mod:`~lightning_d9d.streaming.concat`),
-``bestfit`` and ``bestfit_split`` (:mod:`~lightning_d9d.streaming.bestfit`). Each owns its state class (what
-a resume needs besides the reader's position), its stage (documents in, blocks of rows out), its restore of a
-saved buffer, the crop rule of its documents (``bestfit`` keeps a row-sized prefix) and the tensors of its rows.
-What they share lives here:
-
-* :class:`StreamCounters`: one mutable set of counters per stream, incremented by the reader's side of the
-  stage (documents, skipped rows) and by the packer (tokens emitted, padding, crops, splits), copied into every
-  state;
-* :class:`BufferGrowth`: how a best-fit buffer grows to its size as a fresh stream starts (the one place its
-  rule is checked);
-* :class:`RowBlock` and :class:`PackingStage`: the rows a stage yields, and the bookkeeping of documents taken
-  (counters and the reader's position after the last one);
-* the tensors of a microbatch: positions restart at BOS (``concat``, ``bestfit``) or at the ``START`` flags a
-  packer writes (``bestfit_split``, and ``bestfit`` laid out for context parallelism);
-* the sequence bounds of a microbatch (:func:`sequence_bounds`): ``cu_seqlens`` and ``cu_seqlens_padded``.
-
-Context parallelism (``context_parallel_size`` c > 1, :mod:`lightning_d9d.context_parallel`): a CP rank keeps
-chunks of each sequence, so every sequence of a row must span a multiple of ``2·c`` positions. Best-fit packers
-pad each piece to that (``CP_PAD`` flags: pad id, positions continuing, no target; the ``-100`` the map-style
-path's :func:`~lightning_d9d.context_parallel.flatten_for_cp` writes), and the counters count that padding; a
-concat row is one sequence (``seq_len`` is a multiple of ``2·c``), split as a whole.
-
-Trade-off: counters are plain attributes bumped per document (a short document is a few dozen tokens, so
-bookkeeping per document must be a few additions), at the price of one shared mutable object per stream.
+Counters, buffer growth, row blocks, the microbatch tensors (positions restart at BOS or at ``START`` flags) and
+sequence bounds. Under context parallelism (c > 1) every sequence of a row spans a multiple of ``2·c`` positions.
+Trade-off: counters are plain attributes bumped per document (a short document's bookkeeping must be a few
+additions), at the price of one shared mutable object per stream.
 """
 
 from __future__ import annotations
@@ -58,20 +36,13 @@ class StreamCounters:
 
     Attributes:
         docs: documents taken by the packer (concat: begun; best-fit: added to its buffer).
-        empty: null or empty texts skipped before the position.
-        text_free_units: units skipped before the position because they hold no text.
-        too_long: documents over ``max_document_chars`` skipped before the position.
-        tokens: tokens of the documents taken, BOS included (``tokens`` ≥ ``emitted``: the rest is buffered,
-            inside the current document, or cropped).
-        emitted: document tokens in the rows yielded.
-        padding: padding tokens in the rows yielded (``bestfit_split``'s gaps, and the CP padding).
-        crops: documents cropped (``bestfit``).
-        cropped: tokens dropped with their remainders (``bestfit``).
-        split_docs: documents longer than a row, split into chunks (``bestfit_split``).
-        chunks: pieces that came from split documents (``bestfit_split``).
-        rows: rows yielded.
-        cp_padding: of ``padding``, the tokens that round pieces up to a multiple of ``2·context_parallel_size``
-            (best-fit with context parallelism).
+        empty, text_free_units, too_long: null or empty texts, text-free units, and documents over
+            ``max_document_chars`` skipped before the position.
+        tokens: tokens of the documents taken, BOS included (≥ ``emitted``: the rest is buffered or cropped).
+        emitted, padding, rows: document tokens, padding tokens and rows yielded.
+        crops, cropped: documents cropped and tokens dropped with them (``bestfit``).
+        split_docs, chunks: documents split and the pieces they gave (``bestfit_split``).
+        cp_padding: of ``padding``, the tokens rounding pieces up to a multiple of ``2·context_parallel_size``.
     """
 
     docs: int = 0
@@ -92,7 +63,6 @@ class StreamCounters:
         return dataclasses.replace(self)
 
     def add(self, other: StreamCounters) -> None:
-        """Add ``other``'s counts to these (sums over streams or sources)."""
         for name in _COUNTER_NAMES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -101,11 +71,7 @@ class StreamCounters:
 
     @classmethod
     def from_dict(cls, state: Any, path: str = "counters") -> StreamCounters:
-        """Read saved counters.
-
-        Raises:
-            InvalidDataState: a counter missing, or not an integer >= 0.
-        """
+        """Read saved counters; :class:`InvalidDataState` for one missing or not an integer >= 0."""
         # States saved before context parallelism existed hold no CP padding.
         state = {"cp_padding": 0, **mapping(state, path)}
         return cls(**{name: integer(state, name, path) for name in _COUNTER_NAMES})
@@ -116,14 +82,8 @@ _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(StreamCounters))
 
 @dataclass(frozen=True)
 class BufferGrowth:
-    """How a best-fit buffer grows to its size as a stream starts: before each row it is topped up to
-    ``min(buffer_size, start + rows_taken * per_row)`` items, so a fresh stream's first rows wait for ``start``
-    documents instead of a whole buffer. The size depends only on the rows the stream has packed, never on time
-    or on the process that hosts it, so rows stay a function of the data and settings.
-
-    Attributes:
-        start: the buffer's size for the first row.
-        per_row: items the size grows by per row packed (0: no growth, the full size from the first row).
+    """How a best-fit buffer grows as a stream starts: before each row it is topped up to
+    ``min(buffer_size, start + rows_taken * per_row)``, a function of the rows packed only (never of time or host).
 
     Raises:
         ValueError: a negative field, or a growing buffer that starts empty.
@@ -140,7 +100,7 @@ class BufferGrowth:
             )
 
     def size(self, buffer_size: int, rows_taken: int) -> int:
-        """The buffer's size before a stream's row ``rows_taken`` (counting from 0)."""
+        """The buffer's size before a stream's row ``rows_taken`` (from 0)."""
         if not self.per_row:
             return buffer_size
         return min(buffer_size, self.start + rows_taken * self.per_row)
@@ -162,7 +122,6 @@ class RowBlock:
         return len(self.tokens)
 
     def rows(self, start: int, stop: int) -> RowBlock:
-        """Rows ``[start, stop)`` with their flags and sources."""
         flags = None if self.flags is None else self.flags[start:stop]
         sources = None if self.sources is None else self.sources[start:stop]
         return RowBlock(self.tokens[start:stop], flags, sources)
@@ -174,7 +133,6 @@ class RowBlock:
 
     @classmethod
     def joined(cls, blocks: list[RowBlock]) -> RowBlock:
-        """The blocks' rows one after the other."""
         flags = None if blocks[0].flags is None else np.concatenate([block.flags for block in blocks])
         sources = None if blocks[0].sources is None else np.concatenate([block.sources for block in blocks])
         return cls(np.concatenate([block.tokens for block in blocks]), flags, sources)
@@ -193,7 +151,7 @@ class PackingState(Protocol):
 
 
 class Packing(Protocol):
-    """A packing strategy: its name, crop rule, state, stage, restore and tensors (see the module docstring)."""
+    """A packing strategy: its name, crop rule, state, stage, restore and tensors."""
 
     name: str
     crops_to_row: bool  # documents are laid out as a row-sized prefix only (the rest can never be emitted)
@@ -211,11 +169,7 @@ class Packing(Protocol):
 
 
 class PackingStage:
-    """What every packing stage shares: the stream's counters and the reader's position after a document.
-
-    A stage's ``blocks(chunks, sizes)`` yields ``(RowBlock, packing state)`` for each size pulled from
-    ``sizes`` (0 allowed: an empty block, the state unchanged).
-    """
+    """What every packing stage shares; ``blocks(chunks, sizes)`` yields ``(RowBlock, state)`` per size pulled."""
 
     def __init__(self, spec: StreamSpec, units: StreamUnits, counters: StreamCounters):
         self.spec, self.units, self.counters = spec, units, counters
@@ -240,14 +194,8 @@ class PackingStage:
 
 
 def bos_tensors(rows: np.ndarray, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, targets, position_ids)`` int64 tensors of packed rows whose documents start at BOS.
-
-    Args:
-        rows: ``(rows, seq_len + 1)`` token ids.
-        bos_id: the BOS token id (positions restart there, and at every row start).
-
-    Returns:
-        ``rows[:, :-1]``, ``rows[:, 1:]`` (the next token) and the positions, each ``(rows, seq_len)``.
+    """``(input_ids, targets, position_ids)`` int64 ``(rows, seq_len)`` tensors of packed ``(rows, seq_len + 1)``
+    token ids whose documents start at ``bos_id`` (positions restart there and at every row start).
     """
     inputs = rows[:, :-1]
     positions = torch.from_numpy(restart_positions(inputs == bos_id))
@@ -255,14 +203,7 @@ def bos_tensors(rows: np.ndarray, bos_id: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def flagged_tensors(tokens: np.ndarray, flags: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, targets, position_ids)`` int64 tensors of rows with ``START`` / ``NO_TARGET`` flags.
-
-    Targets are ``IGNORE_INDEX`` (-100) wherever the target token has ``NO_TARGET``; positions restart at column
-    0 and at every ``START`` (a padding run counts from 0 too).
-
-    Raises:
-        ValueError: ``tokens`` and ``flags`` differ in shape, or are not 2-D with at least 2 columns.
-    """
+    """``(input_ids, targets, position_ids)`` of rows with ``START`` / ``NO_TARGET`` flags (ValueError: bad shapes)."""
     if tokens.shape != flags.shape or tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(
             f"tokens {tokens.shape} and flags {flags.shape} must be the same (rows, seq_len + 1) shape, seq_len >= 1"
@@ -276,18 +217,13 @@ def flagged_tensors(tokens: np.ndarray, flags: np.ndarray) -> tuple[torch.Tensor
 def sequence_bounds(
     rows: RowBlock, positions: torch.Tensor, context_parallel_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(cu_seqlens, cu_seqlens_padded, max_seqlen)`` of a microbatch's rows (int32 offsets in the flattened
-    microbatch, 0 first and its size last: flash-attention's varlen and TransformerEngine's THD conventions).
-
-    A sequence starts wherever ``positions`` is 0 (each row start, document, chunk or padding run). Without CP
-    both tensors hold those offsets. With CP, best-fit's (flagged) rows: ``cu_seqlens_padded`` holds them (each
-    sequence with its CP padding, a multiple of ``2·c``) and ``cu_seqlens`` the cumulative real lengths (the
-    ``CP_PAD`` positions left out), as :func:`lightning_d9d.context_parallel.pad_documents_for_cp` gives; concat's
-    rows are one sequence each. ``max_seqlen``: the longest padded sequence.
+    """``(cu_seqlens, cu_seqlens_padded, max_seqlen)`` of a microbatch (int32 offsets into the flattened microbatch,
+    flash-attention's varlen convention). A sequence starts where ``positions`` is 0; with CP, ``cu_seqlens`` leaves
+    out the ``CP_PAD`` positions that ``cu_seqlens_padded`` counts (as ``pad_documents_for_cp``); without, they agree.
 
     Args:
         rows: the microbatch's rows (their flags say where CP padding is).
-        positions: ``(rows, seq_len)`` positions, restarting at 0 at every sequence.
+        positions: ``(rows, seq_len)`` positions.
         context_parallel_size: the CP size the rows were packed for.
     """
     if context_parallel_size == 1:
@@ -306,16 +242,12 @@ def sequence_bounds(
 
 
 def prefix_hash(tokens: np.ndarray) -> int:
-    """A 32-bit checksum of a token prefix, used to verify a prefix rebuilt on resume."""
+    """A 32-bit checksum of a token prefix, to verify a prefix rebuilt on resume."""
     return zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32))  # crc32 reads the buffer itself, no copy
 
 
 def read_kind(state: Mapping[str, Any], path: str, expected: str) -> None:
-    """Check a saved packing state's ``kind`` tag.
-
-    Raises:
-        InvalidDataState: the state is another packing's.
-    """
+    """Raises :class:`InvalidDataState` where a saved packing state's ``kind`` tag is not ``expected``."""
     kind = state.get("kind")
     if kind != expected:
         raise InvalidDataState(f"{path}.kind" if path else "kind", kind, f"this stream packs {expected!r}")

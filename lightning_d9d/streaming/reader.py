@@ -1,22 +1,9 @@
 """Reader: one stream's texts, pass after pass, from any position, in chunks for the tokenizer.
 
-Algorithm: pass ``p`` of stream ``s`` is the units ``deal(pass_order(p), s, K)``; the reader walks them in order,
-reads each unit's rows of the text column and yields :class:`TextChunk` s of up to ``tokenizer_batch_size``
-non-empty documents (fewer where ``chunk_chars`` caps a chunk's text, and growing by half, 1, 2, 3, 5, 8, …,
-after a start, so that the first batch after a resume waits for a few documents only and the last chunk it
-asks for holds little beyond what it needs). Null and empty texts are skipped; units
-that hold no text at all are skipped too (without reading them where the footer statistics prove it), and
-each document carries how many of either were skipped since the document before it, so that counters are the
-same however documents were batched. A text over ``max_document_chars`` characters is skipped the same way,
-before it becomes a Python string (its length is read off the column), counted, and named in one warning per
-process: memory then never grows with a document beyond that cap, at the cost of never training on it.
-
-State: a :class:`ReadPosition` ``(pass, slot, row)``: the unit ``slot`` of pass ``pass`` and a row of its row
-group. Reading resumes exactly there; a position is normalised (a row past its unit's end names the next unit,
-or the next pass).
-
-Trade-off: a unit is read whole (one ``read_row_group``) even when reading resumes inside it, which keeps reads
-columnar and simple at the cost of re-reading the rows before the position once per resume.
+Chunks grow Fibonacci-like after a start, so a resume's first batch waits for a few documents only. Null, empty,
+text-free and too-long texts are skipped, and each document carries the skips since the one before it, so counters
+never depend on batching. Trade-off: a unit is read whole even when reading resumes inside it, which keeps reads
+columnar and simple at the cost of re-reading a unit's head once per resume.
 """
 
 from __future__ import annotations
@@ -53,19 +40,12 @@ class ReadPosition:
 
     @classmethod
     def from_dict(cls, state: Any, path: str = "reader") -> ReadPosition:
-        """Read a saved position.
-
-        Raises:
-            InvalidDataState: a missing field, or one that is not an integer >= 0.
-        """
+        """Read a saved position; :class:`InvalidDataState` for a field missing or not an integer >= 0."""
         state = mapping(state, path)
         return cls(integer(state, "pass", path), integer(state, "slot", path), integer(state, "row", path))
 
     def check(self, units: StreamUnits, path: str = "reader") -> None:
-        """Raises :class:`InvalidDataState` unless the position is inside one of ``units``' units.
-
-        A position is saved normalised: its slot names a unit of its pass, its row one of that unit's rows.
-        """
+        """Raises :class:`InvalidDataState` unless the (normalised) position is inside one of ``units``' units."""
         slots = units.of_pass(self.pass_index)
         if not 0 <= self.slot < len(slots):
             raise InvalidDataState(
@@ -90,13 +70,10 @@ class TextChunk:
         group: its global row group.
         rows: each document's row in the row group.
         texts: the documents.
-        empty_before: for each document, the null or empty rows skipped since the document before it.
-        units_before: for each document, the text-free units skipped since the document before it.
-        long_before: documents over ``max_document_chars`` skipped since the document before it, by the index of
-            the document (only where there were any: they are rare).
-        tokens: for a chunk replayed from the token cache, its documents' ids (BOS not included) one after the
-            other and each document's count; its ``texts`` are then empty.
-        record: what records the chunk's tokens for the cache (a unit read whole from text), or ``None``.
+        empty_before, units_before: per document, the null or empty rows and text-free units skipped since the last.
+        long_before: ``{document: too-long rows skipped before it}``, only where there were any.
+        tokens: for a chunk replayed from the token cache, its ids (BOS not included) and counts; ``texts`` is empty.
+        record: what records the chunk's tokens for the cache, or ``None``.
         closes_unit: the last chunk of a recorded unit (the cache stores the unit once it is tokenized).
     """
 
@@ -119,15 +96,8 @@ class TextChunk:
 
 @dataclass(frozen=True)
 class StreamUnits:
-    """The units one stream reads and how they are dealt: enough to walk any pass from any position.
-
-    Attributes:
-        index: the row groups.
-        units: the units (row ranges of row groups).
-        stream: this stream's number.
-        num_streams: K, the streams the units are dealt to.
-        seed: seeds each pass's order.
-        shuffle: reshuffle every pass (``False``: rotated file order, for validation).
+    """The units one stream reads and how they are dealt (``index``, ``units``, ``stream``, ``num_streams``,
+    ``seed``, ``shuffle``): enough to walk any pass from any position.
     """
 
     index: RowGroupIndex
@@ -168,8 +138,7 @@ class StreamUnits:
 
 @dataclass
 class _UnitRead:
-    """One unit's documents: the rows that hold text and those skipped for their length, with the texts (read) or
-    the tokens (from the token cache), and what records their tokens for the cache."""
+    """One unit's kept and too-long rows, with texts or cached tokens, and its cache recorder."""
 
     rows: np.ndarray
     too_long: dict[int, int]
@@ -178,7 +147,6 @@ class _UnitRead:
     recorder: Any = None
 
     def chunk(self, where: tuple[int, int, int], rows: list[int], before: tuple, closes: bool) -> TextChunk:
-        """The chunk of documents ``rows`` (``where``: pass, slot, row group; ``before``: the skipped counts)."""
         cached = self.cached
         if cached is None:
             texts = [self.texts[r] for r in rows]
@@ -196,12 +164,9 @@ class TextReader:
         units: what the stream reads.
         start: where to start (a position yielded with an earlier state).
         tokenizer_batch_size: documents per chunk, at most.
-        chunk_chars: a chunk also ends before its text passes this many characters (0: no limit; a single
-            longer document is a chunk of its own).
-        max_document_chars: texts over this many characters are skipped, counted and warned about (``None``: no
-            limit).
-        cache: the source's token cache (``streaming.token_cache.StreamCache``): a unit it holds is replayed from
-            its tokens (one chunk, no text read), a unit read whole is recorded for it; ``None``: no cache.
+        chunk_chars: a chunk also ends before its text passes this many characters (0: no limit).
+        max_document_chars: texts over this many characters are skipped, counted and warned about (``None``: no limit).
+        cache: the source's ``StreamCache``: a unit it holds is replayed from its tokens, one read whole is recorded.
 
     Raises:
         ValueError: (when iterated) ``MAX_PASSES_WITHOUT_TEXT`` passes in a row without a document.
@@ -222,7 +187,6 @@ class TextReader:
         self.reset(start)
 
     def reset(self, initial_state: ReadPosition) -> None:
-        """Read from ``initial_state`` on (the next iteration starts there)."""
         self.start = self._next = self.units.normalise(initial_state)
 
     def get_state(self) -> ReadPosition:
@@ -280,8 +244,7 @@ class TextReader:
             pass_index, slot, row = pass_index + 1, 0, 0
 
     def _read_unit(self, group: int, start: int, stop: int, whole: bool) -> _UnitRead | None:
-        """Unit ``[start, stop)`` of ``group``: from the token cache if it holds it, else read (and recorded for the
-        cache when read from its start); ``None`` when it holds no text at all."""
+        """From the token cache if it holds the unit, else read (and recorded when read whole); ``None``: no text."""
         if self.units.index.text_free[group]:
             return None
         cached = self.cache.load(group, start, stop) if self.cache is not None else None
@@ -297,8 +260,7 @@ class TextReader:
         return read if len(read.rows) or read.too_long else None
 
     def _chunk_ends(self, read: _UnitRead, kept: list[int], size: int) -> Iterator[int]:
-        """Where each chunk of the documents ``kept`` ends: one chunk of cached tokens (nothing to tokenize), else
-        growing sizes up to ``tokenizer_batch_size``, also ended at ``chunk_chars`` characters."""
+        """Where each chunk of ``kept`` ends: one chunk of cached tokens, else growing sizes capped by both limits."""
         if read.cached is not None:
             yield len(kept)
             return
@@ -319,8 +281,7 @@ class TextReader:
 
 
 def _long_before(kept: list[int], long_rows: list[int], since: int, gaps: np.ndarray) -> tuple[dict[int, int], int]:
-    """Where the skipped long rows count: before the next document kept (not as empty rows, so taken out of
-    ``gaps`` in place); ``({document: long rows before it}, long rows after the last document)``."""
+    """``({document: long rows before it}, long rows after the last document)``; takes them out of ``gaps`` in place."""
     if not long_rows and not since:
         return {}, 0
     counts = np.bincount(np.searchsorted(kept, long_rows), minlength=len(kept) + 1)
@@ -332,8 +293,7 @@ def _long_before(kept: list[int], long_rows: list[int], since: int, gaps: np.nda
 def _skipped_long(
     index: RowGroupIndex, group: int, lengths: dict[int, int], row: int, stop: int, cap: int | None
 ) -> list[int]:
-    """The rows ``[row, stop)`` of ``group`` skipped for their length, in order; one warning per document over the
-    cap, the first time this process skips it."""
+    """The rows of ``[row, stop)`` skipped for their length; one warning per document and process."""
     rows = sorted(r for r in lengths if row <= r < stop)
     path, in_file = redact(index.files[int(index.file_of[group])]), int(index.group_in_file[group])
     for skipped in rows:

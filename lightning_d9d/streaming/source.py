@@ -1,24 +1,10 @@
-"""Source: find the parquet files, list their row groups, cut them into units, deal each pass's units to streams.
+"""Source: find the parquet and JSONL files, list their row groups, cut them into units, deal each pass's units.
 
-Algorithm: a file spec (directory, glob, list, or a pyarrow/fsspec URL such as ``s3://bucket/data/*.parquet``) is
-resolved once into a sorted list of files, each keeping its spec's endpoint and options (``streaming.storage``
-builds the filesystems and retries failed reads); their footers give every row group, its row count and its text
-column's statistics, and are checked for a text column (any Arrow string type, dictionary-encoded or not; texts
-reach the tokenizer as Python strings, and a value that is not UTF-8 is an error naming its row). The unit of work
-is a *unit*: a row group, or, when there are fewer row groups than streams, an equal share of one's rows, so that
-every stream has work. Pass ``p`` visits the units in an order seeded by ``(seed, p)`` (a non-shuffled source, for
-validation, rotates file order by ``p``, so that every stream meets every unit over passes); stream ``s`` of ``K``
-reads ``order[s::K]``. Within a pass no unit is read by two streams, and one stream's order never depends on how
-fast another runs, or on how many processes host the streams.
-
-The footers also give each file a digest (row counts, byte sizes and statistics of every row group's text
-column), so a resume notices a file edited in place, at the cost of reading footers only; and row groups that
-the statistics prove text-free (all null or empty) are known without reading them.
-
-Trade-off: dealing whole row groups keeps reads sequential and columnar (one ``read_row_group`` per unit), but
-balance is only as fine as a unit: streams differ by at most one unit per pass. That never shows as unequal
-batch counts, because each stream cycles through passes forever and the loader cuts epochs by step count, not
-by data exhaustion.
+Footers give every row group's row count and text statistics (a digest per file, so a resume notices an edited
+file). A *unit* is a row group, or an equal share of one when there are fewer row groups than streams. Pass ``p``
+visits the units in an order seeded by ``(seed, p)``; stream ``s`` of ``K`` reads ``order[s::K]``, so no unit is read
+twice in a pass and no stream's order depends on another's speed or on the process layout. Trade-off: whole row
+groups keep reads sequential and columnar, but balance is only as fine as a unit.
 """
 
 from __future__ import annotations
@@ -51,8 +37,7 @@ os.register_at_fork(after_in_child=lambda: _PROCESS_LOCK.__setitem__(0, threadin
 
 
 def _rejoin(spec: str, path: str) -> str:
-    """Turn a filesystem path back into the user's addressing (scheme, credentials and options kept), so that a
-    file found by a glob or a directory is opened against the endpoint its spec named."""
+    """A listed path in the user's addressing (scheme, credentials, options kept), so it reaches the spec's endpoint."""
     if "://" not in spec:
         return path
     scheme, userinfo, _, query = parse_url(spec)
@@ -62,7 +47,6 @@ def _rejoin(spec: str, path: str) -> str:
 
 
 def _file_infos(fs: pafs.FileSystem, target: Any, spec: str, what: str) -> Any:
-    """``fs.get_file_info(target)``, with a failure to list (network, access, credentials) named as such."""
     try:
         return fs.get_file_info(target)
     except OSError as err:
@@ -103,18 +87,14 @@ def resolve_files(
     """Resolve a file spec into a de-duplicated list of parquet and JSONL files (each pattern's matches sorted).
 
     Args:
-        spec: a directory (every ``*.parquet`` file and JSONL file, ``streaming.jsonl.JSONL_SUFFIXES``, below
-            it), a glob (``data/*.parquet``, ``data/**/x.jsonl.zst``), a single file, a URL with any of those
-            forms (``s3://…``, ``gs://…``, ``file://…``, or any fsspec scheme when fsspec is installed), or a list
-            of them (kept in list order). An ``s3://`` URL may carry options
-            (``?endpoint_override=host:port&scheme=http``); the files it expands to keep them.
+        spec: a directory, a glob (``data/**/x.jsonl.zst``), a file, a URL of those forms (any fsspec scheme;
+            ``s3://…?endpoint_override=…``), or a list of them (kept in list order).
         what: the argument's name, for error messages.
-        storage: endpoint, credentials and options for URLs (see ``streaming.storage``).
+        storage: endpoint, credentials and options for URLs.
 
     Raises:
-        ValueError: when the spec is empty or matches no file, or holds unknown storage options.
-        StorageError: listing failed (unreachable endpoint, refused credentials, access denied), naming the URL
-            and the cause.
+        ValueError: the spec is empty, matches no file, or holds unknown storage options.
+        StorageError: listing failed, naming the URL and the cause.
     """
     storage = storage or Storage()
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
@@ -139,11 +119,11 @@ def _open_file(path: str, storage: Storage) -> pq.ParquetFile:
 
 
 def open_parquet(path: str, storage: Storage | None = None) -> pq.ParquetFile:
-    """Open one parquet file (retrying transient failures), naming it in the error when it is not valid parquet.
+    """Open one parquet file, retrying transient failures.
 
     Raises:
-        ValueError: the file is missing, unreadable or not a valid parquet file.
-        StorageError: the store refused access or stayed unreachable for ``read_retry_seconds``.
+        ValueError: the file is missing, unreadable or not valid parquet.
+        StorageError: the store refused access or stayed unreachable.
     """
     storage = storage or Storage()
     try:
@@ -159,17 +139,14 @@ def _no_op() -> None:
 
 
 def is_text_type(arrow_type: pa.DataType) -> bool:
-    """Whether a column of this type holds text: any string type a parquet writer produces, dictionary-encoded
-    or not."""
+    """Whether a column of this type holds text: any string type, dictionary-encoded or not."""
     if pa.types.is_dictionary(arrow_type):
         arrow_type = arrow_type.value_type
     return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
 
 
 def plain_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    """A text column as plain ``string``/``large_string`` values (dictionaries decoded, views copied out), so
-    that every text type is taken, sliced and converted alike. No UTF-8 check here: ``column_texts`` names a
-    bad row."""
+    """A text column as plain ``string``/``large_string`` values, so every text type is handled alike."""
     if pa.types.is_dictionary(column.type):
         column = column.cast(column.type.value_type)  # the rows are the dictionary's values
     if pa.types.is_string_view(column.type):
@@ -178,12 +155,7 @@ def plain_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
 
 
 def column_texts(column: pa.ChunkedArray, where: Callable[[], str], rows: list[int] | None) -> list[str | None]:
-    """A plain text column as Python strings; bytes that are not valid UTF-8 are one error naming the row.
-
-    Raises:
-        ValueError: a value is not valid UTF-8 (a broken byte sequence or an encoded lone surrogate), naming
-            ``where`` (file and row group) and the row.
-    """
+    """A plain text column as Python strings; ValueError naming ``where`` and the row for a value not valid UTF-8."""
     try:
         return column.to_pylist()
     except UnicodeDecodeError as first:
@@ -201,24 +173,16 @@ def column_texts(column: pa.ChunkedArray, where: Callable[[], str], rows: list[i
 
 @dataclass
 class RowGroupIndex:
-    """Every row group of a list of parquet and JSONL files, addressed by one global index.
-
-    A JSONL file's "row groups" are its groups of whole lines (:mod:`~lightning_d9d.streaming.jsonl`), each line a
-    row, so every stage after this one reads both formats alike.
+    """Every row group of a list of parquet and JSONL files (a JSONL "row group" is a group of lines), by global index.
 
     Attributes:
-        files: the resolved files, in order.
-        text_column: the column (JSONL: the field) that holds the documents.
-        file_of: for each global row group, the index of its file.
-        group_in_file: for each global row group, its index inside its file.
-        num_rows: for each global row group, its row count (from the footer, or the JSONL layout).
-        file_digests: for each file, a 63-bit digest of its content (a parquet footer's row counts, sizes and text
-            statistics of every row group; a JSONL file's bytes): it changes when the file is rewritten.
-        text_free: for each global row group, whether its footer statistics prove it holds no text (every value
-            null or empty); ``False`` where statistics are missing.
+        files, text_column: the resolved files, in order, and the column (JSONL: field) of the documents.
+        file_of, group_in_file, num_rows: per global row group, its file, its index in that file, its row count.
+        file_digests: per file, a 63-bit digest of its content.
+        text_free: per global row group, whether its statistics prove it holds no text.
         layouts: each JSONL file's layout, by file index.
         on_malformed: a malformed JSONL line is an error (``"error"``) or a row without text (``"skip"``).
-        storage: how the files are reached (endpoint, credentials, read retries); it decides no row.
+        storage: how the files are reached; it decides no row.
     """
 
     files: list[str]
@@ -244,8 +208,7 @@ class RowGroupIndex:
         layout_cache: str | None = None,
         on_malformed: str = "error",
     ) -> RowGroupIndex:
-        """Read every parquet file's footer (checking the text column) and every JSONL file's layout, and list the
-        row groups.
+        """Read every parquet footer and JSONL layout, and list the row groups.
 
         Args:
             files: the resolved files.
@@ -255,9 +218,8 @@ class RowGroupIndex:
             on_malformed: ``"error"`` or ``"skip"`` for malformed JSONL lines.
 
         Raises:
-            ValueError: a file is not valid parquet, gzip or zstd (the error names it), a parquet file lacks
-                ``text_column`` (naming the file and its columns), or the files hold no rows at all.
-            StorageError: a file could not be reached (naming it and the cause).
+            ValueError: a file is not valid parquet, gzip or zstd, lacks ``text_column``, or the files hold no rows.
+            StorageError: a file could not be reached.
         """
         storage = storage or Storage()
         groups: list[tuple[int, int, int, bool]] = []  # (file, group in file, rows, text-free) per row group
@@ -304,7 +266,7 @@ class RowGroupIndex:
         return state
 
     def _local(self) -> threading.Lock:
-        """This process's lock (a forked or unpickled copy gets fresh handles and a fresh lock)."""
+        """This process's lock; a forked or unpickled copy gets fresh handles and a fresh lock."""
         if self._pid != os.getpid():
             # Several streams' threads may be the first of a process to read: one of them makes the lock.
             with _PROCESS_LOCK[0]:
@@ -322,17 +284,14 @@ class RowGroupIndex:
         return [os.path.relpath(path, root) for path in files]
 
     def read_texts(self, group: int, rows: list[int] | None = None) -> list[str | None]:
-        """Read the text column of one global row group as Python strings (``None`` for nulls).
+        """The text column of one global row group as Python strings (``None`` for nulls).
 
         Args:
-            group: the global row group.
-            rows: only these rows of it, in this order (a best-fit restore needs a few of a group's documents;
-                turning the others into Python strings would cost more than decoding the whole group).
+            rows: only these rows, in this order.
 
         Raises:
-            ValueError: the file cannot be read, or a text is not valid UTF-8 (the error names the file, row group
-                and row).
-            StorageError: the store refused access, or stayed unreachable for ``storage.read_retry_seconds``.
+            ValueError: the file cannot be read, or a text is not valid UTF-8 (naming file, row group and row).
+            StorageError: the store refused access, or stayed unreachable.
         """
         column, where = self._read_column(group)
         if rows is not None:
@@ -340,13 +299,8 @@ class RowGroupIndex:
         return column_texts(column, where, rows)
 
     def read_capped(self, group: int, max_chars: int | None) -> tuple[list[str | None], dict[int, int]]:
-        """Read the text column of one global row group, leaving out texts over ``max_chars`` characters.
-
-        A text over the cap never becomes a Python string: it is ``None`` in the list, and its row and length
-        are in the dict (``max_chars=None``: no cap, an empty dict).
-
-        Raises:
-            ValueError, StorageError: as :meth:`read_texts`.
+        """The text column of one global row group, with texts over ``max_chars`` characters ``None`` (never converted)
+        and their ``{row: characters}`` returned; raises as :meth:`read_texts`.
         """
         column, where = self._read_column(group)
         too_long: dict[int, int] = {}
@@ -365,7 +319,7 @@ class RowGroupIndex:
         return column_texts(column, where, None), too_long
 
     def _read_column(self, group: int) -> tuple[pa.ChunkedArray, Callable[[], str]]:
-        """One row group's text column as plain strings, and where it was read (for messages)."""
+        """One row group's text column as plain strings, and a callable naming where it was read."""
         file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
         path = self.files[file_index]
         layout = self.layouts.get(file_index)
@@ -404,7 +358,6 @@ _WARNED_MALFORMED: set[tuple[str, int]] = set()
 
 
 def _warn_malformed(path: str, first_line: int, rows: int, skipped: int) -> None:
-    """One warning per group of a JSONL file whose malformed lines were skipped (read as rows without text)."""
     key = (redact(path), first_line)
     if key not in _WARNED_MALFORMED:
         _WARNED_MALFORMED.add(key)
@@ -416,11 +369,7 @@ def _warn_malformed(path: str, first_line: int, rows: int, skipped: int) -> None
 
 
 def _parquet_groups(path: str, text_column: str, storage: Storage) -> tuple[list[int], list[bool], int]:
-    """A parquet file's row counts, whether each row group is text-free, and its footer digest.
-
-    Raises:
-        ValueError: not valid parquet, or no text column ``text_column`` (naming the file and its columns).
-    """
+    """A parquet file's row counts, whether each row group is text-free, and its footer digest; ValueError as scan."""
     pf = open_parquet(path, storage)
     names = pf.schema_arrow.names
     if text_column not in names:
@@ -447,7 +396,7 @@ def _parquet_groups(path: str, text_column: str, storage: Storage) -> tuple[list
 
 
 def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
-    """What a footer says about one row group's text column (any rewrite with other text changes some of it)."""
+    """What a footer says about one row group's text column: any rewrite with other text changes some of it."""
     facts: tuple = (num_rows, chunk.total_compressed_size, chunk.total_uncompressed_size)
     if stats is not None:
         facts += (stats.null_count if stats.has_null_count else None,)
@@ -456,7 +405,7 @@ def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
 
 
 def _min_max(stats: Any) -> tuple:
-    """The statistics' bounds as text; as bytes where they are not UTF-8 (the row itself is named when read)."""
+    """The statistics' bounds as text, or as bytes where they are not UTF-8."""
     try:
         return stats.min, stats.max
     except UnicodeDecodeError:
@@ -473,13 +422,7 @@ def _proves_text_free(stats: Any, num_rows: int) -> bool:
 
 @dataclass(frozen=True)
 class Units:
-    """The units streams read: row ranges ``[start, stop)`` of global row groups.
-
-    Attributes:
-        group: each unit's global row group.
-        start: each unit's first row (within its row group).
-        stop: one past each unit's last row.
-    """
+    """The units streams read: row ranges ``[start, stop)`` of global row groups (``group``, ``start``, ``stop``)."""
 
     group: np.ndarray
     start: np.ndarray
@@ -490,11 +433,7 @@ class Units:
 
     @classmethod
     def of(cls, index: RowGroupIndex, num_streams: int) -> Units:
-        """Whole row groups, or, with fewer row groups than ``num_streams``, each split into equal row ranges.
-
-        Raises:
-            ValueError: the files hold fewer rows than ``num_streams`` (some stream would get nothing).
-        """
+        """Whole row groups, or, with fewer than ``num_streams``, equal row ranges of each; ValueError: too few rows."""
         if len(index) >= num_streams:
             return cls(np.arange(len(index), dtype=np.int64), np.zeros(len(index), np.int64), index.num_rows.copy())
         if index.total_rows < num_streams:
@@ -523,11 +462,8 @@ class Units:
 
 
 def pass_order(num_units: int, seed: int, pass_index: int, shuffle: bool = True) -> np.ndarray:
-    """The order in which the units are visited in one pass: a fresh seeded permutation per pass.
-
-    Without shuffling (validation) it is file order rotated by the pass index, so that a stream whose units
-    hold no text meets other units in the next pass. A pure function of its arguments, so every rank and worker
-    computes the same order without talking.
+    """One pass's order of the units: a seeded permutation, or (no shuffle) file order rotated by the pass. Pure, so
+    every rank and worker computes it without talking.
     """
     if not shuffle:
         return np.roll(np.arange(num_units, dtype=np.int64), -(pass_index % max(1, num_units)))

@@ -1,13 +1,8 @@
 """Spec: everything the K streams of a corpus need, checked once, picklable for DataLoader workers.
 
-A corpus is a mixture of one or more *sources* (a single corpus is a mixture of one): :class:`MixtureSpec` holds
-the sources' :class:`StreamSpec` s (each: its row groups and units, the tokenizer, the packing and its settings),
-the plan of every step's rows per source, and the fingerprint of everything that decides the rows. The
-DataModule builds one from its arguments; each spec checks its own settings when it is made, so a stream never
-starts from a contradictory one.
-
-Trade-off: a spec carries the tokenizer's serialized JSON (a few MB) to every worker, rather than a path that
-could change under a running job.
+Each spec checks its settings when made, so a stream never starts from a contradictory one. Trade-off: a spec
+carries the tokenizer's serialized JSON (a few MB) to every worker, rather than a path that could change under a
+running job.
 """
 
 from __future__ import annotations
@@ -36,11 +31,7 @@ PACKINGS: dict[str, Packing] = {
 
 
 def packing_of(name: Any) -> Packing:
-    """The packing strategy named ``name``.
-
-    Raises:
-        ValueError: an unknown name, naming the valid ones.
-    """
+    """The packing strategy named ``name`` (ValueError naming the valid ones)."""
     packing = PACKINGS.get(name) if isinstance(name, str) else None
     if packing is None:
         raise ValueError(f"packing={name!r} is not valid: use one of {list(PACKINGS)}")
@@ -60,13 +51,11 @@ class StreamSettings:
         bestfit_buffer_size: best-fit's buffer (documents; pieces for ``bestfit_split``).
         max_document_chars: longer documents are skipped and counted (``None``: no limit).
         tokenizer_batch_size: documents per tokenizer call, at most (never changes a row).
-        growth: how a fresh best-fit buffer grows to ``buffer_size`` (a resumed stream keeps the growth it
-            started with, which its state holds).
-        context_parallel_size: the CP size rows are laid out for (c; 1: none). With c > 1, ``seq_len`` must be a
-            multiple of ``2·c``; best-fit pads every piece to a multiple of ``2·c``, concat splits whole rows.
+        growth: how a fresh best-fit buffer grows to ``buffer_size`` (a resumed stream keeps its own).
+        context_parallel_size: the CP size rows are laid out for (1: none); ``seq_len`` must be a multiple of ``2·c``.
 
     Raises:
-        ValueError: a setting out of range or an unknown packing, naming it and what would be valid.
+        ValueError: a setting out of range or an unknown packing.
     """
 
     seq_len: int
@@ -120,16 +109,12 @@ class StreamSpec:
 
     Attributes:
         settings: the settings shared by every source of the corpus.
-        index: the row groups to read.
-        units: the units dealt to streams (row groups, or parts of them).
+        index, units: the row groups to read and the units dealt to streams.
         tokenizer_json: the tokenizer, serialized (``Tokenizer.to_str()``).
         bos_id: the BOS token id prepended to every document.
-        pad_id: the token id at ``bestfit_split``'s padding positions.
+        pad_id: the token id at padding positions.
         shuffle: reshuffle units every pass (``False``: rotated file order, for validation).
-        prefetch: chunks read and tokenized ahead (0: inline, no threads); never changes a row.
-        chunk_chars: a tokenizer call also ends before its text passes this many characters (0: no limit);
-            never changes a row.
-        cache: the source's token cache (``streaming.token_cache.StreamCache``), or ``None``; never changes a row.
+        prefetch, chunk_chars, cache: read-ahead chunks, tokenizer-call character cap and token cache; no row changes.
     """
 
     settings: StreamSettings
@@ -189,12 +174,11 @@ class MixtureSpec:
 
     Attributes:
         names: the source names, in order (a row's source index refers to it).
-        sources: each source's stream spec (the same K, seq_len, packing, tokenizer; own files and text column).
-        plan: the rows per source of every step (one source: all of them).
+        sources: each source's stream spec (shared K, seq_len, packing, tokenizer; own files and text column).
+        plan: the rows per source of every step.
 
     Raises:
-        ValueError: no source, names and specs that differ in number, or sources that disagree on K, seq_len,
-            the packing or the tokenizer.
+        ValueError: no source, names and specs that differ in number, or sources that disagree on shared settings.
     """
 
     names: tuple[str, ...]
@@ -239,12 +223,10 @@ class MixtureSpec:
 
     @property
     def files(self) -> list[str]:
-        """Every file of every source."""
         return [path for source in self.sources for path in source.index.files]
 
     def with_reading(self, prefetch_cap: int, chunk_chars: int) -> MixtureSpec:
-        """Every source reading ahead at most ``prefetch_cap`` chunks (at least 1) and, unless its own is set,
-        ending tokenizer calls at ``chunk_chars`` characters (neither changes a row)."""
+        """Every source reading ahead at most ``prefetch_cap`` chunks, tokenizer calls capped at ``chunk_chars``."""
         sources = tuple(
             spec.with_reading(max(1, min(spec.prefetch, prefetch_cap)), spec.chunk_chars or chunk_chars)
             for spec in self.sources
@@ -284,12 +266,8 @@ def files_summary(index: RowGroupIndex) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class CorpusFingerprint(Fingerprint):
-    """What decides a corpus's rows (how documents are batched for the tokenizer, read ahead or cached does not).
-
-    ``sources`` holds per source ``(name, files summary, file digests, text column)``: a file digest summarises
-    the file's content (a parquet footer's row counts, sizes and text statistics), so a file rewritten with other
-    text is noticed and named; ``file_labels`` only names files in messages. A source added is no mismatch here
-    (it starts fresh, once the change of shares it brings is accepted); one removed, or whose files changed, is.
+    """What decides a corpus's rows: the settings and, per source, ``(name, files summary, file digests, text
+    column)``. A source added is no mismatch here; one removed, or whose files changed, is.
     """
 
     tokenizer: str
@@ -328,10 +306,9 @@ class CorpusFingerprint(Fingerprint):
         return differences
 
     def mismatch_advice(self, saved: dict[str, Any]) -> str | None:
-        """When sources were removed (or renamed) and nothing else differs: keep the checkpoint's names, or keep
-        a removed source at weight 0 from the resume step on under ``on_mixture_change='continue'`` (which starts
-        an added source fresh and refuses a removed one). ``on_order_mismatch='restart_epoch'`` would throw away
-        every source's position, so it is not offered."""
+        """Advice when sources were only removed or renamed: keep the checkpoint's names, or keep a removed source at
+        weight 0 under ``on_mixture_change='continue'``.
+        """
         then = saved.get("sources")
         if not isinstance(then, (list, tuple)):
             return None
@@ -355,7 +332,6 @@ class CorpusFingerprint(Fingerprint):
         )
 
     def _removed_and_added(self, then: Any) -> tuple[list[str], list[str]]:
-        """The checkpoint's source names this run lacks, and this run's names the checkpoint lacks, in order."""
         saved_names = [source[0] for source in then if isinstance(source, (list, tuple)) and source]
         names = [source[0] for source in self.sources]
         return [n for n in saved_names if n not in names], [n for n in names if n not in saved_names]

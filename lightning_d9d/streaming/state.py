@@ -1,18 +1,9 @@
 """State: how the streaming stages write their state to a checkpoint and read it back, validated.
 
-Every stage (reader, packing, stream) has a frozen dataclass state with ``to_dict()`` and ``from_dict()``; a
-stage's state nests its source's under one key (the stream's under ``"packing"``, the packing's under
-``"reader"``) and the packings carry a ``kind`` tag (one format version for the whole data state is the
-DataModule's). What ``to_dict`` writes is plain
-ints, strings and int64 arrays, so checkpoints load with ``torch.load(weights_only=True)``.
-
-A checkpoint's state is validated, never trusted: ``from_dict`` checks each field's presence and type, and each
-stage checks its fields' ranges against the data (a read position inside its unit, buffered documents inside
-their row groups). Anything else is one :class:`InvalidDataState` naming the field's path, its value and what
-would be valid, instead of a run from another point or a bare ``KeyError`` deep inside a stream.
-
-Trade-off: validating reads each buffered row's group size and each stream's pass order once per resume; both
-are in memory already, so a resume pays microseconds per buffered document.
+Each stage's state is a frozen dataclass with ``to_dict()``/``from_dict()`` nesting its source's (packings carry a
+``kind`` tag), written as plain ints, strings and int64 arrays for ``torch.load(weights_only=True)``. A saved
+state is never trusted: ``from_dict`` checks presence and types, each stage checks ranges against the data, and
+anything else is one :class:`InvalidDataState` naming the field's path, its value and what would be valid.
 """
 
 from __future__ import annotations

@@ -1,36 +1,15 @@
-"""Storage: the filesystem behind a file or URL, configured the way object-storage users configure it, and reads
-that outlast an outage.
+"""Storage: the filesystem behind a file or URL, configured as object-storage users configure it, and retried reads.
 
-Algorithm: a local path is opened on the local filesystem. An ``s3://`` URL is opened on a pyarrow
-``S3FileSystem`` whose options come from, later ones winning:
+An ``s3://`` URL opens a pyarrow ``S3FileSystem`` whose options come from, later ones winning: the AWS environment
+(credentials and region through the SDK's chain; the endpoint, ``AWS_ENDPOINT_URL[_S3]`` or the profile's
+``endpoint_url``, read here because pyarrow does not), fsspec's ``s3`` config, ``storage_options`` (s3fs's keys or
+pyarrow's), and the URL itself (``s3://KEY:SECRET@bucket/path?endpoint_override=host:port&scheme=http``). Other
+schemes go to pyarrow, or to fsspec with ``storage_options``. A failure other than absence raises
+:class:`StorageError` naming the URL, never mistaken for no match; reads retry transient failures with backoff for
+``read_retry_seconds``, and a row group is read whole or not at all, so a retry returns the same rows.
 
-1. the AWS environment: credentials and region through the AWS SDK's own chain, which pyarrow reads itself
-   (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``,
-   ``AWS_PROFILE`` and the ``~/.aws/config`` and ``~/.aws/credentials`` files), and the endpoint, which this
-   module reads (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the profile's ``endpoint_url``), because
-   pyarrow's S3FileSystem constructor does not;
-2. fsspec's configuration for ``s3`` (``fsspec.config.conf["s3"]``, e.g. ``FSSPEC_S3_ENDPOINT_URL``);
-3. the ``storage_options`` argument, in fsspec/s3fs's keys (``key``, ``secret``, ``token``, ``endpoint_url``,
-   ``client_kwargs``, ``config_kwargs``, ``anon``, ``use_ssl``) or pyarrow's own (``endpoint_override``,
-   ``scheme``, ``access_key``, ...);
-4. the URL itself: ``s3://KEY:SECRET@bucket/path?endpoint_override=host:port&scheme=http&region=...``.
-
-A glob or a directory is expanded into file URLs that keep the spec's query and credentials, so every file is
-opened against the endpoint the spec named. Other schemes pyarrow knows (``gs://``, ``hdfs://``, ``file://``)
-are opened by pyarrow, or by fsspec when ``storage_options`` are given; any other scheme by fsspec with the
-``storage_options``.
-
-Failures: listing or opening that fails for a reason other than absence (a refused connection, a wrong secret
-key, access denied) raises :class:`StorageError` naming the URL and the cause, so it is never mistaken for a
-path that matches nothing. Reads retry transient failures (refused or reset connections, timeouts, HTTP 5xx,
-throttling) with exponential backoff for ``read_retry_seconds`` after the first failure, re-opening the file;
-a row group is read whole or not at all, so a retried read returns the same rows. After that time, one
-:class:`StorageError` names the URL, the row group and the last cause.
-
-Trade-off: pyarrow reports S3 failures as ``OSError`` text only, so transient and permanent failures are told
-apart by the AWS error names in the message; an unrecognised failure counts as permanent (it fails at once
-rather than hiding behind retries). Filesystems are built once per process and per option set; a retry makes no
-new filesystem, because the SDK's connection pool recovers by itself.
+Trade-off: pyarrow reports S3 failures as ``OSError`` text, so transient ones are recognised by AWS error names and
+anything unrecognised fails at once rather than hiding behind retries.
 """
 
 from __future__ import annotations
@@ -132,11 +111,7 @@ def redact(url: str) -> str:
 
 
 def split_query(url: str) -> tuple[str, str]:
-    """``(url without its query, query)``: the query configures the filesystem, it is not part of the path.
-
-    A ``?`` followed by ``name=value`` pairs starts a query; any other ``?`` is a glob character
-    (``s3://b/part-?.parquet``).
-    """
+    """``(url without its query, query)``; a ``?`` not followed by ``name=value`` pairs is a glob character."""
     if "://" not in url:
         return url, ""
     match = re.search(r"\?(\w+=[^/?]*)$", url)
@@ -177,11 +152,7 @@ def _split_endpoint(endpoint: str) -> dict[str, str]:
 
 
 def s3_options(storage_options: Mapping[str, Any]) -> dict[str, Any]:
-    """Map fsspec/s3fs ``storage_options`` (or pyarrow's own keys) to ``pyarrow.fs.S3FileSystem`` arguments.
-
-    Raises:
-        ValueError: an option neither fsspec's S3 keys nor pyarrow's (naming it and the valid ones).
-    """
+    """Map fsspec/s3fs ``storage_options`` (or pyarrow's keys) to ``S3FileSystem`` arguments; ValueError otherwise."""
     out: dict[str, Any] = {}
     for name, value in storage_options.items():
         if name in _PYARROW_S3_KEYS:
@@ -244,12 +215,10 @@ def _url_options(url: str) -> dict[str, Any]:
 class Storage:
     """How to reach the files: the user's ``storage_options`` and how long reads retry.
 
-    Picklable (worker processes rebuild their own filesystems from it); it decides no row, so it is part of no
-    fingerprint.
+    Picklable (worker processes rebuild their own filesystems); it decides no row, so it is part of no fingerprint.
 
     Attributes:
-        options: fsspec-style ``storage_options`` (see :func:`s3_options` for ``s3://``), passed to the
-            filesystem of every URL.
+        options: fsspec-style ``storage_options``, passed to the filesystem of every URL.
         read_retry_seconds: how long a read keeps retrying transient failures after the first one.
         s3_attempts: attempts pyarrow's own retry strategy makes per request, before this module's retries.
     """
@@ -259,11 +228,7 @@ class Storage:
     s3_attempts: int = 3
 
     def filesystem(self, spec: str) -> tuple[pafs.FileSystem, str]:
-        """``(filesystem, path inside it)`` for a local path or a URL.
-
-        Raises:
-            ValueError: bad options in ``storage_options`` or the URL, or a scheme nothing can open.
-        """
+        """``(filesystem, path inside it)``; ValueError for bad options or a scheme nothing can open."""
         if "://" not in spec:
             return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(spec))
         scheme = spec.split("://", 1)[0].lower()
@@ -293,12 +258,11 @@ class Storage:
 
         Args:
             action: the read.
-            describe: what was being read, for the error (``"row group 3 of 's3://b/x.parquet'"``).
+            describe: what was being read, for the error.
             on_retry: called before each retry (drop a handle that may be broken).
 
         Raises:
-            StorageError: a permanent failure at once, or a transient one that outlasted the retry time (naming
-                what was read, how long it was retried and the last cause).
+            StorageError: a permanent failure at once, or a transient one that outlasted the retry time.
             Exception: any other error of ``action``, unchanged.
         """
         deadline, delay, attempts = None, 0.5, 0
@@ -331,8 +295,7 @@ def _looks_like_storage(err: OSError) -> bool:
 
 
 def _aws_config_endpoint() -> dict[str, str]:
-    """The endpoint the AWS environment names: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, else the profile's
-    ``endpoint_url`` in the AWS config file (pyarrow's S3FileSystem constructor reads neither itself)."""
+    """The endpoint the AWS environment names (pyarrow's S3FileSystem constructor reads none of them itself)."""
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
         if os.environ.get(name):
             return _split_endpoint(os.environ[name])

@@ -1,23 +1,10 @@
 """Stream: one resumable, endless stream of packed rows of one source — reader → tokenizer → packing.
 
-Algorithm: three stages, as torchdata.nodes composes them, each owning its state and nesting its source's:
-
-1. reading (:mod:`~lightning_d9d.streaming.reader`): the stream's units, pass after pass, in chunks; its state
-   is a :class:`~lightning_d9d.streaming.reader.ReadPosition`;
-2. tokenizing (:mod:`~lightning_d9d.streaming.tokenize`), which wraps the reader and tokenizes its chunks ahead
-   in threads, in order; it keeps no state;
-3. packing (the spec's strategy, :mod:`~lightning_d9d.streaming.packing`): documents laid out BOS first (a
-   row-sized prefix where the packing crops) and packed into rows; its state nests the reader's position where
-   reading resumes.
-
-The stream yields :class:`~lightning_d9d.streaming.packing.RowBlock` s of the sizes asked for, with the
-:class:`StreamState` after each; ``get_state()`` is the last of them and ``reset(state)`` continues from one.
-Packers take documents one at a time and a position never names a chunk boundary, so neither the rows nor any
-state depend on how documents were batched for the tokenizer, or on timing. A resumed stream re-reads from the
-position (the tokens carried over are recomputed, not saved); a best-fit buffer is rebuilt lazily from its rows.
-
-Trade-off: the state is small (tens of KiB for a 1000-document buffer) and restoring it costs re-reading the
-buffered documents' row groups and re-tokenizing each when it is picked; saving the tokens would cost MiBs.
+Three stages, as torchdata.nodes composes them, each owning its state and nesting its source's: reading (state: a
+``ReadPosition``), tokenizing ahead in order (no state), packing (state nests the reader's position). Packers take
+documents one at a time and a position never names a chunk boundary, so neither rows nor states depend on
+tokenizer batching or timing. Trade-off: the state is small because a resume re-reads the buffered documents' row
+groups and re-tokenizes each when it is picked, rather than saving their tokens.
 """
 
 from __future__ import annotations
@@ -41,11 +28,7 @@ from lightning_d9d.streaming.tokenize import tokenized
 
 @dataclass(frozen=True)
 class StreamState:
-    """A stream's state after a block: its packing's state (which nests the reader's), counters and blocks.
-
-    Saved as ``{"packing": {"kind", ..., "reader": {...}}, "counters": {...}, "blocks"}``: plain ints, strings and
-    int64 arrays, so checkpoints load with ``torch.load(weights_only=True)``.
-    """
+    """A stream's state after a block: packing state (nesting the reader's), counters and blocks, as plain data."""
 
     packing: PackingState
     counters: StreamCounters = dataclasses.field(default_factory=StreamCounters)
@@ -56,11 +39,7 @@ class StreamState:
 
     @classmethod
     def from_dict(cls, state: Any, spec: StreamSpec, path: str = "") -> StreamState:
-        """Read a saved stream state of ``spec``'s packing, checking each field's type.
-
-        Raises:
-            InvalidDataState: a missing field, a wrong type or a negative value, another packing's state.
-        """
+        """Read a saved stream state of ``spec``'s packing; :class:`InvalidDataState` for a bad or foreign field."""
         state = mapping(state, path or "stream")
         where = join(path, "packing")
         packing = spec.packing.state_from_dict(mapping(field(state, "packing", path), where), where)
@@ -68,8 +47,7 @@ class StreamState:
         return cls(packing, counters, integer(state, "blocks", path))
 
     def check(self, spec: StreamSpec, stream: int, path: str = "") -> None:
-        """Raises :class:`InvalidDataState` unless the state's positions lie inside the data stream ``stream``
-        reads (and its buffered documents inside the data and the rows)."""
+        """Raises :class:`InvalidDataState` unless the state lies inside the data stream ``stream`` reads."""
         self.packing.check(spec, spec.stream_units(stream), join(path, "packing"))
 
 
@@ -80,12 +58,11 @@ class TokenStream:
         spec: the source's streams.
         stream: this stream's number among ``spec.num_streams``.
         state: a state yielded earlier by a stream with the same spec and number, to continue exactly after it.
-        buffered_texts: the texts of ``state``'s best-fit buffer, already read
-            (:func:`~lightning_d9d.streaming.bestfit_restore.read_buffered_texts`); ``None``: the stream reads them.
+        buffered_texts: the texts of ``state``'s best-fit buffer, already read; ``None``: the stream reads them.
 
     Raises:
-        ValueError: a stream number outside ``[0, K)``; (when iterated) reading errors, a stream that finds no text
-            in ``MAX_PASSES_WITHOUT_TEXT`` passes, a restored document that changed.
+        ValueError: a stream number outside ``[0, K)``; (when iterated) reading errors, no text in
+            ``MAX_PASSES_WITHOUT_TEXT`` passes, or a restored document that changed.
         InvalidDataState: a state whose positions or buffered documents lie outside this stream's data.
     """
 
@@ -102,11 +79,7 @@ class TokenStream:
         self.reset(state, buffered_texts)
 
     def reset(self, initial_state: StreamState | None = None, buffered_texts: BufferedTexts | None = None) -> None:
-        """Continue from ``initial_state`` at the next ``blocks()`` (``None``: from the stream's beginning).
-
-        Raises:
-            InvalidDataState: the state's positions or buffered documents lie outside this stream's data.
-        """
+        """Continue from ``initial_state`` at the next ``blocks()`` (``None``: the start); raises as :meth:`check`."""
         if initial_state is None:
             initial_state = StreamState(self.spec.packing.fresh_state(self.spec))
         else:
@@ -118,11 +91,7 @@ class TokenStream:
         return self.state
 
     def blocks(self, sizes: Iterator[int]) -> Generator[tuple[RowBlock, StreamState], None, None]:
-        """Blocks of ``next(sizes)`` rows each (0 allowed: an empty block, the state unchanged but ``blocks``).
-
-        ``sizes`` is pulled when the next block is asked for, so a caller may decide each size just before.
-        The rows are the same however they are grouped into blocks (packers pack one row after another).
-        """
+        """Blocks of ``next(sizes)`` rows each, ``sizes`` pulled just before each; rows never depend on the grouping."""
         spec, state = self.spec, self.state
         units = spec.stream_units(self.stream)
         reader = TextReader(
@@ -190,7 +159,7 @@ class LaidOut:
             self.payload = [flat[s:e] for s, e in zip([0, *ends[:-1]], ends)]
 
     def _lay_out_tokens(self, tokens: tuple[np.ndarray, np.ndarray], bos_id: int, capacity: int | None) -> None:
-        """The same layout from cached ids: one insert of every BOS, no Python loop over tokens."""
+        """The same layout from cached ids, without a Python loop over tokens."""
         ids, counts = tokens
         self.lengths = counts + 1
         self.starts = np.concatenate([[0], np.cumsum(self.lengths[:-1])]) if len(counts) else self.lengths

@@ -1,25 +1,10 @@
 """Token cache: each unit's tokens, stored the first time the unit is tokenized and read back instead of tokenizing.
 
-Algorithm: under ``root`` (a local folder or an object-storage URL) lives one folder per *version*, named by
-``sha256(key)[:16]``. The key is everything that decides the tokens (the tokenizer's content, the text column,
-``max_document_chars``, the recipe), so a changed setting looks in another folder and never meets stale tokens;
-the folder's ``manifest.json`` keeps the key readable (:meth:`TokenCache.describe_other_versions`). An entry,
-``<version>/<file digest>/<group>-<start>-<stop>.tok``, holds one unit (rows ``[start, stop)`` of a row group) of
-a file named by its content digest, so an edited file's old entries are never looked up. It holds the rows of the
-documents kept, each document's ids (without BOS) as offsets into one flat uint16/uint32 array, and the rows
-skipped as too long with their lengths: replaying it gives the same documents and counters as tokenizing.
-
-An entry validates itself: a magic, the format version and a JSON header with its own CRC-32 (the unit, the array
-sizes), then the arrays and their CRC-32. A load reads it in one request and checks the sizes, the checksum, then
-the structure (ascending rows inside the unit, monotone offsets, ids below the vocabulary size) before handing out
-views of the bytes; a bad entry is a miss, named in a warning and deleted, so the next store replaces it. Stores
-are atomic (a local temporary file, fsynced and renamed; one object upload, committed whole) and uncoordinated:
-every writer of an entry writes the same bytes. A full disk, quota or refused permission is one warning; the
-process then stops writing and keeps reading.
-
-Trade-off: one file per unit keeps writers independent and commits atomic, with no index to update, at the price
-of a file or object per row group and of reading an entry whole. The checksum costs a second pass over the bytes,
-which keeps a damaged file from ever becoming tokens.
+Under ``root``, one folder per *version* (``sha256(key)[:16]``; the key is everything that decides the tokens, so a
+changed setting never meets stale tokens) holds one self-validating entry (CRC-32s, structure) per unit of a file
+named by its content digest; a bad entry is a miss, warned about and deleted. Stores are atomic and uncoordinated:
+every writer of an entry writes the same bytes. Trade-off: one file per unit needs no index and keeps writers
+independent, at the price of a file per row group and of reading an entry whole.
 """
 
 from __future__ import annotations
@@ -50,9 +35,8 @@ FORMAT_VERSION = 1
 MAGIC = b"D9DTOKS\n"
 ENTRY_SUFFIX = ".tok"
 MANIFEST = "manifest.json"
-# magic, format version, header length in bytes, the header's CRC-32. CRC-32 (zlib, in the standard library)
-# checks at several GB/s, a small share of a load; a faster hash (xxhash) would be an optional dependency, and
-# entries written with and without it would need two formats.
+# magic, format version, header length in bytes, the header's CRC-32. CRC-32 (zlib) rather than a faster hash:
+# no optional dependency, and one entry format.
 _PREFIX = struct.Struct("<8sIII")
 _INDEX = np.dtype("<i8")
 # Store failures that the next store would meet too: the process stops writing.
@@ -76,23 +60,14 @@ class TokenCacheWarning(UserWarning):
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every id of a vocabulary of ``vocab_size`` tokens.
-
-    Raises:
-        ValueError: ``vocab_size`` is below 1 or above 2**32.
-    """
+    """The smallest unsigned dtype holding every id of a ``vocab_size`` vocabulary (ValueError outside 1..2**32)."""
     if not 1 <= vocab_size <= 1 << 32:
         raise ValueError(f"vocab_size={vocab_size} must be in 1..2**32")
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 def token_array(ids: Any, vocab_size: int) -> np.ndarray:
-    """``ids`` in the cache's dtype (:func:`token_dtype`), after checking that every id is in
-    ``[0, vocab_size)``. The check prevents a silent wrap when a wide id is cast to a narrow dtype.
-
-    Raises:
-        ValueError: an id outside the vocabulary (naming it and its position), or ids that are not integers.
-    """
+    """``ids`` in the cache's dtype; ValueError for non-integers or an id outside ``[0, vocab_size)``."""
     dtype = token_dtype(vocab_size)
     array = np.asarray(ids)
     if array.size == 0:
@@ -113,16 +88,12 @@ def token_array(ids: Any, vocab_size: int) -> np.ndarray:
 class CachedUnit:
     """What reading and tokenizing one unit produced, enough to replay both without the text.
 
-    The null and empty rows are those of ``[start, stop)`` that are neither kept nor too long
-    (:meth:`empty_rows`).
-
     Attributes:
-        group_in_file: the unit's row group, counted within its file (global row group numbers depend on the
-            list of files; this one does not).
+        group_in_file: the unit's row group, counted within its file (independent of the file list).
         start, stop: the unit's rows ``[start, stop)`` of that row group.
         rows: int64, ascending: the row of each document kept.
         offsets: int64, ``len(rows) + 1`` entries: document ``i``'s ids are ``tokens[offsets[i]:offsets[i+1]]``.
-        tokens: every document's ids (BOS not included: the stream prepends it), uint16 or uint32.
+        tokens: every document's ids, BOS not included (the stream prepends it), uint16 or uint32.
         too_long_rows: int64, ascending: the rows skipped for exceeding ``max_document_chars``.
         too_long_chars: int64: their lengths in characters.
     """
@@ -148,14 +119,7 @@ class CachedUnit:
         *,
         vocab_size: int,
     ) -> CachedUnit:
-        """Build a unit from each kept document's row and ids (lists, as ``Encoding.ids``, or integer arrays).
-
-        Args:
-            too_long: ``{row: characters}`` of the rows skipped for their length (as ``read_capped`` returns).
-
-        Raises:
-            ValueError: an id outside ``[0, vocab_size)``, or as many rows as documents missing.
-        """
+        """Build a unit from each kept document's row and ids, and the ``{row: characters}`` skipped as too long."""
         if len(rows) != len(documents):
             raise ValueError(f"{len(rows)} rows for {len(documents)} documents")
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
@@ -163,8 +127,8 @@ class CachedUnit:
         np.cumsum(lengths, out=offsets[1:])
         dtype, tokens = token_dtype(vocab_size), None
         if all(isinstance(ids, list) for ids in documents):
-            # Python ints straight into the narrow dtype (2-3x faster than through int64): numpy raises on one
-            # out of the dtype's range, and the checked path below names it (or one past the vocabulary).
+            # Python ints straight into the narrow dtype: numpy raises on one out of the dtype's range, and the
+            # checked path below names it (or one past the vocabulary).
             with contextlib.suppress(OverflowError):
                 tokens = np.fromiter(itertools.chain.from_iterable(documents), dtype, int(offsets[-1]))
         if tokens is None or (len(tokens) and int(tokens.max()) >= vocab_size):
@@ -209,7 +173,7 @@ class Coverage(NamedTuple):
 
 @dataclass
 class CacheCounters:
-    """What one process's :class:`TokenCache` did: loads that hit or missed, bad entries, stores."""
+    """One process's :class:`TokenCache` counters."""
 
     hits: int = 0
     misses: int = 0
@@ -231,12 +195,9 @@ class TokenCache:
 
     Args:
         root: a local folder or a URL (``s3://bucket/prefix``) holding one folder per key.
-        storage: how ``root`` is reached (endpoint, credentials), as for the parquet files.
-        key: everything that decides the tokens, JSON-serialisable: the tokenizer's digest, the text column,
-            ``max_document_chars``, and a recipe version that covers the rest of the code's choices (e.g.
-            ``tokenize.LONG_DOCUMENT_CHARS``, which decides where a long document is cut into pieces). It names
-            the version folder and is kept in its manifest.
-        vocab_size: the tokenizer's vocabulary size; it decides the dtype (:func:`token_dtype`).
+        storage: how ``root`` is reached (endpoint, credentials).
+        key: JSON-serialisable, everything that decides the tokens (tokenizer digest, settings, recipe version).
+        vocab_size: the tokenizer's vocabulary size; it decides the dtype.
 
     Raises:
         ValueError: a key that is not JSON-serialisable, or a bad ``vocab_size``.
@@ -280,7 +241,6 @@ class TokenCache:
         return self._fs, self._base
 
     def _path(self, relative: str = "") -> str:
-        """The filesystem path of ``relative`` inside this version's folder."""
         base = f"{self._filesystem()[1]}/{self.digest}"
         return f"{base}/{relative}" if relative else base
 
@@ -291,11 +251,7 @@ class TokenCache:
 
     @staticmethod
     def entry_name(file_digest: int | str, group_in_file: int, start: int, stop: int) -> str:
-        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.tok``.
-
-        Raises:
-            ValueError: a negative number, or a string digest that is not a plain file name.
-        """
+        """The entry's path inside the version folder; ValueError for a negative number or a digest not a plain name."""
         if isinstance(file_digest, str):
             if not _FILE_NAME.fullmatch(file_digest):
                 raise ValueError(f"file digest {file_digest!r} must be letters, digits, '.', '_', '-'")
@@ -309,7 +265,7 @@ class TokenCache:
         return f"{file_part}/{int(group_in_file)}-{int(start)}-{int(stop)}{ENTRY_SUFFIX}"
 
     def _identity(self, file_part: str, group: int, start: int, stop: int) -> dict[str, Any]:
-        """What an entry's header says it is: a check that the file is the entry looked up, of this version."""
+        """What an entry's header must say: it is the entry looked up, of this version."""
         identity = {"format": FORMAT_VERSION, "key": self.digest, "vocab_size": self.vocab_size}
         identity.update(dtype=self.dtype.name, file=file_part, group=int(group), start=int(start), stop=int(stop))
         return identity
@@ -318,18 +274,8 @@ class TokenCache:
     def load(
         self, file_digest: int | str, group_in_file: int, start: int, stop: int, file_label: str | None = None
     ) -> CachedUnit | None:
-        """The unit's cached tokenization, or ``None`` (not cached, unreadable, or bad).
-
-        A bad entry (truncated, damaged, of another format or unit) is named in a warning (the first
-        ``MAX_NAMED_ENTRIES`` of this version per process), deleted where the store allows, and a miss: the
-        caller tokenizes the unit and stores it again. A read that fails (network, permissions) is one warning
-        per process and a miss.
-
-        Args:
-            file_label: the file as messages should name it (e.g. its path relative to the corpus).
-
-        Raises:
-            ValueError: as :meth:`entry_name`.
+        """The unit's cached tokenization, or ``None``: not cached, a failed read (warned once), or a bad entry (warned
+        about, up to ``MAX_NAMED_ENTRIES`` per version, and deleted).
         """
         name = self.entry_name(file_digest, group_in_file, start, stop)
         path = self._path(name)
@@ -363,16 +309,8 @@ class TokenCache:
         return self.where() not in _NOT_WRITING
 
     def store(self, file_digest: int | str, group_in_file: int, start: int, stop: int, unit: CachedUnit) -> bool:
-        """Store the tokenization of a whole unit, atomically; whether it was stored.
-
-        A failure to write is never an exception. Lack of space, a quota, a file size limit or a refused
-        permission is one warning naming the root and the cause, and the process stops writing (it keeps
-        reading). Any other failure is one warning per kind and process; that entry is not stored. Nothing half
-        written is left under an entry's name.
-
-        Raises:
-            ValueError: ``unit`` is not a valid tokenization of that unit (ids outside the vocabulary, rows
-                outside ``[start, stop)``, offsets that do not match the tokens): a bug in the caller.
+        """Store a whole unit's tokenization atomically; whether it was stored. A write failure is a warning, never an
+        exception (space, quota or permission errors stop this process's writing); ValueError for an invalid ``unit``.
         """
         name = self.entry_name(file_digest, group_in_file, start, stop)
         if (unit.group_in_file, unit.start, unit.stop) != (group_in_file, start, stop):
@@ -400,7 +338,7 @@ class TokenCache:
         return True
 
     def _write_manifest(self) -> None:
-        """The version's manifest, once per process (every writer writes the same one)."""
+        """Once per process; every writer writes the same manifest."""
         if self._manifest_written:
             return
         path = self._path(MANIFEST)
@@ -413,12 +351,8 @@ class TokenCache:
 
     # ------------------------------------------------------------------------------------------------ inspecting
     def coverage(self, units: Iterable[tuple[int | str, int, int, int]]) -> Coverage:
-        """How many of ``units`` (``(file digest, group in file, start, stop)``) have an entry, and their bytes.
-
-        One listing of the version folder; entries are counted, not validated.
-
-        Raises:
-            OSError: the root cannot be listed (an unreachable store, refused access).
+        """How many of ``units`` (``(file digest, group in file, start, stop)``) have an entry (not validated), and
+        their bytes; OSError where the root cannot be listed.
         """
         entries = _entry_sizes(self._filesystem()[0], self._path())
         cached = total = size = 0
@@ -430,26 +364,16 @@ class TokenCache:
         return Coverage(cached, total, size)
 
     def size(self) -> int:
-        """Bytes under this version's folder (entries, manifest, and temporary files of killed writers).
-
-        Raises:
-            OSError: as :meth:`coverage`.
-        """
+        """Bytes under this version's folder, killed writers' temporary files included; OSError as :meth:`coverage`."""
         return sum(int(info.size) for info in _files(self._filesystem()[0], self._path()))
 
     def other_versions(self) -> dict[str, Any]:
-        """The other version folders under ``root``: ``{folder: its key}`` (``None`` where the manifest cannot
-        be read)."""
+        """``{folder: key}`` of the other versions under ``root`` (``None`` where the manifest is unreadable)."""
         return _version_keys(*self._filesystem(), skip=self.digest)
 
     def describe_other_versions(self) -> str | None:
-        """A message for the user when ``root`` holds tokens of other keys (a changed tokenizer or setting):
-        which folder this run uses and how the others differ; ``None`` when there are none.
-
-        Say it once per run (e.g. on rank 0): every process computes the same message.
-
-        Raises:
-            OSError: as :meth:`coverage`.
+        """A message naming the other versions under ``root`` and how their keys differ, or ``None``; OSError as
+        :meth:`coverage`. Every process computes the same message: say it once per run.
         """
         others = self.other_versions()
         if not others:
@@ -466,11 +390,7 @@ class TokenCache:
 
 # ------------------------------------------------------------------------------------------------ versions
 def _version_digest(key: Any, vocab_size: int) -> str:
-    """The version folder's name: a hash of everything that decides the tokens, so that a change looks elsewhere.
-
-    Raises:
-        TypeError, ValueError: ``key`` is not JSON-serialisable.
-    """
+    """The version folder's name; TypeError or ValueError where ``key`` is not JSON-serialisable."""
     identity = json.dumps(
         {"format": FORMAT_VERSION, "key": key, "vocab_size": vocab_size}, sort_keys=True, separators=(",", ":")
     )
@@ -478,8 +398,6 @@ def _version_digest(key: Any, vocab_size: int) -> str:
 
 
 def _version_keys(fs: pafs.FileSystem, base: str, skip: str) -> dict[str, Any]:
-    """``{folder: its key}`` of the version folders under ``base`` but ``skip`` (``None`` where the manifest
-    cannot be read)."""
     out: dict[str, Any] = {}
     for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
         name = info.base_name
@@ -494,8 +412,6 @@ def _version_keys(fs: pafs.FileSystem, base: str, skip: str) -> dict[str, Any]:
 
 
 def _versions_message(root: str, others: Mapping[str, Any], key: Any, digest: str, exists: bool) -> str:
-    """What :meth:`TokenCache.describe_other_versions` says: the other versions, how their keys differ from
-    ``key``, and that version ``digest`` is used (continued where it ``exists``)."""
     described = []
     for name, their_key in sorted(others.items()):
         differs = _differences(key, their_key)
@@ -510,7 +426,6 @@ def _versions_message(root: str, others: Mapping[str, Any], key: Any, digest: st
 
 
 def _differences(ours: Any, theirs: Any) -> list[str]:
-    """The fields in which two keys differ (``["key"]`` unless both are mappings)."""
     if not isinstance(ours, Mapping) or not isinstance(theirs, Mapping):
         return [] if ours == theirs else ["key"]
     return sorted(name for name in set(ours) | set(theirs) if ours.get(name) != theirs.get(name))
@@ -518,8 +433,7 @@ def _differences(ours: Any, theirs: Any) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ entries
 def _encode(unit: CachedUnit, identity: Mapping[str, Any], dtype: np.dtype) -> list[memoryview]:
-    """An entry's bytes, as pieces to write in order: the prefix, the header (``identity``, the array sizes and
-    the arrays' CRC-32), then the arrays, with the tokens in ``dtype``."""
+    """An entry's bytes, as pieces to write in order: prefix, header (identity, sizes, payload CRC-32), arrays."""
     arrays = [np.ascontiguousarray(a, _INDEX) for a in (unit.rows, unit.offsets, unit.too_long_rows,
                                                         unit.too_long_chars)]  # fmt: skip
     arrays.append(np.ascontiguousarray(unit.tokens, dtype))
@@ -536,8 +450,7 @@ def _encode(unit: CachedUnit, identity: Mapping[str, Any], dtype: np.dtype) -> l
 
 
 def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUnit:
-    """The unit ``data`` holds, after checking everything, its header against ``identity`` (the entry looked
-    up, of this version) included; raises :class:`_BadEntry` naming the problem."""
+    """The unit ``data`` holds, fully checked against ``identity``; raises :class:`_BadEntry` naming the problem."""
     size, dtype = len(data), token_dtype(vocab_size)
     if size < _PREFIX.size:
         raise _BadEntry(f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
@@ -584,7 +497,6 @@ def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUn
 
 # ------------------------------------------------------------------------------------------------ files
 def _read_whole(fs: pafs.FileSystem, path: str) -> Any:
-    """The file ``path``, in one read."""
     if isinstance(fs, pafs.LocalFileSystem):
         with open(path, "rb") as entry:
             return entry.read()  # one read of the whole file: its size is known from fstat
@@ -593,7 +505,7 @@ def _read_whole(fs: pafs.FileSystem, path: str) -> Any:
 
 
 def _write_atomic(fs: pafs.FileSystem, path: str, pieces: list[memoryview]) -> None:
-    """Write ``pieces`` as the file ``path``, so that ``path`` holds all of them or stays as it was."""
+    """``path`` holds all of ``pieces`` or stays as it was."""
     if isinstance(fs, pafs.LocalFileSystem):
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
@@ -635,14 +547,12 @@ def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
 
 
 def _files(fs: pafs.FileSystem, folder: str) -> list[pafs.FileInfo]:
-    """The files under ``folder``, at any depth (none where it does not exist)."""
     infos = fs.get_file_info(pafs.FileSelector(folder, recursive=True, allow_not_found=True))
     return [info for info in infos if info.type == pafs.FileType.File]
 
 
 def _entry_sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
-    """``{entry name: bytes}`` of the entries under a version's ``folder`` (temporary files and the manifest
-    left out)."""
+    """``{entry name: bytes}`` under a version's ``folder``, temporary files and the manifest left out."""
     out = {}
     for info in _files(fs, folder):
         name = info.base_name
@@ -665,7 +575,7 @@ def _warn_once(what: tuple[str, ...], message: str) -> None:
 
 
 def _report_bad(version: str, entry: str, unit: str, reason: str) -> None:
-    """Name the bad ``entry`` (of ``unit``) in a warning, up to ``MAX_NAMED_ENTRIES`` per ``version``."""
+    """Name the bad entry in a warning, up to ``MAX_NAMED_ENTRIES`` per ``version``."""
     with _LOCK:
         named = _NAMED.get(version, 0)
         _NAMED[version] = named + 1
@@ -678,7 +588,7 @@ def _report_bad(version: str, entry: str, unit: str, reason: str) -> None:
 
 
 def _store_failed(root: str, version: str, entry: str, local: bool, err: OSError) -> None:
-    """Warn that ``entry`` could not be stored; stop writing to ``version`` where the next store would fail too."""
+    """Warn; stop writing to ``version`` where the next store would fail too."""
     stops = isinstance(err, PermissionError) or err.errno in _STOPS_WRITING or (not local and not is_transient(err))
     if stops:
         with _LOCK:
@@ -694,7 +604,6 @@ def _store_failed(root: str, version: str, entry: str, local: bool, err: OSError
 
 
 def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
-    """What makes ``unit`` an invalid tokenization of its rows, or ``None``."""
     arrays = {"rows": unit.rows, "offsets": unit.offsets, "too_long_rows": unit.too_long_rows,
               "too_long_chars": unit.too_long_chars, "tokens": unit.tokens}  # fmt: skip
     for name, array in arrays.items():
@@ -723,13 +632,7 @@ def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
 
 # ------------------------------------------------------------------------------------------------ streams
 class StreamCache:
-    """A token cache as a source's streams use it: the reader loads a unit's entry instead of reading its texts,
-    the tokenizer records a unit it tokenized whole and stores it at the unit's last document.
-
-    Args:
-        cache: the cache.
-        index: the source's row groups (``streaming.source.RowGroupIndex``): it names each unit's file by digest.
-    """
+    """A token cache as a source's streams use it; ``index`` (the source's ``RowGroupIndex``) names each unit's file."""
 
     def __init__(self, cache: TokenCache, index: Any):
         self.cache, self.index = cache, index
@@ -737,7 +640,7 @@ class StreamCache:
         self._labels: list[str] | None = None
 
     def label(self, file: int) -> str:
-        """A file's label (its path relative to the corpus's common folder): the same wherever the corpus is."""
+        """A file's path relative to the corpus's common folder: the same wherever the corpus is."""
         if self._labels is None:
             self._labels = self.index.file_labels()
         return self._labels[file]
@@ -760,8 +663,7 @@ class StreamCache:
         return UnitRecorder(self, group, digest, in_file, start, stop, long_rows)
 
     def stored(self, group: int) -> None:
-        """A unit of ``group``'s file was stored: record once which file (by label) its digest belongs to, so a
-        later run can say which files changed since their tokens were cached."""
+        """Record once which file label a digest belongs to, so a later run can name the files edited since."""
         file = int(self.index.file_of[group])
         if file in self.labelled:
             return
@@ -773,8 +675,7 @@ class StreamCache:
             _write_atomic(self.cache._filesystem()[0], path, [memoryview(record.encode())])
 
     def changes(self) -> list[str]:
-        """What a user should hear once about this cache: other versions of it (a changed tokenizer or setting),
-        and files whose tokens were cached under another content (edited since), which are tokenized again."""
+        """What a user should hear once: other versions of this cache, and files edited since they were cached."""
         messages = []
         with contextlib.suppress(OSError):
             other = self.cache.describe_other_versions()
@@ -791,7 +692,7 @@ class StreamCache:
         return messages
 
     def _changed_files(self) -> list[str]:
-        """The labels of files with no entries under their digest whose label record names another digest."""
+        """Labels of files with no entries under their digest whose label record names another digest."""
         fs, _ = self.cache._filesystem()
         present = {
             info.base_name for info in fs.get_file_info(pafs.FileSelector(self.cache._path(), allow_not_found=True))
@@ -813,7 +714,7 @@ class StreamCache:
         return changed
 
     def coverage(self, units: Any) -> Coverage:
-        """How much of ``units`` (``streaming.source.Units`` of this index) the cache holds."""
+        """How much of ``units`` (``Units`` of this index) the cache holds."""
         return self.cache.coverage(
             (*self._where(int(group))[:2], int(begin), int(end))
             for group, begin, end in zip(units.group, units.start, units.stop)
@@ -821,14 +722,7 @@ class StreamCache:
 
 
 class UnitRecorder:
-    """A unit's documents as they are tokenized, chunk after chunk, kept as compact ids; stored once whole.
-
-    Args:
-        source: the source's cache.
-        group: the unit's global row group.
-        file_digest, group_in_file, start, stop: the unit.
-        too_long: the unit's rows skipped for their length, with their characters.
-    """
+    """A unit's documents recorded chunk by chunk as compact ids, stored once whole."""
 
     def __init__(
         self,
@@ -848,7 +742,7 @@ class UnitRecorder:
         self.lengths: list[np.ndarray] = []
 
     def add(self, rows: np.ndarray, encodings: Sequence[Any]) -> None:
-        """Record one chunk's documents (their rows and encodings, in the stream's order)."""
+        """Record one chunk's documents, in the stream's order."""
         lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
         flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
         self.rows.append(np.asarray(rows, np.int64))
@@ -856,7 +750,7 @@ class UnitRecorder:
         self.lengths.append(lengths)
 
     def store(self) -> None:
-        """Store the unit (once all its documents were added)."""
+        """Store the unit, once all its documents were added."""
         _digest, group_in_file, start, stop = self.unit
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
         offsets = np.zeros(len(lengths) + 1, np.int64)
@@ -878,5 +772,5 @@ class UnitRecorder:
 
 
 def redact_label(path: str) -> str:
-    """A file as named in the cache's messages (a URL without its query and credentials)."""
+    """A file as named in messages (a URL without its query and credentials)."""
     return canonical(path) if "://" in path else path

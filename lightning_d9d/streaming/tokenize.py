@@ -1,28 +1,13 @@
 """Tokenize: the tokenizer as the streams use it, and a prefetching stage that tokenizes chunks ahead, in order.
 
-Algorithm: a stream's reader runs in a thread of its own and submits each chunk of texts to this process's one
-tokenizing thread (``Tokenizer.encode_batch_fast`` releases the GIL; in the training process it uses every
-core, in a DataLoader worker one); the stream's consumer takes the results strictly in submission order, so
-timing never changes what is produced. The stage keeps no state: what it yields is decided by the reader's
-position, so a stream restarts it from there.
-
-Why one tokenizing thread per process, shared by every stream it hosts: concurrent ``encode_batch_fast`` calls
-make the tokenizer's threads fight over the cores, and a process may host many streams. Why the tokenizing
-thread also lays each chunk out (``lay_out``: the ids into one flat array) before the next call: the
-``Encoding`` objects are several times the size of their ids, and a process hosting many streams holds several
-chunks each in flight; laid out at once, they are read and freed while still in the cache, and what waits for
-the consumer is a compact array.
-
-Until the consumer opens the lookahead (after its first block), a chunk is read only when asked for and
-tokenized by the asking thread: a process starting or resuming many streams at once then tokenizes exactly
-what their first blocks need, side by side on every core, instead of serving one stream's read-ahead chunks
-before another stream's first one.
-
-A document longer than ``LONG_DOCUMENT_CHARS`` is tokenized in pieces cut at spaces that change no token
-(:class:`LongEncoding`), so one huge document costs its int32 ids, not a tokenizer call's worth of ``Encoding``.
-
-Trade-off: a chunk read ahead and tokenized but not yet packed is work thrown away when a stream stops; each
-stream's lookahead is bounded (``prefetch + 1`` chunks), so little is lost and memory stays bounded.
+A stream's reader runs in a thread of its own and submits each chunk to this process's one tokenizing thread; the
+consumer takes results strictly in submission order, so timing never changes what is produced, and the stage keeps
+no state (a stream restarts it from the reader's position). One thread per process because concurrent
+``encode_batch_fast`` calls fight over the cores; it also lays each chunk out (ids into one flat array) at once,
+since ``Encoding`` objects are several times their ids' size. Until the consumer opens the lookahead, a chunk is
+tokenized on demand by the asking thread, so streams starting together tokenize their first blocks side by side.
+A document longer than ``LONG_DOCUMENT_CHARS`` is tokenized in pieces (:class:`LongEncoding`). Trade-off: chunks
+tokenized ahead are lost when a stream stops, bounded by ``prefetch + 1`` per stream.
 """
 
 from __future__ import annotations
@@ -50,11 +35,8 @@ _pool_lock = threading.Lock()
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list:
-    """``encode_batch_fast`` without the post-processor's special tokens; a document longer than
-    ``LONG_DOCUMENT_CHARS`` characters is tokenized in pieces (:class:`LongEncoding`).
-
-    The streams prepend BOS themselves; a template such as Llama's ``"<s> $A"`` would otherwise put a second
-    BOS (or a BERT-style ``[SEP]``) in every document.
+    """``encode_batch_fast`` without the post-processor's special tokens (the streams prepend BOS themselves); a
+    document over ``LONG_DOCUMENT_CHARS`` characters is tokenized in pieces.
     """
     limit = LONG_DOCUMENT_CHARS
     if not limit or all(len(text) <= limit for text in texts):
@@ -74,14 +56,9 @@ _CUT_WINDOW = 256
 class LongEncoding:
     """The ids of a document tokenized in pieces (what the streams use of an ``Encoding``: ``ids``, ``len``).
 
-    Algorithm: a piece ends at the first single space (between two non-space characters) at or after
-    ``piece_chars`` characters, where tokenizing the text around it whole and cut there gives the same ids,
-    so the document's ids are those of one call for the usual pre-tokenizers (whitespace, byte-level, metaspace:
-    a token never spans such a space). Where no such space comes within another ``piece_chars`` characters
-    (text without spaces), the piece ends there: its ids near that cut may differ from one call's, but they are
-    the same on every run, since the cuts depend on the text and the setting only.
-
-    Trade-off: every cut costs tokenizing ``2 * _CUT_WINDOW`` characters twice, a fraction of a percent.
+    A piece ends at the first single space at or after ``piece_chars`` where tokenizing around it whole and cut gives
+    the same ids, so the ids are one call's for the usual pre-tokenizers; without such a space within another
+    ``piece_chars``, it ends there (ids near that cut may differ from one call's, but are the same on every run).
     """
 
     __slots__ = ("ids",)
@@ -108,8 +85,7 @@ class LongEncoding:
 
 
 def _cut(tokenizer: Tokenizer, text: str, at_least: int, piece_chars: int) -> int:
-    """Where a piece that must hold ``text[:at_least]`` ends: the first space after that changes no token, else
-    ``piece_chars`` further."""
+    """Where a piece holding ``text[:at_least]`` ends: the first clean space after, else ``piece_chars`` further."""
     hard = min(len(text), at_least + piece_chars)
     at = text.find(" ", at_least, hard)
     while at != -1:
@@ -121,7 +97,6 @@ def _cut(tokenizer: Tokenizer, text: str, at_least: int, piece_chars: int) -> in
 
 
 def _cuts_cleanly(tokenizer: Tokenizer, text: str, at: int) -> bool:
-    """Whether the text around ``at`` gives the same ids tokenized whole and cut at ``at``."""
     first = max(0, at - _CUT_WINDOW)
     whole, left, right = tokenizer.encode_batch_fast(
         [text[first : at + _CUT_WINDOW], text[first:at], text[at : at + _CUT_WINDOW]], add_special_tokens=False
@@ -140,8 +115,7 @@ def tokenizing_thread() -> ThreadPoolExecutor:
 
 @dataclass
 class TokenizedChunk:
-    """A chunk of texts and their encodings (``encodings[i]`` is ``chunk.texts[i]``'s): what ``tokenized``
-    yields when given no ``lay_out``."""
+    """A chunk of texts and their encodings: what ``tokenized`` yields when given no ``lay_out``."""
 
     chunk: TextChunk
     encodings: list
@@ -160,15 +134,10 @@ def tokenized(
     Args:
         chunks: the reader's chunks (iterated in a thread of its own when ``prefetch > 0``).
         tokenizer_json: the tokenizer, serialized.
-        prefetch: chunks tokenized and waiting for the consumer, besides the one being tokenized (0: inline, no
-            threads).
+        prefetch: chunks tokenized and waiting besides the one being tokenized (0: inline, no threads).
         name: names the reader thread.
-        lookahead: until it is set, a chunk is read and tokenized only when the consumer asks for it (then up
-            to ``prefetch + 1`` ahead). A process starting many streams sets it once their first blocks are out, so
-            that its one tokenizer first serves what every stream needs for its first block, not the chunks
-            some streams would read ahead. ``None``: ahead from the start.
-        lay_out: ``lay_out(chunk, encodings)`` is what is yielded for a chunk; it runs in the thread that
-            tokenized the chunk, right after, and the encodings are dropped once it returns.
+        lookahead: until set, a chunk is tokenized only when asked for; ``None``: ahead from the start.
+        lay_out: ``lay_out(chunk, encodings)`` is yielded for a chunk; it runs in the tokenizing thread, right after.
 
     Returns:
         an iterator with ``close()`` (stop reading, drop what was read ahead) and ``open_lookahead()``.
@@ -183,8 +152,6 @@ def tokenized(
 
 
 class _Encode:
-    """Tokenize one chunk and lay it out (``lay_out(chunk, encodings)``)."""
-
     def __init__(self, tokenizer: Tokenizer, lay_out: Callable[[TextChunk, list], T]):
         self.tokenizer, self.lay_out = tokenizer, lay_out
 
@@ -233,8 +200,7 @@ class _Done:
 
 
 class _ReadAhead:
-    """The reader thread's side of :class:`PrefetchedTokenizing`: it holds nothing of the consumer, so a consumer
-    dropped without ``close()`` is still freed, and its ``__del__`` stops this thread."""
+    """The reader thread's side: it holds nothing of the consumer, so a dropped consumer is freed (and stops it)."""
 
     def __init__(self, encode: Callable[[TextChunk], Any], slots: threading.Semaphore, lookahead: threading.Event):
         self.encode, self.slots, self.lookahead = encode, slots, lookahead
@@ -265,10 +231,8 @@ class _ReadAhead:
 class PrefetchedTokenizing(Generic[T]):
     """Mode ``prefetch > 0``: a reader thread reads chunks ahead and submits them to the tokenizing thread.
 
-    Chunks submitted and not yet taken are bounded by a semaphore: ``prefetch`` tokenized and waiting, and one
-    being tokenized; the reader takes a slot before it submits a chunk. Until the lookahead opens, a slot is
-    released only when the consumer asks for a chunk (on demand), and such a chunk is tokenized by the asking
-    thread: the streams a process starts at once then tokenize their first chunks side by side, on every core.
+    A semaphore bounds chunks in flight (``prefetch`` waiting, one being tokenized); until the lookahead opens, a slot
+    is released only when the consumer asks, and that chunk is tokenized by the asking thread.
     """
 
     def __init__(
