@@ -1,23 +1,8 @@
 """lightning_d9d: correct and fast training data loading for PyTorch Lightning.
 
-order → shard → load → pack → pin → transfer, with the data position saved in every checkpoint.
-
-Layout (one file per stage; only ``datamodules``, ``cli`` and the demo model import Lightning):
-
-* ``mapstyle``: the map-style path — ``order`` (seeded, length-sorted global batches), ``plan`` (token-budget
-  epochs: samples packed into microbatches of at most ``microbatch_tokens``, padded or padding-free),
-  ``shard`` (microbatches dealt to ranks), ``steps`` (sample counts or token budgets, one interface),
-  ``loader`` (torchdata's ``StatefulDataLoader`` fed with precomputed index batches);
-* ``streaming``: the pretraining path — ``source`` (parquet files and row groups), ``reader`` (texts, by
-  position), ``tokenize`` (prefetching tokenizer, no state), ``packing`` (rows from documents), ``stream``
-  (the three composed, with state), ``loader`` (streams of one rank, in workers);
-* ``text``: tokenizing text datasets once (``tokenize``) and padding or flattening microbatches (``collate``);
-* ``device``: ``pin`` and ``transfer``; ``resume``: the position and fingerprint every DataModule saves;
-* ``datamodules``: the Lightning-facing layer (``base``, the DataModules, and ``callback``, which keeps the
-  Trainer's settings and restored counters in agreement with the data); ``demo``: the embedded corpus, tiny
-  model and synthetic data.
-
-The public names below are imported on first use, so that importing a stage does not import Lightning.
+order → shard → load → pack → pin → transfer, with the data position saved in every checkpoint. Only
+``datamodules``, ``cli`` and the demo model import Lightning; the public names below are imported on first use,
+so importing a stage does not import Lightning.
 """
 
 from __future__ import annotations

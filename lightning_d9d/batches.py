@@ -1,18 +1,7 @@
-"""What a batch holds, counted the same way everywhere: its real tokens and its rows' sources.
-
-``lightning-d9d inspect`` reports tokens and padding per step from these counts, and the DataModules' callback
-logs ``data/tokens_per_s`` from them, so both read a batch alike. A batch is a dict, a dataclass or a named tuple
-with tensor fields, or a list of such (a pack of microbatches, ``yield_packs=True``).
-
-Algorithm: real tokens are the ``attention_mask``'s sum where the batch has one (padded batches); else, for rows
-with ``targets`` (packed pretraining rows), the positions whose target is not ``IGNORE_INDEX`` (padding and the
-position before a continuation chunk have none); else every position of a 2-D ``input_ids`` (packed rows that
-carry no targets, padding-free flattened rows).
-
-Trade-off: counting reads the mask or targets, so it belongs on the host copy of a batch (a count of a CUDA
-tensor makes the host wait for the device); the callback counts before the batch is moved (see
-:mod:`lightning_d9d.datamodules.observability`). Batches of other shapes are not counted (``None``), never
-guessed at.
+"""What a batch holds, counted the same way everywhere (``inspect`` and the logged tokens/s): real tokens and rows'
+sources. Real tokens are the ``attention_mask``'s sum, else the positions with a target, else every position of
+a 2-D ``input_ids``; other shapes give ``None``, never a guess. Count on the host copy: counting a CUDA tensor
+syncs the device.
 """
 
 from __future__ import annotations
@@ -25,12 +14,7 @@ from lightning_d9d.tokens import IGNORE_INDEX
 
 
 def count_tokens(batch: Any) -> tuple[int, int] | None:
-    """(real tokens, positions) of a batch, or ``None`` for a batch without ``attention_mask``, ``targets`` or
-    2-D ``input_ids``.
-
-    Args:
-        batch: a microbatch (dict, dataclass or named tuple of tensors) or a list of them (a pack).
-    """
+    """(real tokens, positions) of a microbatch or a pack, or ``None`` for a batch of no known shape."""
     if _is_pack(batch):
         parts = [count_tokens(part) for part in batch]
         if any(part is None for part in parts):
@@ -50,8 +34,7 @@ def count_tokens(batch: Any) -> tuple[int, int] | None:
 
 
 def row_sources(batch: Any) -> list[int]:
-    """Each row's source index (a ``PretrainingBatch``'s ``sources``; a pack's rows in order); none for batches
-    without a ``sources`` tensor."""
+    """Each row's source index (a pack's rows in order); none for batches without ``sources``."""
     if _is_pack(batch):
         return [source for part in batch for source in row_sources(part)]
     sources = _field(batch, "sources")

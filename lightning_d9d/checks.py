@@ -1,10 +1,5 @@
-"""Argument checks shared by every stage: one message shape, so a bad value always names itself the same way.
-
-``microbatches_per_step`` is the one divisibility rule of a step, ``G = D·M·m`` (``D`` data-parallel replicas),
-for every DataModule.
-
-jsonargparse's ``PositiveInt``/``NonNegativeInt`` reject bad values while a CLI config is parsed; these checks
-give Python callers the same errors and return plain ``int`` (so checkpoints load with ``weights_only=True``).
+"""Argument checks shared by every stage: one message shape, and plain ``int`` results (checkpoints then load with
+``weights_only=True``). ``microbatches_per_step`` is the one divisibility rule of a step, ``G = D·M·m``.
 """
 
 from __future__ import annotations
@@ -15,11 +10,7 @@ import numpy as np
 
 
 def plain_int(value: Any) -> Any:
-    """``int(value)`` for int subclasses (and numpy ints) so they pickle as plain ints; other values unchanged.
-
-    The CLI passes jsonargparse's ``PositiveInt`` (an int subclass), which would end up in a checkpoint's data
-    state and make it unloadable with ``torch.load(weights_only=True)``.
-    """
+    """``int(value)`` for int subclasses (jsonargparse's ``PositiveInt`` would not load with ``weights_only``)."""
     return int(value) if _is_int(value) else value
 
 
@@ -31,7 +22,7 @@ def positive_int(name: str, value: Any, allow_none: bool = False) -> int | None:
     """``value`` as a plain int.
 
     Raises:
-        ValueError: ``value`` is not an integer >= 1 (or ``None`` where ``allow_none``), naming ``name``.
+        ValueError: not an integer >= 1 (or ``None`` where ``allow_none``).
     """
     if value is None and allow_none:
         return None
@@ -44,7 +35,7 @@ def non_negative_int(name: str, value: Any) -> int:
     """``value`` as a plain int.
 
     Raises:
-        ValueError: ``value`` is not an integer >= 0, naming ``name``.
+        ValueError: not an integer >= 0.
     """
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -52,12 +43,7 @@ def non_negative_int(name: str, value: Any) -> int:
 
 
 def microbatches_per_step(global_batch_size: int, dp_size: int, microbatch_size: int) -> int:
-    """M: how many microbatches of ``microbatch_size`` one data-parallel replica runs per optimizer step.
-
-    Args:
-        global_batch_size: G, samples per optimizer step over all replicas.
-        dp_size: the data-parallel size (replicas; not processes under tensor/context/pipeline parallelism).
-        microbatch_size: m.
+    """M: microbatches one data-parallel replica runs per optimizer step.
 
     Raises:
         ValueError: non-positive sizes, or G not divisible by ``dp_size × microbatch_size``.
@@ -83,8 +69,7 @@ def token_step_microbatches(global_batch_tokens: int, microbatch_tokens: int) ->
     """P = ``global_batch_tokens / microbatch_tokens``: microbatches of one token-budget step over all ranks.
 
     Raises:
-        ValueError: non-positive budgets, or a ``global_batch_tokens`` that is not a multiple of
-            ``microbatch_tokens``.
+        ValueError: non-positive budgets, or one not a multiple of the other.
     """
     positive_int("global_batch_tokens", global_batch_tokens)
     positive_int("microbatch_tokens", microbatch_tokens)
@@ -98,12 +83,10 @@ def token_step_microbatches(global_batch_tokens: int, microbatch_tokens: int) ->
 
 
 def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int, dp_size: int) -> int:
-    """M = P / D with token budgets: P = ``global_batch_tokens / microbatch_tokens`` microbatches per step, D the
-    data-parallel size.
+    """M = P / D with token budgets.
 
     Raises:
-        ValueError: non-positive budgets, a ``global_batch_tokens`` that is not a multiple of
-            ``microbatch_tokens``, or P not divisible by ``dp_size``.
+        ValueError: as :func:`token_step_microbatches`, or P not divisible by ``dp_size``.
     """
     per_step = token_step_microbatches(global_batch_tokens, microbatch_tokens)
     positive_int("dp_size", dp_size)
@@ -122,7 +105,7 @@ def one_of(name: str, value: Any, valid: tuple[str, ...]) -> Any:
     """``value`` when it is one of ``valid``.
 
     Raises:
-        ValueError: ``value`` is not one of ``valid``, naming ``name`` and the valid values.
+        ValueError: naming ``name`` and the valid values.
     """
     if value not in valid:
         raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")

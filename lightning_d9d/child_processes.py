@@ -1,20 +1,11 @@
 """Child processes that end with their parent: no tokenizing pool outlives a killed training process.
 
-``datasets.Dataset.map(num_proc=N)`` forks a pool of N workers and a manager process. They wait on pipes that
-they hold both ends of, so when the parent dies without running its clean-up (SIGKILL, or SIGTERM without a
-Python handler: the default action ends the process at once) none of them ever sees end-of-file: they keep
-running, re-parented to init, and hold memory and cores until someone kills them by hand.
+``Dataset.map(num_proc=N)`` workers hold both ends of their pipes, so after a SIGKILL of the parent they never
+see end-of-file and run on. Within ``children_exit_with_parent()`` every forked child asks for
+``PR_SET_PDEATHSIG`` (else a thread polls ``getppid``).
 
-Algorithm: while ``children_exit_with_parent()`` is active, every process this process forks runs, right after
-the fork, ``exit_with_parent``: on Linux it asks the kernel for SIGKILL when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``, which covers the window between fork and the first task too); where that is not
-available, a daemon thread polls ``os.getppid()`` once a second and exits when the parent changed. A process
-whose parent already died before the request exits at once.
-
-Trade-off: the kernel signal is bound to the *thread* that forked the child, so a pool created by a thread
-that ends before the pool would take its workers down with it; ``Dataset.map`` creates and joins its pool in
-the calling thread, which outlives it. Children started with the ``spawn`` method (no fork) are not covered
-by the fork hook; ``exit_with_parent`` can be called from their own code instead.
+Trade-off: the kernel signal is bound to the forking thread, so a pool made by a short-lived thread would lose
+its workers early (``Dataset.map`` forks from the calling thread); ``spawn`` children are not covered.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ _forker_pid: int | None = None  # set just before each fork, so the child knows 
 
 @contextlib.contextmanager
 def children_exit_with_parent() -> Iterator[None]:
-    """Within the block, every process forked from this one ends when this one ends (see the module docstring)."""
+    """Within the block, every process forked from this one ends when this one ends."""
     global _active, _hook_registered
     with _lock:
         if not _hook_registered and hasattr(os, "register_at_fork"):
@@ -69,8 +60,7 @@ def exit_with_parent(parent: int | None = None) -> None:
     """Make this process end when its parent ends; idempotent per process.
 
     Args:
-        parent: the parent's pid as the parent saw it (exits at once if that process is already gone);
-            ``None``: the current parent.
+        parent: the parent's pid as the parent saw it (exits at once if it is gone); ``None``: the current parent.
     """
     global _bound_pid
     if _bound_pid == os.getpid():
@@ -103,13 +93,10 @@ def _watch_parent(parent: int) -> None:
 def exit_with_process(pid: int) -> None:
     """End this process when process ``pid`` ends, whoever this process's parent is.
 
-    A worker started by a forkserver is the forkserver's child, and the forkserver lives as long as any of its
-    children holds its liveness pipe (each does): neither a parent-death signal nor a watch of the parent ever
-    fires when the training process that asked for the worker is killed. A daemon thread waits on the process
-    itself instead (a pidfd where the kernel has them, else a poll once a second).
+    A forkserver's child outlives the training process otherwise, so a thread waits on ``pid`` itself.
 
     Args:
-        pid: the process to outlive no longer (exits at once if it is already gone).
+        pid: the process to watch (exits at once if it is gone).
     """
     threading.Thread(target=_wait_for_exit, args=(pid,), name="exit-with-process", daemon=True).start()
 

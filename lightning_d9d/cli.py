@@ -1,23 +1,12 @@
 """The ``lightning-d9d`` command: LightningCLI for any LightningModule + DataModule, plus ``inspect``.
 
-``lightning-d9d fit|validate|test|predict --config configs/x.yaml`` behave exactly as LightningCLI's subcommands
-(model and data in subclass mode: ``class_path`` + ``init_args`` in YAML, so one command serves every
-DataModule of this package and the user's own). ``lightning-d9d inspect --config configs/x.yaml`` builds the
-data without training and prints what one epoch will look like: steps per epoch, microbatches, samples and
-tokens per step, padding (and, with token budgets, the fill of the budget) and the first microbatch's shapes.
+``fit|validate|test|predict`` are LightningCLI's subcommands with model and data in subclass mode, so one command
+serves every DataModule. ``inspect`` builds the data without training and prints one epoch's shape: steps,
+microbatches, samples, tokens and padding per step (with token budgets, read from the plan itself), and the first
+microbatch's shapes. It runs the DataModule at world size 1, since the order does not depend on it.
 
-How ``inspect`` measures: it runs ``prepare_data``/``setup`` as a world-size-1 DataModule (the order does not
-depend on world size, and microbatches are the same contiguous slices of each global batch at any world size),
-reads the first ``--steps`` global batches, and counts real tokens as :func:`lightning_d9d.batches.count_tokens`
-does (the ``attention_mask``, a field or a key; packed rows: the positions with a target); microbatches per step
-are computed for the world size the trainer config asks for (``num_nodes × devices``).
-
-With token budgets the figures come from the epoch's plan itself (which samples form each microbatch, and
-their lengths): steps of the first two epochs, samples and tokens per step (mean, min, max), the fill (real
-tokens over ``microbatch_tokens`` per microbatch) and, when padded, the padding inside the budget.
-
-Trade-off: with sample counts the padding share is measured on those first steps, not on the whole epoch, so
-inspecting a huge dataset stays fast; raise ``--steps`` for a tighter figure.
+Trade-off: with sample counts padding is measured on the first ``--steps`` steps only, so inspecting a huge
+dataset stays fast.
 """
 
 from __future__ import annotations
@@ -55,7 +44,7 @@ class D9DCLI(LightningCLI):
     """LightningCLI with model and data in subclass mode, a config saved per run, and an ``inspect`` subcommand.
 
     Args:
-        args: command-line arguments (``None``: ``sys.argv[1:]``); forwarded to LightningCLI.
+        args: command-line arguments (``None``: ``sys.argv[1:]``).
         **kwargs: any other LightningCLI argument.
     """
 
@@ -110,7 +99,7 @@ class D9DCLI(LightningCLI):
 
 
 def check_ckpt_path(ckpt_path: Any) -> None:
-    """Fail before training starts when ``--ckpt_path`` names a local file that does not exist.
+    """Fail before training when ``--ckpt_path`` names a local file that does not exist.
 
     Raises:
         FileNotFoundError: naming the path and the values ``--ckpt_path`` accepts.
@@ -129,9 +118,8 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     """Describe one epoch of a DataModule's training data without training; returns the report text.
 
     Args:
-        datamodule: a D9DDataModule (any LightningDataModule works; then only the first batch is described).
-        trainer: the configured (not fitted) Trainer, read for the world size ``num_nodes × devices`` and the
-            data-parallel size (``ModelParallelStrategy``'s ``data_parallel_size``; every process elsewhere).
+        datamodule: a D9DDataModule (any LightningDataModule: only the first batch is described).
+        trainer: the configured, unfitted Trainer, read for the world and data-parallel sizes.
         steps: global batches to read for the tokens and padding figures.
     """
     world_size, lines = _layout_lines(datamodule, trainer)  # world_size: what the data is dealt among
@@ -207,7 +195,7 @@ def _read_steps(
 
 
 def _layout_lines(datamodule: Any, trainer: Any) -> tuple[int, list[str]]:
-    """The data-parallel size, and the report's first lines (the data, the world size, the data-parallel size)."""
+    """The data-parallel size, and the report's first lines."""
     processes = int(trainer.num_nodes) * int(trainer.num_devices) if trainer is not None else 1
     replicas = _data_parallel_size(datamodule, trainer, processes)
     lines = [f"data: {type(datamodule).__module__}.{type(datamodule).__qualname__}", f"world size: {processes}"]
@@ -217,9 +205,7 @@ def _layout_lines(datamodule: Any, trainer: Any) -> tuple[int, list[str]]:
 
 
 def _data_parallel_size(datamodule: Any, trainer: Any, processes: int) -> int:
-    """Replicas the data will be dealt among, read before any process starts: a ``DataParallelTopology`` given
-    to the DataModule, ``ModelParallelStrategy``'s ``data_parallel_size`` (``"auto"``: one per node), else one
-    replica per process (a mesh's layout is known only once processes run)."""
+    """Replicas the data will be dealt among, known before any process starts (a mesh: one per process)."""
     given = datamodule.data_parallel if isinstance(datamodule, SteppedDataModule) else None
     if isinstance(given, DataParallelTopology):
         return given.dp_size
@@ -230,8 +216,7 @@ def _data_parallel_size(datamodule: Any, trainer: Any, processes: int) -> int:
 
 
 def _pretraining_lines(datamodule: Any, trainer: Any, rows_by_source: Counter[int], steps: int) -> list[str]:
-    """A pretraining mixture's phases, expected passes over the run, realised shares and token cache (none for
-    other DataModules)."""
+    """A pretraining mixture's phases, expected passes, realised shares and token cache."""
     if not isinstance(datamodule, PretrainingReports):
         return []
     sources = range(len(datamodule.source_names))
@@ -250,7 +235,7 @@ def _run_steps(trainer: Any, steps_per_epoch: int) -> int:
 
 
 def describe_token_plan(datamodule: Any, world_size: int) -> list[str]:
-    """The token-budget lines of ``inspect``: read from the epoch plan (``datamodule.plan``), plus one batch."""
+    """The token-budget lines of ``inspect``, read from the epoch's plan, plus one batch."""
     plan, budget = datamodule.plan, datamodule.budget
     figures = plan.describe(0)
     per_rank = token_microbatches_per_step(budget.global_batch_tokens, budget.microbatch_tokens, world_size)
@@ -298,8 +283,8 @@ def describe_batch(batch: Any, name: str = "batch") -> list[str]:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-d9d`` console script.
 
-    A misconfiguration ends with one line naming the setting and what is valid, and exit code 2 (parsing) or 1
-    (building or running); ``LIGHTNING_D9D_TRACEBACK=1`` shows the full messages and tracebacks instead.
+    A misconfiguration ends with one line and exit code 2 (parsing) or 1 (running); ``LIGHTNING_D9D_TRACEBACK=1``
+    shows the tracebacks.
     """
     try:
         D9DCLI(args=args)

@@ -1,20 +1,8 @@
 """One readable line for a misconfigured ``lightning-d9d`` run, instead of a usage screen or a traceback.
 
-Two kinds of errors reach a user of the command:
-
-* Parse errors (an unknown key, a wrong type, a value outside its range, a missing config file, a misspelled
-  ``class_path``): jsonargparse reports them as a nested tree of every Union branch it tried, after the whole
-  usage text. ``condense_parse_error`` walks that tree, keeps the branch that names a key (dropping the
-  ``None`` branch of optional arguments), and writes ``key: what is wrong (what is valid)``; an unknown key gets
-  the accepted names, a class path that does not import gets the closest names of its module.
-* Errors raised while building or running (``ValueError``, ``OSError``, Lightning's
-  ``MisconfigurationException``, and a ``TypeError``/``ImportError`` while the config's classes are built):
-  the package's messages already name the setting and what is valid, so the command prints the message without
-  its traceback (``report_configuration_error``).
-
-Trade-off: the condensed form drops the branches a reader rarely needs; ``LIGHTNING_D9D_TRACEBACK=1`` restores
-jsonargparse's full message and Python's tracebacks. Any other exception is treated as a bug and keeps its
-traceback.
+Parse errors are condensed from jsonargparse's tree of Union branches to ``key: what is wrong (what is valid)``;
+configuration errors raised while building or running print their message without a traceback. Any other
+exception is a bug and keeps its traceback; ``LIGHTNING_D9D_TRACEBACK=1`` restores the full output.
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 TRACEBACK_ENV = "LIGHTNING_D9D_TRACEBACK"
 """Set to 1 for jsonargparse's full messages and Python's tracebacks instead of the one-line errors."""
 CONFIGURATION_ERRORS = (ValueError, OSError, MisconfigurationException)
-"""What a configuration can cause (a bad value, a missing file, a layout that cannot work): reported in one line."""
+"""What a configuration can cause: reported in one line."""
 
 # Lines of jsonargparse's Union report that describe the search, not the problem.
 _SEARCH_LINES = (
@@ -78,11 +66,7 @@ class ReadableErrorParser(LightningArgumentParser):
 
 
 def report_configuration_error(error: BaseException, command: str = "lightning-d9d") -> NoReturn:
-    """Print ``error``'s message without its traceback and exit with code 1.
-
-    A message that carries a traceback of its own (an error re-raised from a DataLoader worker) is cut to its
-    last line, the original error.
-    """
+    """Print ``error``'s message without its traceback (a re-raised worker traceback cut to its last line), exit 1."""
     message = str(error).strip() or type(error).__name__
     if "Traceback (most recent call last)" in message:
         message = message.splitlines()[-1].strip()
@@ -96,7 +80,7 @@ def report_configuration_error(error: BaseException, command: str = "lightning-d
 
 
 def condense_parse_error(message: str) -> str:
-    """``key: problem`` from jsonargparse's nested error report (see the module docstring)."""
+    """``key: problem`` from jsonargparse's nested error report."""
     keys: list[str] = []
     reasons: list[str] = []
     given: str | None = None

@@ -1,21 +1,14 @@
 """Context parallelism (CP): lay out packed documents so a row splits evenly over CP ranks, and split it.
 
-Under CP every rank of a CP group receives the same batch (it is dealt by data-parallel rank only) and keeps a
-slice of each sequence. Causal attention costs more towards a sequence's end, so the slice is *load-balanced*
-(the zigzag or head-tail split of Megatron-LM, TransformerEngine and torchtitan): the sequence is cut into
-``2·cp`` equal chunks and rank ``r`` keeps chunks ``r`` and ``2·cp − 1 − r``, one cheap and one dear.
+Every rank of a CP group gets the same batch and keeps a load-balanced slice of each sequence: the sequence is cut
+into ``2·cp`` chunks and rank ``r`` keeps chunks ``r`` and ``2·cp − 1 − r`` (the zigzag split), one cheap and one
+dear under causal attention. In packed rows the split is applied to each document, so every document is padded to
+a multiple of ``2·cp`` (``cu_seqlens`` real lengths, ``cu_seqlens_padded`` padded spans, TransformerEngine's THD
+convention; positions continue through the padding, labels there are ``-100``). Metadata is never split: varlen
+CP attention needs the whole row's.
 
-Packed (padding-free) rows hold several documents, and attention must not cross them; the balanced split is
-then applied to *each document*, so every document must be a multiple of ``2·cp`` long. The data layer pads it
-(:func:`pad_documents_for_cp`, :func:`flatten_for_cp`): ``cu_seqlens`` keeps the real lengths,
-``cu_seqlens_padded`` the padded spans (TransformerEngine's THD convention), positions restart at 0 at each
-document and continue through its padding, whose labels are ``-100``. :func:`cp_shard` and :func:`cp_unshard`
-split a row and put it back; :func:`cp_shard_batch` splits a whole batch's sequence fields and never its
-metadata (``cu_seqlens*``, ``max_seqlen`` stay those of the whole row, as varlen CP attention expects).
-
-Trade-off: per-document padding wastes up to ``2·cp − 1`` positions per document (the token-budget planner
-counts them against ``microbatch_tokens``); it is what keeps documents apart and ranks balanced without an
-all-to-all.
+Trade-off: up to ``2·cp − 1`` padding positions per document, in exchange for documents kept apart and ranks
+balanced without an all-to-all.
 """
 
 from __future__ import annotations
@@ -29,11 +22,11 @@ import torch
 
 IGNORE_INDEX = -100
 SEQUENCE_FIELDS = ("input_ids", "labels", "position_ids", "inputs", "targets")
-"""A batch's fields that hold one value per position and are split over CP ranks; all others are metadata."""
+"""A batch's per-position fields, split over CP ranks; all others are metadata."""
 
 
 def cp_multiple(cp_size: int) -> int:
-    """The length every document is padded to a multiple of: ``2·cp_size`` (1 for ``cp_size`` 1: nothing to split).
+    """The multiple every document is padded to: ``2·cp_size`` (1 for ``cp_size`` 1).
 
     Raises:
         ValueError: ``cp_size`` is not a positive integer.
@@ -44,8 +37,7 @@ def cp_multiple(cp_size: int) -> int:
 
 
 class CPPadding(NamedTuple):
-    """Documents padded for CP: ``padded_lengths`` (int64), ``cu_seqlens`` and ``cu_seqlens_padded`` (int32,
-    cumulative real and padded lengths, each starting at 0)."""
+    """Documents padded for CP: ``padded_lengths`` and cumulative real/padded ``cu_seqlens*`` (from 0)."""
 
     padded_lengths: np.ndarray
     cu_seqlens: np.ndarray
@@ -53,14 +45,10 @@ class CPPadding(NamedTuple):
 
 
 def pad_documents_for_cp(lengths: Sequence[int] | np.ndarray, cp_size: int) -> CPPadding:
-    """Round every document's length up to a multiple of ``2·cp_size`` (unchanged for ``cp_size`` 1).
-
-    Args:
-        lengths: the documents' real lengths (whole numbers >= 0), in row order.
-        cp_size: the context-parallel size.
+    """Round every document's length up to a multiple of ``2·cp_size``.
 
     Raises:
-        ValueError: a negative or non-integer length, or a ``cp_size`` that is not a positive integer.
+        ValueError: a negative or non-integer length, or a bad ``cp_size``.
     """
     multiple = cp_multiple(cp_size)
     array = np.asarray(lengths)
@@ -78,16 +66,14 @@ def pad_documents_for_cp(lengths: Sequence[int] | np.ndarray, cp_size: int) -> C
 
 @dataclasses.dataclass
 class CPRow:
-    """One padding-free row laid out for CP (1-D numpy arrays; see :func:`flatten_for_cp`).
+    """One padding-free row laid out for CP (1-D numpy arrays).
 
     Attributes:
-        input_ids: ``int64 [T]`` the documents, each followed by its padding (``pad_token_id``).
-        labels: ``int64 [T]`` Hugging Face labels (unshifted): the ids, ``-100`` at each document's first token
-            and at padding.
-        position_ids: ``int64 [T]`` 0 at each document's start, continuing through its padding.
-        cu_seqlens: ``int32 [D + 1]`` cumulative real lengths. cu_seqlens_padded: ``int32 [D + 1]`` cumulative
-            padded lengths (document ``i`` spans ``cu_seqlens_padded[i]`` to ``cu_seqlens_padded[i + 1]``).
-        max_seqlen: the longest padded document (an upper bound of every document's length).
+        input_ids: the documents, each followed by its padding.
+        labels: unshifted labels, ``-100`` at each document's first token and at padding.
+        position_ids: 0 at each document's start, continuing through its padding.
+        cu_seqlens, cu_seqlens_padded: cumulative real / padded lengths.
+        max_seqlen: the longest padded document.
     """
 
     input_ids: np.ndarray
@@ -104,18 +90,16 @@ def flatten_for_cp(
     labels: Sequence[Any] | None = None,
     pad_token_id: int = 0,
 ) -> CPRow:
-    """Concatenate documents into one row, each padded to a multiple of ``2·cp_size`` (see :class:`CPRow`).
+    """Concatenate documents into one row, each padded to a multiple of ``2·cp_size``.
 
     Args:
-        documents: each document's token ids (1-D ints), in row order.
-        cp_size: the context-parallel size (1: no padding, the plain flattened row).
-        labels: optional per-document labels (``-100`` where not trained), each as long as its document; the
-            first token of every document and the padding get ``-100`` on top.
-        pad_token_id: the id written at padding positions (masked out of the loss, so any valid id works).
+        documents: each document's token ids, in row order.
+        cp_size: the context-parallel size (1: no padding).
+        labels: optional per-document labels (``-100`` where not trained); first tokens and padding get ``-100``.
+        pad_token_id: the id at padding positions (masked out of the loss).
 
     Raises:
-        ValueError: a ``cp_size`` that is not a positive integer; labels whose number or lengths differ from the
-            documents'.
+        ValueError: a bad ``cp_size``; labels whose number or lengths differ from the documents'.
     """
     ids = [np.asarray(document, dtype=np.int64).reshape(-1) for document in documents]
     lengths = np.fromiter((len(document) for document in ids), dtype=np.int64, count=len(ids))
@@ -142,11 +126,7 @@ def flatten_for_cp(
 
 # ---------------------------------------------------------------------------------------------- slicing
 def cp_indices(length: int, cp_rank: int, cp_size: int, cu_seqlens_padded: Any = None) -> np.ndarray:
-    """The positions of a row of ``length`` that CP rank ``cp_rank`` keeps, in order (see :func:`cp_shard`).
-
-    Raises:
-        ValueError: see :func:`cp_shard`.
-    """
+    """The positions of a row of ``length`` that CP rank ``cp_rank`` keeps, in order."""
     _check_rank(cp_rank, cp_size)
     if cp_size == 1:
         return np.arange(length, dtype=np.int64)
@@ -170,27 +150,18 @@ def cp_indices(length: int, cp_rank: int, cp_size: int, cu_seqlens_padded: Any =
 
 
 def cp_shard(tensor: Any, cp_rank: int, cp_size: int, seq_dim: int = -1, cu_seqlens_padded: Any = None) -> Any:
-    """This CP rank's load-balanced slice of ``tensor`` along ``seq_dim`` (a ``torch.Tensor`` or numpy array).
-
-    Without ``cu_seqlens_padded`` the whole sequence is split into ``2·cp_size`` chunks and rank ``r`` keeps
-    chunks ``r`` and ``2·cp_size − 1 − r`` (head-tail / zigzag); with it, each document's padded span is split so
-    and the rank's pieces of every document are concatenated in document order. ``cp_size`` 1 returns
-    ``tensor`` unchanged. Every rank's slice has ``length / cp_size`` positions.
+    """This CP rank's load-balanced slice of ``tensor`` (torch or numpy) along ``seq_dim``: ``length / cp_size`` long.
 
     Args:
-        tensor: the whole row (or a batch of rows) to slice.
-        cp_rank: this rank in ``[0, cp_size)``. cp_size: the context-parallel size.
+        tensor: the whole row (or a batch of rows).
+        cp_rank, cp_size: this rank in ``[0, cp_size)`` and the CP size (1: unchanged).
         seq_dim: the sequence dimension.
-        cu_seqlens_padded: cumulative padded document lengths (0 first, the row's length last), each document a
-            multiple of ``2·cp_size``; ``None`` for the per-sequence split. For a 2-D ``(rows, length)`` tensor
-            split along its last dim they may instead span the flattened rows (``rows × length`` last, every row
-            start a bound: flash-attention's varlen offsets of a microbatch, as ``PretrainingBatch`` holds);
-            each row then keeps this rank's pieces of its own documents.
+        cu_seqlens_padded: cumulative padded document lengths, each a multiple of ``2·cp_size``; each document is
+            split and the pieces concatenated in order. For a 2-D tensor they may span the flattened rows (every row
+            start a bound). ``None``: split the whole sequence.
 
     Raises:
-        ValueError: a rank out of range; a length not divisible by ``2·cp_size`` (per sequence); bounds that do not
-            start at 0, decrease or do not end at the length, or a document not a multiple of ``2·cp_size``
-            (naming it).
+        ValueError: a rank out of range, a length not divisible by ``2·cp_size``, or malformed bounds.
     """
     if cp_size == 1:
         _check_rank(cp_rank, cp_size)
@@ -204,16 +175,15 @@ def cp_shard(tensor: Any, cp_rank: int, cp_size: int, seq_dim: int = -1, cu_seql
 
 
 def cp_unshard(slices: Sequence[Any], cp_size: int, seq_dim: int = -1, cu_seqlens_padded: Any = None) -> Any:
-    """The whole row from the ``cp_size`` slices :func:`cp_shard` gave ranks ``0 … cp_size − 1`` (in rank order).
+    """The whole row from every rank's :func:`cp_shard` slice, rank 0 first.
 
     Args:
-        slices: every rank's slice, rank 0 first (tensors or numpy arrays, all of one kind).
-        cp_size: the context-parallel size. seq_dim: the sequence dimension.
-        cu_seqlens_padded: the same bounds the slices were cut with (``None``: per-sequence).
+        slices: every rank's slice (tensors or numpy arrays, one kind).
+        cp_size, seq_dim: the CP size and the sequence dimension.
+        cu_seqlens_padded: the bounds the slices were cut with (``None``: per-sequence).
 
     Raises:
-        ValueError: not ``cp_size`` slices, slices of unequal length, or bounds that do not fit them (see
-            :func:`cp_shard`).
+        ValueError: not ``cp_size`` slices, unequal slices, or bounds that do not fit them.
     """
     if len(slices) != cp_size:
         raise ValueError(f"cp_unshard needs one slice per CP rank: {cp_size} expected, got {len(slices)}")
@@ -242,17 +212,13 @@ def cp_shard_batch(
     fields: Sequence[str] = SEQUENCE_FIELDS,
     per_document: bool = True,
 ) -> Any:
-    """A copy of ``batch`` (a dataclass or dict) with its sequence ``fields`` sliced for this CP rank.
-
-    Metadata (``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen``, ``step_label_tokens``, anything not in
-    ``fields``) is never sliced: it describes the whole row, which varlen CP attention needs.
+    """A copy of ``batch`` (a dataclass or dict) with its sequence ``fields`` sliced for this CP rank; metadata is kept.
 
     Args:
-        batch: a dataclass (e.g. ``FlatBatch``, ``TextBatch``) or dict.
+        batch: a dataclass or dict.
         cp_rank, cp_size, seq_dim: see :func:`cp_shard`.
-        fields: the names of the per-position fields (those present are sliced).
-        per_document: split each document (bounds from the batch's ``cu_seqlens_padded``, else ``cu_seqlens``);
-            ``False``, or a batch without either, splits each whole sequence.
+        fields: the per-position fields (those present are sliced).
+        per_document: split each document (bounds from ``cu_seqlens_padded``, else ``cu_seqlens``).
 
     Raises:
         TypeError: a batch that is neither a dataclass nor a dict.
@@ -285,10 +251,10 @@ def _check_rank(cp_rank: int, cp_size: int) -> None:
 
 
 def _rows_of_flat_bounds(shape: Sequence[int], seq_dim: int, cu_seqlens_padded: Any) -> bool:
-    """Whether ``cu_seqlens_padded`` spans the flattened rows of a 2-D ``shape`` split along its last dim.
+    """Whether ``cu_seqlens_padded`` spans the flattened rows of a 2-D ``shape``.
 
     Raises:
-        ValueError: bounds over the flattened rows that miss a row's start (a sequence would cross rows).
+        ValueError: such bounds that miss a row's start.
     """
     if cu_seqlens_padded is None or len(shape) != 2 or seq_dim not in (-1, 1) or shape[0] < 2:
         return False

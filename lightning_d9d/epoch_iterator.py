@@ -1,23 +1,10 @@
 """Epoch iterators that start lazily and stop their worker processes deterministically.
 
-Two things every training loader of this package needs, in one place:
-
-* **Start at the first ``next()``.** ``iter()`` may run before the resume state is loaded (Lightning probes
-  iterability early, e.g. through ``estimated_stepping_batches``), so the position is read only when the first
-  batch is really asked for.
-* **Resume through the DataModule** (``ResumedByDataModule``): the position is the DataModule's state.
-* **Stop on time.** A loop broken off in a notebook, a new loader, ``teardown`` or an exception must stop the
-  DataLoader's worker processes there and then. Left to the garbage collector, a suspended generator that
-  holds a DataLoader iterator is freed whenever a collection happens to run, possibly inside a worker forked
-  later for another loader, where torch's ``__del__`` fails with "can only test a child process". So the epoch
-  iterator holds no reference cycle (it is freed the moment the loop drops it), closes its generator when
-  freed or closed, and the generator's ``finally`` shuts the workers down; and garbage is collected in this
-  process before new workers are forked.
-* **Stop before the interpreter tears itself down.** An iterator still open when a script ends (a module
-  global, a loop left mid-epoch) would otherwise be closed during interpreter shutdown, after module globals
-  were cleared, and its ``finally`` blocks would fail on names that are gone ("Exception ignored in ...").
-  Whatever holds workers or threads registers with :func:`close_at_exit`, and an ``atexit`` hook closes what
-  is still open while every module is intact (a weak set: registering keeps nothing alive).
+An epoch starts at its first ``next()``, not at ``iter()``, because Lightning probes iterability before the
+resume state is loaded. Workers must stop there and then: a suspended generator left to the garbage collector
+may be freed inside a later-forked worker, where torch's ``__del__`` fails. So epoch iterators hold no reference
+cycle, close their generator when freed, garbage is collected before forking, and an ``atexit`` hook closes what is
+still open while modules are intact.
 """
 
 from __future__ import annotations
@@ -49,7 +36,7 @@ class EpochIterator:
     """Defers creating the epoch's batch generator to the first ``next()``, and closes it when freed.
 
     Args:
-        factory: returns the epoch's generator; called once, at the first ``next()``.
+        factory: returns the epoch's generator; called once.
     """
 
     def __init__(self, factory: Callable[[], Generator[Any, None, None]]):
@@ -68,7 +55,6 @@ class EpochIterator:
         return next(self._batches)
 
     def close(self) -> None:
-        """Stop the epoch now: its generator's ``finally`` blocks run (and stop its workers)."""
         self._factory = None
         batches, self._batches = self._batches, None
         if batches is not None:
@@ -79,17 +65,11 @@ class EpochIterator:
 
 
 class OneIterationAtATime:
-    """The lifecycle of a loader whose iterations are independent (both map-style loaders, streaming validation):
-    one epoch iteration at a time, its workers stopped deterministically.
-
-    A new iteration stops the previous one's workers, and ``close()`` stops the live one (at teardown, when
-    training raises): a loop broken off never leaves worker processes for the garbage collector.
-    """
+    """A loader of independent epoch iterations: a new one stops the previous one's workers."""
 
     _live: weakref.ref | None = None
 
     def start_iteration(self, batches: Callable[[], Generator[Any, None, None]]) -> EpochIterator:
-        """A new epoch iteration over ``batches()`` (started at its first ``next()``), stopping the previous one."""
         self.close()
         epoch_iterator = EpochIterator(batches)
         self._live = weakref.ref(epoch_iterator)  # weak: the iterator must be freed as soon as its loop drops it
@@ -104,17 +84,16 @@ class OneIterationAtATime:
 
 
 class ResumedByDataModule:
-    """A training loader whose position is its DataModule's state, which Lightning saves in the same checkpoint.
+    """A training loader whose position is its DataModule's state (Lightning saves it in the same checkpoint).
 
-    Having ``state_dict``/``load_state_dict`` tells Lightning that the loader resumes exactly, so it does not warn
-    that a mid-epoch checkpoint cannot be resumed; the state itself is empty.
+    Having ``state_dict``/``load_state_dict`` stops Lightning warning that a mid-epoch checkpoint cannot resume.
     """
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to load here: the DataModule restored the position."""
+        """Nothing to load: the DataModule restored the position."""
 
 
 def shutdown_workers(iterator: Iterator[Any] | None) -> None:
@@ -125,5 +104,5 @@ def shutdown_workers(iterator: Iterator[Any] | None) -> None:
 
 
 def collect_before_fork() -> None:
-    """Free this process's unreachable objects before forking workers, so no child inherits them as garbage."""
+    """Free unreachable objects before forking workers, so no child inherits them as garbage."""
     gc.collect()

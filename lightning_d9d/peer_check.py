@@ -1,16 +1,10 @@
 """Peer check: prove that the processes of each data-parallel replica train identical microbatches.
 
-Under tensor, context or pipeline parallelism every process of one replica (same ``dp_rank``) must see the same
-batches; a data loader that deals by process gives them different ones, and nothing fails. The check digests
-every microbatch of an optimizer step (:func:`batch_digest`: the bytes, shape and dtype of each tensor, walked
-through dataclasses, dicts, lists, tuples and numpy arrays in a fixed order; any other leaf by its ``repr``),
-all-gathers each process's digests with its ``dp_rank`` (:func:`verify_peer_step`), and raises one error
-naming the step and the processes that disagree within a replica. Every process raises the same error, so
-none is left waiting in a collective.
+Every microbatch of a step is digested, the digests all-gathered with each process's ``dp_rank``, and peers that
+disagree raise one error on every process, so none waits in a collective.
 
-Trade-off: digesting copies each tensor to the host and one all-gather runs per step, so the check is meant for
-the first few steps of a run (a DataModule's ``verify_peers``), not for all of them; it proves agreement, not
-that the data is right (different replicas are only warned about when all of them are identical).
+Trade-off: digesting copies tensors to the host and adds an all-gather per step, so it is meant for a run's first
+few steps; it proves agreement, not that the data is right.
 """
 
 from __future__ import annotations
@@ -30,10 +24,9 @@ class PeerMismatchError(RuntimeError):
 
 
 def batch_digest(batch: Any) -> str:
-    """A stable hex digest (32 digits) of a batch: equal batches give equal digests on any process.
+    """A stable hex digest of a batch: equal batches give equal digests on any process.
 
-    Tensors (any dtype, any device) and numpy arrays count by shape, dtype and bytes; dataclasses by their
-    fields, dicts by their sorted keys, lists and tuples in order; any other leaf by ``repr``.
+    Tensors and arrays count by shape, dtype and bytes; containers in a fixed order; other leaves by ``repr``.
     """
     digest = hashlib.sha256()
     _update(digest, batch)
@@ -72,20 +65,16 @@ def _update(digest: Any, value: Any) -> None:
 
 
 def verify_peer_step(step: int | str, digests: Sequence[str], dp_rank: int, group: Any = None) -> None:
-    """All-gather every process's digests of one optimizer step and compare them within each replica.
-
-    Every process of ``group`` must call it at the same step (it is a collective). On one process, or without
-    ``torch.distributed``, there is nothing to compare.
+    """All-gather every process's digests of one step and compare them within each replica (a collective).
 
     Args:
-        step: the optimizer step, for the message (a string such as ``"3 (validation)"`` for a validation run).
-        digests: this process's :func:`batch_digest` of each microbatch of the step, in training order.
-        dp_rank: this process's data-parallel rank; processes with the same one are peers.
+        step: the optimizer step, for the message.
+        digests: this process's digest of each microbatch of the step, in order.
+        dp_rank: this process's data-parallel rank.
         group: the process group (default: the world).
 
     Raises:
-        PeerMismatchError: peers whose digests differ, naming the step, the replica and the processes of each
-            distinct sequence (the same error on every process).
+        PeerMismatchError: peers whose digests differ (the same error on every process).
     """
     import torch.distributed as dist
 
@@ -97,7 +86,7 @@ def verify_peer_step(step: int | str, digests: Sequence[str], dp_rank: int, grou
 
 
 def check_peer_digests(step: int | str, gathered: Sequence[tuple[int, Sequence[str]]]) -> None:
-    """Compare gathered ``(dp_rank, digests)`` of every process (index = process rank) within each replica.
+    """Compare gathered ``(dp_rank, digests)`` per process within each replica.
 
     Raises:
         PeerMismatchError: see :func:`verify_peer_step`.

@@ -1,25 +1,13 @@
 """Resume: where training is in the data, and a fingerprint of what decides the data, for every DataModule.
 
-Algorithm: every DataModule of this package defines its training data as a pure function of its settings and
-the data, so the position ``(epoch, step)`` — global optimizer steps consumed in the epoch — is all that a
-resume needs for the map-style path; the remaining batches are recomputed, never replayed (the streaming path
-adds its streams' positions, still positions, never tokens). ``step`` counts the microbatches trained (under a
-Trainer, those Lightning has processed, not merely those handed out: a microbatch in flight when an exception or
-signal strikes is not trained), divided by microbatches per step and rounded down: a checkpoint taken inside an
-accumulation window (whose gradients are not in the checkpoint), or while its last microbatch is in flight,
-resumes at the start of that optimizer step and replays its microbatches, so no optimizer step is ever short
-or skipped.
+Training data is a pure function of the settings and the data, so the position ``(epoch, step)`` in global
+optimizer steps is all a map-style resume needs: the rest is recomputed, never replayed. ``step`` counts trained
+microbatches (under a Trainer, those processed), rounded down to whole steps, so a checkpoint inside an
+accumulation window replays that step and no step is short or skipped. Being global, the position is the same on
+every rank and survives changes of world size, microbatch size or workers. A :class:`Fingerprint` holds exactly
+what changes the data, and a mismatch names every differing field.
 
-The position is counted in global steps, not per-rank microbatches, so it is the same on every rank (rank 0's
-saved copy is valid for all) and stays valid when world size, microbatch size or worker count change.
-
-A :class:`Fingerprint` holds exactly what changes the data (and nothing that does not, so an exact resume is
-never refused); a resume into a run whose fingerprint differs raises one error that names each differing field
-with the checkpoint's value and this run's.
-
-Trade-off: fingerprints summarise large inputs (sampled sort keys, parquet footers) instead of hashing every
-byte, so a change that leaves every summarised value intact is not told apart; hashing everything would cost
-O(data) at every resume.
+Trade-off: fingerprints summarise large inputs (sampled keys, parquet footers) instead of hashing every byte.
 """
 
 from __future__ import annotations
@@ -30,10 +18,7 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Fingerprint:
-    """Base of every DataModule's fingerprint: a frozen dataclass of plain values (ints, strings, bools, None).
-
-    Subclasses declare the fields that decide their data.
-    """
+    """Base of every fingerprint: a frozen dataclass of plain values, one field per thing that decides the data."""
 
     def to_dict(self) -> dict[str, Any]:
         """The compared fields, as plain values (tuples as lists)."""
@@ -49,12 +34,10 @@ class Fingerprint:
         return differences
 
     def describe_difference(self, name: str, then: Any, now: Any) -> str:
-        """How a differing field is named in the error (a subclass may say it better for large values)."""
         return f"{name}: checkpoint {then!r}, this run {now!r}"
 
     def mismatch_advice(self, saved: dict[str, Any]) -> str | None:
-        """What to do instead of the usual advice (same settings, or ``on_order_mismatch``) when a subclass knows
-        a better way for the differences from ``saved``; ``None``: the usual advice."""
+        """Advice a subclass knows better for the differences from ``saved``; ``None``: the usual."""
         return None
 
 
@@ -63,8 +46,7 @@ def _plain(value: Any) -> Any:
 
 
 def mismatch_error(owner: str, differences: list[str], epoch: int, advice: str | None = None) -> ValueError:
-    """The one error for a checkpoint whose data does not match this run's (naming every differing field), with
-    ``advice`` (the fingerprint's ``mismatch_advice``) in place of the usual one when given."""
+    """The one error for a checkpoint whose data does not match this run's, naming every differing field."""
     advice = advice or (
         f"Resume with the same settings, or pass on_order_mismatch='restart_epoch' to start epoch {epoch} over "
         "with this run's data"
@@ -74,10 +56,7 @@ def mismatch_error(owner: str, differences: list[str], epoch: int, advice: str |
 
 @dataclasses.dataclass
 class TrainPosition:
-    """The one place that knows where training is: epoch, and microbatches this rank handed out in that epoch.
-
-    ``microbatches`` is this rank's count; ``step`` turns it into whole global optimizer steps.
-    """
+    """Where training is: the epoch, and the microbatches this rank handed out in it (``step``: whole global steps)."""
 
     epoch: int = 0
     microbatches: int = 0
@@ -88,7 +67,6 @@ class TrainPosition:
         return self.microbatches // self.microbatches_per_step
 
     def start(self, epoch: int, step: int, microbatches_per_step: int) -> None:
-        """Stand at the first microbatch of global step ``step`` of ``epoch``."""
         self.epoch, self.microbatches_per_step = epoch, microbatches_per_step
         self.microbatches = step * microbatches_per_step
 
@@ -108,8 +86,7 @@ class SavedPosition:
         """Validate a saved data state.
 
         Raises:
-            ValueError: a state that is not what a lightning_d9d DataModule's ``state_dict()`` writes, naming the
-                offending field and value and what would be valid.
+            ValueError: a malformed state, naming the field, its value and what would be valid.
         """
         if not isinstance(state, dict):
             raise InvalidDataState(
@@ -135,14 +112,14 @@ class _Missing:
 
 
 MISSING: Any = _Missing()
-"""Stands for a field a saved state lacks (never equal to a saved value, and not a string or a list)."""
+"""Stands for a field a saved state lacks (equal to no saved value)."""
 
 
 class InvalidDataState(ValueError):
-    """The one error for a malformed or contradictory data state: names the field, its value and what is valid.
+    """The one error for a malformed or contradictory data state.
 
     Args:
-        path: the field, dotted from the data state's root (``streams.3.sources.web.packing.reader.slot``).
+        path: the field, dotted from the state's root.
         value: what the state holds there.
         valid: what would be valid.
     """

@@ -1,19 +1,9 @@
 """The tokenizer every DataModule reads: one loader with one error text, one choice of the padding id.
 
-``read_tokenizer`` opens a ``tokenizers`` JSON file (``tokenizer.json``) or passes a ``Tokenizer`` through, and
-names the file and how to make one when it is missing or unreadable. ``load_tokenizer`` is the cached copy the
-tokenizing code uses (keyed by the file's content digest, ``tokenizer_digest``, so an edited file is read again;
-padding off, truncation only when asked). ``tokenizer_from_json`` rebuilds a tokenizer from its serialized text
-once per process: the streaming workers receive the text (a few MB that pickles with the stream's spec) rather
-than a path that might change under a running job.
-
-``pad_token_id`` picks the id written at padding positions, in this order: the tokenizer's own padding
-setting, the first of ``PAD_TOKEN_CANDIDATES`` it knows, else the fallback ``0`` (``1`` when 0 is the id to
-avoid). Padding is masked out of attention and labels, so any valid id trains the same; ``avoid`` keeps BOS out
-of the padding where a model finds document starts by their BOS token.
-
-Trade-off: the loaders switch off the padding and truncation saved in the JSON (a document must come out whole
-and unpadded); callers that want truncation enable it on their copy.
+Loaded tokenizers have padding and truncation switched off (a document must come out whole), and are cached by
+content digest so an edited file is read again. Streaming workers receive the serialized JSON rather than a path
+that might change under a running job. The pad id is the tokenizer's padding setting, else a usual pad token,
+else 0 (1 when 0 is the BOS to avoid); padding is masked, so any id trains the same.
 """
 
 from __future__ import annotations
@@ -27,7 +17,6 @@ from tokenizers import Tokenizer
 from lightning_d9d.digest import file_digest
 
 PAD_TOKEN_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|endoftext|>", "</s>", "<eos>")
-"""Usual pad tokens, tried in this order when the tokenizer has no padding setting."""
 _HOW_TO_MAKE_ONE = (
     "give the path of a tokenizers JSON file (tokenizers.Tokenizer.save, or the tokenizer.json that "
     "transformers' save_pretrained writes)"
@@ -44,7 +33,7 @@ def check_tokenizer_file(path: str | os.PathLike) -> str:
     """``path`` as a string, if it is an existing file.
 
     Raises:
-        TokenizerFileNotFoundError: ``path`` is not a file (naming it and what to give instead).
+        TokenizerFileNotFoundError: ``path`` is not a file.
     """
     text = os.fspath(path)
     if not os.path.isfile(os.path.expanduser(text)):
@@ -57,7 +46,7 @@ def read_tokenizer(source: str | os.PathLike | Tokenizer) -> Tokenizer:
 
     Raises:
         TokenizerFileNotFoundError: the path is not a file.
-        ValueError: the file is not a tokenizers JSON file (naming it, the parser's complaint, and what to give).
+        ValueError: the file is not a tokenizers JSON file.
     """
     if isinstance(source, Tokenizer):
         return source
@@ -76,14 +65,7 @@ def tokenizer_digest(path: str | os.PathLike) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str, digest: str, max_length: int | None = None) -> Tokenizer:
-    """The tokenizer at ``path``, cached per process, with padding off and truncation at ``max_length`` (none
-    when ``None``; truncation keeps the post-processor's special tokens within the limit).
-
-    Args:
-        path: a ``tokenizer.json`` path.
-        digest: its ``tokenizer_digest``: it keys the cache, so an edited file is read again (a caller hashes the
-            file once, not on every call of a tokenizing worker).
-        max_length: the longest encoding, or ``None``.
+    """The tokenizer at ``path``, cached per process by ``digest``, padding off, truncated at ``max_length`` if given.
 
     Raises:
         TokenizerFileNotFoundError: the path is not a file.
@@ -99,10 +81,7 @@ def load_tokenizer(path: str, digest: str, max_length: int | None = None) -> Tok
 
 
 def tokenizer_from_json(tokenizer_json: str) -> Tokenizer:
-    """A tokenizer from its serialized JSON text, parsed once per process, without padding or truncation.
-
-    A ``tokenizer.json`` saved with ``truncation: {max_length: 512}`` would otherwise cut every document.
-    """
+    """A tokenizer from its JSON text, parsed once per process, without padding or truncation."""
     tokenizer = _from_json.get(tokenizer_json)
     if tokenizer is None:
         with _from_json_lock:
@@ -116,7 +95,7 @@ def tokenizer_from_json(tokenizer_json: str) -> Tokenizer:
 
 
 def pad_token_id(tokenizer: Tokenizer, avoid: int | None = None) -> int:
-    """The id to write at padding positions (see the module docstring for the order and the fallback).
+    """The id to write at padding positions.
 
     Args:
         tokenizer: as loaded, before its padding setting is switched off.

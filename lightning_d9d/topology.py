@@ -1,26 +1,13 @@
 """Topology: which data-parallel replica this process belongs to, so data is dealt by replica, never by process.
 
-Under tensor, context or pipeline parallelism several processes (the *peers* of one data-parallel replica) work
-on the same samples; only the data-parallel (DP) coordinate may choose the shard. Dealing by process
-(``world_size``/``global_rank``) silently gives peers different samples, and training does not converge.
+Under tensor, context or pipeline parallelism the peers of one replica must see the same samples; dealing by
+``global_rank`` silently gives them different ones and training does not converge. The replica is resolved from a
+strategy's ``distributed_sampler_kwargs``, from a ``DeviceMesh`` and its data-parallel dims (``dp_rank`` is the
+row-major coordinate over them, as ``mesh[dims]._flatten()`` gives), or from dim names of the strategy's mesh. A
+layout that cannot be resolved raises; nothing falls back to processes.
 
-A :class:`DataParallelTopology` is ``(dp_rank, dp_size)`` plus the process's own ``(process_rank,
-world_size)``. It is resolved from one of:
-
-* **a strategy's** ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``): DDP, FSDP and DeepSpeed give one
-  replica per process, Lightning's ``ModelParallelStrategy`` its ``data_parallel`` mesh dim — what Lightning's
-  own samplers use; a strategy that gives none is a single replica only on one process;
-* **a** ``DeviceMesh`` **and its data-parallel dims** (torchtitan names ``dp_replicate``, ``dp_shard``; also
-  ``dp``, ``data_parallel``, ``batch``): ``dp_size`` is the product of their sizes and ``dp_rank`` this
-  process's row-major coordinate over them, in the mesh's dim order (what ``mesh[dims]._flatten()`` gives);
-  every other dim (``cp``, ``tp``, ``pp``, ...) joins peers;
-* **dim names applied to the strategy's own mesh** (``trainer.strategy.device_mesh``).
-
-A layout that cannot be resolved is a ``ValueError`` naming what is wrong; nothing falls back to processes.
-:func:`check_across_processes` confirms with one all-gather that every replica has the same number of peers.
-
-Trade-off: a mesh's dp dims are found by name (a fixed list, others are refused as ambiguous rather than
-guessed), so a mesh with other names needs them spelled out (:meth:`DataParallelTopology.from_device_mesh`).
+Trade-off: dp dims are found by a fixed list of names and others are refused as ambiguous rather than guessed, so
+a mesh with other names needs them spelled out.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ DATA_PARALLEL_DIM_NAMES = ("data_parallel", "dp", "dp_replicate", "dp_shard", "b
 """Mesh dims taken as data-parallel by default (Lightning's, torchtitan's and OLMo-core's names)."""
 
 DataParallelSetting = Union[str, Sequence[str], "DeviceMesh", "DataParallelTopology", None]
-"""What a DataModule's ``data_parallel`` accepts (see :func:`resolve_data_parallel`)."""
+"""What a DataModule's ``data_parallel`` accepts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +35,8 @@ class DataParallelTopology:
 
     Args:
         dp_rank: the replica this process belongs to, in ``[0, dp_size)``.
-        dp_size: number of data-parallel replicas; it divides ``world_size``.
-        process_rank: this process's global rank.
-        world_size: number of processes.
+        dp_size: number of replicas; it divides ``world_size``.
+        process_rank, world_size: this process's global rank and the number of processes.
         source: where the layout came from (for messages; not compared).
 
     Raises:
@@ -91,7 +77,7 @@ class DataParallelTopology:
         return self.peers_per_replica > 1
 
     def describe(self) -> str:
-        """``data-parallel rank 0 of 2 (4 processes, 2 per replica; from ...)``, for messages."""
+        """A one-line description for messages."""
         return (
             f"data-parallel rank {self.dp_rank} of {self.dp_size} ({self.world_size} processes, "
             f"{self.peers_per_replica} per replica; from {self.source})"
@@ -110,13 +96,11 @@ class DataParallelTopology:
 
         Args:
             kwargs: the strategy's ``distributed_sampler_kwargs`` (``None`` when it gives none).
-            world_size: number of processes. process_rank: this process's global rank.
+            world_size, process_rank: the number of processes and this one's global rank.
             strategy: the strategy's name, for messages.
 
         Raises:
-            ValueError: no kwargs on more than one process (which processes share data is unknown); missing or
-                non-integer ``num_replicas``/``rank``; a rank out of range; ``num_replicas`` not dividing the
-                world size.
+            ValueError: no kwargs on more than one process, malformed kwargs, or a ``num_replicas`` not dividing it.
         """
         if kwargs is None:
             if world_size == 1:
@@ -142,23 +126,18 @@ class DataParallelTopology:
         dims: str | Sequence[str] | None = None,
         world_size: int | None = None,
     ) -> DataParallelTopology:
-        """The layout of ``mesh`` whose data-parallel dims are ``dims`` (default: those named as in
-        ``DATA_PARALLEL_DIM_NAMES``).
+        """The layout of ``mesh`` whose data-parallel dims are ``dims``.
 
-        ``dp_size`` is the product of the dims' sizes; ``dp_rank`` this process's row-major coordinate over them in
-        the mesh's dim order. The mesh is the world mesh (every process) or, when all its dims are data-parallel,
-        a data-parallel sub-mesh holding this process (e.g. ``world_mesh["dp_replicate", "dp_shard"]``).
+        The mesh is the world mesh or a sub-mesh of only data-parallel dims that holds this process.
 
         Args:
-            mesh: an initialised ``torch.distributed.device_mesh.DeviceMesh`` with dim names.
-            dims: names of its data-parallel dims (any order; ``[]``: one replica).
-            world_size: number of processes (default: ``torch.distributed``'s world size).
+            mesh: an initialised ``DeviceMesh`` with dim names.
+            dims: its data-parallel dims (any order; ``[]``: one replica; default: by ``DATA_PARALLEL_DIM_NAMES``).
+            world_size: number of processes (default: ``torch.distributed``'s).
 
         Raises:
-            ValueError: a mesh without dim names or without one of ``dims`` (naming its dims); repeated names; no
-                data-parallel dim found by name, or a ``dp``-prefixed name of unknown meaning (``dp_cp``); a
-                mesh that neither covers every process nor consists of data-parallel dims; this process not in
-                the mesh; a dp size that does not divide the world size.
+            ValueError: missing or repeated dim names, no or an ambiguous data-parallel dim, a mesh that neither covers
+                every process nor is data-parallel, this process not in it, or a dp size not dividing the world size.
         """
         names = tuple(mesh.mesh_dim_names or ())
         if len(names) != mesh.ndim:
@@ -189,11 +168,10 @@ class DataParallelTopology:
 
 
 def default_data_parallel_dims(names: Sequence[str]) -> tuple[str, ...]:
-    """The dims of a mesh with these names that are data-parallel by name (``DATA_PARALLEL_DIM_NAMES``).
+    """The dims of a mesh with these names that are data-parallel by name.
 
     Raises:
-        ValueError: none of the names is data-parallel, or a name starts with ``dp`` but is not one of them
-            (e.g. ``dp_cp``, which mixes context-parallel peers into data parallelism): name the dims instead.
+        ValueError: none is, or a ``dp``-prefixed name is not in the list (e.g. ``dp_cp``): name the dims instead.
     """
     unknown = [n for n in names if n.startswith("dp") and n not in DATA_PARALLEL_DIM_NAMES]
     if unknown:
@@ -222,11 +200,10 @@ def _named_dims(dims: str | Sequence[str], names: tuple[str, ...]) -> tuple[str,
 
 
 def check_data_parallel_setting(value: Any) -> DataParallelSetting:
-    """A DataModule's ``data_parallel`` as given, checked: ``None``, a dim name, a list of them, a ``DeviceMesh``
-    or a :class:`DataParallelTopology` (lists become tuples).
+    """A DataModule's ``data_parallel`` as given, checked (lists become tuples).
 
     Raises:
-        ValueError: an empty name, a name that is not a string, a name given twice, or another type.
+        ValueError: an empty, non-string or repeated name, or another type.
     """
     if value is None or isinstance(value, DataParallelTopology) or _is_device_mesh(value):
         return value
@@ -252,17 +229,15 @@ def resolve_data_parallel(
     """The topology a ``data_parallel`` setting asks for, under a strategy.
 
     Args:
-        setting: ``None``: the strategy's ``sampler_kwargs``; a dim name or names: those dims of
-            ``strategy_mesh``; a ``DeviceMesh``: its data-parallel dims by name; a ``DataParallelTopology``:
-            itself (checked against this process).
+        setting: ``None``: the strategy's ``sampler_kwargs``; dim names: those dims of ``strategy_mesh``; a
+            ``DeviceMesh``: its data-parallel dims by name; a ``DataParallelTopology``: itself, checked.
         sampler_kwargs: the strategy's ``distributed_sampler_kwargs``.
-        strategy_mesh: the strategy's ``device_mesh`` (``None`` when it has none).
+        strategy_mesh: the strategy's ``device_mesh`` or ``None``.
         world_size, process_rank: this run's processes.
         strategy: the strategy's name, for messages.
 
     Raises:
-        ValueError: whatever the resolver of the setting raises; dim names without a strategy mesh; a given
-            topology of another process or world size.
+        ValueError: the setting cannot be resolved, or a given topology of another process or world size.
     """
     setting = check_data_parallel_setting(setting)
     if setting is None:
@@ -285,10 +260,7 @@ def resolve_data_parallel(
 
 
 def check_across_processes(topology: DataParallelTopology) -> None:
-    """Confirm with one all-gather that every process agrees on ``dp_size`` and every replica has
-    ``peers_per_replica`` processes. A no-op on one process or without ``torch.distributed``.
-
-    Every process must call it (it is a collective).
+    """Confirm with one all-gather that every replica has ``peers_per_replica`` processes (a collective; no-op alone).
 
     Raises:
         ValueError: processes that disagree, naming them (the same error on every process).

@@ -1,31 +1,15 @@
 """SteppedDataModule: what every lightning_d9d DataModule shares — topology, the resume contract, devices, shutdown.
 
-This layer (``lightning_d9d.datamodules``) is the only one that imports Lightning. Its base class owns:
+This layer is the only one that imports Lightning. Data is dealt by data-parallel rank (resolved once per
+``setup``), never by process, so model-parallel peers get the same microbatches. ``state_dict()`` is ``{"epoch",
+"step", "fingerprint"}`` plus what a subclass adds, counting only optimizer steps done; ``load_state_dict``
+validates it and compares fingerprints, and one side-effect-free ``start_point`` decides where every epoch
+iteration begins. Batches are pinned only for CUDA and copied with ``non_blocking=True``; loaders handed out are
+closed when replaced, at ``teardown`` and when training raises. Trainer settings the data decides are applied by
+``DataModuleCallback``.
 
-* **topology**: the data-parallel size and rank (:mod:`lightning_d9d.topology`, resolved once per ``setup``
-  from the trainer's strategy or the ``data_parallel`` setting; 1 and 0 without a trainer). Data is dealt by
-  data-parallel rank, never by process, so tensor/context/pipeline-parallel peers get the same microbatches;
-  ``M`` microbatches per replica per optimizer step (``M = G / (D·m)``; a subclass may size steps otherwise,
-  e.g. ``P / D`` with token budgets); ``steps_in_epoch(epoch)`` may differ between epochs;
-* **the resume contract** (:mod:`lightning_d9d.resume`): ``state_dict()`` is ``{"epoch", "step",
-  "fingerprint"}`` plus what a subclass adds, the step counting only optimizer steps done (a microbatch in
-  flight when the checkpoint is taken is not); ``load_state_dict`` validates the state (one error per bad
-  field), compares fingerprints (one error format, naming every differing field), and stands the position at
-  that step; one ``start_point``, free of side effects, decides where every epoch iteration begins;
-* **pinning and transfer**: pin only where the trainer's device is CUDA; ``transfer_batch_to_device`` copies
-  with ``non_blocking=True`` and keeps the batch type;
-* **the data's speed** (:mod:`lightning_d9d.datamodules.observability`): ``data_wait_warning``, and the token
-  count of each training microbatch on the host before its copy, which the callback logs;
-* **shutdown**: the loaders it handed out are closed (worker processes stopped, there and then) when a new
-  loader is made, at ``teardown`` and when training raises.
-
-What the Trainer must be told or corrected (``accumulate_grad_batches``, a reload every epoch, its restored
-counters, a checkpoint's loops that contradict the data state), and the opt-in peer check (``verify_peers``),
-are done by
-:class:`~lightning_d9d.datamodules.callback.DataModuleCallback`, attached in ``start_fit``.
-
-Trade-off: the saved step reads Lightning's processed-batch counter (``fit_loop.epoch_loop.batch_progress``),
-a loop internal; tests pin it down so an upgrade that changes it fails loudly.
+Trade-off: the saved step reads Lightning's processed-batch counter, a loop internal; tests pin it down so an
+upgrade that changes it fails loudly.
 """
 
 from __future__ import annotations
@@ -59,12 +43,9 @@ Loader = TypeVar("Loader", bound=ClosableLoader)
 class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule):
     """Base of every lightning_d9d DataModule: topology, steps, the resume contract, counters, pinning, shutdown.
 
-    Subclasses set ``global_batch_size`` and ``microbatch_size`` (or override ``microbatches_for`` and
-    ``describe_step`` to size steps otherwise), ``pin_memory``, ``yield_packs``, ``on_order_mismatch``,
-    ``data_parallel``, ``verify_peers`` and ``data_wait_warning``; ``setup`` starts with ``resolve_topology()``,
-    sets ``fingerprint`` and calls ``start_fit()`` for the fit stage; they deal data by ``dp_rank`` of
-    ``dp_size``; they define ``steps_per_epoch`` (and ``steps_in_epoch`` and ``reloads_train_loader_every_epoch``
-    where epochs differ) and may add to the state with ``extra_state``/``restore_extra_state``.
+    Subclasses set the step sizes (or override ``microbatches_for`` and ``describe_step``) and the shared settings;
+    ``setup`` calls ``resolve_topology()``, sets ``fingerprint`` and calls ``start_fit()`` for fit; they define
+    ``steps_per_epoch`` and may extend the state with ``extra_state``/``restore_extra_state``.
     """
 
     global_batch_size: int | None
@@ -81,7 +62,6 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
 
     @property
     def on_order_mismatch(self) -> OnOrderMismatch:
-        """What ``load_state_dict`` does with a checkpoint of other data: ``"raise"`` or ``"restart_epoch"``."""
         return self._on_order_mismatch
 
     @on_order_mismatch.setter
@@ -112,7 +92,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         return 1 if self.yield_packs else self.microbatches_per_step
 
     def describe_step(self) -> str:
-        """How the settings give M, for messages (``global_batch_size=…, data-parallel size … give M …``)."""
+        """How the settings give M, for messages."""
         return (
             f"global_batch_size={self.global_batch_size}, data-parallel size {self.dp_size} and "
             f"microbatch_size={self.microbatch_size} give {self.microbatches_per_step} microbatches per step"
@@ -120,11 +100,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
 
     # ------------------------------------------------------------------ set-up under a Trainer
     def start_fit(self, position: TrainPosition) -> None:
-        """Stand at the start of training with ``position``; under a Trainer, attach :class:`DataModuleCallback`.
-
-        The callback sets the trainer's settings the data decides (``accumulate_grad_batches = M``), checks a
-        restored data state against the checkpoint's loops and aligns Lightning's restored counters to it.
-        """
+        """Stand at the start of training; under a Trainer, attach :class:`DataModuleCallback`."""
         self.position, self.restored, self.loaded = position, None, None
         trainer = self._trainer
         if trainer is not None:
@@ -147,9 +123,8 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         """Restore the position; the next epoch iteration continues exactly where the checkpoint was taken.
 
         Raises:
-            ValueError: a state from other data or settings (naming each differing field, with the checkpoint's
-                value and this run's), unless ``on_order_mismatch="restart_epoch"``; a step beyond the epoch; a
-                malformed state.
+            ValueError: a state from other data or settings (naming each differing field) unless
+                ``on_order_mismatch="restart_epoch"``, a step beyond the epoch, or a malformed state.
         """
         if not self.restores_training_position():
             return
@@ -188,11 +163,8 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
     def saved_position(self) -> tuple[int, int]:
         """(epoch, step) a checkpoint saves: the first optimizer step not yet done.
 
-        The loader counts a microbatch when it hands it out, but under a Trainer a checkpoint can be taken while
-        that microbatch is still in flight (an exception, Ctrl+C or any save before Lightning has processed
-        it). If it is the last of its window, the step it belongs to has not been taken, so the saved step is
-        counted from the microbatches Lightning has processed in this epoch, not from those handed out.
-        Without a Trainer, what was handed out is what was trained.
+        A checkpoint can be taken while a handed-out microbatch is still in flight, so under a Trainer the step is
+        counted from the microbatches Lightning has processed, not from those handed out.
         """
         position, trainer = self.position, self._trainer
         microbatches = position.microbatches
@@ -211,9 +183,8 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
     def start_point(self) -> tuple[int, int]:
         """(epoch, microbatch of this replica) where the next epoch iteration starts; read at its first ``next()``.
 
-        Under a Trainer the epoch is the trainer's: the position continues where it stands in that epoch (a
-        restored one included; a finished one stays finished), and any other epoch starts at 0. Without one (a
-        notebook), the position continues, rolling into the next epoch once the last one is finished.
+        Under a Trainer the epoch is the trainer's (another epoch starts at 0); without one the position continues,
+        rolling into the next epoch once the last one is finished.
         """
         trainer, position = self._trainer, self.position
         epoch, microbatches = position.epoch, position.microbatches
@@ -232,11 +203,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         self.position.start(epoch, 0, self.microbatches_per_step)
 
     def restores_training_position(self) -> bool:
-        """Whether a checkpoint's data state matters now: not under ``Trainer.validate/test/predict``.
-
-        Those load the DataModule state too, but never use the training position, so a checkpoint from
-        another data order must not stop them.
-        """
+        """Whether a checkpoint's data state matters now: not under ``validate/test/predict``, which never use it."""
         trainer = self._trainer
         return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
@@ -250,7 +217,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         """``pin_memory`` if set, else pin exactly when the trainer's device (or, alone, the machine) has CUDA.
 
         Raises:
-            ValueError: ``pin_memory=True`` where torch sees no CUDA device (pinning would fail in the loader).
+            ValueError: ``pin_memory=True`` where torch sees no CUDA device.
         """
         if self.pin_memory is not None:
             if self.pin_memory and not torch.cuda.is_available():
@@ -266,7 +233,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
 
     # ------------------------------------------------------------------ shutdown
     def track_loader(self, loader: Loader, kind: str = "train") -> Loader:
-        """Remember a loader handed out; the previous one of its kind is closed now, the rest at teardown/errors."""
+        """Remember a loader handed out, closing the previous one of its kind."""
         loaders: dict[str, weakref.ref] = getattr(self, "_loaders", {})
         previous = loaders.get(kind)
         if previous is not None and previous() is not None:
@@ -276,7 +243,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         return loader
 
     def close_loaders(self) -> None:
-        """Stop every loader handed out (their worker processes exit now, not when garbage is collected)."""
+        """Stop every loader handed out (their workers exit now, not at garbage collection)."""
         for ref in getattr(self, "_loaders", {}).values():
             loader = ref()
             if loader is not None:

@@ -1,31 +1,13 @@
 """DataModuleCallback: what a lightning_d9d DataModule needs from the Trainer, in the Trainer's own hooks.
 
-A DataModule decides how many microbatches make an optimizer step and where training stands in the data;
-Lightning keeps its own copy of both (``accumulate_grad_batches``, and the loops' restored progress counters).
-This callback keeps them in agreement, so the DataModule itself never edits the Trainer:
+Lightning keeps its own copy of the step size (``accumulate_grad_batches``) and of the data position (the loops'
+restored counters); this callback keeps them in agreement with the DataModule, which never edits the Trainer. It
+sets ``accumulate_grad_batches = M`` (and a reload every epoch where epochs differ), checks a restored data state
+against the checkpoint's loops, aligns Lightning's in-epoch counters to the data position at ``on_train_start``,
+runs the opt-in peer check (every process reaches the same collectives) and times the data.
 
-* ``setup``: ``accumulate_grad_batches = M`` under automatic optimization (an explicit, different value is an
-  error), and ``reload_dataloaders_every_n_epochs = 1`` where epochs differ in length (Lightning reads a train
-  loader's length once per load);
-* ``on_load_checkpoint`` (after the DataModule's ``load_state_dict``): the restored data position must agree
-  with the checkpoint's own loops — its epoch, and the optimizer steps Lightning completed in it;
-* ``on_train_start`` (after the loops are restored, before the first batch): Lightning restored its in-epoch
-  batch counters in the old run's microbatches, wrong after a mid-window checkpoint or a change of world size or
-  microbatch size; they are set to the data position. A mid-epoch resume whose checkpoint gave the DataModule
-  no state would train a wrong partial epoch, so it is an error there, naming the checkpoint's keys;
-* the peer check (``verify_peers = N``, :mod:`lightning_d9d.peer_check`): each microbatch of the first N
-  optimizer steps of a fit (and of its first validation run) is digested at ``on_train_batch_start``; at the
-  step's last microbatch every process all-gathers the digests and the processes of each data-parallel replica
-  must agree. Every process reaches the same points (each runs M microbatches per step), so the collective
-  never waits on a process that skipped it;
-* the data's speed (:mod:`lightning_d9d.datamodules.observability`): every optimizer step's wait for data and
-  tokens per second, logged under ``data/`` where the trainer has a logger, and a warning when the wait is a
-  large share of the step time (``data_wait_warning``). This callback is added after the trainer's own
-  callbacks, so its ``on_train_batch_end`` (where a microbatch's end is taken) runs after theirs.
-
-Trade-off: aligning Lightning's counters and reading its checkpointed loop state touch its loop internals
-(``fit_loop.epoch_loop.batch_progress``, the loops' saved progress); tests pin this down so an upgrade that
-changes them fails loudly.
+Trade-off: aligning counters touches Lightning's loop internals; tests pin them so an upgrade that changes them
+fails loudly.
 """
 
 from __future__ import annotations
@@ -94,7 +76,7 @@ class DataModuleCallback(pl.Callback):
         """Epochs differ in length, and Lightning reads a loader's length once per load.
 
         Raises:
-            ValueError: the user set ``reload_dataloaders_every_n_epochs`` to a value above 1.
+            ValueError: the user set ``reload_dataloaders_every_n_epochs`` above 1.
         """
         every = trainer.reload_dataloaders_every_n_epochs
         if every not in (0, 1):
@@ -111,12 +93,7 @@ class DataModuleCallback(pl.Callback):
         self.check_against_loops(checkpoint, pl_module.automatic_optimization)
 
     def check_against_loops(self, checkpoint: dict[str, Any], automatic_optimization: bool) -> None:
-        """Check the restored data position against the checkpoint's own loop state (its epoch and steps).
-
-        A data state saved with a checkpoint agrees with it: the data is in the checkpoint's epoch with as many
-        steps done as Lightning's optimizer completed in that epoch (batches, with ``yield_packs``), or it
-        finished the epoch before (a checkpoint between epochs). A state that disagrees would train other data
-        than the trainer believes, so it is refused.
+        """Refuse a restored data position that disagrees with the checkpoint's loops (its epoch and steps done).
 
         Raises:
             ValueError: ``epoch`` or ``step`` contradicts the checkpoint's loops, naming both.
@@ -180,10 +157,7 @@ class DataModuleCallback(pl.Callback):
         self._peers.verify_validation(trainer)
 
     def align_lightning_progress(self, trainer: pl.Trainer) -> None:
-        """Set Lightning's restored in-epoch batch counters to the restored data position.
-
-        Lightning restores them in the old run's microbatches, including a partial accumulation window; left as
-        they are, it would end the epoch early or misalign accumulation windows.
+        """Set Lightning's restored in-epoch batch counters (in the old run's microbatches) to the data position.
 
         Raises:
             ValueError: Lightning resumes mid-epoch but the checkpoint gave this DataModule no state.
@@ -227,8 +201,7 @@ class DataModuleCallback(pl.Callback):
 
 
 class _PeerCheck:
-    """Digests of the first ``verify_peers`` optimizer steps of a fit (and of the trainer's first validation run),
-    compared among the processes of each data-parallel replica when the step (or the run) ends."""
+    """Digests of the first ``verify_peers`` steps, compared among each replica's processes."""
 
     def __init__(self, datamodule: SteppedDataModule):
         self._datamodule = datamodule
@@ -265,8 +238,7 @@ class _PeerCheck:
 def _steps_done_in_epoch(checkpoint: dict[str, Any], automatic_optimization: bool, packs: bool) -> int | None:
     """Optimizer steps the checkpoint's loops completed in its epoch; ``None`` where they do not say.
 
-    Automatic optimization counts them; with packs (manual optimization, one step per batch) they are the
-    processed batches. Other manual optimization may step any number of times per batch.
+    With packs they are the processed batches; other manual optimization may step any number of times per batch.
     """
     try:
         loop = checkpoint["loops"]["fit_loop"]

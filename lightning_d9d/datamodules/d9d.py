@@ -1,31 +1,15 @@
 """D9DDataModule: order → shard → load → pack → pin → transfer over a map-style dataset, exactly resumable.
 
-It builds the schedule of every epoch once per ``setup`` and hands each data-parallel rank a ``TrainLoader`` (a
-sized iterable, so Lightning neither swaps in a distributed sampler nor saves the loader's own state), and carries
-the data
-position through the resume contract of :class:`SteppedDataModule` (Lightning stores it in every checkpoint
-under the DataModule's class name). Two ways to size a step, two strategies of :mod:`lightning_d9d.mapstyle.steps`
-behind one interface:
+A step is sized by sample counts (G samples, cut into microbatches of m; ``floor(N / G)`` steps an epoch) or by
+token budgets (``P`` microbatches within ``microbatch_tokens``, planned per epoch from every sample's length). The
+schedule is a pure function of the seed, the data and the settings, never of the layout or workers, and the saved
+position is global optimizer steps, so a resume recomputes the rest of the epoch on any data-parallel size,
+microbatch size or worker count. Each data-parallel replica gets a sized ``TrainLoader``, so Lightning neither
+swaps in a distributed sampler nor saves loader state; token-budget epochs differ in length, so the train loader
+is reloaded every epoch.
 
-* **sample counts** (``global_batch_size``, ``microbatch_size``): every step is G samples, the order's global
-  batch (:mod:`lightning_d9d.mapstyle.order`) cut into microbatches of m; ``floor(N / G)`` steps an epoch;
-* **token budgets** (``global_batch_tokens``, ``microbatch_tokens``, ``padding_free``): every step is
-  ``P = global_batch_tokens / microbatch_tokens`` microbatches over all ranks, each within
-  ``microbatch_tokens``, planned per epoch from every sample's length (:mod:`lightning_d9d.mapstyle.plan`).
-  Epochs then differ a little in their number of steps, and Lightning reads a train loader's length once per
-  load: so the Trainer gets ``reload_dataloaders_every_n_epochs = 1``, and each epoch's loader reports
-  that epoch's length (the trainer's ``current_epoch`` when it is built). ``estimated_stepping_batches`` is then
-  the loading epoch's steps × ``max_epochs``, off by the few steps the epochs differ by.
-
-Resume is exact because the position is global optimizer steps and the schedule is a pure function of the seed,
-the data and the settings, never of the layout or workers: on resume the remaining batches of the epoch are
-recomputed, on any data-parallel size (any tensor/context/pipeline-parallel layout around it), microbatch size
-(sample counts) or worker count. Data is dealt by data-parallel rank (``data_parallel``,
-:mod:`lightning_d9d.topology`): every process of a replica gets the same microbatches.
-
-Trade-off: the schedule of an epoch is computed in the main process of every rank (cheap: a permutation, or one
-pass over the lengths with token budgets) instead of being shared; and its fingerprint summarises the data
-(:mod:`lightning_d9d.mapstyle.steps` says how) rather than hashing every sample.
+Trade-off: every rank computes the epoch's schedule itself instead of sharing it, and the fingerprint summarises
+the data rather than hashing every sample.
 """
 
 from __future__ import annotations
@@ -65,65 +49,43 @@ __all__ = ["DEFAULT_MICROBATCH_SIZE", "D9DDataModule", "OrderFingerprint", "Toke
 class D9DDataModule(SteppedDataModule):
     """Sorted, sharded, packed map-style loading for ``Trainer.fit``, exactly resumable.
 
-    Pass exactly one of ``global_batch_size`` (sample counts, with ``microbatch_size``) and
-    ``global_batch_tokens`` (token budgets, with ``microbatch_tokens``).
+    Pass exactly one of ``global_batch_size`` (sample counts) and ``global_batch_tokens`` (token budgets).
 
     Args:
-        train_dataset: a map-style dataset, or a zero-argument factory called in ``prepare_data()`` (once per
-            node, to download/process into a cache) and in ``setup()`` (every rank, loading that cache).
-        collate_fn: list of samples -> microbatch (a tensor, dict, tuple or dataclass). A batch with a
-            ``step_label_tokens`` field or key gets its step's predicted tokens over all ranks written into it.
-        global_batch_size: samples per optimizer step, summed over all ranks and accumulation (G).
-        microbatch_size: samples per forward/backward on one rank (m; default 4). Sample counts only.
-        sort_buffer_size: ``None`` for no length sorting; else samples are sorted by key within windows of this
-            many samples (rounded down to a multiple of G with sample counts). Larger pads less (README: padding
-            vs buffer). With token budgets: samples packed together per window (``None``: packed in order).
-        sort_key: ``None`` (use ``dataset.sort_key(index)`` if it exists), a callable ``(index) -> key``, or
-            the name of a column of a Hugging Face dataset (each window's keys read with one Arrow ``take``).
-            With token budgets the keys are the samples' lengths (whole numbers >= 1), read once at ``setup``;
-            with sample counts numeric keys are also taken as lengths for ``step_label_tokens``.
-        val_dataset: optional validation dataset (or factory); every sample is evaluated exactly once per run.
-        seed: the order's seed. The order of epoch e is a pure function of seed, e, the data and the settings.
-        shuffle: ``False`` keeps dataset order (epochs then repeat).
+        train_dataset: a map-style dataset, or a zero-argument factory called in ``prepare_data()`` (once per node)
+            and in ``setup()`` (every rank).
+        collate_fn: list of samples -> microbatch. A batch with a ``step_label_tokens`` field or key gets its step's
+            predicted tokens over all ranks.
+        global_batch_size: samples per optimizer step over all ranks and accumulation (G).
+        microbatch_size: samples per forward/backward on one rank (sample counts only).
+        sort_buffer_size: sort samples by key within windows of this many (sample counts: rounded down to a multiple
+            of G; token budgets: packed together); ``None``: no sorting.
+        sort_key: ``None`` (``dataset.sort_key(index)`` if it exists), a callable ``(index) -> key``, or a Hugging Face
+            column name. With token budgets the keys are the samples' lengths.
+        val_dataset: optional validation dataset (or factory); every sample is evaluated once per run.
+        seed: the order's seed.
+        shuffle: ``False`` keeps dataset order.
         num_workers: ``StatefulDataLoader`` worker processes (does not change the order).
-        pin_memory: ``None`` pins exactly when the trainer's device is CUDA; ``True``/``False`` force it.
-        yield_packs: each batch is the list of M microbatches of one optimizer step (for manual optimization).
-        on_order_mismatch: what ``load_state_dict`` does when the checkpoint's order fingerprint (seed, dataset,
-            sizes or budgets, buffer) differs from this DataModule's: ``"raise"`` (default) or
-            ``"restart_epoch"`` (start the checkpoint's epoch over with the new order, with a warning).
-        global_batch_tokens: tokens per optimizer step over all ranks and accumulation; a multiple of
-            ``microbatch_tokens``. Token budgets only.
-        microbatch_tokens: tokens of one microbatch: its sample count × its longest sample (rounded up to
-            ``pad_to_multiple_of``) when padded, the sum of its lengths when ``padding_free``.
-        padding_free: plan for a ``collate_fn`` that concatenates a microbatch's samples into one row (e.g.
-            :class:`~lightning_d9d.text.collate.FlatteningCollator`). Token budgets only.
-        pad_to_multiple_of: the padded length's rounding the plan counts (padded token budgets); ``None``: the
-            ``collate_fn``'s own ``pad_to_multiple_of`` if it has one, else 1. A ``collate_fn`` with a
-            ``context_parallel_size`` (``FlatteningCollator``) makes padding-free budgets count each sample
-            rounded up to ``2 × context_parallel_size``.
-        data_parallel: which processes share data: ``None`` (default) follows the strategy (DDP/FSDP: every
-            process is a replica; ``ModelParallelStrategy``: its ``data_parallel`` dim); else dim names of the
-            strategy's ``device_mesh``, a ``DeviceMesh`` or a ``DataParallelTopology`` (docs/model_parallelism.md).
-            Replicas get disjoint data, the processes of one replica the same microbatches.
-        verify_peers: the first N optimizer steps of each fit (and its first validation run) compare their
-            microbatches among each replica's processes, one all-gather per step; a difference raises, naming
-            the step and the processes (0: off).
-        data_wait_warning: warn once per fit when training waits for data more than this fraction of its step
-            time (0 to 1; ``None`` or 0: never); docs/observability.md.
+        pin_memory: ``None``: pin when the trainer's device is CUDA.
+        yield_packs: each batch is the list of M microbatches of one step (manual optimization).
+        on_order_mismatch: a checkpoint with another order fingerprint: ``"raise"`` or ``"restart_epoch"``.
+        global_batch_tokens: tokens per optimizer step over all ranks; a multiple of ``microbatch_tokens``.
+        microbatch_tokens: tokens of one microbatch: count × padded longest, or the sum of lengths if
+            ``padding_free``.
+        padding_free: plan for a ``collate_fn`` that concatenates a microbatch into one row.
+        pad_to_multiple_of: the padded length's rounding; ``None``: the ``collate_fn``'s, else 1.
+        data_parallel: which processes share data: ``None`` follows the strategy; else ``device_mesh`` dim names, a
+            ``DeviceMesh`` or a ``DataParallelTopology``.
+        verify_peers: the first N steps compare microbatches among each replica's processes (0: off).
+        data_wait_warning: warn once per fit when waiting for data exceeds this fraction of step time (``None``/0:
+            never).
 
     Raises:
-        ValueError: non-positive sizes; both or neither of ``global_batch_size``/``global_batch_tokens``; a
-            setting of the other mode; ``global_batch_tokens`` not a multiple of ``microbatch_tokens``; a buffer
-            smaller than G; a padded collate with ``padding_free`` (or a flattening one without); an unknown
-            ``on_order_mismatch``; a malformed ``data_parallel``; a ``data_wait_warning`` outside 0..1; a
-            ``microbatch_tokens`` not a multiple of the collate's ``2 × context_parallel_size`` — at construction.
-            A ``data_parallel`` that cannot be resolved (e.g. a mesh without the named dims), G (or P) not divisible by
-            the data-parallel size (× m), a dataset shorter than one step, a missing or non-comparable sort key, a
-            sample longer than ``microbatch_tokens`` (naming it), a conflicting ``accumulate_grad_batches`` or
-            ``reload_dataloaders_every_n_epochs`` — in ``setup``.
-        InvalidLengthError: (a ``ValueError`` and a ``TypeError``) with token budgets, a length that is not a
-            whole number >= 1, or a sort-key column that is not numeric (naming the sample or column) — in
-            ``setup``.
+        ValueError: inconsistent or non-positive settings (at construction); in ``setup``, an unresolvable
+            ``data_parallel``, a step that does not divide among replicas, a dataset shorter than one step, a bad sort
+            key, a sample longer than ``microbatch_tokens``, or conflicting Trainer settings.
+        InvalidLengthError: (a ``ValueError`` and a ``TypeError``) with token budgets, a length that is not a whole
+            number >= 1.
     """
 
     def __init__(
@@ -217,7 +179,6 @@ class D9DDataModule(SteppedDataModule):
 
     @property
     def reloads_train_loader_every_epoch(self) -> bool:  # type: ignore[override]
-        """Token-budget epochs differ in length, and Lightning reads a train loader's length once per load."""
         return self.steps.epochs_differ
 
     def microbatches_for(self, dp_size: int) -> int:
@@ -237,7 +198,7 @@ class D9DDataModule(SteppedDataModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def prepare_data(self) -> None:
-        """Call the dataset factories once per node so they can download/process into their cache."""
+        """Call the dataset factories once per node (download/process into their cache)."""
         for source in (self._train_source, self._val_source):
             if source is not None and _is_factory(source):
                 source()
@@ -265,14 +226,10 @@ class D9DDataModule(SteppedDataModule):
         return self.track_loader(self._train_loader(self.dp_size, self.dp_rank, self.position, self.start_point))
 
     def train_dataloader_for_rank(self, dp_rank: int, dp_size: int, epoch: int = 0) -> TrainLoader:
-        """What data-parallel rank ``dp_rank`` of ``dp_size`` would train in ``epoch`` — for exploration and
-        simulation (every process of that replica trains the same).
-
-        It has its own position (from the epoch's start) and does not touch the DataModule's.
+        """What data-parallel rank ``dp_rank`` of ``dp_size`` would train in ``epoch``, with a position of its own.
 
         Raises:
-            ValueError: a rank outside ``[0, dp_size)`` or a step that does not divide among ``dp_size``
-                replicas (G by ``dp_size × m``, or P by ``dp_size``).
+            ValueError: a rank outside ``[0, dp_size)`` or a step that does not divide among ``dp_size`` replicas.
         """
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")

@@ -1,14 +1,7 @@
-"""DataParallelMixin: a DataModule's data-parallel layout, read from its trainer (the Lightning side of
-:mod:`lightning_d9d.topology`).
+"""DataParallelMixin: a DataModule's data-parallel layout, resolved once per ``setup`` from its trainer.
 
-The layout is resolved once per ``setup`` (``resolve_topology``: from the ``data_parallel`` setting and the
-trainer's strategy, then confirmed across processes with one all-gather) and cached for that trainer; without a
-trainer it is a single replica unless ``data_parallel`` is a ``DeviceMesh`` or a ``DataParallelTopology``.
-``dp_size``/``dp_rank`` are what every DataModule deals data by; ``verify_peers`` turns on the peer check of
-:class:`~lightning_d9d.datamodules.callback.DataModuleCallback`.
-
-Trade-off: the layout is read from the strategy's ``distributed_sampler_kwargs`` (what Lightning's own samplers
-use) unless told otherwise, so a strategy whose kwargs hide model parallelism needs ``data_parallel`` set.
+Trade-off: by default the layout is the strategy's ``distributed_sampler_kwargs``, so a strategy whose kwargs hide
+model parallelism needs ``data_parallel`` set.
 """
 
 from __future__ import annotations
@@ -36,9 +29,7 @@ class DataParallelMixin:
 
     @property
     def data_parallel(self) -> DataParallelSetting:
-        """Which processes share data: ``None`` (the strategy's ``distributed_sampler_kwargs``), mesh dim names
-        of the strategy's ``device_mesh``, a ``DeviceMesh`` or a ``DataParallelTopology`` (see
-        :func:`lightning_d9d.topology.resolve_data_parallel`)."""
+        """Which processes share data (see ``resolve_data_parallel``)."""
         return self._data_parallel
 
     @data_parallel.setter
@@ -48,8 +39,7 @@ class DataParallelMixin:
 
     @property
     def verify_peers(self) -> int:
-        """Optimizer steps at the start of each fit whose microbatches are compared among the processes of each
-        data-parallel replica (0: off); see :mod:`lightning_d9d.peer_check`."""
+        """Steps at the start of each fit whose microbatches peers compare (0: off)."""
         return self._verify_peers
 
     @verify_peers.setter
@@ -57,14 +47,10 @@ class DataParallelMixin:
         self._verify_peers = non_negative_int("verify_peers", value)
 
     def resolve_topology(self) -> DataParallelTopology:
-        """Resolve the data-parallel layout now (``setup`` calls it first) and confirm it across processes.
-
-        Under a Trainer every process must call it (one all-gather); without one, a ``DeviceMesh`` or
-        ``DataParallelTopology`` setting is honoured and anything else is a single replica.
+        """Resolve the data-parallel layout and confirm it across processes (under a Trainer, a collective).
 
         Raises:
-            ValueError: a layout that cannot be resolved (see :func:`~lightning_d9d.topology.resolve_data_parallel`)
-                or that processes disagree on.
+            ValueError: a layout that cannot be resolved or that processes disagree on.
         """
         trainer = self._trainer
         topology = self._resolved(trainer)
@@ -103,7 +89,7 @@ class DataParallelMixin:
 
     @property
     def dp_rank(self) -> int:
-        """This process's data-parallel rank (shared with its tensor/context/pipeline-parallel peers)."""
+        """This process's data-parallel rank (shared with its model-parallel peers)."""
         return self.topology.dp_rank
 
     @property
@@ -112,7 +98,6 @@ class DataParallelMixin:
 
 
 def _process_layout() -> tuple[int, int]:
-    """(world size, rank) of ``torch.distributed`` (1 and 0 where it is not initialised)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

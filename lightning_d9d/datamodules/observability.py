@@ -1,37 +1,13 @@
 """The pipeline's speed, visible: per optimizer step, how long training waited for data and how many tokens it got.
 
-:class:`StepTimer` is driven by :class:`~lightning_d9d.datamodules.callback.DataModuleCallback`'s hooks. For each
-optimizer step it measures, on the host clock (``time.perf_counter``):
+On the host clock, a step's wait is the sum of its gaps between one microbatch's ``on_train_batch_end`` and the
+next one's ``on_train_batch_start`` (Lightning's fetcher holds one batch ahead, so a slow loader shows one
+microbatch early); validation runs are cut out. Figures are logged under ``data/`` when the trainer has a logger,
+and a warning fires once per fit when the wait exceeds ``data_wait_warning`` of the step time after a warm-up.
+Tokens are counted on the host copy before transfer, since counting a CUDA tensor would sync every microbatch.
 
-* **wait**: the sum, over the step's microbatches, of the time between the end of the previous microbatch
-  (the callback's ``on_train_batch_end``; for an epoch's first microbatch, ``on_train_epoch_start``) and this
-  microbatch's ``on_train_batch_start``. Lightning's fetcher holds one batch ahead: in that gap its ``next()``
-  hands out the batch it already holds and then fetches the *following* one, so a gap is mostly the wait for the
-  next microbatch to come out of the loader (a slow loader shows there, one microbatch early), plus the
-  host-to-device copy of this microbatch and whatever Lightning runs between the two hooks (the
-  LightningModule's own ``on_train_batch_end``, Lightning's per-batch metric and logger bookkeeping, earlier
-  callbacks' ``on_train_batch_start``; not this module's own logging).
-  A validation run inside the epoch is cut out of it (from ``on_validation_start`` to ``on_validation_end``);
-* **step time**: wall time from the previous step's end (or the epoch's start) to this step's last
-  ``on_train_batch_end``, validation cut out the same way; the wait is part of it.
-
-:class:`DataObserver` turns a step's figures into logged values (``data/wait_ms``, ``data/step_ms``,
-``data/tokens``, ``data/tokens_per_s`` and what the DataModule adds, e.g. a pretraining run's fill and source
-shares) through ``pl_module.log`` (so they follow ``log_every_n_steps``; each logged value is that step's), only
-when the trainer has a logger, and warns once per fit (``DataWaitWarning``) when the wait exceeds
-``data_wait_warning`` of the step time over ``WINDOW_STEPS`` steps after ``WARMUP_STEPS`` (the first steps pay
-for worker start-up and the first fetches; each epoch's first step, which starts a new iterator, is left out),
-unless the wait is under ``MIN_WARNED_WAIT_S`` per microbatch (Lightning's own bookkeeping in toy-sized steps).
-
-Tokens are counted on the host copy of each training microbatch, in the DataModule's ``transfer_batch_to_device``
-before the copy (:func:`lightning_d9d.batches.count_tokens`): a count of a CUDA tensor would make the host wait
-for the device every microbatch. Where a LightningModule replaces that hook, the batch is counted on its device at
-``on_train_batch_start`` instead.
-
-Trade-off: every value is this process's own (no collective per step): the logger writes rank 0's, which is the
-run's wait as long as ranks load alike; a rank that waits longer shows only on its own clock. Host-clock times on
-CUDA are those of the host, which may run ahead of the device: a wait the device's queued work hides is counted,
-though it costs nothing, so read the wait as a fraction of the step time, where a data-bound run shows.
+Trade-off: every value is this process's own (no collective per step), and the host may run ahead of the
+device, so read the wait as a fraction of the step time.
 """
 
 from __future__ import annotations
@@ -66,10 +42,10 @@ class DataWaitWarning(UserWarning):
 
 
 def check_data_wait_warning(value: Any) -> float | None:
-    """``value`` as a fraction of the step time, ``None`` where it turns the warning off (``None`` or 0).
+    """``value`` as a fraction of the step time; ``None`` where the warning is off (``None`` or 0).
 
     Raises:
-        ValueError: ``value`` is not a number from 0 to 1 (or ``None``), naming it.
+        ValueError: ``value`` is not a number from 0 to 1 (or ``None``).
     """
     if value is None:
         return None
@@ -81,8 +57,7 @@ def check_data_wait_warning(value: Any) -> float | None:
 
 
 class ObservedData:
-    """What a DataModule shares with its :class:`DataObserver`: ``data_wait_warning`` and the host counts of the
-    training microbatch in flight. Mixed into :class:`~lightning_d9d.datamodules.base.SteppedDataModule`."""
+    """What a DataModule shares with its :class:`DataObserver`: the warning setting and host counts."""
 
     _data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING
     _count_host_batches = False  # set by the observer while a fit with a logger runs
@@ -90,8 +65,7 @@ class ObservedData:
 
     @property
     def data_wait_warning(self) -> float | None:
-        """Warn once per fit when training waits for data more than this fraction of its step time (``None``: no
-        warning); see :mod:`lightning_d9d.datamodules.observability`."""
+        """Warn once per fit when waiting for data exceeds this fraction of step time."""
         return self._data_wait_warning
 
     @data_wait_warning.setter
@@ -105,13 +79,12 @@ class ObservedData:
             self._host_counts = BatchCounts.of(batch)
 
     def take_host_counts(self) -> BatchCounts | None:
-        """The counts of the microbatch last moved (once: the next call gives ``None`` until another is moved)."""
+        """The counts of the microbatch last moved, once (then ``None`` until another is moved)."""
         counts, self._host_counts = self._host_counts, None
         return counts
 
     def step_metrics(self, rows_by_source: collections.Counter[int]) -> dict[str, float]:
-        """What a DataModule logs beside the timing, per optimizer step (``rows_by_source``: the step's rows per
-        source index); nothing unless a subclass says."""
+        """What a DataModule logs beside the timing, per optimizer step; nothing unless a subclass says."""
         return {}
 
 
@@ -129,7 +102,7 @@ class BatchCounts:
 
 
 class StepTimer:
-    """Wait and wall time per optimizer step, from the callback's hook times (see the module's docstring)."""
+    """Wait and wall time per optimizer step, from the callback's hook times."""
 
     def __init__(self) -> None:
         self._mark: float | None = None  # the end of the last microbatch (or the epoch's start)
@@ -170,7 +143,7 @@ class DataObserver:
     """Times one DataModule's training steps, logs their data figures and warns when the loop waits for data.
 
     Args:
-        datamodule: the DataModule whose steps are timed (its ``batches_per_step`` and ``data_wait_warning``).
+        datamodule: the DataModule whose steps are timed.
     """
 
     def __init__(self, datamodule: SteppedDataModule):
@@ -245,8 +218,7 @@ class DataObserver:
         return metrics
 
     def _judge(self, wait: float, elapsed: float, global_step: int) -> None:
-        """Warn once per fit when the last ``WINDOW_STEPS`` steps after the warm-up (each epoch's first step left
-        out) waited too long for data."""
+        """Warn once per fit when the last ``WINDOW_STEPS`` steps after the warm-up waited too long."""
         self._steps += 1
         threshold = self._datamodule.data_wait_warning
         if self._warned or not threshold or self._steps <= WARMUP_STEPS:

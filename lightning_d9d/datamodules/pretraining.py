@@ -1,41 +1,16 @@
 """PretrainingDataModule: parquet → tokens → packed rows, streamed, the same global batches on any GPU count.
 
-Pipeline: ``streaming.source`` (files → row groups → units, each pass's units dealt to K streams) →
-``streaming.stream`` (per stream: reader → tokenizing prefetch → packing) → ``streaming.loader`` (the streams a
-rank owns, in DataLoader workers; step ``s`` is rows ``[s·G/K, (s+1)·G/K)`` of every stream) → pin → transfer.
+The corpus is dealt to K streams (each: reader → tokenizing prefetch → packing); step ``s`` takes rows
+``[s·G/K, (s+1)·G/K)`` of every stream, so the rows of a global step depend only on the data and the settings,
+never on the world size, ``num_workers`` or ``microbatch_size``. Streams are dealt to data-parallel replicas (not
+processes: tensor/context/pipeline peers read the same streams); ``dp_size`` must divide K, ``num_workers`` K /
+``dp_size``, and K must divide G. Streams never end, so an epoch is a count of steps (by default one pass,
+estimated from the parquet footers), identical on every rank: uneven data cannot hang DDP. ``state_dict`` holds
+every stream's state at the last optimizer-step boundary, gathered from all ranks because Lightning saves only rank
+0's checkpoint; any layout valid for K resumes it.
 
-Topology independence: the K streams are functions of the data and the settings only, and a step takes the
-same rows from each, so the rows of global step ``s`` — as a multiset over ranks and microbatches — do not
-depend on the world size, ``num_workers`` or ``microbatch_size``; one process and eight train the same global
-batches. Streams are dealt to data-parallel replicas (``dp_size``, not processes: tensor/context/pipeline peers
-read the same streams). Valid layouts: ``dp_size`` divides K, ``num_workers`` divides K / ``dp_size``, K divides
-G (``streaming.loader.check_layout``); the default K = 16 serves 1, 2, 4 and 8 replicas with 2 workers each.
-
-Epochs: the streams never end (each cycles through passes, reshuffled every pass), so an epoch is a *count*:
-``steps_per_epoch`` optimizer steps, i.e. ``steps_per_epoch * M`` microbatches on every rank (M = G / (D·m)), so
-no DDP hang is possible from uneven data. The default ``steps_per_epoch`` is one pass's worth, *estimated* from
-the parquet footers and a tokenized sample (``streaming.estimate``), not counted.
-
-Resume: ``state_dict`` holds every stream's state at the last optimizer-step boundary (gathered from all ranks
-with ``all_gather_object``, because Lightning saves only rank 0's checkpoint and every rank loads it) and the
-fingerprint of everything that decides the rows; any layout valid for K restores it, each rank taking the
-streams it now owns. Lightning's own restored batch counters are aligned to that step (``SteppedDataModule``).
-
-Mixtures: ``train_files={name: files}`` with ``weights`` makes each of the K streams a mixture stream
-(``streaming.mixture_stream``) taking every step exactly the rows ``streaming.mixture`` plans per source; the
-sources, their fingerprint and the plan on resume are ``datamodules.pretraining_mixture``'s.
-
-Context parallelism: ``context_parallel_size`` c > 1 is a row-deciding setting; best-fit pads each piece of a row
-to a multiple of ``2·c`` and concat rows are one CP sequence each (``streaming.bestfit``, ``streaming.packing``),
-so ``PretrainingBatch.cu_seqlens_padded`` bounds an even split over the CP ranks of every replica.
-
-Parts: the corpus (files scanned per source, the stream specs, the fingerprint, the pass estimate) is
-``datamodules.pretraining_corpus``'s, the streams' saved state ``datamodules.pretraining_state``'s, the reports on
-sources and streams ``datamodules.pretraining_reports``'s; the class holds the topology, the loaders and the
-resume contract.
-
-Trade-off: a larger K serves more layouts but holds K best-fit buffers and starts K streams after every resume;
-and a stream is a sequence, so a step's rows come from K places of the corpus rather than from a global shuffle.
+Trade-off: a larger K serves more layouts but holds K best-fit buffers and restarts K streams on every resume, and
+a step's rows come from K places of the corpus rather than from a global shuffle.
 """
 
 from __future__ import annotations
@@ -83,23 +58,16 @@ class PretrainingBatch:
 
     Attributes:
         input_ids: ``(microbatch_size, seq_len)`` int64 token ids.
-        targets: ``(microbatch_size, seq_len)`` int64: the next token of each input (already shifted); ``-100``
-            (PyTorch's ``ignore_index``) where there is none (``bestfit_split``: padding, and where a continuation
-            chunk follows another document). ``bestfit_split``'s padding inputs are the tokenizer's pad token (or
-            a usual pad token, else any id but BOS).
-        position_ids: ``(microbatch_size, seq_len)`` int64: 0 at every row start and every document start
-            (BOS), and, for ``bestfit_split``, at every chunk start and every padding run, counting up from there.
-        sources: ``(microbatch_size,)`` int64: the index of each row's source in ``dm.source_names`` (all 0 for
-            a single corpus); in a validation batch, its loader's index in ``dm.val_source_names``.
-        cu_seqlens: int32 offsets of every sequence (a row start, a document, a chunk or a padding run: where
-            ``position_ids`` is 0) in the flattened microbatch, with its total length last (flash-attention's
-            varlen convention). With ``context_parallel_size`` c > 1, the cumulative *real* lengths of the
-            sequences of ``cu_seqlens_padded`` (TransformerEngine's THD convention).
-        cu_seqlens_padded: int32, equal to ``cu_seqlens`` with c = 1. With c > 1, the offsets of every sequence
-            with its CP padding (best-fit: each piece rounded up to a multiple of 2·c, the padding the pad id with
-            target ``-100`` and positions continuing through it; concat: each row is one sequence), which
-            :func:`lightning_d9d.context_parallel.cp_shard_batch` splits by.
-        max_seqlen: the longest of those sequences (with c > 1: padded).
+        targets: ``(microbatch_size, seq_len)`` int64, already shifted; ``-100`` where there is no next token
+            (padding, and a continuation chunk's first target).
+        position_ids: ``(microbatch_size, seq_len)`` int64, 0 at every row, document, chunk and padding-run start.
+        sources: ``(microbatch_size,)`` int64 index of each row's source in ``dm.source_names`` (validation: its
+            loader's index in ``dm.val_source_names``).
+        cu_seqlens: int32 offsets of every sequence (where ``position_ids`` is 0) in the flattened microbatch, total
+            last (flash-attention varlen). With ``context_parallel_size`` c > 1, the cumulative real lengths (THD).
+        cu_seqlens_padded: int32; with c > 1 the offsets with CP padding (each piece a multiple of 2·c), which
+            ``cp_shard_batch`` splits by; else equal to ``cu_seqlens``.
+        max_seqlen: the longest of those sequences (padded with c > 1).
     """
 
     input_ids: torch.Tensor
@@ -115,8 +83,7 @@ class PretrainingBatch:
 
 
 def make_batch(rows: RowBlock, spec: MixtureSpec, pin: bool, source: int | None = None) -> PretrainingBatch:
-    """The ``PretrainingBatch`` of a microbatch's rows (pinned with ``pin``); ``source``, where given, is the
-    index a validation loader of one source gives all its rows."""
+    """The ``PretrainingBatch`` of a microbatch's rows; ``source``, where given, labels every row."""
     input_ids, targets, positions = spec.packing.tensors(rows, spec.bos_id)
     if source is None:
         sources = torch.from_numpy(np.asarray(rows.sources, np.int64))
@@ -128,7 +95,7 @@ def make_batch(rows: RowBlock, spec: MixtureSpec, pin: bool, source: int | None 
 
 
 class _Setting:
-    """A DataModule attribute that is one of its stream settings (read-only: the settings are checked once)."""
+    """A read-only DataModule attribute that is one of its stream settings."""
 
     def __init__(self, name: str):
         self.name = name
@@ -138,70 +105,49 @@ class _Setting:
 
 
 class PretrainingDataModule(PretrainingReports, SteppedDataModule):
-    """Stream parquet or JSONL text into packed token rows for ``Trainer.fit``: the same global batches on any
-    number of GPUs.
+    """Stream parquet or JSONL text into packed token rows: the same global batches on any number of GPUs.
 
     Args:
-        train_files: a directory, glob, file or URL (``s3://``, ``gs://``, ``file://``, any fsspec scheme) of
-            parquet or JSONL (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ...) files, or a list of them; or a
-            mixture: ``{name: files}`` or ``{name: {"files": files, "text_column": column}}`` (see ``weights``).
-        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``; each document is ``bos_token`` + its
-            tokens (no post-processor tokens, truncation or padding).
-        seq_len: tokens per row of ``input_ids`` (each row is cut from ``seq_len + 1`` tokens).
+        train_files: a directory, glob, file or fsspec URL of parquet or JSONL files, or a list of them; or a mixture
+            ``{name: files}`` / ``{name: {"files": files, "text_column": column}}``.
+        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``; a document is ``bos_token`` + its tokens.
+        seq_len: tokens per row of ``input_ids``.
         global_batch_size: rows per optimizer step over all ranks and accumulation (G).
-        microbatch_size: rows per forward/backward on one rank (m).
-        val_files: validation files (same forms), read in file order on every run; ``{name: files}``: one loader
-            per source, in order (``dm.val_source_names``); beside a mixture, each name is a training source's.
+        microbatch_size: rows per forward/backward on one rank.
+        val_files: validation files, read in order; ``{name: files}``: one loader per source.
         text_column: the column (JSONL: the field) holding the documents.
-        bos_token: the token prepended to every document; it must be in the tokenizer's vocabulary.
-        packing: ``"bestfit"`` (rows start at BOS; a document that does not fit is cropped), ``"bestfit_split"``
-            (long documents split into row-sized chunks, gaps padded) or ``"concat"`` (one stream cut into rows).
-        steps_per_epoch: optimizer steps per epoch; ``None``: one pass's worth, estimated.
-        val_steps: validation microbatches per rank per run; ``None``: one pass's worth, estimated.
-        num_streams: K, the streams the corpus is dealt to (the rows of every step are a function of K and the
-            data); the data-parallel size must divide K, ``num_workers`` K / that size, and K must divide G.
-        num_workers: DataLoader workers per rank, each tokenizing on one core; 0: in the training process.
-        tokenizer_batch_size: documents per tokenizer call, at most (never changes a row).
+        bos_token: prepended to every document; must be in the vocabulary.
+        packing: ``"bestfit"`` (a document that does not fit is cropped), ``"bestfit_split"`` (long documents split
+            into chunks, gaps padded) or ``"concat"``.
+        steps_per_epoch, val_steps: optimizer steps per epoch / validation microbatches per rank; ``None``: one
+            estimated pass.
+        num_streams: K; the data-parallel size must divide K, ``num_workers`` K / that size, and K must divide G.
+        num_workers: DataLoader workers per rank; 0: in the training process.
+        tokenizer_batch_size: documents per tokenizer call (never changes a row).
         seed: seeds the unit order of every pass.
-        max_document_chars: longer documents are skipped (never read into a string), counted
-            (``stream_stats()["too_long"]``) and named once, so memory is bounded by the settings; ``None``: no
-            limit. It changes the rows.
-        bestfit_buffer_size: documents (``bestfit``) or pieces (``bestfit_split``) best-fit chooses from.
-        pin_memory: ``None`` pins exactly when the trainer's device is CUDA.
-        on_order_mismatch: a checkpoint of other data or settings: ``"raise"``, or ``"restart_epoch"``.
-        storage_options: filesystem options for URLs (fsspec's or pyarrow's keys; docs/object_storage.md); a
-            URL's query wins; they decide no row.
-        read_retry_seconds: how long reads retry transient storage failures before one error naming the file.
-        weights: a mixture's shares, ``{name: weight}`` or phases ``[[from_step, {name: weight}], ...]``
-            (docs/mixtures.md); every step takes exactly the planned rows of each source.
-        on_mixture_change: resuming a mixture under other weights or sources: ``"raise"``, or ``"continue"``
-            (every source continues where it stopped; a source added starts fresh).
-        allow_shared_files: accept a file that two sources hold (refused by default: it would be read twice).
-        token_cache: a folder or URL where each unit's tokens are kept the first time a stream tokenizes it;
-            later passes, resumes and runs with the same tokenizer and files read them instead, with the same rows
-            (docs/token_cache.md); JSONL layouts are kept there too. ``None``: no cache.
-        on_malformed: a malformed JSONL line: ``"error"`` (naming the file and line) or ``"skip"`` (a row
-            without text, counted as empty, warned about once).
-        data_parallel: which processes share data: ``None`` follows the strategy (DDP/FSDP: every process is a
-            replica; ``ModelParallelStrategy``: its ``data_parallel`` dim); else dim names of the strategy's
-            ``device_mesh``, a ``DeviceMesh`` or a ``DataParallelTopology`` (docs/model_parallelism.md). Streams
-            are dealt to replicas; the processes of one replica read the same streams and get the same rows.
-        verify_peers: the first N optimizer steps of each fit compare their microbatches among each replica's
-            processes (one all-gather per step); a difference raises, naming the step and processes (0: off).
-        data_wait_warning: warn once a fit if it waits for data over this share of its steps (docs/observability.md).
-        context_parallel_size: the context-parallel size c rows are laid out for (1: none; it decides the rows,
-            so a checkpoint resumes only with the same c). ``seq_len`` must be a multiple of ``2·c``. With c > 1,
-            ``bestfit``/``bestfit_split`` pad every document (or chunk) in a row to a multiple of ``2·c`` (pad
-            id, target ``-100``, positions continuing; counted in ``stream_stats()``'s ``padding`` and
-            ``cp_padding``) and concat rows are one CP sequence each; ``cu_seqlens_padded`` bounds what
-            :func:`lightning_d9d.context_parallel.cp_shard_batch` splits (docs/model_parallelism.md).
+        max_document_chars: longer documents are skipped and counted (bounds memory; changes the rows); ``None``: no
+            limit.
+        bestfit_buffer_size: documents or pieces best-fit chooses from.
+        pin_memory: ``None``: pin when the trainer's device is CUDA.
+        on_order_mismatch: a checkpoint of other data or settings: ``"raise"`` or ``"restart_epoch"``.
+        storage_options: filesystem options for URLs (a URL's query wins).
+        read_retry_seconds: how long reads retry transient storage failures.
+        weights: a mixture's shares, ``{name: weight}`` or phases ``[[from_step, {name: weight}], ...]``.
+        on_mixture_change: resuming under other weights or sources: ``"raise"`` or ``"continue"``.
+        allow_shared_files: accept a file two sources hold (it is then read twice).
+        token_cache: a folder or URL keeping each unit's tokens for later passes and runs; ``None``: no cache.
+        on_malformed: a malformed JSONL line: ``"error"`` or ``"skip"``.
+        data_parallel: which processes share data: ``None`` follows the strategy; else ``device_mesh`` dim names, a
+            ``DeviceMesh`` or a ``DataParallelTopology``.
+        verify_peers: the first N steps compare microbatches among each replica's processes (0: off).
+        data_wait_warning: warn once a fit if waiting for data exceeds this share of its steps.
+        context_parallel_size: the CP size c rows are laid out for (decides the rows); ``seq_len`` must be a
+            multiple of ``2·c``.
 
     Raises:
-        ValueError: at construction, a bad size or setting (naming it); in ``setup``, no file matches, a file two
-            sources hold, a file without the column, no text, the tokenizer lacks ``bos_token``, a layout that
-            cannot share K streams, a corpus too small for one step, a text that is not UTF-8 or a malformed JSONL
-            line (naming the file and row; also when met later, while streaming).
-        StorageError: a URL could not be listed or opened, or a read kept failing for ``read_retry_seconds``.
+        ValueError: a bad setting (at construction); in ``setup``, missing files or column, a tokenizer without
+            ``bos_token``, a layout that cannot share K streams, a corpus too small for one step, bad text.
+        StorageError: a URL could not be listed or opened, or a read kept failing.
     """
 
     seq_len = _Setting("seq_len")
@@ -279,22 +225,16 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
 
     @property
     def packing(self) -> str:
-        """The packing's name."""
         return self.settings.packing.name
 
     @property
     def owned_streams(self) -> list[int]:
-        """The streams this data-parallel replica reads (a contiguous block of K / ``dp_size``), the same on every
-        process of the replica."""
+        """This replica's contiguous block of K / ``dp_size`` streams."""
         return rank_streams(self.num_streams, self.dp_size, self.dp_rank)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str | None = None) -> None:
-        """Resolve files, read footers, load the tokenizer, check the layout, size the epoch.
-
-        Raises:
-            ValueError: see the class docstring.
-        """
+        """Resolve files, read footers, load the tokenizer, check the layout, size the epoch."""
         self.resolve_topology()
         # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
         self.sources = mixture_arguments(
@@ -326,11 +266,11 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
 
     @property
     def val_steps(self) -> int | None:
-        """Validation microbatches per rank per run (of the first validation source; ``None`` without any)."""
+        """Validation microbatches per rank per run (of the first source; ``None`` without any)."""
         return self.val_steps_per_source[0] if self.val_steps_per_source else None
 
     def train_dataloader(self) -> TokenTrainLoader:
-        """This rank's training loader: a sized iterable of ``PretrainingBatch`` (one epoch per iteration)."""
+        """This rank's training loader of ``PretrainingBatch`` (one epoch per iteration)."""
         spec = self._require(self.train_spec)
         per_step = self.microbatches_per_step
         loader = TokenTrainLoader(
@@ -347,8 +287,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         return self.track_loader(loader)
 
     def val_dataloader(self) -> TokenValidationLoader | list:
-        """The same ``val_steps`` microbatches per rank on every validation run (``[]`` without val_files); a
-        mapping ``val_files`` gives one loader per source, in its order."""
+        """The same ``val_steps`` microbatches per rank on every run; one loader per mapped source."""
         loaders = [
             self.track_loader(TokenValidationLoader(
                 spec, self.owned_streams, self.num_workers, self.microbatch_size, steps,
@@ -360,25 +299,17 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
 
     # ------------------------------------------------------------------ the resume contract
     def extra_state(self) -> dict[str, Any]:
-        """Every stream's state at the last optimizer step (gathered from all ranks under DDP).
-
-        Under DDP it gathers, because it runs on every rank while a checkpoint is saved but Lightning writes only
-        rank 0's checkpoint, which every rank then loads.
-        """
+        """Every stream's state at the last optimizer step, gathered from all ranks (only rank 0 saves)."""
         _epoch, step = self.saved_position()
         states = self.position.committed_states(step)
         return saved_streams(states, self._require(self.train_spec), gather=self.dp_size > 1)
 
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
-        """Restore the streams this rank owns to the checkpoint's last optimizer step (and the plan of the mix).
-
-        Every stream state is validated against this run's data before anything runs from it.
+        """Restore the streams this rank owns to the checkpoint's last optimizer step, validated first.
 
         Raises:
             ValueError: an unknown state version, or a state that lacks a stream this rank owns.
-            InvalidDataState: (a ValueError) a stream state with a missing, mistyped or out-of-range field,
-                naming its path (``streams.<stream>.sources.<name>.packing.reader.slot``), its value and what is
-                valid.
+            InvalidDataState: (a ValueError) a missing, mistyped or out-of-range field, naming its path.
         """
         states = {}
         if state is not None:
@@ -396,11 +327,10 @@ def _val_steps_of(dm: PretrainingDataModule, spec: MixtureSpec) -> int:
 
 
 def _reading(text_column: Any, token_cache: Any, on_malformed: Any) -> tuple[str, str | None, str]:
-    """``text_column``, ``token_cache`` (as a string) and ``on_malformed``, checked.
+    """``text_column``, ``token_cache`` and ``on_malformed``, checked.
 
     Raises:
-        ValueError: an empty or non-string column name, a ``token_cache`` that is not a path or URL, an
-            ``on_malformed`` other than ``"error"`` and ``"skip"``.
+        ValueError: a bad column name, ``token_cache`` or ``on_malformed``.
     """
     if not isinstance(text_column, str) or not text_column:
         raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
@@ -412,7 +342,7 @@ def _reading(text_column: Any, token_cache: Any, on_malformed: Any) -> tuple[str
 
 
 def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float) -> Storage:
-    """The checked storage settings (options are checked again, per scheme, when a URL is opened).
+    """The checked storage settings.
 
     Raises:
         ValueError: ``storage_options`` not a dict, or ``read_retry_seconds`` not a number ≥ 0.

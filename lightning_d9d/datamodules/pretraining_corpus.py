@@ -1,18 +1,11 @@
 """The corpus of a PretrainingDataModule: its sources scanned, their stream specs, and one pass estimated.
 
-:class:`PretrainingCorpus` holds the loaded tokenizer and the settings; from the sources (a single corpus is one
-source) it scans the parquet footers (``streaming.source``), builds the
-:class:`~lightning_d9d.streaming.spec.MixtureSpec` the K streams share and estimates one pass per source
-(``streaming.estimate``). It knows nothing of ranks, workers or Lightning.
+Every source's files are resolved before any footer is read, and a file two sources claim (compared after
+symlinks, URLs without query and credentials) is refused unless ``allow_shared_files``: its documents would be
+trained twice per pass. Nothing here knows of ranks, workers or Lightning.
 
-The files of every source (and of every validation source) are resolved before any footer is read, and a file
-that two sources claim (the same path, or an overlapping glob; URLs compared without their query and
-credentials, local paths after symlinks) is refused unless ``allow_shared_files``: each source reads its files on
-its own, so a shared file's documents would be trained twice per pass, once under each name.
-
-Trade-off: the tokenizer is read and the footers scanned again on every ``setup``, so a run always streams the
-files as they are now (and the fingerprint notices a file changed since a checkpoint), at the cost of listing
-and opening every file once per ``setup``.
+Trade-off: footers are scanned again on every ``setup``, so a run streams the files as they are now (and the
+fingerprint notices a change), at the cost of opening every file once per ``setup``.
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ TOKEN_RECIPE_VERSION = 1
 class TrainCorpus:
     """The training side of a corpus: the streams' spec and the estimate of one pass.
 
-    ``source_pass_rows`` holds the estimated rows of one pass over each source; ``pass_tokens`` the estimated
-    tokens of one pass over all of them.
+    ``source_pass_rows``: estimated rows of one pass per source; ``pass_tokens``: estimated tokens of one pass.
     """
 
     spec: MixtureSpec
@@ -54,7 +46,7 @@ class TrainCorpus:
         """Optimizer steps in one estimated pass over all sources.
 
         Raises:
-            ValueError: the corpus is too small for one step, naming its estimated tokens and rows.
+            ValueError: the corpus is too small for one step.
         """
         settings = self.spec.sources[0].settings
         rows = sum(self.source_pass_rows.values())
@@ -77,11 +69,11 @@ class PretrainingCorpus:
         tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
         bos_token: the token every document starts with.
         storage: how files and URLs are reached.
-        token_cache: a folder or URL for the token cache (and the JSONL layouts), or ``None``.
-        on_malformed: what a malformed JSONL line is: ``"error"`` or ``"skip"``.
+        token_cache: a folder or URL for the token cache, or ``None``.
+        on_malformed: a malformed JSONL line: ``"error"`` or ``"skip"``.
 
     Raises:
-        ValueError: the tokenizer lacks ``bos_token``, naming its added/special tokens.
+        ValueError: the tokenizer lacks ``bos_token``.
     """
 
     def __init__(
@@ -110,17 +102,16 @@ class PretrainingCorpus:
     def train(
         self, sources: Sequence[SourceConfig], schedule: MixtureSchedule, mixture: bool, allow_shared_files: bool
     ) -> TrainCorpus:
-        """The shuffled training streams of ``sources`` mixed by ``schedule`` (one source: all of every step).
+        """The shuffled training streams of ``sources`` mixed by ``schedule``.
 
         Args:
             sources: the sources, in order.
             schedule: their shares.
-            mixture: the sources are named (``train_files['web']`` in errors), not one corpus (``train_files``).
+            mixture: the sources are named in errors (``train_files['web']``).
             allow_shared_files: accept a file that two sources hold.
 
         Raises:
-            ValueError: no file matches, a file two sources hold, a file is not parquet or lacks the column, the
-                files hold no text, too few rows for K streams (naming the source of a mixture).
+            ValueError: no file matches, a shared file, a bad file or column, no text, or too few rows for K streams.
             StorageError: a URL could not be listed or opened.
         """
         specs, pass_rows, total_tokens = [], {}, 0.0
@@ -138,7 +129,7 @@ class PretrainingCorpus:
     def validation(
         self, sources: Sequence[SourceConfig], by_source: bool, allow_shared_files: bool
     ) -> list[MixtureSpec]:
-        """The streams of every validation source, each a corpus of its own read in file order.
+        """The streams of every validation source, each read in file order.
 
         Raises:
             ValueError: as :meth:`train`.
@@ -154,17 +145,17 @@ class PretrainingCorpus:
     def _resolved(
         self, sources: Sequence[SourceConfig], whats: Sequence[str], what: str, allow_shared_files: bool
     ) -> list[list[str]]:
-        """Every source's files, resolved (listing only, no footer read), checked for files two sources hold."""
+        """Every source's files, resolved (no footer read) and checked for shared files."""
         resolved = [resolve_files(source.files, name, self.storage) for source, name in zip(sources, whats)]
         if not allow_shared_files:
             check_shared_files([(source.name, files) for source, files in zip(sources, resolved)], what)
         return resolved
 
     def spec(self, source: SourceConfig, files: list[str], what: str, shuffle: bool) -> StreamSpec:
-        """The spec of the K streams ``source``'s row groups (of its resolved ``files``) are dealt to.
+        """The spec of the K streams ``source``'s row groups are dealt to.
 
         Raises:
-            ValueError: as :meth:`scan`, or too few rows for K streams (naming ``what``).
+            ValueError: as :meth:`scan`, or too few rows for K streams.
         """
         index = self.scan(files, what, source.text_column)
         try:
@@ -178,7 +169,7 @@ class PretrainingCorpus:
                           cache=cache)  # fmt: skip
 
     def _token_cache(self, text_column: str) -> TokenCache:
-        """The token cache of a source's text column: keyed by everything that decides its documents' tokens."""
+        """A source's token cache, keyed by everything that decides its documents' tokens."""
         key = {
             "tokenizer": digest(self.tokenizer_json),
             "text_column": text_column,
@@ -205,8 +196,7 @@ class PretrainingCorpus:
 
 
 def file_identity(path: str) -> str:
-    """What makes two resolved paths the same file: a local path (or ``file://`` URL) after symlinks, a URL without
-    its query and credentials (``s3a://`` is ``s3://``)."""
+    """What makes two resolved paths the same file: local paths after symlinks, URLs without query and credentials."""
     if "://" not in path:
         return os.path.realpath(path)
     url = canonical(path)
@@ -217,12 +207,11 @@ def file_identity(path: str) -> str:
 
 
 def check_shared_files(resolved: Sequence[tuple[str, Sequence[str]]], what: str) -> None:
-    """Raises ValueError when a file belongs to two of the named sources' resolved files, naming both sources, the
-    first such file and how many they share.
+    """Raise ValueError when a file belongs to two sources, naming both, the first such file and how many they share.
 
     Args:
-        resolved: ``(source name, its resolved files)`` per source, in order.
-        what: the argument's name (``train_files``, ``val_files``).
+        resolved: ``(source name, its resolved files)`` per source.
+        what: the argument's name, for errors.
     """
     owners: dict[str, tuple[str, str]] = {}
     shared: dict[tuple[str, str], list[str]] = {}

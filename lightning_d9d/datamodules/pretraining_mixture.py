@@ -1,20 +1,11 @@
 """Weighted mixtures for PretrainingDataModule: named sources, the plan saved and restored, counters per source.
 
-``train_files`` (and ``val_files``) may map names to sources: ``{name: file spec}`` or ``{name: {"files": spec,
-"text_column": column}}``. The rows of each step are planned per source by
-:mod:`lightning_d9d.streaming.mixture` and taken by :mod:`lightning_d9d.streaming.mixture_stream`; this module
-holds what the DataModule adds around them:
+Parses ``{name: files}`` sources (validation names must be training sources' beside a mixture), restores the
+checkpoint's mixture plan, and counts rows per source. Changed shares are refused unless
+``on_mixture_change="continue"``, when the new shares count from the resume step.
 
-* **parsing** the sources (one error naming the value and what is valid); beside a mixture, the names of a
-  mapping ``val_files`` must be training sources' (a validation source measures the source of its name), and
-  the training sources left without one are said once (:func:`say_unvalidated_sources`);
-* **the plan on resume** (:func:`resumed_plan`): the checkpoint's plan is kept when the shares are unchanged;
-  other shares are refused with one error naming the old and new shares, unless ``on_mixture_change=
-  "continue"``: the new shares then count from the resume step, every source from the rows it had given;
-* **counters per source** (:func:`source_stats`).
-
-Trade-off: the shares are not part of the fingerprint (which only tells "same data" from "other data"), so a
-change of shares gets its own check and its own way to continue, instead of restarting an epoch.
+Trade-off: the shares are not part of the fingerprint (which only tells same data from other data), so a change
+of shares gets its own check and its own way to continue instead of restarting an epoch.
 """
 
 from __future__ import annotations
@@ -48,11 +39,10 @@ class SourceConfig:
 
 
 def parse_sources(files: Any, text_column: str, what: str) -> list[SourceConfig] | None:
-    """The named sources of a mapping ``files``, in its order; ``None`` when ``files`` is one corpus.
+    """The named sources of a mapping ``files``, in order; ``None`` when ``files`` is one corpus.
 
     Raises:
-        ValueError: an empty mapping, a name that is not a non-empty string, a source given as a mapping
-            without ``files`` or with keys other than ``files`` and ``text_column``, an empty text column.
+        ValueError: an empty mapping, a bad name, or a malformed source mapping.
     """
     if not isinstance(files, Mapping):
         return None
@@ -82,9 +72,7 @@ def parse_sources(files: Any, text_column: str, what: str) -> list[SourceConfig]
 
 @dataclass(frozen=True)
 class Sources:
-    """The parsed ``train_files``/``val_files``: the training sources (one, named ``"train"``, for a single
-    corpus), the validation sources (``None`` without ``val_files``; one named ``"val"`` for a single
-    validation corpus), whether each was a mapping, and the validated schedule of the training shares."""
+    """The parsed training and validation sources (a single corpus: one, ``"train"``/``"val"``) and the shares."""
 
     train: list[SourceConfig]
     validation: list[SourceConfig] | None
@@ -98,14 +86,9 @@ def mixture_arguments(
 ) -> Sources:
     """The training and validation sources and the validated schedule of the shares.
 
-    A mapping ``val_files`` beside one training corpus may name its sources freely (there are no training names
-    to match).
-
     Raises:
-        ValueError: a bad source, ``weights`` without a mixture, weights the schedule refuses (unknown names,
-            negative or all-zero weights, phases out of order), an unknown ``on_mixture_change``, a validation
-            source beside a mixture that is named after no training source (naming the training sources), an
-            ``allow_shared_files`` that is not a bool.
+        ValueError: a bad source or weights, ``weights`` without a mixture, an unknown ``on_mixture_change``, a
+            validation source named after no training source, or a non-bool ``allow_shared_files``.
     """
     if on_mixture_change not in ON_MIXTURE_CHANGE:
         raise ValueError(f"on_mixture_change must be one of {list(ON_MIXTURE_CHANGE)}, got {on_mixture_change!r}")
@@ -138,8 +121,7 @@ def mixture_arguments(
 
 
 def say_unvalidated_sources(sources: Sources) -> list[str]:
-    """The training sources of a mixture that a mapping ``val_files`` gives no validation source (``[]`` when
-    either is not a mapping), said in one info message on rank 0 when there are any."""
+    """The training sources a mapping ``val_files`` leaves unvalidated, said once on rank 0."""
     if not (sources.mixture and sources.validation_by_source):
         return []
     validated = [source.name for source in sources.validation or ()]
@@ -153,13 +135,11 @@ def say_unvalidated_sources(sources: Sources) -> list[str]:
 
 
 def resumed_plan(spec: MixtureSpec, saved: Any, step: int, on_change: OnMixtureChange) -> MixturePlan:
-    """The plan a resume continues with: the checkpoint's when the shares are unchanged, else (with
-    ``on_change="continue"``) this run's shares from the resume step on, every source from the rows it gave.
+    """The plan a resume continues with: the checkpoint's if the shares are unchanged, else (``"continue"``) this run's.
 
     Raises:
         InvalidDataState: a missing or malformed saved plan.
-        ValueError: other shares (or sources in another order) with ``on_change="raise"``, naming the old and
-            new shares.
+        ValueError: other shares with ``on_change="raise"``, naming the old and new ones.
     """
     try:
         old = MixturePlan.from_dict(saved)
@@ -181,8 +161,7 @@ def resumed_plan(spec: MixtureSpec, saved: Any, step: int, on_change: OnMixtureC
 
 
 def source_stats(spec: MixtureSpec, states: Mapping[int, MixtureState]) -> dict:
-    """Per source: ``rows``, ``tokens``, ``documents``, ``padding``, ``too_long`` of the given streams, summed, and
-    ``passes`` (the mean over the streams of the passes their reader has completed, fractional)."""
+    """Per source: the streams' counters summed, and ``passes`` (the mean passes completed, fractional)."""
     stats = {}
     for name, source_spec in zip(spec.names, spec.sources):
         rows = tokens = docs = padding = too_long = 0
@@ -203,7 +182,6 @@ def source_stats(spec: MixtureSpec, states: Mapping[int, MixtureState]) -> dict:
 
 
 def _passes_read(spec: StreamSpec, stream: int, state: StreamState) -> float:
-    """Passes stream ``stream`` has read: its pass index plus the share of that pass's rows before its position."""
     read = state.packing.read
     units = spec.stream_units(stream)
     slots = units.of_pass(read.pass_index)
@@ -219,8 +197,7 @@ def _passes_read(spec: StreamSpec, stream: int, state: StreamState) -> float:
 def mixture_report(
     spec: MixtureSpec, pass_rows: Mapping[str, float], run_steps: int, realised: Sequence[int], steps: int
 ) -> list[str]:
-    """``inspect``'s mixture lines: the phases, each source's expected passes over ``run_steps`` steps, and the
-    shares realised in the first ``steps`` steps (``realised`` rows per source) beside their targets."""
+    """``inspect``'s mixture lines: phases, expected passes per source, and realised shares beside targets."""
     plan = spec.plan
     lines = ["mixture:", *(f"  phase {line}" for line in plan.schedule.describe())]
     passes = plan.expected_passes(pass_rows, run_steps)

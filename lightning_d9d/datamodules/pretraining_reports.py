@@ -1,13 +1,7 @@
 """What a PretrainingDataModule reports about its sources and streams: names, counters, the mixture's lines.
 
-:class:`PretrainingReports` is mixed into :class:`~lightning_d9d.datamodules.pretraining.PretrainingDataModule`;
-it only reads what ``setup`` and the loaders leave on the DataModule (``sources``, ``train_spec``,
-``source_pass_rows`` and ``position``, whose stream states the loaders advance as they hand out steps), and
-changes nothing. The figures themselves are computed by
-:mod:`lightning_d9d.datamodules.pretraining_mixture`.
-
-Trade-off: the counters are those of the streams this rank owns, read without communication, so they are the
-run's figures only with one rank; summing them over ranks is the caller's choice (and cost).
+A read-only mixin over what ``setup`` and the loaders leave on the DataModule. The counters are those of the
+streams this rank owns, read without communication: the run's figures only with one rank.
 """
 
 from __future__ import annotations
@@ -25,8 +19,6 @@ from lightning_d9d.streaming.spec import MixtureSpec
 
 
 class PretrainingReports:
-    """Source names, per-source and per-stream counters and ``inspect``'s mixture lines of a pretraining run."""
-
     sources: Sources
     train_spec: MixtureSpec | None
     source_pass_rows: dict[str, float]
@@ -45,15 +37,13 @@ class PretrainingReports:
         return [source.name for source in self.sources.validation or []]
 
     def source_stats(self) -> dict[str, dict[str, float]]:
-        """Per training source, as of the latest step handed out, over the streams this rank owns: ``rows``,
-        ``tokens`` (document tokens in rows), ``documents`` (taken by the packer), ``padding``, ``too_long``
-        (documents over ``max_document_chars`` skipped) and ``passes`` (passes read, fractional: the mean over
-        the rank's streams; the run's figure with one rank)."""
+        """Per training source, over this rank's streams as of the latest step handed out: ``rows``, ``tokens``,
+        ``documents``, ``padding``, ``too_long`` and ``passes`` (fractional).
+        """
         return source_stats(self._require(self.train_spec), self.position.states)
 
     def mixture_report(self, run_steps: int, realised: Sequence[int], steps: int) -> list[str]:
-        """``inspect``'s lines on the mixture (none for one corpus): phases, expected passes of each source over
-        ``run_steps`` steps, and the realised shares (``realised`` rows per source) of the first ``steps``."""
+        """``inspect``'s mixture lines (none for one corpus): phases, expected passes, realised shares."""
         spec = self._require(self.train_spec)
         if not self.sources.mixture:
             return []
@@ -68,8 +58,7 @@ class PretrainingReports:
             rank_zero_warn(message)
 
     def token_cache_report(self) -> list[str]:
-        """``inspect``'s lines on the token cache: per source, the units it holds of all, and their size (none
-        without a cache)."""
+        """``inspect``'s token-cache lines: per source, the units held and their size."""
         spec = self._require(self.train_spec)
         lines = []
         for name, source in zip(spec.names, spec.sources):
@@ -84,16 +73,8 @@ class PretrainingReports:
         return lines
 
     def stream_stats(self) -> dict[str, int]:
-        """This rank's stream counters so far, summed over the streams it owns (see ``StreamCounters``).
-
-        Keys: ``docs`` (documents taken by the packer), ``empty`` (null or empty texts skipped),
-        ``text_free_units`` (units skipped for holding no text), ``too_long`` (documents over
-        ``max_document_chars`` skipped), ``tokens`` (tokens of the documents taken,
-        BOS included), ``emitted`` (document tokens in rows), ``padding`` (padding tokens in rows:
-        ``bestfit_split``'s gaps and the CP padding), ``cp_padding`` (of those, what rounds best-fit pieces up to
-        a multiple of ``2 × context_parallel_size``), ``crops``/``cropped`` (documents cropped and their dropped
-        tokens, ``bestfit``), ``split_docs``/``chunks`` (documents split and their pieces, ``bestfit_split``),
-        ``rows``. Counters are as of the latest step handed out, and continue across a resume.
+        """This rank's stream counters so far, summed over its streams (keys: ``StreamCounters``'s); they
+        continue across a resume. ``padding`` includes the CP padding, of which ``cp_padding`` is the part.
         """
         totals = StreamCounters()
         for state in self.position.states.values():
@@ -101,14 +82,8 @@ class PretrainingReports:
         return totals.to_dict()
 
     def step_metrics(self, rows_by_source: Counter[int]) -> dict[str, float]:
-        """What the callback logs per optimizer step beside the timing (see
-        :mod:`~lightning_d9d.datamodules.observability`).
-
-        ``data/fill``: document tokens over the row positions yielded so far (``bestfit_split``'s padding is the
-        rest); ``data/cropped``: tokens that ``bestfit``'s crops dropped over the document tokens taken; both
-        from :meth:`stream_stats`, this rank's streams since the run began (a resume continues them), as of the
-        latest step the loader handed out. A mixture adds ``data/share/<source>``: each source's share of this
-        step's rows on this rank (``rows_by_source``, by index into :attr:`source_names`).
+        """What the callback logs per step: ``data/fill`` (document tokens over row positions), ``data/cropped`` (tokens
+        crops dropped over tokens taken) and, for a mixture, ``data/share/<source>`` of this step's rows on this rank.
         """
         stats = self.stream_stats()
         positions = stats["emitted"] + stats["padding"]
@@ -124,7 +99,6 @@ class PretrainingReports:
 
     @staticmethod
     def _require(value: Any) -> Any:
-        """``value``, which ``setup`` sets; before it, an error saying so."""
         if value is None:
             raise RuntimeError("call dm.setup('fit') first (Trainer.fit does it)")
         return value

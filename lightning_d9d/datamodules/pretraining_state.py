@@ -1,15 +1,9 @@
 """The saved state of a PretrainingDataModule's streams: written from every rank, read back by the streams' owners.
 
-A checkpoint holds ``{"version", "streams": {stream: state}, "mixture": plan}`` beside the position and the
-fingerprint. Writing gathers every rank's streams with ``all_gather_object``, because Lightning saves only rank
-0's checkpoint and every rank loads it; reading takes the streams a rank owns now (any layout valid for K),
-validates each against this run's data and decides the plan it continues with
-(``pretraining_mixture.resumed_plan``). Numpy arrays are saved as int64 tensors and numpy ints as ints, so a
-checkpoint loads with ``torch.load(weights_only=True)``. A state of another format version is turned into this
-one by :func:`migrate`, the one place that knows older formats (there are none yet).
+Lightning saves only rank 0's checkpoint, so every rank's streams are all-gathered into it; a rank reads back the
+streams it owns now, validated. Arrays are saved as tensors so checkpoints load with ``weights_only=True``.
 
-Trade-off: every rank's streams travel to every rank at each save (a few KB per stream), so the state a rank
-writes is the whole run's and any world size can resume from it.
+Trade-off: every stream travels to every rank at each save (a few KB each), so any layout can resume.
 """
 
 from __future__ import annotations
@@ -51,7 +45,7 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     """A saved state in this version's format.
 
     Raises:
-        ValueError: a version this package cannot read, naming it.
+        ValueError: a version this package cannot read.
     """
     if state.get("version") != STATE_VERSION:
         raise ValueError(
@@ -64,14 +58,11 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
 def restored_streams(
     state: dict[str, Any], spec: MixtureSpec, owned: Sequence[int], step: int, on_mixture_change: OnMixtureChange
 ) -> tuple[MixtureSpec, dict[int, MixtureState]]:
-    """The spec to continue with (it may carry another plan) and the saved states of the ``owned`` streams, each
-    validated against it.
+    """The spec to continue with and the ``owned`` streams' saved states, each validated against it.
 
     Raises:
-        ValueError: an unknown state version, a state that lacks an owned stream (past step 0), a mixture
-            resumed under other shares with ``on_mixture_change="raise"``.
-        InvalidDataState: (a ValueError) a stream state with a missing, mistyped or out-of-range field, naming
-            its path (``streams.<stream>.sources.<name>.packing.reader.slot``), its value and what is valid.
+        ValueError: an unknown version, a missing owned stream, or changed shares under ``"raise"``.
+        InvalidDataState: a malformed stream state, naming the field's path.
     """
     state = migrate(state)
     saved = mapping(state.get("streams"), "streams")
@@ -104,7 +95,6 @@ def _saveable(value: Any) -> Any:
 
 
 def _loaded(value: Any) -> Any:
-    """The inverse of ``_saveable``: tensors back to numpy."""
     if isinstance(value, dict):
         return {key: _loaded(item) for key, item in value.items()}
     if isinstance(value, torch.Tensor):

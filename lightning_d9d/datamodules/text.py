@@ -1,22 +1,13 @@
 """TextDataModule: raw text (any ``datasets`` source) → cached token ids → sorted causal-LM microbatches, padded
 or padding-free.
 
-Pipeline: ``prepare_data`` (once per node) tokenizes the split with one batched ``datasets.map``
-(:mod:`lightning_d9d.text.tokenize`); ``setup`` (every rank) opens that cache, memory-mapped; D9DDataModule
-orders, sorts (by the ``token_counts`` column, read as a whole), shards and packs — by sample counts or by
-token budgets; the collator (:mod:`lightning_d9d.text.collate`) pads each microbatch, or with
-``padding_free=True`` flattens it into one row. Every batch carries ``step_label_tokens``, its optimizer step's
-predicted tokens over all ranks, and Hugging Face-style labels (the model shifts). ``dataset="demo"`` /
-``tokenizer="demo"`` select the demo corpus (:mod:`lightning_d9d.demo.corpus`), built on first use from text
-that ships with Python.
+``prepare_data`` (once per node) tokenizes each split with one batched ``datasets.map`` into a cache that
+``setup`` (every rank) memory-maps; D9DDataModule then orders, sorts by ``token_counts``, shards and packs.
+Fine-tuning rows (prompt/completion or conversations) are tokenized with loss masks, and ``step_label_tokens``
+then counts only trained targets.
 
-Fine-tuning data (prompt/completion or conversations, detected from the columns) is tokenized with loss masks
-instead (:mod:`lightning_d9d.text.finetune`): its samples carry their own labels, which the collators keep, and each
-step's ``step_label_tokens`` counts only trained targets (:mod:`lightning_d9d.text.sft_schedule`).
-
-Trade-off: tokenizing ahead of training (once, cached) costs a pass over the data before the first step, but
-makes the lengths known, which is what length sorting and exact resume build on; streams that tokenize on the
-fly are the pretraining DataModule's job.
+Trade-off: tokenizing ahead costs a pass over the data before the first step, but makes the lengths known, which
+length sorting and exact resume build on.
 """
 
 from __future__ import annotations
@@ -47,57 +38,40 @@ from lightning_d9d.topology import DataParallelSetting
 class TextDataModule(D9DDataModule):
     """Causal-LM batches from raw text or fine-tuning rows: ``datasets`` + a ``tokenizers`` tokenizer.
 
-    Same order, sharding, packing, exact resume and transfer as :class:`D9DDataModule`, over the tokenized splits
-    sorted by ``token_counts``. Pass one of ``global_batch_size`` (sample counts) and ``global_batch_tokens``
-    (token budgets). Batches are :class:`~lightning_d9d.text.collate.TextBatch` (padded) or
-    :class:`~lightning_d9d.text.collate.FlatBatch` (``padding_free``), with Hugging Face-style ``labels`` and
-    ``step_label_tokens``: return ``loss_sum / step_label_tokens × D × M`` (D = ``dm.dp_size``, M =
-    ``accumulate_grad_batches``; × CP under context parallelism) for the exact per-token mean of a step
-    (docs/token_budget.md). Fine-tuning rows (``messages``/ShareGPT ``conversations``, or ``prompt`` and
-    ``completion``) are tokenized with loss masks; ``dropped_samples``/``truncated_samples`` count what
-    ``truncation`` did. ``dataset``/``tokenizer="demo"`` (and ``dataset="demo-chat"``) are the embedded demo.
+    Batches are ``TextBatch`` (padded) or ``FlatBatch`` (``padding_free``) with Hugging Face labels; return
+    ``loss_sum / step_label_tokens × D × M`` (D = ``dm.dp_size``, M = ``accumulate_grad_batches``, × CP under context
+    parallelism) for the exact per-token mean of a step.
 
     Args:
-        dataset: anything ``datasets.load_dataset`` accepts, a single data file, a ``save_to_disk`` folder, or
-            ``"demo"``.
-        tokenizer: a ``tokenizer.json`` path, or ``"demo"``; its post-processor decides special tokens.
+        dataset: anything ``datasets.load_dataset`` accepts, a data file, a ``save_to_disk`` folder, or ``"demo"``.
+        tokenizer: a ``tokenizer.json`` path, or ``"demo"``.
         text_column: the column holding the text.
-        split, val_split: the training split and an optional validation split (evaluated once per run).
-        data_files: passed to ``load_dataset`` when ``dataset`` is a builder name or folder.
+        split, val_split: the training split and an optional validation split.
+        data_files: passed to ``load_dataset``.
         max_length: tokens per sample at most (special tokens included).
         global_batch_size, microbatch_size: samples per optimizer step over all ranks, and per microbatch.
-        sort_buffer_size: samples sorted by length together (``None``: none); 16×G or more pads least.
-        num_workers: DataLoader worker processes (never changes the order).
+        sort_buffer_size: samples sorted by length together (``None``: none).
+        num_workers: DataLoader worker processes.
         seed: the order's seed; ``shuffle=False`` keeps dataset order.
         pad_to_multiple_of, padding_side: the padded length's rounding, and ``"right"``/``"left"``.
         num_proc: processes tokenizing in ``prepare_data``.
-        cache_dir: the datasets cache folder (``None``: datasets' default).
-        pin_memory: ``None`` pins exactly when training on CUDA.
-        yield_packs: each batch is one optimizer step's list of microbatches (manual optimization).
+        cache_dir: the datasets cache folder.
+        pin_memory: ``None``: pin when training on CUDA.
+        yield_packs: each batch is one step's list of microbatches.
         on_order_mismatch: a checkpoint of another order: ``"raise"`` or ``"restart_epoch"``.
-        global_batch_tokens, microbatch_tokens: token budgets per step and per microbatch (padded: count ×
-            padded longest; padding-free: sum of lengths).
-        padding_free: one flattened row per microbatch (``FlatBatch`` with ``position_ids``, ``cu_seqlens``,
-            ``cu_seqlens_padded``, ``max_seqlen``); token budgets only.
-        format: ``None`` detects it from the columns; ``"text"``, ``"prompt_completion"`` or ``"messages"``.
+        global_batch_tokens, microbatch_tokens: token budgets per step and per microbatch.
+        padding_free: one flattened row per microbatch; token budgets only.
+        format: ``None`` detects it; ``"text"``, ``"prompt_completion"`` or ``"messages"``.
         prompt_column, completion_column, messages_column: the fine-tuning formats' columns.
-        chat_template: a Jinja string, ``.jinja`` file or ``tokenizer_config.json``; ``None``: the one next to
-            the tokenizer.
+        chat_template: a Jinja string, ``.jinja`` file or ``tokenizer_config.json``; ``None``: the tokenizer's.
         loss_on: ``"all"``, ``"completion"``, ``"assistant"``, ``"last_assistant"``; ``None``: the format's.
-        truncation: a fine-tuning sample over ``max_length``: ``"error"``, ``"drop"`` or ``"keep_start"``
-            (counted); text keeps its first ``max_length`` tokens.
-        eos_token: the token ending string completions; ``None``: the tokenizer config's, else its
-            post-processor's, else a usual EOS of its vocabulary; none of these is an error.
-        context_parallel_size: the CP size batches are laid out for: each document padded to a multiple of
-            2 × it (docs/model_parallelism.md; slice with ``context_parallel.cp_shard_batch``).
-        data_parallel, verify_peers, data_wait_warning: which processes share data, the opt-in peer check and
-            the warning when training waits for data (see :class:`D9DDataModule`).
+        truncation: a fine-tuning sample over ``max_length``: ``"error"``, ``"drop"`` or ``"keep_start"``.
+        eos_token: the token ending string completions; ``None``: found from the tokenizer.
+        context_parallel_size: the CP size batches are laid out for.
+        data_parallel, verify_peers, data_wait_warning: see ``D9DDataModule``.
 
     Raises:
-        ValueError: a bad size or setting (at construction); in ``prepare_data``/``setup``: a missing column, an
-            empty split, a dataset that cannot be loaded, columns of no format, a ``loss_on`` the format lacks, a
-            bad chat template or row (naming it), a row over ``max_length`` under ``truncation="error"``, no row
-            left, string completions without an EOS token, a document longer than ``microbatch_tokens``.
+        ValueError: a bad setting; in ``prepare_data``/``setup``, data that cannot be loaded, tokenized or fitted.
         FileNotFoundError: a tokenizer, local dataset or ``chat_template`` file that does not exist.
     """
 
@@ -163,15 +137,14 @@ class TextDataModule(D9DDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """The tokenizer's vocabulary size, special tokens included (builds the demo corpus if selected)."""
+        """The tokenizer's vocabulary size, special tokens included."""
         path = self.resolved_paths()[1]
         tokenizer = load_tokenizer(path, tokenizer_digest(path), self.max_length)
         return int(tokenizer.get_vocab_size(with_added_tokens=True))
 
     @property
     def longest_padded_length(self) -> int:
-        """The longest document a batch row can hold (positions restart per document when padding-free):
-        ``max_length``, rounded up to ``pad_to_multiple_of`` when padded."""
+        """``max_length``, rounded up to ``pad_to_multiple_of`` when padded."""
         if self.padding_free:
             return self.max_length
         multiple = self.padded_collator.pad_to_multiple_of
@@ -179,7 +152,7 @@ class TextDataModule(D9DDataModule):
 
     # ------------------------------------------------------------------ loading and tokenization
     def resolved_paths(self) -> tuple[str, str]:
-        """(dataset, tokenizer file) with ``"demo"`` replaced by the built demo corpus' paths."""
+        """(dataset, tokenizer file), ``"demo"`` replaced by the demo corpus' paths."""
         dataset, tokenizer = self.dataset, self.tokenizer
         if dataset == DEMO_CHAT:
             dataset = build_demo_conversations()
@@ -190,7 +163,6 @@ class TextDataModule(D9DDataModule):
         return dataset, str(Path(tokenizer).expanduser())
 
     def _tokenized_split(self, which: Literal["split", "val_split"]) -> Any:
-        """Load split ``getattr(self, which)`` and tokenize it, or open the cached result of an earlier run."""
         dataset_path, tokenizer_path = self.resolved_paths()
         recipe, sft = self.finetuning.split(
             dataset_path, getattr(self, which), tokenizer_path, self.max_length, name=self.dataset,
@@ -210,17 +182,14 @@ class TextDataModule(D9DDataModule):
     # ------------------------------------------------------------------ fine-tuning data
     @property
     def dropped_samples(self) -> int:
-        """Training rows dropped by ``truncation`` or for having nothing to train (0 for text; after setup)."""
+        """Training rows dropped by ``truncation`` or with nothing to train (after setup)."""
         return self.sft.counts.get("split", (0, 0))[0]
 
     @property
     def truncated_samples(self) -> int:
-        """Training rows cut to ``max_length`` (``truncation="keep_start"``; after setup)."""
         return self.sft.counts.get("split", (0, 0))[1]
 
     def setup(self, stage: str | None = None) -> None:
-        """As D9DDataModule's; loss-masked data also counts each step's trained targets and fingerprints the
-        fine-tuning settings."""
         super().setup(stage)
         recipe = self.sft.recipes.get("split")
         if recipe is None or self.sft.label_counts is None:
@@ -243,14 +212,11 @@ class TextDataModule(D9DDataModule):
 
 
 def _checked_arguments(dataset: str, tokenizer: str, max_length: Any, num_proc: Any) -> tuple[int, int | None]:
-    """What TextDataModule checks at construction (D9DDataModule checks the step and order settings).
-
-    Returns:
-        ``max_length`` and ``num_proc`` as plain ints (``num_proc`` may be ``None``).
+    """``max_length`` and ``num_proc`` as plain ints.
 
     Raises:
         ValueError: ``max_length`` or ``num_proc`` not a positive integer.
-        FileNotFoundError: a tokenizer file or a local dataset path that does not exist.
+        FileNotFoundError: a tokenizer file or local dataset path that does not exist.
     """
     checked_max_length = positive_int("max_length", max_length)
     if num_proc is not None:
@@ -263,11 +229,10 @@ def _checked_arguments(dataset: str, tokenizer: str, max_length: Any, num_proc: 
 
 
 def _checked_context_parallel(context_parallel_size: Any, pad_to_multiple_of: Any, padding_free: bool) -> int:
-    """``context_parallel_size`` as a plain int; padded batches must split into ``2 × cp`` equal chunks.
+    """``context_parallel_size`` as a plain int.
 
     Raises:
-        ValueError: a non-positive ``context_parallel_size``, or (padded) a ``pad_to_multiple_of`` that is not a
-            multiple of ``2 × context_parallel_size``, naming both. (Padding-free budgets are checked by the plan.)
+        ValueError: a non-positive size, or (padded) a ``pad_to_multiple_of`` not a multiple of ``2 × cp``.
     """
     size = positive_int("context_parallel_size", context_parallel_size)
     multiple = positive_int("pad_to_multiple_of", pad_to_multiple_of)
@@ -283,14 +248,12 @@ def _checked_context_parallel(context_parallel_size: Any, pad_to_multiple_of: An
 def _collators(
     pad_to_multiple_of: int, padding_side: Literal["left", "right"], padding_free: bool, context_parallel_size: int
 ) -> tuple[CausalLMCollator, CausalLMCollator | FlatteningCollator]:
-    """The padding collator (``setup`` gives it the tokenizer's ``pad_token_id``) and the collator batches use:
-    the same one, or a flattening one (laid out for ``context_parallel_size``) when padding-free."""
+    """The padding collator and the collator batches use (a flattening one when padding-free)."""
     padded = CausalLMCollator(pad_to_multiple_of=int(pad_to_multiple_of), padding_side=padding_side)
     return padded, FlatteningCollator(context_parallel_size=context_parallel_size) if padding_free else padded
 
 
 def _set_pad_token_id(dm: TextDataModule, value: int) -> None:
-    """The tokenizer's pad id for padding (and for context-parallel padding of flattened rows)."""
     dm.padded_collator.pad_token_id = value
     if isinstance(dm.collator, FlatteningCollator):
         dm.collator.pad_token_id = value

@@ -1,13 +1,7 @@
 """A cached build of the demo data: written once per machine, never seen half-written.
 
-Algorithm: ``build_once(root, name, write)`` returns ``root/name`` at once when its ``COMPLETE`` marker exists.
-Otherwise it takes the file lock ``root/name.lock``, looks again (another process may have built it while this one
-waited), and else lets ``write`` fill a fresh staging folder in ``root``, writes the marker there last, and
-publishes the folder by an atomic rename onto ``root/name``. A folder left without a marker by a killed process is
-replaced; a staging folder is removed whatever happens.
-
-Trade-off: concurrent processes (DDP ranks, several nodes on a shared file system) wait for the one that builds
-instead of building in parallel, and a build killed midway is redone whole rather than resumed.
+Under a file lock the build fills a staging folder, writes its ``COMPLETE`` marker last and publishes it by
+atomic rename; a folder without a marker is rebuilt. Concurrent ranks wait for the one that builds.
 """
 
 from __future__ import annotations
@@ -22,15 +16,12 @@ COMPLETE = "COMPLETE"
 
 
 def build_once(root: Path, name: str, write: Callable[[Path], str]) -> Path:
-    """``root/name``, built by ``write`` unless a complete build is already there (safe to call from every rank).
+    """``root/name``, built by ``write`` unless a complete build is there (safe from every rank).
 
     Args:
-        root: the cache folder (created if missing); the lock and the staging folder go there too.
-        name: the build's folder name in ``root``, its cache key.
-        write: fills the staging folder it is given and returns the text of its ``COMPLETE`` marker.
-
-    Returns:
-        The published folder.
+        root: the cache folder (created if missing).
+        name: the build's folder name, its cache key.
+        write: fills the staging folder given and returns the text of its ``COMPLETE`` marker.
     """
     from filelock import FileLock
 

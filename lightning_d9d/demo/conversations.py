@@ -1,14 +1,7 @@
 """Demo conversations: a small chat fine-tuning set made from the demo corpus, so SFT runs without a download.
 
-Algorithm: every document of the demo corpus (:mod:`lightning_d9d.demo.corpus`) with enough words becomes one
-conversation in the ``messages`` format: the user asks to continue the document's first words, the assistant
-answers with the next ones; longer documents get a second exchange ("Go on.") and every third conversation a
-system message. Splits follow the corpus' (train/validation). The set is saved with ``save_to_disk`` next to the
-corpus, under the same cache key, built once under a file lock and published by atomic rename.
-
-Trade-off: the task (continue a documentation passage) is artificial, but the conversations have what a loss mask
-has to get right — system and user turns to mask, one or two assistant turns to train, an end-of-turn token —
-and a tiny model learns it in minutes.
+The user asks to continue a document, the assistant answers with its next words (some with a second turn or a
+system message): an artificial task, but with everything a loss mask must get right. Cached like the corpus.
 """
 
 from __future__ import annotations
@@ -45,11 +38,10 @@ def conversation(text: str, number: int) -> list[dict[str, str]] | None:
 
 
 def build_demo_conversations() -> str:
-    """Build the demo conversation set once (after the demo corpus), or return the cached one.
+    """Build the demo conversation set once, or return the cached one.
 
     Returns:
-        A ``datasets.load_from_disk`` folder: a DatasetDict with ``train`` and ``validation``, one ``messages``
-        column.
+        A ``load_from_disk`` folder: ``train`` and ``validation`` with one ``messages`` column.
     """
     corpus = build_demo_corpus()
     root = Path(corpus.dataset_path).parent

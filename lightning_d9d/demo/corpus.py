@@ -1,25 +1,11 @@
 """Demo corpus: a small English+code text dataset and a BPE tokenizer built from text that ships with Python.
 
-Algorithm: collect two kinds of documents, both present in every CPython installation, so the demo never
-downloads anything:
+Documents are ``pydoc_data``'s help topics and the standard library's docstrings (parsed with ``ast``, never
+imported), so the demo downloads nothing; every 20th goes to ``validation``. A byte-level BPE tokenizer is trained
+on the train split. Both are cached per machine under a key of the Python version, written under a file lock and
+published by atomic rename so concurrent ranks never see a half-written corpus.
 
-1. the interactive-help topics of ``pydoc_data.topics`` (the language reference, ~0.45 MB), cut at blank lines
-   and regrouped into documents of up to ~1,500 characters;
-2. the module, class and function docstrings of the standard library's ``.py`` files, read with ``ast``
-   (parsed, never imported, so no module side effects), ~1.3 MB.
-
-Every 20th document (a fixed, seeded-free rule) goes to the ``validation`` split, the rest to ``train``. The
-result is saved with ``datasets.DatasetDict.save_to_disk`` and a byte-level BPE tokenizer (vocabulary 4,096,
-``<pad>`` and an ``<eos>`` appended to every document) is trained on the train split with ``tokenizers``.
-
-Both are cached in ``$LIGHTNING_D9D_CACHE`` (default ``~/.cache/lightning_d9d/demo``) under a key made from the
-Python version and this module's format version, so the build (seconds) runs once per machine. Writers
-take a file lock and publish by atomic rename, so concurrent processes (DDP ranks, several nodes on a shared
-file system) never see a half-written corpus.
-
-Trade-off: the corpus depends on the Python version (docstrings change between releases), so two machines with
-different Pythons train on slightly different text; the cache key records that instead of hiding it. It is
-small on purpose: a few epochs of a tiny model fit in minutes on a laptop CPU.
+Trade-off: the text depends on the Python version; the cache key records that instead of hiding it.
 """
 
 from __future__ import annotations
@@ -57,9 +43,8 @@ class DemoCorpus:
     """Paths of a built demo corpus.
 
     Attributes:
-        dataset_path: a ``datasets.load_from_disk`` directory holding a DatasetDict with ``train`` and
-            ``validation`` splits, one ``text`` column.
-        tokenizer_path: a ``tokenizers.Tokenizer.from_file`` JSON file.
+        dataset_path: a ``load_from_disk`` DatasetDict with ``train`` and ``validation``, one ``text`` column.
+        tokenizer_path: a ``tokenizers`` JSON file.
     """
 
     dataset_path: str
@@ -80,7 +65,6 @@ def _cache_key() -> str:
 
 
 def _topic_documents() -> Iterator[str]:
-    """Help topics cut at blank lines, regrouped into documents of up to ~1,500 characters."""
     from pydoc_data.topics import topics
 
     for name in sorted(topics):
@@ -89,8 +73,7 @@ def _topic_documents() -> Iterator[str]:
 
 
 def regroup_blocks(blocks: Iterable[str], max_chars: int) -> Iterator[str]:
-    """Blank blocks left out, the rest joined by blank lines, in order, into documents of up to ``max_chars``
-    characters; a block longer than that is a document of its own, whole."""
+    """Non-blank blocks joined, in order, into documents of up to ``max_chars`` (a longer block stays whole)."""
     document: list[str] = []
     size = 0
     for block in blocks:
@@ -106,11 +89,7 @@ def regroup_blocks(blocks: Iterable[str], max_chars: int) -> Iterator[str]:
 
 
 def stdlib_sources(skipped_dirs: frozenset[str] = _SKIPPED_STDLIB_DIRS) -> Iterator[str]:
-    """The text of every ``.py`` file of this interpreter's standard library, in a deterministic order.
-
-    Folders are walked sorted, skipping ``skipped_dirs``; files that are not UTF-8 (a few test files, on
-    purpose) or cannot be read are passed over.
-    """
+    """The text of every readable UTF-8 ``.py`` file of the standard library, in sorted order."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for root, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in skipped_dirs)
@@ -123,7 +102,6 @@ def stdlib_sources(skipped_dirs: frozenset[str] = _SKIPPED_STDLIB_DIRS) -> Itera
 
 
 def _docstring_documents() -> Iterator[str]:
-    """Docstrings of the standard library, in a deterministic (sorted) file order."""
     for source in stdlib_sources():
         try:
             tree = ast.parse(source)
@@ -172,9 +150,6 @@ def build_demo_corpus(cache_dir: str | os.PathLike[str] | None = None) -> DemoCo
 
     Args:
         cache_dir: where to cache; default :func:`demo_cache_dir`.
-
-    Returns:
-        The dataset directory and tokenizer file of the corpus.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
     target = build_once(root, _cache_key(), _write_corpus)
@@ -182,7 +157,7 @@ def build_demo_corpus(cache_dir: str | os.PathLike[str] | None = None) -> DemoCo
 
 
 def _write_corpus(folder: Path) -> str:
-    """Write the corpus' dataset and tokenizer into ``folder``; return the digest of its texts (the marker)."""
+    """Write the corpus into ``folder``; return the digest of its texts (the marker)."""
     from datasets import Dataset, DatasetDict
 
     train, validation = demo_texts()

@@ -1,35 +1,14 @@
 """TinyGPT: a small decoder-only transformer LightningModule for the demo run and for tests.
 
-Algorithm: token + learned position embeddings, ``num_layers`` pre-norm blocks (causal self-attention through
-``F.scaled_dot_product_attention``, then a GELU MLP), a final LayerNorm and an output layer tied to the token
-embedding. It consumes :class:`~lightning_d9d.text.TextBatch` (padded) and
-:class:`~lightning_d9d.text.FlatBatch` (padding-free), whose labels follow Hugging Face's convention (the input
-ids, ``-100`` where nothing is predicted): the model shifts them, logits at ``t`` predicting ``labels[t + 1]``.
-Packed rows (a batch with ``inputs``/``targets``/``position_ids``, as the pretraining DataModule yields, targets
-already shifted) work too.
+Pre-norm blocks (causal ``scaled_dot_product_attention`` and a GELU MLP) with learned positions and a tied output
+layer, over ``TextBatch``, ``FlatBatch`` (Hugging Face labels, shifted here) and packed-row batches. Attention
+masks the future, padding and other documents of a flattened row, and positions count real tokens only, so the
+same samples give the same logits padded left, right or flattened. The loss is ``loss_sum / step_label_tokens ×
+dp_size × accumulate_grad_batches``, undoing DDP's gradient average and Lightning's accumulation division so the
+optimizer sees the step's exact per-token mean.
 
-Attention masks the future and padding keys, and in a flattened row every other document (block-diagonal
-causal attention, the dense-mask form of what varlen kernels compute); positions count real tokens only (a
-flattened row's ``position_ids`` restart per document), so the same samples give the same logits padded left,
-right or flattened.
-
-Loss: the summed token losses of the microbatch over its batch's ``step_label_tokens`` (the predicted tokens of
-the whole optimizer step over all ranks), times ``dp_size × accumulate_grad_batches``: DDP averages gradients
-over the D data-parallel replicas (the DataModule's ``dp_size``; the world size where the DataModule has none)
-and Lightning's automatic optimization divides every microbatch's loss by
-``accumulate_grad_batches``, so the gradient that reaches the optimizer is exactly that of the step's per-token
-mean, however the step's tokens fall on microbatches and ranks. A batch without ``step_label_tokens`` falls back
-to its own per-token mean.
-
-Logged with ``self.log(..., prog_bar=True)``: the microbatch's per-token loss, the padding share of the
-microbatch, and tokens per second (real tokens since the start of fitting over wall time, data loading
-included). The optimizer is AdamW with a linear warm-up and a cosine decay over
-``trainer.estimated_stepping_batches``.
-
-Trade-off: a flattened row's attention runs on its documents regrouped as ``[documents, longest document]``
-(exactly block-diagonal causal attention, at ``D × longest²`` instead of the row's ``T²``), which costs a scatter
-and a gather per layer and still computes the masked tail of shorter documents, as a padded microbatch does;
-varlen kernels on a GPU skip it. The embeddings, MLPs and output layer never see a padding position.
+Trade-off: a flattened row's attention runs on its documents regrouped as ``[documents, longest]``, exact
+block-diagonal attention at ``D × longest²`` instead of ``T²``, for a scatter and gather per layer.
 """
 
 from __future__ import annotations
@@ -82,10 +61,8 @@ class _Block(nn.Module):
 
 
 class _Documents:
-    """The documents of one flattened row, for attention: ``regroup`` lays the row's ``T`` positions out as
-    ``[D, longest, ...]`` (one row per document), ``flatten`` gathers them back. Attention over that layout with
-    a causal, per-document key mask is exactly block-diagonal causal attention over the row, at the cost of the
-    documents (``D × longest²``) instead of the row (``T²``): what a varlen kernel computes, without one.
+    """One flattened row's documents, for attention: ``regroup`` lays its positions out as ``[D, longest, ...]``,
+    ``flatten`` gathers them back (block-diagonal causal attention without a varlen kernel).
     """
 
     def __init__(self, document_ids: torch.Tensor, offsets: torch.Tensor):
@@ -110,7 +87,7 @@ class _Documents:
 
 @dataclasses.dataclass
 class _Tokens:
-    """The fields the model needs from a TextBatch, a FlatBatch, or a packed-rows batch (``inputs``/``targets``)."""
+    """The fields the model needs from a TextBatch, a FlatBatch or a packed-rows batch."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -146,23 +123,22 @@ class _Tokens:
 
 
 class TinyGPT(pl.LightningModule):
-    """A small GPT-style causal language model over :class:`~lightning_d9d.text.TextBatch`.
+    """A small GPT-style causal language model.
 
     Args:
-        vocab_size: tokenizer vocabulary size (checked against a TextDataModule's tokenizer at fit start).
+        vocab_size: tokenizer vocabulary size (checked against a TextDataModule's at fit start).
         max_positions: longest padded sequence the position embedding covers.
         width: hidden size.
         num_layers: transformer blocks.
         num_heads: attention heads (must divide ``width``).
         dropout: dropout in attention and MLP.
         learning_rate: peak AdamW learning rate.
-        weight_decay: AdamW weight decay (not applied to biases, norms and embeddings).
+        weight_decay: AdamW weight decay (not on biases, norms and embeddings).
         warmup_steps: optimizer steps of linear warm-up.
         min_learning_rate_ratio: the cosine decay ends at this fraction of the peak.
 
     Raises:
-        ValueError: ``num_heads`` does not divide ``width``; at fit start, a tokenizer larger than
-            ``vocab_size`` or padded lengths beyond ``max_positions``.
+        ValueError: ``num_heads`` does not divide ``width``; at fit start, a larger tokenizer or longer sequences.
     """
 
     def __init__(
@@ -212,12 +188,10 @@ class TinyGPT(pl.LightningModule):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, T, vocab_size]`` for token ids ``[B, T]`` with a 1/0 attention mask ``[B, T]``.
+        """Logits ``[B, T, vocab_size]`` for token ids ``[B, T]`` with a 1/0 attention mask.
 
-        ``position_ids`` default to counting real tokens, so a left-padded sample gets the same positions as a
-        right-padded one; flattened and packed rows pass their own (restarting at each document).
-        ``document_ids`` (``[B, T]``) keep attention inside each document of a flattened row; for one row
-        (``B = 1``, with its ``position_ids``) attention runs per document instead of over the whole row.
+        ``position_ids`` default to counting real tokens; ``document_ids`` keep attention inside each document of a
+        flattened row.
         """
         length = input_ids.shape[1]
         real = attention_mask.bool()
@@ -256,9 +230,7 @@ class TinyGPT(pl.LightningModule):
     def step_loss(self, loss_sum: torch.Tensor, count: torch.Tensor, step_label_tokens: int | None) -> torch.Tensor:
         """The loss to return from ``training_step`` so that the optimizer sees the step's per-token mean.
 
-        ``loss_sum / step_label_tokens`` summed over every microbatch of the step on every rank is that mean;
-        DDP averages gradients over the ``dp_size`` data-parallel replicas and automatic optimization divides each
-        microbatch's loss by ``accumulate_grad_batches``, so both are multiplied back.
+        ``loss_sum / step_label_tokens``, multiplied back by ``dp_size`` (DDP averages) and ``accumulate_grad_batches``.
         """
         if step_label_tokens is None:
             return loss_sum / count.clamp(min=1)
@@ -333,8 +305,7 @@ class TinyGPT(pl.LightningModule):
 
 
 def _declared(owner: Any, name: str) -> Any:
-    """``owner.name`` where ``owner`` declares it, else ``None``: a feature a DataModule may or may not have. Its
-    value is read directly, so an error raised while computing it (a broken property) is not taken for absence."""
+    """``owner.name`` where ``owner`` declares it, else ``None``; read directly, so a broken property still raises."""
     if owner is None or inspect.getattr_static(owner, name, None) is None:
         return None
     return getattr(owner, name)

@@ -1,21 +1,9 @@
-"""The demo corpus as parquet shards, two sources: ``prose`` and ``code``, for the streaming path's demo configs.
+"""The demo corpus as parquet shards, two sources (``prose`` and ``code``), for the streaming path's demo configs.
 
-Algorithm: ``prose`` is the demo corpus' training text (help topics and standard-library docstrings, see
-:mod:`lightning_d9d.demo.corpus`); ``code`` is the standard library's own source, cut at blank lines and
-regrouped into documents of up to ``_MAX_CODE_DOCUMENT_CHARS`` characters, its first ``_CODE_CHARS`` characters
-in sorted file order; ``validation`` is the demo corpus' validation split. Each source is written as
-``_SHARDS`` parquet files of one ``text`` column, ``_ROW_GROUP_ROWS`` rows per row group (several row groups per
-file, so the K streams have units to share), next to the demo tokenizer.
-
-``demo:prose``, ``demo:code``, ``demo:validation`` and ``demo`` (prose and code) are file specs that
-:func:`resolve_demo_files` turns into the shards' paths, anywhere in a ``train_files``/``val_files`` value (a
-string, a list, or a mapping's values), so a YAML config trains on them with no data of the user's.
-
-Built once per machine under the demo cache (``$LIGHTNING_D9D_CACHE``), keyed by the Python version and this
-module's format version, under a file lock and published by atomic rename, like the demo corpus; the same
-Python writes the same bytes.
-
-Trade-off: the code source depends on the Python version (its standard library), as the prose does.
+``prose`` is the demo corpus' training text, ``code`` the standard library's source cut into documents; each is
+written as several parquet files of several row groups, so the K streams have units to share. ``demo`` and
+``demo:<source>`` file specs resolve to them. Built once per machine like the demo corpus (same lock, same
+atomic publish); the same Python writes the same bytes.
 """
 
 from __future__ import annotations
@@ -50,8 +38,8 @@ class DemoParquet:
     """Paths of the written shards.
 
     Attributes:
-        files: source name (``prose``, ``code``, ``validation``) -> its parquet files, sorted.
-        tokenizer_path: the demo tokenizer (``tokenizers`` JSON; its ``<eos>`` serves as the BOS token).
+        files: source name -> its parquet files, sorted.
+        tokenizer_path: the demo tokenizer (its ``<eos>`` serves as BOS).
     """
 
     files: dict[str, list[str]]
@@ -59,11 +47,7 @@ class DemoParquet:
 
 
 def code_documents(limit_chars: int = _CODE_CHARS) -> list[str]:
-    """Standard-library source cut at blank lines and regrouped into documents of up to ~1,500 characters.
-
-    Files are taken in sorted order until ``limit_chars`` characters; a block longer than a document stays
-    whole (the packer splits what does not fit a row).
-    """
+    """Standard-library source in sorted file order, up to ``limit_chars``, regrouped into documents."""
     documents: list[str] = []
     total = 0
     for source in stdlib_sources():
@@ -92,13 +76,10 @@ def write_shards(texts: list[str], folder: Path, name: str) -> list[str]:
 
 
 def build_demo_parquet(cache_dir: str | os.PathLike[str] | None = None) -> DemoParquet:
-    """Write the demo parquet shards once, or return the cached ones (safe to call from every rank).
+    """Write the demo parquet shards once, or return the cached ones (safe from every rank).
 
     Args:
-        cache_dir: where to cache; default :func:`~lightning_d9d.demo.corpus.demo_cache_dir`.
-
-    Returns:
-        The shards of every source and the demo tokenizer.
+        cache_dir: where to cache; default the demo cache.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
     corpus = build_demo_corpus(root)
@@ -108,7 +89,6 @@ def build_demo_parquet(cache_dir: str | os.PathLike[str] | None = None) -> DemoP
 
 
 def _write_sources(folder: Path) -> str:
-    """Write every source's shards into ``folder/<source>``; return the text of the build's marker."""
     train, validation = demo_texts()
     for name, texts in (("prose", train), ("code", code_documents()), ("validation", validation)):
         write_shards(texts, folder / name, name)
@@ -116,10 +96,7 @@ def _write_sources(folder: Path) -> str:
 
 
 def resolve_demo_files(spec: Any, built: DemoParquet) -> Any:
-    """``spec`` with every ``demo``/``demo:<source>`` string replaced by that source's shard paths.
-
-    A list keeps its order (a ``demo`` entry expands in place); a mapping's values are resolved (the mixture
-    form ``{name: spec}`` or ``{name: {"files": spec, ...}}``); anything else is returned unchanged.
+    """``spec`` with every ``demo``/``demo:<source>`` string replaced by that source's shards (in lists and mappings).
 
     Raises:
         ValueError: ``demo:<name>`` with a name that is not a demo source.

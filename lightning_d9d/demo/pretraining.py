@@ -1,12 +1,8 @@
 """DemoPretrainingDataModule: PretrainingDataModule that understands the demo corpus' parquet shards.
 
-``train_files``/``val_files`` values ``demo``, ``demo:prose``, ``demo:code`` and ``demo:validation`` (alone, in
-a list, or as a mapping's values) and ``tokenizer="demo"`` are replaced in ``prepare_data``/``setup`` by the
-shards and tokenizer of :mod:`lightning_d9d.demo.parquet`, built on first use; everything else is
-``PretrainingDataModule``'s, so ``configs/demo_pretraining.yaml`` trains the demo model on a fresh clone.
-
-Trade-off: the resolved paths lie in this machine's demo cache, so a checkpoint resumes where that cache is
-(the files' footers, not their paths, decide whether the data is the same).
+``demo``/``demo:<source>`` file specs and ``tokenizer="demo"`` are replaced by the demo shards and tokenizer,
+built on first use, so the demo config trains on a fresh clone. A checkpoint's data identity is the files'
+footers, not their cache paths.
 """
 
 from __future__ import annotations
@@ -21,12 +17,11 @@ DEMO_TOKENIZER = "demo"
 
 
 class DemoPretrainingDataModule(PretrainingDataModule):
-    """``PretrainingDataModule`` whose file specs and tokenizer may name the demo corpus (see the module).
+    """``PretrainingDataModule`` whose file specs and tokenizer may name the demo corpus.
 
     Args:
-        **kwargs: every argument of :class:`~lightning_d9d.PretrainingDataModule`; ``train_files`` defaults
-            to ``"demo"`` (prose and code), ``tokenizer`` to ``"demo"`` and ``bos_token`` to the demo
-            tokenizer's ``<eos>`` (every document starts with it).
+        **kwargs: every argument of ``PretrainingDataModule``; ``train_files`` and ``tokenizer`` default to
+            ``"demo"``, ``bos_token`` to the demo tokenizer's ``<eos>``.
     """
 
     def __init__(self, **kwargs: Any):
@@ -37,16 +32,15 @@ class DemoPretrainingDataModule(PretrainingDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """The tokenizer's vocabulary, special tokens included (checked by the demo model at fit start)."""
+        """The tokenizer's vocabulary size, special tokens included."""
         self._resolve_demo()
         return read_tokenizer(self.tokenizer).get_vocab_size(with_added_tokens=True)
 
     def prepare_data(self) -> None:
-        """Build the demo shards once (rank 0 of each node; ``setup`` waits on the same lock elsewhere)."""
+        """Build the demo shards once (elsewhere ``setup`` waits on the same lock)."""
         self._resolve_demo()
 
     def setup(self, stage: str | None = None) -> None:
-        """Replace the demo specs by the shards' paths, then ``PretrainingDataModule.setup``."""
         self._resolve_demo()
         super().setup(stage)
 

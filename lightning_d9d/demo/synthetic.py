@@ -1,13 +1,7 @@
 """SyntheticTokenDataset: a deterministic, learnable token dataset that needs no files and no download.
 
-Algorithm: sample ``i`` is generated on demand from a generator seeded with ``(seed, i)``: a length drawn from
-a log-normal distribution (heavy-tailed like real documents, clipped to ``[min_length, max_length]``), then a
-sequence that follows a simple rule — start at a random token and add a random stride from a small set, modulo
-the vocabulary — so a language model's loss visibly falls on it. Lengths are computed once for all samples
-(vectorised) and served per index by ``sort_key``, which D9DDataModule uses for length sorting.
-
-Trade-off: samples are recomputed on every access (a few microseconds each) instead of stored, so any size
-costs no memory beyond the lengths array (8 bytes per sample, computed once, vectorised).
+Sample ``i`` is generated on demand from ``(seed, i)``: a heavy-tailed log-normal length, then a strided token
+sequence a model visibly learns. Only the lengths are stored, so any size costs 8 bytes per sample.
 """
 
 from __future__ import annotations
@@ -25,13 +19,12 @@ class SyntheticTokenDataset(Dataset):
     Args:
         num_samples: dataset length.
         vocab_size: token ids are in ``[0, vocab_size)``.
-        min_length: shortest sample (at least 2, so there is a next-token target).
-        max_length: longest sample.
-        median_length: median of the log-normal length distribution before clipping.
+        min_length, max_length: the length range (``min_length`` >= 2, for a next-token target).
+        median_length: median of the length distribution before clipping.
         seed: makes samples and lengths reproducible.
 
     Raises:
-        ValueError: non-positive sizes, ``min_length < 2`` or ``min_length > max_length``.
+        ValueError: non-positive sizes or a bad length range.
     """
 
     def __init__(
@@ -67,5 +60,5 @@ class SyntheticTokenDataset(Dataset):
         return {"input_ids": torch.from_numpy(tokens.astype(np.int64))}
 
     def sort_key(self, index: int) -> int:
-        """The sample's length: D9DDataModule sorts by it when its ``sort_key`` is left at ``None``."""
+        """The sample's length (D9DDataModule's default sort key)."""
         return int(self.lengths[index])

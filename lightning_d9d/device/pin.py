@@ -1,12 +1,7 @@
-"""Pin: copy every tensor of a batch into page-locked host memory.
+"""Pin: copy every tensor of a batch into page-locked host memory (torch's DataLoader pinning skips dataclasses).
 
-Algorithm: walk the batch tree (tensors, dicts, lists, tuples, namedtuples and dataclasses) and replace each
-CPU tensor by ``tensor.pin_memory()``; containers are rebuilt with the same type. torch's own DataLoader
-pinning skips dataclasses unless they define ``pin_memory()``, which is why this stage exists.
-
-Trade-off: pinning is one extra host copy per batch, paid on the loader side, in exchange for asynchronous
-(``non_blocking=True``) host-to-device copies that overlap with compute. On a CPU-only torch
-``pin_memory()`` raises, so callers switch pinning on only when the target device is an accelerator.
+Trade-off: one extra host copy per batch, for asynchronous host-to-device copies that overlap compute; CPU-only
+torch cannot pin, so callers pin only for an accelerator.
 """
 
 from __future__ import annotations
@@ -19,11 +14,7 @@ import torch
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor in a batch tree, keeping container types.
-
-    Dataclasses are rebuilt with ``dataclasses.replace`` (which also works for frozen dataclasses), so the
-    batch type a user's collate returns is the type their ``training_step`` receives.
-    """
+    """Apply ``fn`` to every tensor in a batch tree, keeping container types (frozen dataclasses included)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -44,6 +35,6 @@ def pin_batch(batch: Any) -> Any:
     """Return ``batch`` with every CPU tensor in page-locked memory.
 
     Raises:
-        RuntimeError: from torch, when no accelerator is available (pinning needs one).
+        RuntimeError: from torch, when no accelerator is available.
     """
     return map_tensors(batch, lambda tensor: tensor if tensor.is_pinned() else tensor.pin_memory())

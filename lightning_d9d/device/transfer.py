@@ -1,12 +1,6 @@
-"""Transfer: move a (pinned) batch to the training device without blocking the host.
-
-Algorithm: the same tree walk as the pin stage; each tensor gets ``.to(device, non_blocking=True)`` when the
-target is an accelerator, so a copy from pinned memory is queued on the stream and overlaps with compute.
-On a CPU target the batch is returned as it is (no copy, no new objects).
-
-Trade-off: ``non_blocking`` from pageable memory is silently synchronous, so this pays off only together with
-the pin stage. Unlike Lightning's ``move_data_to_device`` this does not deep-copy dataclasses and works for
-frozen ones.
+"""Transfer: move a (pinned) batch to the training device with ``non_blocking=True`` (synchronous from pageable
+memory, so it pays off only with pinning); a CPU target returns the batch as is. Unlike Lightning's
+``move_data_to_device`` it does not deep-copy dataclasses.
 """
 
 from __future__ import annotations
@@ -19,12 +13,7 @@ from lightning_d9d.device.pin import map_tensors
 
 
 def move_batch_to_device(batch: Any, device: torch.device | str) -> Any:
-    """Move every tensor of ``batch`` to ``device``, keeping the batch's container types.
-
-    Args:
-        batch: a tensor, or dicts/lists/tuples/namedtuples/dataclasses of them (other leaves pass through).
-        device: the target device; a CPU target returns ``batch`` unchanged.
-    """
+    """Move every tensor of ``batch`` to ``device``, keeping container types; unchanged on CPU."""
     device = torch.device(device)
     if device.type == "cpu":
         return batch

@@ -1,33 +1,15 @@
 """Load and pack: turn a data-parallel rank's share of the order into collated (and pinned) microbatches or packs.
 
-Algorithm: at the first ``next()`` of an epoch the loader asks where to start (epoch, microbatch), builds a
-lazy iterable of index lists — this data-parallel rank's microbatches of the remaining steps, read from a schedule (the
-sample-count :class:`~lightning_d9d.mapstyle.shard.GlobalBatchSchedule` or the token-budget
-:class:`~lightning_d9d.mapstyle.plan.TokenPlan`) — and hands it to torchdata's ``StatefulDataLoader`` as its
-``batch_sampler``. Workers only fetch ``dataset[i]`` and collate; the order is decided in the main process, so
-it cannot depend on ``num_workers``. Each microbatch handed out advances the one position counter; with
-``yield_packs`` the M microbatches of a step are handed out together.
+At an epoch's first ``next()`` the loader asks where to start and hands torchdata's ``StatefulDataLoader`` a lazy
+``batch_sampler`` of this rank's remaining microbatches from the schedule. Workers only fetch and collate; the
+order is decided in the main process, so it cannot depend on ``num_workers``, and ``step_label_tokens`` is written
+into batches there after collation. The loader is a plain sized iterable, not a DataLoader: Lightning would
+otherwise swap in its own distributed sampler and save the DataLoader's state; its length also stops Lightning's
+prefetcher from reading ahead, so at most one batch is handed out but not yet trained. Sample and collate errors
+name the microbatch's samples and place; an epoch that comes up short raises instead of ending quietly.
 
-Each step's predicted tokens over all ranks (``step_label_tokens``, from the schedule) are written into every
-batch that has a ``step_label_tokens`` field or key, in the main process after collation: workers never need
-to know which step a microbatch belongs to.
-
-Why a plain sized iterable and not the DataLoader itself: Lightning would otherwise (a) re-instantiate it
-under DDP with its own distributed sampler and (b) save and restore the DataLoader's internal state, which
-goes wrong in several ways (docs/resume.md lists them). A sized iterable without ``state_dict`` is left
-alone; its length also stops Lightning's prefetcher from reading a batch ahead, so at most the one batch in
-training is handed out but not yet trained (the DataModule saves its step from Lightning's processed count).
-
-Errors: a sample or ``collate_fn`` that raises is reported with the microbatch's sample indices and where it
-sits (epoch, step, data-parallel rank), the original exception chained; an epoch that comes up short of the
-microbatches its plan holds (a dataset that raised ``StopIteration``, say) raises instead of ending the epoch
-quietly.
-
-Both loaders (training and validation) live the same way: one epoch iteration at a time, a new one stopping the
-previous one's workers, ``close()`` stopping the live one (the DataModule closes them at teardown and on errors).
-
-Trade-off: a new ``StatefulDataLoader`` (and worker pool) is started at each epoch or resume, which costs a
-worker start-up per epoch, but makes resume cost independent of the position: no batch is replayed to skip.
+Trade-off: a new ``StatefulDataLoader`` (and worker pool) per epoch or resume costs a worker start-up, but makes
+resume cost independent of the position: no batch is replayed to skip.
 """
 
 from __future__ import annotations
@@ -52,12 +34,11 @@ from lightning_d9d.epoch_iterator import (
 from lightning_d9d.resume import TrainPosition
 
 STEP_LABEL_TOKENS = "step_label_tokens"
-"""The field (or key) of a batch that the loader fills with its step's predicted tokens over all ranks."""
+"""The batch field (or key) the loader fills with its step's predicted tokens over all ranks."""
 
 
 class StepSchedule(Protocol):
-    """What the training loader reads: steps per epoch, a data-parallel rank's microbatches of a step, the step's
-    label count."""
+    """What the training loader reads: steps per epoch, a rank's microbatches of a step, its label count."""
 
     def steps_in_epoch(self, epoch: int) -> int: ...
 
@@ -117,7 +98,6 @@ def carries_step_label_tokens(batch: Any) -> bool:
 
 
 def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
-    """``batch`` (one that ``carries_step_label_tokens``) with its field or key set to ``value``."""
     if value is None:
         return batch
     if isinstance(batch, dict):
@@ -131,21 +111,19 @@ def attach_step_label_tokens(batch: Any, value: int | None) -> Any:
 
 
 class TrainLoader(OneIterationAtATime, ResumedByDataModule):
-    """The training loader: a sized iterable of microbatches (or packs of M microbatches) for one data-parallel
-    rank (every process of that replica gets the same).
+    """The training loader: a sized iterable of microbatches (or packs of M) for one data-parallel replica.
 
     Args:
-        dataset: map-style dataset (``dataset[i]`` returns one sample).
+        dataset: map-style dataset.
         collate_fn: list of samples -> microbatch.
         schedule: the steps of every epoch (shared by all ranks).
-        dp_size, dp_rank: the data-parallel size and this replica's rank (:mod:`lightning_d9d.topology`).
+        dp_size, dp_rank: the data-parallel size and this replica's rank.
         microbatches_per_step: M (this rank's microbatches per step).
         position: the shared position counter this loader advances.
-        start_point: returns ``(epoch, microbatch)`` where the next epoch iteration starts (without side
-            effects): read at its first ``next()``, and by ``len()`` for the epoch whose length it reports.
+        start_point: side-effect-free ``() -> (epoch, microbatch)`` where the next epoch iteration starts.
         num_workers: DataLoader workers.
-        pin_memory: pin each batch (only where an accelerator exists).
-        yield_packs: hand out a list of M microbatches per optimizer step instead of single microbatches.
+        pin_memory: pin each batch.
+        yield_packs: hand out a list of M microbatches per optimizer step.
     """
 
     def __init__(
@@ -263,10 +241,9 @@ class ValidationLoader(OneIterationAtATime):
 
 
 class PinnableBatch:
-    """Carries any batch through torch's pin-memory thread: torch pins objects that have ``pin_memory()``.
+    """Carries any batch through torch's pin-memory thread (torch pins objects with ``pin_memory()``).
 
-    torch's own pinning skips dataclasses; wrapping lets the loader's background pin thread (used with
-    workers) run our ``pin_batch`` tree walk instead of the training loop's thread.
+    torch's own pinning skips dataclasses; wrapping runs our ``pin_batch`` in the loader's pin thread instead.
     """
 
     __slots__ = ("batch",)
@@ -279,15 +256,13 @@ class PinnableBatch:
 
 
 class _Samples(list):
-    """A microbatch's samples (a list), still carrying their indices and place for ``collate_fn``'s errors."""
-
     indices: Any = None
 
 
 class FetchWithContext(Dataset):
     """The dataset as the DataLoader sees it: a sample that raises names its index, microbatch and place.
 
-    It keeps the dataset's own batched ``__getitems__`` (Hugging Face datasets read a microbatch in one call).
+    It keeps the dataset's batched ``__getitems__``.
     """
 
     def __init__(self, dataset: Dataset):
@@ -321,16 +296,12 @@ class FetchWithContext(Dataset):
 
 
 def _place(indices: Any) -> str:
-    """``microbatch [..] (epoch e, step s, dp rank r)`` for an error message."""
     where = getattr(indices, "where", "")
     return f"microbatch {list(indices)}" + (f" ({where})" if where else "")
 
 
 class CollateWithContext:
-    """``collate_fn`` that names the microbatch's samples and place when it raises; wraps it for pinning too.
-
-    A class, so that workers can pickle it.
-    """
+    """``collate_fn`` that names the microbatch's samples and place when it raises (a class, so workers pickle it)."""
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], pin: bool = False):
         self.collate_fn, self.pin = collate_fn, pin
@@ -363,10 +334,8 @@ def make_loader(
 ) -> Iterator[Any]:
     """Batches from torchdata's ``StatefulDataLoader`` driven by precomputed index batches, pinned if asked.
 
-    The loader's own ``state_dict`` is never read: the index batches are a function of (seed, epoch, step), so a
-    resume starts a new loader at its position instead of replaying a worker snapshot. It is torchdata's loader
-    still, not torch's, because it is the one the design names for the load stage and it costs nothing more with
-    its snapshots off. Pass the result to ``stop`` to end its workers.
+    Its ``state_dict`` is never read: the index batches are a function of (seed, epoch, step), so a resume starts a
+    new loader at its position. Pass the result to ``stop`` to end its workers.
     """
     with warnings.catch_warnings():
         # torchdata 0.11 calls the deprecated torch.set_vital on every construction; the warning is noise.
@@ -386,5 +355,4 @@ def make_loader(
 
 
 def stop(batches: Iterator[Any]) -> None:
-    """Stop the worker processes of what ``make_loader`` returned, now."""
     shutdown_workers(batches.batches if isinstance(batches, _Unpinned) else batches)

@@ -1,23 +1,13 @@
 """Order: the global sequence of global batches of one epoch, a pure function of (seed, epoch, data, sizes).
 
-Algorithm:
-1. A seeded bijection on ``[0, N)`` (a Feistel network with cycle walking) maps an epoch position to a
-   sample index. It is evaluated on demand for any slice of positions, so the order of a 10⁹-sample dataset
-   costs no O(N) memory and no O(N) start-up, unlike ``torch.randperm``.
-2. Without length sorting, global batch ``s`` is positions ``[s·G, (s+1)·G)`` through the bijection
-   (evaluated for a block of batches at a time, so the per-batch cost is a slice).
-3. With length sorting, the permuted sequence is cut into windows of ``K·G`` samples
-   (``K = sort_buffer_size // G``); each window is sorted by sort key (ties broken at random), cut into K
-   global batches of G neighbours, and the K batches are visited in a seeded random order.
-4. The epoch has ``floor(N / G)`` global batches; the last ``N mod G`` positions of the permutation are
-   dropped, so different samples are dropped each epoch.
+A seeded Feistel bijection on ``[0, N)`` maps epoch positions to sample indices on demand (no O(N) memory or
+start-up, unlike ``torch.randperm``). Without sorting, global batch ``s`` is positions ``[s·G, (s+1)·G)``. With
+sorting, the permuted sequence is cut into windows of ``K·G`` samples, each sorted by key (ties at random), cut
+into K batches of neighbours, visited in a seeded order. ``floor(N / G)`` batches an epoch; the dropped tail
+differs each epoch. Nothing depends on world size, microbatch size or workers, which makes elastic resume
+possible.
 
-Nothing here depends on world size, microbatch size or worker count: the same global batches are trained
-on 1 GPU or 8, which is what makes elastic resume possible.
-
-Trade-off: batches are shuffled only within a window, not across the whole epoch. A window of K batches is
-sorted in one piece (O(K·G log K·G), amortised over K steps); a global shuffle of batches would need to sort
-a whole window for every step. Microbatches keep neighbours in sorted order: shuffling samples inside a
+Trade-off: batches are shuffled only within a window, so one sort serves K steps; shuffling samples inside a
 global batch would multiply padding.
 """
 
@@ -39,7 +29,7 @@ _UNSORTED_BLOCK_SAMPLES = 4096
 
 
 def _mix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser: a cheap, well-distributed 64-bit hash, vectorised (uint64 wraps by design)."""
+    """SplitMix64 finaliser, vectorised (uint64 wraps by design)."""
     values = values.copy()
     values ^= values >> np.uint64(30)
     values *= np.uint64(0xBF58476D1CE4E5B9)
@@ -52,9 +42,7 @@ def _mix64(values: np.ndarray) -> np.ndarray:
 class SeededPermutation:
     """A seeded bijection on ``[0, size)``, evaluated lazily for any array of positions.
 
-    A balanced Feistel network permutes ``[0, 4**h)`` for the smallest ``h`` with ``4**h >= size``; positions
-    that land outside ``[0, size)`` are walked through the network again until they land inside (cycle
-    walking), which keeps it a bijection on ``[0, size)``. The expected number of walks is below 4.
+    A Feistel network over ``[0, 4**h)`` with cycle walking (expected walks below 4).
 
     Args:
         size: the number of elements to permute (>= 1).
@@ -94,11 +82,11 @@ def resolve_sort_keys(dataset: Any, sort_key: str | Callable[[int], Any] | None)
 
     Args:
         dataset: the training dataset.
-        sort_key: ``None`` (use ``dataset.sort_key(index)`` if it exists, else no keys), a callable of one
-            index, or the name of a column of a Hugging Face ``datasets.Dataset`` (read once, as a whole).
+        sort_key: ``None`` (``dataset.sort_key(index)`` if it exists, else no keys), a callable of one index, or a
+            Hugging Face column name.
 
     Raises:
-        ValueError: a column name that the dataset does not have, or a dataset without columns.
+        ValueError: a column name the dataset does not have, or a dataset without columns.
     """
     if sort_key is None:
         method = getattr(dataset, "sort_key", None)
@@ -119,11 +107,9 @@ def resolve_sort_keys(dataset: Any, sort_key: str | Callable[[int], Any] | None)
 
 
 def _arrow_column_lookup(dataset: Any, name: str) -> KeyLookup:
-    """Vectorised reads of one column of a Hugging Face dataset, straight from its (memory-mapped) Arrow table.
+    """Vectorised reads of one column straight from the dataset's memory-mapped Arrow table (``take``, no O(N) copy).
 
-    Each window's keys are an Arrow ``take``: no Python loop over rows, and no O(N) copy of the column, so
-    a 10⁹-row dataset costs only the pages the windows touch. ``select``/``shuffle`` views are honoured through
-    the dataset's indices mapping.
+    ``select``/``shuffle`` views are honoured through the dataset's indices mapping.
     """
     column = dataset.data.column(name)
     _check_sortable_column(column, name)
@@ -140,7 +126,7 @@ def _arrow_column_lookup(dataset: Any, name: str) -> KeyLookup:
 
 
 def _check_sortable_column(column: pa.ChunkedArray, name: str) -> None:
-    """Raises TypeError for a key column with nulls, NaNs or a non-numeric type (null counts are metadata)."""
+    """Raise TypeError for a key column with nulls, NaNs or a non-numeric type."""
     if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
         raise TypeError(f"sort_key column {name!r} has type {column.type}; sort keys must be integers or floats")
     bad = pc.is_null(column, nan_is_null=True) if column.null_count or pa.types.is_floating(column.type) else None
@@ -172,10 +158,10 @@ def argsort_keys(keys: np.ndarray, tie_break: np.ndarray, indices: np.ndarray | 
     Args:
         keys: one key per sample.
         tie_break: a secondary key per sample.
-        indices: the samples' dataset indices, only to name an offending sample in errors.
+        indices: the samples' dataset indices, for errors.
 
     Raises:
-        TypeError: keys that cannot be compared with each other (e.g. ``None`` or NaN beside numbers).
+        TypeError: keys that cannot be compared with each other.
     """
     if keys.dtype != object and keys.dtype.kind in "biuf":
         if keys.dtype.kind == "f" and np.isnan(keys).any():
@@ -196,7 +182,7 @@ def argsort_keys(keys: np.ndarray, tie_break: np.ndarray, indices: np.ndarray | 
 
 
 def _odd_key_position(keys: np.ndarray) -> int:
-    """The first key that is None, NaN, or of a type other than the most common one (the likely culprit)."""
+    """The first key that is None, NaN, or of a type other than the most common one."""
     types = [type(key) for key in keys]
     common = max(set(types), key=types.count)
     for position, key in enumerate(keys):
@@ -214,7 +200,7 @@ def keys_digest(lookup: KeyLookup | None, num_samples: int, samples: int = 64) -
 
 
 def check_sort_buffer_size(sort_buffer_size: int, global_batch_size: int) -> None:
-    """Raises ValueError when the sort window cannot hold one global batch."""
+    """Raise ValueError when the sort window cannot hold one global batch."""
     if sort_buffer_size < global_batch_size:
         raise ValueError(
             f"sort_buffer_size={sort_buffer_size} is smaller than global_batch_size={global_batch_size}; "
@@ -227,15 +213,14 @@ class GlobalBatchOrder:
 
     Args:
         num_samples: the dataset length N.
-        global_batch_size: samples per optimizer step, over all ranks (G).
-        sort_buffer_size: ``None`` for no sorting, else the window within which samples are sorted by key
-            (rounded down to a multiple of G).
+        global_batch_size: samples per optimizer step over all ranks (G).
+        sort_buffer_size: ``None`` for no sorting, else the sort window (rounded down to a multiple of G).
         key_lookup: vectorised ``indices -> keys`` (required when sorting).
         seed: the order's seed.
-        shuffle: ``False`` keeps dataset order (windows are still sorted; batches visited in sorted order).
+        shuffle: ``False`` keeps dataset order.
 
     Raises:
-        ValueError: sizes that are not positive, N < G, a buffer smaller than G, sorting without keys.
+        ValueError: non-positive sizes, N < G, a buffer smaller than G, or sorting without keys.
     """
 
     def __init__(
@@ -315,10 +300,7 @@ class GlobalBatchOrder:
         return indices, batch_order
 
     def global_batch_keys(self, epoch: int, step: int) -> np.ndarray | None:
-        """The sort keys of ``global_batch(epoch, step)``'s samples, in its order (``None`` without sorting).
-
-        They were read to sort the window, so asking again costs no key lookup.
-        """
+        """The sort keys of ``global_batch(epoch, step)``'s samples (``None`` without sorting), cached."""
         if self.batches_per_window is None or self.key_lookup is None:
             return None
         window, within = divmod(step, self._batches_per_window)

@@ -1,50 +1,21 @@
 """Plan: token-budget epochs — which samples form each microbatch of each optimizer step, from lengths alone.
 
-An optimizer step is ``P = global_batch_tokens / microbatch_tokens`` microbatches over all ranks, each within
-``microbatch_tokens``: counted as *samples × padded longest sample* when microbatches are padded, as the *sum
-of lengths* when they are padding-free (one flattened row per microbatch). The plan of an epoch is a pure
-function of (seed, epoch, lengths, budgets, buffer, padding mode): it never sees the data-parallel size or the
-worker count, so the same steps are trained on 1 GPU or 8, and a resume on another layout continues them.
+A step is ``P = global_batch_tokens / microbatch_tokens`` microbatches over all ranks, each within
+``microbatch_tokens`` (padded: samples × padded longest; padding-free: sum of lengths). An epoch's plan is a pure
+function of (seed, epoch, lengths, budgets, buffer, padding mode), never of the data-parallel size or worker count,
+so the same steps are trained on any layout and a resume on another layout continues them.
 
-Algorithm (one pass over the lengths per epoch, vectorised per window; Python loops run per microbatch, never
-per sample):
+The epoch order (the Feistel bijection of ``order``) is cut into windows of ``sort_buffer_size`` samples. Padded,
+each window is sorted by length and cut greedily into feasible runs (fewest microbatches of any cut into
+consecutive runs, little padding); padding-free, bins are filled largest-fit-first over the window's distinct
+lengths. A window's under-full tail is carried into the next window. Microbatches are grouped into steps of ``P``
+(a short last step is dropped), steps are visited in a seeded order, and rank ``r`` of ``D`` takes the microbatches
+``snake_owner`` deals it. Each step's predicted-token count (``length - 1`` per sample) is a by-product, so a loss
+can be normalised by the whole step without a collective.
 
-1. The epoch's order is the seeded Feistel bijection of :mod:`lightning_d9d.mapstyle.order` (or dataset
-   order without shuffling), evaluated a block at a time, cut into windows of ``sort_buffer_size`` samples.
-2. Each window (plus what the previous window carried over, see 4) is packed into microbatches:
-
-   * **padded**: the window is sorted by length (a stable sort of a random permutation: ties fall at random)
-     and cut greedily into runs of consecutive samples, each as long as ``count × padded longest <= budget``
-     allows. Because a sub-run of a feasible run is feasible, the greedy cut gives the fewest microbatches
-     of any cut into consecutive runs; microbatches hold length neighbours, so they pad little.
-   * **padding-free**: *largest fit first*, bin by bin: a microbatch starts with the longest remaining
-     sample, then repeatedly takes the longest remaining length that still fits — all remaining samples of
-     that length at once, as many as fit. Samples of equal length are interchangeable, so the search runs
-     over the window's distinct lengths (a sorted list, ``bisect``), and a microbatch costs a handful of
-     steps however many short samples it takes. Short samples fill the gaps the long ones leave, so
-     microbatches come out nearly full.
-
-3. Without ``sort_buffer_size`` samples keep the epoch order and are packed next-fit (each microbatch takes
-   the following samples while they fit): no reordering, but more waste.
-4. A window's last microbatches are filled from whatever its end left (padded: the last run; padding-free:
-   trailing microbatches under 99 % full); their samples are carried into the next window instead, where
-   fresh samples complete them. The last window of the epoch keeps everything.
-5. The epoch's microbatches, in packing order, are grouped into steps of ``P`` consecutive ones (padded steps
-   then hold length neighbours, like the sample-count order's global batches); fewer than ``P`` left at the
-   end are dropped (different samples each epoch). The steps are visited in a seeded random order: the whole
-   epoch is planned at once, so a global shuffle of steps costs one permutation.
-6. Data-parallel rank ``r`` of ``D`` trains the step's microbatches ``k`` with ``snake_owner(k, D) == r``
-   (:mod:`lightning_d9d.mapstyle.shard`): ``M = P / D`` each, the only part that depends on ``D``.
-
-Each step's number of predicted tokens over all ranks (``step_label_tokens``: ``length - 1`` per sample, the
-labels left after a causal LM's shift) is a by-product, so a loss can be normalised by the whole step without a
-collective.
-
-Trade-off: the number of microbatches (so of steps) differs a little between epochs, which Lightning must be
-told about (the DataModule reloads the train loader every epoch); and planning reads every length once at set-up
-(O(N) memory: the lengths and one epoch's order, 4 bytes per sample each), where the sample-count order reads
-keys window by window. Largest-fit-first is not an optimal bin packing — best-fit decreasing fills a little
-tighter on some inputs, but places samples one at a time (a Python step per sample).
+Trade-off: the number of steps differs a little between epochs (the train loader is reloaded each epoch), and
+planning reads every length once at set-up (O(N) memory). Largest-fit-first is not optimal bin packing, but it
+costs a Python step per distinct length rather than per sample.
 """
 
 from __future__ import annotations
@@ -63,7 +34,7 @@ from lightning_d9d.mapstyle.order import KeyLookup, SeededPermutation
 from lightning_d9d.mapstyle.shard import snake_owner
 
 PLAN_VERSION = 1
-"""Bumped when the planning algorithm changes: it is part of the resume fingerprint."""
+"""Part of the resume fingerprint: bump when the planning algorithm changes."""
 # Lengths are read and the bijection evaluated this many samples at a time: bounded memory for any N.
 _BLOCK = 1 << 18
 # Padding-free microbatches filled below this share at the end of a window are completed in the next window.
@@ -73,7 +44,7 @@ _UNSORTED_WINDOW = 1 << 16
 
 
 class InvalidLengthError(ValueError, TypeError):
-    """A sample's length is not a whole number >= 1 (a bad value and, for a string or None, a bad type)."""
+    """A sample's length is not a whole number >= 1."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +53,16 @@ class TokenBudget:
 
     Args:
         global_batch_tokens: tokens of one optimizer step over all ranks and accumulation.
-        microbatch_tokens: tokens of one microbatch (one forward/backward on one rank).
-        padding_free: ``True``: a microbatch costs the sum of its lengths (a collate that concatenates);
-            ``False``: its sample count × its longest sample rounded up to ``pad_to_multiple_of``.
-        pad_to_multiple_of: the padded length's rounding (the collate's), padded microbatches only.
-        context_parallel_size: the CP size the batches are laid out for. Padding-free, each sample then costs its
-            length rounded up to ``2 × context_parallel_size`` (the collate pads every document so, to split it
-            evenly over CP ranks); padded, ``pad_to_multiple_of`` must be a multiple of it (the row splits).
+        microbatch_tokens: tokens of one microbatch on one rank.
+        padding_free: ``True``: a microbatch costs the sum of its lengths; ``False``: sample count × longest sample
+            rounded up to ``pad_to_multiple_of``.
+        pad_to_multiple_of: the padded length's rounding (padded microbatches only).
+        context_parallel_size: padding-free, each sample costs its length rounded up to ``2 × context_parallel_size``;
+            padded, ``pad_to_multiple_of`` must be a multiple of it.
 
     Raises:
-        ValueError: non-positive values, ``global_batch_tokens`` not a multiple of ``microbatch_tokens``; with
-            ``context_parallel_size > 1``, a padding-free ``microbatch_tokens`` or a padded
-            ``pad_to_multiple_of`` that is not a multiple of ``2 × context_parallel_size`` (naming both).
+        ValueError: non-positive values, ``global_batch_tokens`` not a multiple of ``microbatch_tokens``, or a CP size
+            that does not divide the microbatch layout.
     """
 
     global_batch_tokens: int
@@ -125,12 +94,11 @@ class TokenBudget:
 
     @property
     def document_multiple(self) -> int:
-        """Padding-free: each sample's cost rounding (``2 × context_parallel_size`` under CP, else 1); padded: 1."""
+        """Padding-free: each sample's cost rounding (``2 × context_parallel_size`` under CP); else 1."""
         return cp_multiple(self.context_parallel_size) if self.padding_free else 1
 
     def padded_lengths(self, lengths: np.ndarray) -> np.ndarray:
-        """What each sample costs alone: its length, rounded up to ``pad_to_multiple_of`` when padded (to
-        ``2 × context_parallel_size`` when padding-free under CP)."""
+        """What each sample costs alone."""
         multiple = self.document_multiple if self.padding_free else self.pad_to_multiple_of
         if multiple == 1:
             return lengths
@@ -148,16 +116,15 @@ class TokenBudget:
 
 # ---------------------------------------------------------------------------------------------- lengths
 def read_lengths(lookup: KeyLookup, num_samples: int, what: str = "training") -> np.ndarray:
-    """Every sample's length, read once, a block at a time (int32 unless a length needs more).
+    """Every sample's length, read a block at a time (int32 unless a length needs more).
 
     Args:
         lookup: vectorised ``indices -> lengths`` (the resolved ``sort_key``).
         num_samples: the dataset length.
-        what: names the dataset in errors (``"training"``, ``"validation"``).
+        what: names the dataset in errors.
 
     Raises:
-        InvalidLengthError: (a ``ValueError`` and a ``TypeError``) a length that is not a number, not a whole
-            number, or below 1, naming the first such sample and its value.
+        InvalidLengthError: (a ``ValueError`` and a ``TypeError``) the first length that is not a whole number >= 1.
     """
     lengths: np.ndarray | None = None
     for start in range(0, num_samples, _BLOCK):
@@ -200,8 +167,7 @@ def check_lengths_fit(lengths: np.ndarray, budget: TokenBudget, what: str = "tra
     """Every sample must fit a microbatch on its own.
 
     Raises:
-        ValueError: naming the first sample that does not fit (index and length), how many do not, and the
-            longest.
+        ValueError: naming the first sample that does not fit, how many do not, and the longest.
     """
     if not len(lengths) or int(budget.padded_lengths(np.int64(lengths.max()))) <= budget.microbatch_tokens:
         return  # the longest fits: no O(N) temporaries on the way that every run takes
@@ -232,8 +198,7 @@ def lengths_digest(lengths: np.ndarray) -> str:
 class Packed:
     """Microbatches of some samples: ``order`` (positions into the packed array) cut into ``sizes`` runs.
 
-    All int64 arrays: ``sizes`` (samples), ``tokens`` (real tokens) and ``costs`` (tokens counted against the
-    budget) have one entry per microbatch.
+    ``sizes``, ``tokens`` and ``costs`` are int64 with one entry per microbatch.
     """
 
     order: np.ndarray
@@ -261,9 +226,7 @@ def _runs(order: np.ndarray, lengths: np.ndarray, costs: np.ndarray, cuts: list[
 def pack_padded_sorted(lengths: np.ndarray, budget: TokenBudget) -> Packed:
     """Greedy runs of consecutive samples of an ascending ``lengths``, each within ``count × padded max``.
 
-    For run start ``i`` the longest feasible run ends at the largest ``j`` with ``j - i + 1 <= cap[j]``
-    (``cap = budget // padded length``), i.e. with ``g[j] = j + 1 - cap[j] <= i``; ``g`` is strictly increasing
-    (``cap`` never increases along ascending lengths), so one ``bisect`` finds each run.
+    ``g[j] = j + 1 - budget // padded[j]`` is strictly increasing, so one ``bisect`` finds the end of each run.
     """
     lengths = lengths.astype(np.int64)
     costs = budget.padded_lengths(lengths)
@@ -277,8 +240,7 @@ def pack_padded_sorted(lengths: np.ndarray, budget: TokenBudget) -> Packed:
 def pack_largest_fit(lengths: np.ndarray, budget: int) -> Packed:
     """Padding-free bins: each starts with the longest remaining sample and takes the longest that fits next.
 
-    Runs over distinct lengths: taking ``n`` samples of one length is one step, so a bin of many short samples
-    costs few Python steps. Samples of one length are taken in their input order.
+    Runs over distinct lengths, so a bin of many short samples costs few Python steps.
     """
     lengths = lengths.astype(np.int64)
     by_length = np.argsort(lengths, kind="stable")
@@ -335,7 +297,7 @@ def pack_next_fit(lengths: np.ndarray, budget: TokenBudget) -> Packed:
 
 
 def pack(lengths: np.ndarray, budget: TokenBudget, sort: bool = True) -> Packed:
-    """Microbatches of samples with these lengths under ``budget`` (the packer the plan uses per window)."""
+    """Microbatches of samples with these lengths under ``budget`` (the per-window packer)."""
     if not sort:
         return pack_next_fit(lengths, budget)
     if budget.padding_free:
@@ -379,13 +341,11 @@ class EpochPlan:
     """One epoch's steps: step ``s`` is microbatches ``step_group[s]·P … +P`` of the packing order.
 
     Attributes:
-        order: sample indices, microbatch after microbatch, in packing order (kept microbatches only).
-        bounds: ``int64 [microbatches + 1]``: microbatch ``k`` is ``order[bounds[k]:bounds[k + 1]]``.
-        tokens: real tokens per microbatch. costs: tokens per microbatch counted against the budget.
-        step_group: packing group of each step, in the order the steps are trained.
+        order: sample indices of the kept microbatches, in packing order.
+        bounds: microbatch ``k`` is ``order[bounds[k]:bounds[k + 1]]``.
+        step_group: packing group of each step, in training order.
         step_label_tokens: predicted tokens (``length - 1`` per sample) of each step, in training order.
-        microbatches_per_step: P.
-        dropped_samples: samples of the epoch left out (fewer than one step's worth of microbatches).
+        dropped_samples: samples left out (fewer than one step's worth of microbatches).
         packed_microbatches: microbatches packed, the dropped ones included.
     """
 
@@ -417,12 +377,12 @@ def plan_epoch(
     epoch: int,
     shuffle: bool = True,
 ) -> EpochPlan:
-    """The plan of one epoch (see the module docstring); every sample must fit a microbatch.
+    """The plan of one epoch; every sample must fit a microbatch.
 
     Args:
-        lengths: every sample's length (``read_lengths``).
+        lengths: every sample's length.
         budget: the token budgets and padding mode.
-        sort_buffer_size: samples packed together (sorted by length when padded); ``None``: next-fit in order.
+        sort_buffer_size: samples packed together; ``None``: next-fit in order.
         seed, epoch: the order's seed and the epoch.
         shuffle: ``False`` keeps dataset order and visits steps in packing order.
     """
@@ -452,10 +412,7 @@ def plan_epoch(
 
 
 def _windows(num_samples: int, permutation: SeededPermutation | None, window: int) -> Iterator[tuple[np.ndarray, bool]]:
-    """The epoch's order cut into windows of ``window`` samples, each with whether it is the last.
-
-    The bijection is evaluated a block of whole windows at a time: bounded memory for any N.
-    """
+    """The epoch's order in windows of ``window`` samples (bounded memory), each with whether it is the last."""
     block_size = max(1, _BLOCK // window) * window
     for start in range(0, num_samples, block_size):
         block_positions = np.arange(start, min(start + block_size, num_samples), dtype=np.int64)
@@ -467,11 +424,10 @@ def _windows(num_samples: int, permutation: SeededPermutation | None, window: in
 def _pack_epoch(
     lengths: np.ndarray, budget: TokenBudget, sort_buffer_size: int | None, permutation: SeededPermutation | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every window packed, each completing what the previous one carried (steps 1–4 of the module docstring).
+    """Every window packed, each completing what the previous one carried.
 
     Returns:
-        The sample indices of the kept microbatches in packing order (a view of an array of all N, filled in
-        place), and those microbatches' sizes, real tokens and costs (int64 each).
+        The kept microbatches' sample indices in packing order, and their sizes, real tokens and costs.
     """
     num_samples = len(lengths)
     window = sort_buffer_size or _UNSORTED_WINDOW
@@ -501,20 +457,17 @@ def _pack_epoch(
 
 
 class TokenPlan:
-    """The training schedule of token-budget epochs: ``steps_in_epoch``, ``rank_microbatches``, label counts.
-
-    Plans each epoch on first use and keeps the last two (a resume asks for one epoch, training walks forward).
+    """The training schedule of token-budget epochs; plans each epoch on first use and keeps the last two.
 
     Args:
-        lengths: every training sample's length (checked to fit a microbatch).
+        lengths: every training sample's length.
         budget: the token budgets and padding mode.
         sort_buffer_size: samples packed together per window (``None``: next-fit in order).
         seed: the order's seed.
         shuffle: ``False`` keeps dataset order.
 
     Raises:
-        ValueError: a sample that does not fit a microbatch; data that packs into fewer microbatches than one
-            step (checked on epoch 0).
+        ValueError: a sample that does not fit a microbatch, or data too small for one step.
     """
 
     def __init__(
@@ -539,7 +492,6 @@ class TokenPlan:
             )
 
     def epoch(self, epoch: int) -> EpochPlan:
-        """The plan of ``epoch`` (planned now if it is not cached)."""
         plan = self._cache.get(epoch)
         if plan is None:
             plan = plan_epoch(self.lengths, self.budget, self.sort_buffer_size, self.seed, epoch, self.shuffle)
@@ -552,8 +504,7 @@ class TokenPlan:
         return self.epoch(epoch).steps
 
     def rank_microbatches(self, epoch: int, step: int, dp_size: int, dp_rank: int) -> list[np.ndarray]:
-        """Data-parallel rank ``dp_rank``'s M microbatches of ``step``: the microbatches ``k`` it owns by snake
-        dealing."""
+        """Data-parallel rank ``dp_rank``'s M microbatches of ``step`` (snake dealing)."""
         plan = self.epoch(epoch)
         return [
             plan.microbatch(step, k) for k in range(plan.microbatches_per_step) if snake_owner(k, dp_size) == dp_rank

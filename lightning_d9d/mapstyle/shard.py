@@ -1,23 +1,11 @@
 """Shard: split each global batch across data-parallel ranks as equal numbers of microbatches.
 
-Algorithm: a global batch of G samples, in sorted order, is cut into ``D·M`` microbatches of ``m`` consecutive
-samples (``M = G / (D·m)``, ``D`` the data-parallel size), so each microbatch holds length neighbours and pads
-little. Microbatches are then dealt to data-parallel ranks in snake order (0, 1, …, D-1, D-1, …, 1, 0, 0, 1, …):
-because they ascend in length, every rank receives a mix of short and long ones, which balances tokens per rank
-per step without reading a single sort key. Every rank gets exactly M microbatches per step, so no rank ever
-waits for another. The processes of one replica (tensor/context/pipeline-parallel peers,
-:mod:`lightning_d9d.topology`) share its data-parallel rank, so they get the same microbatches.
+A sorted global batch is cut into ``D·M`` microbatches of length neighbours, dealt to ranks in snake order
+(0…D-1, D-1…0, …), which balances tokens per rank without reading a key; every rank gets exactly M, so none waits.
+Validation must see every sample once, so it is dealt round-robin without dropping or duplicating.
 
-Validation is different: every sample must be evaluated exactly once per replica set, so nothing is dropped or
-padded with duplicates. The (sorted) validation set is cut into microbatches (the last may be short) and dealt
-round-robin over data-parallel ranks; their counts differ by at most one microbatch.
-
-``GlobalBatchSchedule`` is the sample-count training schedule the loader reads (the token-budget one is
-:class:`lightning_d9d.mapstyle.plan.TokenPlan`): steps per epoch, a rank's microbatches of a step, and the
-step's predicted tokens when the sort keys are lengths.
-
-Trade-off: snake dealing is not an optimal bin packing (that would need keys and a solver per step), but it
-is free and keeps the per-rank token spread within one microbatch's worth.
+Trade-off: snake dealing is not optimal packing, but it is free and keeps the per-rank spread within one
+microbatch.
 """
 
 from __future__ import annotations
@@ -57,10 +45,9 @@ class GlobalBatchSchedule:
     """The sample-count schedule: ``floor(N / G)`` steps per epoch, each the order's global batch cut into m's.
 
     Args:
-        order: the epoch order (global batches of G samples).
+        order: the epoch order.
         microbatch_size: m.
-        lengths: optional vectorised ``indices -> lengths`` (the sort keys, when they are sample lengths); gives
-            each step's predicted tokens, ``length - 1`` per sample.
+        lengths: optional ``indices -> lengths``, for each step's predicted tokens.
     """
 
     def __init__(

@@ -1,24 +1,11 @@
 """Steps: how a map-style epoch is sized into optimizer steps — by sample counts or by token budgets.
 
-Two strategies behind one interface, so a DataModule never asks which one it holds:
+``SampleCountSteps`` makes every step G samples cut into microbatches of m (``M = G / (D·m)``);
+``TokenBudgetSteps`` plans P microbatches per step within ``microbatch_tokens`` (``M = P / D``). Both give the
+schedule the loader reads and its fingerprint, so a DataModule never asks which one it holds.
 
-* :class:`SampleCountSteps` (``global_batch_size`` G, ``microbatch_size`` m): every step is G samples, the
-  order's global batch (:mod:`~lightning_d9d.mapstyle.order`) cut into microbatches of m; ``floor(N / G)``
-  steps an epoch; ``M = G / (D·m)`` over ``D`` data-parallel replicas. Validation: the set (sorted by a column
-  key) cut into microbatches of m.
-* :class:`TokenBudgetSteps` (a :class:`~lightning_d9d.mapstyle.plan.TokenBudget`): every step is
-  ``P = global_batch_tokens / microbatch_tokens`` microbatches, each within ``microbatch_tokens``, planned per
-  epoch from every sample's length (:mod:`~lightning_d9d.mapstyle.plan`); ``M = P / D``; epochs differ a little
-  in their number of steps. Validation: packed by the same budget.
-
-Each strategy gives: the schedule the loader reads (steps of an epoch, a replica's microbatches of a step, a
-step's label tokens) with the fingerprint of what decides it; M for a data-parallel size; a replica's validation
-microbatches; whether epochs differ in length; and a description of its sizes for messages. :func:`step_sizing`
-turns a DataModule's arguments into one of them, with one clear error for every mixed or missing setting.
-
-Trade-off: the sample-count fingerprint samples 64 sort keys instead of hashing all of them, so two datasets of
-the same length that differ only between the sampled keys are not told apart (hashing every key would cost O(N)
-at every resume); token budgets read every length anyway, so their fingerprint hashes them all.
+Trade-off: the sample-count fingerprint samples 64 sort keys instead of hashing all (O(N) at every resume), so
+datasets differing only between them are not told apart; token budgets read every length and hash them all.
 """
 
 from __future__ import annotations
@@ -95,7 +82,7 @@ class OrderSettings:
 
 
 class StepSizing(Protocol):
-    """The interface of both strategies (see the module docstring)."""
+    """The interface of both strategies."""
 
     epochs_differ: bool
 
@@ -168,12 +155,12 @@ class SampleCountSteps:
         return GlobalBatchSchedule(order, self.microbatch_size, lengths), fingerprint
 
     def prepare_validation(self, dataset: Any, settings: OrderSettings) -> None:
-        """Nothing to read ahead: validation keys are read when its loader is made."""
+        """Nothing to read ahead."""
 
     def validation_microbatches(
         self, dataset: Any, settings: OrderSettings, dp_size: int, dp_rank: int
     ) -> list[np.ndarray]:
-        """This replica's share of the set, sorted by a column key if ``sort_key`` names one, cut into m's."""
+        """This replica's share of the set, sorted by a column key if one is named, cut into m's."""
         # A callable sort_key takes training indices, so only a column (or the dataset's own method) sorts here.
         key_lookup = resolve_sort_keys(dataset, settings.sort_key if isinstance(settings.sort_key, str) else None)
         indices = np.arange(len(dataset))
@@ -183,7 +170,7 @@ class SampleCountSteps:
 
 
 def _optional_keys(dataset: Any, sort_key: Any) -> KeyLookup | None:
-    """Sort keys read only as lengths for ``step_label_tokens`` (no sorting): ``None`` when there are none."""
+    """Sort keys read only as lengths for ``step_label_tokens``; ``None`` when there are none."""
     try:
         return resolve_sort_keys(dataset, sort_key)
     except (TypeError, ValueError):
@@ -211,14 +198,14 @@ class TokenBudgetSteps:
         )
 
     def check_sort_buffer_size(self, sort_buffer_size: int) -> None:
-        """Any buffer packs: it is the number of samples packed together, not a multiple of a step."""
+        """Any buffer packs: it is the number of samples packed together."""
 
     def schedule(self, dataset: Any, settings: OrderSettings) -> tuple[TokenPlan, TokenPlanFingerprint]:
-        """The token plan of ``dataset`` (every length read once per dataset), and its fingerprint.
+        """The token plan of ``dataset``, and its fingerprint.
 
         Raises:
             ValueError: no lengths, a sample longer than ``microbatch_tokens``, data for less than one step.
-            InvalidLengthError: a length that is not a whole number >= 1, or a sort-key column that is not numeric.
+            InvalidLengthError: a length that is not a whole number >= 1.
         """
         if self._lengths is None or self._lengths[0] is not dataset:
             lookup = _length_lookup(dataset, settings.sort_key)
@@ -247,10 +234,10 @@ class TokenBudgetSteps:
         return plan, fingerprint
 
     def prepare_validation(self, dataset: Any, settings: OrderSettings) -> None:
-        """Read and check the validation lengths once (a sample that does not fit fails at set-up).
+        """Read and check the validation lengths once, at set-up.
 
         Raises:
-            ValueError: the validation set has no lengths, or a sample longer than ``microbatch_tokens``.
+            ValueError: no lengths, or a sample longer than ``microbatch_tokens``.
         """
         if self._val_lengths is not None and self._val_lengths[0] is dataset:
             return
@@ -270,7 +257,7 @@ class TokenBudgetSteps:
     def validation_microbatches(
         self, dataset: Any, settings: OrderSettings, dp_size: int, dp_rank: int
     ) -> list[np.ndarray]:
-        """This replica's share of the validation set packed by the budget (round-robin over microbatches)."""
+        """This replica's share of the validation set packed by the budget."""
         self.prepare_validation(dataset, settings)
         packed = pack(self._val_lengths[1], self.budget)
         return np.split(packed.order, np.cumsum(packed.sizes)[:-1])[dp_rank::dp_size]
@@ -292,15 +279,11 @@ def step_sizing(
     pad_to_multiple_of: Any,
     collate_fn: Any,
 ) -> SampleCountSteps | TokenBudgetSteps:
-    """The strategy the arguments ask for; one clear error for every mixed or missing setting.
-
-    ``pad_to_multiple_of=None`` takes the ``collate_fn``'s own ``pad_to_multiple_of`` (else 1). A ``collate_fn``
-    that says whether it flattens (a ``flattens`` attribute) must agree with ``padding_free``; one with a
-    ``context_parallel_size`` lays batches out for context parallelism, which token budgets count.
+    """The strategy the arguments ask for; ``pad_to_multiple_of=None`` takes the ``collate_fn``'s (else 1).
 
     Raises:
-        ValueError: both or neither of ``global_batch_size``/``global_batch_tokens``, the other mode's settings,
-            sizes or budgets that are not positive or do not divide, a collate that contradicts the padding mode.
+        ValueError: both or neither mode, the other mode's settings, bad sizes, or a collate that contradicts
+            ``padding_free``.
     """
     if global_batch_size is not None and global_batch_tokens is not None:
         raise ValueError(
@@ -358,7 +341,6 @@ def _check_sample_count_settings(global_batch_size: Any, microbatch_tokens: Any,
 
 
 def _check_collate_matches(collate_fn: Any, padding_free: bool) -> None:
-    """Raises ValueError when a collate that says whether it flattens contradicts the padding mode."""
     flattens = getattr(collate_fn, "flattens", None)
     name = type(collate_fn).__name__
     if padding_free and flattens is False:

@@ -1,20 +1,11 @@
 """Chat templates without transformers: find a model folder's template and render it as transformers does.
 
-Algorithm: ``load_chat_template`` takes a Jinja template string, a ``.jinja`` file or a ``tokenizer_config.json``,
-or, by default, what Hugging Face model folders ship next to their ``tokenizer.json``: ``chat_template.jinja``,
-else ``tokenizer_config.json["chat_template"]`` (a string, or a list of ``{name, template}`` of which
-``default`` is used). The special-token strings (``bos_token``, ``eos_token``, ...) come from that
-``tokenizer_config.json`` (plain strings or ``{"content": ...}`` objects), and those it lacks from the
-``special_tokens_map.json`` beside it.
+The template comes from a string, a ``.jinja`` file or a ``tokenizer_config.json`` (by default those beside the
+tokenizer), its special tokens from that config and ``special_tokens_map.json``. Rendering uses transformers'
+sandboxed Jinja environment and helpers; a ``{% generation %}`` block records its body's character span.
 
-``ChatTemplate.render`` renders like ``transformers.apply_chat_template``: a sandboxed, immutable Jinja2
-environment with ``trim_blocks``/``lstrip_blocks`` and loop controls, ``raise_exception``, ``strftime_now`` and a
-``tojson`` that keeps non-ASCII text; the template sees ``messages``, ``add_generation_prompt`` and the special
-tokens. A ``{% generation %}…{% endgeneration %}`` block renders its body unchanged and records the body's
-character span in the rendered text, measured as the length of the output streamed before it.
-
-Trade-off: rendering the template ourselves keeps transformers out of the runtime, at the price of following its
-conventions by hand; the tests hold the output to transformers' own for the same template and tokenizer.
+Trade-off: rendering ourselves keeps transformers out of the runtime, at the price of following its conventions
+by hand; tests hold the output to transformers' own.
 """
 
 from __future__ import annotations
@@ -51,7 +42,7 @@ class ChatTemplate:
 
     Attributes:
         source: the template text.
-        special_tokens: ``{"bos_token": "<s>", ...}`` passed to the template as variables.
+        special_tokens: ``{"bos_token": "<s>", ...}`` passed to the template.
     """
 
     source: str
@@ -59,7 +50,6 @@ class ChatTemplate:
 
     @property
     def has_generation_blocks(self) -> bool:
-        """Whether the template marks assistant output with ``{% generation %}``."""
         return GENERATION_TAG.search(self.source) is not None
 
     @property
@@ -71,10 +61,10 @@ class ChatTemplate:
         return dict(self.special_tokens).get(name)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> Rendered:
-        """Render one conversation; generation spans are recorded whenever the template has such blocks.
+        """Render one conversation, recording generation spans when the template has such blocks.
 
         Raises:
-            TemplateRenderError: the template raised, or an expression in it failed (its message kept).
+            TemplateRenderError: the template raised or an expression failed.
         """
         import jinja2
 
@@ -103,22 +93,18 @@ class ChatTemplate:
 
 
 def load_chat_template(source: str | None, tokenizer_path: str) -> ChatTemplate | None:
-    """The chat template named by ``source`` (or found next to the tokenizer file when ``None``).
+    """The chat template named by ``source``, or found beside the tokenizer file when ``None``.
 
     Args:
-        source: a Jinja template string, a ``.jinja`` file, a ``tokenizer_config.json``, or ``None`` to use
-            ``chat_template.jinja`` / ``tokenizer_config.json`` in the tokenizer's folder.
-        tokenizer_path: the ``tokenizer.json`` file; the special tokens are read from the
-            ``tokenizer_config.json`` beside it (or from ``source`` when that is one), then from the
-            ``special_tokens_map.json`` in the same folder for those it lacks.
+        source: a Jinja string, a ``.jinja`` file, a ``tokenizer_config.json``, or ``None``.
+        tokenizer_path: the ``tokenizer.json``; special tokens come from the configs beside it.
 
     Returns:
-        The template, or ``None`` when ``source`` is ``None`` and the tokenizer's folder holds none.
+        The template, or ``None`` when ``source`` is ``None`` and the folder holds none.
 
     Raises:
-        ValueError: a file that holds no template, a config whose ``chat_template`` list has no ``default``, a
-            template Jinja cannot parse (naming where it came from).
-        FileNotFoundError: ``source`` looks like a file path (ends in ``.jinja``/``.json``) that does not exist.
+        ValueError: a file without a template, a template list without ``default``, or an unparsable template.
+        FileNotFoundError: ``source`` looks like a file path that does not exist.
     """
     folder = Path(tokenizer_path).expanduser().parent
     config_file = folder / "tokenizer_config.json"
@@ -152,11 +138,10 @@ def load_chat_template(source: str | None, tokenizer_path: str) -> ChatTemplate 
 
 
 def special_tokens_beside(tokenizer_path: str) -> dict[str, str]:
-    """The special-token strings of the ``tokenizer_config.json`` (then ``special_tokens_map.json``) in the
-    tokenizer file's folder, whether or not it holds a chat template (``{}`` when there is neither).
+    """The special-token strings of the configs in the tokenizer file's folder (``{}`` when there are none).
 
     Raises:
-        ValueError: one of those files is not a JSON object.
+        ValueError: a config that is not a JSON object.
     """
     return _config_special_tokens(Path(tokenizer_path).expanduser().parent / "tokenizer_config.json")
 
@@ -171,10 +156,9 @@ def _config_special_tokens(config_file: Path) -> dict[str, str]:
 
 
 def check_special_tokens_defined(template: ChatTemplate) -> None:
-    """Raises ValueError when the template reads a special token (``eos_token``, ...) that no config defines.
+    """Raise ValueError when the template reads a special token no config defines.
 
-    Jinja renders an undefined variable as an empty string: a template writing ``eos_token`` would silently train
-    without an end-of-turn token.
+    Jinja renders it as an empty string: a template writing ``eos_token`` would silently train without one.
     """
     from jinja2 import meta
 
@@ -228,7 +212,7 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
 
 
 class _Tracker:
-    """Records the spans of generation blocks while a render is active (one render at a time per process)."""
+    """Records generation-block spans while a render is active (one render at a time per process)."""
 
     def __init__(self) -> None:
         self.state: tuple[list[str], list[tuple[int, int]]] | None = None
@@ -242,7 +226,6 @@ class _Tracker:
 
 @functools.lru_cache(maxsize=16)
 def _compile(source: str) -> Any:
-    """The compiled template, with the environment transformers renders chat templates in."""
     import jinja2
     import jinja2.ext
     from jinja2 import nodes

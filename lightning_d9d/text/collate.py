@@ -1,31 +1,15 @@
 """Collate: a microbatch of token-id samples into a causal-LM batch, padded or flattened (padding-free).
 
-Algorithm: ``CausalLMCollator`` pads the samples of a microbatch (consecutive in length-sorted order, so of
-similar length) to the longest one, rounded up to ``pad_to_multiple_of``, with an attention mask of the real
-tokens. ``FlatteningCollator`` concatenates them into one row without padding, with ``position_ids`` that
-restart at 0 for each document and ``cu_seqlens``/``max_seqlen`` for variable-length attention (the
-conventions of flash-attention's varlen kernels and Hugging Face's ``DataCollatorWithFlattening``). With
-``context_parallel_size > 1`` it pads each document to a multiple of ``2 × context_parallel_size`` instead
-(:mod:`lightning_d9d.context_parallel`), so a row splits evenly over the CP ranks document by document;
-``cu_seqlens_padded`` holds the padded spans.
+``CausalLMCollator`` pads a microbatch (length neighbours in the sorted order) to its longest sample, rounded up
+to ``pad_to_multiple_of``. ``FlatteningCollator`` concatenates it into one row with per-document ``position_ids``
+and ``cu_seqlens`` for varlen attention; under context parallelism each document is padded to a multiple of
+``2·cp``. Labels follow Hugging Face: the input ids, ``-100`` where nothing is predicted (padding, and a document's
+first token after another document or padding), shifted by the model; samples with their own ``labels`` keep
+them. ``step_label_tokens`` is the step's target count over all ranks (set by the training loader), so a model
+dividing its summed loss by it gets the step's exact per-token mean without a collective.
 
-Samples that carry their own ``labels`` (fine-tuning data with loss masks, ``-100`` where not trained) keep them:
-the collators only add the ``-100`` of padding and of each sample's first token.
-
-Labels follow the Hugging Face convention in both: ``labels`` are the input ids, ``-100`` where nothing is to be
-predicted — padding, and each document's first token when documents share a row (flattened) or follow padding
-(left padding) — and the *model shifts them* (logits at ``t`` predict ``labels[t + 1]``), as every Hugging Face
-causal LM does when given ``labels``. After that shift each document of ``n`` tokens has ``n - 1`` targets.
-
-``step_label_tokens`` is the number of those targets in the whole optimizer step over all ranks: a collator
-alone writes its own microbatch's count (a microbatch collated on its own is a step of one), and the training
-loader replaces it with the step's count from the plan, so a model divides its summed loss by it and gets the
-step's exact per-token mean without a collective.
-
-Trade-off: padding costs compute on the padded positions; the length sorting of the map-style order keeps it
-small, and rounding up to a multiple of 8 buys tensor-core friendly shapes for a few more padded positions.
-Flattening wastes nothing but needs attention that keeps documents apart (varlen kernels, or a block-diagonal
-mask) and a row length that changes from microbatch to microbatch.
+Trade-off: padding costs compute on padded positions; flattening wastes none but needs attention that keeps
+documents apart and a row length that varies per microbatch.
 """
 
 from __future__ import annotations
@@ -45,21 +29,13 @@ from lightning_d9d.tokens import IGNORE_INDEX
 
 @dataclasses.dataclass
 class TextBatch:
-    """One causal-LM microbatch, ``B`` samples padded to ``T`` positions.
-
-    Label convention (Hugging Face's; the model shifts): ``labels[b, t] = input_ids[b, t]`` at real tokens and
-    ``-100`` at padding — and, with left padding, at each sample's first token, which would otherwise be
-    predicted from a padding position. Logits at ``t`` predict ``labels[b, t + 1]``, so
-    ``model(input_ids=..., attention_mask=..., labels=batch.labels)`` of a Hugging Face causal LM trains on
-    exactly the ``n - 1`` next-token targets of every sample.
+    """One causal-LM microbatch, ``B`` samples padded to ``T`` positions (Hugging Face labels: the model shifts).
 
     Attributes:
-        input_ids: ``int64 [B, T]`` token ids, padding filled with the tokenizer's pad id.
-        attention_mask: ``int64 [B, T]``, 1 at real tokens, 0 at padding.
-        labels: ``int64 [B, T]`` as described above.
-        step_label_tokens: next-token targets of the whole optimizer step over all ranks (``n - 1`` per
-            sample): divide the summed loss by it (Hugging Face: ``num_items_in_batch``). Set by the training
-            loader; a microbatch collated alone carries its own count.
+        input_ids: ``int64 [B, T]`` token ids, padding filled with the pad id.
+        attention_mask: ``int64 [B, T]``, 1 at real tokens.
+        labels: ``int64 [B, T]`` the ids, ``-100`` at padding (and, left-padded, at each sample's first token).
+        step_label_tokens: next-token targets of the whole step over all ranks: divide the summed loss by it.
     """
 
     input_ids: torch.Tensor
@@ -68,7 +44,7 @@ class TextBatch:
     step_label_tokens: int | None = None
 
     def pin_memory(self) -> TextBatch:
-        """Pinned copy; lets a plain ``torch.utils.data.DataLoader(pin_memory=True)`` pin this dataclass too."""
+        """Pinned copy, so a plain ``DataLoader(pin_memory=True)`` pins this dataclass too."""
         return pin_batch(self)
 
     @property
@@ -78,7 +54,6 @@ class TextBatch:
 
     @property
     def label_tokens(self) -> int:
-        """Next-token targets of this microbatch (after the model's shift)."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
     @property
@@ -91,22 +66,14 @@ class TextBatch:
 class FlatBatch:
     """One padding-free causal-LM microbatch: its documents concatenated into a single row of ``T`` tokens.
 
-    The conventions of flash-attention's varlen kernels and Hugging Face's ``DataCollatorWithFlattening``:
-    Hugging Face causal LMs given ``input_ids``, ``position_ids`` and ``labels`` (no attention mask) keep the
-    documents apart and compute exactly the per-document loss.
-
     Attributes:
         input_ids: ``int64 [1, T]`` the documents, one after the other.
-        labels: ``int64 [1, T]`` the input ids, ``-100`` at each document's first token (the model shifts).
-        position_ids: ``int64 [1, T]`` positions restarting at 0 for each document.
-        cu_seqlens: ``int32 [D + 1]`` cumulative document lengths with a leading 0.
-        max_seqlen: the longest document's length (with context parallelism: its padded length).
-        step_label_tokens: next-token targets of the whole optimizer step over all ranks (see ``TextBatch``).
-        cu_seqlens_padded: ``int32 [D + 1]`` cumulative *padded* document lengths: document ``i`` spans
-            ``cu_seqlens_padded[i]`` to ``cu_seqlens_padded[i + 1]``. Equal to ``cu_seqlens`` unless the row is laid
-            out for context parallelism (``FlatteningCollator(context_parallel_size > 1)``: every document padded
-            to a multiple of ``2 × context_parallel_size``, its padding labelled ``-100``, its positions
-            continuing through it). ``None`` given: set to ``cu_seqlens``.
+        labels: ``int64 [1, T]`` the ids, ``-100`` at each document's first token.
+        position_ids: ``int64 [1, T]`` restarting at 0 for each document.
+        cu_seqlens: ``int32 [D + 1]`` cumulative document lengths from 0.
+        max_seqlen: the longest document (under CP: padded).
+        step_label_tokens: next-token targets of the whole step over all ranks.
+        cu_seqlens_padded: cumulative padded lengths (CP); ``None`` given: set to ``cu_seqlens``.
     """
 
     input_ids: torch.Tensor
@@ -122,12 +89,11 @@ class FlatBatch:
             self.cu_seqlens_padded = self.cu_seqlens.clone()
 
     def pin_memory(self) -> FlatBatch:
-        """Pinned copy (see ``TextBatch.pin_memory``)."""
         return pin_batch(self)
 
     @property
     def num_tokens(self) -> int:
-        """Real tokens in the row (all of it, unless padded for context parallelism)."""
+        """Real tokens in the row."""
         return int(self.cu_seqlens[-1])
 
     @property
@@ -136,12 +102,10 @@ class FlatBatch:
 
     @property
     def label_tokens(self) -> int:
-        """Next-token targets of this microbatch (after the model's shift)."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
     def flash_attention_kwargs(self) -> dict[str, Any]:
-        """The varlen keyword arguments Hugging Face models accept beside ``position_ids`` (for the whole row: each
-        document's span includes its context-parallel padding, which is causal-masked and carries no labels)."""
+        """The varlen keyword arguments Hugging Face models accept beside ``position_ids``."""
         return {
             "cu_seq_lens_q": self.cu_seqlens_padded,
             "cu_seq_lens_k": self.cu_seqlens_padded,
@@ -151,7 +115,7 @@ class FlatBatch:
 
 
 def _sample_labels(samples: Sequence[dict[str, Any]]) -> list[np.ndarray] | None:
-    """The samples' own labels (fine-tuning data with loss masks), or ``None`` when they carry none (text)."""
+    """The samples' own labels, or ``None`` when they carry none."""
     if not samples or "labels" not in samples[0]:
         return None
     return [np.asarray(sample["labels"], dtype=np.int64) for sample in samples]
@@ -172,14 +136,12 @@ def _sequences(samples: Sequence[dict[str, Any]]) -> tuple[list[np.ndarray], np.
 
 @dataclasses.dataclass
 class CausalLMCollator:
-    """Pad a list of ``{"input_ids": 1-D ints}`` samples into a :class:`TextBatch`.
-
-    Picklable (a plain dataclass), so it runs in DataLoader worker processes.
+    """Pad a list of ``{"input_ids": 1-D ints}`` samples into a :class:`TextBatch` (picklable, for workers).
 
     Args:
-        pad_token_id: id written at padding positions (masked out, so any valid id works).
-        pad_to_multiple_of: round the padded length up to a multiple of this (8 suits tensor cores).
-        padding_side: ``"right"`` (tokens first) or ``"left"`` (padding first, for generation-style models).
+        pad_token_id: id at padding positions (masked out).
+        pad_to_multiple_of: round the padded length up to a multiple of this.
+        padding_side: ``"right"`` or ``"left"``.
 
     Raises:
         ValueError: a non-positive ``pad_to_multiple_of`` or an unknown ``padding_side``.
@@ -226,18 +188,13 @@ class CausalLMCollator:
 
 @dataclasses.dataclass
 class FlatteningCollator:
-    """Concatenate a list of ``{"input_ids": 1-D ints}`` samples into one padding-free :class:`FlatBatch` row.
+    """Concatenate ``{"input_ids": 1-D ints}`` samples into one padding-free :class:`FlatBatch` row (picklable).
 
-    Picklable (a plain dataclass), so it runs in DataLoader worker processes. Pair it with token budgets and
-    ``padding_free=True``, so that each row holds at most ``microbatch_tokens`` tokens (with context parallelism,
-    padded tokens: the planner reads ``context_parallel_size`` from this collator).
+    Pair it with token budgets and ``padding_free=True``; the planner reads ``context_parallel_size`` from it.
 
     Args:
-        context_parallel_size: 1 (default): the documents back to back. ``cp > 1``: each document padded to a
-            multiple of ``2·cp`` (:func:`lightning_d9d.context_parallel.flatten_for_cp`), so that
-            :func:`~lightning_d9d.context_parallel.cp_shard_batch` splits every document evenly over the CP ranks;
-            ``cu_seqlens_padded`` gives the padded spans.
-        pad_token_id: the id at context-parallel padding (masked out of the loss, so any valid id works).
+        context_parallel_size: ``cp > 1`` pads each document to a multiple of ``2·cp``.
+        pad_token_id: the id at CP padding (masked out).
 
     Raises:
         ValueError: a ``context_parallel_size`` that is not a positive integer.

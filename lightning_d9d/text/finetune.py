@@ -1,13 +1,6 @@
 """Fine-tuning split: load a split, recognise its format and tokenize it with loss masks (or hand text back).
 
-Algorithm: ``FineTuningOptions.split`` loads the raw split (as the text path does), detects its format from the
-columns (:mod:`lightning_d9d.text.formats`) and returns ``None`` for text, which the text path tokenizes exactly as
-before. Otherwise it resolves ``loss_on`` for the format, the chat template (:mod:`lightning_d9d.text.chat_template`;
-the demo tokenizer gets ``DEMO_CHAT_TEMPLATE``) and the EOS token (string completions refuse a tokenizer without
-one: their model would never learn to stop), and tokenizes the split
-(:mod:`lightning_d9d.text.sft_tokenize`).
-
-Trade-off: the format is only known once the split is loaded, so a text split is opened twice (the second time
+Trade-off: the format is known only once the split is loaded, so a text split is opened twice (the second time
 from datasets' cache); that keeps the text path untouched.
 """
 
@@ -51,12 +44,12 @@ DEMO_SPECIAL_TOKENS = {"eos_token": "<eos>", "pad_token": "<pad>"}
 
 @dataclasses.dataclass
 class FineTuningState:
-    """What tokenizing the fine-tuning splits found, per split (``"split"``, ``"val_split"``).
+    """What tokenizing the fine-tuning splits found, per split.
 
     Attributes:
         recipes: the recipe each split was tokenized with.
         counts: ``(dropped, truncated)`` rows of each split.
-        label_counts: trained targets of every kept training row (``None`` until the training split is read).
+        label_counts: trained targets of every kept training row (``None`` until it is read).
     """
 
     recipes: dict[str, SFTRecipe] = dataclasses.field(default_factory=dict)
@@ -71,20 +64,10 @@ class FineTuningState:
 
 @dataclasses.dataclass(frozen=True)
 class FineTuningOptions:
-    """The fine-tuning settings of a TextDataModule.
+    """The fine-tuning settings of a TextDataModule (as its arguments of the same names).
 
     Attributes:
-        format: ``None`` (detect from the columns), ``"text"``, ``"prompt_completion"`` or ``"messages"``.
-        columns: the column names.
-        chat_template: a Jinja string, a ``.jinja`` file, a ``tokenizer_config.json``, or ``None`` (next to the
-            tokenizer).
-        loss_on: ``None`` (the format's default), ``"all"``, ``"completion"``, ``"assistant"``,
-            ``"last_assistant"``.
-        truncation: ``"error"``, ``"drop"`` or ``"keep_start"``.
         demo_tokenizer: the tokenizer is the demo's (its template is ``DEMO_CHAT_TEMPLATE``).
-        eos_token: the token that ends every string completion; ``None``: the ``eos_token`` of the tokenizer's
-            config, else the one its post-processor appends, else a usual one of its vocabulary
-            (``completion_eos_token``).
     """
 
     format: str | None = None
@@ -105,7 +88,6 @@ class FineTuningOptions:
             raise ValueError(f"eos_token must be a non-empty token string or None, got {self.eos_token!r}")
 
     def template(self, tokenizer_path: str) -> ChatTemplate | None:
-        """The chat template these options name (``None`` when there is none)."""
         template = load_chat_template(self.chat_template, tokenizer_path)
         if self.demo_tokenizer:
             template = template or ChatTemplate(DEMO_CHAT_TEMPLATE)
@@ -117,7 +99,7 @@ class FineTuningOptions:
     def split(
         self, dataset_path: str, split: str, tokenizer_path: str, max_length: int, name: str, **load: Any
     ) -> tuple[SFTRecipe | None, SFTSplit | None]:
-        """``(recipe, tokenized split)``, or ``(None, None)`` for a text split (tokenized by the text path).
+        """``(recipe, tokenized split)``, or ``(None, None)`` for a text split.
 
         Raises:
             ValueError: see ``detect_format``, ``resolve_loss_on``, ``sft_tokenized_split``.
@@ -150,8 +132,7 @@ class FineTuningOptions:
 
 
 def _holds_strings(raw: Any, column: str) -> bool:
-    """Whether ``column`` of a loaded split holds strings (not lists of messages): one Arrow type per column, so
-    the features tell for every row."""
+    """Whether ``column`` holds strings (one Arrow type per column, so the features tell)."""
     from datasets import Value
 
     feature = raw.features.get(column)

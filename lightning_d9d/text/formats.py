@@ -1,16 +1,9 @@
 """Formats: recognise what a fine-tuning row holds and bring it into one shape.
 
-Algorithm: ``detect_format`` decides from the column names alone (never from values, so a whole split has one
-format): a messages column (``messages``, or ShareGPT's ``conversations``) means *messages*; a prompt and a
-completion column mean *prompt/completion*; a text column means *text*. ``row_messages`` /
-``row_prompt_completion`` then read one row into plain Python: messages become ``{"role", "content", ...}``
-dicts, ShareGPT's ``{"from", "value"}`` mapped to roles (``human`` → ``user``, ``gpt`` → ``assistant``), keys whose
-value is ``None`` dropped (``datasets`` fills a struct's missing fields with ``None``, which a template would see
-as present).
-
-Trade-off: detection by column names is predictable and costs nothing, but a dataset with several candidate
-columns is read by the first rule that matches (messages before prompt/completion before text); ``format=``
-overrides it.
+The format is decided from column names alone, so a whole split has one: messages (or ShareGPT's
+``conversations``), then prompt/completion, then text; ``format=`` overrides it. Rows become plain dicts, ShareGPT
+speakers mapped to roles and ``None`` keys dropped (``datasets`` fills missing struct fields with ``None``, which a
+template would see as present).
 """
 
 from __future__ import annotations
@@ -41,10 +34,10 @@ LOSS_ON_BY_FORMAT: dict[str, tuple[LossOn, ...]] = {
 
 
 def loss_on_setting(value: Any) -> LossOn | None:
-    """A ``loss_on`` setting as given (``None``: the format's default), checked to be a known value.
+    """A ``loss_on`` setting as given (``None``: the format's default), checked.
 
     Raises:
-        ValueError: an unknown value, naming it and the valid ones.
+        ValueError: an unknown value.
     """
     if value is None:
         return None
@@ -56,10 +49,10 @@ def loss_on_setting(value: Any) -> LossOn | None:
 
 
 def resolve_loss_on(format: str, loss_on: LossOn | str | None) -> LossOn:
-    """``loss_on`` for ``format``: the format's default for ``None``, else the value if the format has it.
+    """``loss_on`` for ``format``: its default for ``None``, else the value if the format has it.
 
     Raises:
-        ValueError: an unknown value, or one the format does not have (naming the valid ones).
+        ValueError: an unknown value, or one the format does not have.
     """
     allowed = LOSS_ON_BY_FORMAT[format]
     chosen = loss_on_setting(loss_on)
@@ -88,13 +81,7 @@ SHAREGPT_ROLES = {
 
 @dataclasses.dataclass(frozen=True)
 class Columns:
-    """Where each format's fields live in a row.
-
-    Attributes:
-        text: the text column (format ``text``).
-        prompt, completion: the prompt and completion columns (format ``prompt_completion``).
-        messages: the conversation column (format ``messages``); ShareGPT's ``conversations`` is found too.
-    """
+    """Where each format's fields live in a row."""
 
     text: str = "text"
     prompt: str = "prompt"
@@ -103,10 +90,10 @@ class Columns:
 
 
 def detect_format(column_names: list[str], columns: Columns, requested: str | None = None) -> Format:
-    """The split's format: ``requested`` when given (checked against the columns), else read from the columns.
+    """The split's format: ``requested`` (checked against the columns), else read from the columns.
 
     Raises:
-        ValueError: an unknown ``requested`` format, or columns that hold none of the formats (naming them).
+        ValueError: an unknown format, or columns that hold none.
     """
     present = set(column_names)
     if requested is not None:
@@ -145,11 +132,10 @@ def required_columns(format: str, columns: Columns, present: set[str] | None = N
 
 
 def row_messages(value: Any, row: int, column: str) -> list[dict[str, Any]]:
-    """One conversation as a list of plain ``{"role", "content", ...}`` dicts (ShareGPT turns mapped).
+    """One conversation as plain ``{"role", "content", ...}`` dicts (ShareGPT turns mapped).
 
     Raises:
-        ValueError: the value is not a list of dicts with a role (or ShareGPT speaker) and string content, or a
-            ShareGPT speaker is unknown (naming the row, the message and the valid values).
+        ValueError: a malformed conversation or unknown ShareGPT speaker, naming the row and message.
     """
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"row {row}: column {column!r} must hold a list of messages, got {type(value).__name__}")
@@ -188,7 +174,7 @@ def row_part(value: Any, row: int, column: str) -> str | list[dict[str, Any]]:
     """A prompt or completion: a string, or a list of messages.
 
     Raises:
-        ValueError: neither a string nor a list of messages (naming the row and column).
+        ValueError: neither, naming the row and column.
     """
     if isinstance(value, str):
         return value

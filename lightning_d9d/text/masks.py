@@ -1,25 +1,13 @@
 """Loss masks and truncation: which tokens of a sample are trained, and how a long sample is cut honestly.
 
-Algorithm: a trained region is a character span of the text that was encoded (a ``{% generation %}`` block, an
-assistant turn found by rendering turn by turn, a completion). ``span_mask`` marks every token whose character
-offsets overlap a span — the rule transformers applies to ``return_assistant_tokens_mask`` — in one pass, as
-tokens and spans are both in order. ``check_token_boundaries`` refuses a span whose ends fall inside a token
-(the tokens of a prefix would not be a prefix of the whole's tokens, so any mask would be wrong by a token),
-found by a binary search over the token offsets. A turn found between two renders is first fitted to what the
-model writes (``fit_turn_spans``): ``start_after_control_tokens`` moves its start past a header token that
-swallowed the turn's leading whitespace, and ``end_at_end_of_turn`` ends it at its end-of-turn token, without the
-separator after it.
-Labels are Hugging Face's: the input ids where trained, ``-100`` elsewhere, unshifted; ``trained_targets``
-counts what a causal LM predicts after its shift (position 0 is never a target).
+A trained region is a character span of the encoded text; ``span_mask`` trains every token overlapping it (the
+rule of transformers' ``return_assistant_tokens_mask``), and a span edge inside a token is an error, since any
+mask would then be wrong by a token. Spans found between renders start after a header token and end at the
+end-of-turn token. A sample left with no trained target is dropped whatever the truncation rule (it would add
+nothing to the loss but tokens to the normaliser).
 
-``truncate`` applies the truncation rule to a sample longer than ``max_length``: ``"error"`` raises naming the
-row, ``"drop"`` drops it, ``"keep_start"`` keeps its first ``max_length`` tokens; a sample left with no trained
-target is dropped whatever the rule (it would add 0 to the loss and its tokens to the normaliser, or NaN on a
-step of its own). The returned status says what happened, so the callers can count it.
-
-Trade-off: marking by character overlap trains a token that straddles a span's edge rather than silently losing
-it; the boundary check turns the cases where that would differ from tokenizing the prefix into an error
-instead of a guess.
+Trade-off: character overlap trains a token that straddles an edge rather than losing it; the boundary check
+turns the cases where that differs from tokenizing the prefix into an error instead of a guess.
 """
 
 from __future__ import annotations
@@ -36,8 +24,7 @@ from lightning_d9d.tokens import IGNORE_INDEX
 Truncation = Literal["error", "drop", "keep_start"]
 TRUNCATIONS: tuple[str, ...] = ("error", "drop", "keep_start")
 KEPT, TRUNCATED, DROPPED_TOO_LONG, DROPPED_UNTRAINED = 0, 1, 2, 3
-"""Statuses of a tokenized sample: kept whole, kept cut to max_length, dropped for its length, dropped with
-nothing left to train."""
+"""Statuses of a tokenized sample."""
 
 
 def span_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -56,7 +43,7 @@ def span_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int
 
 
 def check_token_boundaries(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]], row: int) -> None:
-    """Raises ValueError when a span starts or ends inside a token (naming the row and the characters)."""
+    """Raise ValueError when a span starts or ends inside a token (naming the row and the characters)."""
     for boundary in (edge for span in spans for edge in span):
         token = _token_around(offsets, boundary)
         if token is not None:
@@ -70,11 +57,7 @@ def check_token_boundaries(offsets: Sequence[tuple[int, int]], spans: Sequence[t
 
 
 def _token_around(offsets: Sequence[tuple[int, int]], boundary: int) -> int | None:
-    """The token whose characters hold ``boundary`` strictly inside (``start < boundary < end``), or ``None``.
-
-    Tokens come in text order, so only those starting before the boundary can hold it, and of those the last one
-    reaches furthest: a binary search instead of a scan, as this runs for every turn of every row.
-    """
+    """The token holding ``boundary`` strictly inside, or ``None`` (a binary search: runs for every turn)."""
     token = bisect.bisect_left(offsets, boundary, key=lambda offset: offset[0]) - 1
     while token >= 0 and offsets[token][0] == offsets[token][1]:  # an empty token (a prepended marker) holds none
         token -= 1
@@ -83,12 +66,10 @@ def _token_around(offsets: Sequence[tuple[int, int]], boundary: int) -> int | No
 
 @dataclass(frozen=True)
 class TokenizedText:
-    """A rendered text and its tokens, as the turn fitting reads them.
+    """A rendered text and its tokens.
 
     Attributes:
-        ids: the token ids.
         offsets: each token's ``[start, end)`` characters in ``text``.
-        text: the rendered text.
         control_ids: ids of the template's control tokens (headers, end-of-turn markers).
     """
 
@@ -99,12 +80,10 @@ class TokenizedText:
 
 
 def fit_turn_spans(spans: Sequence[tuple[int, int]], tokens: TokenizedText, row: int) -> list[tuple[int, int]]:
-    """Turns found between two renders fitted to what the model writes: each starts after a header token that
-    swallowed its leading whitespace (``start_after_control_tokens``) and ends at its end-of-turn token
-    (``end_at_end_of_turn``).
+    """Turns found between two renders fitted to what the model writes (after the header, up to the end-of-turn).
 
     Raises:
-        ValueError: a span (after its start moved) starts or ends inside a token, see ``check_token_boundaries``.
+        ValueError: a span that starts or ends inside a token.
     """
     spans = start_after_control_tokens(spans, tokens)
     check_token_boundaries(tokens.offsets, spans, row)
@@ -112,9 +91,7 @@ def fit_turn_spans(spans: Sequence[tuple[int, int]], tokens: TokenizedText, row:
 
 
 def start_after_control_tokens(spans: Sequence[tuple[int, int]], tokens: TokenizedText) -> list[tuple[int, int]]:
-    """Each span whose start falls inside a control token that swallowed only whitespace of the span (a header
-    token that strips to its right, as Phi-3's ``<|assistant|>``) starts after that token: the header is prompt,
-    and the whitespace it holds is not a token the model could write."""
+    """Spans starting inside a control token that swallowed only whitespace (Phi-3's header) start after it."""
     ids, offsets, text = tokens.ids, tokens.offsets, tokens.text
     moved = []
     for start, end in spans:
@@ -128,10 +105,7 @@ def start_after_control_tokens(spans: Sequence[tuple[int, int]], tokens: Tokeniz
 def end_at_end_of_turn(spans: Sequence[tuple[int, int]], tokens: TokenizedText) -> list[tuple[int, int]]:
     """Each span cut after its last control token when only whitespace follows it inside the span.
 
-    A turn found between two renders ends where the next turn's header starts, so it also holds the separator a
-    template writes after the end-of-turn token (ChatML's and Gemma's newline): the model must learn to stop at
-    the end-of-turn token, not to write the separator that is never generated. A span that ends in text (a
-    template without control tokens) keeps its end. Spans must start and end on token boundaries.
+    The separator after the end-of-turn token (ChatML's newline) is never generated, so it is not trained.
     """
     ids, offsets, text = tokens.ids, tokens.offsets, tokens.text
     starts = [start for start, _ in offsets]
@@ -162,10 +136,10 @@ def trained_targets(labels: np.ndarray) -> int:
 def truncate(
     ids: np.ndarray, labels: np.ndarray, max_length: int, rule: Truncation, row: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(ids, labels, status)`` of a sample under the truncation rule (see the module docstring).
+    """``(ids, labels, status)`` of a sample under the truncation rule.
 
     Raises:
-        ValueError: ``rule="error"`` and the sample is longer than ``max_length`` (naming the row and length).
+        ValueError: ``rule="error"`` and the sample is longer than ``max_length``.
     """
     status = KEPT
     if len(ids) > max_length:

@@ -1,15 +1,7 @@
 """Steps of loss-masked data: each step's exact count of trained targets, and the fine-tuning fingerprint.
 
-Algorithm: the map-style schedules count a step's targets as ``length - 1`` per sample, which is right for text
-and wrong once labels are masked. ``LabelCountSchedule`` wraps a schedule and answers ``step_label_tokens`` from
-a per-sample array of trained targets (counted after the causal shift when the split was tokenized): the sum over
-the step's samples, read as the microbatches of a one-rank world, which are all of the step's microbatches. The
-order, budgets and sorting are the wrapped schedule's, untouched (they use the sample lengths).
-``FineTuningFingerprint`` adds the settings that decide which tokens are trained (format, loss_on, truncation,
-the chat template's digest) to the order's fingerprint, so resuming with other ones is refused naming the field.
-
-Trade-off: the count is a NumPy gather and sum over the step's samples, computed once per step in the main
-process, instead of a lookup in a precomputed per-step table; it keeps the planners unaware of masks.
+``length - 1`` per sample is wrong once labels are masked, so ``LabelCountSchedule`` wraps a schedule and sums
+per-sample trained targets over the step; order and budgets stay the wrapped schedule's.
 """
 
 from __future__ import annotations
@@ -26,8 +18,8 @@ class LabelCountSchedule:
     """A step schedule whose ``step_label_tokens`` sums per-sample trained targets (everything else delegated).
 
     Args:
-        schedule: the wrapped schedule (``steps_in_epoch``, ``rank_microbatches``, ``step_label_tokens``).
-        label_counts: ``int64 [samples]``: trained targets of every sample of the dataset, after the shift.
+        schedule: the wrapped schedule.
+        label_counts: trained targets of every sample, after the shift.
     """
 
     def __init__(self, schedule: Any, label_counts: np.ndarray):
@@ -57,8 +49,7 @@ class FineTuningFingerprint(Fingerprint):
     """The order's fingerprint plus the settings that decide which tokens are trained.
 
     Attributes:
-        order: the wrapped fingerprint (its fields are compared and named as its own).
-        format, loss_on, truncation: the fine-tuning settings.
+        order: the wrapped fingerprint.
         chat_template: SHA-256 of the chat template and its special tokens (``None`` without one).
     """
 

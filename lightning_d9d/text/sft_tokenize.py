@@ -1,35 +1,17 @@
 """Fine-tuning tokenization: prompt/completion and conversation rows → token ids and loss-masked labels, cached.
 
-Algorithm, per row (``RowTokenizer``):
+Messages are rendered with the chat template and encoded without added special tokens (the template writes its
+own BOS). Trained assistant turns come from the template's ``{% generation %}`` blocks when it has them, else from
+renders of the conversation's prefixes: ``messages[:i]`` with the generation prompt and ``messages[:i + 1]`` must
+both be prefixes of the whole, and the turn (its end-of-turn token included) is what lies between, on token
+boundaries. Templates that close a finished conversation (Phi-3's EOS) or rewrite earlier turns (Qwen3's think
+blocks) are handled in narrow, checked shapes; anything else is an error naming the row, never a guess. String
+prompt/completion rows are encoded like text, the completion and a final EOS trained. Every message's content must
+appear in the render, so a role the template skips is an error. Dropped rows stay in the cache (empty) so the
+drop and truncation counts are exact on a cache hit.
 
-* **messages** — the conversation is rendered with the chat template and encoded *without* adding special tokens
-  (the template writes its own BOS, so a sample holds at most one). Trained regions: every token
-  (``loss_on="all"``); the assistant turns (``"assistant"``) or the last one (``"last_assistant"``), taken from
-  the template's ``{% generation %}`` blocks when it has them (transformers' assistant mask), else found turn by
-  turn: the text of ``messages[:i]`` rendered with the generation prompt and of ``messages[:i + 1]`` must both
-  be prefixes of the whole, and the turn is what lies between them — its end-of-turn token included — and must
-  start and end on token boundaries; it ends at its last added token when only whitespace follows (the separator
-  after ChatML's ``<|im_end|>`` is never generated). A render that closes the conversation after the turn (Phi-3's
-  EOS) is cut after the first added token following the turn's content, and the cut must be a prefix of the whole.
-  A turn opening the conversation starts after what the template writes before it (``_opening_prompt``); a turn
-  the template renders differently once it is not the last (Qwen3 drops earlier think blocks) is read from the
-  whole when it is there exactly its content and an end-of-turn token (``_turn_in_whole``). A row whose prefixes
-  are not prefixes is an error naming it, never a guess.
-* **prompt/completion** — strings are joined and encoded like text (the tokenizer's post-processor adds its BOS);
-  the completion's characters and a final EOS (appended unless the post-processor already ended with it) are
-  trained. Message lists are rendered: the prompt with the generation prompt, then prompt + completion, and what
-  the completion adds is trained.
-
-Every message's content must appear in the rendered text, so a role the template skips is an error instead of a
-silently missing turn. Then ``masks.truncate`` applies the truncation rule. ``sft_tokenized_split`` maps a whole
-split with one batched ``Dataset.map`` into ``input_ids``, ``labels``, ``token_counts``, ``label_counts`` and a
-``status`` column; dropped rows stay in the cache (empty) so the counts of dropped and truncated rows can be read
-back from a cache hit, and are left out by a ``select`` of the kept rows. The map's fingerprint hashes the raw
-data's, the tokenizer file's and the template's digests and every setting that decides the output.
-
-Trade-off: rendering every prefix of a conversation costs one template render per assistant turn more than a
-template with generation blocks does, and tokenizes nothing twice; keeping dropped rows in the cache costs a few
-bytes each and makes the counts exact on every run.
+Trade-off: rendering each trained turn's prefixes costs one template render per turn more than generation blocks,
+but tokenizes nothing twice.
 """
 
 from __future__ import annotations
@@ -57,8 +39,7 @@ from lightning_d9d.text.tokenize import cached_batched_map
 from lightning_d9d.tokenizer import load_tokenizer
 
 _SFT_RECIPE_VERSION = 2
-"""Part of the tokenized cache's fingerprint: raised whenever the same rows and settings tokenize differently, so a
-cache written by an older rule is never reused."""
+"""Part of the cache fingerprint: bump whenever the same rows and settings tokenize differently."""
 _OUTPUT_COLUMNS = ("input_ids", "labels", "token_counts", "label_counts", "status")
 EOS_CANDIDATES = ("</s>", "<eos>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>")
 
@@ -68,13 +49,13 @@ class SFTRecipe:
     """Everything that decides a fine-tuning sample's ids and labels (picklable, for ``num_proc``).
 
     Attributes:
-        format: the rows' format (``messages`` or ``prompt_completion``).
-        loss_on: which tokens are trained (``formats.LOSS_ON_BY_FORMAT``).
+        format: ``messages`` or ``prompt_completion``.
+        loss_on: which tokens are trained.
         truncation: ``"error"``, ``"drop"`` or ``"keep_start"``.
         max_length: tokens per sample at most.
         columns: the column names.
         template: the chat template (required for message rows).
-        eos_token: the end-of-sequence token appended to string completions.
+        eos_token: the token appended to string completions.
     """
 
     format: Format
@@ -90,7 +71,7 @@ class SFTRecipe:
 
 
 class RowTokenizer:
-    """One row → ``(input_ids, labels, status)`` under a recipe (see the module docstring)."""
+    """One row → ``(input_ids, labels, status)`` under a recipe."""
 
     def __init__(self, recipe: SFTRecipe, tokenizer: Any):
         self.recipe, self.tokenizer = recipe, tokenizer
@@ -204,7 +185,7 @@ def _render(template: ChatTemplate, messages: list[dict[str, Any]], index: int, 
 
 
 def _check_contents_rendered(messages: list[dict[str, Any]], text: str, index: int) -> None:
-    """Raises ValueError when a message's text is missing from the render (a role the template skips)."""
+    """Raise ValueError when a message's text is missing from the render."""
     for number, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str) and content.strip() and content.strip() not in text:
@@ -223,11 +204,10 @@ def _turn_spans(
     control_tokens: tuple[str, ...] = (),
     last_only: bool = False,
 ) -> list:
-    """Character spans of the assistant turns (or of the last one), from the renders of the conversation's
-    prefixes. Only the turns that are trained are rendered, so a template that is prefix-preserving only at the end
-    (Phi-3 ends a finished conversation with EOS) still trains its last turn. A render that closes the conversation
-    after the turn (Phi-3's EOS) is cut after the turn's end-of-turn token, and that cut must be a prefix of the
-    whole."""
+    """Character spans of the trained assistant turns, from renders of the conversation's prefixes.
+
+    Only trained turns are rendered, so a template that is prefix-preserving only at the end still trains its last turn.
+    """
     turns = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
     spans = []
     for turn in turns[-1:] if last_only else turns:
@@ -250,13 +230,10 @@ def _turn_spans(
 
 
 def _opening_prompt(template: ChatTemplate, message: dict[str, Any], index: int) -> str:
-    """What the template writes before an assistant turn that opens the conversation (a BOS, a default system
-    prompt, the assistant header): that turn rendered alone with a marker as its content, up to the marker. It must
-    end with the generation prompt the template writes after a user turn.
+    """What the template writes before an assistant turn that opens the conversation (rendered with a marker).
 
     Raises:
-        ValueError: the template fails on either render, or what precedes the marker does not end with the
-            generation prompt, so where the turn starts is unknown (naming the row).
+        ValueError: the template fails, or the text before the marker does not end with the generation prompt.
     """
     marker = "d9d-turn-start-7f3a"
     try:
@@ -282,11 +259,9 @@ def _opening_prompt(template: ChatTemplate, message: dict[str, Any], index: int)
 
 
 def _turn_in_whole(whole: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str | None:
-    """``whole`` up to the end of the turn that starts at ``start``, when the text there is exactly the message's
-    content and a control token (the end-of-turn), with nothing but whitespace around them; else ``None``.
+    """``whole`` up to the end of the turn at ``start`` if it is exactly the content and an end-of-turn token.
 
-    For templates that render an answer differently once it is no longer the last (Qwen3 drops the think block of
-    earlier answers): the turn is read from the whole conversation, but only in this one unambiguous shape.
+    For templates that render an answer differently once it is not the last (Qwen3), in this one unambiguous shape.
     """
     content = message.get("content")
     content = content.strip() if isinstance(content, str) else ""
@@ -302,9 +277,7 @@ def _turn_in_whole(whole: str, start: int, message: dict[str, Any], control_toke
 
 
 def _turn_without_closing(after: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str:
-    """``after`` cut after the first control token that follows the message's content (the end-of-turn token) and
-    the whitespace after it, dropping what a template writes only when the conversation ends there; ``after`` itself
-    when none follows."""
+    """``after`` cut after the end-of-turn token following the content (drops a conversation's closing)."""
     content = message.get("content")
     content = content.strip() if isinstance(content, str) else ""
     found = after.find(content, start) if content else start
@@ -323,9 +296,9 @@ def _turn_without_closing(after: str, start: int, message: dict[str, Any], contr
 def default_eos_token(
     tokenizer: Any, template: ChatTemplate | None, beside: dict[str, str] | None = None
 ) -> str | None:
-    """The template config's ``eos_token``, else that of the special tokens ``beside`` the tokenizer (its folder's
-    ``tokenizer_config.json``, which may hold no template), else the special token the post-processor ends a text
-    with, else a usual EOS token of the vocabulary, else ``None``."""
+    """The EOS token from the template config, else the tokenizer's ``tokenizer_config.json``, else the post-processor's
+    last special token, else a usual EOS of the vocabulary, else ``None``.
+    """
     if template is not None and template.special("eos_token"):
         return template.special("eos_token")
     if beside and beside.get("eos_token"):
@@ -346,15 +319,12 @@ def completion_eos_token(
     explicit: str | None = None,
     string_completions: bool = True,
 ) -> str | None:
-    """The EOS token string completions end with: ``explicit`` (``eos_token=``), else ``default_eos_token``.
+    """The EOS token string completions end with: ``explicit``, else ``default_eos_token``.
 
-    Without one a completion is trained with no end token and the model never learns to stop, so string
-    completions (``string_completions``) refuse a tokenizer that has none; completions given as messages end
-    with the template's end-of-turn token and need none.
+    Without one the model never learns to stop, so string completions refuse a tokenizer that has none.
 
     Raises:
-        ValueError: ``explicit``, or (for string completions) the token found, is not a token of the tokenizer;
-            string completions and no EOS token at all (naming the tokenizer file and how to set one).
+        ValueError: the token is not in the vocabulary, or string completions without any EOS token.
     """
     if explicit is not None:
         token, source = explicit, "eos_token="
@@ -380,8 +350,6 @@ def completion_eos_token(
 
 @dataclasses.dataclass
 class _TokenizeRows:
-    """The batched map function (picklable for ``num_proc``)."""
-
     recipe: SFTRecipe
     tokenizer_path: str
     tokenizer_digest: str
@@ -405,10 +373,10 @@ class SFTSplit:
     """A tokenized fine-tuning split and its counts.
 
     Attributes:
-        dataset: the kept rows, formatted so a sample is ``{"input_ids", "labels"}`` (numpy).
-        label_counts: ``int64 [rows]`` trained targets per kept row (after the shift), for ``step_label_tokens``.
-        dropped: rows dropped (too long under ``"drop"``, or nothing left to train).
-        truncated: rows cut to ``max_length`` under ``"keep_start"``.
+        dataset: the kept rows as ``{"input_ids", "labels"}`` (numpy).
+        label_counts: trained targets per kept row (after the shift).
+        dropped: rows dropped (too long under ``"drop"``, or nothing to train).
+        truncated: rows cut under ``"keep_start"``.
     """
 
     dataset: Any
@@ -423,7 +391,7 @@ def sft_tokenized_split(
     """Tokenize a loaded split with ``recipe``, or open the cached result of an earlier run with the same inputs.
 
     Raises:
-        ValueError: a bad row (naming it, see ``RowTokenizer``), or a split with no row left to train.
+        ValueError: a bad row (naming it), or no row left to train.
     """
     from datasets.fingerprint import Hasher
 

@@ -1,16 +1,11 @@
 """Tokenize: raw text from any ``datasets`` source into a cached, memory-mapped table of token ids.
 
-Algorithm: ``tokenized_split`` loads one split (a hub name, a folder or file of parquet/json/csv/text, or a
-``save_to_disk`` folder) and tokenizes it with one batched ``Dataset.map`` into two columns, ``input_ids`` and
-``token_counts``. Documents are truncated to ``max_length`` tokens; documents with fewer than two tokens are
-dropped (they have no next-token target, and length sorting would gather them into all-padding microbatches).
-The map's fingerprint is derived from the raw data's fingerprint, the tokenizer file's SHA-256, max_length,
-the text column and this module's recipe version, so datasets' cache is hit on every later run and missed
-exactly when one of them changes.
+One batched ``Dataset.map`` writes ``input_ids`` and ``token_counts``; documents are truncated to ``max_length``
+and those under two tokens dropped (no next-token target). The map's fingerprint hashes the raw data's
+fingerprint, the tokenizer file and every setting, so datasets' cache is hit exactly when nothing changed.
 
-Trade-off: truncation keeps the first ``max_length`` tokens of a long document and drops the rest, which is the
-usual fine-tuning convention and keeps one document per row (so the sort key is the true length); pretraining
-on long documents is the streaming path's job, where packing wastes nothing.
+Trade-off: truncation drops a long document's tail but keeps one document per row, so the sort key is the true
+length; long-document pretraining is the streaming path's job.
 """
 
 from __future__ import annotations
@@ -40,12 +35,11 @@ _BUILDER_BY_EXTENSION = {
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSplit:
-    """One tokenized split and what a collator needs to know about its tokenizer.
+    """One tokenized split and its tokenizer's pad id.
 
     Attributes:
-        dataset: a ``datasets.Dataset`` with columns ``input_ids`` and ``token_counts``, formatted so that a
-            sample is ``{"input_ids": np.ndarray}`` (the map-style order reads ``token_counts`` as a column).
-        pad_token_id: ``lightning_d9d.tokenizer.pad_token_id`` of the tokenizer file.
+        dataset: columns ``input_ids`` and ``token_counts``; a sample is ``{"input_ids": np.ndarray}``.
+        pad_token_id: the tokenizer's pad id.
     """
 
     dataset: Any
@@ -66,21 +60,19 @@ def tokenized_split(
     """Load one split and tokenize it, or open the cached result of an earlier run with the same inputs.
 
     Args:
-        dataset_path: anything ``datasets.load_dataset`` accepts, a single data file, or a ``save_to_disk``
-            folder.
-        split: the split (datasets' split syntax such as ``"train[:90%]"`` works for loaded datasets).
+        dataset_path: anything ``datasets.load_dataset`` accepts, a data file, or a ``save_to_disk`` folder.
+        split: the split (datasets' split syntax works).
         tokenizer_path: a ``tokenizer.json`` file.
         text_column: the column holding the text.
         max_length: documents are truncated to this many tokens (special tokens included).
         data_files: passed to ``load_dataset``.
-        cache_dir: datasets' cache folder for ``load_dataset``.
+        cache_dir: datasets' cache folder.
         num_proc: processes for the tokenizing map.
-        name: how to name the dataset in messages (default: ``dataset_path``).
+        name: the dataset's name in messages (default: ``dataset_path``).
 
     Raises:
-        ValueError: a source that cannot be loaded, lacks the split or the column, is empty, holds no text in
-            the column (naming its type), has no document of 2 or more tokens, or a tokenizer file that
-            ``tokenizers`` cannot read (naming the file).
+        ValueError: a source that cannot be loaded or lacks the split, the column or text; no document of 2 or more
+            tokens; an unreadable tokenizer file.
     """
     name = name or dataset_path
     raw = _load_text_split(dataset_path, split, text_column, data_files, cache_dir, name)
@@ -97,8 +89,7 @@ def _load_text_split(path: str, split: str, text_column: str, data_files: Any, c
     """The raw split, checked to be non-empty and to hold text in ``text_column``.
 
     Raises:
-        ValueError: as ``_load_raw_split``; a missing column (naming the columns there are), a column that is
-            not text, an empty split.
+        ValueError: as ``_load_raw_split``, a missing or non-text column, an empty split.
     """
     raw = _load_raw_split(path, split, data_files, cache_dir, name)
     if text_column not in raw.column_names:
@@ -115,10 +106,10 @@ def _load_text_split(path: str, split: str, text_column: str, data_files: Any, c
 def _tokenize_cached(
     raw: Any, tokenizer_path: str, text_column: str, max_length: int, num_proc: int | None, name: str, split: str
 ) -> Any:
-    """``raw`` tokenized by one batched map, under a fingerprint of its inputs' content (datasets' cache key).
+    """``raw`` tokenized by one batched map, under a fingerprint of its inputs' content.
 
     Raises:
-        ValueError: a tokenizer file that ``tokenizers`` cannot read (before any map).
+        ValueError: an unreadable tokenizer file.
     """
     from datasets.fingerprint import Hasher
 
@@ -134,15 +125,14 @@ def _tokenize_cached(
 
 
 def cached_batched_map(raw: Any, function: Any, fingerprint: str, desc: str, **map_kwargs: Any) -> Any:
-    """``raw.map(function)`` in batches of 1,000 rows, keeping only the columns ``function`` returns, cached by
-    ``datasets`` under ``fingerprint``; the worker pool of ``num_proc`` (in ``map_kwargs``) ends with this process.
+    """``raw.map(function)`` in batches, keeping only the columns ``function`` returns, cached under ``fingerprint``.
 
     Args:
         raw: the ``datasets.Dataset`` to map.
         function: the batched map function (picklable, for ``num_proc``).
-        fingerprint: the result's cache key, a hash of everything that decides the output.
+        fingerprint: the cache key, a hash of everything that decides the output.
         desc: the progress bar's label.
-        map_kwargs: further ``Dataset.map`` arguments (``num_proc``, ``with_indices``).
+        map_kwargs: further ``Dataset.map`` arguments.
     """
     with children_exit_with_parent():  # a killed parent must not leave the map's worker pool running
         return raw.map(
@@ -157,7 +147,7 @@ def cached_batched_map(raw: Any, function: Any, fingerprint: str, desc: str, **m
 
 
 def _check_text_column(raw: Any, text_column: str, name: str, split: str) -> None:
-    """Raises ValueError unless the column holds strings (a list column would tokenize as empty documents)."""
+    """Raise ValueError unless the column holds strings (a list column would tokenize as empty)."""
     feature = raw.features[text_column]
     dtype = getattr(feature, "dtype", None)
     if dtype not in ("string", "large_string"):
@@ -169,8 +159,6 @@ def _check_text_column(raw: Any, text_column: str, name: str, split: str) -> Non
 
 @dataclasses.dataclass
 class _TokenizeBatch:
-    """The batched map function: texts → truncated token ids and their counts (picklable for num_proc)."""
-
     tokenizer_path: str
     tokenizer_digest: str
     text_column: str
@@ -185,10 +173,10 @@ class _TokenizeBatch:
 
 
 def _load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
-    """Open one split of raw text from a saved dataset, a single data file, or anything load_dataset takes.
+    """Open one split of raw text from a saved dataset, a data file, or anything ``load_dataset`` takes.
 
     Raises:
-        ValueError: the source cannot be loaded, lacks the split, or is empty (naming ``name`` and the split).
+        ValueError: the source cannot be loaded, lacks the split, or is empty.
     """
     import datasets
 
@@ -245,7 +233,7 @@ def check_local_path(dataset: str) -> None:
     """A value written as a path (absolute, ./, ../, ~) must exist; hub names like ``org/name`` are not paths.
 
     Raises:
-        FileNotFoundError: ``dataset`` is written as a path that does not exist.
+        FileNotFoundError: such a path does not exist.
     """
     looks_like_path = dataset.startswith(("/", "./", "../", "~", ".\\", "..\\"))
     if looks_like_path and not Path(dataset).expanduser().exists():
