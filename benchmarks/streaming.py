@@ -1124,7 +1124,8 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
     print_verdicts(verdicts)
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
+    """The command line, with ``--quick``'s settings applied."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=40.0, help="at most this many MB of stdlib text in the corpus")
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -1158,9 +1159,7 @@ def main() -> None:
         help="also run the workers path with module attributes set, LABEL:module.attr=value[,...] "
         "(e.g. pf32:lightning_d9d.streaming.loader._PREFETCH_PER_PROCESS=32)",
     )
-    parser.add_argument(
-        "--inline", action="store_true", help="run every configuration in this process (--first-batch's too)"
-    )
+    parser.add_argument("--inline", action="store_true", help="every configuration in this process (--first-batch too)")
     parser.add_argument(
         "--first-batch", action="store_true", help="only time the first batch of fresh starts (and grown waste)"
     )
@@ -1178,11 +1177,16 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        # Only proves that every configuration still runs and every target is judged: as small as that allows.
+        # Only proves that every configuration still runs and every target is judged: as small as that allows (K 4:
+        # fewer streams to start, and to join at teardown, in each of the DataModules set up here).
         args.mb, args.seconds, args.long_seconds, args.runs, args.vocab = 0.5, 0.1, 0.1, 1, 1024
         args.buffer, args.quality_steps, args.inline, args.corpora = 16, 1, True, "short"
-        # K 4: each stream's reader thread is joined at teardown, and 16 DataModules are set up and torn down here.
         args.seq_len, args.global_batch, args.num_streams = 256, 16, 4
+    return args
+
+
+def main() -> None:
+    args = _arguments()
     args.compare_packings = [p for p in args.compare_packings.split(",") if p]
     args.variant_labels = {label for label, _ in args.variant}
 
