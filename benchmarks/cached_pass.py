@@ -1,9 +1,10 @@
 """Token cache benchmark: a pass over a corpus read from the token cache against the same pass tokenizing.
 
-Run: ``python benchmarks/cached_pass.py`` (``--quick`` for a smoke test). The corpus is the stdlib text that
-``benchmarks/streaming.py`` uses (help topics, then source files: long documents), as one parquet file, and a
-byte-level BPE trained on it. For each packing, in this process's children with the same settings (``--workers``
-DataLoader workers, K 16, seq_len 1024, G 64, m 8):
+Run: ``python benchmarks/cached_pass.py`` (``--quick`` for a smoke test: a tiny corpus, ``bestfit_split`` only,
+seq_len 256, G 16, two passes per run, all in this process; its figures are meaningless). The corpus is the stdlib
+text that ``benchmarks/streaming.py`` uses (help topics, then source files: long documents), as one parquet file,
+and a byte-level BPE trained on it. For each packing, in this process's children with the same settings
+(``--workers`` DataLoader workers, K 16, seq_len 1024, G 64, m 8):
 
 1. three passes without a cache (tokenizing), two with an empty cache (tokenizing and storing: every stream reads
    all its units), then three with the cache they filled (reading it): useful tokens (document tokens in rows)
@@ -40,6 +41,8 @@ SPEEDUP_TARGET = 10.0
 RESUME_FIRST_BATCH_S = 1.0
 PASSES = 3  # per measured run: the first warms up (best-fit buffers fill, workers start), the others are timed
 CACHED_PASSES = 8  # cached passes are short: more of them to time
+# --quick only proves the script runs and judges its targets: one warm-up and one timed pass per run are enough.
+QUICK_PASSES = 2
 
 
 def _datamodule(files: str, tokenizer: str, packing: str, cache: str | None, args: dict):
@@ -91,7 +94,18 @@ def _resume(conn, files: str, tokenizer: str, packing: str, cache: str, state: b
     dm.teardown("fit")
 
 
-def _in_child(target, *args: object):
+class _Here:
+    """The pipe end a target sends its result through, when it runs in this process (``--quick``)."""
+
+    def send(self, value: object) -> None:
+        self.value = value
+
+
+def _in_child(target, *args: object, inline: bool = False):
+    if inline:  # a smoke test: no spawned interpreter (each pays seconds of imports on 2 cores)
+        here = _Here()
+        target(here, *args)
+        return here.value
     parent, child = multiprocessing.get_context("spawn").Pipe()
     process = multiprocessing.get_context("spawn").Process(target=target, args=(child, *args))
     process.start()
@@ -109,16 +123,21 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=24.0, help="MB of stdlib text in the corpus")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--packings", default="concat,bestfit_split")
-    parser.add_argument("--quick", action="store_true", help="a small corpus and few steps (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="a tiny corpus, bestfit_split, in process (smoke test)")
     options = parser.parse_args()
-    mb = 1.0 if options.quick else options.mb
+    mb = 0.1 if options.quick else options.mb
     args = {"seq_len": 1024, "global_batch": 64, "microbatch": 8, "workers": options.workers}
+    passes, cached_passes, inline = PASSES, CACHED_PASSES, options.quick
+    if options.quick:
+        options.packings = "bestfit_split"
+        args.update(seq_len=256, global_batch=16)
+        passes = cached_passes = QUICK_PASSES
     root = Path(tempfile.mkdtemp(prefix="cached-pass-"))
     try:
         texts = stdlib_texts(mb)
         files = write_corpus(root / "data", texts, row_group_size=64)
         tokenizer = str(root / "tokenizer.json")
-        tok = train_tokenizer(texts, 8192)
+        tok = train_tokenizer(texts, 1024 if options.quick else 8192)
         tok.save(tokenizer)
         tokens = sum(len(e) + 1 for e in tok.encode_batch_fast(texts))
         args["steps"] = max(4, int(tokens // (args["global_batch"] * (args["seq_len"] + 1))))  # about one pass
@@ -131,10 +150,11 @@ def main() -> None:
         verdicts = []
         for packing in options.packings.split(","):
             cache = root / f"cache-{packing}"
-            plain = _in_child(_pass, files, tokenizer, packing, None, args, PASSES)
-            filling = _in_child(_pass, files, tokenizer, packing, str(cache), args, 2)  # every stream reads all
-            cached = _in_child(_pass, files, tokenizer, packing, str(cache), args, CACHED_PASSES)
-            resume = _in_child(_resume, files, tokenizer, packing, str(cache), cached["state"], args)
+            plain = _in_child(_pass, files, tokenizer, packing, None, args, passes, inline=inline)
+            # two passes with an empty cache: every stream reads all its units, so the cache is full after
+            filling = _in_child(_pass, files, tokenizer, packing, str(cache), args, 2, inline=inline)
+            cached = _in_child(_pass, files, tokenizer, packing, str(cache), args, cached_passes, inline=inline)
+            resume = _in_child(_resume, files, tokenizer, packing, str(cache), cached["state"], args, inline=inline)
             same = plain["digest"] == filling["digest"] == cached["digest"]
             speedup = cached["tokens_per_s"] / plain["tokens_per_s"]
             cache_mb = _size(cache) / 1e6

@@ -117,15 +117,28 @@ def load_demo_corpus() -> Corpus:
 
     A second, natural-language-like real corpus beside the code corpus: lighter tail, what the demo trains on.
     """
+    from datasets import load_from_disk
     from tokenizers import Tokenizer
 
-    from lightning_d9d.demo.corpus import build_demo_corpus, demo_texts
+    from lightning_d9d.demo.corpus import build_demo_corpus
 
-    tokenizer = Tokenizer.from_file(build_demo_corpus().tokenizer_path)
-    train, _ = demo_texts()
+    built = build_demo_corpus()
+    tokenizer = Tokenizer.from_file(built.tokenizer_path)
+    # The built corpus' train split holds demo_texts()'s train documents: read, not parsed again from the stdlib
+    # with ``ast`` (seconds on 2 cores).
+    train = load_from_disk(built.dataset_path)["train"]["text"]
     documents = [np.asarray(encoding.ids, dtype=np.int32) + 1 for encoding in tokenizer.encode_batch_fast(train)]
     offsets = np.concatenate([[0], np.cumsum([len(document) for document in documents])])
     return Corpus(np.concatenate(documents), offsets.astype(np.int64))
+
+
+def every_kth(corpus: Corpus, documents: int) -> Corpus:
+    """About ``documents`` documents of ``corpus``, evenly spaced (a smoke test's corpus: the length distribution of
+    the whole, which the first documents of one stdlib module would not have)."""
+    picked = range(0, len(corpus), max(1, len(corpus) // documents))
+    parts = [corpus.token_ids[corpus.offsets[i] : corpus.offsets[i + 1]] for i in picked]
+    offsets = np.concatenate([[0], np.cumsum([len(part) for part in parts])]).astype(np.int64)
+    return Corpus(np.concatenate(parts), offsets)
 
 
 class TokenDataset(Dataset):

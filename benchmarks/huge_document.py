@@ -1,10 +1,10 @@
 """Huge-document benchmark: peak memory and time of reading, tokenizing and packing one very large document.
 
-Run: ``python benchmarks/huge_document.py`` (a 40 MB document; ``--size-mb 200`` for a larger one, ``--quick``
-for a 2 MB smoke test, ``--help`` for the rest). Nothing is downloaded: the ordinary documents are the Python
-standard library's ``.py`` sources, the huge document is those sources concatenated up to ``--size-mb`` MB (so it
-has spaces, as prose and code do), and the tokenizer is a byte-level BPE trained here. Results and how to read
-them: ``docs/benchmarks_streaming.md`` and the memory bound in ``docs/streaming.md``.
+Run: ``python benchmarks/huge_document.py`` (a 40 MB document; ``--size-mb 200`` for a larger one, ``--quick`` for a
+1.2 MB smoke test in this process, ``--help`` for the rest). Nothing is downloaded: the ordinary documents are the
+Python standard library's ``.py`` sources, the huge document is those sources concatenated up to ``--size-mb`` MB
+(so it has spaces, as prose and code do), and the tokenizer is a byte-level BPE trained here. Results and how to
+read them: ``docs/benchmarks_streaming.md`` and the memory bound in ``docs/streaming.md``.
 
 Corpus: one parquet file; the ordinary documents in row groups of ``--row-group`` documents and the huge one in
 a row group of its own. Every configuration runs in a fresh process of its own, which reports its peak RSS
@@ -224,8 +224,14 @@ def child_corpus(args: dict) -> dict:
 CHILDREN = {"corpus": child_corpus, "whole": child_whole, "pieces": child_pieces, "datamodule": child_datamodule}
 
 
-def run_child(kind: str, args: dict, timeout: float) -> dict:
-    """``kind`` in a fresh interpreter; its result, or ``{"error": ...}``."""
+def run_child(kind: str, args: dict, timeout: float, inline: bool = False) -> dict:
+    """``kind`` in a fresh interpreter; its result, or ``{"error": ...}``.
+
+    ``inline`` (``--quick``): in this process instead, its peak RSS meaningless, an error raised (a smoke test
+    must fail on it, not print a verdict), and no interpreter start (seconds of imports on 2 cores) paid.
+    """
+    if inline:
+        return CHILDREN[kind](json.loads(json.dumps(args)))
     command = [sys.executable, __file__, "--child", kind, json.dumps(args)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
@@ -286,7 +292,9 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=900.0, help="give up on one configuration after this")
     parser.add_argument("--max-document-chars", default="default",
                         help="PretrainingDataModule's max_document_chars: an integer, 'none' or 'default'")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="a 2 MB document, concat in-process only (smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 1.2 MB document, concat, num_workers 0, in this process (smoke test)"
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -294,7 +302,8 @@ def main() -> None:
         print(json.dumps(CHILDREN[kind](json.loads(child_args))))
         return
     if args.quick:
-        args.size_mb, args.ordinary_mb, args.vocab, args.packings, args.workers = 2.0, 0.3, 1024, "concat", "0"
+        # Just over LONG_DOCUMENT_CHARS (1 Mi characters), so that the streams still take the long-document path.
+        args.size_mb, args.ordinary_mb, args.vocab, args.packings, args.workers = 1.2, 0.1, 1024, "concat", "0"
     from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
 
     cap = {"default": DEFAULT_MAX_DOCUMENT_CHARS, "none": None}.get(args.max_document_chars.lower())
@@ -304,7 +313,7 @@ def main() -> None:
         # In a child: a process's peak RSS passes to the children it starts, so this one never holds the document.
         made = run_child("corpus", {"corpus": str(corpus), "tokenizer": str(tokenizer), "size_mb": args.size_mb,
                                     "ordinary_mb": args.ordinary_mb, "row_group": args.row_group,
-                                    "vocab": args.vocab}, args.max_seconds)  # fmt: skip
+                                    "vocab": args.vocab}, args.max_seconds, args.quick)  # fmt: skip
         if "error" in made:
             raise SystemExit(f"writing the corpus failed: {made['error']}")
         print(f"corpus: {made['docs']} ordinary documents ({made['mb']:.1f} MB) + one of "
@@ -314,11 +323,11 @@ def main() -> None:
                   "pieces_ids": str(Path(tmp) / "pieces.npy")}  # fmt: skip
         results = {}
         if args.size_mb * 1e6 * WHOLE_CALL_BYTES_PER_CHAR < 0.8 * args.memory_gib * 2**30:
-            results["whole"] = run_child("whole", common, args.max_seconds)
+            results["whole"] = run_child("whole", common, args.max_seconds, args.quick)
         else:
             print(f"whole-call baseline skipped: about {args.size_mb * WHOLE_CALL_BYTES_PER_CHAR / 1e3:.0f} GB "
                   f"expected, the machine has {args.memory_gib:g} GiB")  # fmt: skip
-        results["pieces"] = pieces = run_child("pieces", common, args.max_seconds)
+        results["pieces"] = pieces = run_child("pieces", common, args.max_seconds, args.quick)
         print(f"  whole: {results.get('whole')}\n  pieces: {pieces}", flush=True)
         for packing in args.packings.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
@@ -326,7 +335,7 @@ def main() -> None:
                 child = {**common, "packing": packing, "workers": workers, "seq_len": args.seq_len,
                          "microbatch": args.microbatch, "max_document_chars": cap,
                          "max_seconds": args.max_seconds}  # fmt: skip
-                results[key] = run_child("datamodule", child, args.max_seconds + 300)
+                results[key] = run_child("datamodule", child, args.max_seconds + 300, args.quick)
                 print(f"  {key}: {results[key]}", flush=True)
         print_verdicts(report(results, args.size_mb))
 

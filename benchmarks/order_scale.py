@@ -20,8 +20,8 @@ peak RSS also counts page-cache pages of the key file mapped by the random key r
 large folios, ~1.9 GB for 4,096 reads of a freshly written file) — shared, evictable, not allocated by us.
 Target: < 100 MB and < 1 s.
 
-Run: ``python benchmarks/order_scale.py`` (~30 s on 2 cores) or ``--quick`` (10⁹ still, without the memmap
-case, randperm at 10⁷).
+Run: ``python benchmarks/order_scale.py`` (~30 s on 2 cores) or ``--quick`` (a smoke test: 10⁶ samples, randperm
+at 10⁵, without the memmap case, every case in this process; its figures are meaningless).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 SIZE = 10**9
+QUICK_SIZE = 10**6  # --quick only proves the script runs and judges its targets: a small order is enough
 GLOBAL_BATCH = 256
 MICROBATCH = 8
 SORT_BUFFER = 16 * GLOBAL_BATCH
@@ -52,19 +53,19 @@ def python_key(index: int) -> int:
     return (index * 2654435761) % 4096
 
 
-def _first_batch(case: str, key_file: str | None) -> tuple[float, float, Any]:
-    """Build a DataModule for ``case``; return (setup seconds, first-batch seconds, the batch)."""
+def _first_batch(case: str, key_file: str | None, size: int) -> tuple[float, float, Any]:
+    """Build a DataModule for ``case`` over ``size`` samples; return (setup seconds, first-batch seconds, the batch)."""
     from common import IndexDataset
 
     from lightning_d9d import D9DDataModule
 
     if case == "memmap":
-        column = np.memmap(key_file, dtype=np.uint16, mode="r", shape=(SIZE,))
-        dataset, sort_buffer, sort_key = IndexDataset(SIZE, column), SORT_BUFFER, "length"
+        column = np.memmap(key_file, dtype=np.uint16, mode="r", shape=(size,))
+        dataset, sort_buffer, sort_key = IndexDataset(size, column), SORT_BUFFER, "length"
     elif case == "callable":
-        dataset, sort_buffer, sort_key = IndexDataset(SIZE), SORT_BUFFER, python_key
+        dataset, sort_buffer, sort_key = IndexDataset(size), SORT_BUFFER, python_key
     else:
-        dataset, sort_buffer, sort_key = IndexDataset(SIZE), None, None
+        dataset, sort_buffer, sort_key = IndexDataset(size), None, None
     began = time.perf_counter()
     datamodule = D9DDataModule(
         dataset, global_batch_size=GLOBAL_BATCH, microbatch_size=MICROBATCH,
@@ -76,7 +77,7 @@ def _first_batch(case: str, key_file: str | None) -> tuple[float, float, Any]:
     return set_up - began, time.perf_counter() - set_up, batch
 
 
-def child(case: str, key_file: str | None, randperm_size: int) -> dict[str, Any]:
+def child(case: str, key_file: str | None, randperm_size: int, size: int = SIZE) -> dict[str, Any]:
     """Run one case in this (fresh) process and return its figures."""
     import torch
     from common import process_kib, reset_peak_rss
@@ -94,13 +95,13 @@ def child(case: str, key_file: str | None, randperm_size: int) -> dict[str, Any]
 
     reset_peak_rss()
     before, anon_before = process_kib("VmRSS"), process_kib("RssAnon")
-    set_up, first, batch = _first_batch(case, key_file)
+    set_up, first, batch = _first_batch(case, key_file, size)
     rss_mb = (process_kib("VmHWM") - before) / 1024
     anon_mb = (process_kib("RssAnon") - anon_before) / 1024
-    assert batch.shape == (MICROBATCH,) and int(batch.min()) >= 0 and int(batch.max()) < SIZE
+    assert batch.shape == (MICROBATCH,) and int(batch.min()) >= 0 and int(batch.max()) < size
     # A second, traced run: tracemalloc slows Python down, so it does not feed the timings.
     tracemalloc.start()
-    _first_batch(case, key_file)
+    _first_batch(case, key_file, size)
     traced_mb = tracemalloc.get_traced_memory()[1] / 2**20
     tracemalloc.stop()
     return {
@@ -109,7 +110,9 @@ def child(case: str, key_file: str | None, randperm_size: int) -> dict[str, Any]
     }  # fmt: skip
 
 
-def run_child(case: str, key_file: str | None, randperm_size: int) -> dict[str, Any]:
+def run_child(case: str, key_file: str | None, randperm_size: int, quick: bool = False) -> dict[str, Any]:
+    if quick:  # a smoke test: no fresh interpreter per case (each costs seconds of imports on 2 cores)
+        return child(case, key_file, randperm_size, QUICK_SIZE)
     command = [sys.executable, __file__, "--child", case, "--randperm-size", str(randperm_size)]
     if key_file:
         command += ["--key-file", key_file]
@@ -135,33 +138,37 @@ def write_key_file(path: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="skip the memmap case, randperm at 10⁷")
-    parser.add_argument("--randperm-size", type=int, default=None, help="randperm size (default 10⁸; quick 10⁷)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 10⁶ samples in this process, no memmap case, randperm at 10⁵"
+    )
+    parser.add_argument("--randperm-size", type=int, default=None, help="randperm size (default 10⁸; quick 10⁵)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--key-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    randperm_size = args.randperm_size or (10**7 if args.quick else 10**8)
+    randperm_size = args.randperm_size or (10**5 if args.quick else 10**8)
+    size = QUICK_SIZE if args.quick else SIZE
     if args.child:
         print(json.dumps(child(args.child, args.key_file, randperm_size)))
         return 0
 
     began = time.perf_counter()
-    print(f"N = {SIZE:,} indices, G = {GLOBAL_BATCH}, m = {MICROBATCH}, sort buffer = {SORT_BUFFER}; each case in a "
-          "fresh process; MB = 2^20 bytes")  # fmt: skip
+    where = "this process (--quick)" if args.quick else "a fresh process"
+    print(f"N = {size:,} indices, G = {GLOBAL_BATCH}, m = {MICROBATCH}, sort buffer = {SORT_BUFFER}; each case in "
+          f"{where}; MB = 2^20 bytes")  # fmt: skip
     rows: list[tuple[str, dict[str, Any]]] = []
-    rows.append(("ours, unsorted", run_child("unsorted", None, randperm_size)))
-    rows.append(("ours, sorted, Python key/index", run_child("callable", None, randperm_size)))
+    rows.append(("ours, unsorted", run_child("unsorted", None, randperm_size, args.quick)))
+    rows.append(("ours, sorted, Python key/index", run_child("callable", None, randperm_size, args.quick)))
     if not args.quick:
         with tempfile.TemporaryDirectory(prefix="d9d-keys-") as folder:
             key_file = str(Path(folder) / "keys.u16")
             print(f"(wrote a 2 GB uint16 key file in {write_key_file(key_file):.1f} s, not timed below)")
             rows.append(("ours, sorted, numpy memmap key", run_child("memmap", key_file, randperm_size)))
-    randperm = run_child("randperm", None, randperm_size)
-    scale = SIZE / randperm_size
+    randperm = run_child("randperm", None, randperm_size, args.quick)
+    scale = size / randperm_size
     rows.append((f"torch.randperm({randperm_size:.0e})", randperm))
     if scale != 1:
         extrapolated = {key: randperm[key] * scale for key in ("seconds", "rss_mb", "anon_mb")}
-        rows.append((f"torch.randperm(1e9), x{scale:.0f} extrapolated", extrapolated))
+        rows.append((f"torch.randperm({size:.0e}), x{scale:.0f} extrapolated".replace("e+0", "e"), extrapolated))
 
     print(f"{'case':<40} {'setup s':>8} {'1st batch s':>11} {'total s':>8} {'peak RSS +MB':>12} "
           f"{'anon RSS +MB':>12} {'traced MB':>9}")  # fmt: skip

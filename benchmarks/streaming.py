@@ -39,14 +39,15 @@ Then, untimed: packing quality over ``--quality-steps`` steps (waste: padding + 
 with BOS; documents cut: cropped, split, or, for concat, spanning a row boundary), each stream's state size,
 peak RSS of the training process and its workers, and the first batch after a resume from a state saved by the
 2-worker run (best-fit buffers then hold the corpus's longest documents) on other layouts: another
-``num_workers`` and ``microbatch_size``, and other world sizes (a DataModule whose ``rank``/``world_size`` are
-those of a rank of a larger job); each resumed step is compared with the uninterrupted run's rows.
+``num_workers`` and ``microbatch_size``, and other world sizes (a DataModule whose ``data_parallel`` topology is
+that of a rank of a larger job); each resumed step is compared with the uninterrupted run's rows.
 
 ``--first-batch`` times only fresh starts instead: each packing, the corpus alone and as a mixture of its documents
-dealt to ``--sources`` sources (2), each in a process of its own with its DataLoader workers started as a training
-script's are, from ``iter(train_dataloader())`` to the first microbatch (``setup`` timed apart), with best-fit
-buffers growing as a fresh stream's do (``--buffer-start``/``--buffer-growth`` to try other sizes) and, unless
-``--skip-full``, full before the first row; target: the first batch within 5 s.
+dealt to ``--sources`` sources (2), each in a process of its own (in this one with ``--inline``, as ``--quick``
+sets) with its DataLoader workers started as a training script's are, from ``iter(train_dataloader())`` to the
+first microbatch (``setup`` timed apart), with best-fit buffers growing as a fresh stream's do
+(``--buffer-start``/``--buffer-growth`` to try other sizes) and, unless ``--skip-full``, full before the first
+row; target: the first batch within 5 s.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ LAYOUTS = (
     ("rank 1 of 2, microbatch 8", 1, 2, "W", 8),
     ("rank 3 of 4, num_workers 0, microbatch 16", 3, 4, 0, 16),
 )
-QUICK_LAYOUTS = (LAYOUTS[1], LAYOUTS[2])
+# --quick: one layout that changes the world size, num_workers and microbatch_size at once (every resharding path,
+# one resume per packing).
+QUICK_LAYOUTS = (("rank 1 of 2, num_workers 0, microbatch 4", 1, 2, 0, 4),)
 FIRST_BATCH_S = 5.0  # target: the first batch of a fresh start (setup excluded)
 
 
@@ -102,15 +105,17 @@ def stdlib_texts(max_mb: float) -> list[str]:
     """Help topics, then stdlib sources (tests excluded), in a fixed order, up to ``max_mb`` MB of text."""
     import pydoc_data.topics
 
-    texts = list(pydoc_data.topics.topics.values())
-    root = sysconfig.get_paths()["stdlib"]
-    for path in sorted(glob.glob(f"{root}/**/*.py", recursive=True)):
-        if "site-packages" in path:
-            continue
-        with open(path, encoding="utf-8", errors="replace") as file:
-            texts.append(file.read())
+    def texts():  # lazily: a small corpus (--quick) reads a few files, not the whole stdlib
+        yield from pydoc_data.topics.topics.values()
+        root = sysconfig.get_paths()["stdlib"]
+        for path in sorted(glob.glob(f"{root}/**/*.py", recursive=True)):
+            if "site-packages" in path:
+                continue
+            with open(path, encoding="utf-8", errors="replace") as file:
+                yield file.read()
+
     out, size = [], 0
-    for text in texts:
+    for text in texts():
         if size > max_mb * 1e6:
             break
         out.append(text)
@@ -360,20 +365,14 @@ class RefRun:
 def _datamodule(files: str, tokenizer: str, packing: str, workers: int, seq_len: int, global_batch: int,
                 microbatch: int, batch_size: int, buffer: int, num_streams: int | None, rank: int = 0,
                 world_size: int = 1):  # fmt: skip
-    """A PretrainingDataModule, as rank ``rank`` of ``world_size`` (its owned streams, M and layout checks follow)."""
+    """A PretrainingDataModule, as data-parallel rank ``rank`` of ``world_size`` (its owned streams, M and layout
+    checks follow): a ``DataParallelTopology`` setting, which a DataModule without a Trainer honours."""
     from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-
-    class AtRank(PretrainingDataModule):
-        @property
-        def rank(self) -> int:
-            return rank
-
-        @property
-        def world_size(self) -> int:
-            return world_size
+    from lightning_d9d.topology import DataParallelTopology
 
     kwargs = {"num_streams": num_streams} if num_streams else {}
-    return AtRank(
+    topology = DataParallelTopology(dp_rank=rank, dp_size=world_size, process_rank=rank, world_size=world_size)
+    return PretrainingDataModule(
         files,
         tokenizer,
         seq_len=seq_len,
@@ -385,6 +384,7 @@ def _datamodule(files: str, tokenizer: str, packing: str, workers: int, seq_len:
         tokenizer_batch_size=batch_size,
         bestfit_buffer_size=buffer,
         pin_memory=False,
+        data_parallel=topology,
         **kwargs,
     )
 
@@ -696,7 +696,7 @@ def run_corpus(name: str, files: str, tok: Tokenizer, texts: list[str], args: ar
     seconds = args.long_seconds if name == "long" else args.seconds
     base = {"files": files, "tokenizer": args.tokenizer_path, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "microbatch": args.microbatch, "batch_size": args.tokenizer_batch,
-            "buffer": args.buffer}  # fmt: skip
+            "buffer": args.buffer, "num_streams": args.num_streams}  # fmt: skip
     make = Inline if args.inline else Child
     configs: dict[str, tuple[str, dict, str | None]] = {"bare": ("bare", {}, None)}
     for path, workers in (("w", args.workers), ("ip", 0)):
@@ -1064,7 +1064,18 @@ def _first_batch_child(conn, files: object, args: dict, packing: str, growth: bo
     conn.send(result)
 
 
-def _in_process(*args: object) -> dict:
+class _Here:
+    """The pipe end ``_first_batch_child`` sends its figures through when it runs in this process (``--inline``)."""
+
+    def send(self, value: object) -> None:
+        self.value = value
+
+
+def _in_process(*args: object, inline: bool = False) -> dict:
+    if inline:  # a smoke test (--quick): no spawned interpreter, whose imports cost seconds on 2 cores
+        here = _Here()
+        _first_batch_child(here, *args)
+        return here.value
     parent, child = multiprocessing.get_context("spawn").Pipe()
     process = multiprocessing.get_context("spawn").Process(target=_first_batch_child, args=(child, *args))
     process.start()
@@ -1096,14 +1107,14 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
         for packing in args.packings.split(","):
             for label, files in (("single", single), (f"mixture of {len(mixture)}", mixture)):
                 waste = packing == "bestfit_split" and label == "single" and args.grown_steps > 0
-                grown = _in_process(files, settings, packing, True, waste)
+                grown = _in_process(files, settings, packing, True, waste, inline=args.inline)
                 verdicts.append((grown["first_s"] <= FIRST_BATCH_S, f"{name}, {packing}, {label}: first batch of "
                                  f"a fresh start {grown['first_s']:.1f}s (target <= {FIRST_BATCH_S:g} s)"))  # fmt: skip
                 line = (
                     f"  {name}, {packing}, {label}: first batch {grown['first_s']:.1f}s (setup {grown['setup_s']:.1f}s)"
                 )
                 if packing != "concat" and not args.skip_full:
-                    full = _in_process(files, settings, packing, False, waste)
+                    full = _in_process(files, settings, packing, False, waste, inline=args.inline)
                     line += f" (buffer full from the first row: {full['first_s']:.1f}s)"
                     if waste:
                         line += (f"; waste of steps {args.grown_steps}..{args.grown_steps * 3 // 2}: "
@@ -1113,7 +1124,8 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
     print_verdicts(verdicts)
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
+    """The command line, with ``--quick``'s settings applied."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=40.0, help="at most this many MB of stdlib text in the corpus")
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -1136,6 +1148,7 @@ def main() -> None:
     parser.add_argument("--skip-ref", action="store_true", help="skip the nanochat ports")
     parser.add_argument("--corpora", default="long,short", help="which corpora to run (comma-separated)")
     parser.add_argument("--old-tree", help="also run the DataModule of this checkout (e.g. an older commit)")
+    parser.add_argument("--num-streams", type=int, help="K of every DataModule (default: the package's)")
     parser.add_argument("--compare-k", type=int, default=0, help="also run the workers path with this num_streams")
     parser.add_argument("--compare-packings", default="concat,bestfit_split", help="packings of the comparisons")
     parser.add_argument(
@@ -1146,7 +1159,7 @@ def main() -> None:
         help="also run the workers path with module attributes set, LABEL:module.attr=value[,...] "
         "(e.g. pf32:lightning_d9d.streaming.loader._PREFETCH_PER_PROCESS=32)",
     )
-    parser.add_argument("--inline", action="store_true", help="run every configuration in this process")
+    parser.add_argument("--inline", action="store_true", help="every configuration in this process (--first-batch too)")
     parser.add_argument(
         "--first-batch", action="store_true", help="only time the first batch of fresh starts (and grown waste)"
     )
@@ -1159,12 +1172,21 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a 1.5 MB corpus of short documents, small buffers, 1 short round, inline (smoke test)",
+        help="a 0.5 MB corpus of short documents, seq_len 256, global batch 16, K 4, small buffers, 1 short round, "
+        "inline (smoke test: its figures are meaningless)",
     )
     args = parser.parse_args()
     if args.quick:
-        args.mb, args.seconds, args.long_seconds, args.runs, args.vocab = 1.5, 0.3, 0.3, 1, 2048
-        args.buffer, args.quality_steps, args.inline, args.corpora = 16, 2, True, "short"
+        # Only proves that every configuration still runs and every target is judged: as small as that allows (K 4:
+        # fewer streams to start, and to join at teardown, in each of the DataModules set up here).
+        args.mb, args.seconds, args.long_seconds, args.runs, args.vocab = 0.5, 0.1, 0.1, 1, 1024
+        args.buffer, args.quality_steps, args.inline, args.corpora = 16, 1, True, "short"
+        args.seq_len, args.global_batch, args.num_streams = 256, 16, 4
+    return args
+
+
+def main() -> None:
+    args = _arguments()
     args.compare_packings = [p for p in args.compare_packings.split(",") if p]
     args.variant_labels = {label for label, _ in args.variant}
 

@@ -1,8 +1,10 @@
 """Smoke test of the benchmarks: each script's ``--quick`` run exits 0 and prints its table.
 
 Timing and padding targets are not asserted here (they belong to the benchmark output and the README): a
-loaded CI machine must not fail the suite on a slow run. What this catches is a benchmark that no longer runs
-against the current public API.
+loaded CI machine must not fail the suite on a slow run, and a quick run's figures are meaningless. What this
+catches is a benchmark that no longer runs against the current public API, or whose correctness checks (the
+verdicts with a ``(target: ...)`` that is not a figure: identical rows, equal ids, a resume that trains the
+uninterrupted run's rows) fail.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ EXPECTED = {
     "huge_document.py": ("(peak - before) / document", "whole call / pieces"),
     "token_budget.py": ("budget-free", "padding-free / padded tokens/s"),
     "token_cache.py": ("read() MB/s", "store of 1 M tokens uint32"),
+    "cached_pass.py": ("cached / tok", "cached / tokenizing useful tokens/s"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
 MIN_VERDICTS = {
@@ -39,6 +42,7 @@ MIN_VERDICTS = {
     "huge_document.py": 2,
     "token_budget.py": 8,
     "token_cache.py": 4,
+    "cached_pass.py": 3,  # 3 per packing; --quick runs bestfit_split alone (the full run: concat as well, 6)
 }
 
 
@@ -55,12 +59,14 @@ def test_quick_benchmark_runs(script: str) -> None:
     verdicts = re.findall(r"^(PASS|FAIL): (.+)$", done.stdout, re.MULTILINE)
     assert len(verdicts) >= MIN_VERDICTS[script], done.stdout  # every target is judged, met or missed
     assert all("target" in text for _, text in verdicts), verdicts
+    assert not [text for passed, text in verdicts if passed == "FAIL" and "(target: " in text], done.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_first_batch_mode_of_the_streaming_benchmark_runs() -> None:
-    """``streaming.py --first-batch``: a fresh DataModule per configuration, its first batch timed and judged."""
+    """``streaming.py --first-batch``: a fresh DataModule per configuration, its first batch timed and judged
+    (``--quick``: in the benchmark's own process, not a spawned one per configuration)."""
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "streaming.py"), "--quick", "--first-batch", "--packings", "bestfit_split",
          "--skip-full", "--grown-steps", "2"],
