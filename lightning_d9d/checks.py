@@ -1,6 +1,4 @@
-"""Argument checks shared by every stage: one message shape, and plain ``int`` results (checkpoints then load with
-``weights_only=True``). ``microbatches_per_step`` is the one divisibility rule of a step, ``G = D·M·m``.
-"""
+"""Argument checks shared by every stage: one message shape, plain ``int`` results (for ``weights_only`` loads)."""
 
 from __future__ import annotations
 
@@ -19,11 +17,7 @@ def _is_int(value: Any) -> bool:
 
 
 def positive_int(name: str, value: Any, allow_none: bool = False) -> int | None:
-    """``value`` as a plain int.
-
-    Raises:
-        ValueError: not an integer >= 1 (or ``None`` where ``allow_none``).
-    """
+    """``value`` as a plain int; ``ValueError`` unless an integer >= 1 (or ``None`` where ``allow_none``)."""
     if value is None and allow_none:
         return None
     if not _is_int(value) or value < 1:
@@ -32,22 +26,14 @@ def positive_int(name: str, value: Any, allow_none: bool = False) -> int | None:
 
 
 def non_negative_int(name: str, value: Any) -> int:
-    """``value`` as a plain int.
-
-    Raises:
-        ValueError: not an integer >= 0.
-    """
+    """``value`` as a plain int; ``ValueError`` unless an integer >= 0."""
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return int(value)
 
 
 def microbatches_per_step(global_batch_size: int, dp_size: int, microbatch_size: int) -> int:
-    """M: microbatches one data-parallel replica runs per optimizer step.
-
-    Raises:
-        ValueError: non-positive sizes, or G not divisible by ``dp_size × microbatch_size``.
-    """
+    """M = G / (D·m): microbatches one data-parallel replica runs per optimizer step; ``ValueError`` if not whole."""
     for name, value in (
         ("global_batch_size", global_batch_size),
         ("dp_size", dp_size),
@@ -66,11 +52,7 @@ def microbatches_per_step(global_batch_size: int, dp_size: int, microbatch_size:
 
 
 def token_step_microbatches(global_batch_tokens: int, microbatch_tokens: int) -> int:
-    """P = ``global_batch_tokens / microbatch_tokens``: microbatches of one token-budget step over all ranks.
-
-    Raises:
-        ValueError: non-positive budgets, or one not a multiple of the other.
-    """
+    """P = ``global_batch_tokens / microbatch_tokens``: microbatches of one token-budget step over all ranks."""
     positive_int("global_batch_tokens", global_batch_tokens)
     positive_int("microbatch_tokens", microbatch_tokens)
     if global_batch_tokens % microbatch_tokens:
@@ -83,11 +65,7 @@ def token_step_microbatches(global_batch_tokens: int, microbatch_tokens: int) ->
 
 
 def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int, dp_size: int) -> int:
-    """M = P / D with token budgets.
-
-    Raises:
-        ValueError: as :func:`token_step_microbatches`, or P not divisible by ``dp_size``.
-    """
+    """M = P / D with token budgets; ``ValueError`` if P is not divisible by ``dp_size``."""
     per_step = token_step_microbatches(global_batch_tokens, microbatch_tokens)
     positive_int("dp_size", dp_size)
     if per_step % dp_size:
@@ -102,11 +80,7 @@ def token_microbatches_per_step(global_batch_tokens: int, microbatch_tokens: int
 
 
 def one_of(name: str, value: Any, valid: tuple[str, ...]) -> Any:
-    """``value`` when it is one of ``valid``.
-
-    Raises:
-        ValueError: naming ``name`` and the valid values.
-    """
+    """``value`` when it is one of ``valid``, else a ``ValueError`` naming them."""
     if value not in valid:
         raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
     return value

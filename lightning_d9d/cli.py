@@ -1,12 +1,9 @@
 """The ``lightning-d9d`` command: LightningCLI for any LightningModule + DataModule, plus ``inspect``.
 
-``fit|validate|test|predict`` are LightningCLI's subcommands with model and data in subclass mode, so one command
-serves every DataModule. ``inspect`` builds the data without training and prints one epoch's shape: steps,
-microbatches, samples, tokens and padding per step (with token budgets, read from the plan itself), and the first
-microbatch's shapes. It runs the DataModule at world size 1, since the order does not depend on it.
+``fit|validate|test|predict`` take model and data in subclass mode. ``inspect`` builds the data at world size 1 and
+prints one epoch's steps, microbatches, tokens and padding, and the first microbatch's shapes.
 
-Trade-off: with sample counts padding is measured on the first ``--steps`` steps only, so inspecting a huge
-dataset stays fast.
+Trade-off: with sample counts padding is measured on the first ``--steps`` steps only, to stay fast.
 """
 
 from __future__ import annotations
@@ -99,11 +96,7 @@ class D9DCLI(LightningCLI):
 
 
 def check_ckpt_path(ckpt_path: Any) -> None:
-    """Fail before training when ``--ckpt_path`` names a local file that does not exist.
-
-    Raises:
-        FileNotFoundError: naming the path and the values ``--ckpt_path`` accepts.
-    """
+    """Raise ``FileNotFoundError`` before training when ``--ckpt_path`` names a missing local file."""
     text = str(ckpt_path)
     if ckpt_path is None or text in _CKPT_PATH_KEYWORDS or text.startswith("registry:") or "://" in text:
         return  # Lightning resolves the keywords ("registry:name:version" too); a URL is read by fsspec
@@ -118,7 +111,6 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     """Describe one epoch of a DataModule's training data without training; returns the report text.
 
     Args:
-        datamodule: a D9DDataModule (any LightningDataModule: only the first batch is described).
         trainer: the configured, unfitted Trainer, read for the world and data-parallel sizes.
         steps: global batches to read for the tokens and padding figures.
     """
@@ -281,11 +273,7 @@ def describe_batch(batch: Any, name: str = "batch") -> list[str]:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-d9d`` console script.
-
-    A misconfiguration ends with one line and exit code 2 (parsing) or 1 (running); ``LIGHTNING_D9D_TRACEBACK=1``
-    shows the tracebacks.
-    """
+    """Entry point of ``lightning-d9d``: errors end with one line and exit 2 (parsing) or 1 (running)."""
     try:
         D9DCLI(args=args)
     except CONFIGURATION_ERRORS as error:

@@ -1,14 +1,10 @@
 """Context parallelism (CP): lay out packed documents so a row splits evenly over CP ranks, and split it.
 
-Every rank of a CP group gets the same batch and keeps a load-balanced slice of each sequence: the sequence is cut
-into ``2·cp`` chunks and rank ``r`` keeps chunks ``r`` and ``2·cp − 1 − r`` (the zigzag split), one cheap and one
-dear under causal attention. In packed rows the split is applied to each document, so every document is padded to
-a multiple of ``2·cp`` (``cu_seqlens`` real lengths, ``cu_seqlens_padded`` padded spans, TransformerEngine's THD
-convention; positions continue through the padding, labels there are ``-100``). Metadata is never split: varlen
-CP attention needs the whole row's.
+Each sequence is cut into ``2·cp`` chunks and rank ``r`` keeps chunks ``r`` and ``2·cp − 1 − r`` (zigzag), balancing
+causal attention cost. In packed rows each document is split and padded to a multiple of ``2·cp`` (THD layout:
+``cu_seqlens`` real, ``cu_seqlens_padded`` padded); metadata is never split.
 
-Trade-off: up to ``2·cp − 1`` padding positions per document, in exchange for documents kept apart and ranks
-balanced without an all-to-all.
+Trade-off: up to ``2·cp − 1`` padding positions per document, for balanced ranks without an all-to-all.
 """
 
 from __future__ import annotations
@@ -26,11 +22,7 @@ SEQUENCE_FIELDS = ("input_ids", "labels", "position_ids", "inputs", "targets")
 
 
 def cp_multiple(cp_size: int) -> int:
-    """The multiple every document is padded to: ``2·cp_size`` (1 for ``cp_size`` 1).
-
-    Raises:
-        ValueError: ``cp_size`` is not a positive integer.
-    """
+    """The multiple every document is padded to: ``2·cp_size`` (1 for ``cp_size`` 1)."""
     if not isinstance(cp_size, (int, np.integer)) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(f"context_parallel_size must be a positive integer, got {cp_size!r}")
     return 1 if cp_size == 1 else 2 * int(cp_size)
@@ -45,11 +37,7 @@ class CPPadding(NamedTuple):
 
 
 def pad_documents_for_cp(lengths: Sequence[int] | np.ndarray, cp_size: int) -> CPPadding:
-    """Round every document's length up to a multiple of ``2·cp_size``.
-
-    Raises:
-        ValueError: a negative or non-integer length, or a bad ``cp_size``.
-    """
+    """Round every document's length up to a multiple of ``2·cp_size``."""
     multiple = cp_multiple(cp_size)
     array = np.asarray(lengths)
     if array.ndim != 1 or (array.size and (array.dtype.kind not in "iu" or int(array.min()) < 0)):
@@ -66,15 +54,7 @@ def pad_documents_for_cp(lengths: Sequence[int] | np.ndarray, cp_size: int) -> C
 
 @dataclasses.dataclass
 class CPRow:
-    """One padding-free row laid out for CP (1-D numpy arrays).
-
-    Attributes:
-        input_ids: the documents, each followed by its padding.
-        labels: unshifted labels, ``-100`` at each document's first token and at padding.
-        position_ids: 0 at each document's start, continuing through its padding.
-        cu_seqlens, cu_seqlens_padded: cumulative real / padded lengths.
-        max_seqlen: the longest padded document.
-    """
+    """One padding-free row laid out for CP; ``labels`` are unshifted, ``-100`` at first tokens and padding."""
 
     input_ids: np.ndarray
     labels: np.ndarray
@@ -94,12 +74,10 @@ def flatten_for_cp(
 
     Args:
         documents: each document's token ids, in row order.
-        cp_size: the context-parallel size (1: no padding).
-        labels: optional per-document labels (``-100`` where not trained); first tokens and padding get ``-100``.
-        pad_token_id: the id at padding positions (masked out of the loss).
+        labels: optional per-document labels; first tokens and padding get ``-100``.
 
     Raises:
-        ValueError: a bad ``cp_size``; labels whose number or lengths differ from the documents'.
+        ValueError: a bad ``cp_size`` or labels that do not match the documents.
     """
     ids = [np.asarray(document, dtype=np.int64).reshape(-1) for document in documents]
     lengths = np.fromiter((len(document) for document in ids), dtype=np.int64, count=len(ids))
@@ -150,15 +128,10 @@ def cp_indices(length: int, cp_rank: int, cp_size: int, cu_seqlens_padded: Any =
 
 
 def cp_shard(tensor: Any, cp_rank: int, cp_size: int, seq_dim: int = -1, cu_seqlens_padded: Any = None) -> Any:
-    """This CP rank's load-balanced slice of ``tensor`` (torch or numpy) along ``seq_dim``: ``length / cp_size`` long.
+    """This CP rank's load-balanced slice of ``tensor`` (torch or numpy) along ``seq_dim``.
 
     Args:
-        tensor: the whole row (or a batch of rows).
-        cp_rank, cp_size: this rank in ``[0, cp_size)`` and the CP size (1: unchanged).
-        seq_dim: the sequence dimension.
-        cu_seqlens_padded: cumulative padded document lengths, each a multiple of ``2·cp_size``; each document is
-            split and the pieces concatenated in order. For a 2-D tensor they may span the flattened rows (every row
-            start a bound). ``None``: split the whole sequence.
+        cu_seqlens_padded: padded document bounds to split each document by; ``None``: the whole sequence.
 
     Raises:
         ValueError: a rank out of range, a length not divisible by ``2·cp_size``, or malformed bounds.
@@ -177,13 +150,8 @@ def cp_shard(tensor: Any, cp_rank: int, cp_size: int, seq_dim: int = -1, cu_seql
 def cp_unshard(slices: Sequence[Any], cp_size: int, seq_dim: int = -1, cu_seqlens_padded: Any = None) -> Any:
     """The whole row from every rank's :func:`cp_shard` slice, rank 0 first.
 
-    Args:
-        slices: every rank's slice (tensors or numpy arrays, one kind).
-        cp_size, seq_dim: the CP size and the sequence dimension.
-        cu_seqlens_padded: the bounds the slices were cut with (``None``: per-sequence).
-
     Raises:
-        ValueError: not ``cp_size`` slices, unequal slices, or bounds that do not fit them.
+        ValueError: not ``cp_size`` equal slices, or bounds that do not fit them.
     """
     if len(slices) != cp_size:
         raise ValueError(f"cp_unshard needs one slice per CP rank: {cp_size} expected, got {len(slices)}")
@@ -212,13 +180,10 @@ def cp_shard_batch(
     fields: Sequence[str] = SEQUENCE_FIELDS,
     per_document: bool = True,
 ) -> Any:
-    """A copy of ``batch`` (a dataclass or dict) with its sequence ``fields`` sliced for this CP rank; metadata is kept.
+    """A copy of ``batch`` (a dataclass or dict) with its sequence ``fields`` sliced for this CP rank.
 
     Args:
-        batch: a dataclass or dict.
-        cp_rank, cp_size, seq_dim: see :func:`cp_shard`.
-        fields: the per-position fields (those present are sliced).
-        per_document: split each document (bounds from ``cu_seqlens_padded``, else ``cu_seqlens``).
+        per_document: split each document by ``cu_seqlens_padded`` (else ``cu_seqlens``).
 
     Raises:
         TypeError: a batch that is neither a dataclass nor a dict.
@@ -251,11 +216,7 @@ def _check_rank(cp_rank: int, cp_size: int) -> None:
 
 
 def _rows_of_flat_bounds(shape: Sequence[int], seq_dim: int, cu_seqlens_padded: Any) -> bool:
-    """Whether ``cu_seqlens_padded`` spans the flattened rows of a 2-D ``shape``.
-
-    Raises:
-        ValueError: such bounds that miss a row's start.
-    """
+    """Whether ``cu_seqlens_padded`` spans the flattened rows of a 2-D ``shape`` (each row start a bound)."""
     if cu_seqlens_padded is None or len(shape) != 2 or seq_dim not in (-1, 1) or shape[0] < 2:
         return False
     bounds = _as_array(cu_seqlens_padded)

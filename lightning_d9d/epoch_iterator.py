@@ -1,10 +1,7 @@
 """Epoch iterators that start lazily and stop their worker processes deterministically.
 
-An epoch starts at its first ``next()``, not at ``iter()``, because Lightning probes iterability before the
-resume state is loaded. Workers must stop there and then: a suspended generator left to the garbage collector
-may be freed inside a later-forked worker, where torch's ``__del__`` fails. So epoch iterators hold no reference
-cycle, close their generator when freed, garbage is collected before forking, and an ``atexit`` hook closes what is
-still open while modules are intact.
+An epoch starts at its first ``next()`` (Lightning probes ``iter()`` before resume state loads). Iterators hold no
+reference cycle and close when freed, garbage is collected before forking, and an ``atexit`` hook closes the rest.
 """
 
 from __future__ import annotations
@@ -33,11 +30,7 @@ def _close_all_at_exit() -> None:
 
 
 class EpochIterator:
-    """Defers creating the epoch's batch generator to the first ``next()``, and closes it when freed.
-
-    Args:
-        factory: returns the epoch's generator; called once.
-    """
+    """Defers calling ``factory`` for the epoch's batch generator to the first ``next()``, and closes it when freed."""
 
     def __init__(self, factory: Callable[[], Generator[Any, None, None]]):
         self._factory: Callable[[], Generator[Any, None, None]] | None = factory
@@ -84,10 +77,7 @@ class OneIterationAtATime:
 
 
 class ResumedByDataModule:
-    """A training loader whose position is its DataModule's state (Lightning saves it in the same checkpoint).
-
-    Having ``state_dict``/``load_state_dict`` stops Lightning warning that a mid-epoch checkpoint cannot resume.
-    """
+    """A training loader whose position is its DataModule's state (so Lightning does not warn on mid-epoch saves)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

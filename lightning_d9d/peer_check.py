@@ -1,10 +1,7 @@
 """Peer check: prove that the processes of each data-parallel replica train identical microbatches.
 
-Every microbatch of a step is digested, the digests all-gathered with each process's ``dp_rank``, and peers that
-disagree raise one error on every process, so none waits in a collective.
-
-Trade-off: digesting copies tensors to the host and adds an all-gather per step, so it is meant for a run's first
-few steps; it proves agreement, not that the data is right.
+Each step's microbatch digests are all-gathered with every process's ``dp_rank``; disagreeing peers raise the same
+error everywhere. Trade-off: a host copy and an all-gather per step, so it is for a run's first few steps.
 """
 
 from __future__ import annotations
@@ -24,10 +21,7 @@ class PeerMismatchError(RuntimeError):
 
 
 def batch_digest(batch: Any) -> str:
-    """A stable hex digest of a batch: equal batches give equal digests on any process.
-
-    Tensors and arrays count by shape, dtype and bytes; containers in a fixed order; other leaves by ``repr``.
-    """
+    """A stable hex digest of a batch (tensors by shape, dtype and bytes; other leaves by ``repr``)."""
     digest = hashlib.sha256()
     _update(digest, batch)
     return digest.hexdigest()[:32]
@@ -68,10 +62,7 @@ def verify_peer_step(step: int | str, digests: Sequence[str], dp_rank: int, grou
     """All-gather every process's digests of one step and compare them within each replica (a collective).
 
     Args:
-        step: the optimizer step, for the message.
         digests: this process's digest of each microbatch of the step, in order.
-        dp_rank: this process's data-parallel rank.
-        group: the process group (default: the world).
 
     Raises:
         PeerMismatchError: peers whose digests differ (the same error on every process).
@@ -86,11 +77,7 @@ def verify_peer_step(step: int | str, digests: Sequence[str], dp_rank: int, grou
 
 
 def check_peer_digests(step: int | str, gathered: Sequence[tuple[int, Sequence[str]]]) -> None:
-    """Compare gathered ``(dp_rank, digests)`` per process within each replica.
-
-    Raises:
-        PeerMismatchError: see :func:`verify_peer_step`.
-    """
+    """Compare gathered ``(dp_rank, digests)`` per process within each replica (``PeerMismatchError``)."""
     replicas: dict[int, dict[tuple[str, ...], list[int]]] = {}
     for process, (dp_rank, digests) in enumerate(gathered):
         replicas.setdefault(dp_rank, {}).setdefault(tuple(digests), []).append(process)

@@ -1,11 +1,8 @@
 """Resume: where training is in the data, and a fingerprint of what decides the data, for every DataModule.
 
-Training data is a pure function of the settings and the data, so the position ``(epoch, step)`` in global
-optimizer steps is all a map-style resume needs: the rest is recomputed, never replayed. ``step`` counts trained
-microbatches (under a Trainer, those processed), rounded down to whole steps, so a checkpoint inside an
-accumulation window replays that step and no step is short or skipped. Being global, the position is the same on
-every rank and survives changes of world size, microbatch size or workers. A :class:`Fingerprint` holds exactly
-what changes the data, and a mismatch names every differing field.
+Data is a pure function of settings and data, so the global position ``(epoch, step)`` in optimizer steps is all a
+map-style resume needs: the rest is recomputed on any layout. ``step`` rounds down to whole steps, so a checkpoint
+inside an accumulation window replays that step. A :class:`Fingerprint` mismatch names every differing field.
 
 Trade-off: fingerprints summarise large inputs (sampled keys, parquet footers) instead of hashing every byte.
 """
@@ -83,11 +80,7 @@ class SavedPosition:
 
     @classmethod
     def read(cls, state: Any) -> SavedPosition:
-        """Validate a saved data state.
-
-        Raises:
-            ValueError: a malformed state, naming the field, its value and what would be valid.
-        """
+        """Validate a saved data state (``ValueError`` naming a malformed field)."""
         if not isinstance(state, dict):
             raise InvalidDataState(
                 "state",
@@ -116,13 +109,7 @@ MISSING: Any = _Missing()
 
 
 class InvalidDataState(ValueError):
-    """The one error for a malformed or contradictory data state.
-
-    Args:
-        path: the field, dotted from the state's root.
-        value: what the state holds there.
-        valid: what would be valid.
-    """
+    """A malformed or contradictory data state, naming the dotted ``path``, ``value`` and ``valid``."""
 
     def __init__(self, path: str, value: Any, valid: str):
         super().__init__(f"the checkpoint's data state is invalid: {path} = {_short(value)}: {valid}")

@@ -1,9 +1,7 @@
 """The tokenizer every DataModule reads: one loader with one error text, one choice of the padding id.
 
-Loaded tokenizers have padding and truncation switched off (a document must come out whole), and are cached by
-content digest so an edited file is read again. Streaming workers receive the serialized JSON rather than a path
-that might change under a running job. The pad id is the tokenizer's padding setting, else a usual pad token,
-else 0 (1 when 0 is the BOS to avoid); padding is masked, so any id trains the same.
+Tokenizers are loaded with padding and truncation off and cached by content digest; workers receive the JSON, not
+a path. The pad id is the tokenizer's padding setting, else a usual pad token, else 0 (1 when 0 is the BOS).
 """
 
 from __future__ import annotations
@@ -30,11 +28,7 @@ class TokenizerFileNotFoundError(FileNotFoundError, ValueError):
 
 
 def check_tokenizer_file(path: str | os.PathLike) -> str:
-    """``path`` as a string, if it is an existing file.
-
-    Raises:
-        TokenizerFileNotFoundError: ``path`` is not a file.
-    """
+    """``path`` as a string; ``TokenizerFileNotFoundError`` unless it is an existing file."""
     text = os.fspath(path)
     if not os.path.isfile(os.path.expanduser(text)):
         raise TokenizerFileNotFoundError(f"tokenizer={text!r} is not a file: {_HOW_TO_MAKE_ONE}")
@@ -65,12 +59,7 @@ def tokenizer_digest(path: str | os.PathLike) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str, digest: str, max_length: int | None = None) -> Tokenizer:
-    """The tokenizer at ``path``, cached per process by ``digest``, padding off, truncated at ``max_length`` if given.
-
-    Raises:
-        TokenizerFileNotFoundError: the path is not a file.
-        ValueError: the file is not a tokenizers JSON file.
-    """
+    """The tokenizer at ``path``, cached per process by ``digest``, padding off, cut at ``max_length`` if given."""
     tokenizer = read_tokenizer(path)
     tokenizer.no_padding()  # a tokenizer.json saved with padding on would pad every document to one length
     if max_length is None:
@@ -95,12 +84,7 @@ def tokenizer_from_json(tokenizer_json: str) -> Tokenizer:
 
 
 def pad_token_id(tokenizer: Tokenizer, avoid: int | None = None) -> int:
-    """The id to write at padding positions.
-
-    Args:
-        tokenizer: as loaded, before its padding setting is switched off.
-        avoid: an id padding must not use (the BOS id where BOS marks document starts).
-    """
+    """The id to write at padding positions, never ``avoid`` (the BOS id where BOS marks document starts)."""
     padding = tokenizer.padding
     if padding is not None and padding.get("pad_id") != avoid:
         return int(padding["pad_id"])

@@ -1,13 +1,11 @@
 """Topology: which data-parallel replica this process belongs to, so data is dealt by replica, never by process.
 
-Under tensor, context or pipeline parallelism the peers of one replica must see the same samples; dealing by
-``global_rank`` silently gives them different ones and training does not converge. The replica is resolved from a
-strategy's ``distributed_sampler_kwargs``, from a ``DeviceMesh`` and its data-parallel dims (``dp_rank`` is the
-row-major coordinate over them, as ``mesh[dims]._flatten()`` gives), or from dim names of the strategy's mesh. A
-layout that cannot be resolved raises; nothing falls back to processes.
+Tensor, context and pipeline peers of one replica must see the same samples. The replica is resolved from a
+strategy's ``distributed_sampler_kwargs``, or from a ``DeviceMesh`` and its data-parallel dims (``dp_rank`` is the
+row-major coordinate over them); a layout that cannot be resolved raises instead of falling back to processes.
 
-Trade-off: dp dims are found by a fixed list of names and others are refused as ambiguous rather than guessed, so
-a mesh with other names needs them spelled out.
+Trade-off: dp dims are recognised by a fixed list of names and ambiguous ones are refused, so other names must be
+spelled out.
 """
 
 from __future__ import annotations
@@ -34,9 +32,6 @@ class DataParallelTopology:
     """This process's data-parallel replica: ``dp_rank`` of ``dp_size``, among ``world_size`` processes.
 
     Args:
-        dp_rank: the replica this process belongs to, in ``[0, dp_size)``.
-        dp_size: number of replicas; it divides ``world_size``.
-        process_rank, world_size: this process's global rank and the number of processes.
         source: where the layout came from (for messages; not compared).
 
     Raises:
@@ -94,13 +89,8 @@ class DataParallelTopology:
     ) -> DataParallelTopology:
         """The layout a strategy's ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``) describe.
 
-        Args:
-            kwargs: the strategy's ``distributed_sampler_kwargs`` (``None`` when it gives none).
-            world_size, process_rank: the number of processes and this one's global rank.
-            strategy: the strategy's name, for messages.
-
         Raises:
-            ValueError: no kwargs on more than one process, malformed kwargs, or a ``num_replicas`` not dividing it.
+            ValueError: no kwargs on more than one process, or malformed kwargs.
         """
         if kwargs is None:
             if world_size == 1:
@@ -126,18 +116,13 @@ class DataParallelTopology:
         dims: str | Sequence[str] | None = None,
         world_size: int | None = None,
     ) -> DataParallelTopology:
-        """The layout of ``mesh`` whose data-parallel dims are ``dims``.
-
-        The mesh is the world mesh or a sub-mesh of only data-parallel dims that holds this process.
+        """The layout of ``mesh`` (the world mesh, or a data-parallel sub-mesh) whose data-parallel dims are ``dims``.
 
         Args:
-            mesh: an initialised ``DeviceMesh`` with dim names.
-            dims: its data-parallel dims (any order; ``[]``: one replica; default: by ``DATA_PARALLEL_DIM_NAMES``).
-            world_size: number of processes (default: ``torch.distributed``'s).
+            dims: the data-parallel dims (``[]``: one replica; ``None``: by ``DATA_PARALLEL_DIM_NAMES``).
 
         Raises:
-            ValueError: missing or repeated dim names, no or an ambiguous data-parallel dim, a mesh that neither covers
-                every process nor is data-parallel, this process not in it, or a dp size not dividing the world size.
+            ValueError: unknown, repeated or ambiguous dims, or a mesh that does not fit the processes.
         """
         names = tuple(mesh.mesh_dim_names or ())
         if len(names) != mesh.ndim:
@@ -168,11 +153,7 @@ class DataParallelTopology:
 
 
 def default_data_parallel_dims(names: Sequence[str]) -> tuple[str, ...]:
-    """The dims of a mesh with these names that are data-parallel by name.
-
-    Raises:
-        ValueError: none is, or a ``dp``-prefixed name is not in the list (e.g. ``dp_cp``): name the dims instead.
-    """
+    """The dims of a mesh with these names that are data-parallel by name; raises if none or ambiguous."""
     unknown = [n for n in names if n.startswith("dp") and n not in DATA_PARALLEL_DIM_NAMES]
     if unknown:
         raise ValueError(
@@ -200,11 +181,7 @@ def _named_dims(dims: str | Sequence[str], names: tuple[str, ...]) -> tuple[str,
 
 
 def check_data_parallel_setting(value: Any) -> DataParallelSetting:
-    """A DataModule's ``data_parallel`` as given, checked (lists become tuples).
-
-    Raises:
-        ValueError: an empty, non-string or repeated name, or another type.
-    """
+    """A DataModule's ``data_parallel`` as given, checked (lists become tuples)."""
     if value is None or isinstance(value, DataParallelTopology) or _is_device_mesh(value):
         return value
     names = (value,) if isinstance(value, str) else value
@@ -229,15 +206,10 @@ def resolve_data_parallel(
     """The topology a ``data_parallel`` setting asks for, under a strategy.
 
     Args:
-        setting: ``None``: the strategy's ``sampler_kwargs``; dim names: those dims of ``strategy_mesh``; a
-            ``DeviceMesh``: its data-parallel dims by name; a ``DataParallelTopology``: itself, checked.
-        sampler_kwargs: the strategy's ``distributed_sampler_kwargs``.
-        strategy_mesh: the strategy's ``device_mesh`` or ``None``.
-        world_size, process_rank: this run's processes.
-        strategy: the strategy's name, for messages.
+        setting: ``None`` (the sampler kwargs), dim names of ``strategy_mesh``, a ``DeviceMesh`` or a topology.
 
     Raises:
-        ValueError: the setting cannot be resolved, or a given topology of another process or world size.
+        ValueError: the setting cannot be resolved, or a topology of another process or world size.
     """
     setting = check_data_parallel_setting(setting)
     if setting is None:
@@ -260,10 +232,10 @@ def resolve_data_parallel(
 
 
 def check_across_processes(topology: DataParallelTopology) -> None:
-    """Confirm with one all-gather that every replica has ``peers_per_replica`` processes (a collective; no-op alone).
+    """Confirm with one all-gather that every replica has ``peers_per_replica`` processes.
 
     Raises:
-        ValueError: processes that disagree, naming them (the same error on every process).
+        ValueError: processes that disagree (the same error on every process).
     """
     import torch.distributed as dist
 

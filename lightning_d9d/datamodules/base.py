@@ -1,15 +1,10 @@
 """SteppedDataModule: what every lightning_d9d DataModule shares — topology, the resume contract, devices, shutdown.
 
-This layer is the only one that imports Lightning. Data is dealt by data-parallel rank (resolved once per
-``setup``), never by process, so model-parallel peers get the same microbatches. ``state_dict()`` is ``{"epoch",
-"step", "fingerprint"}`` plus what a subclass adds, counting only optimizer steps done; ``load_state_dict``
-validates it and compares fingerprints, and one side-effect-free ``start_point`` decides where every epoch
-iteration begins. Batches are pinned only for CUDA and copied with ``non_blocking=True``; loaders handed out are
-closed when replaced, at ``teardown`` and when training raises. Trainer settings the data decides are applied by
-``DataModuleCallback``.
+Data is dealt by data-parallel rank, never by process. ``state_dict()`` is ``{"epoch", "step", "fingerprint"}``
+(optimizer steps done) plus a subclass's extra state; ``load_state_dict`` validates it, and one side-effect-free
+``start_point`` decides where every epoch iteration begins. Loaders are closed when replaced, at teardown and on error.
 
-Trade-off: the saved step reads Lightning's processed-batch counter, a loop internal; tests pin it down so an
-upgrade that changes it fails loudly.
+Trade-off: the saved step reads Lightning's processed-batch counter, a loop internal pinned down by tests.
 """
 
 from __future__ import annotations
@@ -41,12 +36,7 @@ Loader = TypeVar("Loader", bound=ClosableLoader)
 
 
 class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule):
-    """Base of every lightning_d9d DataModule: topology, steps, the resume contract, counters, pinning, shutdown.
-
-    Subclasses set the step sizes (or override ``microbatches_for`` and ``describe_step``) and the shared settings;
-    ``setup`` calls ``resolve_topology()``, sets ``fingerprint`` and calls ``start_fit()`` for fit; they define
-    ``steps_per_epoch`` and may extend the state with ``extra_state``/``restore_extra_state``.
-    """
+    """Base of every lightning_d9d DataModule; subclasses size steps, set ``fingerprint`` and call ``start_fit``."""
 
     global_batch_size: int | None
     microbatch_size: int | None
@@ -75,11 +65,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         return self.microbatches_for(self.dp_size)
 
     def microbatches_for(self, dp_size: int) -> int:
-        """M at data-parallel size ``dp_size``: ``G / (D·m)`` unless a subclass sizes steps otherwise.
-
-        Raises:
-            ValueError: G not divisible by ``dp_size × m``.
-        """
+        """M at data-parallel size ``dp_size``: ``G / (D·m)`` unless a subclass sizes steps otherwise."""
         return microbatches_per_step(self.global_batch_size, dp_size, self.microbatch_size)
 
     def steps_in_epoch(self, epoch: int) -> int:
@@ -123,8 +109,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         """Restore the position; the next epoch iteration continues exactly where the checkpoint was taken.
 
         Raises:
-            ValueError: a state from other data or settings (naming each differing field) unless
-                ``on_order_mismatch="restart_epoch"``, a step beyond the epoch, or a malformed state.
+            ValueError: a malformed state, a step beyond the epoch, or (unless ``restart_epoch``) other data.
         """
         if not self.restores_training_position():
             return
@@ -161,11 +146,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         self.position.start(saved.epoch, step, self.microbatches_per_step)
 
     def saved_position(self) -> tuple[int, int]:
-        """(epoch, step) a checkpoint saves: the first optimizer step not yet done.
-
-        A checkpoint can be taken while a handed-out microbatch is still in flight, so under a Trainer the step is
-        counted from the microbatches Lightning has processed, not from those handed out.
-        """
+        """(epoch, step) a checkpoint saves: the first optimizer step Lightning has not finished processing."""
         position, trainer = self.position, self._trainer
         microbatches = position.microbatches
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and position.epoch == trainer.current_epoch:
@@ -181,11 +162,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         """Restore what ``extra_state`` saved; ``state`` is ``None`` when the epoch restarts with new data."""
 
     def start_point(self) -> tuple[int, int]:
-        """(epoch, microbatch of this replica) where the next epoch iteration starts; read at its first ``next()``.
-
-        Under a Trainer the epoch is the trainer's (another epoch starts at 0); without one the position continues,
-        rolling into the next epoch once the last one is finished.
-        """
+        """(epoch, microbatch of this replica) where the next epoch iteration starts; read at its first ``next()``."""
         trainer, position = self._trainer, self.position
         epoch, microbatches = position.epoch, position.microbatches
         per_epoch = self.steps_in_epoch(epoch) * self.microbatches_per_step
@@ -214,11 +191,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         return move_batch_to_device(batch, device)
 
     def resolve_pin_memory(self) -> bool:
-        """``pin_memory`` if set, else pin exactly when the trainer's device (or, alone, the machine) has CUDA.
-
-        Raises:
-            ValueError: ``pin_memory=True`` where torch sees no CUDA device.
-        """
+        """``pin_memory`` if set, else pin exactly when the trainer's device (or, alone, the machine) has CUDA."""
         if self.pin_memory is not None:
             if self.pin_memory and not torch.cuda.is_available():
                 raise ValueError(

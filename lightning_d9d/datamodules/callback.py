@@ -1,13 +1,10 @@
 """DataModuleCallback: what a lightning_d9d DataModule needs from the Trainer, in the Trainer's own hooks.
 
-Lightning keeps its own copy of the step size (``accumulate_grad_batches``) and of the data position (the loops'
-restored counters); this callback keeps them in agreement with the DataModule, which never edits the Trainer. It
-sets ``accumulate_grad_batches = M`` (and a reload every epoch where epochs differ), checks a restored data state
-against the checkpoint's loops, aligns Lightning's in-epoch counters to the data position at ``on_train_start``,
-runs the opt-in peer check (every process reaches the same collectives) and times the data.
+It sets ``accumulate_grad_batches = M`` (and per-epoch reloads where epochs differ), checks a restored data state
+against the checkpoint's loops, aligns Lightning's in-epoch counters to the data position, runs the peer check and
+times the data; the DataModule itself never edits the Trainer.
 
-Trade-off: aligning counters touches Lightning's loop internals; tests pin them so an upgrade that changes them
-fails loudly.
+Trade-off: aligning counters touches Lightning's loop internals, which tests pin down.
 """
 
 from __future__ import annotations
@@ -51,11 +48,7 @@ class DataModuleCallback(pl.Callback):
             self._reload_train_loader_every_epoch(trainer)
 
     def _set_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """``accumulate_grad_batches = M`` (1 with packs) under automatic optimization.
-
-        Raises:
-            ValueError: the user set ``accumulate_grad_batches`` to a value other than 1 and M.
-        """
+        """``accumulate_grad_batches = M`` (1 with packs); ``ValueError`` if the user set another value than 1 and M."""
         datamodule = self._datamodule
         if not pl_module.automatic_optimization:
             return
@@ -73,11 +66,7 @@ class DataModuleCallback(pl.Callback):
         trainer.accumulate_grad_batches = expected
 
     def _reload_train_loader_every_epoch(self, trainer: pl.Trainer) -> None:
-        """Epochs differ in length, and Lightning reads a loader's length once per load.
-
-        Raises:
-            ValueError: the user set ``reload_dataloaders_every_n_epochs`` above 1.
-        """
+        """Reload every epoch (epochs differ in length); ``ValueError`` if the user set a reload period above 1."""
         every = trainer.reload_dataloaders_every_n_epochs
         if every not in (0, 1):
             raise ValueError(
@@ -93,11 +82,7 @@ class DataModuleCallback(pl.Callback):
         self.check_against_loops(checkpoint, pl_module.automatic_optimization)
 
     def check_against_loops(self, checkpoint: dict[str, Any], automatic_optimization: bool) -> None:
-        """Refuse a restored data position that disagrees with the checkpoint's loops (its epoch and steps done).
-
-        Raises:
-            ValueError: ``epoch`` or ``step`` contradicts the checkpoint's loops, naming both.
-        """
+        """Raise ``ValueError`` when a restored data position disagrees with the checkpoint's loops."""
         datamodule = self._datamodule
         loaded, epoch = datamodule.loaded, checkpoint.get("epoch")
         if loaded is None or not isinstance(epoch, int):
@@ -157,11 +142,7 @@ class DataModuleCallback(pl.Callback):
         self._peers.verify_validation(trainer)
 
     def align_lightning_progress(self, trainer: pl.Trainer) -> None:
-        """Set Lightning's restored in-epoch batch counters (in the old run's microbatches) to the data position.
-
-        Raises:
-            ValueError: Lightning resumes mid-epoch but the checkpoint gave this DataModule no state.
-        """
+        """Set Lightning's restored in-epoch batch counters to the data position (``ValueError`` without a state)."""
         datamodule = self._datamodule
         epoch_loop = trainer.fit_loop.epoch_loop
         current = epoch_loop.batch_progress.current
@@ -236,10 +217,7 @@ class _PeerCheck:
 
 
 def _steps_done_in_epoch(checkpoint: dict[str, Any], automatic_optimization: bool, packs: bool) -> int | None:
-    """Optimizer steps the checkpoint's loops completed in its epoch; ``None`` where they do not say.
-
-    With packs they are the processed batches; other manual optimization may step any number of times per batch.
-    """
+    """Optimizer steps the checkpoint's loops completed in its epoch; ``None`` where they do not say."""
     try:
         loop = checkpoint["loops"]["fit_loop"]
         if automatic_optimization:

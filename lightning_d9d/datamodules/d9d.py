@@ -1,15 +1,10 @@
 """D9DDataModule: order → shard → load → pack → pin → transfer over a map-style dataset, exactly resumable.
 
-A step is sized by sample counts (G samples, cut into microbatches of m; ``floor(N / G)`` steps an epoch) or by
-token budgets (``P`` microbatches within ``microbatch_tokens``, planned per epoch from every sample's length). The
-schedule is a pure function of the seed, the data and the settings, never of the layout or workers, and the saved
-position is global optimizer steps, so a resume recomputes the rest of the epoch on any data-parallel size,
-microbatch size or worker count. Each data-parallel replica gets a sized ``TrainLoader``, so Lightning neither
-swaps in a distributed sampler nor saves loader state; token-budget epochs differ in length, so the train loader
-is reloaded every epoch.
+A step is G samples in microbatches of m, or ``P`` microbatches within ``microbatch_tokens`` planned per epoch from
+every sample's length. The schedule depends only on seed, data and settings, and the saved position is global
+optimizer steps, so a resume continues on any data-parallel size, microbatch size or worker count.
 
-Trade-off: every rank computes the epoch's schedule itself instead of sharing it, and the fingerprint summarises
-the data rather than hashing every sample.
+Trade-off: every rank computes the schedule itself, and the fingerprint summarises the data rather than hashing it.
 """
 
 from __future__ import annotations
@@ -52,17 +47,13 @@ class D9DDataModule(SteppedDataModule):
     Pass exactly one of ``global_batch_size`` (sample counts) and ``global_batch_tokens`` (token budgets).
 
     Args:
-        train_dataset: a map-style dataset, or a zero-argument factory called in ``prepare_data()`` (once per node)
-            and in ``setup()`` (every rank).
-        collate_fn: list of samples -> microbatch. A batch with a ``step_label_tokens`` field or key gets its step's
-            predicted tokens over all ranks.
-        global_batch_size: samples per optimizer step over all ranks and accumulation (G).
+        train_dataset: a map-style dataset, or a zero-argument factory returning one.
+        collate_fn: list of samples -> microbatch.
+        global_batch_size: samples per optimizer step over all ranks (G).
         microbatch_size: samples per forward/backward on one rank (sample counts only).
-        sort_buffer_size: sort samples by key within windows of this many (sample counts: rounded down to a multiple
-            of G; token budgets: packed together); ``None``: no sorting.
-        sort_key: ``None`` (``dataset.sort_key(index)`` if it exists), a callable ``(index) -> key``, or a Hugging Face
-            column name. With token budgets the keys are the samples' lengths.
-        val_dataset: optional validation dataset (or factory); every sample is evaluated once per run.
+        sort_buffer_size: sort samples by key within windows of this many; ``None``: no sorting.
+        sort_key: ``None`` (``dataset.sort_key``), a callable ``(index) -> key`` or a column name; lengths for tokens.
+        val_dataset: optional validation dataset (or factory), each sample evaluated once per run.
         seed: the order's seed.
         shuffle: ``False`` keeps dataset order.
         num_workers: ``StatefulDataLoader`` worker processes (does not change the order).
@@ -70,22 +61,16 @@ class D9DDataModule(SteppedDataModule):
         yield_packs: each batch is the list of M microbatches of one step (manual optimization).
         on_order_mismatch: a checkpoint with another order fingerprint: ``"raise"`` or ``"restart_epoch"``.
         global_batch_tokens: tokens per optimizer step over all ranks; a multiple of ``microbatch_tokens``.
-        microbatch_tokens: tokens of one microbatch: count × padded longest, or the sum of lengths if
-            ``padding_free``.
+        microbatch_tokens: tokens of one microbatch (count × padded longest, or the sum if ``padding_free``).
         padding_free: plan for a ``collate_fn`` that concatenates a microbatch into one row.
         pad_to_multiple_of: the padded length's rounding; ``None``: the ``collate_fn``'s, else 1.
-        data_parallel: which processes share data: ``None`` follows the strategy; else ``device_mesh`` dim names, a
-            ``DeviceMesh`` or a ``DataParallelTopology``.
+        data_parallel: which processes share data; ``None`` follows the strategy.
         verify_peers: the first N steps compare microbatches among each replica's processes (0: off).
-        data_wait_warning: warn once per fit when waiting for data exceeds this fraction of step time (``None``/0:
-            never).
+        data_wait_warning: warn once per fit when waiting for data exceeds this share of step time.
 
     Raises:
-        ValueError: inconsistent or non-positive settings (at construction); in ``setup``, an unresolvable
-            ``data_parallel``, a step that does not divide among replicas, a dataset shorter than one step, a bad sort
-            key, a sample longer than ``microbatch_tokens``, or conflicting Trainer settings.
-        InvalidLengthError: (a ``ValueError`` and a ``TypeError``) with token budgets, a length that is not a whole
-            number >= 1.
+        ValueError: inconsistent settings, or in ``setup`` a layout, dataset or sort key that does not fit them.
+        InvalidLengthError: with token budgets, a length that is not a whole number >= 1.
     """
 
     def __init__(
@@ -226,11 +211,7 @@ class D9DDataModule(SteppedDataModule):
         return self.track_loader(self._train_loader(self.dp_size, self.dp_rank, self.position, self.start_point))
 
     def train_dataloader_for_rank(self, dp_rank: int, dp_size: int, epoch: int = 0) -> TrainLoader:
-        """What data-parallel rank ``dp_rank`` of ``dp_size`` would train in ``epoch``, with a position of its own.
-
-        Raises:
-            ValueError: a rank outside ``[0, dp_size)`` or a step that does not divide among ``dp_size`` replicas.
-        """
+        """What data-parallel rank ``dp_rank`` of ``dp_size`` would train in ``epoch``, with a position of its own."""
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
         return self._train_loader(dp_size, dp_rank, TrainPosition(epoch=epoch), lambda: (epoch, 0))

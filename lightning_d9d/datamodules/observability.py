@@ -1,13 +1,10 @@
 """The pipeline's speed, visible: per optimizer step, how long training waited for data and how many tokens it got.
 
-On the host clock, a step's wait is the sum of its gaps between one microbatch's ``on_train_batch_end`` and the
-next one's ``on_train_batch_start`` (Lightning's fetcher holds one batch ahead, so a slow loader shows one
-microbatch early); validation runs are cut out. Figures are logged under ``data/`` when the trainer has a logger,
-and a warning fires once per fit when the wait exceeds ``data_wait_warning`` of the step time after a warm-up.
-Tokens are counted on the host copy before transfer, since counting a CUDA tensor would sync every microbatch.
+A step's wait is the sum of the host-clock gaps between ``on_train_batch_end`` and the next
+``on_train_batch_start``, validation cut out; figures are logged under ``data/`` and a warning fires once per fit
+when the wait exceeds ``data_wait_warning``. Tokens are counted on the host copy, never syncing CUDA.
 
-Trade-off: every value is this process's own (no collective per step), and the host may run ahead of the
-device, so read the wait as a fraction of the step time.
+Trade-off: values are this process's own (no collective), and the host may run ahead of the device.
 """
 
 from __future__ import annotations
@@ -42,11 +39,7 @@ class DataWaitWarning(UserWarning):
 
 
 def check_data_wait_warning(value: Any) -> float | None:
-    """``value`` as a fraction of the step time; ``None`` where the warning is off (``None`` or 0).
-
-    Raises:
-        ValueError: ``value`` is not a number from 0 to 1 (or ``None``).
-    """
+    """``value`` as a fraction of the step time (0 to 1); ``None`` where the warning is off (``None`` or 0)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
@@ -140,11 +133,7 @@ class StepTimer:
 
 
 class DataObserver:
-    """Times one DataModule's training steps, logs their data figures and warns when the loop waits for data.
-
-    Args:
-        datamodule: the DataModule whose steps are timed.
-    """
+    """Times one DataModule's training steps, logs their data figures and warns when the loop waits for data."""
 
     def __init__(self, datamodule: SteppedDataModule):
         self._datamodule = datamodule

@@ -1,16 +1,12 @@
 """PretrainingDataModule: parquet → tokens → packed rows, streamed, the same global batches on any GPU count.
 
-The corpus is dealt to K streams (each: reader → tokenizing prefetch → packing); step ``s`` takes rows
-``[s·G/K, (s+1)·G/K)`` of every stream, so the rows of a global step depend only on the data and the settings,
-never on the world size, ``num_workers`` or ``microbatch_size``. Streams are dealt to data-parallel replicas (not
-processes: tensor/context/pipeline peers read the same streams); ``dp_size`` must divide K, ``num_workers`` K /
-``dp_size``, and K must divide G. Streams never end, so an epoch is a count of steps (by default one pass,
-estimated from the parquet footers), identical on every rank: uneven data cannot hang DDP. ``state_dict`` holds
-every stream's state at the last optimizer-step boundary, gathered from all ranks because Lightning saves only rank
-0's checkpoint; any layout valid for K resumes it.
+The corpus is dealt to K streams (reader → tokenizing prefetch → packing); step ``s`` takes rows
+``[s·G/K, (s+1)·G/K)`` of every stream, so a global step's rows never depend on the world size, workers or
+microbatch size. Streams are dealt to data-parallel replicas, never end (an epoch is a step count, the same on every
+rank), and ``state_dict`` holds every stream's state at the last step boundary, so any layout valid for K resumes.
 
-Trade-off: a larger K serves more layouts but holds K best-fit buffers and restarts K streams on every resume, and
-a step's rows come from K places of the corpus rather than from a global shuffle.
+Trade-off: a larger K serves more layouts but holds K best-fit buffers, and a step mixes K places of the corpus
+rather than a global shuffle.
 """
 
 from __future__ import annotations
@@ -58,16 +54,12 @@ class PretrainingBatch:
 
     Attributes:
         input_ids: ``(microbatch_size, seq_len)`` int64 token ids.
-        targets: ``(microbatch_size, seq_len)`` int64, already shifted; ``-100`` where there is no next token
-            (padding, and a continuation chunk's first target).
-        position_ids: ``(microbatch_size, seq_len)`` int64, 0 at every row, document, chunk and padding-run start.
-        sources: ``(microbatch_size,)`` int64 index of each row's source in ``dm.source_names`` (validation: its
-            loader's index in ``dm.val_source_names``).
-        cu_seqlens: int32 offsets of every sequence (where ``position_ids`` is 0) in the flattened microbatch, total
-            last (flash-attention varlen). With ``context_parallel_size`` c > 1, the cumulative real lengths (THD).
-        cu_seqlens_padded: int32; with c > 1 the offsets with CP padding (each piece a multiple of 2·c), which
-            ``cp_shard_batch`` splits by; else equal to ``cu_seqlens``.
-        max_seqlen: the longest of those sequences (padded with c > 1).
+        targets: shifted ``input_ids``; ``-100`` where there is no next token.
+        position_ids: 0 at every row, document, chunk and padding-run start.
+        sources: each row's index in ``dm.source_names`` (validation: in ``dm.val_source_names``).
+        cu_seqlens: int32 sequence offsets in the flattened microbatch (flash-attention varlen).
+        cu_seqlens_padded: the offsets with CP padding (equal to ``cu_seqlens`` without CP).
+        max_seqlen: the longest of those sequences.
     """
 
     input_ids: torch.Tensor
@@ -108,25 +100,21 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     """Stream parquet or JSONL text into packed token rows: the same global batches on any number of GPUs.
 
     Args:
-        train_files: a directory, glob, file or fsspec URL of parquet or JSONL files, or a list of them; or a mixture
-            ``{name: files}`` / ``{name: {"files": files, "text_column": column}}``.
-        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``; a document is ``bos_token`` + its tokens.
+        train_files: parquet or JSONL files (directory, glob, file, URL or list), or a mixture ``{name: files}``.
+        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
         seq_len: tokens per row of ``input_ids``.
-        global_batch_size: rows per optimizer step over all ranks and accumulation (G).
+        global_batch_size: rows per optimizer step over all ranks (G).
         microbatch_size: rows per forward/backward on one rank.
         val_files: validation files, read in order; ``{name: files}``: one loader per source.
         text_column: the column (JSONL: the field) holding the documents.
         bos_token: prepended to every document; must be in the vocabulary.
-        packing: ``"bestfit"`` (a document that does not fit is cropped), ``"bestfit_split"`` (long documents split
-            into chunks, gaps padded) or ``"concat"``.
-        steps_per_epoch, val_steps: optimizer steps per epoch / validation microbatches per rank; ``None``: one
-            estimated pass.
-        num_streams: K; the data-parallel size must divide K, ``num_workers`` K / that size, and K must divide G.
+        packing: ``"bestfit"`` (crop), ``"bestfit_split"`` (split long documents) or ``"concat"``.
+        steps_per_epoch, val_steps: steps per epoch / validation microbatches per rank; ``None``: one pass.
+        num_streams: K; must divide G and be divisible by the data-parallel size.
         num_workers: DataLoader workers per rank; 0: in the training process.
         tokenizer_batch_size: documents per tokenizer call (never changes a row).
         seed: seeds the unit order of every pass.
-        max_document_chars: longer documents are skipped and counted (bounds memory; changes the rows); ``None``: no
-            limit.
+        max_document_chars: longer documents are skipped; ``None``: no limit.
         bestfit_buffer_size: documents or pieces best-fit chooses from.
         pin_memory: ``None``: pin when the trainer's device is CUDA.
         on_order_mismatch: a checkpoint of other data or settings: ``"raise"`` or ``"restart_epoch"``.
@@ -137,16 +125,13 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         allow_shared_files: accept a file two sources hold (it is then read twice).
         token_cache: a folder or URL keeping each unit's tokens for later passes and runs; ``None``: no cache.
         on_malformed: a malformed JSONL line: ``"error"`` or ``"skip"``.
-        data_parallel: which processes share data: ``None`` follows the strategy; else ``device_mesh`` dim names, a
-            ``DeviceMesh`` or a ``DataParallelTopology``.
+        data_parallel: which processes share data; ``None`` follows the strategy.
         verify_peers: the first N steps compare microbatches among each replica's processes (0: off).
         data_wait_warning: warn once a fit if waiting for data exceeds this share of its steps.
-        context_parallel_size: the CP size c rows are laid out for (decides the rows); ``seq_len`` must be a
-            multiple of ``2·c``.
+        context_parallel_size: the CP size c rows are laid out for; ``seq_len`` must be a multiple of ``2·c``.
 
     Raises:
-        ValueError: a bad setting (at construction); in ``setup``, missing files or column, a tokenizer without
-            ``bos_token``, a layout that cannot share K streams, a corpus too small for one step, bad text.
+        ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout.
         StorageError: a URL could not be listed or opened, or a read kept failing.
     """
 
@@ -305,12 +290,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         return saved_streams(states, self._require(self.train_spec), gather=self.dp_size > 1)
 
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
-        """Restore the streams this rank owns to the checkpoint's last optimizer step, validated first.
-
-        Raises:
-            ValueError: an unknown state version, or a state that lacks a stream this rank owns.
-            InvalidDataState: (a ValueError) a missing, mistyped or out-of-range field, naming its path.
-        """
+        """Restore the streams this rank owns to the checkpoint's last optimizer step, validated first."""
         states = {}
         if state is not None:
             spec = self._require(self.train_spec)
@@ -327,11 +307,7 @@ def _val_steps_of(dm: PretrainingDataModule, spec: MixtureSpec) -> int:
 
 
 def _reading(text_column: Any, token_cache: Any, on_malformed: Any) -> tuple[str, str | None, str]:
-    """``text_column``, ``token_cache`` and ``on_malformed``, checked.
-
-    Raises:
-        ValueError: a bad column name, ``token_cache`` or ``on_malformed``.
-    """
+    """``text_column``, ``token_cache`` and ``on_malformed``, checked."""
     if not isinstance(text_column, str) or not text_column:
         raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
     if token_cache is not None and (not isinstance(token_cache, (str, os.PathLike)) or not os.fspath(token_cache)):
@@ -345,7 +321,7 @@ def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float
     """The checked storage settings.
 
     Raises:
-        ValueError: ``storage_options`` not a dict, or ``read_retry_seconds`` not a number ≥ 0.
+        ValueError: ``storage_options`` not a dict, or ``read_retry_seconds`` not a number >= 0.
     """
     if storage_options is not None and not isinstance(storage_options, dict):
         raise ValueError(f"storage_options must be a dict of filesystem options, got {storage_options!r}")

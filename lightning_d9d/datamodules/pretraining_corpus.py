@@ -1,11 +1,8 @@
 """The corpus of a PretrainingDataModule: its sources scanned, their stream specs, and one pass estimated.
 
-Every source's files are resolved before any footer is read, and a file two sources claim (compared after
-symlinks, URLs without query and credentials) is refused unless ``allow_shared_files``: its documents would be
-trained twice per pass. Nothing here knows of ranks, workers or Lightning.
-
-Trade-off: footers are scanned again on every ``setup``, so a run streams the files as they are now (and the
-fingerprint notices a change), at the cost of opening every file once per ``setup``.
+All sources' files are resolved before any footer is read, and a file two sources claim is refused unless
+``allow_shared_files``. Trade-off: footers are rescanned on every ``setup``, so a run reads the files as they are
+now, at the cost of opening each file once per ``setup``.
 """
 
 from __future__ import annotations
@@ -33,21 +30,14 @@ TOKEN_RECIPE_VERSION = 1
 
 @dataclass(frozen=True)
 class TrainCorpus:
-    """The training side of a corpus: the streams' spec and the estimate of one pass.
-
-    ``source_pass_rows``: estimated rows of one pass per source; ``pass_tokens``: estimated tokens of one pass.
-    """
+    """The training side of a corpus: the streams' spec and one pass's estimated tokens and rows per source."""
 
     spec: MixtureSpec
     pass_tokens: float
     source_pass_rows: dict[str, float]
 
     def steps_per_pass(self) -> int:
-        """Optimizer steps in one estimated pass over all sources.
-
-        Raises:
-            ValueError: the corpus is too small for one step.
-        """
+        """Optimizer steps in one estimated pass over all sources (``ValueError`` if fewer than one)."""
         settings = self.spec.sources[0].settings
         rows = sum(self.source_pass_rows.values())
         steps = int(rows // settings.global_batch_size)
@@ -63,14 +53,6 @@ class TrainCorpus:
 
 class PretrainingCorpus:
     """The loaded tokenizer and the settings, which turn sources into specs.
-
-    Args:
-        settings: the streams' settings.
-        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
-        bos_token: the token every document starts with.
-        storage: how files and URLs are reached.
-        token_cache: a folder or URL for the token cache, or ``None``.
-        on_malformed: a malformed JSONL line: ``"error"`` or ``"skip"``.
 
     Raises:
         ValueError: the tokenizer lacks ``bos_token``.
@@ -105,13 +87,10 @@ class PretrainingCorpus:
         """The shuffled training streams of ``sources`` mixed by ``schedule``.
 
         Args:
-            sources: the sources, in order.
-            schedule: their shares.
-            mixture: the sources are named in errors (``train_files['web']``).
-            allow_shared_files: accept a file that two sources hold.
+            mixture: name the sources in errors (``train_files['web']``).
 
         Raises:
-            ValueError: no file matches, a shared file, a bad file or column, no text, or too few rows for K streams.
+            ValueError: missing, shared or bad files, no text, or too few rows for K streams.
             StorageError: a URL could not be listed or opened.
         """
         specs, pass_rows, total_tokens = [], {}, 0.0
@@ -129,11 +108,7 @@ class PretrainingCorpus:
     def validation(
         self, sources: Sequence[SourceConfig], by_source: bool, allow_shared_files: bool
     ) -> list[MixtureSpec]:
-        """The streams of every validation source, each read in file order.
-
-        Raises:
-            ValueError: as :meth:`train`.
-        """
+        """The streams of every validation source, each read in file order."""
         whats = [f"val_files[{source.name!r}]" if by_source else "val_files" for source in sources]
         resolved = self._resolved(sources, whats, "val_files", allow_shared_files)
         plans = [MixturePlan(MixtureSchedule([source.name]), self.settings.global_batch_size) for source in sources]
@@ -152,11 +127,7 @@ class PretrainingCorpus:
         return resolved
 
     def spec(self, source: SourceConfig, files: list[str], what: str, shuffle: bool) -> StreamSpec:
-        """The spec of the K streams ``source``'s row groups are dealt to.
-
-        Raises:
-            ValueError: as :meth:`scan`, or too few rows for K streams.
-        """
+        """The spec of the K streams ``source``'s row groups are dealt to."""
         index = self.scan(files, what, source.text_column)
         try:
             units = Units.of(index, self.settings.num_streams)
@@ -180,11 +151,7 @@ class PretrainingCorpus:
         return TokenCache(self.token_cache, self.storage, key, vocab_size=self.vocab_size)
 
     def scan(self, files: list[str], what: str, text_column: str) -> RowGroupIndex:
-        """The row groups of resolved ``files`` (footers only).
-
-        Raises:
-            ValueError: as ``RowGroupIndex.scan``, or every text of the column is null or empty.
-        """
+        """The row groups of resolved ``files`` (footers only); ``ValueError`` if they hold no text."""
         layouts = f"{self.token_cache.rstrip('/')}/jsonl-layouts" if self.token_cache is not None else None
         index = RowGroupIndex.scan(files, text_column, self.storage, layouts, self.on_malformed)
         if first_text(index) is None:
@@ -207,12 +174,7 @@ def file_identity(path: str) -> str:
 
 
 def check_shared_files(resolved: Sequence[tuple[str, Sequence[str]]], what: str) -> None:
-    """Raise ValueError when a file belongs to two sources, naming both, the first such file and how many they share.
-
-    Args:
-        resolved: ``(source name, its resolved files)`` per source.
-        what: the argument's name, for errors.
-    """
+    """Raise ValueError when a file belongs to two of the ``(source name, files)`` pairs."""
     owners: dict[str, tuple[str, str]] = {}
     shared: dict[tuple[str, str], list[str]] = {}
     for name, files in resolved:

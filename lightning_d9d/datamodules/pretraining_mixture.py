@@ -1,11 +1,7 @@
 """Weighted mixtures for PretrainingDataModule: named sources, the plan saved and restored, counters per source.
 
-Parses ``{name: files}`` sources (validation names must be training sources' beside a mixture), restores the
-checkpoint's mixture plan, and counts rows per source. Changed shares are refused unless
-``on_mixture_change="continue"``, when the new shares count from the resume step.
-
-Trade-off: the shares are not part of the fingerprint (which only tells same data from other data), so a change
-of shares gets its own check and its own way to continue instead of restarting an epoch.
+Changed shares on resume are refused unless ``on_mixture_change="continue"``, when the new shares count from the
+resume step. Trade-off: shares are not in the fingerprint, so a change gets its own check instead of an epoch restart.
 """
 
 from __future__ import annotations
@@ -39,11 +35,7 @@ class SourceConfig:
 
 
 def parse_sources(files: Any, text_column: str, what: str) -> list[SourceConfig] | None:
-    """The named sources of a mapping ``files``, in order; ``None`` when ``files`` is one corpus.
-
-    Raises:
-        ValueError: an empty mapping, a bad name, or a malformed source mapping.
-    """
+    """The named sources of a mapping ``files``, in order; ``None`` when ``files`` is one corpus."""
     if not isinstance(files, Mapping):
         return None
     if not files:
@@ -84,12 +76,7 @@ class Sources:
 def mixture_arguments(
     train_files: Any, val_files: Any, text_column: str, weights: Any, on_mixture_change: Any, allow_shared_files: Any
 ) -> Sources:
-    """The training and validation sources and the validated schedule of the shares.
-
-    Raises:
-        ValueError: a bad source or weights, ``weights`` without a mixture, an unknown ``on_mixture_change``, a
-            validation source named after no training source, or a non-bool ``allow_shared_files``.
-    """
+    """The training and validation sources and the validated schedule of the shares (``ValueError`` if bad)."""
     if on_mixture_change not in ON_MIXTURE_CHANGE:
         raise ValueError(f"on_mixture_change must be one of {list(ON_MIXTURE_CHANGE)}, got {on_mixture_change!r}")
     if not isinstance(allow_shared_files, bool):
@@ -138,8 +125,7 @@ def resumed_plan(spec: MixtureSpec, saved: Any, step: int, on_change: OnMixtureC
     """The plan a resume continues with: the checkpoint's if the shares are unchanged, else (``"continue"``) this run's.
 
     Raises:
-        InvalidDataState: a missing or malformed saved plan.
-        ValueError: other shares with ``on_change="raise"``, naming the old and new ones.
+        ValueError: other shares with ``on_change="raise"``, or a malformed saved plan.
     """
     try:
         old = MixturePlan.from_dict(saved)

@@ -1,13 +1,9 @@
-"""TextDataModule: raw text (any ``datasets`` source) → cached token ids → sorted causal-LM microbatches, padded
-or padding-free.
+"""TextDataModule: raw text (any ``datasets`` source) → cached token ids → sorted causal-LM microbatches.
 
-``prepare_data`` (once per node) tokenizes each split with one batched ``datasets.map`` into a cache that
-``setup`` (every rank) memory-maps; D9DDataModule then orders, sorts by ``token_counts``, shards and packs.
-Fine-tuning rows (prompt/completion or conversations) are tokenized with loss masks, and ``step_label_tokens``
-then counts only trained targets.
+``prepare_data`` tokenizes each split once per node into a cache that ``setup`` memory-maps on every rank;
+D9DDataModule then orders, sorts by ``token_counts``, shards and packs. Fine-tuning rows get loss masks.
 
-Trade-off: tokenizing ahead costs a pass over the data before the first step, but makes the lengths known, which
-length sorting and exact resume build on.
+Trade-off: tokenizing ahead costs a pass before the first step, but gives the lengths that sorting and resume need.
 """
 
 from __future__ import annotations
@@ -36,11 +32,7 @@ from lightning_d9d.topology import DataParallelSetting
 
 
 class TextDataModule(D9DDataModule):
-    """Causal-LM batches from raw text or fine-tuning rows: ``datasets`` + a ``tokenizers`` tokenizer.
-
-    Batches are ``TextBatch`` (padded) or ``FlatBatch`` (``padding_free``) with Hugging Face labels; return
-    ``loss_sum / step_label_tokens × D × M`` (D = ``dm.dp_size``, M = ``accumulate_grad_batches``, × CP under context
-    parallelism) for the exact per-token mean of a step.
+    """Causal-LM batches (``TextBatch``, or ``FlatBatch`` if ``padding_free``) from raw text or fine-tuning rows.
 
     Args:
         dataset: anything ``datasets.load_dataset`` accepts, a data file, a ``save_to_disk`` folder, or ``"demo"``.
@@ -52,7 +44,7 @@ class TextDataModule(D9DDataModule):
         global_batch_size, microbatch_size: samples per optimizer step over all ranks, and per microbatch.
         sort_buffer_size: samples sorted by length together (``None``: none).
         num_workers: DataLoader worker processes.
-        seed: the order's seed; ``shuffle=False`` keeps dataset order.
+        seed, shuffle: the order's seed; ``shuffle=False`` keeps dataset order.
         pad_to_multiple_of, padding_side: the padded length's rounding, and ``"right"``/``"left"``.
         num_proc: processes tokenizing in ``prepare_data``.
         cache_dir: the datasets cache folder.
@@ -71,7 +63,7 @@ class TextDataModule(D9DDataModule):
         data_parallel, verify_peers, data_wait_warning: see ``D9DDataModule``.
 
     Raises:
-        ValueError: a bad setting; in ``prepare_data``/``setup``, data that cannot be loaded, tokenized or fitted.
+        ValueError: a bad setting, or data that cannot be loaded, tokenized or fitted.
         FileNotFoundError: a tokenizer, local dataset or ``chat_template`` file that does not exist.
     """
 
@@ -212,12 +204,7 @@ class TextDataModule(D9DDataModule):
 
 
 def _checked_arguments(dataset: str, tokenizer: str, max_length: Any, num_proc: Any) -> tuple[int, int | None]:
-    """``max_length`` and ``num_proc`` as plain ints.
-
-    Raises:
-        ValueError: ``max_length`` or ``num_proc`` not a positive integer.
-        FileNotFoundError: a tokenizer file or local dataset path that does not exist.
-    """
+    """``max_length`` and ``num_proc`` as plain ints, and the local paths checked to exist."""
     checked_max_length = positive_int("max_length", max_length)
     if num_proc is not None:
         positive_int("num_proc", num_proc)
@@ -229,11 +216,7 @@ def _checked_arguments(dataset: str, tokenizer: str, max_length: Any, num_proc: 
 
 
 def _checked_context_parallel(context_parallel_size: Any, pad_to_multiple_of: Any, padding_free: bool) -> int:
-    """``context_parallel_size`` as a plain int.
-
-    Raises:
-        ValueError: a non-positive size, or (padded) a ``pad_to_multiple_of`` not a multiple of ``2 × cp``.
-    """
+    """``context_parallel_size`` as a plain int, checked against ``pad_to_multiple_of`` when padded."""
     size = positive_int("context_parallel_size", context_parallel_size)
     multiple = positive_int("pad_to_multiple_of", pad_to_multiple_of)
     if size > 1 and not padding_free and multiple % (2 * size):

@@ -1,14 +1,11 @@
 """TinyGPT: a small decoder-only transformer LightningModule for the demo run and for tests.
 
-Pre-norm blocks (causal ``scaled_dot_product_attention`` and a GELU MLP) with learned positions and a tied output
-layer, over ``TextBatch``, ``FlatBatch`` (Hugging Face labels, shifted here) and packed-row batches. Attention
-masks the future, padding and other documents of a flattened row, and positions count real tokens only, so the
-same samples give the same logits padded left, right or flattened. The loss is ``loss_sum / step_label_tokens ×
-dp_size × accumulate_grad_batches``, undoing DDP's gradient average and Lightning's accumulation division so the
-optimizer sees the step's exact per-token mean.
+Pre-norm blocks with learned positions and a tied output layer over ``TextBatch``, ``FlatBatch`` and packed rows;
+attention masks the future, padding and other documents, so padded and flattened samples give the same logits.
+The loss ``loss_sum / step_label_tokens × dp_size × accumulate_grad_batches`` is the step's exact per-token mean.
 
-Trade-off: a flattened row's attention runs on its documents regrouped as ``[documents, longest]``, exact
-block-diagonal attention at ``D × longest²`` instead of ``T²``, for a scatter and gather per layer.
+Trade-off: flattened rows are regrouped as ``[documents, longest]`` (exact block-diagonal attention, a scatter and
+gather per layer).
 """
 
 from __future__ import annotations
@@ -61,9 +58,7 @@ class _Block(nn.Module):
 
 
 class _Documents:
-    """One flattened row's documents, for attention: ``regroup`` lays its positions out as ``[D, longest, ...]``,
-    ``flatten`` gathers them back (block-diagonal causal attention without a varlen kernel).
-    """
+    """One flattened row's documents, regrouped as ``[D, longest, ...]`` for attention and flattened back."""
 
     def __init__(self, document_ids: torch.Tensor, offsets: torch.Tensor):
         self.document_ids, self.offsets = document_ids, offsets
@@ -188,11 +183,7 @@ class TinyGPT(pl.LightningModule):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, T, vocab_size]`` for token ids ``[B, T]`` with a 1/0 attention mask.
-
-        ``position_ids`` default to counting real tokens; ``document_ids`` keep attention inside each document of a
-        flattened row.
-        """
+        """Logits ``[B, T, vocab_size]``; ``document_ids`` keep attention inside each document of a flattened row."""
         length = input_ids.shape[1]
         real = attention_mask.bool()
         if position_ids is None:
@@ -228,10 +219,7 @@ class TinyGPT(pl.LightningModule):
         return loss_sum, (targets != IGNORE_INDEX).sum(), tokens
 
     def step_loss(self, loss_sum: torch.Tensor, count: torch.Tensor, step_label_tokens: int | None) -> torch.Tensor:
-        """The loss to return from ``training_step`` so that the optimizer sees the step's per-token mean.
-
-        ``loss_sum / step_label_tokens``, multiplied back by ``dp_size`` (DDP averages) and ``accumulate_grad_batches``.
-        """
+        """``loss_sum / step_label_tokens`` times ``dp_size`` and ``accumulate_grad_batches`` (per-token mean)."""
         if step_label_tokens is None:
             return loss_sum / count.clamp(min=1)
         trainer = self._trainer

@@ -1,9 +1,7 @@
 """The demo corpus as parquet shards, two sources (``prose`` and ``code``), for the streaming path's demo configs.
 
-``prose`` is the demo corpus' training text, ``code`` the standard library's source cut into documents; each is
-written as several parquet files of several row groups, so the K streams have units to share. ``demo`` and
-``demo:<source>`` file specs resolve to them. Built once per machine like the demo corpus (same lock, same
-atomic publish); the same Python writes the same bytes.
+Each source is written as several parquet files of several row groups so K streams have units to share, built once
+per machine; ``demo`` and ``demo:<source>`` file specs resolve to them.
 """
 
 from __future__ import annotations
@@ -35,12 +33,7 @@ SOURCES = ("prose", "code", "validation")
 
 @dataclasses.dataclass(frozen=True)
 class DemoParquet:
-    """Paths of the written shards.
-
-    Attributes:
-        files: source name -> its parquet files, sorted.
-        tokenizer_path: the demo tokenizer (its ``<eos>`` serves as BOS).
-    """
+    """Paths of the written shards: ``files`` per source, and the demo ``tokenizer_path`` (``<eos>`` serves as BOS)."""
 
     files: dict[str, list[str]]
     tokenizer_path: str
@@ -76,11 +69,7 @@ def write_shards(texts: list[str], folder: Path, name: str) -> list[str]:
 
 
 def build_demo_parquet(cache_dir: str | os.PathLike[str] | None = None) -> DemoParquet:
-    """Write the demo parquet shards once, or return the cached ones (safe from every rank).
-
-    Args:
-        cache_dir: where to cache; default the demo cache.
-    """
+    """Write the demo parquet shards once into ``cache_dir``, or return the cached ones (safe from every rank)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
     corpus = build_demo_corpus(root)
     target = build_once(root, f"{_cache_key()}-parquet{_FORMAT_VERSION}", _write_sources)
@@ -96,11 +85,7 @@ def _write_sources(folder: Path) -> str:
 
 
 def resolve_demo_files(spec: Any, built: DemoParquet) -> Any:
-    """``spec`` with every ``demo``/``demo:<source>`` string replaced by that source's shards (in lists and mappings).
-
-    Raises:
-        ValueError: ``demo:<name>`` with a name that is not a demo source.
-    """
+    """``spec`` with every ``demo``/``demo:<source>`` string replaced by that source's shards."""
     if isinstance(spec, str) and (spec == DEMO_PREFIX or spec.startswith(f"{DEMO_PREFIX}:")):
         name = spec.partition(":")[2]
         if not name:

@@ -1,15 +1,10 @@
 """Load and pack: turn a data-parallel rank's share of the order into collated (and pinned) microbatches or packs.
 
-At an epoch's first ``next()`` the loader asks where to start and hands torchdata's ``StatefulDataLoader`` a lazy
-``batch_sampler`` of this rank's remaining microbatches from the schedule. Workers only fetch and collate; the
-order is decided in the main process, so it cannot depend on ``num_workers``, and ``step_label_tokens`` is written
-into batches there after collation. The loader is a plain sized iterable, not a DataLoader: Lightning would
-otherwise swap in its own distributed sampler and save the DataLoader's state; its length also stops Lightning's
-prefetcher from reading ahead, so at most one batch is handed out but not yet trained. Sample and collate errors
-name the microbatch's samples and place; an epoch that comes up short raises instead of ending quietly.
+At an epoch's first ``next()`` the loader asks where to start and drives a ``StatefulDataLoader`` with a lazy
+``batch_sampler`` of this rank's remaining microbatches; workers only fetch and collate, so the order never depends
+on ``num_workers``. It is a sized iterable, not a DataLoader, so Lightning neither swaps its sampler nor saves it.
 
-Trade-off: a new ``StatefulDataLoader`` (and worker pool) per epoch or resume costs a worker start-up, but makes
-resume cost independent of the position: no batch is replayed to skip.
+Trade-off: a new worker pool per epoch or resume costs a start-up, but no batch is ever replayed to skip.
 """
 
 from __future__ import annotations
@@ -114,15 +109,10 @@ class TrainLoader(OneIterationAtATime, ResumedByDataModule):
     """The training loader: a sized iterable of microbatches (or packs of M) for one data-parallel replica.
 
     Args:
-        dataset: map-style dataset.
-        collate_fn: list of samples -> microbatch.
         schedule: the steps of every epoch (shared by all ranks).
-        dp_size, dp_rank: the data-parallel size and this replica's rank.
         microbatches_per_step: M (this rank's microbatches per step).
         position: the shared position counter this loader advances.
         start_point: side-effect-free ``() -> (epoch, microbatch)`` where the next epoch iteration starts.
-        num_workers: DataLoader workers.
-        pin_memory: pin each batch.
         yield_packs: hand out a list of M microbatches per optimizer step.
     """
 
@@ -241,10 +231,7 @@ class ValidationLoader(OneIterationAtATime):
 
 
 class PinnableBatch:
-    """Carries any batch through torch's pin-memory thread (torch pins objects with ``pin_memory()``).
-
-    torch's own pinning skips dataclasses; wrapping runs our ``pin_batch`` in the loader's pin thread instead.
-    """
+    """Carries any batch through torch's pin-memory thread, which skips dataclasses, so ``pin_batch`` runs there."""
 
     __slots__ = ("batch",)
 
@@ -260,10 +247,7 @@ class _Samples(list):
 
 
 class FetchWithContext(Dataset):
-    """The dataset as the DataLoader sees it: a sample that raises names its index, microbatch and place.
-
-    It keeps the dataset's batched ``__getitems__``.
-    """
+    """The dataset as the DataLoader sees it (batched ``__getitems__`` kept): a failing sample names its place."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -332,11 +316,7 @@ class _Unpinned:
 def make_loader(
     dataset: Dataset, index_batches: Any, collate_fn: Callable, num_workers: int, pin_memory: bool = False
 ) -> Iterator[Any]:
-    """Batches from torchdata's ``StatefulDataLoader`` driven by precomputed index batches, pinned if asked.
-
-    Its ``state_dict`` is never read: the index batches are a function of (seed, epoch, step), so a resume starts a
-    new loader at its position. Pass the result to ``stop`` to end its workers.
-    """
+    """Batches from torchdata's ``StatefulDataLoader`` over precomputed index batches; ``stop`` ends its workers."""
     with warnings.catch_warnings():
         # torchdata 0.11 calls the deprecated torch.set_vital on every construction; the warning is noise.
         warnings.filterwarnings("ignore", message=".*set_vital.*")

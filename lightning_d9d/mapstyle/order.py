@@ -1,14 +1,10 @@
 """Order: the global sequence of global batches of one epoch, a pure function of (seed, epoch, data, sizes).
 
-A seeded Feistel bijection on ``[0, N)`` maps epoch positions to sample indices on demand (no O(N) memory or
-start-up, unlike ``torch.randperm``). Without sorting, global batch ``s`` is positions ``[s·G, (s+1)·G)``. With
-sorting, the permuted sequence is cut into windows of ``K·G`` samples, each sorted by key (ties at random), cut
-into K batches of neighbours, visited in a seeded order. ``floor(N / G)`` batches an epoch; the dropped tail
-differs each epoch. Nothing depends on world size, microbatch size or workers, which makes elastic resume
-possible.
+A seeded Feistel bijection maps epoch positions to sample indices on demand (no O(N) permutation). Without sorting,
+global batch ``s`` is positions ``[s·G, (s+1)·G)``; with sorting, windows of ``K·G`` samples are sorted by key, cut
+into K batches of neighbours and visited in a seeded order. Nothing depends on world size, microbatch size or workers.
 
-Trade-off: batches are shuffled only within a window, so one sort serves K steps; shuffling samples inside a
-global batch would multiply padding.
+Trade-off: batches are shuffled only within a window, so one sort serves K steps without multiplying padding.
 """
 
 from __future__ import annotations
@@ -40,12 +36,9 @@ def _mix64(values: np.ndarray) -> np.ndarray:
 
 
 class SeededPermutation:
-    """A seeded bijection on ``[0, size)``, evaluated lazily for any array of positions.
-
-    A Feistel network over ``[0, 4**h)`` with cycle walking (expected walks below 4).
+    """A seeded bijection on ``[0, size)`` (Feistel network with cycle walking), evaluated lazily.
 
     Args:
-        size: the number of elements to permute (>= 1).
         seed: any sequence of non-negative integers (e.g. ``(seed, epoch)``).
     """
 
@@ -81,9 +74,7 @@ def resolve_sort_keys(dataset: Any, sort_key: str | Callable[[int], Any] | None)
     """Turn the user's ``sort_key`` choice into a vectorised lookup ``indices -> keys``.
 
     Args:
-        dataset: the training dataset.
-        sort_key: ``None`` (``dataset.sort_key(index)`` if it exists, else no keys), a callable of one index, or a
-            Hugging Face column name.
+        sort_key: ``None`` (``dataset.sort_key`` if any), a callable of one index, or a column name.
 
     Raises:
         ValueError: a column name the dataset does not have, or a dataset without columns.
@@ -107,10 +98,7 @@ def resolve_sort_keys(dataset: Any, sort_key: str | Callable[[int], Any] | None)
 
 
 def _arrow_column_lookup(dataset: Any, name: str) -> KeyLookup:
-    """Vectorised reads of one column straight from the dataset's memory-mapped Arrow table (``take``, no O(N) copy).
-
-    ``select``/``shuffle`` views are honoured through the dataset's indices mapping.
-    """
+    """Vectorised reads of one column from the dataset's memory-mapped Arrow table, honouring its indices mapping."""
     column = dataset.data.column(name)
     _check_sortable_column(column, name)
     indices_mapping = getattr(dataset, "_indices", None)
@@ -153,16 +141,7 @@ def _per_index_lookup(function: Callable[[int], Any]) -> KeyLookup:
 
 
 def argsort_keys(keys: np.ndarray, tie_break: np.ndarray, indices: np.ndarray | None = None) -> np.ndarray:
-    """Positions that sort ``keys`` ascending, ties ordered by ``tie_break``.
-
-    Args:
-        keys: one key per sample.
-        tie_break: a secondary key per sample.
-        indices: the samples' dataset indices, for errors.
-
-    Raises:
-        TypeError: keys that cannot be compared with each other.
-    """
+    """Positions that sort ``keys`` ascending, ties ordered by ``tie_break``; ``TypeError`` for incomparable keys."""
     if keys.dtype != object and keys.dtype.kind in "biuf":
         if keys.dtype.kind == "f" and np.isnan(keys).any():
             position = int(np.flatnonzero(np.isnan(keys))[0])
@@ -212,12 +191,8 @@ class GlobalBatchOrder:
     """The epoch's global batches: ``order.global_batch(epoch, step)`` is an int64 array of G sample indices.
 
     Args:
-        num_samples: the dataset length N.
-        global_batch_size: samples per optimizer step over all ranks (G).
         sort_buffer_size: ``None`` for no sorting, else the sort window (rounded down to a multiple of G).
         key_lookup: vectorised ``indices -> keys`` (required when sorting).
-        seed: the order's seed.
-        shuffle: ``False`` keeps dataset order.
 
     Raises:
         ValueError: non-positive sizes, N < G, a buffer smaller than G, or sorting without keys.

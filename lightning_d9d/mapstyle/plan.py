@@ -1,21 +1,12 @@
 """Plan: token-budget epochs — which samples form each microbatch of each optimizer step, from lengths alone.
 
-A step is ``P = global_batch_tokens / microbatch_tokens`` microbatches over all ranks, each within
-``microbatch_tokens`` (padded: samples × padded longest; padding-free: sum of lengths). An epoch's plan is a pure
-function of (seed, epoch, lengths, budgets, buffer, padding mode), never of the data-parallel size or worker count,
-so the same steps are trained on any layout and a resume on another layout continues them.
+A step is ``P = global_batch_tokens / microbatch_tokens`` microbatches, each within ``microbatch_tokens`` (padded:
+samples × padded longest; padding-free: sum of lengths). The seeded epoch order is cut into windows of
+``sort_buffer_size``; padded windows are sorted and cut greedily into runs, padding-free ones filled largest-fit-first,
+and under-full tails carry into the next window. Steps are visited in a seeded order and dealt to ranks by
+``snake_owner``. The plan depends only on (seed, epoch, lengths, budgets), never on the layout.
 
-The epoch order (the Feistel bijection of ``order``) is cut into windows of ``sort_buffer_size`` samples. Padded,
-each window is sorted by length and cut greedily into feasible runs (fewest microbatches of any cut into
-consecutive runs, little padding); padding-free, bins are filled largest-fit-first over the window's distinct
-lengths. A window's under-full tail is carried into the next window. Microbatches are grouped into steps of ``P``
-(a short last step is dropped), steps are visited in a seeded order, and rank ``r`` of ``D`` takes the microbatches
-``snake_owner`` deals it. Each step's predicted-token count (``length - 1`` per sample) is a by-product, so a loss
-can be normalised by the whole step without a collective.
-
-Trade-off: the number of steps differs a little between epochs (the train loader is reloaded each epoch), and
-planning reads every length once at set-up (O(N) memory). Largest-fit-first is not optimal bin packing, but it
-costs a Python step per distinct length rather than per sample.
+Trade-off: step counts vary a little between epochs, and every length is read once at set-up (O(N) memory).
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ from lightning_d9d.mapstyle.order import KeyLookup, SeededPermutation
 from lightning_d9d.mapstyle.shard import snake_owner
 
 PLAN_VERSION = 1
-"""Part of the resume fingerprint: bump when the planning algorithm changes."""
+"""Bump when the planning algorithm changes (part of the resume fingerprint)."""
 # Lengths are read and the bijection evaluated this many samples at a time: bounded memory for any N.
 _BLOCK = 1 << 18
 # Padding-free microbatches filled below this share at the end of a window are completed in the next window.
@@ -52,17 +43,14 @@ class TokenBudget:
     """The budgets of a token-budget step and how a microbatch's tokens are counted against them.
 
     Args:
-        global_batch_tokens: tokens of one optimizer step over all ranks and accumulation.
+        global_batch_tokens: tokens of one optimizer step over all ranks.
         microbatch_tokens: tokens of one microbatch on one rank.
-        padding_free: ``True``: a microbatch costs the sum of its lengths; ``False``: sample count × longest sample
-            rounded up to ``pad_to_multiple_of``.
-        pad_to_multiple_of: the padded length's rounding (padded microbatches only).
-        context_parallel_size: padding-free, each sample costs its length rounded up to ``2 × context_parallel_size``;
-            padded, ``pad_to_multiple_of`` must be a multiple of it.
+        padding_free: cost is the sum of lengths, else count × padded longest.
+        pad_to_multiple_of: the padded length's rounding.
+        context_parallel_size: CP ranks; lengths round up to ``2 × context_parallel_size``.
 
     Raises:
-        ValueError: non-positive values, ``global_batch_tokens`` not a multiple of ``microbatch_tokens``, or a CP size
-            that does not divide the microbatch layout.
+        ValueError: a non-positive value or budgets that do not divide.
     """
 
     global_batch_tokens: int
@@ -116,15 +104,14 @@ class TokenBudget:
 
 # ---------------------------------------------------------------------------------------------- lengths
 def read_lengths(lookup: KeyLookup, num_samples: int, what: str = "training") -> np.ndarray:
-    """Every sample's length, read a block at a time (int32 unless a length needs more).
+    """Every sample's length, read a block at a time.
 
     Args:
         lookup: vectorised ``indices -> lengths`` (the resolved ``sort_key``).
-        num_samples: the dataset length.
         what: names the dataset in errors.
 
     Raises:
-        InvalidLengthError: (a ``ValueError`` and a ``TypeError``) the first length that is not a whole number >= 1.
+        InvalidLengthError: a length that is not a whole number >= 1.
     """
     lengths: np.ndarray | None = None
     for start in range(0, num_samples, _BLOCK):
@@ -164,11 +151,7 @@ def _whole_lengths(keys: np.ndarray, indices: np.ndarray, what: str) -> np.ndarr
 
 
 def check_lengths_fit(lengths: np.ndarray, budget: TokenBudget, what: str = "training") -> None:
-    """Every sample must fit a microbatch on its own.
-
-    Raises:
-        ValueError: naming the first sample that does not fit, how many do not, and the longest.
-    """
+    """Raise ``ValueError`` unless every sample fits a microbatch on its own."""
     if not len(lengths) or int(budget.padded_lengths(np.int64(lengths.max()))) <= budget.microbatch_tokens:
         return  # the longest fits: no O(N) temporaries on the way that every run takes
     costs = budget.padded_lengths(lengths.astype(np.int64))
@@ -196,10 +179,7 @@ def lengths_digest(lengths: np.ndarray) -> str:
 # ---------------------------------------------------------------------------------------------- packers
 @dataclasses.dataclass
 class Packed:
-    """Microbatches of some samples: ``order`` (positions into the packed array) cut into ``sizes`` runs.
-
-    ``sizes``, ``tokens`` and ``costs`` are int64 with one entry per microbatch.
-    """
+    """Microbatches of some samples: ``order`` cut into ``sizes`` runs (int64, one entry per microbatch)."""
 
     order: np.ndarray
     sizes: np.ndarray
@@ -224,10 +204,7 @@ def _runs(order: np.ndarray, lengths: np.ndarray, costs: np.ndarray, cuts: list[
 
 
 def pack_padded_sorted(lengths: np.ndarray, budget: TokenBudget) -> Packed:
-    """Greedy runs of consecutive samples of an ascending ``lengths``, each within ``count × padded max``.
-
-    ``g[j] = j + 1 - budget // padded[j]`` is strictly increasing, so one ``bisect`` finds the end of each run.
-    """
+    """Greedy runs of an ascending ``lengths``, each within ``count × padded max`` (one bisect per run)."""
     lengths = lengths.astype(np.int64)
     costs = budget.padded_lengths(lengths)
     limits = (np.arange(1, len(costs) + 1) - budget.microbatch_tokens // costs).tolist()
@@ -238,10 +215,7 @@ def pack_padded_sorted(lengths: np.ndarray, budget: TokenBudget) -> Packed:
 
 
 def pack_largest_fit(lengths: np.ndarray, budget: int) -> Packed:
-    """Padding-free bins: each starts with the longest remaining sample and takes the longest that fits next.
-
-    Runs over distinct lengths, so a bin of many short samples costs few Python steps.
-    """
+    """Padding-free bins, each opened by the longest remaining sample and filled by the longest that fits."""
     lengths = lengths.astype(np.int64)
     by_length = np.argsort(lengths, kind="stable")
     ascending = lengths[by_length]
@@ -338,16 +312,7 @@ def _carried(packed: Packed, budget: TokenBudget, limit: int, sort: bool) -> int
 # ---------------------------------------------------------------------------------------------- the epoch
 @dataclasses.dataclass(frozen=True)
 class EpochPlan:
-    """One epoch's steps: step ``s`` is microbatches ``step_group[s]·P … +P`` of the packing order.
-
-    Attributes:
-        order: sample indices of the kept microbatches, in packing order.
-        bounds: microbatch ``k`` is ``order[bounds[k]:bounds[k + 1]]``.
-        step_group: packing group of each step, in training order.
-        step_label_tokens: predicted tokens (``length - 1`` per sample) of each step, in training order.
-        dropped_samples: samples left out (fewer than one step's worth of microbatches).
-        packed_microbatches: microbatches packed, the dropped ones included.
-    """
+    """One epoch's steps: step ``s`` is microbatches ``step_group[s]·P … +P`` of ``order``, cut at ``bounds``."""
 
     order: np.ndarray
     bounds: np.ndarray
@@ -377,15 +342,7 @@ def plan_epoch(
     epoch: int,
     shuffle: bool = True,
 ) -> EpochPlan:
-    """The plan of one epoch; every sample must fit a microbatch.
-
-    Args:
-        lengths: every sample's length.
-        budget: the token budgets and padding mode.
-        sort_buffer_size: samples packed together; ``None``: next-fit in order.
-        seed, epoch: the order's seed and the epoch.
-        shuffle: ``False`` keeps dataset order and visits steps in packing order.
-    """
+    """The plan of one epoch; ``sort_buffer_size=None`` packs next-fit in dataset order."""
     num_samples = len(lengths)
     permutation = SeededPermutation(num_samples, (seed, epoch)) if shuffle else None
     order, size_array, token_array, cost_array = _pack_epoch(lengths, budget, sort_buffer_size, permutation)
@@ -424,11 +381,7 @@ def _windows(num_samples: int, permutation: SeededPermutation | None, window: in
 def _pack_epoch(
     lengths: np.ndarray, budget: TokenBudget, sort_buffer_size: int | None, permutation: SeededPermutation | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every window packed, each completing what the previous one carried.
-
-    Returns:
-        The kept microbatches' sample indices in packing order, and their sizes, real tokens and costs.
-    """
+    """Every window packed: the kept sample order and each microbatch's size, tokens and cost."""
     num_samples = len(lengths)
     window = sort_buffer_size or _UNSORTED_WINDOW
     sort = sort_buffer_size is not None
@@ -460,11 +413,7 @@ class TokenPlan:
     """The training schedule of token-budget epochs; plans each epoch on first use and keeps the last two.
 
     Args:
-        lengths: every training sample's length.
-        budget: the token budgets and padding mode.
         sort_buffer_size: samples packed together per window (``None``: next-fit in order).
-        seed: the order's seed.
-        shuffle: ``False`` keeps dataset order.
 
     Raises:
         ValueError: a sample that does not fit a microbatch, or data too small for one step.

@@ -1,11 +1,9 @@
 """Steps: how a map-style epoch is sized into optimizer steps — by sample counts or by token budgets.
 
-``SampleCountSteps`` makes every step G samples cut into microbatches of m (``M = G / (D·m)``);
-``TokenBudgetSteps`` plans P microbatches per step within ``microbatch_tokens`` (``M = P / D``). Both give the
-schedule the loader reads and its fingerprint, so a DataModule never asks which one it holds.
+``SampleCountSteps``: G samples per step in microbatches of m; ``TokenBudgetSteps``: P microbatches per step within
+``microbatch_tokens``. Both give the loader's schedule and its fingerprint.
 
-Trade-off: the sample-count fingerprint samples 64 sort keys instead of hashing all (O(N) at every resume), so
-datasets differing only between them are not told apart; token budgets read every length and hash them all.
+Trade-off: the sample-count fingerprint samples 64 sort keys rather than hashing all; token budgets hash every length.
 """
 
 from __future__ import annotations
@@ -102,11 +100,7 @@ class StepSizing(Protocol):
 
 
 class SampleCountSteps:
-    """Steps of ``global_batch_size`` samples, microbatches of ``microbatch_size``.
-
-    Raises:
-        ValueError: non-positive sizes, or G not a multiple of m.
-    """
+    """Steps of ``global_batch_size`` samples, microbatches of ``microbatch_size`` (G must be a multiple of m)."""
 
     epochs_differ = False
 
@@ -128,11 +122,7 @@ class SampleCountSteps:
         check_sort_buffer_size(sort_buffer_size, self.global_batch_size)
 
     def schedule(self, dataset: Any, settings: OrderSettings) -> tuple[GlobalBatchSchedule, OrderFingerprint]:
-        """The epochs' global batches of ``dataset``, and their fingerprint.
-
-        Raises:
-            ValueError: a dataset shorter than one step, a missing or non-comparable sort key.
-        """
+        """The epochs' global batches of ``dataset``, and their fingerprint."""
         num_samples = len(dataset)
         key_lookup = resolve_sort_keys(dataset, settings.sort_key) if settings.sort_buffer_size else None
         order = GlobalBatchOrder(
@@ -205,7 +195,6 @@ class TokenBudgetSteps:
 
         Raises:
             ValueError: no lengths, a sample longer than ``microbatch_tokens``, data for less than one step.
-            InvalidLengthError: a length that is not a whole number >= 1.
         """
         if self._lengths is None or self._lengths[0] is not dataset:
             lookup = _length_lookup(dataset, settings.sort_key)
@@ -234,11 +223,7 @@ class TokenBudgetSteps:
         return plan, fingerprint
 
     def prepare_validation(self, dataset: Any, settings: OrderSettings) -> None:
-        """Read and check the validation lengths once, at set-up.
-
-        Raises:
-            ValueError: no lengths, or a sample longer than ``microbatch_tokens``.
-        """
+        """Read and check the validation lengths once, at set-up."""
         if self._val_lengths is not None and self._val_lengths[0] is dataset:
             return
         # A callable sort_key takes training indices, so validation lengths come from a column or the
@@ -282,8 +267,7 @@ def step_sizing(
     """The strategy the arguments ask for; ``pad_to_multiple_of=None`` takes the ``collate_fn``'s (else 1).
 
     Raises:
-        ValueError: both or neither mode, the other mode's settings, bad sizes, or a collate that contradicts
-            ``padding_free``.
+        ValueError: both or neither mode, bad sizes, or a collate that contradicts ``padding_free``.
     """
     if global_batch_size is not None and global_batch_tokens is not None:
         raise ValueError(

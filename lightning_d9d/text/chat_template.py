@@ -1,11 +1,9 @@
 """Chat templates without transformers: find a model folder's template and render it as transformers does.
 
-The template comes from a string, a ``.jinja`` file or a ``tokenizer_config.json`` (by default those beside the
-tokenizer), its special tokens from that config and ``special_tokens_map.json``. Rendering uses transformers'
-sandboxed Jinja environment and helpers; a ``{% generation %}`` block records its body's character span.
+The template comes from a string, a ``.jinja`` file or a ``tokenizer_config.json``, rendered in transformers'
+sandboxed Jinja environment; a ``{% generation %}`` block records its body's character span.
 
-Trade-off: rendering ourselves keeps transformers out of the runtime, at the price of following its conventions
-by hand; tests hold the output to transformers' own.
+Trade-off: keeping transformers out of the runtime means following its conventions by hand (tests compare outputs).
 """
 
 from __future__ import annotations
@@ -38,12 +36,7 @@ class Rendered:
 
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
-    """A Jinja chat template and the special-token strings it is rendered with.
-
-    Attributes:
-        source: the template text.
-        special_tokens: ``{"bos_token": "<s>", ...}`` passed to the template.
-    """
+    """A Jinja chat template (``source``) and the ``special_tokens`` strings it is rendered with."""
 
     source: str
     special_tokens: tuple[tuple[str, str], ...] = ()
@@ -61,11 +54,7 @@ class ChatTemplate:
         return dict(self.special_tokens).get(name)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> Rendered:
-        """Render one conversation, recording generation spans when the template has such blocks.
-
-        Raises:
-            TemplateRenderError: the template raised or an expression failed.
-        """
+        """Render one conversation, recording generation spans; ``TemplateRenderError`` if the template raises."""
         import jinja2
 
         template = _compile(self.source)
@@ -93,17 +82,13 @@ class ChatTemplate:
 
 
 def load_chat_template(source: str | None, tokenizer_path: str) -> ChatTemplate | None:
-    """The chat template named by ``source``, or found beside the tokenizer file when ``None``.
+    """The chat template named by ``source``, or found beside the tokenizer file (``None`` if there is none).
 
     Args:
         source: a Jinja string, a ``.jinja`` file, a ``tokenizer_config.json``, or ``None``.
-        tokenizer_path: the ``tokenizer.json``; special tokens come from the configs beside it.
-
-    Returns:
-        The template, or ``None`` when ``source`` is ``None`` and the folder holds none.
 
     Raises:
-        ValueError: a file without a template, a template list without ``default``, or an unparsable template.
+        ValueError: a file without a template, or an unparsable template.
         FileNotFoundError: ``source`` looks like a file path that does not exist.
     """
     folder = Path(tokenizer_path).expanduser().parent
@@ -138,11 +123,7 @@ def load_chat_template(source: str | None, tokenizer_path: str) -> ChatTemplate 
 
 
 def special_tokens_beside(tokenizer_path: str) -> dict[str, str]:
-    """The special-token strings of the configs in the tokenizer file's folder (``{}`` when there are none).
-
-    Raises:
-        ValueError: a config that is not a JSON object.
-    """
+    """The special-token strings of the configs in the tokenizer file's folder (``{}`` when there are none)."""
     return _config_special_tokens(Path(tokenizer_path).expanduser().parent / "tokenizer_config.json")
 
 
@@ -156,10 +137,7 @@ def _config_special_tokens(config_file: Path) -> dict[str, str]:
 
 
 def check_special_tokens_defined(template: ChatTemplate) -> None:
-    """Raise ValueError when the template reads a special token no config defines.
-
-    Jinja renders it as an empty string: a template writing ``eos_token`` would silently train without one.
-    """
+    """Raise ValueError when the template reads a special token no config defines (Jinja would render it empty)."""
     from jinja2 import meta
 
     used = meta.find_undeclared_variables(_compile(template.source).environment.parse(template.source))

@@ -1,15 +1,10 @@
 """Collate: a microbatch of token-id samples into a causal-LM batch, padded or flattened (padding-free).
 
-``CausalLMCollator`` pads a microbatch (length neighbours in the sorted order) to its longest sample, rounded up
-to ``pad_to_multiple_of``. ``FlatteningCollator`` concatenates it into one row with per-document ``position_ids``
-and ``cu_seqlens`` for varlen attention; under context parallelism each document is padded to a multiple of
-``2·cp``. Labels follow Hugging Face: the input ids, ``-100`` where nothing is predicted (padding, and a document's
-first token after another document or padding), shifted by the model; samples with their own ``labels`` keep
-them. ``step_label_tokens`` is the step's target count over all ranks (set by the training loader), so a model
-dividing its summed loss by it gets the step's exact per-token mean without a collective.
+``CausalLMCollator`` pads to the longest sample, rounded up to ``pad_to_multiple_of``; ``FlatteningCollator``
+concatenates the samples into one row with per-document ``position_ids`` and ``cu_seqlens`` (each document padded
+to ``2·cp`` under context parallelism). Labels follow Hugging Face: the ids, ``-100`` where nothing is predicted.
 
-Trade-off: padding costs compute on padded positions; flattening wastes none but needs attention that keeps
-documents apart and a row length that varies per microbatch.
+Trade-off: padding spends compute on padded positions; flattening wastes none but needs varlen attention.
 """
 
 from __future__ import annotations
@@ -32,9 +27,6 @@ class TextBatch:
     """One causal-LM microbatch, ``B`` samples padded to ``T`` positions (Hugging Face labels: the model shifts).
 
     Attributes:
-        input_ids: ``int64 [B, T]`` token ids, padding filled with the pad id.
-        attention_mask: ``int64 [B, T]``, 1 at real tokens.
-        labels: ``int64 [B, T]`` the ids, ``-100`` at padding (and, left-padded, at each sample's first token).
         step_label_tokens: next-token targets of the whole step over all ranks: divide the summed loss by it.
     """
 
@@ -64,14 +56,10 @@ class TextBatch:
 
 @dataclasses.dataclass
 class FlatBatch:
-    """One padding-free causal-LM microbatch: its documents concatenated into a single row of ``T`` tokens.
+    """One padding-free causal-LM microbatch: its documents concatenated into one ``[1, T]`` row.
 
     Attributes:
-        input_ids: ``int64 [1, T]`` the documents, one after the other.
-        labels: ``int64 [1, T]`` the ids, ``-100`` at each document's first token.
-        position_ids: ``int64 [1, T]`` restarting at 0 for each document.
         cu_seqlens: ``int32 [D + 1]`` cumulative document lengths from 0.
-        max_seqlen: the longest document (under CP: padded).
         step_label_tokens: next-token targets of the whole step over all ranks.
         cu_seqlens_padded: cumulative padded lengths (CP); ``None`` given: set to ``cu_seqlens``.
     """
@@ -138,11 +126,6 @@ def _sequences(samples: Sequence[dict[str, Any]]) -> tuple[list[np.ndarray], np.
 class CausalLMCollator:
     """Pad a list of ``{"input_ids": 1-D ints}`` samples into a :class:`TextBatch` (picklable, for workers).
 
-    Args:
-        pad_token_id: id at padding positions (masked out).
-        pad_to_multiple_of: round the padded length up to a multiple of this.
-        padding_side: ``"right"`` or ``"left"``.
-
     Raises:
         ValueError: a non-positive ``pad_to_multiple_of`` or an unknown ``padding_side``.
     """
@@ -190,11 +173,8 @@ class CausalLMCollator:
 class FlatteningCollator:
     """Concatenate ``{"input_ids": 1-D ints}`` samples into one padding-free :class:`FlatBatch` row (picklable).
 
-    Pair it with token budgets and ``padding_free=True``; the planner reads ``context_parallel_size`` from it.
-
     Args:
         context_parallel_size: ``cp > 1`` pads each document to a multiple of ``2·cp``.
-        pad_token_id: the id at CP padding (masked out).
 
     Raises:
         ValueError: a ``context_parallel_size`` that is not a positive integer.

@@ -1,9 +1,7 @@
 """Formats: recognise what a fine-tuning row holds and bring it into one shape.
 
-The format is decided from column names alone, so a whole split has one: messages (or ShareGPT's
-``conversations``), then prompt/completion, then text; ``format=`` overrides it. Rows become plain dicts, ShareGPT
-speakers mapped to roles and ``None`` keys dropped (``datasets`` fills missing struct fields with ``None``, which a
-template would see as present).
+The format is decided from column names alone (messages or ShareGPT ``conversations``, then prompt/completion, then
+text; ``format=`` overrides it). Rows become plain dicts, ShareGPT speakers mapped to roles and ``None`` keys dropped.
 """
 
 from __future__ import annotations
@@ -34,11 +32,7 @@ LOSS_ON_BY_FORMAT: dict[str, tuple[LossOn, ...]] = {
 
 
 def loss_on_setting(value: Any) -> LossOn | None:
-    """A ``loss_on`` setting as given (``None``: the format's default), checked.
-
-    Raises:
-        ValueError: an unknown value.
-    """
+    """A ``loss_on`` setting as given (``None``: the format's default), checked."""
     if value is None:
         return None
     try:
@@ -49,11 +43,7 @@ def loss_on_setting(value: Any) -> LossOn | None:
 
 
 def resolve_loss_on(format: str, loss_on: LossOn | str | None) -> LossOn:
-    """``loss_on`` for ``format``: its default for ``None``, else the value if the format has it.
-
-    Raises:
-        ValueError: an unknown value, or one the format does not have.
-    """
+    """``loss_on`` for ``format``: its default for ``None``; ``ValueError`` if the format lacks the value."""
     allowed = LOSS_ON_BY_FORMAT[format]
     chosen = loss_on_setting(loss_on)
     if chosen is None:
@@ -90,11 +80,7 @@ class Columns:
 
 
 def detect_format(column_names: list[str], columns: Columns, requested: str | None = None) -> Format:
-    """The split's format: ``requested`` (checked against the columns), else read from the columns.
-
-    Raises:
-        ValueError: an unknown format, or columns that hold none.
-    """
+    """The split's format: ``requested`` (checked against the columns), else read from the columns."""
     present = set(column_names)
     if requested is not None:
         if requested not in FORMATS:
@@ -132,11 +118,7 @@ def required_columns(format: str, columns: Columns, present: set[str] | None = N
 
 
 def row_messages(value: Any, row: int, column: str) -> list[dict[str, Any]]:
-    """One conversation as plain ``{"role", "content", ...}`` dicts (ShareGPT turns mapped).
-
-    Raises:
-        ValueError: a malformed conversation or unknown ShareGPT speaker, naming the row and message.
-    """
+    """One conversation as plain ``{"role", "content", ...}`` dicts (ShareGPT turns mapped); raises if malformed."""
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"row {row}: column {column!r} must hold a list of messages, got {type(value).__name__}")
     messages = []
@@ -171,11 +153,7 @@ def row_messages(value: Any, row: int, column: str) -> list[dict[str, Any]]:
 
 
 def row_part(value: Any, row: int, column: str) -> str | list[dict[str, Any]]:
-    """A prompt or completion: a string, or a list of messages.
-
-    Raises:
-        ValueError: neither, naming the row and column.
-    """
+    """A prompt or completion: a string, or a list of messages; ``ValueError`` for anything else."""
     if isinstance(value, str):
         return value
     if isinstance(value, (list, tuple)):

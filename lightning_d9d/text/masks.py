@@ -1,13 +1,9 @@
 """Loss masks and truncation: which tokens of a sample are trained, and how a long sample is cut honestly.
 
-A trained region is a character span of the encoded text; ``span_mask`` trains every token overlapping it (the
-rule of transformers' ``return_assistant_tokens_mask``), and a span edge inside a token is an error, since any
-mask would then be wrong by a token. Spans found between renders start after a header token and end at the
-end-of-turn token. A sample left with no trained target is dropped whatever the truncation rule (it would add
-nothing to the loss but tokens to the normaliser).
+``span_mask`` trains every token overlapping a trained character span (transformers' rule), and a span edge inside
+a token is an error. A sample left with no trained target is dropped whatever the truncation rule.
 
-Trade-off: character overlap trains a token that straddles an edge rather than losing it; the boundary check
-turns the cases where that differs from tokenizing the prefix into an error instead of a guess.
+Trade-off: a token straddling an edge is trained rather than lost; ambiguous edges raise instead of guessing.
 """
 
 from __future__ import annotations
@@ -66,12 +62,7 @@ def _token_around(offsets: Sequence[tuple[int, int]], boundary: int) -> int | No
 
 @dataclass(frozen=True)
 class TokenizedText:
-    """A rendered text and its tokens.
-
-    Attributes:
-        offsets: each token's ``[start, end)`` characters in ``text``.
-        control_ids: ids of the template's control tokens (headers, end-of-turn markers).
-    """
+    """A rendered text, its tokens' character ``offsets`` and the template's ``control_ids``."""
 
     ids: Sequence[int]
     offsets: Sequence[tuple[int, int]]
@@ -80,11 +71,7 @@ class TokenizedText:
 
 
 def fit_turn_spans(spans: Sequence[tuple[int, int]], tokens: TokenizedText, row: int) -> list[tuple[int, int]]:
-    """Turns found between two renders fitted to what the model writes (after the header, up to the end-of-turn).
-
-    Raises:
-        ValueError: a span that starts or ends inside a token.
-    """
+    """Turns found between two renders fitted to what the model writes (after the header, up to the end-of-turn)."""
     spans = start_after_control_tokens(spans, tokens)
     check_token_boundaries(tokens.offsets, spans, row)
     return end_at_end_of_turn(spans, tokens)
@@ -103,10 +90,7 @@ def start_after_control_tokens(spans: Sequence[tuple[int, int]], tokens: Tokeniz
 
 
 def end_at_end_of_turn(spans: Sequence[tuple[int, int]], tokens: TokenizedText) -> list[tuple[int, int]]:
-    """Each span cut after its last control token when only whitespace follows it inside the span.
-
-    The separator after the end-of-turn token (ChatML's newline) is never generated, so it is not trained.
-    """
+    """Each span cut after its last control token when only whitespace follows it (never generated)."""
     ids, offsets, text = tokens.ids, tokens.offsets, tokens.text
     starts = [start for start, _ in offsets]
     cut = []
@@ -136,11 +120,7 @@ def trained_targets(labels: np.ndarray) -> int:
 def truncate(
     ids: np.ndarray, labels: np.ndarray, max_length: int, rule: Truncation, row: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(ids, labels, status)`` of a sample under the truncation rule.
-
-    Raises:
-        ValueError: ``rule="error"`` and the sample is longer than ``max_length``.
-    """
+    """``(ids, labels, status)`` of a sample under the truncation rule (``"error"`` raises on a long sample)."""
     status = KEPT
     if len(ids) > max_length:
         if rule == "error":

@@ -1,17 +1,11 @@
 """Fine-tuning tokenization: prompt/completion and conversation rows → token ids and loss-masked labels, cached.
 
-Messages are rendered with the chat template and encoded without added special tokens (the template writes its
-own BOS). Trained assistant turns come from the template's ``{% generation %}`` blocks when it has them, else from
-renders of the conversation's prefixes: ``messages[:i]`` with the generation prompt and ``messages[:i + 1]`` must
-both be prefixes of the whole, and the turn (its end-of-turn token included) is what lies between, on token
-boundaries. Templates that close a finished conversation (Phi-3's EOS) or rewrite earlier turns (Qwen3's think
-blocks) are handled in narrow, checked shapes; anything else is an error naming the row, never a guess. String
-prompt/completion rows are encoded like text, the completion and a final EOS trained. Every message's content must
-appear in the render, so a role the template skips is an error. Dropped rows stay in the cache (empty) so the
-drop and truncation counts are exact on a cache hit.
+Messages are rendered with the chat template; trained assistant turns come from its ``{% generation %}`` blocks, else
+from renders of the conversation's prefixes (``messages[:i]`` with the generation prompt, and ``messages[:i + 1]``),
+cut on token boundaries. Templates outside the checked shapes are an error naming the row, never a guess.
+String prompt/completion rows are encoded like text with the completion and a final EOS trained.
 
-Trade-off: rendering each trained turn's prefixes costs one template render per turn more than generation blocks,
-but tokenizes nothing twice.
+Trade-off: prefix renders cost one template render per trained turn, but nothing is tokenized twice.
 """
 
 from __future__ import annotations
@@ -46,17 +40,7 @@ EOS_CANDIDATES = ("</s>", "<eos>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>")
 
 @dataclasses.dataclass(frozen=True)
 class SFTRecipe:
-    """Everything that decides a fine-tuning sample's ids and labels (picklable, for ``num_proc``).
-
-    Attributes:
-        format: ``messages`` or ``prompt_completion``.
-        loss_on: which tokens are trained.
-        truncation: ``"error"``, ``"drop"`` or ``"keep_start"``.
-        max_length: tokens per sample at most.
-        columns: the column names.
-        template: the chat template (required for message rows).
-        eos_token: the token appended to string completions.
-    """
+    """Everything that decides a fine-tuning sample's ids and labels (picklable, for ``num_proc``)."""
 
     format: Format
     loss_on: LossOn
@@ -204,10 +188,7 @@ def _turn_spans(
     control_tokens: tuple[str, ...] = (),
     last_only: bool = False,
 ) -> list:
-    """Character spans of the trained assistant turns, from renders of the conversation's prefixes.
-
-    Only trained turns are rendered, so a template that is prefix-preserving only at the end still trains its last turn.
-    """
+    """Character spans of the trained assistant turns, from renders of the conversation's prefixes."""
     turns = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
     spans = []
     for turn in turns[-1:] if last_only else turns:
@@ -230,11 +211,7 @@ def _turn_spans(
 
 
 def _opening_prompt(template: ChatTemplate, message: dict[str, Any], index: int) -> str:
-    """What the template writes before an assistant turn that opens the conversation (rendered with a marker).
-
-    Raises:
-        ValueError: the template fails, or the text before the marker does not end with the generation prompt.
-    """
+    """What the template writes before an assistant turn that opens the conversation (rendered with a marker)."""
     marker = "d9d-turn-start-7f3a"
     try:
         alone = template.render([{**message, "content": marker}]).text
@@ -259,10 +236,7 @@ def _opening_prompt(template: ChatTemplate, message: dict[str, Any], index: int)
 
 
 def _turn_in_whole(whole: str, start: int, message: dict[str, Any], control_tokens: tuple[str, ...]) -> str | None:
-    """``whole`` up to the end of the turn at ``start`` if it is exactly the content and an end-of-turn token.
-
-    For templates that render an answer differently once it is not the last (Qwen3), in this one unambiguous shape.
-    """
+    """``whole`` up to the end of the turn at ``start`` if it is exactly the content and an end-of-turn token."""
     content = message.get("content")
     content = content.strip() if isinstance(content, str) else ""
     rest = whole[start:].lstrip()
@@ -296,9 +270,7 @@ def _turn_without_closing(after: str, start: int, message: dict[str, Any], contr
 def default_eos_token(
     tokenizer: Any, template: ChatTemplate | None, beside: dict[str, str] | None = None
 ) -> str | None:
-    """The EOS token from the template config, else the tokenizer's ``tokenizer_config.json``, else the post-processor's
-    last special token, else a usual EOS of the vocabulary, else ``None``.
-    """
+    """The EOS token from the template config, the tokenizer's config or vocabulary, else ``None``."""
     if template is not None and template.special("eos_token"):
         return template.special("eos_token")
     if beside and beside.get("eos_token"):
@@ -320,8 +292,6 @@ def completion_eos_token(
     string_completions: bool = True,
 ) -> str | None:
     """The EOS token string completions end with: ``explicit``, else ``default_eos_token``.
-
-    Without one the model never learns to stop, so string completions refuse a tokenizer that has none.
 
     Raises:
         ValueError: the token is not in the vocabulary, or string completions without any EOS token.
@@ -370,14 +340,7 @@ class _TokenizeRows:
 
 @dataclasses.dataclass(frozen=True)
 class SFTSplit:
-    """A tokenized fine-tuning split and its counts.
-
-    Attributes:
-        dataset: the kept rows as ``{"input_ids", "labels"}`` (numpy).
-        label_counts: trained targets per kept row (after the shift).
-        dropped: rows dropped (too long under ``"drop"``, or nothing to train).
-        truncated: rows cut under ``"keep_start"``.
-    """
+    """A tokenized fine-tuning split: kept rows, trained targets per row, and dropped and truncated counts."""
 
     dataset: Any
     label_counts: np.ndarray

@@ -1,11 +1,9 @@
 """Tokenize: raw text from any ``datasets`` source into a cached, memory-mapped table of token ids.
 
-One batched ``Dataset.map`` writes ``input_ids`` and ``token_counts``; documents are truncated to ``max_length``
-and those under two tokens dropped (no next-token target). The map's fingerprint hashes the raw data's
-fingerprint, the tokenizer file and every setting, so datasets' cache is hit exactly when nothing changed.
+One batched ``Dataset.map`` writes ``input_ids`` and ``token_counts``, truncating to ``max_length`` and dropping
+documents under two tokens; its fingerprint hashes the data, the tokenizer and every setting.
 
-Trade-off: truncation drops a long document's tail but keeps one document per row, so the sort key is the true
-length; long-document pretraining is the streaming path's job.
+Trade-off: truncation drops a long document's tail but keeps the sort key the true length.
 """
 
 from __future__ import annotations
@@ -35,12 +33,7 @@ _BUILDER_BY_EXTENSION = {
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSplit:
-    """One tokenized split and its tokenizer's pad id.
-
-    Attributes:
-        dataset: columns ``input_ids`` and ``token_counts``; a sample is ``{"input_ids": np.ndarray}``.
-        pad_token_id: the tokenizer's pad id.
-    """
+    """One tokenized split (columns ``input_ids`` and ``token_counts``) and its tokenizer's pad id."""
 
     dataset: Any
     pad_token_id: int
@@ -61,18 +54,11 @@ def tokenized_split(
 
     Args:
         dataset_path: anything ``datasets.load_dataset`` accepts, a data file, or a ``save_to_disk`` folder.
-        split: the split (datasets' split syntax works).
-        tokenizer_path: a ``tokenizer.json`` file.
-        text_column: the column holding the text.
         max_length: documents are truncated to this many tokens (special tokens included).
-        data_files: passed to ``load_dataset``.
-        cache_dir: datasets' cache folder.
-        num_proc: processes for the tokenizing map.
         name: the dataset's name in messages (default: ``dataset_path``).
 
     Raises:
-        ValueError: a source that cannot be loaded or lacks the split, the column or text; no document of 2 or more
-            tokens; an unreadable tokenizer file.
+        ValueError: a source, split, column or tokenizer that cannot be read, or no document of 2 or more tokens.
     """
     name = name or dataset_path
     raw = _load_text_split(dataset_path, split, text_column, data_files, cache_dir, name)
@@ -86,11 +72,7 @@ def tokenized_split(
 
 
 def _load_text_split(path: str, split: str, text_column: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
-    """The raw split, checked to be non-empty and to hold text in ``text_column``.
-
-    Raises:
-        ValueError: as ``_load_raw_split``, a missing or non-text column, an empty split.
-    """
+    """The raw split, checked to be non-empty and to hold text in ``text_column``."""
     raw = _load_raw_split(path, split, data_files, cache_dir, name)
     if text_column not in raw.column_names:
         raise ValueError(
@@ -106,11 +88,7 @@ def _load_text_split(path: str, split: str, text_column: str, data_files: Any, c
 def _tokenize_cached(
     raw: Any, tokenizer_path: str, text_column: str, max_length: int, num_proc: int | None, name: str, split: str
 ) -> Any:
-    """``raw`` tokenized by one batched map, under a fingerprint of its inputs' content.
-
-    Raises:
-        ValueError: an unreadable tokenizer file.
-    """
+    """``raw`` tokenized by one batched map, under a fingerprint of its inputs' content."""
     from datasets.fingerprint import Hasher
 
     digest = tokenizer_digest(tokenizer_path)
@@ -125,15 +103,7 @@ def _tokenize_cached(
 
 
 def cached_batched_map(raw: Any, function: Any, fingerprint: str, desc: str, **map_kwargs: Any) -> Any:
-    """``raw.map(function)`` in batches, keeping only the columns ``function`` returns, cached under ``fingerprint``.
-
-    Args:
-        raw: the ``datasets.Dataset`` to map.
-        function: the batched map function (picklable, for ``num_proc``).
-        fingerprint: the cache key, a hash of everything that decides the output.
-        desc: the progress bar's label.
-        map_kwargs: further ``Dataset.map`` arguments.
-    """
+    """``raw.map(function)`` in batches, keeping only the columns ``function`` returns, cached under ``fingerprint``."""
     with children_exit_with_parent():  # a killed parent must not leave the map's worker pool running
         return raw.map(
             function,
@@ -173,11 +143,7 @@ class _TokenizeBatch:
 
 
 def _load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
-    """Open one split of raw text from a saved dataset, a data file, or anything ``load_dataset`` takes.
-
-    Raises:
-        ValueError: the source cannot be loaded, lacks the split, or is empty.
-    """
+    """Open one split of raw text from a saved dataset, a data file, or anything ``load_dataset`` takes."""
     import datasets
 
     local = Path(path).expanduser()
@@ -230,11 +196,7 @@ def _load_saved_split(folder: Path, split: str, name: str) -> Any:
 
 
 def check_local_path(dataset: str) -> None:
-    """A value written as a path (absolute, ./, ../, ~) must exist; hub names like ``org/name`` are not paths.
-
-    Raises:
-        FileNotFoundError: such a path does not exist.
-    """
+    """Raise FileNotFoundError if a value written as a path (absolute, ./, ../, ~) does not exist."""
     looks_like_path = dataset.startswith(("/", "./", "../", "~", ".\\", "..\\"))
     if looks_like_path and not Path(dataset).expanduser().exists():
         raise FileNotFoundError(f"dataset path {dataset!r} does not exist")
