@@ -104,3 +104,23 @@ def test_the_streaming_demo_config_fits(demo_cache: Path, built: DemoParquet, tm
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 3
     assert "val/loss" in (tmp_path / "lightning_logs" / "demo_pretraining").rglob("metrics.csv").__next__().read_text()
+
+
+def test_the_streaming_demo_refuses_a_model_vocabulary_smaller_than_its_tokenizers(
+    demo_cache: Path, built: DemoParquet, monkeypatch
+) -> None:
+    """TinyGPT checks the DataModule's vocabulary at fit start; the demo pretraining DataModule must declare it."""
+    import lightning.pytorch as pl
+
+    from lightning_d9d.demo.model import TinyGPT
+    from lightning_d9d.demo.pretraining import DemoPretrainingDataModule
+
+    monkeypatch.setenv("LIGHTNING_D9D_CACHE", str(demo_cache))
+    dm = DemoPretrainingDataModule(seq_len=16, global_batch_size=4, microbatch_size=2, num_workers=0, num_streams=2,
+                                   steps_per_epoch=1)  # fmt: skip
+    assert dm.vocab_size > 64
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    model = TinyGPT(vocab_size=64, max_positions=16, width=16, num_layers=1, num_heads=2)
+    with pytest.raises(ValueError, match=rf"the tokenizer has {dm.vocab_size} tokens but TinyGPT\(vocab_size=64\)"):
+        trainer.fit(model, datamodule=dm)
