@@ -190,7 +190,7 @@ class TextDataModule(D9DDataModule):
         self.fingerprint = FineTuningFingerprint(
             order=self.fingerprint,
             format=recipe.format,
-            loss_on=recipe.loss_on,
+            loss_on=recipe.loss_on.value,  # a plain str: checkpoints load with weights_only=True
             truncation=recipe.truncation,
             chat_template=recipe.template.digest if recipe.template is not None else None,
         )
