@@ -66,7 +66,7 @@ class TokenPlanFingerprint(Fingerprint):
     lengths_digest: str
     plan_version: int
     # Padding-free under context parallelism each sample costs its length rounded up to this (2 × CP size).
-    document_multiple: int = dataclasses.field(default=1, metadata={"when_missing": (1,)})
+    document_multiple: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

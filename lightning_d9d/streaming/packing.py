@@ -72,8 +72,7 @@ class StreamCounters:
     @classmethod
     def from_dict(cls, state: Any, path: str = "counters") -> StreamCounters:
         """Read saved counters; :class:`InvalidDataState` for one missing or not an integer >= 0."""
-        # States saved before context parallelism existed hold no CP padding.
-        state = {"cp_padding": 0, **mapping(state, path)}
+        state = mapping(state, path)
         return cls(**{name: integer(state, name, path) for name in _COUNTER_NAMES})
 
 

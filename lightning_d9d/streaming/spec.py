@@ -284,8 +284,6 @@ class CorpusFingerprint(Fingerprint):
     file_labels: tuple[tuple[str, ...], ...] = field(default=(), compare=False, repr=False)
 
     def mismatches(self, saved: dict[str, Any]) -> list[str]:
-        # Checkpoints written before context parallelism existed were laid out for one CP rank.
-        saved = {"context_parallel_size": 1, **saved}
         now = self.to_dict()
         differences = [
             self.describe_difference(name, _plain(saved.get(name, MISSING)), value)
