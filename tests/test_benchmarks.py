@@ -4,11 +4,13 @@ Timing and padding targets are not asserted here (they belong to the benchmark o
 loaded CI machine must not fail the suite on a slow run, and a quick run's figures are meaningless. What this
 catches is a benchmark that no longer runs against the current public API, or whose correctness checks (the
 verdicts with a ``(target: ...)`` that is not a figure: identical rows, equal ids, a resume that trains the
-uninterrupted run's rows) fail.
+uninterrupted run's rows) fail. The runs share one fresh interpreter (tests/bench_smoke.py), which imports torch
+and Lightning once instead of once per script.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -46,33 +48,44 @@ MIN_VERDICTS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_quick_benchmark_runs(script: str) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True, timeout=110, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for text in EXPECTED[script]:
-        assert text in done.stdout, done.stdout
-    verdicts = re.findall(r"^(PASS|FAIL): (.+)$", done.stdout, re.MULTILINE)
-    assert len(verdicts) >= MIN_VERDICTS[script], done.stdout  # every target is judged, met or missed
-    assert all("target" in text for _, text in verdicts), verdicts
-    assert not [text for passed, text in verdicts if passed == "FAIL" and "(target: " in text], done.stdout
+FIRST_BATCH = "streaming.py --quick --first-batch --packings bestfit_split --skip-full --grown-steps 2"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_the_first_batch_mode_of_the_streaming_benchmark_runs() -> None:
-    """``streaming.py --first-batch``: a fresh DataModule per configuration, its first batch timed and judged
-    (``--quick``: in the benchmark's own process, not a spawned one per configuration)."""
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every script's ``--quick`` run (and the first-batch mode), one after another in one fresh interpreter."""
+    out = tmp_path_factory.mktemp("bench") / "runs.json"
+    commands = [f"{script} --quick" for script in sorted(EXPECTED)] + [FIRST_BATCH]
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "streaming.py"), "--quick", "--first-batch", "--packings", "bestfit_split",
-         "--skip-full", "--grown-steps", "2"],
-        capture_output=True, text=True, timeout=110, check=False,
+        [sys.executable, str(Path(__file__).with_name("bench_smoke.py")), str(out), *commands],
+        capture_output=True, text=True, timeout=540, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    verdicts = re.findall(r"^(PASS|FAIL): (.+)$", done.stdout, re.MULTILINE)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_quick_benchmark_runs(script: str, smoke_runs: dict[str, dict]) -> None:
+    done = smoke_runs[f"{script} --quick"]
+    assert done["returncode"] == 0, done["stderr"][-3000:]
+    stdout = done["stdout"]
+    for text in EXPECTED[script]:
+        assert text in stdout, stdout
+    verdicts = re.findall(r"^(PASS|FAIL): (.+)$", stdout, re.MULTILINE)
+    assert len(verdicts) >= MIN_VERDICTS[script], stdout  # every target is judged, met or missed
+    assert all("target" in text for _, text in verdicts), verdicts
+    assert not [text for passed, text in verdicts if passed == "FAIL" and "(target: " in text], stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_first_batch_mode_of_the_streaming_benchmark_runs(smoke_runs: dict[str, dict]) -> None:
+    """``streaming.py --first-batch``: a fresh DataModule per configuration, its first batch timed and judged
+    (``--quick``: in the benchmark's own process, not a spawned one per configuration)."""
+    done = smoke_runs[FIRST_BATCH]
+    assert done["returncode"] == 0, done["stderr"][-3000:]
+    verdicts = re.findall(r"^(PASS|FAIL): (.+)$", done["stdout"], re.MULTILINE)
     judged = [text for _, text in verdicts if "first batch of a fresh start" in text and "target <= 5 s" in text]
-    assert len(judged) == 2, done.stdout  # one corpus, alone and as a mixture of 2
+    assert len(judged) == 2, done["stdout"]  # one corpus, alone and as a mixture of 2
