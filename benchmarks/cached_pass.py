@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
-from common import print_verdicts
+from common import in_child, print_verdicts
 from streaming import stdlib_texts, train_tokenizer, write_corpus
 
 SPEEDUP_TARGET = 10.0
@@ -94,26 +94,6 @@ def _resume(conn, files: str, tokenizer: str, packing: str, cache: str, state: b
     dm.teardown("fit")
 
 
-class _Here:
-    """The pipe end a target sends its result through, when it runs in this process (``--quick``)."""
-
-    def send(self, value: object) -> None:
-        self.value = value
-
-
-def _in_child(target, *args: object, inline: bool = False):
-    if inline:  # a smoke test: no spawned interpreter (each pays seconds of imports on 2 cores)
-        here = _Here()
-        target(here, *args)
-        return here.value
-    parent, child = multiprocessing.get_context("spawn").Pipe()
-    process = multiprocessing.get_context("spawn").Process(target=target, args=(child, *args))
-    process.start()
-    result = parent.recv()
-    process.join()
-    return result
-
-
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -150,11 +130,11 @@ def main() -> None:
         verdicts = []
         for packing in options.packings.split(","):
             cache = root / f"cache-{packing}"
-            plain = _in_child(_pass, files, tokenizer, packing, None, args, passes, inline=inline)
+            plain = in_child(_pass, files, tokenizer, packing, None, args, passes, inline=inline)
             # two passes with an empty cache: every stream reads all its units, so the cache is full after
-            filling = _in_child(_pass, files, tokenizer, packing, str(cache), args, 2, inline=inline)
-            cached = _in_child(_pass, files, tokenizer, packing, str(cache), args, cached_passes, inline=inline)
-            resume = _in_child(_resume, files, tokenizer, packing, str(cache), cached["state"], args, inline=inline)
+            filling = in_child(_pass, files, tokenizer, packing, str(cache), args, 2, inline=inline)
+            cached = in_child(_pass, files, tokenizer, packing, str(cache), args, cached_passes, inline=inline)
+            resume = in_child(_resume, files, tokenizer, packing, str(cache), cached["state"], args, inline=inline)
             same = plain["digest"] == filling["digest"] == cached["digest"]
             speedup = cached["tokens_per_s"] / plain["tokens_per_s"]
             cache_mb = _size(cache) / 1e6

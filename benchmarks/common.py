@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -51,3 +54,25 @@ def print_verdicts(verdicts: list[tuple[bool, str]]) -> None:
     """One ``PASS: …`` / ``FAIL: …`` line per (passed, description) against a target."""
     for passed, text in verdicts:
         print(f"{'PASS' if passed else 'FAIL'}: {text}")
+
+
+class _Here:
+    """The pipe end a target sends its result through when it runs in this process."""
+
+    def send(self, value: object) -> None:
+        self.value = value
+
+
+def in_child(target: Callable[..., None], *args: object, inline: bool = False) -> Any:
+    """``target(conn, *args)`` in a fresh spawned interpreter, returning what it sends through ``conn``;
+    ``inline`` runs it in this process (a smoke test: a spawned interpreter pays seconds of imports)."""
+    if inline:
+        here = _Here()
+        target(here, *args)
+        return here.value
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(target=target, args=(child, *args))
+    process.start()
+    result = parent.recv()
+    process.join()
+    return result

@@ -82,7 +82,7 @@ _TREE = os.environ.get("D9D_BENCH_TREE") or str(Path(__file__).resolve().parents
 sys.path.insert(0, _TREE)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
-from common import print_verdicts, process_kib
+from common import in_child, print_verdicts, process_kib
 
 BOS = "<|bos|>"
 PACKINGS = ("concat", "bestfit", "bestfit_split")
@@ -1064,26 +1064,6 @@ def _first_batch_child(conn, files: object, args: dict, packing: str, growth: bo
     conn.send(result)
 
 
-class _Here:
-    """The pipe end ``_first_batch_child`` sends its figures through when it runs in this process (``--inline``)."""
-
-    def send(self, value: object) -> None:
-        self.value = value
-
-
-def _in_process(*args: object, inline: bool = False) -> dict:
-    if inline:  # a smoke test (--quick): no spawned interpreter, whose imports cost seconds on 2 cores
-        here = _Here()
-        _first_batch_child(here, *args)
-        return here.value
-    parent, child = multiprocessing.get_context("spawn").Pipe()
-    process = multiprocessing.get_context("spawn").Process(target=_first_batch_child, args=(child, *args))
-    process.start()
-    result = parent.recv()
-    process.join()
-    return result
-
-
 def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace) -> None:
     """The first batch of a fresh start, each packing, one corpus and a mixture of ``--sources`` parts of it,
     each in a process of its own (DataLoader workers started from scratch), with growing buffers and with buffers
@@ -1107,14 +1087,14 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
         for packing in args.packings.split(","):
             for label, files in (("single", single), (f"mixture of {len(mixture)}", mixture)):
                 waste = packing == "bestfit_split" and label == "single" and args.grown_steps > 0
-                grown = _in_process(files, settings, packing, True, waste, inline=args.inline)
+                grown = in_child(_first_batch_child, files, settings, packing, True, waste, inline=args.inline)
                 verdicts.append((grown["first_s"] <= FIRST_BATCH_S, f"{name}, {packing}, {label}: first batch of "
                                  f"a fresh start {grown['first_s']:.1f}s (target <= {FIRST_BATCH_S:g} s)"))  # fmt: skip
                 line = (
                     f"  {name}, {packing}, {label}: first batch {grown['first_s']:.1f}s (setup {grown['setup_s']:.1f}s)"
                 )
                 if packing != "concat" and not args.skip_full:
-                    full = _in_process(files, settings, packing, False, waste, inline=args.inline)
+                    full = in_child(_first_batch_child, files, settings, packing, False, waste, inline=args.inline)
                     line += f" (buffer full from the first row: {full['first_s']:.1f}s)"
                     if waste:
                         line += (f"; waste of steps {args.grown_steps}..{args.grown_steps * 3 // 2}: "
