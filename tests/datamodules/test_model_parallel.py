@@ -225,6 +225,14 @@ def assert_layout(records: list[dict], dp: int, tp: int, microbatches: int) -> N
         assert all(not set(a) & set(b) for i, a in enumerate(replicas) for b in replicas[i + 1 :]), step
 
 
+def assert_validation_shared(val: list[dict], dp: int, tp: int) -> None:
+    """Validation split among the ``dp`` replicas, the ``tp`` peers of each running the same microbatches."""
+    processes_by_place = by_process(val)
+    assert {where[2] for where in processes_by_place} == set(range(dp)), "validation split among replicas"
+    for where, processes in processes_by_place.items():
+        assert len(processes) == tp and len({tuple(s) for s in processes.values()}) == 1, where
+
+
 # ------------------------------------------------------------------------------------------------ tests
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["d_tp", "d_dp", "d_ddp"])
@@ -242,10 +250,8 @@ def test_d9d_peers_share_replicas_split_and_every_layout_trains_the_same_global_
 def test_validation_is_split_among_replicas_and_identical_on_peers(two_processes: dict, run: str) -> None:
     dp, tp = LAYOUTS[run]
     val = read_records(two_processes["records"], "val", run=run)
-    for where, processes in by_process(val).items():
-        assert len(processes) == tp and len({tuple(s) for s in processes.values()}) == 1, where
+    assert_validation_shared(val, dp, tp)
     assert sorted(i for r in one_per_replica(val) for i in r["ids"]) == list(range(VAL_SIZE))
-    assert {r["dp_rank"] for r in val} == set(range(dp))
 
 
 @pytest.mark.slow
@@ -277,11 +283,7 @@ def test_text_token_budgets_under_tensor_parallelism_resume_on_another_layout(
     assert_layout(resumed, 2, 1, per_step // 2)
     assert union_per_step(before, "digest") | union_per_step(resumed, "digest") == text_steps
     for run in ("t_tp", "t_dp"):
-        dp, tp = LAYOUTS[run]
-        val = by_process(read_records(two_processes["records"], "val", run=run))
-        assert {where[2] for where in val} == set(range(dp)), "validation split among replicas"
-        for where, processes in val.items():
-            assert len(processes) == tp and len({tuple(s) for s in processes.values()}) == 1, where
+        assert_validation_shared(read_records(two_processes["records"], "val", run=run), *LAYOUTS[run])
 
 
 @pytest.mark.slow
@@ -293,10 +295,7 @@ def test_pretraining_streams_are_dealt_by_replica_and_every_layout_trains_the_sa
     records = read_records(two_processes["records"], run=run)
     assert_layout(records, dp, tp, P_G // (dp * P_M_SIZE))
     assert union_per_step(records, "rows") == pretraining_steps
-    val = by_process(read_records(two_processes["records"], "val", run=run))
-    assert {where[2] for where in val} == set(range(dp)), "validation split among replicas"
-    for where, processes in val.items():
-        assert len(processes) == tp and len({tuple(s) for s in processes.values()}) == 1, where
+    assert_validation_shared(read_records(two_processes["records"], "val", run=run), dp, tp)
 
 
 @pytest.mark.slow
