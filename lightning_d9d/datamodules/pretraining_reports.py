@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_d9d.datamodules.pretraining_mixture import Sources, mixture_report, source_stats
 from lightning_d9d.streaming.loader import StreamPosition
@@ -54,6 +54,8 @@ class PretrainingReports:
         if self.token_cache is None or self._cache_said:
             return
         self._cache_said = True
+        if rank_zero_only.rank != 0:  # only rank 0 speaks: the others need not list the cache at all
+            return
         for message in dict.fromkeys(m for source in spec.sources for m in source.cache.changes()):
             rank_zero_warn(message)
 
