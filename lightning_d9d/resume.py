@@ -9,6 +9,7 @@ Trade-off: fingerprints summarise large inputs (sampled keys, parquet footers) i
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
@@ -51,21 +52,66 @@ def mismatch_error(owner: str, differences: list[str], epoch: int, advice: str |
     return ValueError(f"the checkpoint's data does not match this {owner} ({'; '.join(differences)}). {advice}")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """How many microbatches each optimizer step of one epoch has: ``per_step[i]`` from step ``starts[i]`` on.
+
+    One stretch when every step is alike; a schedule of global batch sizes gives a few. ``before`` and ``step_of``
+    translate between a step and the microbatches handed out before it, in O(log stretches).
+    """
+
+    starts: tuple[int, ...] = (0,)
+    per_step: tuple[int, ...] = (1,)
+    offsets: tuple[int, ...] = dataclasses.field(default=(0,), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.starts or self.starts[0] != 0 or len(self.starts) != len(self.per_step) or min(self.per_step) < 1:
+            raise ValueError(f"a step layout needs stretches from step 0 of >= 1 microbatch, got {self}")
+        offsets = [0]
+        for (start, per), end in zip(zip(self.starts, self.per_step), self.starts[1:]):
+            offsets.append(offsets[-1] + (end - start) * per)
+        object.__setattr__(self, "offsets", tuple(offsets))
+
+    @classmethod
+    def constant(cls, per_step: int) -> StepLayout:
+        return cls((0,), (int(per_step),))
+
+    @property
+    def fixed(self) -> bool:
+        return len(set(self.per_step)) == 1
+
+    def at(self, step: int) -> int:
+        """Microbatches of ``step``."""
+        return self.per_step[bisect.bisect_right(self.starts, step) - 1]
+
+    def before(self, step: int) -> int:
+        """Microbatches of the steps before ``step``."""
+        i = bisect.bisect_right(self.starts, step) - 1
+        return self.offsets[i] + (step - self.starts[i]) * self.per_step[i]
+
+    def step_of(self, microbatch: int) -> int:
+        """The step that microbatch number ``microbatch`` (from 0) belongs to: whole steps before it."""
+        i = bisect.bisect_right(self.offsets, microbatch) - 1
+        return self.starts[i] + (microbatch - self.offsets[i]) // self.per_step[i]
+
+
 @dataclasses.dataclass
 class TrainPosition:
-    """Where training is: the epoch, and the microbatches this rank handed out in it (``step``: whole global steps)."""
+    """Where training is: the epoch, and the microbatches this rank handed out in it (``step``: whole steps, of the
+    epoch's ``layout``)."""
 
     epoch: int = 0
     microbatches: int = 0
-    microbatches_per_step: int = 1
+    layout: StepLayout = dataclasses.field(default_factory=StepLayout)
 
     @property
     def step(self) -> int:
-        return self.microbatches // self.microbatches_per_step
+        return self.layout.step_of(self.microbatches)
 
-    def start(self, epoch: int, step: int, microbatches_per_step: int) -> None:
-        self.epoch, self.microbatches_per_step = epoch, microbatches_per_step
-        self.microbatches = step * microbatches_per_step
+    def start(self, epoch: int, step: int, layout: StepLayout | int) -> None:
+        self.epoch = epoch
+        self.layout = layout if isinstance(layout, StepLayout) else StepLayout.constant(layout)
+        self.microbatches = self.layout.before(step)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,14 @@ from lightning_d9d.datamodules.callback import DataModuleCallback
 from lightning_d9d.datamodules.data_parallel import DataParallelMixin
 from lightning_d9d.datamodules.observability import ObservedData
 from lightning_d9d.device.transfer import move_batch_to_device
-from lightning_d9d.resume import Fingerprint, InvalidDataState, SavedPosition, TrainPosition, mismatch_error
+from lightning_d9d.resume import (
+    Fingerprint,
+    InvalidDataState,
+    SavedPosition,
+    StepLayout,
+    TrainPosition,
+    mismatch_error,
+)
 
 OnOrderMismatch = Literal["raise", "restart_epoch"]
 ON_ORDER_MISMATCH = ("raise", "restart_epoch")
@@ -77,6 +84,27 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         """Batches the training loop receives per optimizer step: 1 with ``yield_packs``, else M."""
         return 1 if self.yield_packs else self.microbatches_per_step
 
+    def step_layout(self, epoch: int) -> StepLayout:
+        """This replica's microbatches of each step of ``epoch`` (M every step unless a subclass says otherwise)."""
+        return StepLayout.constant(self.microbatches_per_step)
+
+    @property
+    def step_sizes_vary(self) -> bool:
+        """Whether the microbatches per step change during the run (then Lightning is told M step by step)."""
+        return False
+
+    def batch_in_step(self, epoch: int, index: int) -> tuple[int, int, int]:
+        """``(step, position in it, batches of it)`` of the training loop's batch ``index`` (from 0) of ``epoch``."""
+        if self.yield_packs:
+            return index, 0, 1
+        layout = self.step_layout(epoch)
+        step = layout.step_of(index)
+        return step, index - layout.before(step), layout.at(step)
+
+    def batches_before(self, epoch: int, step: int) -> int:
+        """Batches the training loop receives in ``epoch`` before its ``step``."""
+        return step if self.yield_packs else self.step_layout(epoch).before(step)
+
     def describe_step(self) -> str:
         """How the settings give M, for messages."""
         return (
@@ -120,6 +148,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         step = saved.step
         differences = fingerprint.mismatches(saved.fingerprint)
         if differences:
+            differences = self.other_differences(state_dict) + differences
             if self.on_order_mismatch == "raise":
                 advice = fingerprint.mismatch_advice(saved.fingerprint)
                 raise mismatch_error(type(self).__name__, differences, saved.epoch, advice)
@@ -143,7 +172,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
             ) from error
         self.restored = (saved.epoch, step)
         self.loaded = (saved, not differences)
-        self.position.start(saved.epoch, step, self.microbatches_per_step)
+        self.position.start(saved.epoch, step, self.step_layout(saved.epoch))
 
     def saved_position(self) -> tuple[int, int]:
         """(epoch, step) a checkpoint saves: the first optimizer step Lightning has not finished processing."""
@@ -151,12 +180,18 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         microbatches = position.microbatches
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and position.epoch == trainer.current_epoch:
             processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            microbatches = min(microbatches, processed * (self.microbatches_per_step if self.yield_packs else 1))
-        return position.epoch, microbatches // position.microbatches_per_step
+            microbatches = min(microbatches, position.layout.before(processed) if self.yield_packs else processed)
+        return position.epoch, position.layout.step_of(microbatches)
 
     def extra_state(self) -> dict[str, Any]:
         """What a subclass saves beside the position (plain values and tensors only)."""
         return {}
+
+    def other_differences(self, state_dict: dict[str, Any]) -> list[str]:
+        """Settings of ``state_dict`` a subclass checks on its own (and a resume may change), that differ: named
+        beside the fingerprint's differences when those refuse the checkpoint anyway.
+        """
+        return []
 
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
         """Restore what ``extra_state`` saved; ``state`` is ``None`` when the epoch restarts with new data."""
@@ -165,7 +200,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         """(epoch, microbatch of this replica) where the next epoch iteration starts; read at its first ``next()``."""
         trainer, position = self._trainer, self.position
         epoch, microbatches = position.epoch, position.microbatches
-        per_epoch = self.steps_in_epoch(epoch) * self.microbatches_per_step
+        per_epoch = self.step_layout(epoch).before(self.steps_in_epoch(epoch))
         if trainer is not None:
             if epoch == trainer.current_epoch and microbatches <= per_epoch:
                 return epoch, microbatches
@@ -177,7 +212,7 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
     def restart_epoch(self, epoch: int) -> None:
         """Stand at the first step of ``epoch`` as if restored there (a resume that starts the epoch over)."""
         self.restored = (epoch, 0)
-        self.position.start(epoch, 0, self.microbatches_per_step)
+        self.position.start(epoch, 0, self.step_layout(epoch))
 
     def restores_training_position(self) -> bool:
         """Whether a checkpoint's data state matters now: not under ``validate/test/predict``, which never use it."""

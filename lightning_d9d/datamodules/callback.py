@@ -48,9 +48,20 @@ class DataModuleCallback(pl.Callback):
             self._reload_train_loader_every_epoch(trainer)
 
     def _set_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """``accumulate_grad_batches = M`` (1 with packs); ``ValueError`` if the user set another value than 1 and M."""
+        """``accumulate_grad_batches = M`` (1 with packs); ``ValueError`` if the user set another value than 1 and M.
+        Where M changes from step to step, Lightning is told each step's M as it starts (:class:`StepSizes`).
+        """
         datamodule = self._datamodule
         if not pl_module.automatic_optimization:
+            return
+        if datamodule.step_sizes_vary:
+            if trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) disagrees with the data: "
+                    f"the microbatches per step change during the run ({datamodule.describe_step()}); leave it at 1 "
+                    f"({type(datamodule).__name__} sets it step by step)"
+                )
+            StepSizes(datamodule).install(trainer)
             return
         expected = datamodule.batches_per_step
         if trainer.accumulate_grad_batches not in (1, expected):
@@ -152,7 +163,7 @@ class DataModuleCallback(pl.Callback):
         restored = datamodule.restored
         if restored is None or restored[0] != trainer.current_epoch:
             return
-        batches = restored[1] * datamodule.batches_per_step
+        batches = datamodule.batches_before(restored[0], restored[1])
         current.ready = current.started = current.processed = batches
         # When Lightning saw the checkpoint as taken at on_train_batch_end, its reset() adds one completed batch.
         current.completed = batches - 1 if epoch_loop.restarted_on_train_batch_end else batches
@@ -186,7 +197,7 @@ class _PeerCheck:
 
     def __init__(self, datamodule: SteppedDataModule):
         self._datamodule = datamodule
-        self._checked, self._step, self._digests = 0, 0, []
+        self._checked, self._step, self._digests, self._batches = 0, 0, [], 0
         self._validation: list[str] | None = []  # None once a validation run was checked
 
     def start(self) -> None:
@@ -197,10 +208,12 @@ class _PeerCheck:
             return
         if not self._digests:
             self._step = trainer.global_step
+            index = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1
+            self._batches = self._datamodule.batch_in_step(trainer.current_epoch, index)[2]
         self._digests.append(batch_digest(batch))
 
     def verify_if_step_ends(self) -> None:
-        if self._digests and len(self._digests) == self._datamodule.batches_per_step:
+        if self._digests and len(self._digests) == self._batches:
             step, digests = self._step, self._digests
             self._digests, self._checked = [], self._checked + 1
             verify_peer_step(step, digests, self._datamodule.dp_rank)
@@ -228,3 +241,45 @@ def _steps_done_in_epoch(checkpoint: dict[str, Any], automatic_optimization: boo
     except (KeyError, TypeError, ValueError):
         return None
     return None
+
+
+class StepSizes:
+    """Lightning told, step by step, how many microbatches each optimizer step has, where that changes.
+
+    Lightning decides a step's end by ``batch_progress.current.ready % accumulate_grad_batches`` and zeroes gradients
+    at ``batch_idx % accumulate_grad_batches == 0``: both assume windows of one size aligned to the epoch's start. With
+    global batch sizes in phases the windows change size, so the epoch loop's ``_accumulated_batches_reached`` and the
+    automatic optimisation's ``_make_zero_grad_fn`` are answered from the DataModule's step layout, and
+    ``accumulate_grad_batches`` (by which Lightning divides each microbatch's loss) is set to the step's M before each
+    of its microbatches. These are Lightning internals: ``tests/datamodules/test_shape_schedule_trainer.py`` pins them.
+    """
+
+    def __init__(self, datamodule: SteppedDataModule):
+        self._datamodule = datamodule
+
+    def install(self, trainer: pl.Trainer) -> None:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        optimization = epoch_loop.automatic_optimization
+        progress = epoch_loop.batch_progress.current
+
+        def place(index: int) -> tuple[int, int, int]:
+            position = self._datamodule.batch_in_step(trainer.current_epoch, index)
+            trainer.accumulate_grad_batches = position[2]
+            return position
+
+        def step_ends() -> bool:
+            _, at, count = place(progress.ready - 1)
+            return at == count - 1
+
+        def zero_grad_fn(batch_idx: int, optimizer: Any) -> Any:
+            if optimization._skip_backward or place(batch_idx)[1] != 0:
+                return None
+
+            def zero_grad() -> None:
+                optimization._on_before_zero_grad(optimizer)
+                optimization._optimizer_zero_grad(batch_idx, optimizer)
+
+            return zero_grad
+
+        epoch_loop._accumulated_batches_reached = step_ends
+        optimization._make_zero_grad_fn = zero_grad_fn

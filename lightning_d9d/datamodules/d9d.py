@@ -33,7 +33,7 @@ from lightning_d9d.mapstyle.steps import (
     TokenPlanFingerprint,
     step_sizing,
 )
-from lightning_d9d.resume import Fingerprint, TrainPosition
+from lightning_d9d.resume import Fingerprint, StepLayout, TrainPosition
 from lightning_d9d.text.sft_schedule import LabelCountSchedule
 from lightning_d9d.topology import DataParallelSetting
 
@@ -200,7 +200,7 @@ class D9DDataModule(SteppedDataModule):
             self.steps.prepare_validation(self.val_dataset, self._order_settings)
         per_step = self.microbatches_per_step  # validates divisibility by D·m (or D)
         if stage in (None, "fit"):
-            self.start_fit(TrainPosition(microbatches_per_step=per_step))
+            self.start_fit(TrainPosition(layout=StepLayout.constant(per_step)))
 
     @property
     def _order_settings(self) -> OrderSettings:

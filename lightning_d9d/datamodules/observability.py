@@ -142,7 +142,8 @@ class DataObserver:
         self._microbatches, self._tokens, self._sources = 0, 0, collections.Counter()
         self._countable = True
         self._steps, self._warned, self._epoch_steps = 0, False, 0
-        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW_STEPS)
+        # (wait, elapsed, microbatches) of the latest steps
+        self._window: collections.deque[tuple[float, float, int]] = collections.deque(maxlen=WINDOW_STEPS)
 
     def fit_start(self, trainer: pl.Trainer) -> None:
         self._logging = bool(trainer.loggers)
@@ -175,13 +176,16 @@ class DataObserver:
     def batch_end(self, pl_module: pl.LightningModule) -> None:
         now = time.perf_counter()
         self._microbatches += 1
-        if self._microbatches >= self._datamodule.batches_per_step:
+        trainer = pl_module.trainer
+        index = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1
+        _, at, count = self._datamodule.batch_in_step(trainer.current_epoch, index)
+        if at == count - 1:
             wait, elapsed = self._timer.step_end(now)
             if self._logging:
                 pl_module.log_dict(self._metrics(wait, elapsed), on_step=True, on_epoch=False)
             self._epoch_steps += 1
             if self._epoch_steps > 1:  # an epoch's first step waits for a new iterator (workers start again)
-                self._judge(wait, elapsed, pl_module.trainer.global_step)
+                self._judge(wait, elapsed, trainer.global_step, self._microbatches)
             self._start_step()
         # The gap starts after this bookkeeping: logging these figures is not a wait for data.
         self._timer.batch_end(time.perf_counter())
@@ -206,18 +210,18 @@ class DataObserver:
         metrics.update(self._datamodule.step_metrics(self._sources))
         return metrics
 
-    def _judge(self, wait: float, elapsed: float, global_step: int) -> None:
+    def _judge(self, wait: float, elapsed: float, global_step: int, microbatches: int) -> None:
         """Warn once per fit when the last ``WINDOW_STEPS`` steps after the warm-up waited too long."""
         self._steps += 1
         threshold = self._datamodule.data_wait_warning
         if self._warned or not threshold or self._steps <= WARMUP_STEPS:
             return
-        self._window.append((wait, elapsed))
+        self._window.append((wait, elapsed, microbatches))
         if len(self._window) < WINDOW_STEPS:
             return
-        total, waited = sum(step for _, step in self._window), sum(waited for waited, _ in self._window)
+        total, waited = sum(step for _, step, _ in self._window), sum(waited for waited, _, _ in self._window)
         fraction = waited / total if total > 0 else 0.0
-        if fraction <= threshold or waited < MIN_WARNED_WAIT_S * WINDOW_STEPS * self._datamodule.batches_per_step:
+        if fraction <= threshold or waited < MIN_WARNED_WAIT_S * sum(m for _, _, m in self._window):
             return
         self._warned = True
         workers = getattr(self._datamodule, "num_workers", None)

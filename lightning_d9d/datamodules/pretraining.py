@@ -25,10 +25,16 @@ from tokenizers import Tokenizer
 from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
-from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, mixture_arguments, say_unvalidated_sources
+from lightning_d9d.datamodules.pretraining_mixture import (
+    OnMixtureChange,
+    mixture_arguments,
+    say_unvalidated_sources,
+    shape_differences,
+)
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
-from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, restored_streams, saved_streams
+from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, migrate, restored_streams, saved_streams
 from lightning_d9d.device.pin import pin_batch
+from lightning_d9d.resume import StepLayout
 from lightning_d9d.streaming.estimate import estimate_pass
 from lightning_d9d.streaming.loader import (
     StreamPosition,
@@ -39,6 +45,7 @@ from lightning_d9d.streaming.loader import (
 )
 from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.packing import RowBlock, sequence_bounds
+from lightning_d9d.streaming.shape import Shape, ShapeSchedule, StepValues
 from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.topology import DataParallelSetting
@@ -60,6 +67,10 @@ class PretrainingBatch:
         cu_seqlens: int32 sequence offsets in the flattened microbatch (flash-attention varlen).
         cu_seqlens_padded: the offsets with CP padding (equal to ``cu_seqlens`` without CP).
         max_seqlen: the longest of those sequences.
+        step_target_tokens: the targets (``targets != -100``) of the whole optimizer step over every data-parallel
+            replica, what a per-token mean over the step divides by; ``None`` until known (several replicas outside
+            a Trainer: sum ``rank_step_target_tokens`` over them).
+        rank_step_target_tokens: the targets of this replica's microbatches of the step.
     """
 
     input_ids: torch.Tensor
@@ -69,20 +80,35 @@ class PretrainingBatch:
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
     max_seqlen: int
+    step_target_tokens: int | None = None
+    rank_step_target_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
 
-def make_batch(rows: RowBlock, spec: MixtureSpec, pin: bool, source: int | None = None) -> PretrainingBatch:
-    """The ``PretrainingBatch`` of a microbatch's rows; ``source``, where given, labels every row."""
+def make_batch(
+    rows: RowBlock,
+    step_targets: int | None,
+    spec: MixtureSpec,
+    pin: bool,
+    source: int | None = None,
+    all_targets: int | None = None,
+) -> PretrainingBatch:
+    """The ``PretrainingBatch`` of a microbatch's rows; ``source``, where given, labels every row.
+
+    Args:
+        step_targets: the targets of the replica's rows of the whole step (``None``: validation).
+        all_targets: the step's targets over every replica, where known without asking the others.
+    """
     input_ids, targets, positions = spec.packing.tensors(rows, spec.bos_id)
     if source is None:
         sources = torch.from_numpy(np.asarray(rows.sources, np.int64))
     else:
         sources = torch.full((len(rows),), source, dtype=torch.int64)
     cu_seqlens, cu_padded, max_seqlen = sequence_bounds(rows, positions, spec.sources[0].settings.context_parallel_size)
-    batch = PretrainingBatch(input_ids, targets, positions, sources, cu_seqlens, cu_padded, max_seqlen)
+    batch = PretrainingBatch(input_ids, targets, positions, sources, cu_seqlens, cu_padded, max_seqlen, all_targets,
+                             step_targets)  # fmt: skip
     return pin_batch(batch) if pin else batch
 
 
@@ -102,8 +128,10 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     Args:
         train_files: parquet or JSONL files (directory, glob, file, URL or list), or a mixture ``{name: files}``.
         tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
-        seq_len: tokens per row of ``input_ids``.
-        global_batch_size: rows per optimizer step over all ranks (G).
+        seq_len: tokens per row of ``input_ids``: a number, or phases ``[[from_step, seq_len], ...]`` (the first from
+            step 0); a new length carries every stream over, nothing dropped or repeated (docs/schedules.md).
+        global_batch_size: rows per optimizer step over all ranks (G): a number, phases ``[[from_step, G], ...]``, or
+            phases by trained tokens ``[{"from_tokens": n, "value": G}, ...]``; Lightning's accumulation follows.
         microbatch_size: rows per forward/backward on one rank.
         val_files: validation files, read in order; ``{name: files}``: one loader per source.
         text_column: the column (JSONL: the field) holding the documents.
@@ -121,7 +149,8 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         storage_options: filesystem options for URLs (a URL's query wins).
         read_retry_seconds: how long reads retry transient storage failures.
         weights: a mixture's shares, ``{name: weight}`` or phases ``[[from_step, {name: weight}], ...]``.
-        on_mixture_change: resuming under other weights or sources: ``"raise"`` or ``"continue"``.
+        on_mixture_change: resuming under other weights, sources, global batch sizes or ``seq_len`` (or their
+            phases): ``"raise"``, or ``"continue"`` every stream where it stopped under the new settings.
         allow_shared_files: accept a file two sources hold (it is then read twice).
         token_cache: a folder or URL keeping each unit's tokens for later passes and runs; ``None``: no cache.
         on_malformed: a malformed JSONL line: ``"error"`` or ``"skip"``.
@@ -129,6 +158,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         verify_peers: the first N steps compare microbatches among each replica's processes (0: off).
         data_wait_warning: warn once a fit if waiting for data exceeds this share of its steps.
         context_parallel_size: the CP size c rows are laid out for; ``seq_len`` must be a multiple of ``2·c``.
+        val_seq_len: validation rows' ``seq_len``; ``None``: that of the last ``seq_len`` phase.
 
     Raises:
         ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout.
@@ -147,13 +177,15 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     fingerprint: CorpusFingerprint | None = None
     steps_per_epoch: int | None = None  # type: ignore[assignment]
     estimated_pass_tokens: float | None = None
+    _layouts: dict = {}  # noqa: RUF012 (replaced, never changed in place)
+    _train_loader: TokenTrainLoader | None = None
 
     def __init__(
         self,
         train_files: Mapping[str, Any] | str | os.PathLike | Sequence[str | os.PathLike],
         tokenizer: str | os.PathLike | Tokenizer,
-        seq_len: PositiveInt = 1024,
-        global_batch_size: PositiveInt = 64,
+        seq_len: PositiveInt | list[tuple[NonNegativeInt, PositiveInt]] = 1024,
+        global_batch_size: PositiveInt | list[tuple[NonNegativeInt, PositiveInt]] | list[dict[str, int]] = 64,
         microbatch_size: PositiveInt = 8,
         val_files: Mapping[str, Any] | str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         text_column: str = "text",
@@ -180,6 +212,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         verify_peers: NonNegativeInt = 0,
         data_wait_warning: float | None = 0.2,
         context_parallel_size: PositiveInt = 1,
+        val_seq_len: PositiveInt | None = None,
     ):
         super().__init__()
         self.data_parallel, self.verify_peers, self.data_wait_warning = data_parallel, verify_peers, data_wait_warning
@@ -189,7 +222,8 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             tokenizer_batch_size=tokenizer_batch_size, context_parallel_size=context_parallel_size,
         )  # fmt: skip
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
-        microbatches_per_step(self.global_batch_size, 1, self.microbatch_size)  # G must be a multiple of m
+        self.val_seq_len = positive_int("val_seq_len", val_seq_len, allow_none=True)
+        self._check_microbatches(1)  # every phase's G must be a multiple of m
         self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
         self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
         self.num_workers = non_negative_int("num_workers", num_workers)
@@ -217,6 +251,80 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         """This replica's contiguous block of K / ``dp_size`` streams."""
         return rank_streams(self.num_streams, self.dp_size, self.dp_rank)
 
+    # ------------------------------------------------------------------ shapes
+    @property
+    def shapes(self) -> ShapeSchedule:
+        """The global batch size and ``seq_len`` of every step."""
+        return self.settings.shapes
+
+    def shape_at(self, step: int) -> Shape:
+        """The shape (global batch size, ``seq_len``) of global optimizer step ``step``."""
+        return self.shapes.at(step)
+
+    def global_batch_size_at(self, step: int) -> int:
+        """Rows of global optimizer step ``step`` over all ranks (for models and learning-rate schedules)."""
+        return self.shapes.global_batch_size_at(step)
+
+    def seq_len_at(self, step: int) -> int:
+        """Inputs per row of global optimizer step ``step``."""
+        return self.shapes.seq_len_at(step)
+
+    def microbatches_at(self, step: int) -> int:
+        """M of global optimizer step ``step`` on one data-parallel replica."""
+        return self.global_batch_size_at(step) // (self.dp_size * self.microbatch_size)
+
+    def microbatches_for(self, dp_size: int) -> int:
+        """M at data-parallel size ``dp_size`` (``ValueError`` where the global batch size has phases)."""
+        sizes = self.shapes.global_batch_sizes
+        if not sizes.fixed:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} has phases, so the microbatches per step depend on the "
+                "step: ask dm.microbatches_at(step) or dm.step_layout(epoch)"
+            )
+        return microbatches_per_step(sizes.values[0], dp_size, self.microbatch_size)
+
+    def _check_microbatches(self, dp_size: int) -> None:
+        """``ValueError`` naming the first phase whose G is not a multiple of ``dp_size × microbatch_size``."""
+        sizes = self.shapes.global_batch_sizes
+        for start, size in zip(sizes.starts, sizes.values):
+            try:
+                microbatches_per_step(size, dp_size, self.microbatch_size)
+            except ValueError as error:
+                if len(sizes.starts) == 1:
+                    raise
+                raise ValueError(f"global_batch_size phase from step {start}: {error}") from error
+
+    @property
+    def step_sizes_vary(self) -> bool:
+        return not self.shapes.global_batch_sizes.fixed
+
+    @property
+    def reloads_train_loader_every_epoch(self) -> bool:  # type: ignore[override]
+        return self.step_sizes_vary  # epochs may differ in microbatches: Lightning reads each epoch's length
+
+    def step_layout(self, epoch: int) -> StepLayout:
+        """This replica's microbatches of each step of ``epoch`` (global steps ``epoch × steps_per_epoch`` on)."""
+        per_epoch = self.steps_per_epoch
+        key = (epoch, per_epoch, self.dp_size)
+        layout = self._layouts.get(key)
+        if layout is None:
+            first, unit = epoch * per_epoch, self.dp_size * self.microbatch_size
+            stretches = list(self.shapes.global_batch_sizes.segments(first, first + per_epoch))
+            layout = StepLayout(
+                tuple(int(a) - first for a, _, _ in stretches), tuple(g // unit for _, _, g in stretches)
+            )
+            self._layouts = {**self._layouts, key: layout} if len(self._layouts) < 64 else {key: layout}
+        return layout
+
+    def describe_step(self) -> str:
+        if self.step_sizes_vary:
+            phases = ", ".join(f"{g} from step {a}" for a, g in zip(*_phases(self.shapes.global_batch_sizes)))
+            return (
+                f"global_batch_size phases ({phases}), data-parallel size {self.dp_size} and microbatch_size="
+                f"{self.microbatch_size} give {self.dp_size * self.microbatch_size} rows per microbatch over all ranks"
+            )
+        return super().describe_step()
+
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str | None = None) -> None:
         """Resolve files, read footers, load the tokenizer, check the layout, size the epoch."""
@@ -229,25 +337,25 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         corpus = PretrainingCorpus(
             self.settings, self.tokenizer, self.bos_token, self.storage, self.token_cache, self.on_malformed
         )
-        _ = self.microbatches_per_step  # raises early when G is not divisible by W·m
+        self._check_microbatches(self.dp_size)  # raises early when a G is not divisible by D·m
         check_layout(self.num_streams, self.dp_size, self.num_workers)
         if self.train_spec is None or stage in (None, "fit"):
             sources = self.sources
             train = corpus.train(sources.train, sources.schedule, sources.mixture, self.allow_shared_files)
             self.train_spec, self.fingerprint = train.spec, train.spec.fingerprint()
-            self.source_pass_rows, self.estimated_pass_tokens = train.source_pass_rows, train.pass_tokens
+            self.source_pass_rows, self.estimated_pass_tokens = train.source_pass_rows(), train.pass_tokens
             self.steps_per_epoch = self._steps_per_epoch_arg or train.steps_per_pass()
             self._say_cache_changes(train.spec)
         if self.sources.validation is not None and not self.val_specs:
             by_source = self.sources.validation_by_source
-            self.val_specs = corpus.validation(self.sources.validation, by_source, self.allow_shared_files)
+            self.val_specs = corpus.validation(
+                self.sources.validation, by_source, self.allow_shared_files, self.val_seq_len
+            )
             self.val_steps_per_source = [_val_steps_of(self, spec) for spec in self.val_specs]
         if stage in (None, "fit"):
-            self.start_fit(
-                StreamPosition(
-                    microbatches_per_step=self.microbatches_per_step, generation=self.position.generation + 1
-                )
-            )
+            self._layouts = {}
+            self._train_loader = None
+            self.start_fit(StreamPosition(layout=self.step_layout(0), generation=self.position.generation + 1))
 
     @property
     def val_steps(self) -> int | None:
@@ -255,21 +363,31 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         return self.val_steps_per_source[0] if self.val_steps_per_source else None
 
     def train_dataloader(self) -> TokenTrainLoader:
-        """This rank's training loader of ``PretrainingBatch`` (one epoch per iteration)."""
+        """This rank's training loader of ``PretrainingBatch`` (one epoch per iteration; the same loader, and the
+        same running streams, when asked again in a fit)."""
         spec = self._require(self.train_spec)
-        per_step = self.microbatches_per_step
+        if self._train_loader is not None and self._train_loader.spec is spec:
+            return self._train_loader
         loader = TokenTrainLoader(
             spec,
             self.owned_streams,
             self.num_workers,
             self.microbatch_size,
-            self.steps_per_epoch * per_step,
-            per_step,
+            lambda epoch: (self.step_layout(epoch), self.steps_in_epoch(epoch)),
             self.position,
             self.start_point,
-            functools.partial(make_batch, spec=spec, pin=self.resolve_pin_memory()),
+            functools.partial(self._train_batch, spec=spec, pin=self.resolve_pin_memory()),
         )
-        return self.track_loader(loader)
+        self._train_loader = self.track_loader(loader)
+        return loader
+
+    def _train_batch(self, rows: RowBlock, step_targets: int, spec: MixtureSpec, pin: bool) -> PretrainingBatch:
+        all_targets = None
+        if not (spec.packing.flagged or spec.sources[0].settings.cp_multiple > 1):
+            all_targets = step_targets * self.dp_size  # every position has a target: the same count on every replica
+        elif self.dp_size == 1:
+            all_targets = step_targets
+        return make_batch(rows, step_targets, spec, pin, all_targets=all_targets)
 
     def val_dataloader(self) -> TokenValidationLoader | list:
         """The same ``val_steps`` microbatches per rank on every run; one loader per mapped source."""
@@ -289,13 +407,25 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         states = self.position.committed_states(step)
         return saved_streams(states, self._require(self.train_spec), gather=self.dp_size > 1)
 
+    def other_differences(self, state_dict: dict[str, Any]) -> list[str]:
+        """The global batch size and ``seq_len`` (phases) the checkpoint differs in."""
+        try:
+            saved = ShapeSchedule.from_dict(migrate(state_dict)["shapes"])
+        except (KeyError, TypeError, ValueError):
+            return []  # a malformed state is named when it is read
+        return shape_differences(saved, self.shapes)[1]
+
     def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
         """Restore the streams this rank owns to the checkpoint's last optimizer step, validated first."""
         states = {}
         if state is not None:
             spec = self._require(self.train_spec)
             self.train_spec, states = restored_streams(state, spec, self.owned_streams, step, self.on_mixture_change)
-        self.position.restart(epoch, step, states, self.microbatches_per_step)
+        self.position.restart(epoch, step, states, self.step_layout(epoch))
+
+
+def _phases(values: StepValues) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return values.starts, values.values
 
 
 def _val_steps_of(dm: PretrainingDataModule, spec: MixtureSpec) -> int:

@@ -7,6 +7,8 @@ now, at the cost of opening each file once per ``setup``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from tokenizers import Tokenizer
 
 from lightning_d9d.datamodules.pretraining_mixture import SourceConfig
 from lightning_d9d.digest import digest
-from lightning_d9d.streaming.estimate import estimate_pass, first_text
+from lightning_d9d.streaming.estimate import PassSample, first_text, sample_pass
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
@@ -30,22 +32,40 @@ TOKEN_RECIPE_VERSION = 1
 
 @dataclass(frozen=True)
 class TrainCorpus:
-    """The training side of a corpus: the streams' spec and one pass's estimated tokens and rows per source."""
+    """The training side of a corpus: the streams' spec and one pass's estimated sample per source."""
 
     spec: MixtureSpec
-    pass_tokens: float
-    source_pass_rows: dict[str, float]
+    samples: dict[str, PassSample]
+
+    @property
+    def pass_tokens(self) -> float:
+        return sum(sample.tokens for sample in self.samples.values())
+
+    def source_pass_rows(self, step: int = 0) -> dict[str, float]:
+        """Estimated rows of one pass over each source, at the row length of ``step``."""
+        capacity = self.spec.capacity_at(step)
+        return {name: self.samples[name].rows(spec, capacity) for name, spec in zip(self.spec.names, self.spec.sources)}
 
     def steps_per_pass(self) -> int:
-        """Optimizer steps in one estimated pass over all sources (``ValueError`` if fewer than one)."""
-        settings = self.spec.sources[0].settings
-        rows = sum(self.source_pass_rows.values())
-        steps = int(rows // settings.global_batch_size)
+        """Whole optimizer steps in one estimated pass over all sources, the shape schedule followed (``ValueError``
+        if fewer than one): a step of ``G`` rows of length ``L`` takes ``G`` of the pass's rows at that length.
+        """
+        shapes, used, steps = self.spec.shapes, 0.0, 0
+        for first, end, shape in shapes.phases():
+            rows = sum(self.source_pass_rows(first).values())
+            share = shape.global_batch_size / rows if rows > 0 else math.inf  # of a pass, per step
+            fit = math.floor((1.0 - used) / share + 1e-9) if share > 0 else 0
+            if fit < end - first:
+                steps += fit
+                break
+            steps, used = steps + int(end - first), used + (end - first) * share
         if steps < 1:
+            first = shapes.at(0)
+            rows = sum(self.source_pass_rows(0).values())
             raise ValueError(
                 f"train_files are too small for one optimizer step: about {self.pass_tokens:.0f} tokens "
-                f"({rows:.1f} rows of seq_len+1={settings.seq_len + 1}) per pass, but one step takes "
-                f"global_batch_size={settings.global_batch_size} rows; add data, lower seq_len or "
+                f"({rows:.1f} rows of seq_len+1={first.capacity}) per pass, but one step takes "
+                f"global_batch_size={first.global_batch_size} rows; add data, lower seq_len or "
                 "global_batch_size, or set steps_per_epoch to cycle the data"
             )
         return steps
@@ -93,27 +113,32 @@ class PretrainingCorpus:
             ValueError: missing, shared or bad files, no text, or too few rows for K streams.
             StorageError: a URL could not be listed or opened.
         """
-        specs, pass_rows, total_tokens = [], {}, 0.0
+        specs, samples = [], {}
         whats = [f"train_files[{source.name!r}]" if mixture else "train_files" for source in sources]
         resolved = self._resolved(sources, whats, "train_files", allow_shared_files)
         for source, what, files in zip(sources, whats, resolved):
             spec = self.spec(source, files, what, shuffle=True)
-            tokens, pass_rows[source.name] = estimate_pass(spec)
+            samples[source.name] = sample_pass(spec)
             specs.append(spec)
-            total_tokens += tokens
-        plan = MixturePlan(schedule, self.settings.global_batch_size)
+        plan = MixturePlan(schedule, self.settings.shapes.global_batch_sizes)
         mixture = MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan)
-        return TrainCorpus(mixture, total_tokens, pass_rows)
+        return TrainCorpus(mixture, samples)
 
     def validation(
-        self, sources: Sequence[SourceConfig], by_source: bool, allow_shared_files: bool
+        self, sources: Sequence[SourceConfig], by_source: bool, allow_shared_files: bool, seq_len: int | None = None
     ) -> list[MixtureSpec]:
-        """The streams of every validation source, each read in file order."""
+        """The streams of every validation source, each read in file order, in rows of one shape: ``seq_len``
+        (default: the last phase's) and the last phase's global batch size.
+        """
+        shapes = self.settings.shapes
+        last = shapes.at(max(shapes.boundaries))
+        settings = dataclasses.replace(self.settings, seq_len=seq_len or last.seq_len,
+                                       global_batch_size=last.global_batch_size)  # fmt: skip
         whats = [f"val_files[{source.name!r}]" if by_source else "val_files" for source in sources]
         resolved = self._resolved(sources, whats, "val_files", allow_shared_files)
-        plans = [MixturePlan(MixtureSchedule([source.name]), self.settings.global_batch_size) for source in sources]
+        plans = [MixturePlan(MixtureSchedule([source.name]), last.global_batch_size) for source in sources]
         return [
-            MixtureSpec((source.name,), (self.spec(source, files, what, shuffle=False),), plan)
+            MixtureSpec((source.name,), (self.spec(source, files, what, shuffle=False, settings=settings),), plan)
             for source, what, files, plan in zip(sources, whats, resolved, plans)
         ]
 
@@ -126,8 +151,10 @@ class PretrainingCorpus:
             check_shared_files([(source.name, files) for source, files in zip(sources, resolved)], what)
         return resolved
 
-    def spec(self, source: SourceConfig, files: list[str], what: str, shuffle: bool) -> StreamSpec:
-        """The spec of the K streams ``source``'s row groups are dealt to."""
+    def spec(
+        self, source: SourceConfig, files: list[str], what: str, shuffle: bool, settings: StreamSettings | None = None
+    ) -> StreamSpec:
+        """The spec of the K streams ``source``'s row groups are dealt to (with ``settings``, default the corpus's)."""
         index = self.scan(files, what, source.text_column)
         try:
             units = Units.of(index, self.settings.num_streams)
@@ -136,8 +163,8 @@ class PretrainingCorpus:
                 raise
             raise ValueError(f"{what}: {error}") from error
         cache = StreamCache(self._token_cache(source.text_column), index) if self.token_cache is not None else None
-        return StreamSpec(self.settings, index, units, self.tokenizer_json, self.bos_id, self.pad_id, shuffle,
-                          cache=cache)  # fmt: skip
+        return StreamSpec(settings or self.settings, index, units, self.tokenizer_json, self.bos_id, self.pad_id,
+                          shuffle, cache=cache)  # fmt: skip
 
     def _token_cache(self, text_column: str) -> TokenCache:
         """A source's token cache, keyed by everything that decides its documents' tokens."""

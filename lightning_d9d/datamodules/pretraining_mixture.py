@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.mixture_stream import MixtureState
+from lightning_d9d.streaming.shape import ShapeSchedule
 from lightning_d9d.streaming.spec import MixtureSpec, StreamSpec
 from lightning_d9d.streaming.stream import StreamState
 
@@ -121,29 +122,67 @@ def say_unvalidated_sources(sources: Sources) -> list[str]:
     return missing
 
 
-def resumed_plan(spec: MixtureSpec, saved: Any, step: int, on_change: OnMixtureChange) -> MixturePlan:
-    """The plan a resume continues with: the checkpoint's if the shares are unchanged, else (``"continue"``) this run's.
+def resumed_plan(
+    spec: MixtureSpec, saved: Any, saved_shapes: Any, step: int, on_change: OnMixtureChange
+) -> MixturePlan:
+    """The plan a resume continues with: the checkpoint's if its shares and shapes are this run's, else
+    (``"continue"``) this run's, counted from ``step`` on from the rows each source gave before it.
 
     Raises:
-        ValueError: other shares with ``on_change="raise"``, or a malformed saved plan.
+        ValueError: other shares, sources, global batch sizes or ``seq_len`` with ``on_change="raise"``.
+        InvalidDataState: a malformed saved plan or shape schedule.
     """
     try:
         old = MixturePlan.from_dict(saved)
     except (KeyError, TypeError, ValueError) as err:
         raise InvalidDataState("mixture", saved, f"expected the mixture plan a checkpoint saves ({err})") from err
+    try:
+        old_shapes = ShapeSchedule.from_dict(saved_shapes)
+    except (KeyError, TypeError, ValueError) as err:
+        raise InvalidDataState("shapes", saved_shapes, f"the shape schedule a checkpoint saves ({err})") from err
     new = spec.plan.schedule
-    message = old.schedule.change_message(new, step)
-    if message is None and old.schedule.sources != new.sources:
-        message = (
+    changes = (old.schedule.change_message(new, step), _shape_change(old_shapes, spec.shapes, step))
+    messages = [message for message in changes if message]
+    if not messages and old.schedule.sources != new.sources:
+        messages.append(
             f"the sources are in another order than the checkpoint's ({list(old.schedule.sources)}, now "
             f"{list(new.sources)}); keep their order, or pass on_mixture_change='continue'"
         )
-    if message is None:
+    if not messages:
         return old
     if on_change != "continue":
-        raise ValueError(message)
+        raise ValueError("; ".join(messages))
     done = dict(zip(old.schedule.sources, old.cumulative_rows(step)))
     return MixturePlan(new, spec.plan.rows_per_step, step, [done.get(name, 0) for name in new.sources])
+
+
+def shape_differences(old: ShapeSchedule, new: ShapeSchedule) -> tuple[int | None, list[str]]:
+    """The first step whose shape differs, and ``name: checkpoint X, this run Y`` for each setting that differs."""
+    first = old.first_difference(new)
+    if first is None:
+        return None, []
+    was, now = old.to_dict(), new.to_dict()
+    return first, [
+        f"{name}: checkpoint {_spelled(was[name])}, this run {_spelled(now[name])}"
+        for name in ("global_batch_size", "seq_len")
+        if was[name] != now[name]
+    ]
+
+
+def _spelled(phases: list[list[int]]) -> Any:
+    return phases[0][1] if len(phases) == 1 else phases
+
+
+def _shape_change(old: ShapeSchedule, new: ShapeSchedule, step: int) -> str | None:
+    """Why resuming at ``step`` with ``new`` shapes (``old`` the checkpoint's) is a change, or ``None``."""
+    first, changed = shape_differences(old, new)
+    if first is None:
+        return None
+    return (
+        f"the shapes differ from the checkpoint's from step {first} (resuming at step {step}): {', '.join(changed)}; "
+        "restore the checkpoint's global_batch_size and seq_len (and their phases), or pass "
+        "on_mixture_change='continue' to continue every stream from where it stopped in the new shapes"
+    )
 
 
 def source_stats(spec: MixtureSpec, states: Mapping[int, MixtureState]) -> dict:

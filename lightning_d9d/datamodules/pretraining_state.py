@@ -20,7 +20,7 @@ from lightning_d9d.streaming.mixture_stream import MixtureState
 from lightning_d9d.streaming.spec import MixtureSpec
 from lightning_d9d.streaming.state import mapping
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 def saved_streams(states: Mapping[int, MixtureState], spec: MixtureSpec, gather: bool) -> dict[str, Any]:
@@ -38,21 +38,59 @@ def saved_streams(states: Mapping[int, MixtureState], spec: MixtureSpec, gather:
     for rank in ranks:
         for sid, state in rank.items():
             streams.setdefault(sid, state)
-    return {"version": STATE_VERSION, "streams": streams, "mixture": spec.plan.to_dict()}
+    shapes = spec.shapes.to_dict()
+    return {"version": STATE_VERSION, "streams": streams, "mixture": spec.plan.to_dict(), "shapes": shapes}
 
 
 def migrate(state: dict[str, Any]) -> dict[str, Any]:
-    """A saved state in this version's format.
+    """A saved state in this version's format (version 1, one fixed shape, is read too).
 
     Raises:
         ValueError: a version this package cannot read.
+        InvalidDataState: a version-1 state without the shape its fingerprint held.
     """
-    if state.get("version") != STATE_VERSION:
+    version = state.get("version")
+    if version == 1:
+        return _from_version_1(state)
+    if version != STATE_VERSION:
         raise ValueError(
-            f"unknown PretrainingDataModule state version {state.get('version')!r} (this version reads "
+            f"unknown PretrainingDataModule state version {version!r} (this version reads 1 and "
             f"{STATE_VERSION}): the checkpoint was written by another version of lightning_d9d"
         )
     return state
+
+
+def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 had one shape, in the fingerprint, and best-fit pieces located by chunk number (of that row
+    length) with a checksum over a whole row's prefix; version 2 saves the shapes and locates pieces by token.
+    """
+    fingerprint = mapping(state.get("fingerprint"), "fingerprint")
+    seq_len, size = fingerprint.get("seq_len"), fingerprint.get("global_batch_size")
+    if not isinstance(seq_len, int) or not isinstance(size, int):
+        raise InvalidDataState("fingerprint", fingerprint, "a version-1 state holds seq_len and global_batch_size")
+    capacity = seq_len + 1
+    streams = {}
+    for sid, stream in mapping(state.get("streams"), "streams").items():
+        sources = {}
+        for name, sub in mapping(mapping(stream, f"streams.{sid}").get("sources"), f"streams.{sid}.sources").items():
+            packing = dict(mapping(mapping(sub, name).get("packing"), f"streams.{sid}.sources.{name}.packing"))
+            if packing.get("kind") in ("bestfit", "bestfit_split") and "buffer" in packing:
+                packing["buffer"] = _buffer_from_version_1(_loaded(packing["buffer"]), packing["kind"], capacity)
+            sources[name] = {**sub, "packing": packing}
+        streams[sid] = {**stream, "sources": sources}
+    shapes = {"global_batch_size": [[0, size]], "seq_len": [[0, seq_len]]}
+    return {**state, "version": STATE_VERSION, "streams": streams, "shapes": shapes}
+
+
+def _buffer_from_version_1(buffer: Any, kind: str, capacity: int) -> Any:
+    if not isinstance(buffer, np.ndarray) or buffer.ndim != 2 or buffer.shape[1] != 7:
+        return buffer  # left to the stream's own check, which names it
+    seq, length, key0, key1, chunk, final, checksum = (buffer[:, i] for i in range(7))
+    if kind == "bestfit_split":
+        offset, hashed = chunk * capacity, np.where((chunk == 0) & (final == 1), 0, length)
+    else:
+        offset, hashed = np.zeros_like(chunk), np.where(final == 1, 0, capacity)
+    return np.stack([seq, length, key0, key1, offset, final, checksum, hashed], axis=1).astype(np.int64)
 
 
 def restored_streams(
@@ -77,7 +115,8 @@ def restored_streams(
     steps = sorted({state.step for state in states.values()})
     if len(steps) > 1:
         raise InvalidDataState("streams.*.step", steps, "every stream is saved at the same step")
-    spec = spec.with_plan(resumed_plan(spec, state.get("mixture"), steps[0] if steps else 0, on_mixture_change))
+    plan = resumed_plan(spec, state.get("mixture"), state.get("shapes"), steps[0] if steps else 0, on_mixture_change)
+    spec = spec.with_plan(plan)
     for sid, stream_state in states.items():
         stream_state.check(spec, sid, f"streams.{sid}")
     return spec, states

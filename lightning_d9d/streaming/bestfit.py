@@ -44,8 +44,14 @@ from lightning_d9d.streaming.state import field as state_field
 if TYPE_CHECKING:
     from lightning_d9d.streaming.spec import StreamSpec
 
-META_COLUMNS = ("seq", "length", "key0", "key1", "chunk", "final", "hash")
-"""The integers that describe a buffered piece (``key0``/``key1``: its document's row group and row)."""
+Fetch = Callable[[np.ndarray, int], np.ndarray]
+"""``fetch(row, need)``: a buffered piece's tokens from its ``offset`` on, at least ``need`` where there are as many."""
+
+META_COLUMNS = ("seq", "length", "key0", "key1", "offset", "final", "hash", "hashed")
+"""The integers that describe a buffered piece, none of them tied to a row length: its insertion number, its length
+(``bestfit``: its document's), its document's row group and row (``key0``/``key1``), where it starts in its
+BOS-prefixed document, whether it runs to the document's end, and the CRC-32 of its first ``hashed`` tokens
+(``hashed`` 0: a whole document, verified by its length)."""
 
 
 class _PieceBuffer:
@@ -135,9 +141,12 @@ class BestFitPacker:
         counters: the stream's counters (the packer adds what it emits, pads, crops and splits).
         cp_multiple: pieces are padded to a multiple of this (``2·context_parallel_size``; 1: no CP padding).
         pad_id: the token id written at padding positions.
+        hold: tokens a document's buffered prefix keeps (``bestfit``; default ``capacity``): the largest row it may
+            meet, so that rows may grow (:meth:`reshape`) without reading it again.
 
     Raises:
-        ValueError: ``capacity <= 1``, ``buffer_size <= 0``, or ``cp_multiple`` not dividing ``capacity - 1``.
+        ValueError: ``capacity <= 1``, ``buffer_size <= 0``, ``cp_multiple`` not dividing ``capacity - 1``, or
+            ``hold < capacity``.
     """
 
     split = False  # documents longer than a row are split into chunks (else kept as a row-sized prefix)
@@ -150,38 +159,47 @@ class BestFitPacker:
         counters: StreamCounters | None = None,
         cp_multiple: int = 1,
         pad_id: int = 0,
+        hold: int | None = None,
     ) -> None:
-        if capacity <= 1:
-            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
         if buffer_size <= 0:
             raise ValueError(f"best-fit buffer_size must be > 0, got {buffer_size}")
-        if cp_multiple < 1 or (capacity - 1) % cp_multiple:
-            raise ValueError(f"cp_multiple={cp_multiple} must be >= 1 and divide seq_len={capacity - 1}")
-        self.capacity, self.buffer_size, self.growth = capacity, buffer_size, growth
-        self.cp_multiple, self.pad_id = cp_multiple, pad_id
+        if cp_multiple < 1:
+            raise ValueError(f"cp_multiple={cp_multiple} must be >= 1")
+        self.buffer_size, self.growth, self.cp_multiple, self.pad_id = buffer_size, growth, cp_multiple, pad_id
+        self.capacity = self._checked_capacity(capacity)
+        self.hold = capacity if hold is None else hold
+        if self.hold < capacity:
+            raise ValueError(f"hold={self.hold} must be at least the row capacity {capacity}")
         self.flagged = self.split or cp_multiple > 1  # rows carry START / NO_TARGET (/ CP_PAD) flags
         self.counters = counters if counters is not None else StreamCounters()
         self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
         self.next_seq = 0
         self.added = 0  # documents added: each refill() must add one
         self._buffer = _PieceBuffer(max(16, 2 * buffer_size))
-        self._fetch: Callable[[np.ndarray], np.ndarray] | None = None
+        self._fetch: Fetch | None = None
+
+    def _checked_capacity(self, capacity: int) -> int:
+        if capacity <= 1:
+            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
+        if (capacity - 1) % self.cp_multiple:
+            raise ValueError(f"cp_multiple={self.cp_multiple} must divide seq_len={capacity - 1}")
+        return capacity
 
     def __len__(self) -> int:
         return self._buffer.count
 
     def add(self, tokens: np.ndarray, length: int, key: tuple[int, int]) -> None:
-        """Buffer one document's first ``min(length, capacity)`` tokens (BOS first), ordered by ``length``."""
-        capacity = self.capacity
-        keep = length if length < capacity else capacity
+        """Buffer one document's first ``min(length, hold)`` tokens (BOS first), ordered by ``length``."""
+        hold = self.hold
+        keep = length if length < hold else hold
         if len(tokens) != keep:
             if len(tokens) < keep:
                 raise ValueError(f"document prefix has {len(tokens)} tokens, expected {keep}")
             tokens = tokens[:keep]
-        whole = length <= capacity
+        whole = length <= hold
         seq = self.next_seq
-        self._buffer.push(length, (seq, length, key[0], key[1], 0, int(whole), 0 if whole else prefix_hash(tokens)),
-                          (tokens, False))  # fmt: skip
+        checksum, hashed = (0, 0) if whole else (prefix_hash(tokens), hold)
+        self._buffer.push(length, (seq, length, key[0], key[1], 0, int(whole), checksum, hashed), (tokens, False))
         self.next_seq = seq + 1
         self.added += 1
         self.counters.docs += 1
@@ -204,7 +222,7 @@ class BestFitPacker:
         marks: tuple[list[int], list[int], list[int], list] | None = ([], [], [], []) if self.flagged else None
         padding = cp_padding = 0
         for r in range(num_rows):
-            pos = 0
+            pos, open_end = 0, False  # open_end: the piece before ends inside its document
             size = self.growth.size(self.buffer_size, self.rows_taken)
             self.rows_taken += 1
             while pos < capacity:
@@ -223,8 +241,11 @@ class BestFitPacker:
                 out[r, pos : pos + length] = tokens
                 if marks is not None:
                     marks[0].append(r * capacity + pos)
-                    if continuation:  # its predecessor in the row is another document
+                    # Not the target of the token before it: that token is another document's, or (a piece cut at
+                    # a shorter row length, now sharing a row) it is followed in its own document by other text.
+                    if continuation or open_end:
                         marks[1].append(r * capacity + pos)
+                    open_end = not buffer.table[slot, 5]
                 pos += length
                 if multiple > 1 and pos < capacity:
                     pos, padded = self._cp_pad(out, r, pos, marks)
@@ -264,43 +285,88 @@ class BestFitPacker:
             marks[1].append(at + stop)
         return stop, stop - pos
 
-    def reset(self, buffer: np.ndarray, next_seq: int, fetch: Callable[[np.ndarray], np.ndarray] | None) -> None:
-        """Continue from a saved buffer, lazily: a piece's tokens are fetched (``fetch(row) -> tokens``) and verified
-        when first picked, so a resume tokenizes a few documents, not the buffer.
+    def reset(self, buffer: np.ndarray, next_seq: int, fetch: Fetch | None) -> None:
+        """Continue from a saved buffer, lazily: a piece's tokens are fetched (``fetch(row, need) -> tokens`` from its
+        ``offset``, at least ``need`` of them where the document has as many) and verified when first picked, so a
+        resume tokenizes a few documents, not the buffer. Pieces longer than this packer's rows
+        (``bestfit_split``, saved under a shorter ``seq_len``... or a longer one) are split now, as :meth:`reshape`.
 
         Raises:
             RuntimeError: the packer is not empty.
-            ValueError: a malformed buffer, pieces that do not fit this packer's rows, or pieces but no ``fetch``.
+            ValueError: a malformed buffer, or pieces but no ``fetch``.
         """
         if self._buffer.count:
             raise RuntimeError("reset() needs an empty packer")
         buffer = np.asarray(buffer, np.int64)
         if buffer.ndim != 2 or (len(buffer) and buffer.shape[1] != len(META_COLUMNS)):
             raise ValueError(f"a best-fit buffer must be (pieces, {len(META_COLUMNS)}), got {buffer.shape}")
-        if self.split and len(buffer) and not ((buffer[:, 1] >= 1) & (buffer[:, 1] <= self.capacity)).all():
-            raise ValueError(
-                f"the buffer holds pieces of {int(buffer[:, 1].min())}..{int(buffer[:, 1].max())} tokens, rows here "
-                f"hold {self.capacity} (was seq_len changed since the checkpoint?)"
-            )
         if len(buffer) and fetch is None:
             raise ValueError("a state with buffered pieces needs fetch() to rebuild their tokens")
         self._fetch = fetch
-        for row in buffer.tolist():
-            self._buffer.push(row[1], tuple(row), (None, row[4] > 0))
         self.next_seq = next_seq
+        self._arrange(buffer, {})
 
-    def _materialize(self, row: np.ndarray) -> np.ndarray:
-        _seq, length, key0, key1, chunk, final, checksum = row.tolist()
-        tokens = np.asarray(self._fetch(row), np.int32)
-        expected = min(length, self.capacity)
-        hashed = chunk > 0 or not final  # a whole document's tokens are pinned down by its length
-        if len(tokens) < expected or (prefix_hash(tokens[:expected]) != checksum if hashed else len(tokens) != length):
+    def reshape(self, capacity: int) -> None:
+        """Pack rows of ``capacity`` tokens from now on, keeping every buffered piece: under ``bestfit_split`` a piece
+        longer than the new rows is split into row-sized pieces now (its tokens verified as on a resume). The
+        result depends only on the buffer's rows, so a stream resumed at the same point reshapes alike.
+
+        Raises:
+            ValueError: a capacity that is not > 1, is below what the buffer holds (``bestfit``), or that the CP
+                multiple does not divide; a piece that no longer matches its checksum.
+        """
+        if capacity == self.capacity:
+            return
+        if not self.split and capacity > self.hold:
+            raise ValueError(f"rows of {capacity} tokens need documents' prefixes of as many, this packer keeps "
+                             f"{self.hold}")  # fmt: skip
+        payloads = {}
+        for bucket in self._buffer.by_length.values():
+            for slot, payload in bucket:
+                payloads[int(self._buffer.table[slot, 0])] = payload
+        rows = self.snapshot()
+        self.capacity = self._checked_capacity(capacity)
+        self._buffer = _PieceBuffer(len(self._buffer.table))
+        self._arrange(rows, payloads)
+
+    def _arrange(self, rows: np.ndarray, payloads: dict[int, Any]) -> None:
+        """Buffer ``rows`` (sorted by insertion number) with their ``payloads`` (by insertion number; lazy where
+        missing); a ``bestfit_split`` piece longer than a row is replaced by its row-sized pieces, numbered after
+        every other piece, so insertion order and numbers agree.
+        """
+        capacity, split = self.capacity, self.split
+        kept, pieces = [], []
+        for row in rows.tolist():
+            payload = payloads.get(row[0], (None, row[4] > 0))
+            if not split or row[1] <= capacity:
+                kept.append((row, payload))
+                continue
+            tokens = payload[0] if payload[0] is not None else self._materialize(np.asarray(row, np.int64), row[1])
+            count = -(-row[1] // capacity)
+            for j in range(count):
+                piece = tokens[j * capacity : (j + 1) * capacity]
+                final = int(bool(row[5]) and j == count - 1)
+                pieces.append(([0, len(piece), row[2], row[3], row[4] + j * capacity, final, prefix_hash(piece),
+                                len(piece)], (piece, row[4] + j * capacity > 0)))  # fmt: skip
+        for piece in pieces:
+            piece[0][0] = self.next_seq
+            self.next_seq += 1
+        for row, payload in (*kept, *pieces):
+            self._buffer.push(row[1], tuple(row), payload)
+
+    def _materialize(self, row: np.ndarray, keep: int | None = None) -> np.ndarray:
+        """A lazily restored piece's tokens, fetched and verified: its first ``keep`` (default: what a row takes)."""
+        _seq, length, key0, key1, offset, _final, checksum, hashed = row.tolist()
+        keep = min(length, self.capacity) if keep is None else keep
+        need = max(keep, hashed) if hashed else length
+        tokens = np.asarray(self._fetch(row, need), np.int32)
+        if (len(tokens) < hashed or prefix_hash(tokens[:hashed]) != checksum) if hashed else len(tokens) != length:
             raise ValueError(
-                f"buffered piece {chunk} of document {(key0, key1)} does not match its saved length {length}"
-                + (" / checksum" if hashed else "")
-                + f" (got {len(tokens)} tokens; did the data files or the tokenizer change since the checkpoint?)"
+                f"buffered piece at token {offset} of document {(key0, key1)} does not match its saved length "
+                f"{length}" + (" / checksum" if hashed else "") + f" (got {len(tokens)} tokens; did the data files "
+                "or the tokenizer change since the checkpoint?)"
             )
-        return tokens[:expected]
+        return tokens[:keep]
 
     def snapshot(self) -> np.ndarray:
         """The buffered pieces as int64 rows of ``META_COLUMNS``, in insertion order."""
@@ -319,7 +385,8 @@ class BestFitSplitPacker(BestFitPacker):
     Args:
         capacity: tokens per row (``seq_len + 1``).
         pad_id: the token id written at padding positions.
-        buffer_size, growth, counters, cp_multiple: as :class:`BestFitPacker`'s.
+        buffer_size, growth, counters, cp_multiple: as :class:`BestFitPacker`'s (a split piece never exceeds a row,
+            so nothing is held beyond it).
     """
 
     split = True
@@ -344,13 +411,23 @@ class BestFitSplitPacker(BestFitPacker):
         capacity, seq, push = self.capacity, self.next_seq, self._buffer.push
         key0, key1 = key
         if length <= capacity:
-            push(length, (seq, length, key0, key1, 0, 1, 0), (tokens, False))
+            push(length, (seq, length, key0, key1, 0, 1, 0, 0), (tokens, False))
             self.next_seq = seq + 1
         else:
             pieces = -(-length // capacity)
             for chunk in range(pieces):
-                piece = tokens[chunk * capacity : (chunk + 1) * capacity]
-                row = (seq + chunk, len(piece), key0, key1, chunk, int(chunk == pieces - 1), prefix_hash(piece))
+                at = chunk * capacity
+                piece = tokens[at : at + capacity]
+                row = (
+                    seq + chunk,
+                    len(piece),
+                    key0,
+                    key1,
+                    at,
+                    int(chunk == pieces - 1),
+                    prefix_hash(piece),
+                    len(piece),
+                )
                 push(len(piece), row, (piece, chunk > 0))
             self.next_seq = seq + pieces
             self.counters.split_docs += 1
@@ -428,13 +505,14 @@ class BestFitState:
         check_column(buffer, 0, "seq", where, 0, self.next_seq)
         if len(np.unique(buffer[:, 0])) != len(buffer):
             raise InvalidDataState(f"{where}.seq", buffer[:, 0].tolist()[:20], "insertion numbers must be distinct")
-        split = self.kind == "bestfit_split"
-        check_column(buffer, 1, "length", where, 1, spec.capacity + 1 if split else np.iinfo(np.int64).max)
+        split, unbounded = self.kind == "bestfit_split", np.iinfo(np.int64).max
+        check_column(buffer, 1, "length", where, 1, unbounded)
         check_column(buffer, 2, "key0 (row group)", where, 0, len(spec.index.num_rows))
         check_column(buffer, 3, "key1 (row)", where, 0, spec.index.num_rows[buffer[:, 2]])
-        check_column(buffer, 4, "chunk", where, 0, np.iinfo(np.int64).max if split else 1)
+        check_column(buffer, 4, "offset", where, 0, unbounded if split else 1)
         check_column(buffer, 5, "final", where, 0, 2)
         check_column(buffer, 6, "hash", where, 0, 1 << 32)
+        check_column(buffer, 7, "hashed", where, 0, unbounded)
 
 
 @dataclass(slots=True)
@@ -473,30 +551,45 @@ class BestFitStage(PackingStage):
     ):
         super().__init__(spec, units, counters)
         self.start = state
-        multiple = spec.settings.cp_multiple
-        self.packer = (
-            BestFitSplitPacker(spec.capacity, spec.pad_id, spec.buffer_size, state.growth, counters, multiple)
-            if state.kind == "bestfit_split"
-            else BestFitPacker(spec.capacity, spec.buffer_size, state.growth, counters, multiple, spec.pad_id)
-        )
-        self.packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
-        fetch = buffer_fetch(spec, state.buffer, texts) if len(state.buffer) else None
-        self.packer.reset(state.buffer, state.next_seq, fetch)
+        self.fetch = buffer_fetch(spec, state.buffer, texts) if len(state.buffer) else None
+        self.packer: BestFitPacker | None = None  # made at the first block that takes rows, at its row length
 
-    def blocks(self, chunks: Iterator[Any], sizes: Iterator[int]) -> Generator[tuple[RowBlock, Any], None, None]:
-        spec, start, packer = self.spec, self.start, self.packer
-        cursor = _Cursor()
-        refill = self._refiller(chunks, cursor)
-        state, take, flagged = start, packer.take, packer.flagged
+    def _packer(self, capacity: int) -> BestFitPacker:
+        """The packer of the first block that takes rows, holding the start's buffer (split at ``capacity``)."""
+        spec, state, counters = self.spec, self.start, self.counters
+        multiple = spec.settings.cp_multiple
+        if state.kind == "bestfit_split":
+            packer = BestFitSplitPacker(capacity, spec.pad_id, spec.buffer_size, state.growth, counters, multiple)
+        else:
+            packer = BestFitPacker(capacity, spec.buffer_size, state.growth, counters, multiple, spec.pad_id,
+                                   hold=max(capacity, spec.max_capacity))  # fmt: skip
+        packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
+        packer.reset(state.buffer, state.next_seq, self.fetch)
         packer._buffer.advance(None)  # the restored buffer is the start's: changes count from here
-        last = start.buffer
+        return packer
+
+    def blocks(
+        self, chunks: Iterator[Any], sizes: Iterator[tuple[int, int]]
+    ) -> Generator[tuple[RowBlock, Any], None, None]:
+        spec, start = self.spec, self.start
+        cursor = _Cursor()
+        state, last = start, None
+        packer: BestFitPacker | None = None
         while True:
-            rows_per_block = next(sizes)
+            rows_per_block, capacity = next(sizes)
             if rows_per_block == 0:  # nothing taken: the buffer and the position stay
-                yield RowBlock.empty(spec.capacity, flagged), state
+                yield RowBlock.empty(capacity, spec.packing.flagged or spec.settings.cp_multiple > 1), state
                 continue
+            if packer is None:
+                packer = self.packer = self._packer(capacity)
+                refill = self._refiller(chunks, cursor, packer)
+                last = None  # the restored buffer may be re-cut: its rows are described whole, once
+            elif capacity != packer.capacity:  # a new row length: the buffer carries over, re-cut where needed
+                packer.reshape(capacity)
+                packer._buffer.advance(None)
+                last = None
             added = packer.added
-            tokens, flags = take(rows_per_block, refill)
+            tokens, flags = packer.take(rows_per_block, refill)
             read = state.read
             if packer.added != added:  # only the last document added names the position
                 read = self.after(cursor.laid.chunk, cursor.next_doc - 1)
@@ -506,9 +599,9 @@ class BestFitStage(PackingStage):
             last = buffer
             yield RowBlock(tokens, flags), state
 
-    def _refiller(self, chunks: Iterator[Any], cursor: _Cursor) -> Callable[[], None]:
+    def _refiller(self, chunks: Iterator[Any], cursor: _Cursor, packer: BestFitPacker) -> Callable[[], None]:
         """``refill()``: add the next document (one per call, so the buffer never depends on chunk sizes)."""
-        packer, counters = self.packer, self.counters
+        counters = self.counters
         split = packer.split
         add = packer.add
 

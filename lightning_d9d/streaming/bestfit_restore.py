@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 BufferedTexts = Mapping[tuple[int, int], str]
 
 
-def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None = None) -> Callable[[Any], Any]:
+def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None = None) -> Callable[[Any, int], Any]:
     """The ``fetch`` a best-fit packer needs to rebuild the buffer ``meta`` (``texts``: already read, or ``None``).
 
     Raises:
@@ -41,7 +41,7 @@ def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None
     return _SplitFetch(spec, meta, own) if spec.packing.flagged else _PrefixFetch(spec, meta, own)
 
 
-def _cached_fetch(spec: StreamSpec, meta: np.ndarray) -> Callable[[Any], Any] | None:
+def _cached_fetch(spec: StreamSpec, meta: np.ndarray) -> Callable[[Any, int], Any] | None:
     """A ``fetch`` that cuts every piece from its unit's cached tokens, or ``None`` when a unit is not cached."""
     units, documents = spec.units, {}
     for group in np.unique(meta[:, 2]).tolist():
@@ -60,17 +60,15 @@ def _cached_fetch(spec: StreamSpec, meta: np.ndarray) -> Callable[[Any], Any] | 
                 return None  # a buffered row the cache does not hold as a document: another content
             for row, doc in zip(inside.tolist(), at.tolist()):
                 documents[(group, row)] = cached.ids(doc)
-    capacity, bos = spec.capacity, spec.bos_id
+    bos = spec.bos_id
 
-    def fetch(row: np.ndarray) -> np.ndarray:
-        length, chunk = int(row[1]), int(row[4])
+    def fetch(row: np.ndarray, need: int) -> np.ndarray:
         ids = documents[(int(row[2]), int(row[3]))]
-        start = chunk * capacity
-        end = start + min(length, capacity)
-        tokens = np.empty(min(len(ids) + 1, end), np.int32)  # BOS, then the ids up to the piece's end
+        start = int(row[4])
+        tokens = np.empty(min(len(ids) + 1, start + need), np.int32)  # BOS, then the ids up to the piece's end
         tokens[0] = bos
         tokens[1:] = ids[: len(tokens) - 1]
-        return tokens[start:end]
+        return tokens[start:]
 
     return fetch
 
@@ -102,56 +100,57 @@ def _own_texts(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None) 
 
 
 class _PrefixFetch:
-    """``fetch`` for ``bestfit``: the row-sized prefix of a document, from a text prefix where it is long."""
+    """``fetch`` for ``bestfit``: a document's first ``need`` tokens, from a text prefix where it is long."""
 
     def __init__(self, spec: StreamSpec, meta: np.ndarray, texts: dict[tuple[int, int], str]):
         self.spec = spec
-        capacity = spec.capacity
         self.texts = texts
         self.trimmed: set[tuple[int, int]] = set()  # texts kept as a prefix only
         for row in meta.tolist():
-            key, length = (row[2], row[3]), row[1]
-            if length > capacity:  # keep a generous text prefix; the rest is re-read if ever needed
+            key, length, hashed = (row[2], row[3]), row[1], row[7]
+            if hashed:  # a long document: keep a generous text prefix; the rest is re-read if ever needed
                 text = self.texts[key]
-                keep = 16 * self._prefix_chars(text, length)
+                keep = 16 * self._prefix_chars(text, length, max(hashed, spec.max_capacity))
                 if len(text) > keep:
                     self.texts[key] = text[:keep]
                     self.trimmed.add(key)
         self.uses = Counter(zip(meta[:, 2].tolist(), meta[:, 3].tolist()))  # a small corpus may buffer a doc twice
 
-    def __call__(self, row: np.ndarray) -> np.ndarray:
-        group, index, length = int(row[2]), int(row[3]), int(row[1])
+    def __call__(self, row: np.ndarray, need: int) -> np.ndarray:
+        group, index, hashed = int(row[2]), int(row[3]), int(row[7])
         key = (group, index)
         text = self.texts[key]
         self.uses[key] -= 1
         if not self.uses[key]:
             del self.texts[key]
-        if length <= self.spec.capacity:
-            return self._with_bos(encode_documents(tokenizer_from_json(self.spec.tokenizer_json), [text])[0].ids)
-        return self._long_prefix(group, index, text, length, int(row[6]))
+        if not hashed:  # a whole document, verified by its length
+            return self._with_bos(encode_documents(tokenizer_from_json(self.spec.tokenizer_json), [text])[0].ids, need)
+        return self._long_prefix(group, index, text, int(row[1]), need, int(row[6]), hashed)
 
-    def _prefix_chars(self, text: str, length: int) -> int:
-        # Characters that should hold the first row's tokens, from the document's own chars/token, with margin.
-        return int(len(text) * (self.spec.capacity + 64) / length * 1.25) + 256
+    @staticmethod
+    def _prefix_chars(text: str, length: int, need: int) -> int:
+        # Characters that should hold the first ``need`` tokens, from the document's own chars/token, with margin.
+        return int(len(text) * (need + 64) / length * 1.25) + 256
 
-    def _with_bos(self, ids: list[int]) -> np.ndarray:
-        capacity = self.spec.capacity
-        prefix = np.empty(min(len(ids) + 1, capacity), np.int32)
+    def _with_bos(self, ids: list[int], need: int) -> np.ndarray:
+        prefix = np.empty(min(len(ids) + 1, need), np.int32)
         prefix[0] = self.spec.bos_id
-        prefix[1:] = ids[: capacity - 1]
+        prefix[1:] = ids[: len(prefix) - 1]
         return prefix
 
-    def _long_prefix(self, group: int, row: int, text: str, length: int, checksum: int) -> np.ndarray:
-        tokenizer, capacity = tokenizer_from_json(self.spec.tokenizer_json), self.spec.capacity
-        cut = self._prefix_chars(text, length)
+    def _long_prefix(
+        self, group: int, row: int, text: str, length: int, need: int, checksum: int, hashed: int
+    ) -> np.ndarray:
+        tokenizer = tokenizer_from_json(self.spec.tokenizer_json)
+        cut = self._prefix_chars(text, length, need)
         full = None
         while True:
             if cut >= len(text) and full is None and (group, row) in self.trimmed:
                 full = text = self.spec.index.read_texts(group, [row])[0] or ""  # the kept prefix ran out: re-read
             ids = encode_documents(tokenizer, [text[:cut]])[0].ids
-            prefix = self._with_bos(ids)
+            prefix = self._with_bos(ids, need)
             whole = cut >= len(text)
-            if whole or (len(ids) + 1 >= capacity + 16 and prefix_hash(prefix) == checksum):
+            if whole or (len(ids) + 1 >= need + 16 and prefix_hash(prefix[:hashed]) == checksum):
                 return prefix  # the packer verifies the checksum (a whole text that mismatches raises there)
             cut *= 2
 
@@ -170,15 +169,14 @@ class _SplitFetch:
         self.whole: set[tuple[int, int]] = set()  # documents whose kept tokens are all of their tokens
         # Characters per token of the whole documents buffered (their lengths are exact, BOS included).
         chars = tokens = 0
-        for key, (length, chunk, final) in zip(keys, meta[:, [1, 4, 5]].tolist()):
-            if chunk == 0 and final and length > 1:
+        for key, (length, offset, final, hashed) in zip(keys, meta[:, [1, 4, 5, 7]].tolist()):
+            if offset == 0 and final and not hashed and length > 1:
                 chars, tokens = chars + len(texts[key]), tokens + length - 1
         self.chars_per_token = chars / tokens if tokens else 4.0
 
-    def __call__(self, row: np.ndarray) -> Any:
+    def __call__(self, row: np.ndarray, need: int) -> Any:
         key = (int(row[2]), int(row[3]))
-        length, chunk, final, checksum = int(row[1]), int(row[4]), bool(row[5]), int(row[6])
-        start = chunk * self.spec.capacity
+        length, start, final, checksum = int(row[1]), int(row[4]), bool(row[5]), int(row[6])
         end = start + length
         tokens = self.tokens.get(key)
         if tokens is None or not (key in self.whole or _verified(tokens, start, end, checksum)):

@@ -27,16 +27,15 @@ if TYPE_CHECKING:
 
 
 class ConcatPacker:
-    """Concatenate BOS-prefixed documents into one stream and cut it into rows of ``capacity`` tokens.
+    """Concatenate BOS-prefixed documents into one stream and cut it into rows of ``capacity`` tokens (a take may
+    ask another row length: the stream is the same, only where it is cut changes).
 
     Raises:
         ValueError: ``capacity <= 1``.
     """
 
     def __init__(self, capacity: int, counters: StreamCounters | None = None) -> None:
-        if capacity <= 1:
-            raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
-        self.capacity = capacity
+        self.capacity = _checked_capacity(capacity)
         self.counters = counters if counters is not None else StreamCounters()
         self._tokens = np.empty(0, np.int32)
         self._pos = 0
@@ -77,12 +76,14 @@ class ConcatPacker:
         self._chunk_refs.append(ref)
         self._pos += skip
 
-    def take(self, num_rows: int) -> np.ndarray | None:
-        """``(num_rows, capacity)`` tokens, or ``None`` when fewer are buffered (add more, retry)."""
-        need = num_rows * self.capacity
+    def take(self, num_rows: int, capacity: int | None = None) -> np.ndarray | None:
+        """``(num_rows, capacity)`` tokens (default: the packer's capacity), or ``None`` when fewer are buffered (add
+        more, retry)."""
+        capacity = self.capacity if capacity is None else _checked_capacity(capacity)
+        need = num_rows * capacity
         if self.available < need:
             return None
-        rows = self._tokens[self._pos : self._pos + need].reshape(num_rows, self.capacity)
+        rows = self._tokens[self._pos : self._pos + need].reshape(num_rows, capacity)
         self._pos += need
         self.counters.emitted += need
         return rows
@@ -97,6 +98,12 @@ class ConcatPacker:
         offset = self._pos - self._chunk_starts[i]
         doc = int(np.searchsorted(self._chunk_docs[i], offset, side="right")) - 1
         return self._chunk_refs[i], doc, offset - int(self._chunk_docs[i][doc])
+
+
+def _checked_capacity(capacity: int) -> int:
+    if capacity <= 1:
+        raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
+    return capacity
 
 
 @dataclass(frozen=True)
@@ -140,9 +147,11 @@ class ConcatStage(PackingStage):
         super().__init__(spec, units, counters)
         self.start = state
 
-    def blocks(self, chunks: Iterator[Any], sizes: Iterator[int]) -> Generator[tuple[RowBlock, Any], None, None]:
-        spec, start = self.spec, self.start
-        packer = ConcatPacker(spec.capacity, self.counters)
+    def blocks(
+        self, chunks: Iterator[Any], sizes: Iterator[tuple[int, int]]
+    ) -> Generator[tuple[RowBlock, Any], None, None]:
+        start = self.start
+        packer = ConcatPacker(2, self.counters)
         skip = start.offset
         self.carried = start.offset > 0  # resumed inside a document: it was counted before the checkpoint
         after_last = start.read  # the position after the last document begun (or where reading started)
@@ -150,11 +159,11 @@ class ConcatStage(PackingStage):
         last_begun: tuple[TextChunk, int] | None = None  # (chunk, document) begun last, once after_last is stale
         state = start
         while True:
-            rows_per_block = next(sizes)
+            rows_per_block, capacity = next(sizes)
             if rows_per_block == 0:  # nothing taken: the position stays
-                yield RowBlock.empty(spec.capacity, False), state
+                yield RowBlock.empty(capacity, False), state
                 continue
-            rows = packer.take(rows_per_block)
+            rows = packer.take(rows_per_block, capacity)
             while rows is None:
                 laid = next(chunks)
                 if skip and skip >= laid.lengths[0]:
@@ -164,7 +173,7 @@ class ConcatStage(PackingStage):
                 packer.add(laid.payload, laid.starts, laid, skip=skip)
                 pending.append(_Begun(laid))
                 skip = 0
-                rows = packer.take(rows_per_block)
+                rows = packer.take(rows_per_block, capacity)
             laid, doc, offset = packer.position()
             counted_last = self._count_begun(pending, laid, doc + (1 if offset > 0 else 0))
             if counted_last is not None:

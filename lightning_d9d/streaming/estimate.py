@@ -11,6 +11,7 @@ is misjudged; the epoch length is a step count, so that makes epochs a little lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,10 +27,43 @@ if TYPE_CHECKING:
     from lightning_d9d.streaming.spec import StreamSpec
 
 
+@dataclass(frozen=True)
+class PassSample:
+    """One pass's estimated tokens, and the sampled documents' token counts (BOS included) that rows are judged by."""
+
+    tokens: float
+    lengths: tuple[int, ...]
+
+    def rows(self, spec: StreamSpec, capacity: int) -> float:
+        """Rows of ``capacity`` tokens one pass fills with ``spec``'s packing (best-fit scaled by its sampled yield)."""
+        tokens, lengths, multiple = self.tokens, list(self.lengths), spec.settings.cp_multiple
+        if not lengths:
+            return 0.0
+        if not spec.packing.crops_to_row:
+            if multiple > 1 and spec.packing.flagged:  # bestfit_split: every piece rounded up for CP
+                return tokens * _cp_growth(lengths, capacity, multiple) / capacity
+            return tokens / capacity
+        return tokens * _bestfit_yield(lengths, capacity, spec.buffer_size, multiple) / capacity
+
+
 def estimate_pass(
-    spec: StreamSpec, sample_groups: int = 8, sample_docs: int = 4096, sample_chars: int = SAMPLE_CHARS
+    spec: StreamSpec,
+    sample_groups: int = 8,
+    sample_docs: int = 4096,
+    sample_chars: int = SAMPLE_CHARS,
+    capacity: int | None = None,
 ) -> tuple[float, float]:
-    """Estimate ``(tokens, rows)`` of one pass over ``spec.index``, from a sample and the parquet footers.
+    """Estimate ``(tokens, rows)`` of one pass over ``spec.index`` (rows of ``capacity`` tokens, default the rows of
+    step 0), from a sample and the parquet footers; see :func:`sample_pass`.
+    """
+    sample = sample_pass(spec, sample_groups, sample_docs, sample_chars)
+    return sample.tokens, sample.rows(spec, capacity or spec.capacity_at(0))
+
+
+def sample_pass(
+    spec: StreamSpec, sample_groups: int = 8, sample_docs: int = 4096, sample_chars: int = SAMPLE_CHARS
+) -> PassSample:
+    """One pass's tokens over ``spec.index``, from a tokenized sample and the footers' row counts.
 
     Args:
         spec: the stream settings and the row groups.
@@ -40,7 +74,7 @@ def estimate_pass(
     index, tokenizer = spec.index, tokenizer_from_json(spec.tokenizer_json)
     candidates = np.flatnonzero(~index.text_free) if index.text_free.size else np.arange(len(index))
     if len(candidates) == 0:
-        return 0.0, 0.0
+        return PassSample(0.0, ())
     # A fixed order (every rank samples the same groups) that is not file order, which may be sorted by length.
     order = candidates[np.random.default_rng(0).permutation(len(candidates))]
     groups = min(len(candidates), sample_groups)
@@ -67,15 +101,10 @@ def estimate_pass(
     encodings = encode_documents(tokenizer, [text[:limit] for text in kept])
     lengths = [round(len(e) * max(1.0, len(text) / limit)) + 1 for e, text in zip(encodings, kept)]
     if not lengths:
-        return 0.0, 0.0
+        return PassSample(0.0, ())
     with_text = index.total_rows - int(index.num_rows[index.text_free].sum()) if index.text_free.size else None
     tokens = sum(lengths) / max(1, raw) * (with_text if with_text is not None else index.total_rows)
-    multiple = spec.settings.cp_multiple
-    if not spec.packing.crops_to_row:
-        if multiple > 1 and spec.packing.flagged:  # bestfit_split: every piece rounded up for CP
-            return tokens, tokens * _cp_growth(lengths, spec.capacity, multiple) / spec.capacity
-        return tokens, tokens / spec.capacity
-    return tokens, tokens * _bestfit_yield(lengths, spec.capacity, spec.buffer_size, multiple) / spec.capacity
+    return PassSample(tokens, tuple(lengths))
 
 
 def first_text(index: RowGroupIndex) -> tuple[int, int] | None:

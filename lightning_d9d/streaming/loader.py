@@ -34,7 +34,7 @@ from lightning_d9d.epoch_iterator import (
     collect_before_fork,
     shutdown_workers,
 )
-from lightning_d9d.resume import TrainPosition
+from lightning_d9d.resume import StepLayout, TrainPosition
 from lightning_d9d.streaming.bestfit import BestFitState
 from lightning_d9d.streaming.memory import IN_PROCESS_CHUNK_CHARS, WORKER_CHUNK_CHARS
 from lightning_d9d.streaming.mixture_stream import MixtureState, mixture_streams
@@ -125,27 +125,32 @@ class StreamPosition(TrainPosition):
             return self.previous[2]
         raise RuntimeError(f"no committed stream states for step {step} at step {self.step} of epoch {self.epoch}")
 
-    def restart(self, epoch: int, step: int, states: StreamStates, microbatches_per_step: int) -> None:
+    def restart(self, epoch: int, step: int, states: StreamStates, layout: StepLayout) -> None:
         """Jump to ``step`` of ``epoch`` with the given stream states (a resume)."""
-        self.start(epoch, step, microbatches_per_step)
+        self.start(epoch, step, layout)
         self.states = dict(states)
         self.committed = self.previous = (epoch, step, dict(states))
         self.generation += 1
 
-    def begin_epoch(self, epoch: int, microbatch: int) -> None:
-        """Stand at ``microbatch`` of ``epoch`` (the streams continue from ``states`` either way)."""
-        self.epoch, self.microbatches = epoch, microbatch
+    def begin_epoch(self, epoch: int, microbatch: int, layout: StepLayout) -> None:
+        """Stand at ``microbatch`` of ``epoch`` of ``layout`` (the streams continue from ``states`` either way)."""
+        self.epoch, self.microbatches, self.layout = epoch, microbatch, layout
 
     def enter_step(self, states: StreamStates) -> None:
         """A step's blocks arrived: ``states`` are their streams' states after it."""
         self.states.update(states)
 
-    def hand_out(self, microbatches_per_step: int) -> int:
+    def next_microbatch(self) -> tuple[int, int]:
+        """``(step, index in it)`` of the next microbatch to hand out."""
+        step = self.layout.step_of(self.microbatches)
+        return step, self.microbatches - self.layout.before(step)
+
+    def hand_out(self) -> int:
         """Count one microbatch handed out; returns its index in its step. A step's last commits the states."""
-        index = self.microbatches % microbatches_per_step
+        step, index = self.next_microbatch()
         self.microbatches += 1
-        if index == microbatches_per_step - 1:
-            self.commit(self.epoch, self.microbatches // microbatches_per_step)
+        if index == self.layout.at(step) - 1:
+            self.commit(self.epoch, step + 1)
         return index
 
 
@@ -362,11 +367,10 @@ class TokenTrainLoader(ResumedByDataModule):
         streams: the streams this rank owns.
         num_workers: DataLoader worker processes.
         microbatch_size: rows per microbatch (m).
-        microbatches_per_epoch: ``steps_per_epoch * microbatches_per_step``.
-        microbatches_per_step: M; states are committed every M microbatches.
-        position: the shared position this loader advances.
+        epoch_layout: ``epoch -> (its StepLayout, its steps)``: this rank's microbatches of each step of an epoch.
+        position: the shared position this loader advances (states are committed at every step's last microbatch).
         start_point: called at an epoch's first ``next()``, returns ``(epoch, microbatch)`` to start at.
-        make_batch: turns a microbatch's ``RowBlock`` into the batch handed to training (and pins it).
+        make_batch: ``(microbatch rows, targets of the rank's whole step) -> batch`` handed to training (pinned).
     """
 
     def __init__(
@@ -375,24 +379,23 @@ class TokenTrainLoader(ResumedByDataModule):
         streams: list[int],
         num_workers: int,
         microbatch_size: int,
-        microbatches_per_epoch: int,
-        microbatches_per_step: int,
+        epoch_layout: Callable[[int], tuple[StepLayout, int]],
         position: StreamPosition,
         start_point: Callable[[], tuple[int, int]],
-        make_batch: Callable[[RowBlock], Any],
+        make_batch: Callable[[RowBlock, int | None], Any],
     ):
         self.spec, self.streams, self.num_workers = spec, streams, num_workers
-        self.microbatch_size = microbatch_size
-        self.microbatches_per_epoch, self.microbatches_per_step = microbatches_per_epoch, microbatches_per_step
+        self.microbatch_size, self.epoch_layout = microbatch_size, epoch_layout
         self.position, self.start_point, self.make_batch = position, start_point, make_batch
         self._running: _Running | None = None  # the streams running for the position's generation
-        # the step being handed out: its rows and the streams' states after it
-        self._step: tuple[RowBlock, StreamStates] | None = None
+        # the step being handed out: its rows, the streams' states after it, and its rows' targets
+        self._step: tuple[RowBlock, StreamStates, int] | None = None
         close_at_exit(self)  # its streams outlive each epoch's iterator
 
     def __len__(self) -> int:
         # The full epoch even after a mid-epoch resume: Lightning adds its restored count to what it fetches.
-        return self.microbatches_per_epoch
+        layout, steps = self.epoch_layout(self.start_point()[0])
+        return layout.before(steps)
 
     def __iter__(self) -> Iterator[Any]:
         return EpochIterator(self._epoch_batches)
@@ -405,22 +408,24 @@ class TokenTrainLoader(ResumedByDataModule):
 
     def _epoch_batches(self) -> Generator[Any, None, None]:
         epoch, start = self.start_point()
-        position, per_step, m = self.position, self.microbatches_per_step, self.microbatch_size
-        position.begin_epoch(epoch, start)
+        layout, steps_in_epoch = self.epoch_layout(epoch)
+        position, m = self.position, self.microbatch_size
+        position.begin_epoch(epoch, start, layout)
         if self._running is None or self._running.generation != position.generation:
             self.close()
             blocks = rank_blocks(self.spec, self.streams, self.num_workers, position.states)
             self._running = _Running(position.generation, blocks, steps_of(blocks, len(self.streams)))
             self._step = None
-        steps = self._running.steps
-        while position.microbatches < self.microbatches_per_epoch:
-            if self._step is None or position.microbatches % per_step == 0:
+        steps, end = self._running.steps, layout.before(steps_in_epoch)
+        while position.microbatches < end:
+            if self._step is None or position.next_microbatch()[1] == 0:
                 # A loop broken off mid-step continues in the step it left (its rows are kept until it ends).
-                self._step = next(steps)
-                position.enter_step(self._step[1])
-            rows = self._step[0]
-            j = position.hand_out(per_step)
-            yield self.make_batch(rows.rows(j * m, (j + 1) * m))
+                rows, states = next(steps)
+                self._step = (rows, states, rows.target_count())
+                position.enter_step(states)
+            rows, _, targets = self._step
+            j = position.hand_out()
+            yield self.make_batch(rows.rows(j * m, (j + 1) * m), targets)
 
 
 class TokenValidationLoader(OneIterationAtATime):
@@ -433,7 +438,7 @@ class TokenValidationLoader(OneIterationAtATime):
         num_workers: int,
         microbatch_size: int,
         num_microbatches: int,
-        make_batch: Callable[[RowBlock], Any],
+        make_batch: Callable[[RowBlock, int | None], Any],
     ):
         self.spec, self.streams, self.num_workers = spec, streams, num_workers
         self.microbatch_size, self.num_microbatches, self.make_batch = microbatch_size, num_microbatches, make_batch
@@ -452,7 +457,7 @@ class TokenValidationLoader(OneIterationAtATime):
                 for first in range(0, len(rows.tokens), m):
                     if done == self.num_microbatches:
                         return
-                    yield self.make_batch(rows.rows(first, first + m))
+                    yield self.make_batch(rows.rows(first, first + m), None)
                     done += 1
         finally:
             shutdown_workers(blocks)

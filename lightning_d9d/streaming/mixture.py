@@ -19,7 +19,14 @@ from fractions import Fraction
 from numbers import Real
 from typing import Any
 
+from lightning_d9d.streaming.shape import StepValues
+
 _MAX_PERIOD_SEARCH = 100_000
+
+
+def as_step_values(rows: int | StepValues) -> StepValues:
+    """``rows`` as a per-step value (a number is the same every step)."""
+    return rows if isinstance(rows, StepValues) else StepValues.constant(rows)
 
 
 @dataclass(frozen=True)
@@ -109,13 +116,16 @@ class MixtureSchedule:
                 index = number
         return index
 
-    def target_rows(self, step: int, rows_per_step: int) -> tuple[Fraction, ...]:
-        """``G · Σ_{t<step} w_i(t)`` per source: the exact rows each source is owed after steps ``[0, step)``."""
+    def target_rows(self, step: int, rows_per_step: int | StepValues) -> tuple[Fraction, ...]:
+        """``Σ_{t<step} G(t) · w_i(t)`` per source: the exact rows each source is owed after steps ``[0, step)``."""
+        rows = as_step_values(rows_per_step)
         totals = [Fraction(0)] * len(self.sources)
-        for number, phase in enumerate(self.phases):
-            end = self.phases[number + 1].from_step if number + 1 < len(self.phases) else math.inf
-            steps = max(0, min(step, end) - phase.from_step)
-            totals = [total + rows_per_step * steps * share for total, share in zip(totals, phase.shares)]
+        for first, end, size in rows.segments(0, step):
+            for number, phase in enumerate(self.phases):
+                phase_end = self.phases[number + 1].from_step if number + 1 < len(self.phases) else math.inf
+                steps = max(0, min(end, phase_end) - max(first, phase.from_step))
+                if steps:
+                    totals = [total + size * int(steps) * share for total, share in zip(totals, phase.shares)]
         return tuple(totals)
 
     def describe(self) -> list[str]:
@@ -170,39 +180,42 @@ class MixturePlan:
 
     Args:
         schedule: the shares per step.
-        rows_per_step: G, rows of one optimizer step over all ranks.
-        start_step: the first step this plan covers (a resume under changed shares: targets count from there).
+        rows_per_step: G, rows of one optimizer step over all ranks: a number, or one per step (``StepValues``).
+        start_step: the first step this plan covers (a resume under changed shares or shapes: targets count from
+            there).
         start_rows: rows of each source taken before ``start_step`` (default: none).
 
     Raises:
-        ValueError: ``rows_per_step`` < 1, ``start_step`` < 0, or ``start_rows`` not summing to ``start_step · G``.
+        ValueError: ``rows_per_step`` < 1, ``start_step`` < 0, or ``start_rows`` not one count >= 0 per source.
     """
 
     def __init__(
         self,
         schedule: MixtureSchedule,
-        rows_per_step: int,
+        rows_per_step: int | StepValues,
         start_step: int = 0,
         start_rows: Sequence[int] | None = None,
     ):
-        if not isinstance(rows_per_step, int) or rows_per_step < 1:
+        if not isinstance(rows_per_step, StepValues) and (not isinstance(rows_per_step, int) or rows_per_step < 1):
             raise ValueError(f"rows_per_step must be a positive integer, got {rows_per_step!r}")
         if not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an integer >= 0, got {start_step!r}")
         count = len(schedule.sources)
         start_rows = tuple(start_rows) if start_rows is not None else (0,) * count
-        if len(start_rows) != count or any(r < 0 for r in start_rows) or sum(start_rows) != start_step * rows_per_step:
-            raise ValueError(
-                f"start_rows={list(start_rows)} must be {count} counts >= 0 summing to start_step x rows_per_step "
-                f"= {start_step * rows_per_step}"
-            )
-        self.schedule, self.rows_per_step = schedule, rows_per_step
+        if len(start_rows) != count or any(r < 0 for r in start_rows) or (not start_step and any(start_rows)):
+            raise ValueError(f"start_rows={list(start_rows)} must be {count} counts >= 0 (all 0 at start_step 0)")
+        self.schedule, self.rows_per_step = schedule, as_step_values(rows_per_step)
         self.start_step, self.start_rows = start_step, start_rows
-        self._base = schedule.target_rows(start_step, rows_per_step)
+        self._base = schedule.target_rows(start_step, self.rows_per_step)
         # Rows at the start and at phase starts reached, plus the latest step asked for: where a query resumes
         # iterating from (a few entries, however many steps a run asks for).
         self._known: dict[int, tuple[int, ...]] = {start_step: start_rows}
         self._latest: tuple[int, tuple[int, ...]] = (start_step, start_rows)
+        self._boundaries = sorted({p.from_step for p in schedule.phases} | set(self.rows_per_step.starts))
+
+    def rows_at(self, step: int) -> int:
+        """G of ``step``."""
+        return self.rows_per_step.at(step)
 
     def target_rows(self, step: int) -> tuple[Fraction, ...]:
         """Exact rows each source is owed after steps ``[0, step)`` (``step >= start_step``)."""
@@ -210,7 +223,7 @@ class MixturePlan:
         return tuple(r + t - b for r, t, b in zip(self.start_rows, now, self._base))
 
     def rows_of_step(self, step: int) -> tuple[int, ...]:
-        """Rows each source gives step ``step`` (non-negative, summing to ``rows_per_step``)."""
+        """Rows each source gives step ``step`` (non-negative, summing to G of the step)."""
         before = self.cumulative_rows(step)
         return tuple(after - b for after, b in zip(self.cumulative_rows(step + 1), before))
 
@@ -223,8 +236,8 @@ class MixturePlan:
         if known < self._latest[0] <= step:
             known, rows = self._latest
         while known < step:
-            phase = self.schedule.phase_index(known)
-            end = self.schedule.phases[phase + 1].from_step if phase + 1 < len(self.schedule.phases) else math.inf
+            later = [b for b in self._boundaries if b > known]
+            end = later[0] if later else math.inf
             stop = int(min(step, end))
             rows = self._run_phase(known, stop, rows)
             known = stop
@@ -234,8 +247,10 @@ class MixturePlan:
         return rows
 
     def _run_phase(self, start: int, stop: int, rows: tuple[int, ...]) -> tuple[int, ...]:
-        """Rows after steps ``[start, stop)`` of one phase, given ``rows`` at ``start``; periods skipped."""
-        shares = self.schedule.shares_at(start)
+        """Rows after steps ``[start, stop)`` of one stretch of constant shares and G, given ``rows`` at ``start``;
+        periods skipped.
+        """
+        shares, size = self.schedule.shares_at(start), self.rows_at(start)
         seen: dict[tuple[Fraction, ...], tuple[int, tuple[int, ...]]] = {}
         step = start
         while step < stop:
@@ -253,7 +268,7 @@ class MixturePlan:
                 continue
             if step - start <= _MAX_PERIOD_SEARCH:
                 seen[deficits] = (step, rows)
-            quota = _planned_quota(rows, targets, shares, self.rows_per_step)
+            quota = _planned_quota(rows, targets, shares, size)
             rows = tuple(r + q for r, q in zip(rows, quota))
             step += 1
         return rows
@@ -278,9 +293,10 @@ class MixturePlan:
         Raises:
             ValueError: ``num_streams`` does not divide ``rows_per_step``.
         """
-        if not isinstance(num_streams, int) or num_streams < 1 or self.rows_per_step % num_streams:
+        size = self.rows_at(step)
+        if not isinstance(num_streams, int) or num_streams < 1 or size % num_streams:
             raise ValueError(
-                f"num_streams={num_streams!r} must be a positive divisor of rows_per_step={self.rows_per_step}"
+                f"num_streams={num_streams!r} must be a positive divisor of the {size} rows of step {step}"
             )
         return deal_rows(self.rows_of_step(step), step, num_streams)
 
@@ -288,7 +304,7 @@ class MixturePlan:
         """``rows_of_step`` of ``step``, ``step + 1``, … one after another, in constant memory (a stream's plan)."""
         rows = self.cumulative_rows(step)
         while True:
-            quota = _planned_quota(rows, self.target_rows(step), self.schedule.shares_at(step), self.rows_per_step)
+            quota = _planned_quota(rows, self.target_rows(step), self.schedule.shares_at(step), self.rows_at(step))
             yield quota
             rows = tuple(r + q for r, q in zip(rows, quota))
             step += 1
@@ -297,7 +313,7 @@ class MixturePlan:
         """A JSON-able form (for checkpoints): the schedule, ``start_step`` and ``start_rows`` by source name."""
         return {
             "schedule": self.schedule.to_dict(),
-            "rows_per_step": self.rows_per_step,
+            "rows_per_step": self.rows_per_step.to_list(),
             "start_step": self.start_step,
             "start_rows": dict(zip(self.schedule.sources, self.start_rows)),
         }
@@ -306,7 +322,8 @@ class MixturePlan:
     def from_dict(cls, state: Mapping[str, Any]) -> MixturePlan:
         schedule = MixtureSchedule.from_dict(state["schedule"])
         rows = [int(state["start_rows"][name]) for name in schedule.sources]
-        return cls(schedule, int(state["rows_per_step"]), int(state["start_step"]), rows)
+        return cls(schedule, StepValues.from_list(state["rows_per_step"], "rows_per_step"), int(state["start_step"]),
+                   rows)  # fmt: skip
 
 
 def deal_rows(quota: Sequence[int], step: int, num_streams: int) -> list[tuple[int, ...]]:

@@ -106,16 +106,18 @@ class MixtureStream:
     def __iter__(self) -> Generator[tuple[RowBlock, MixtureState], None, None]:
         spec, k, step = self.spec, self.stream, self.state.step
         asked = [0] * len(spec.names)  # this step's rows per source, read by each sub-stream when asked
+        capacity = [0]  # this step's row length
         subs = []
         for i, name in enumerate(spec.names):
             texts = self.buffered_texts.pop(name, None)
             stream = TokenStream(spec.sources[i], k, self.state.sources.get(name), texts)
-            subs.append(stream.blocks(_asked(asked, i)))
+            subs.append(stream.blocks(_asked(asked, capacity, i)))
         sources = np.arange(len(spec.names), dtype=np.int64)
         try:
             first = True
             while True:
                 asked[:] = self.step_rows.of(step)[k]
+                capacity[0] = spec.capacity_at(step)
                 if first and len(subs) > 1:
                     # The sources' first blocks at once: each waits on its first reads (and a restored buffer's
                     # documents), which overlap across sources but would add up one source after another.
@@ -157,9 +159,9 @@ class StepRows:
             return dealt
 
 
-def _asked(asked: list[int], source: int) -> Iterator[int]:
+def _asked(asked: list[int], capacity: list[int], source: int) -> Iterator[tuple[int, int]]:
     while True:
-        yield asked[source]
+        yield asked[source], capacity[0]
 
 
 def mixture_streams(spec: MixtureSpec, hosted: list[int], states: Mapping[int, MixtureState]) -> list[MixtureStream]:

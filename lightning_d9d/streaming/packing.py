@@ -120,6 +120,14 @@ class RowBlock:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def target_count(self) -> int:
+        """The positions of these rows that have a target (all but those whose next token is ``NO_TARGET``)."""
+        rows, capacity = self.tokens.shape
+        positions = rows * (capacity - 1)
+        if self.flags is None:
+            return positions
+        return positions - int(np.count_nonzero(self.flags[:, 1:] & NO_TARGET))
+
     def rows(self, start: int, stop: int) -> RowBlock:
         flags = None if self.flags is None else self.flags[start:stop]
         sources = None if self.sources is None else self.sources[start:stop]

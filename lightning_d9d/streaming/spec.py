@@ -8,6 +8,7 @@ running job.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from lightning_d9d.streaming.concat import ConcatPacking
 from lightning_d9d.streaming.mixture import MixturePlan
 from lightning_d9d.streaming.packing import BufferGrowth, Packing
 from lightning_d9d.streaming.reader import StreamUnits
+from lightning_d9d.streaming.shape import ShapeSchedule
 from lightning_d9d.streaming.source import RowGroupIndex, Units
 
 PACKINGS: dict[str, Packing] = {
@@ -43,8 +45,9 @@ class StreamSettings:
     """The settings that decide a corpus's rows (and the tokenizer batch size, which does not), checked once.
 
     Attributes:
-        seq_len: tokens per row of ``input_ids`` (rows hold ``seq_len + 1`` tokens).
-        global_batch_size: rows of every step over all ranks (G).
+        seq_len: tokens per row of ``input_ids`` (rows hold ``seq_len + 1`` tokens): a number or phases
+            ``[[from_step, L], ...]`` (:class:`ShapeSchedule`).
+        global_batch_size: rows of every step over all ranks (G): a number or phases by step or by tokens.
         packing: the packing strategy, or its name (:data:`PACKINGS`).
         seed: seeds each pass's unit order.
         num_streams: K, the streams the units are dealt to; K must divide G.
@@ -53,13 +56,14 @@ class StreamSettings:
         tokenizer_batch_size: documents per tokenizer call, at most (never changes a row).
         growth: how a fresh best-fit buffer grows to ``buffer_size`` (a resumed stream keeps its own).
         context_parallel_size: the CP size rows are laid out for (1: none); ``seq_len`` must be a multiple of ``2·c``.
+        shapes: the global batch size and ``seq_len`` of every step (made from the two settings).
 
     Raises:
-        ValueError: a setting out of range or an unknown packing.
+        ValueError: a setting out of range, a malformed schedule, or an unknown packing.
     """
 
-    seq_len: int
-    global_batch_size: int
+    seq_len: Any
+    global_batch_size: Any
     packing: Packing
     seed: int = 0
     num_streams: int = 16
@@ -68,34 +72,36 @@ class StreamSettings:
     tokenizer_batch_size: int = 128
     growth: BufferGrowth = field(default_factory=BufferGrowth)
     context_parallel_size: int = 1
+    shapes: ShapeSchedule = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "packing", packing_of(self.packing) if isinstance(self.packing, str) else self.packing)
         if self.packing not in PACKINGS.values():
             raise ValueError(f"packing={self.packing!r} is not valid: use one of {list(PACKINGS)}")
-        for name in (
-            "seq_len", "global_batch_size", "num_streams", "bestfit_buffer_size", "tokenizer_batch_size",
-            "context_parallel_size",
-        ):  # fmt: skip
+        for name in ("num_streams", "bestfit_buffer_size", "tokenizer_batch_size", "context_parallel_size"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
-        if self.seq_len % self.cp_multiple:
-            c = self.context_parallel_size
-            raise ValueError(
-                f"seq_len={self.seq_len} is not a multiple of 2 × context_parallel_size = {2 * c} "
-                f"(context_parallel_size={c}): every row is split into {2 * c} chunks over the CP ranks; use a "
-                f"seq_len that is a multiple of {2 * c}, e.g. {-(-self.seq_len // (2 * c)) * 2 * c}"
-            )
+        shapes = ShapeSchedule(self.global_batch_size, self.seq_len)
+        object.__setattr__(self, "shapes", shapes)
+        # The spellings, as plain data: a number stays a number, phases become lists (compared, pickled, saved).
+        for name, values in (("seq_len", shapes.seq_lens), ("global_batch_size", shapes.global_batch_sizes)):
+            object.__setattr__(self, name, values.values[0] if len(values.starts) == 1 else values.to_list())
+        c = self.context_parallel_size
+        shapes.check_divisible(
+            "seq_len", 2 * c, f"2 × context_parallel_size = {2 * c} (context_parallel_size={c})",
+            f"every row is split into {2 * c} chunks over the CP ranks",
+        )  # fmt: skip
         object.__setattr__(self, "seed", non_negative_int("seed", self.seed))
         object.__setattr__(
             self, "max_document_chars", positive_int("max_document_chars", self.max_document_chars, allow_none=True)
         )
-        if self.global_batch_size % self.num_streams:
-            valid = [k for k in range(1, self.global_batch_size + 1) if self.global_batch_size % k == 0 and k <= 64]
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} is not divisible by num_streams={self.num_streams}: "
-                f"every step takes global_batch_size / num_streams rows of each stream; use num_streams in {valid} "
-                f"or a global_batch_size that is a multiple of {self.num_streams}"
-            )
+        common = math.gcd(*shapes.global_batch_sizes.values)
+        valid = [k for k in range(1, min(common, 64) + 1) if common % k == 0]
+        shapes.check_divisible(
+            "global_batch_size", self.num_streams, f"num_streams={self.num_streams}",
+            "every step takes global_batch_size / num_streams rows of each stream",
+            f"use num_streams in {valid} or a global_batch_size that is a multiple of {self.num_streams} (in every "
+            "phase)",
+        )  # fmt: skip
 
     @property
     def cp_multiple(self) -> int:
@@ -128,13 +134,22 @@ class StreamSpec:
     chunk_chars: int = 0
     cache: Any = None
 
+    def capacity_at(self, step: int) -> int:
+        """Tokens of a row of ``step`` (``seq_len + 1``)."""
+        return self.settings.shapes.seq_len_at(step) + 1
+
     @property
-    def seq_len(self) -> int:
-        return self.settings.seq_len
+    def max_capacity(self) -> int:
+        """Tokens of the longest rows of the schedule."""
+        return self.settings.shapes.max_seq_len + 1
 
     @property
     def capacity(self) -> int:
-        return self.settings.seq_len + 1
+        """Tokens of every row (ValueError where ``seq_len`` has phases: ask :meth:`capacity_at` a step)."""
+        seq_lens = self.settings.shapes.seq_lens
+        if not seq_lens.fixed:
+            raise ValueError("seq_len has phases: a row's length depends on the step (capacity_at(step))")
+        return seq_lens.values[0] + 1
 
     @property
     def packing(self) -> Packing:
@@ -194,9 +209,9 @@ class MixtureSpec:
             for setting in ("settings", "bos_id", "tokenizer_json"):
                 if getattr(spec, setting) != getattr(first, setting):
                     raise ValueError(f"source {name!r} has another {setting} than source {self.names[0]!r}")
-        if self.plan.rows_per_step != first.settings.global_batch_size:
+        if self.plan.rows_per_step != first.settings.shapes.global_batch_sizes:
             raise ValueError(
-                f"the plan takes {self.plan.rows_per_step} rows a step, the settings "
+                f"the plan takes {self.plan.rows_per_step.to_list()} rows a step, the settings "
                 f"global_batch_size={first.settings.global_batch_size}"
             )
 
@@ -205,9 +220,8 @@ class MixtureSpec:
         return self.sources[0].num_streams
 
     @property
-    def rows_per_block(self) -> int:
-        """Rows each stream gives per step (``G / K``)."""
-        return self.plan.rows_per_step // self.num_streams
+    def shapes(self) -> ShapeSchedule:
+        return self.sources[0].settings.shapes
 
     @property
     def packing(self) -> Packing:
@@ -217,9 +231,8 @@ class MixtureSpec:
     def bos_id(self) -> int:
         return self.sources[0].bos_id
 
-    @property
-    def capacity(self) -> int:
-        return self.sources[0].capacity
+    def capacity_at(self, step: int) -> int:
+        return self.sources[0].capacity_at(step)
 
     @property
     def files(self) -> list[str]:
@@ -242,10 +255,8 @@ class MixtureSpec:
         return CorpusFingerprint(
             tokenizer=digest(first.tokenizer_json),
             bos_id=first.bos_id,
-            seq_len=settings.seq_len,
             packing=settings.packing.name,
             seed=settings.seed,
-            global_batch_size=settings.global_batch_size,
             num_streams=settings.num_streams,
             bestfit_buffer_size=settings.bestfit_buffer_size,
             max_document_chars=settings.max_document_chars,
@@ -267,15 +278,15 @@ def files_summary(index: RowGroupIndex) -> str:
 @dataclass(frozen=True, kw_only=True)
 class CorpusFingerprint(Fingerprint):
     """What decides a corpus's rows: the settings and, per source, ``(name, files summary, file digests, text
-    column)``. A source added is no mismatch here; one removed, or whose files changed, is.
+    column)``. A source added is no mismatch here; one removed, or whose files changed, is. The shares and the shapes
+    (global batch size, ``seq_len``) are saved with the plan and checked on their own, since a resume may change
+    them deliberately (``on_mixture_change``).
     """
 
     tokenizer: str
     bos_id: int
-    seq_len: int
     packing: str
     seed: int
-    global_batch_size: int
     num_streams: int
     bestfit_buffer_size: int
     max_document_chars: int | None

@@ -90,14 +90,18 @@ class TokenStream:
         """The state after the last block yielded (the initial state before any): where a new iteration starts."""
         return self.state
 
-    def blocks(self, sizes: Iterator[int]) -> Generator[tuple[RowBlock, StreamState], None, None]:
-        """Blocks of ``next(sizes)`` rows each, ``sizes`` pulled just before each; rows never depend on the grouping."""
+    def blocks(self, sizes: Iterator[tuple[int, int] | int]) -> Generator[tuple[RowBlock, StreamState], None, None]:
+        """Blocks of ``next(sizes)`` = ``(rows, capacity)`` each (a number: rows of the spec's one row length), pulled
+        just before each block; rows never depend on the grouping, and a new capacity carries the stream over to rows
+        of that length, nothing dropped.
+        """
         spec, state = self.spec, self.state
+        sizes = _with_capacity(sizes, spec)
         units = spec.stream_units(self.stream)
         reader = TextReader(
             units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars, spec.max_document_chars, spec.cache
         )
-        cropped_to = spec.capacity if spec.packing.crops_to_row else None
+        cropped_to = spec.max_capacity if spec.packing.crops_to_row else None
         # Chunks on demand until the first block is out and asked past (a hosting process asks every stream's
         # first block before any second one), then prefetched.
         chunks = tokenized(
@@ -169,6 +173,11 @@ class LaidOut:
         else:
             ends = self.starts + np.minimum(self.lengths, capacity)
             self.payload = [flat[s:e] for s, e in zip(self.starts.tolist(), ends.tolist())]
+
+
+def _with_capacity(sizes: Iterator[tuple[int, int] | int], spec: StreamSpec) -> Iterator[tuple[int, int]]:
+    for size in sizes:
+        yield size if isinstance(size, tuple) else (size, spec.capacity)
 
 
 def saved_buffers(states: Mapping[Any, StreamState] | list[StreamState]) -> list[np.ndarray]:

@@ -56,10 +56,9 @@ class Source:
         self.packer.add(self.docs[i], (i // 7, i % 7))
         self.cursor += 1
 
-    def fetch(self, row: np.ndarray) -> np.ndarray:
-        _seq, length, key0, key1, chunk, _final, _hash = row.tolist()
-        start = chunk * self.packer.capacity
-        return self.docs[7 * key0 + key1][start : start + length]
+    def fetch(self, row: np.ndarray, need: int) -> np.ndarray:
+        _seq, _length, key0, key1, offset, _final, _hash, _hashed = row.tolist()
+        return self.docs[7 * key0 + key1][offset : offset + need]
 
 
 def reference_split(
@@ -141,7 +140,7 @@ def all_pieces(docs: list[np.ndarray], capacity: int) -> Counter:
 
 def buffered_pieces(packer: BestFitSplitPacker) -> Counter:
     meta = packer.snapshot()
-    return Counter((7 * int(k0) + int(k1), int(c)) for k0, k1, c in meta[:, 2:5])
+    return Counter((7 * int(k0) + int(k1), int(offset) // packer.capacity) for k0, k1, offset in meta[:, 2:5])
 
 
 def expected_positions(flags: np.ndarray) -> np.ndarray:
@@ -204,7 +203,7 @@ def test_every_piece_is_emitted_whole_once_and_nothing_is_lost() -> None:
 
     # Multiset of tokens: emitted + still buffered == added.
     meta = packer.snapshot()
-    still = [source.fetch(row) for row in meta]
+    still = [source.fetch(row, int(row[1])) for row in meta]
     padding = tokens == PAD  # no document token is PAD
     assert ((flags[padding] & NO_TARGET) != 0).all()
     real = tokens[~padding]
@@ -305,16 +304,17 @@ def test_resume_from_any_snapshot_continues_identically() -> None:
         meta, next_seq, counters, cursor = states[step]
         # A split document with some chunks emitted and a later one buffered: its chunk 0 is gone.
         first_chunk: dict[tuple[int, int], int] = {}
-        for key0, key1, chunk in meta[:, 2:5].tolist():
+        for key0, key1, offset in meta[:, 2:5].tolist():
+            chunk = offset // capacity
             first_chunk[(key0, key1)] = min(chunk, first_chunk.get((key0, key1), chunk))
         partly_emitted += any(chunk > 0 for chunk in first_chunk.values())
         resumed = BestFitSplitPacker(capacity, PAD, buffer_size, counters=counters.copy())
         fetched: list[int] = []
         again = Source(docs, resumed, cursor)
 
-        def fetch(row: np.ndarray, again: Source = again, fetched: list[int] = fetched) -> np.ndarray:
+        def fetch(row: np.ndarray, need: int, again: Source = again, fetched: list[int] = fetched) -> np.ndarray:
             fetched.append(int(row[0]))
-            return again.fetch(row)
+            return again.fetch(row, need)
 
         resumed.reset(meta, next_seq, fetch)
         assert fetched == [] and len(resumed) == len(meta)  # nothing is fetched until picked
@@ -335,22 +335,23 @@ def test_restore_rejects_a_changed_chunk_or_length() -> None:
     packer.add(make_doc(0, 20), (3, 4))  # chunks of 8, 8, 4
     packer.add(make_doc(1, 5), (5, 6))
     meta = packer.snapshot()
-    assert meta[:, 4].tolist() == [0, 1, 2, 0] and meta[:, 5].tolist() == [0, 0, 1, 1]
+    assert meta[:, 4].tolist() == [0, 8, 16, 0] and meta[:, 5].tolist() == [0, 0, 1, 1]
     assert (meta[:3, 6] != 0).all() and meta[3, 6] == 0
+    assert meta[:, 7].tolist() == [8, 8, 4, 0]  # pieces hashed whole; a whole document is verified by its length
 
     changed = make_doc(0, 20)
     changed[9] += 1  # inside chunk 1 only
     restored = BestFitSplitPacker(capacity, PAD, 1)
     restored.reset(
-        meta, packer.next_seq, lambda row: (changed if row[2] == 3 else make_doc(1, 5))[8 * row[4] :][: row[1]]
+        meta, packer.next_seq, lambda row, need: (changed if row[2] == 3 else make_doc(1, 5))[row[4] :][:need]
     )
     restored.take(1, lambda: None)  # chunk 0 still matches
-    with pytest.raises(ValueError, match=r"piece 1 of document \(3, 4\) does not match its saved length 8 / checksum"):
+    with pytest.raises(ValueError, match=r"piece at token 8 of document \(3, 4\) does not match its saved length 8 /"):
         restored.take(1, lambda: None)
 
     shorter = BestFitSplitPacker(capacity, PAD, 1)
-    shorter.reset(meta[3:], packer.next_seq, lambda row: make_doc(1, 4))
-    with pytest.raises(ValueError, match=r"piece 0 of document \(5, 6\) does not match its saved length 5 \(got 4"):
+    shorter.reset(meta[3:], packer.next_seq, lambda row, need: make_doc(1, 4))
+    with pytest.raises(ValueError, match=r"at token 0 of document \(5, 6\) does not match its saved length 5 \(got"):
         shorter.take(1, lambda: None)
 
 
@@ -358,11 +359,11 @@ def test_restore_refuses_a_bad_state() -> None:
     packer = BestFitSplitPacker(8, PAD, 2)
     packer.add(make_doc(0, 5), (0, 0))
     with pytest.raises(RuntimeError, match="empty packer"):
-        packer.reset(packer.snapshot(), 1, lambda row: None)
-    with pytest.raises(ValueError, match=r"must be \(pieces, 7\)"):
-        BestFitSplitPacker(8, PAD).reset(np.zeros((2, 5), np.int64), 0, lambda row: None)
-    with pytest.raises(ValueError, match="rows here hold 4"):
-        BestFitSplitPacker(4, PAD).reset(packer.snapshot(), 1, lambda row: None)
+        packer.reset(packer.snapshot(), 1, lambda row, need: None)
+    with pytest.raises(ValueError, match=r"must be \(pieces, 8\)"):
+        BestFitSplitPacker(8, PAD).reset(np.zeros((2, 5), np.int64), 0, lambda row, need: None)
+    with pytest.raises(ValueError, match="a state with buffered pieces needs fetch"):
+        BestFitSplitPacker(4, PAD).reset(packer.snapshot(), 1, None)
 
 
 def test_a_refill_that_adds_no_document_is_an_error() -> None:
@@ -446,6 +447,6 @@ def test_real_text_rows_do_not_depend_on_tokenizer_batches_and_hold_every_chunk(
             seen[key] += 1
             assert bool(flags[r, a] & NO_TARGET) == (key[1] > 0), f"row {r} column {a}: target flag of chunk {key}"
             assert not (flags[r, a + 1 : b] & (START | NO_TARGET)).any()
-    buffered = Counter((key0, chunk) for key0, chunk in meta[:, [2, 4]].tolist())
+    buffered = Counter((key0, offset // capacity) for key0, offset in meta[:, [2, 4]].tolist())
     assert seen + buffered == Counter(chunks.keys())
     assert max(seen.values()) == 1

@@ -121,7 +121,7 @@ def test_bestfit_snapshot_restore_continues_identically() -> None:
             seq += 1
     restored = BestFitPacker(capacity, buffer_size)
     fetched = []
-    restored.reset(meta, next_seq, lambda row: fetched.append(int(row[0])) or by_seq[int(row[0])][:capacity])
+    restored.reset(meta, next_seq, lambda row, need: fetched.append(int(row[0])) or by_seq[int(row[0])][:need])
     assert fetched == []  # nothing is fetched until picked
     packer, cursor[0] = restored, at
     second = packer.take(35, refill)[0]
@@ -136,8 +136,8 @@ def test_bestfit_restore_rejects_a_changed_prefix() -> None:
     changed = make_doc(1, 20)[:8].copy()
     changed[3] += 1
     restored = BestFitPacker(8, 1)
-    restored.reset(meta, 1, lambda row: changed)
-    with pytest.raises(ValueError, match=r"piece 0 of document \(0, 0\) does not match its saved length 20 / checksum"):
+    restored.reset(meta, 1, lambda row, need: changed)
+    with pytest.raises(ValueError, match=r"at token 0 of document \(0, 0\) does not match its saved length 20 / "):
         restored.take(1, lambda: None)
 
 

@@ -512,7 +512,7 @@ def test_bad_options_name_the_value(corpus: dict, change: dict, message: str) ->
     [
         (
             {"num_streams": 3, "global_batch_size": 4},
-            r"global_batch_size=4 is not divisible by num_streams=3: .* use num_streams in \[1, 2, 4\]",
+            r"global_batch_size=4 is not a multiple of num_streams=3: .* use num_streams in \[1, 2, 4\]",
         ),
         (
             {"num_streams": 4, "num_workers": 3, "global_batch_size": 8},

@@ -116,12 +116,14 @@ def set_cell(buffer: torch.Tensor, row: int, column: int, value: int) -> torch.T
 
 
 BUFFERS = [
-    ("bestfit", lambda b: b[:, :3], "buffer = array(shape=", "(rows, 7)"),
-    ("bestfit_split", lambda b: b.reshape(-1)[:-2], "buffer = array(shape=", "(rows, 7)"),
+    ("bestfit", lambda b: b[:, :3], "buffer = array(shape=", "(rows, 8)"),
+    ("bestfit_split", lambda b: b.reshape(-1)[:-2], "buffer = array(shape=", "(rows, 8)"),
     ("bestfit", lambda b: b.float(), "buffer = array(shape=", "integer array"),
     ("bestfit", lambda b: set_cell(b, 0, 2, 10**6), "buffer[0].key0 (row group) = 1000000", "expected 0.."),
     ("bestfit", lambda b: set_cell(b, 1, 3, 10**9), "buffer[1].key1 (row) = 1000000000", "expected 0.."),
-    ("bestfit_split", lambda b: set_cell(b, 0, 1, 10**4), "buffer[0].length = 10000", "expected 1..25"),
+    ("bestfit_split", lambda b: set_cell(b, 0, 1, 0), "buffer[0].length = 0", "expected 1.."),
+    ("bestfit", lambda b: set_cell(b, 0, 4, 3), "buffer[0].offset = 3", "expected 0..0"),
+    ("bestfit_split", lambda b: set_cell(b, 0, 7, -1), "buffer[0].hashed = -1", "expected 0.."),
     ("bestfit", lambda b: set_cell(b, 0, 0, 10**6), "buffer[0].seq = 1000000", "expected 0.."),
     ("bestfit_split", lambda b: set_cell(b, 0, 5, 7), "buffer[0].final = 7", "expected 0..1"),
 ]
@@ -138,8 +140,42 @@ def test_a_bad_buffer_is_one_error_naming_it(corpus: Path, states: dict, packing
 
 def test_a_state_of_another_version_is_one_error_naming_it(corpus: Path, states: dict) -> None:
     state = {**states["concat"], "version": 99}
-    with pytest.raises(ValueError, match=r"unknown PretrainingDataModule state version 99 \(this version reads 1\)"):
+    with pytest.raises(ValueError, match=r"unknown PretrainingDataModule state version 99 \(this version reads 1 and 2"):
         datamodule(corpus, "concat").load_state_dict(state)
+
+
+def as_version_1(state: dict, capacity: int) -> dict:
+    """``state`` as version 1 wrote it: one shape, in the fingerprint; pieces by chunk number of that row length."""
+    old = copy.deepcopy(state)
+    shapes = old.pop("shapes")
+    old["version"] = 1
+    old["fingerprint"].update(seq_len=shapes["seq_len"][0][1], global_batch_size=shapes["global_batch_size"][0][1])
+    for stream in old["streams"].values():
+        packing = stream["sources"]["train"]["packing"]
+        if "buffer" in packing:
+            rows = packing["buffer"].clone()
+            rows[:, 4] //= capacity
+            packing["buffer"] = rows[:, :7]
+    return old
+
+
+@pytest.mark.parametrize("packing", ["bestfit", "bestfit_split"])
+def test_a_version_1_state_resumes_as_its_version_2_twin(corpus: Path, states: dict, packing: str) -> None:
+    state = states[packing]
+    assert any(len(s["sources"]["train"]["packing"]["buffer"]) for s in state["streams"].values())
+    runs = []
+    for saved in (state, as_version_1(state, OPTIONS["seq_len"] + 1)):
+        dm = datamodule(corpus, packing)
+        dm.load_state_dict(saved)
+        batches = iter(dm.train_dataloader())
+        runs.append([next(batches) for _ in range(3 * dm.microbatches_per_step)])
+        batches.close()
+    for a, b in zip(*runs):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
+    with pytest.raises(InvalidDataState, match="a version-1 state holds seq_len and global_batch_size"):
+        old = as_version_1(state, OPTIONS["seq_len"] + 1)
+        del old["fingerprint"]["seq_len"]
+        datamodule(corpus, packing).load_state_dict(old)
 
 
 def test_a_concat_offset_past_its_document_is_an_error_naming_it(corpus: Path, states: dict) -> None:
@@ -155,7 +191,8 @@ def test_a_concat_offset_past_its_document_is_an_error_naming_it(corpus: Path, s
 
 def test_the_state_saved_nests_each_stages_state_and_tags_the_packing(states: dict) -> None:
     for packing, state in states.items():
-        assert state["version"] == 1 and set(state["streams"]) == {0, 1, 2, 3} and "mixture" in state
+        assert state["version"] == 2 and set(state["streams"]) == {0, 1, 2, 3} and "mixture" in state
+        assert state["shapes"] == {"global_batch_size": [[0, 8]], "seq_len": [[0, 24]]}
         stream = state["streams"][0]["sources"]["train"]
         assert set(stream) == {"packing", "counters", "blocks"}
         assert stream["packing"]["kind"] == packing and set(stream["packing"]["reader"]) == {"pass", "slot", "row"}
@@ -228,7 +265,7 @@ def test_best_fit_packers_continue_from_get_state_through_reset(split: bool) -> 
     second.reset(
         buffer,
         next_seq,
-        lambda row: docs[int(row[2])][int(row[4]) * 16 :][: int(row[1])] if split else docs[int(row[2])][:16],
+        lambda row, need: docs[int(row[2])][int(row[4]) :][:need],
     )
     refill, _ = feeder(second, at[0])
     got += [second.take(3, refill) for _ in range(6)]
