@@ -228,14 +228,30 @@ class RecordingModule(pl.LightningModule):
             line["rows"] = [
                 digest([batch.input_ids[i], batch.targets[i], batch.position_ids[i]]) for i in range(len(batch))
             ]
+            line["seq_len"], line["step_targets"] = batch.input_ids.shape[1], batch.step_target_tokens
+            line["targets"] = int((batch.targets != -100).sum())
+        if kind == "train" and not self.packs:  # what the gradient of this microbatch's loss depends on
+            line["scale"], line["weight"] = self._scale(batch), float(self._weight().detach())
         prefix = "records" if kind == "train" else "val"
         with open(Path(self.record_dir) / f"{prefix}-rank{self.global_rank}.jsonl", "a") as file:
             file.write(json.dumps(line) + "\n")
 
+    @staticmethod
+    def _scale(batch: Any) -> float:
+        return sum(float(t.double().sum()) for t in tensors_of(batch)) / 1e4
+
+    def _weight(self) -> torch.Tensor:
+        return self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+
     def _loss(self, batch: Any) -> torch.Tensor:
-        scale = sum(float(t.float().sum()) for t in tensors_of(batch)) / 1e4
-        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
-        return ((weight - scale) ** 2).mean()
+        return ((self._weight() - self._scale(batch)) ** 2).mean()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Records each optimizer step's accumulated gradient (``steps-rank<R>.jsonl``)."""
+        grad = self._weight().grad
+        line = {"run": self.run, "step": self.global_step, "grad": None if grad is None else float(grad.sum())}
+        with open(Path(self.record_dir) / f"steps-rank{self.global_rank}.jsonl", "a") as file:
+            file.write(json.dumps(line) + "\n")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         if self.kill_at_step is not None and self.global_step == self.kill_at_step:

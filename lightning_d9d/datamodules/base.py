@@ -219,6 +219,10 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         trainer = self._trainer
         return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
+    def complete_batch(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Fill in what a training batch can only know from every rank (a collective, the same on every process);
+        called as each training batch starts."""
+
     # ------------------------------------------------------------------ devices
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a (pinned) batch with ``non_blocking=True``, keeping its type; a pass-through on CPU."""

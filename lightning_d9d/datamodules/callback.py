@@ -132,6 +132,7 @@ class DataModuleCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         self._observer.batch_start(batch)  # first: the wait ends here, not after the digest
+        self._datamodule.complete_batch(trainer, batch)
         self._peers.collect(trainer, batch)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:

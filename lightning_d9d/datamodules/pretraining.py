@@ -178,6 +178,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     steps_per_epoch: int | None = None  # type: ignore[assignment]
     estimated_pass_tokens: float | None = None
     _layouts: dict = {}  # noqa: RUF012 (replaced, never changed in place)
+    _step_targets: tuple[int, int] = (-1, 0)  # (global step, its targets over every replica), summed once per step
     _train_loader: TokenTrainLoader | None = None
 
     def __init__(
@@ -380,6 +381,21 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         )
         self._train_loader = self.track_loader(loader)
         return loader
+
+    def complete_batch(self, trainer: Any, batch: Any) -> None:
+        """``step_target_tokens`` where padding makes it differ by replica: the replicas' counts summed, once per
+        step (TP/CP/PP peers hold their replica's count, so the sum over processes is divided by them)."""
+        if not isinstance(batch, PretrainingBatch) or batch.step_target_tokens is not None:
+            return
+        step, counted = self._step_targets
+        if step != trainer.global_step:
+            local = torch.tensor(
+                [batch.rank_step_target_tokens], dtype=torch.int64, device=trainer.strategy.root_device
+            )
+            total = trainer.strategy.reduce(local, reduce_op="sum")
+            counted = int(total.item()) // self.topology.peers_per_replica
+            self._step_targets = (trainer.global_step, counted)
+        batch.step_target_tokens = counted
 
     def _train_batch(self, rows: RowBlock, step_targets: int, spec: MixtureSpec, pin: bool) -> PretrainingBatch:
         all_targets = None

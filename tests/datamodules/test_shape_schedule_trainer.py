@@ -1,0 +1,146 @@
+"""Global batch size and seq_len in phases under a real Trainer: Lightning accumulates exactly each step's
+microbatches (no window straddles two phases, gradients whole), 1 and 2 DDP ranks train the same global batches
+through a ramp and a length change, and a resume before, at or after a boundary continues exactly, on the same and
+on another layout.
+
+``StepSizes`` answers two Lightning internals (the epoch loop's accumulation end and the automatic optimisation's
+zero-grad) from the DataModule: the gradient test pins them down, so a Lightning upgrade that changes them fails here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import fit, fit_in_processes, make_docs, read_records, train_tokenizer, write_parquet
+
+# G: 8 → 16 at step 3 → 8 at step 5; seq_len: 16 → 32 at step 4 → 8 at step 6. With m = 2 on one rank, M is
+# 4, 4, 4, 8, 8, 4, ...: an epoch of 7 steps puts step 3's window at microbatch 12, not a multiple of its M = 8, where
+# Lightning's own rule (batch count modulo accumulate_grad_batches) would end and zero the windows in the wrong place.
+SIZES = [[0, 8], [3, 16], [5, 8]]
+SEQ_LENS = [[0, 16], [4, 32], [6, 8]]
+STEPS_PER_EPOCH = 7
+TOTAL_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shape_schedule")
+    docs = make_docs(160, seed=5, max_words=20, long_every=9, long_words=60)
+    write_parquet(root / "train", docs, files=2, row_group_size=10)
+    write_parquet(root / "val", make_docs(40, seed=6), files=1, row_group_size=10)
+    train_tokenizer(docs + make_docs(40, seed=6), root / "tokenizer.json")
+    return root
+
+
+def config(tmp: Path, data: Path, runs: list[dict], devices: int = 1, **changes: Any) -> dict:
+    options = dict(
+        train_files=str(data / "train"), val_files=str(data / "val"), tokenizer=str(data / "tokenizer.json"),
+        seq_len=SEQ_LENS, global_batch_size=SIZES, microbatch_size=2, num_streams=4, val_steps=2,
+        steps_per_epoch=STEPS_PER_EPOCH, tokenizer_batch_size=8, bestfit_buffer_size=24, num_workers=0,
+        packing="bestfit_split",
+    )  # fmt: skip
+    options.update(changes)
+    return {"data": "pretraining", "options": options, "record_dir": str(tmp / "records"),
+            "ckpt_dir": str(tmp / "ckpt"), "devices": devices, "runs": runs}  # fmt: skip
+
+
+def size_at(step: int) -> int:
+    return [g for start, g in SIZES if start <= step][-1]
+
+
+def seq_len_at(step: int) -> int:
+    return [n for start, n in SEQ_LENS if start <= step][-1]
+
+
+def by_step(records: list[dict], run: str) -> dict[int, list[dict]]:
+    steps: dict[int, list[dict]] = defaultdict(list)
+    for record in records:
+        if record["run"] == run and record["kind"] == "train":
+            steps[record["step"]].append(record)
+    return dict(steps)
+
+
+def global_rows(records: list[dict], run: str) -> dict[int, list[str]]:
+    return {step: sorted(row for r in rs for row in r["rows"]) for step, rs in by_step(records, run).items()}
+
+
+def test_lightning_accumulates_each_steps_microbatches_and_nothing_else(data: Path, tmp_path: Path) -> None:
+    runs = [dict(name="full", max_steps=TOTAL_STEPS)]
+    fit(config(tmp_path, data, runs))
+    records = read_records(tmp_path / "records", run="full")
+    steps = by_step(records, "full")
+    assert sorted(steps) == list(range(TOTAL_STEPS)), "one optimizer step per planned step, across the epoch end"
+    gradients = {}
+    for line in (tmp_path / "records" / "steps-rank0.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        gradients[record["step"]] = record["grad"]
+    assert sorted(gradients) == list(range(TOTAL_STEPS))
+    for step, microbatches in steps.items():
+        m = size_at(step) // 2
+        assert len(microbatches) == m, f"step {step}: {len(microbatches)} microbatches, planned {m}"
+        assert {r["accumulate"] for r in microbatches} == {m}, f"step {step}: Lightning divided by another M"
+        assert {r["seq_len"] for r in microbatches} == {seq_len_at(step)}
+        weight = microbatches[0]["weight"]
+        assert all(r["weight"] == weight for r in microbatches), f"step {step}: the optimizer stepped mid-window"
+        # Lightning divides each microbatch's loss (w - s)² by M and zeroes the gradient only at a step's start.
+        expected = sum(2 * (weight - r["scale"]) for r in microbatches) / m
+        assert gradients[step] == pytest.approx(expected, rel=1e-4, abs=1e-6), f"step {step}: a partial window"
+        assert {r["epoch"] for r in microbatches} == {step // STEPS_PER_EPOCH}
+        assert {r["step_targets"] for r in microbatches} == {sum(r["targets"] for r in microbatches)}
+
+
+@pytest.mark.slow
+def test_one_two_and_four_ranks_train_the_same_steps_and_resume_exactly_around_every_boundary(
+    data: Path, tmp_path: Path
+) -> None:
+    one_dir, ckpt1 = tmp_path / "one", tmp_path / "one" / "ckpt"
+    # Checkpoints after steps 2, 3, 4, 5, 6 (before and at the boundaries 3, 4, 5, 6) and mid-window in step 3.
+    one = config(one_dir, data, [dict(name="full", max_steps=TOTAL_STEPS, every_n_train_steps=1, save_at=[[0, 14]])])
+    fit(one)
+    full = global_rows(read_records(one_dir / "records"), "full")
+    assert [len(full[s]) for s in range(TOTAL_STEPS)] == [size_at(s) for s in range(TOTAL_STEPS)]
+    resumed = [
+        dict(name="full", max_steps=TOTAL_STEPS, every_n_train_steps=1),
+        dict(name="from_one_before", max_steps=TOTAL_STEPS, ckpt_path=str(ckpt1 / "epoch=0-step=3.ckpt")),
+        dict(name="from_one_mid_window", max_steps=TOTAL_STEPS, ckpt_path=str(ckpt1 / "mid-e0-b14.ckpt")),
+        dict(
+            name="from_one_at",
+            max_steps=TOTAL_STEPS,
+            ckpt_path=str(ckpt1 / "epoch=0-step=4.ckpt"),
+            options={"num_workers": 2, "microbatch_size": 1},
+        ),
+        dict(name="from_one_after", max_steps=TOTAL_STEPS, ckpt_path=str(ckpt1 / "epoch=0-step=6.ckpt")),
+        dict(name="tensor_parallel", max_steps=TOTAL_STEPS, strategy=[1, 2]),  # both processes: one replica
+    ]
+    two_dir = tmp_path / "two"
+    fit_in_processes(config(two_dir, data, resumed, devices=2), timeout=600)
+    two = read_records(two_dir / "records")
+    assert global_rows(two, "full") == full, "1 and 2 ranks train the same global batch in every step"
+    for step, microbatches in by_step(two, "full").items():  # bestfit_split pads: each replica's count differs
+        targets = sum(r["targets"] for r in microbatches)
+        assert {r["step_targets"] for r in microbatches} == {targets}, f"step {step}: the step's targets, all ranks"
+    for rank in (0, 1):
+        peer = [r for r in two if r["rank"] == rank]
+        assert global_rows(peer, "tensor_parallel") == full, f"tensor-parallel process {rank}: the replica's steps"
+    for name, start in (("from_one_before", 3), ("from_one_mid_window", 3), ("from_one_at", 4), ("from_one_after", 6)):
+        got = global_rows(two, name)
+        assert min(got) == start and got == {s: rows for s, rows in full.items() if s >= start}, name
+    four_dir = tmp_path / "four"
+    fit_in_processes(config(four_dir, data, [dict(name="full", max_steps=TOTAL_STEPS)], devices=4), timeout=600)
+    assert global_rows(read_records(four_dir / "records"), "full") == full, "4 ranks too"
+    back_dir = tmp_path / "back"
+    back = [
+        dict(name="from_two_at", max_steps=TOTAL_STEPS, ckpt_path=str(two_dir / "ckpt" / "epoch=0-step=5.ckpt")),
+        dict(
+            name="from_two_next_epoch", max_steps=TOTAL_STEPS, ckpt_path=str(two_dir / "ckpt" / "epoch=1-step=8.ckpt")
+        ),
+    ]
+    fit(config(back_dir, data, back))
+    records = read_records(back_dir / "records")
+    for name, start in (("from_two_at", 5), ("from_two_next_epoch", 8)):
+        got = global_rows(records, name)
+        assert got == {s: rows for s, rows in full.items() if s >= start}, name
