@@ -128,6 +128,8 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
         lines += [f"  {line}" for line in describe_batch(next(batches))]
         return "\n".join(lines)
 
+    if isinstance(datamodule, PretrainingReports) and not datamodule.shapes.fixed:
+        return "\n".join(lines + _scheduled_lines(datamodule, trainer, world_size, batches, steps))
     per_step_here = global_batch_size // microbatch_size  # microbatches of one global batch at world size 1
     lines += [
         f"steps per epoch: {datamodule.steps_per_epoch}",
@@ -184,6 +186,28 @@ def _read_steps(
         f"padding: {100.0 * (1 - real_tokens / positions):.2f} %",
     ]
     return lines, first, rows_by_source
+
+
+def _scheduled_lines(datamodule: Any, trainer: Any, world_size: int, batches: Iterator[Any], steps: int) -> list[str]:
+    """A pretraining run whose shapes change: its phases, then what the first steps read (one replica of the world
+    size: the rows of every step, at every shape of them)."""
+    run_steps = _run_steps(trainer, datamodule.steps_per_epoch)
+    lines = [f"steps per epoch: {datamodule.steps_per_epoch}", *datamodule.shape_report(run_steps, world_size)]
+    steps = min(steps, datamodule.steps_per_epoch)
+    counts = [0, 0]
+    rows_by_source: Counter[int] = Counter()
+    first = None
+    for step in range(steps):
+        for _ in range(datamodule.global_batch_size_at(step) // datamodule.microbatch_size):
+            batch = next(batches)
+            first = batch if first is None else first
+            rows_by_source.update(row_sources(batch))
+            real, positions = count_tokens(batch)
+            counts = [counts[0] + real, counts[1] + positions]
+    lines.append(f"padding in the first {steps} steps: {100.0 * (1 - counts[0] / max(1, counts[1])):.2f} %")
+    lines += _pretraining_lines(datamodule, trainer, rows_by_source, steps)
+    lines.append("first microbatch:")
+    return lines + [f"  {line}" for line in describe_batch(first)]
 
 
 def _layout_lines(datamodule: Any, trainer: Any) -> tuple[int, list[str]]:

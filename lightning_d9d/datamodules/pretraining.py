@@ -22,7 +22,7 @@ import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from tokenizers import Tokenizer
 
-from lightning_d9d.checks import microbatches_per_step, non_negative_int, positive_int
+from lightning_d9d.checks import non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
 from lightning_d9d.datamodules.pretraining_mixture import (
@@ -32,9 +32,9 @@ from lightning_d9d.datamodules.pretraining_mixture import (
     shape_differences,
 )
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
+from lightning_d9d.datamodules.pretraining_shapes import PretrainingShapes
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, migrate, restored_streams, saved_streams
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.resume import StepLayout
 from lightning_d9d.streaming.estimate import estimate_pass
 from lightning_d9d.streaming.loader import (
     StreamPosition,
@@ -45,7 +45,7 @@ from lightning_d9d.streaming.loader import (
 )
 from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.packing import RowBlock, sequence_bounds
-from lightning_d9d.streaming.shape import Shape, ShapeSchedule, StepValues
+from lightning_d9d.streaming.shape import ShapeSchedule
 from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.topology import DataParallelSetting
@@ -122,7 +122,7 @@ class _Setting:
         return self if owner is None else getattr(owner.settings, self.name)
 
 
-class PretrainingDataModule(PretrainingReports, SteppedDataModule):
+class PretrainingDataModule(PretrainingShapes, PretrainingReports, SteppedDataModule):
     """Stream parquet or JSONL text into packed token rows: the same global batches on any number of GPUs.
 
     Args:
@@ -177,9 +177,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     fingerprint: CorpusFingerprint | None = None
     steps_per_epoch: int | None = None  # type: ignore[assignment]
     estimated_pass_tokens: float | None = None
-    _layouts: dict = {}  # noqa: RUF012 (replaced, never changed in place)
     _step_targets: tuple[int, int] = (-1, 0)  # (global step, its targets over every replica), summed once per step
-    _train_loader: TokenTrainLoader | None = None
 
     def __init__(
         self,
@@ -237,7 +235,6 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             train_files, val_files, text_column, weights, on_mixture_change, allow_shared_files
         )
         say_unvalidated_sources(self.sources)  # once: setup parses the same sources again
-        self.yield_packs = False  # SteppedDataModule: one microbatch per batch, accumulation over M
         self.val_specs: list[MixtureSpec] = []  # one per validation source
         self.val_steps_per_source: list[int] = []
         self.source_pass_rows: dict[str, float] = {}  # estimated rows of one pass over each source
@@ -251,80 +248,6 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
     def owned_streams(self) -> list[int]:
         """This replica's contiguous block of K / ``dp_size`` streams."""
         return rank_streams(self.num_streams, self.dp_size, self.dp_rank)
-
-    # ------------------------------------------------------------------ shapes
-    @property
-    def shapes(self) -> ShapeSchedule:
-        """The global batch size and ``seq_len`` of every step."""
-        return self.settings.shapes
-
-    def shape_at(self, step: int) -> Shape:
-        """The shape (global batch size, ``seq_len``) of global optimizer step ``step``."""
-        return self.shapes.at(step)
-
-    def global_batch_size_at(self, step: int) -> int:
-        """Rows of global optimizer step ``step`` over all ranks (for models and learning-rate schedules)."""
-        return self.shapes.global_batch_size_at(step)
-
-    def seq_len_at(self, step: int) -> int:
-        """Inputs per row of global optimizer step ``step``."""
-        return self.shapes.seq_len_at(step)
-
-    def microbatches_at(self, step: int) -> int:
-        """M of global optimizer step ``step`` on one data-parallel replica."""
-        return self.global_batch_size_at(step) // (self.dp_size * self.microbatch_size)
-
-    def microbatches_for(self, dp_size: int) -> int:
-        """M at data-parallel size ``dp_size`` (``ValueError`` where the global batch size has phases)."""
-        sizes = self.shapes.global_batch_sizes
-        if not sizes.fixed:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} has phases, so the microbatches per step depend on the "
-                "step: ask dm.microbatches_at(step) or dm.step_layout(epoch)"
-            )
-        return microbatches_per_step(sizes.values[0], dp_size, self.microbatch_size)
-
-    def _check_microbatches(self, dp_size: int) -> None:
-        """``ValueError`` naming the first phase whose G is not a multiple of ``dp_size × microbatch_size``."""
-        sizes = self.shapes.global_batch_sizes
-        for start, size in zip(sizes.starts, sizes.values):
-            try:
-                microbatches_per_step(size, dp_size, self.microbatch_size)
-            except ValueError as error:
-                if len(sizes.starts) == 1:
-                    raise
-                raise ValueError(f"global_batch_size phase from step {start}: {error}") from error
-
-    @property
-    def step_sizes_vary(self) -> bool:
-        return not self.shapes.global_batch_sizes.fixed
-
-    @property
-    def reloads_train_loader_every_epoch(self) -> bool:  # type: ignore[override]
-        return self.step_sizes_vary  # epochs may differ in microbatches: Lightning reads each epoch's length
-
-    def step_layout(self, epoch: int) -> StepLayout:
-        """This replica's microbatches of each step of ``epoch`` (global steps ``epoch × steps_per_epoch`` on)."""
-        per_epoch = self.steps_per_epoch
-        key = (epoch, per_epoch, self.dp_size)
-        layout = self._layouts.get(key)
-        if layout is None:
-            first, unit = epoch * per_epoch, self.dp_size * self.microbatch_size
-            stretches = list(self.shapes.global_batch_sizes.segments(first, first + per_epoch))
-            layout = StepLayout(
-                tuple(int(a) - first for a, _, _ in stretches), tuple(g // unit for _, _, g in stretches)
-            )
-            self._layouts = {**self._layouts, key: layout} if len(self._layouts) < 64 else {key: layout}
-        return layout
-
-    def describe_step(self) -> str:
-        if self.step_sizes_vary:
-            phases = ", ".join(f"{g} from step {a}" for a, g in zip(*_phases(self.shapes.global_batch_sizes)))
-            return (
-                f"global_batch_size phases ({phases}), data-parallel size {self.dp_size} and microbatch_size="
-                f"{self.microbatch_size} give {self.dp_size * self.microbatch_size} rows per microbatch over all ranks"
-            )
-        return super().describe_step()
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str | None = None) -> None:
@@ -355,7 +278,6 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             self.val_steps_per_source = [_val_steps_of(self, spec) for spec in self.val_specs]
         if stage in (None, "fit"):
             self._layouts = {}
-            self._train_loader = None
             self.start_fit(StreamPosition(layout=self.step_layout(0), generation=self.position.generation + 1))
 
     @property
@@ -367,8 +289,10 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
         """This rank's training loader of ``PretrainingBatch`` (one epoch per iteration; the same loader, and the
         same running streams, when asked again in a fit)."""
         spec = self._require(self.train_spec)
-        if self._train_loader is not None and self._train_loader.spec is spec:
-            return self._train_loader
+        # Held weakly (by track_loader): a loader that refers back to this DataModule must not keep it alive.
+        handed = getattr(self, "_loaders", {}).get("train")
+        if handed is not None and handed() is not None and handed().spec is spec:
+            return handed()
         loader = TokenTrainLoader(
             spec,
             self.owned_streams,
@@ -379,8 +303,7 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             self.start_point,
             functools.partial(self._train_batch, spec=spec, pin=self.resolve_pin_memory()),
         )
-        self._train_loader = self.track_loader(loader)
-        return loader
+        return self.track_loader(loader)
 
     def complete_batch(self, trainer: Any, batch: Any) -> None:
         """``step_target_tokens`` where padding makes it differ by replica: the replicas' counts summed, once per
@@ -438,10 +361,6 @@ class PretrainingDataModule(PretrainingReports, SteppedDataModule):
             spec = self._require(self.train_spec)
             self.train_spec, states = restored_streams(state, spec, self.owned_streams, step, self.on_mixture_change)
         self.position.restart(epoch, step, states, self.step_layout(epoch))
-
-
-def _phases(values: StepValues) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return values.starts, values.values
 
 
 def _val_steps_of(dm: PretrainingDataModule, spec: MixtureSpec) -> int:

@@ -19,6 +19,8 @@ from lightning_d9d.streaming.spec import MixtureSpec
 
 
 class PretrainingReports:
+    settings: Any
+    microbatch_size: int
     sources: Sources
     train_spec: MixtureSpec | None
     source_pass_rows: dict[str, float]
@@ -48,6 +50,27 @@ class PretrainingReports:
         if not self.sources.mixture:
             return []
         return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
+
+    def shape_report(self, run_steps: int, dp_size: int) -> list[str]:
+        """``inspect``'s lines for shapes in phases (none for one shape): each phase's steps, global batch, microbatches
+        per replica and the row positions (``G × seq_len``) it trains, up to ``run_steps``."""
+        shapes = self.settings.shapes
+        if shapes.fixed:
+            return []
+        lines = [f"shapes ({run_steps} steps):"]
+        for first, end, shape in shapes.phases():
+            if first >= run_steps:
+                lines.append(f"  steps {first}-: not reached")
+                break
+            stop = int(min(end, run_steps))
+            per_step = shape.global_batch_size * shape.seq_len
+            micro = shape.global_batch_size // (dp_size * self.microbatch_size)
+            lines.append(
+                f"  steps {first}-{stop - 1}: global_batch_size {shape.global_batch_size}, seq_len {shape.seq_len}, "
+                f"{micro} microbatch(es) per step per replica, {per_step:,} positions per step, "
+                f"{(stop - first) * per_step:,} in {stop - first} steps (from {shapes.tokens_before(first):,})"
+            )
+        return lines
 
     def _say_cache_changes(self, spec: MixtureSpec) -> None:
         """Once per DataModule: what its token cache holds of other tokenizers, settings or file contents."""

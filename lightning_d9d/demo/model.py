@@ -14,7 +14,8 @@ import dataclasses
 import inspect
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -99,8 +100,9 @@ class _Tokens:
             # Packed rows have no padding; attention stays causal over the whole row (documents see earlier
             # documents of the row), the usual simplification of packed pretraining.
             return cls(
-                batch.input_ids, torch.ones_like(batch.input_ids), batch.targets, batch.position_ids, shifted=True
-            )
+                batch.input_ids, torch.ones_like(batch.input_ids), batch.targets, batch.position_ids, shifted=True,
+                step_label_tokens=batch.step_target_tokens,
+            )  # fmt: skip
         if isinstance(batch, FlatBatch):
             lengths = torch.diff(batch.cu_seqlens.long())
             documents = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[None]
@@ -131,6 +133,8 @@ class TinyGPT(pl.LightningModule):
         weight_decay: AdamW weight decay (not on biases, norms and embeddings).
         warmup_steps: optimizer steps of linear warm-up.
         min_learning_rate_ratio: the cosine decay ends at this fraction of the peak.
+        lr_batch_scaling: with a global batch size in phases, scale the learning rate by ``(G(step) / G(0)) ** p``:
+            ``"sqrt"`` (p = 1/2, for Adam), ``"linear"`` (p = 1, for SGD) or ``"none"`` (docs/schedules.md).
 
     Raises:
         ValueError: ``num_heads`` does not divide ``width``; at fit start, a larger tokenizer or longer sequences.
@@ -148,8 +152,11 @@ class TinyGPT(pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: NonNegativeInt = 20,
         min_learning_rate_ratio: float = 0.1,
+        lr_batch_scaling: Literal["none", "sqrt", "linear"] = "none",
     ):
         super().__init__()
+        if lr_batch_scaling not in _LR_BATCH_SCALING:
+            raise ValueError(f"lr_batch_scaling must be one of {list(_LR_BATCH_SCALING)}, got {lr_batch_scaling!r}")
         if width % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide width={width}")
         # Without arguments Lightning records what the CLI gave (with its class_path, so `validate --ckpt_path`
@@ -259,7 +266,7 @@ class TinyGPT(pl.LightningModule):
                 f"the tokenizer has {vocab_size} tokens but TinyGPT(vocab_size={self.hparams.vocab_size}); "
                 f"set model.init_args.vocab_size >= {vocab_size}"
             )
-        longest = _declared(datamodule, "longest_padded_length") or _declared(datamodule, "seq_len")
+        longest = _declared(datamodule, "longest_padded_length") or _declared(datamodule, "max_seq_len")
         if longest is not None and longest > self.hparams.max_positions:
             raise ValueError(
                 f"batches can be {longest} tokens long but TinyGPT(max_positions={self.hparams.max_positions}); "
@@ -277,19 +284,43 @@ class TinyGPT(pl.LightningModule):
             lr=self.hparams.learning_rate,
             betas=(0.9, 0.95),
         )
-        total_steps = self.trainer.estimated_stepping_batches
+        total_steps = self._total_steps()
         warmup, floor = self.hparams.warmup_steps, self.hparams.min_learning_rate_ratio
+        batch_scale = self._batch_scale()
 
         def schedule(step: int) -> float:
             if step < warmup:
-                return (step + 1) / (warmup + 1)
+                return (step + 1) / (warmup + 1) * batch_scale(step)
             if not math.isfinite(total_steps) or total_steps <= warmup:
-                return 1.0
+                return batch_scale(step)
             progress = min((step - warmup) / (total_steps - warmup), 1.0)
-            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+            return (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))) * batch_scale(step)
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _total_steps(self) -> float:
+        """The optimizer steps of the fit: ``max_steps``, else the DataModule's epochs where its steps change size
+        (Lightning's estimate divides one epoch's microbatches by one accumulation count), else Lightning's."""
+        trainer = self.trainer
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return trainer.max_steps
+        datamodule = trainer.datamodule
+        if _declared(datamodule, "step_sizes_vary") and trainer.max_epochs is not None and trainer.max_epochs > 0:
+            return sum(datamodule.steps_in_epoch(epoch) for epoch in range(trainer.max_epochs))
+        return trainer.estimated_stepping_batches
+
+    def _batch_scale(self) -> Callable[[int], float]:
+        """``step -> (G(step) / G(0)) ** p`` (1 without a DataModule that schedules its global batch size)."""
+        power = _LR_BATCH_SCALING[self.hparams.lr_batch_scaling]
+        datamodule = self.trainer.datamodule
+        if not power or _declared(datamodule, "global_batch_size_at") is None:
+            return lambda step: 1.0
+        first = datamodule.global_batch_size_at(0)
+        return lambda step: (datamodule.global_batch_size_at(step) / first) ** power
+
+
+_LR_BATCH_SCALING = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
 
 
 def _declared(owner: Any, name: str) -> Any:

@@ -269,6 +269,13 @@ def step_sizing(
     Raises:
         ValueError: both or neither mode, bad sizes, or a collate that contradicts ``padding_free``.
     """
+    for name, value in (("global_batch_size", global_batch_size), ("global_batch_tokens", global_batch_tokens)):
+        if isinstance(value, (list, tuple, dict)):
+            raise ValueError(
+                f"{name}={value!r} has phases, but a map-style epoch is planned whole from one {name} (its order, "
+                f"the samples of every step and the resume position depend on it): give one number; schedules of "
+                "the batch size are PretrainingDataModule's (docs/schedules.md)"
+            )
     if global_batch_size is not None and global_batch_tokens is not None:
         raise ValueError(
             f"pass exactly one of global_batch_size (samples per optimizer step) and global_batch_tokens (tokens "

@@ -254,6 +254,15 @@ def test_restart_epoch_option_accepts_another_order() -> None:
             "on_order_mismatch must be one of \\[.raise., .restart_epoch.\\], got .ignore.",
         ),
         ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+        (
+            {"global_batch_size": [[0, 16], [10, 32]]},
+            r"global_batch_size=\[\[0, 16\], \[10, 32\]\] has phases, but a map-style epoch is planned whole .* "
+            "PretrainingDataModule's",
+        ),
+        (
+            {"global_batch_size": None, "global_batch_tokens": [[0, 512]], "microbatch_tokens": 128},
+            r"global_batch_tokens=\[\[0, 512\]\] has phases",
+        ),
     ],
 )
 def test_bad_constructor_arguments_name_the_value(options: dict, message: str) -> None:

@@ -287,12 +287,12 @@ def test_a_foreign_fingerprint_names_the_missing_fields_not_their_length() -> No
     from lightning_d9d.streaming.spec import CorpusFingerprint
 
     fingerprint = CorpusFingerprint(
-        tokenizer="0", bos_id=1, seq_len=8, packing="bestfit", seed=0, global_batch_size=8, num_streams=4,
+        tokenizer="0", bos_id=1, packing="bestfit", seed=0, num_streams=4,
         bestfit_buffer_size=16, max_document_chars=None,
         sources=(("train", "2 files, 40 rows, sha256 0", (1, 2), "text"),),
     )  # fmt: skip
     differences = fingerprint.mismatches({"seed": 0})
-    assert "seq_len: checkpoint <missing>, this run 8" in differences
+    assert "packing: checkpoint <missing>, this run 'bestfit'" in differences
     assert "sources: checkpoint <missing>, this run ['train']" in differences
     assert not any("9 files" in difference for difference in differences)
 

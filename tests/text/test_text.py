@@ -260,3 +260,8 @@ def test_empty_dataset(corpus: dict, tmp_path: Path) -> None:
 def test_bad_sizes_and_choices_name_the_field(corpus: dict, tmp_path: Path, field: str, value) -> None:
     with pytest.raises(ValueError, match=field):
         make_dm(corpus, tmp_path, **{field: value})
+
+
+def test_a_batch_size_schedule_is_refused_naming_where_schedules_are(corpus: dict, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"global_batch_size=\[\[0, 8\], \[5, 16\]\] has phases.*PretrainingData"):
+        make_dm(corpus, tmp_path, global_batch_size=[[0, 8], [5, 16]])
