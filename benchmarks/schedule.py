@@ -13,7 +13,8 @@ Each round runs, in fresh processes, the scheduled run and the three fixed ones 
 between rounds; the figures are min / median / max over the rounds of the per-round ratio. Targets: useful tokens/s
 of the scheduled run at each shape >= 0.95x the fixed-shape run's (``concat`` and ``bestfit_split``); the first
 batch of a resume at the seq_len boundary no slower than a fixed-shape resume (ratio <= 1, median); the resumed
-step's rows identical to the uninterrupted run's.
+step's rows identical to the uninterrupted run's; padding at each shape within 0.25 percentage points of the
+fixed-shape run's (the rows are the same every round, so padding is reported once).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from common import in_child, print_verdicts
 from streaming import stdlib_texts, train_tokenizer, write_corpus
 
 THROUGHPUT_TARGET = 0.95
+PADDING_MARGIN = 0.0025  # the scheduled run's padding at a shape may exceed the fixed run's by this much
 RESUME_TARGET = 1.0
 SHAPES = [(32, 512), (64, 512), (64, 1024)]  # (G, seq_len) of the three phases
 WARMUP_ROWS_PER_STREAM = 256  # a fresh best-fit buffer is full after about 248 rows per stream
@@ -62,27 +64,30 @@ def _run(conn, files: str, tokenizer: str, packing: str, cache: str, schedule: d
     dm = _datamodule(files, tokenizer, packing, cache, schedule["sizes"], schedule["seq_lens"], schedule["steps"],
                      args)  # fmt: skip
     batches = iter(dm.train_dataloader())
-    marks: dict[int, tuple[float, int]] = {}
+    marks: dict[int, tuple[float, int, int]] = {}
     wanted = {step for stretch in schedule["timed"] for step in stretch}
     state, digest = None, hashlib.sha256()
     for step in range(schedule["steps"]):
         if step in wanted:
-            marks[step] = (time.perf_counter(), dm.stream_stats()["emitted"])
+            stats = dm.stream_stats()
+            marks[step] = (time.perf_counter(), stats["emitted"], stats["padding"])
         if step == schedule["save_at"]:
             state = dm.state_dict()
         for _ in range(dm.microbatches_at(step)):
             batch = next(batches)
             if step == schedule["save_at"]:
                 digest.update(batch.input_ids.numpy().tobytes())
-    marks[schedule["steps"]] = (time.perf_counter(), dm.stream_stats()["emitted"])
+    stats = dm.stream_stats()
+    marks[schedule["steps"]] = (time.perf_counter(), stats["emitted"], stats["padding"])
     dm.teardown("fit")
-    rates = []
+    rates, padding = [], []
     for first, stop in schedule["timed"]:
-        (t0, e0), (t1, e1) = marks[first], marks[stop]
+        (t0, e0, p0), (t1, e1, p1) = marks[first], marks[stop]
         rates.append((e1 - e0) / (t1 - t0))
+        padding.append((p1 - p0) / max(1, (e1 - e0) + (p1 - p0)))
     saved = io.BytesIO()
     torch.save(state, saved)  # bytes: tensors through a pipe would outlive this process as shared memory
-    conn.send({"rates": rates, "state": saved.getvalue(), "digest": digest.hexdigest()})
+    conn.send({"rates": rates, "padding": padding, "state": saved.getvalue(), "digest": digest.hexdigest()})
 
 
 def _resume(conn, files: str, tokenizer: str, packing: str, cache: str, schedule: dict, state: bytes,
@@ -134,8 +139,9 @@ def _spread(values: list[float]) -> str:
 
 
 def _round(files: str, tokenizer: str, packing: str, cache: str, scheduled: dict, fixed: list[dict], args: dict,
-           flip: bool, inline: bool) -> tuple[list[float], float, bool]:  # fmt: skip
-    """One round: per shape, scheduled / fixed useful tokens/s; scheduled / fixed resume seconds; rows identical."""
+           flip: bool, inline: bool) -> tuple[list[float], float, bool, list[tuple[float, float]]]:  # fmt: skip
+    """One round: per shape, scheduled / fixed useful tokens/s; scheduled / fixed resume seconds; rows identical;
+    per shape, the scheduled and the fixed run's padding."""
     runs = [("scheduled", scheduled), *((f"fixed{i}", f) for i, f in enumerate(fixed))]
     results = {}
     for name, schedule in reversed(runs) if flip else runs:
@@ -145,7 +151,8 @@ def _round(files: str, tokenizer: str, packing: str, cache: str, scheduled: dict
                   inline=inline)  # fmt: skip
     plain = in_child(_resume, files, tokenizer, packing, cache, fixed[2], results["fixed2"]["state"], args,
                      inline=inline)  # fmt: skip
-    return ratios, at["seconds"] / plain["seconds"], at["digest"] == results["scheduled"]["digest"]
+    padding = [(results["scheduled"]["padding"][i], results[f"fixed{i}"]["padding"][0]) for i in range(len(SHAPES))]
+    return ratios, at["seconds"] / plain["seconds"], at["digest"] == results["scheduled"]["digest"], padding
 
 
 def main() -> None:
@@ -170,7 +177,7 @@ def main() -> None:
         print(f"corpus: {len(texts)} documents, {sum(map(len, texts)) / 1e6:.1f} MB of text; phases (G, seq_len) "
               f"{SHAPES} of {[b - a for a, b in scheduled['timed'][1:]]} steps after the first; {options.workers} "
               f"workers, {options.rounds} rounds; figures: min / median / max over the rounds")  # fmt: skip
-        print(f"{'packing':<15}{'shape':<14}{'scheduled / fixed tok/s':>26}")
+        print(f"{'packing':<15}{'shape':<14}{'scheduled / fixed tok/s':>26}{'padding scheduled':>20}{'fixed':>8}")
         verdicts = []
         for packing in options.packings.split(","):
             cache = str(root / f"cache-{packing}")
@@ -179,17 +186,23 @@ def main() -> None:
             rounds = [_round(files, tokenizer, packing, cache, scheduled, fixed, args, bool(r % 2), options.quick)
                       for r in range(options.rounds)]  # fmt: skip
             for i, shape in enumerate(SHAPES):
-                ratios = [ratios[i] for ratios, _, _ in rounds]
-                print(f"{packing:<15}{shape!s:<14}{_spread(ratios):>26}")
+                ratios = [ratios[i] for ratios, _, _, _ in rounds]
+                scheduled_pad, fixed_pad = rounds[0][3][i]  # the rows are the same every round
+                print(f"{packing:<15}{shape!s:<14}{_spread(ratios):>26}{100 * scheduled_pad:>19.2f}%"
+                      f"{100 * fixed_pad:>7.2f}%")  # fmt: skip
+                verdicts.append((scheduled_pad <= fixed_pad + PADDING_MARGIN,
+                                 f"{packing} at {shape}: padding {100 * scheduled_pad:.2f} % scheduled, "
+                                 f"{100 * fixed_pad:.2f} % at that fixed shape (target <= fixed + "
+                                 f"{100 * PADDING_MARGIN:.2f} pp)"))  # fmt: skip
                 verdicts.append((statistics.median(ratios) >= THROUGHPUT_TARGET,
                                  f"{packing} at {shape}: scheduled / fixed-shape useful tokens/s "
                                  f"{statistics.median(ratios):.3f} (target >= {THROUGHPUT_TARGET})"))  # fmt: skip
-            resume = [ratio for _, ratio, _ in rounds]
+            resume = [ratio for _, ratio, _, _ in rounds]
             print(f"{packing:<15}{'resume':<14}{_spread(resume):>26}  (first batch at the boundary / fixed-shape)")
             verdicts += [
                 (statistics.median(resume) <= RESUME_TARGET, f"{packing}: first batch of a resume at the seq_len "
                  f"boundary / of a fixed-shape resume {statistics.median(resume):.3f} (target <= {RESUME_TARGET})"),
-                (all(same for _, _, same in rounds), f"{packing}: the resumed boundary step's rows equal the "
+                (all(same for _, _, same, _ in rounds), f"{packing}: the resumed boundary step's rows equal the "
                  "uninterrupted run's (target: identical)"),
             ]  # fmt: skip
         print_verdicts(verdicts)
