@@ -314,6 +314,18 @@ def test_a_resume_before_at_and_after_every_boundary_is_exact_on_the_same_and_an
         assert global_steps(corpus, packing, 2, step, state, **changes) == full[step:], step
 
 
+def test_a_mixture_switch_and_a_length_change_at_one_step_stay_exact_and_elastic(corpus: Path) -> None:
+    mixture = dict(
+        train_files={"a": str(corpus / "train" / "part-000.parquet"), "b": str(corpus / "train" / "part-001.parquet")},
+        weights=[[0, {"a": 1, "b": 1}], [3, {"a": 1, "b": 3}]],
+    )
+    full = global_steps(corpus, "bestfit_split", 1, **mixture)
+    assert global_steps(corpus, "bestfit_split", 2, **mixture) == full
+    for step in (2, 3, 4):
+        state = state_at(corpus, "bestfit_split", step, **mixture)
+        assert global_steps(corpus, "bestfit_split", 2, step, state, **mixture) == full[step:], step
+
+
 def full_rows(dm: PretrainingDataModule, stop: int, start: int = 0) -> list[list[np.ndarray]]:
     """Concat's rows of each of the rank's streams (inputs and the last target: the whole packed row), in order."""
     batches, streams = iter(dm.train_dataloader()), [[] for _ in dm.owned_streams]
