@@ -262,8 +262,9 @@ def describe_batch(batch: Any, name: str = "batch") -> list[str]:
     """One line per tensor of a batch tree: ``name.field: shape dtype``."""
     if isinstance(batch, torch.Tensor):
         return [f"{name}: {tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"]
-    if hasattr(batch, "__dataclass_fields__"):
+    if hasattr(batch, "__dataclass_fields__"):  # fields left None (e.g. filled only by cp_shard_batch): not shown
         items = [(field, getattr(batch, field)) for field in batch.__dataclass_fields__]
+        items = [(field, value) for field, value in items if value is not None]
         return [line for field, value in items for line in describe_batch(value, f"{name}.{field}")]
     if isinstance(batch, dict):
         return [line for key, value in batch.items() for line in describe_batch(value, f"{name}[{key!r}]")]

@@ -58,6 +58,39 @@ def _update(digest: Any, value: Any) -> None:
         digest.update(f"leaf {value!r}".encode())
 
 
+class NothingToCompareWarning(UserWarning):
+    """``verify_peers`` is on, but no data-parallel replica has two processes: the check proves nothing."""
+
+
+def checked_summary(what: str, dp_size: int, world_size: int) -> str:
+    """The one line that says what a passed check compared, e.g. ``peer check: optimizer steps 0-4 identical ...``."""
+    peers = world_size // dp_size
+    replicas = "the one data-parallel replica" if dp_size == 1 else f"each of {dp_size} data-parallel replicas"
+    return f"peer check: {what} identical across the {peers} processes of {replicas}"
+
+
+def steps_checked(first: int, last: int) -> str:
+    """``optimizer step 3`` or ``optimizer steps 0-4``."""
+    return f"optimizer step {first}" if first == last else f"optimizer steps {first}-{last}"
+
+
+def nothing_to_compare(verify_peers: int, dp_size: int, world_size: int) -> str | None:
+    """The warning for a check without peers to compare (every replica one process), else ``None``."""
+    if world_size // dp_size > 1:
+        return None
+    where = (
+        "a single process"
+        if world_size == 1
+        else f"each of the {dp_size} data-parallel replicas has one process (data_parallel counts every process as "
+        "a replica: right under DDP or FSDP; under tensor, context or pipeline parallelism it names the wrong dims "
+        "and peers train different rows)"
+    )
+    return (
+        f"verify_peers={verify_peers} compares the processes of each data-parallel replica, but {where}: there are "
+        "no peers to compare, so the check proves nothing"
+    )
+
+
 def verify_peer_step(step: int | str, digests: Sequence[str], dp_rank: int, group: Any = None) -> None:
     """All-gather every process's digests of one step and compare them within each replica (a collective).
 

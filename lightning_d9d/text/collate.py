@@ -30,6 +30,8 @@ class TextBatch:
         step_label_tokens: next-token targets of the whole step over all ranks: divide the summed loss by it.
     """
 
+    context_parallel_slice: ClassVar[type]  # what cp_shard_batch makes of one: CPTextBatch, below
+
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
@@ -55,6 +57,24 @@ class TextBatch:
 
 
 @dataclasses.dataclass
+class CPTextBatch(TextBatch):
+    """A context-parallel rank's slice of a :class:`TextBatch` (``cp_shard_batch``): every per-position field holds
+    this rank's zigzag pieces, which are not contiguous, so the slice also carries what a model cannot infer.
+
+    Attributes:
+        position_ids: each kept position's index in its padded row (what a model uses without ``position_ids``).
+        shift_labels: each kept position's next label (``-100`` at a row's end): the loss takes these (Hugging
+            Face: ``shift_labels=``), since shifting ``labels`` inside the slice would pair different pieces.
+    """
+
+    position_ids: torch.Tensor | None = None
+    shift_labels: torch.Tensor | None = None
+
+
+TextBatch.context_parallel_slice = CPTextBatch
+
+
+@dataclasses.dataclass
 class FlatBatch:
     """One padding-free causal-LM microbatch: its documents concatenated into one ``[1, T]`` row.
 
@@ -62,6 +82,7 @@ class FlatBatch:
         cu_seqlens: ``int32 [D + 1]`` cumulative document lengths from 0.
         step_label_tokens: next-token targets of the whole step over all ranks.
         cu_seqlens_padded: cumulative padded lengths (CP); ``None`` given: set to ``cu_seqlens``.
+        shift_labels: ``None``; a context-parallel slice (``cp_shard_batch``) gets each position's next label.
     """
 
     input_ids: torch.Tensor
@@ -71,6 +92,7 @@ class FlatBatch:
     max_seqlen: int
     step_label_tokens: int | None = None
     cu_seqlens_padded: torch.Tensor | None = None
+    shift_labels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.cu_seqlens_padded is None:
