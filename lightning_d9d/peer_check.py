@@ -7,13 +7,14 @@ error everywhere. Trade-off: a host copy and an all-gather per step, so it is fo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from lightning_d9d.digest import Hasher
 
 
 class PeerMismatchError(RuntimeError):
@@ -22,40 +23,40 @@ class PeerMismatchError(RuntimeError):
 
 def batch_digest(batch: Any) -> str:
     """A stable hex digest of a batch (tensors by shape, dtype and bytes; other leaves by ``repr``)."""
-    digest = hashlib.sha256()
-    _update(digest, batch)
-    return digest.hexdigest()[:32]
+    hashed = Hasher()
+    _update(hashed, batch)
+    return hashed.hexdigest()
 
 
-def _update(digest: Any, value: Any) -> None:
+def _update(hashed: Hasher, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
         if tensor.layout != torch.strided:
             tensor = tensor.to_dense()
         tensor = tensor.cpu().contiguous()
-        digest.update(f"tensor{tuple(tensor.shape)}{tensor.dtype}".encode())
+        hashed.add(f"tensor{tuple(tensor.shape)}{tensor.dtype}".encode())
         # A view as bytes hashes every dtype (bfloat16 and bool included, which numpy cannot hold).
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        hashed.add(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     elif isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
-        digest.update(f"array{array.shape}{array.dtype.str}".encode())
-        digest.update(array.tobytes() if array.dtype != object else repr(array.tolist()).encode())
+        hashed.add(f"array{array.shape}{array.dtype.str}".encode())
+        hashed.add(array.tobytes() if array.dtype != object else repr(array.tolist()).encode())
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        digest.update(f"dataclass {type(value).__qualname__}".encode())
+        hashed.add(f"dataclass {type(value).__qualname__}".encode())
         for field in dataclasses.fields(value):
-            digest.update(f"field {field.name}".encode())
-            _update(digest, getattr(value, field.name))
+            hashed.add(f"field {field.name}".encode())
+            _update(hashed, getattr(value, field.name))
     elif isinstance(value, dict):
-        digest.update(b"dict")
+        hashed.add(b"dict")
         for key in sorted(value, key=repr):
-            digest.update(f"key {key!r}".encode())
-            _update(digest, value[key])
+            hashed.add(f"key {key!r}".encode())
+            _update(hashed, value[key])
     elif isinstance(value, (list, tuple)):
-        digest.update(f"{type(value).__name__}{len(value)}".encode())
+        hashed.add(f"{type(value).__name__}{len(value)}".encode())
         for item in value:
-            _update(digest, item)
+            _update(hashed, item)
     else:
-        digest.update(f"leaf {value!r}".encode())
+        hashed.add(f"leaf {value!r}".encode())
 
 
 class NothingToCompareWarning(UserWarning):

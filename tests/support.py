@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
@@ -44,6 +43,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule, TextDataModule
+from lightning_d9d.digest import Hasher
 from lightning_d9d.peer_check import NothingToCompareWarning
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.packing import BufferGrowth
@@ -179,10 +179,8 @@ def tensors_of(batch: Any) -> list[torch.Tensor]:
 
 
 def digest(batch: Any) -> str:
-    h = hashlib.sha256()
-    for tensor in tensors_of(batch):
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:20]
+    """The digest of a batch's tensors' bytes, in field order."""
+    return Hasher().add(*(t.detach().cpu().contiguous().numpy().tobytes() for t in tensors_of(batch))).hexdigest()
 
 
 class RecordingModule(pl.LightningModule):
@@ -571,10 +569,7 @@ class RankDataModule(PretrainingDataModule):
 
 def row_digest(batch: Any, i: int) -> str:
     """A digest of row ``i`` of a ``PretrainingBatch`` (its inputs, targets and positions)."""
-    h = hashlib.sha256()
-    for tensor in (batch.input_ids[i], batch.targets[i], batch.position_ids[i]):
-        h.update(tensor.numpy().tobytes())
-    return h.hexdigest()[:16]
+    return digest([batch.input_ids[i], batch.targets[i], batch.position_ids[i]])
 
 
 def run_steps(dm: PretrainingDataModule, steps: int) -> list[list[tuple[int, str]]]:
