@@ -59,6 +59,19 @@ class D9DCLI(LightningCLI):
             **kwargs,
         )
 
+    _building_inspect = False
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        if not self._building_inspect:
+            super().add_core_arguments_to_parser(parser)
+            return
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        parser.add_lightning_class_args(
+            self._model_class, "model", subclass_mode=self.subclass_mode_model, required=False
+        )
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -70,9 +83,14 @@ class D9DCLI(LightningCLI):
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
         # LightningCLI's subcommands must be Trainer methods; inspect is not, so its parser is added here with
-        # the same model/data/trainer arguments and run by _run_subcommand below.
+        # the same model/data/trainer arguments (the model optional: inspect reads data only) and run by
+        # _run_subcommand below.
         inspect_parser = self.init_parser(description=_INSPECT_HELP)
-        self._add_arguments(inspect_parser)
+        self._building_inspect = True
+        try:
+            self._add_arguments(inspect_parser)
+        finally:
+            self._building_inspect = False
         inspect_parser.add_argument(
             "--steps",
             type=int,
