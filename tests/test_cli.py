@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from support import BatchRecorder, make_docs, train_tokenizer, write_parquet
+from support import BOS, BatchRecorder, make_docs, train_tokenizer, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -500,3 +500,16 @@ def test_the_demo_saves_the_trained_model_and_resuming_a_finished_run_trains_not
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == [
         "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "last.ckpt",
     ]  # fmt: skip
+
+
+def test_inspect_needs_no_model(pretraining_config: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """``inspect --config configs/pretraining.yaml``: a data section alone (it reads data, never the model)."""
+    monkeypatch.chdir(pretraining_config)
+    data = {"train_files": "train", "tokenizer": "tokenizer.json", "bos_token": BOS, "seq_len": 32,
+            "global_batch_size": 8, "microbatch_size": 4, "num_streams": 4, "num_workers": 0,
+            "steps_per_epoch": 3}  # fmt: skip
+    overrides = [f"--data.init_args.{key}={value}" for key, value in data.items()]
+    run_cli(["inspect", "--config", str(REPO / "configs" / "pretraining.yaml"), *overrides, "--steps", "2"])
+    report = capsys.readouterr().out
+    assert "data: lightning_d9d.datamodules.pretraining.PretrainingDataModule" in report
+    assert "steps per epoch: 3" in report and "batch.input_ids: (4, 32)" in report
