@@ -2,7 +2,8 @@
 
 It sets ``accumulate_grad_batches = M`` (and per-epoch reloads where epochs differ), checks a restored data state
 against the checkpoint's loops, aligns Lightning's in-epoch counters to the data position, runs the peer check and
-times the data; the DataModule itself never edits the Trainer.
+times the data; attaching it makes Lightning's progress bar count optimizer steps. The DataModule itself never
+edits the Trainer.
 
 Trade-off: aligning counters touches Lightning's loop internals, which tests pin down.
 """
@@ -16,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_d9d.datamodules.observability import DataObserver
+from lightning_d9d.datamodules.progress_bar import count_optimizer_steps
 from lightning_d9d.peer_check import (
     NothingToCompareWarning,
     batch_digest,
@@ -41,11 +43,13 @@ class DataModuleCallback(pl.Callback):
 
     @classmethod
     def attach(cls, trainer: pl.Trainer, datamodule: SteppedDataModule) -> None:
-        """Add the callback of ``datamodule`` to ``trainer`` (replacing one left by another DataModule)."""
+        """Add the callback of ``datamodule`` to ``trainer`` (replacing one left by another DataModule), and make
+        Lightning's progress bar count optimizer steps."""
         callbacks = [c for c in trainer.callbacks if not isinstance(c, cls) or c._datamodule is datamodule]
         if not any(isinstance(c, cls) for c in callbacks):
             callbacks.append(cls(datamodule))
         trainer.callbacks[:] = callbacks
+        count_optimizer_steps(trainer)
 
     # ------------------------------------------------------------------ trainer settings
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
