@@ -1,7 +1,8 @@
 """The ``lightning-d9d`` command: LightningCLI for any LightningModule + DataModule, plus ``inspect``.
 
-``fit|validate|test|predict`` take model and data in subclass mode. ``inspect`` builds the data at world size 1 and
-prints one epoch's steps, microbatches, tokens and padding, and the first microbatch's shapes.
+``fit|validate|test|predict`` take model and data in subclass mode; on the CPU they leave the DataLoader workers
+their cores (``cpu_threads``). ``inspect`` builds the data at world size 1 and prints one epoch's steps,
+microbatches, tokens and padding, and the first microbatch's shapes.
 
 Trade-off: with sample counts padding is measured on the first ``--steps`` steps only, to stay fast.
 """
@@ -14,7 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_d9d.batches import count_tokens, row_sources
 from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
@@ -25,6 +28,7 @@ from lightning_d9d.cli_errors import (
     full_tracebacks,
     report_configuration_error,
 )
+from lightning_d9d.cpu_threads import choose_cpu_threads
 from lightning_d9d.datamodules.base import SteppedDataModule
 from lightning_d9d.datamodules.d9d import D9DDataModule
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
@@ -110,7 +114,17 @@ class D9DCLI(LightningCLI):
             print(inspect(self.datamodule, self.trainer, steps))
             return
         check_ckpt_path(self.config_init[subcommand].get("ckpt_path"))
+        self._choose_cpu_threads()
         super()._run_subcommand(subcommand)
+
+    def _choose_cpu_threads(self) -> None:
+        """On the CPU, leave the DataLoader workers their cores (``lightning_d9d.cpu_threads``)."""
+        if not isinstance(self.trainer.accelerator, CPUAccelerator):
+            return
+        workers = int(getattr(self.datamodule, "num_workers", 0) or 0)
+        said = choose_cpu_threads(int(self.trainer.num_devices), workers)
+        if said is not None:
+            rank_zero_info(said)
 
 
 def check_ckpt_path(ckpt_path: Any) -> None:

@@ -2,7 +2,9 @@
 
 Each sequence is cut into ``2·cp`` chunks and rank ``r`` keeps chunks ``r`` and ``2·cp − 1 − r`` (zigzag), balancing
 causal attention cost. In packed rows each document is split and padded to a multiple of ``2·cp`` (THD layout:
-``cu_seqlens`` real, ``cu_seqlens_padded`` padded); metadata is never split.
+``cu_seqlens`` real, ``cu_seqlens_padded`` padded); metadata is never split. A rank's two pieces are not
+contiguous, so slicing a batch also hands out what a model cannot infer from them: global positions, and labels
+shifted before the split.
 
 Trade-off: up to ``2·cp − 1`` padding positions per document, for balanced ranks without an all-to-all.
 """
