@@ -9,6 +9,7 @@ Trade-off: with sample counts padding is measured on the first ``--steps`` steps
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -294,9 +295,9 @@ def describe_batch(batch: Any, name: str = "batch") -> list[str]:
     """One line per tensor of a batch tree: ``name.field: shape dtype``."""
     if isinstance(batch, torch.Tensor):
         return [f"{name}: {tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"]
-    if hasattr(batch, "__dataclass_fields__"):  # fields left None (e.g. filled only by cp_shard_batch): not shown
-        items = [(field, getattr(batch, field)) for field in batch.__dataclass_fields__]
-        items = [(field, value) for field, value in items if value is not None]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [(field.name, getattr(batch, field.name)) for field in dataclasses.fields(batch)]
+        items = [(field, value) for field, value in items if value is not None]  # e.g. set only by cp_shard_batch
         return [line for field, value in items for line in describe_batch(value, f"{name}.{field}")]
     if isinstance(batch, dict):
         return [line for key, value in batch.items() for line in describe_batch(value, f"{name}[{key!r}]")]

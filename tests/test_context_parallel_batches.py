@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -16,6 +15,7 @@ import torch
 from support import make_texts, train_tokenizer
 
 from lightning_d9d import TextDataModule
+from lightning_d9d.cli import describe_batch
 from lightning_d9d.context_parallel import cp_shard_batch, cp_unshard
 from lightning_d9d.text.collate import CPTextBatch, FlatBatch, TextBatch
 from lightning_d9d.tokens import IGNORE_INDEX
@@ -141,8 +141,13 @@ def test_what_cannot_be_sliced_is_one_clear_error() -> None:
     assert cp_shard_batch({"input_ids": ids}, 0, 1) == {"input_ids": ids}, "one CP rank: the batch as it is"
 
 
-def test_a_cp_text_batch_is_a_text_batch_and_plain_text_batches_stay_as_they_were(tmp_path: Path) -> None:
+def test_a_cp_text_batch_is_a_text_batch_and_plain_text_batches_stay_as_they_were(corpus: dict) -> None:
     assert issubclass(CPTextBatch, TextBatch)
-    assert [field.name for field in dataclasses.fields(TextBatch)] == [
-        "input_ids", "attention_mask", "labels", "step_label_tokens",
+    assert list(TextBatch.__dataclass_fields__) == ["input_ids", "attention_mask", "labels", "step_label_tokens"]
+    batch = real_batches(corpus, global_batch_size=8, microbatch_size=4, context_parallel_size=2)[0]
+    rows, width = batch.input_ids.shape
+    assert describe_batch(batch) == [
+        f"batch.input_ids: ({rows}, {width}) int64", f"batch.attention_mask: ({rows}, {width}) int64",
+        f"batch.labels: ({rows}, {width}) int64", "batch.step_label_tokens: int",
     ]  # fmt: skip
+    assert f"batch.position_ids: ({rows}, {width // 2}) int64" in describe_batch(cp_shard_batch(batch, 0, 2))

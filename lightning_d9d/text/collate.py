@@ -30,8 +30,6 @@ class TextBatch:
         step_label_tokens: next-token targets of the whole step over all ranks: divide the summed loss by it.
     """
 
-    context_parallel_slice: ClassVar[type]  # what cp_shard_batch makes of one: CPTextBatch, below
-
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
@@ -71,7 +69,9 @@ class CPTextBatch(TextBatch):
     shift_labels: torch.Tensor | None = None
 
 
-TextBatch.context_parallel_slice = CPTextBatch
+# What cp_shard_batch makes of a TextBatch: a plain class attribute, so that it is no dataclass field (nor a
+# ClassVar entry among __dataclass_fields__, which code walking a batch's fields would meet).
+TextBatch.context_parallel_slice = CPTextBatch  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass
