@@ -1,20 +1,24 @@
 """The ``lightning-d9d`` command: LightningCLI for any LightningModule + DataModule, plus ``inspect``.
 
-``fit|validate|test|predict`` take model and data in subclass mode. ``inspect`` builds the data at world size 1 and
-prints one epoch's steps, microbatches, tokens and padding, and the first microbatch's shapes.
+``fit|validate|test|predict`` take model and data in subclass mode; on the CPU they leave the DataLoader workers
+their cores (``cpu_threads``). ``inspect`` builds the data at world size 1 and prints one epoch's steps,
+microbatches, tokens and padding, and the first microbatch's shapes.
 
 Trade-off: with sample counts padding is measured on the first ``--steps`` steps only, to stay fast.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_d9d.batches import count_tokens, row_sources
 from lightning_d9d.checks import microbatches_per_step, token_microbatches_per_step
@@ -25,6 +29,7 @@ from lightning_d9d.cli_errors import (
     full_tracebacks,
     report_configuration_error,
 )
+from lightning_d9d.cpu_threads import choose_cpu_threads
 from lightning_d9d.datamodules.base import SteppedDataModule
 from lightning_d9d.datamodules.d9d import D9DDataModule
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
@@ -59,6 +64,19 @@ class D9DCLI(LightningCLI):
             **kwargs,
         )
 
+    _building_inspect = False
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        if not self._building_inspect:
+            super().add_core_arguments_to_parser(parser)
+            return
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        parser.add_lightning_class_args(
+            self._model_class, "model", subclass_mode=self.subclass_mode_model, required=False
+        )
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -70,9 +88,14 @@ class D9DCLI(LightningCLI):
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
         # LightningCLI's subcommands must be Trainer methods; inspect is not, so its parser is added here with
-        # the same model/data/trainer arguments and run by _run_subcommand below.
+        # the same model/data/trainer arguments (the model optional: inspect reads data only) and run by
+        # _run_subcommand below.
         inspect_parser = self.init_parser(description=_INSPECT_HELP)
-        self._add_arguments(inspect_parser)
+        self._building_inspect = True
+        try:
+            self._add_arguments(inspect_parser)
+        finally:
+            self._building_inspect = False
         inspect_parser.add_argument(
             "--steps",
             type=int,
@@ -92,7 +115,17 @@ class D9DCLI(LightningCLI):
             print(inspect(self.datamodule, self.trainer, steps))
             return
         check_ckpt_path(self.config_init[subcommand].get("ckpt_path"))
+        self._choose_cpu_threads()
         super()._run_subcommand(subcommand)
+
+    def _choose_cpu_threads(self) -> None:
+        """On the CPU, leave the DataLoader workers their cores (``lightning_d9d.cpu_threads``)."""
+        if not isinstance(self.trainer.accelerator, CPUAccelerator):
+            return
+        workers = int(getattr(self.datamodule, "num_workers", 0) or 0)
+        said = choose_cpu_threads(int(self.trainer.num_devices), workers)
+        if said is not None:
+            rank_zero_info(said)
 
 
 def check_ckpt_path(ckpt_path: Any) -> None:
@@ -286,8 +319,9 @@ def describe_batch(batch: Any, name: str = "batch") -> list[str]:
     """One line per tensor of a batch tree: ``name.field: shape dtype``."""
     if isinstance(batch, torch.Tensor):
         return [f"{name}: {tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"]
-    if hasattr(batch, "__dataclass_fields__"):
-        items = [(field, getattr(batch, field)) for field in batch.__dataclass_fields__]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [(field.name, getattr(batch, field.name)) for field in dataclasses.fields(batch)]
+        items = [(field, value) for field, value in items if value is not None]  # e.g. set only by cp_shard_batch
         return [line for field, value in items for line in describe_batch(value, f"{name}.{field}")]
     if isinstance(batch, dict):
         return [line for key, value in batch.items() for line in describe_batch(value, f"{name}[{key!r}]")]

@@ -2,7 +2,9 @@
 
 Each sequence is cut into ``2·cp`` chunks and rank ``r`` keeps chunks ``r`` and ``2·cp − 1 − r`` (zigzag), balancing
 causal attention cost. In packed rows each document is split and padded to a multiple of ``2·cp`` (THD layout:
-``cu_seqlens`` real, ``cu_seqlens_padded`` padded); metadata is never split.
+``cu_seqlens`` real, ``cu_seqlens_padded`` padded); metadata is never split. A rank's two pieces are not
+contiguous, so slicing a batch also hands out what a model cannot infer from them: global positions, and labels
+shifted before the split.
 
 Trade-off: up to ``2·cp − 1`` padding positions per document, for balanced ranks without an all-to-all.
 """
@@ -10,14 +12,18 @@ Trade-off: up to ``2·cp − 1`` padding positions per document, for balanced ra
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
-SEQUENCE_FIELDS = ("input_ids", "labels", "position_ids", "inputs", "targets")
+from lightning_d9d.tokens import IGNORE_INDEX
+
+SEQUENCE_FIELDS = (
+    "input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "loss_mask", "inputs", "targets",
+)  # fmt: skip
 """A batch's per-position fields, split over CP ranks; all others are metadata."""
 
 
@@ -180,14 +186,21 @@ def cp_shard_batch(
     fields: Sequence[str] = SEQUENCE_FIELDS,
     per_document: bool = True,
 ) -> Any:
-    """A copy of ``batch`` (a dataclass or dict) with its sequence ``fields`` sliced for this CP rank.
+    """A copy of ``batch`` (a dataclass or dict) with its per-position ``fields`` sliced for this CP rank.
+
+    Positions and shifted labels are made before slicing where the batch lacks them (and ``fields`` names them),
+    since a rank's zigzag pieces are not contiguous: ``position_ids`` (each position's index in its row, restarting
+    per document with bounds) and, from Hugging Face ``labels`` (unshifted: the model shifts), ``shift_labels``
+    (the label of the next position, ``-100`` at each sequence's end): the loss must take these, as a shift
+    inside the rank's slice would pair tokens of different pieces.
 
     Args:
         per_document: split each document by ``cu_seqlens_padded`` (else ``cu_seqlens``).
 
     Raises:
         TypeError: a batch that is neither a dataclass nor a dict.
-        ValueError: see :func:`cp_shard`.
+        ValueError: a field that cannot be sliced (named), a per-position field not in ``fields``, a dataclass
+            without a field for the positions or shifted labels; see also :func:`cp_shard`.
     """
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         values = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
@@ -198,6 +211,12 @@ def cp_shard_batch(
     bounds = None
     if per_document:
         bounds = next((values[k] for k in ("cu_seqlens_padded", "cu_seqlens") if values.get(k) is not None), None)
+    kind = type(batch)
+    if cp_size > 1:
+        derived = _derived_fields(values, fields, seq_dim, bounds)
+        kind = _slice_type(batch, derived)
+        values.update(derived)
+        _check_sliceable(type(batch).__name__, values, fields, seq_dim)
     sliced = {
         name: cp_shard(value, cp_rank, cp_size, seq_dim, bounds)
         for name, value in values.items()
@@ -205,7 +224,116 @@ def cp_shard_batch(
     }
     if isinstance(batch, dict):
         return {**batch, **sliced}
-    return dataclasses.replace(batch, **sliced)
+    if kind is type(batch):
+        return dataclasses.replace(batch, **sliced)
+    names = [field.name for field in dataclasses.fields(kind) if field.init]
+    return kind(**{name: sliced.get(name, values.get(name)) for name in names})
+
+
+def _derived_fields(values: dict[str, Any], fields: Sequence[str], seq_dim: int, bounds: Any) -> dict[str, Any]:
+    """``position_ids`` and ``shift_labels`` where ``fields`` asks for them and the batch lacks them."""
+    tokens = _reference(values)
+    derived = {}
+    if "position_ids" in fields and values.get("position_ids") is None and tokens is not None:
+        derived["position_ids"] = _positions(values[tokens], seq_dim, bounds)
+    if "shift_labels" in fields and values.get("shift_labels") is None and values.get("labels") is not None:
+        derived["shift_labels"] = _shifted(values["labels"], seq_dim, bounds)
+    return derived
+
+
+def _slice_type(batch: Any, derived: dict[str, Any]) -> type:
+    """The dataclass a slice is made as: the batch's own, or the ``context_parallel_slice`` it names (a subclass
+    with the fields the slice adds); ``ValueError`` if neither holds them."""
+    if isinstance(batch, dict):
+        return dict
+    kind = type(batch)
+    for candidate in (kind, getattr(kind, "context_parallel_slice", kind)):
+        names = {field.name for field in dataclasses.fields(candidate) if field.init}
+        if set(derived) <= names:
+            return candidate
+    missing = sorted(set(derived) - {field.name for field in dataclasses.fields(kind)})
+    raise ValueError(
+        f"cp_shard_batch must hand out {missing} with the slices of a {kind.__name__} (a rank's zigzag pieces are "
+        f"not contiguous, so a model cannot infer them), but it has no such field: add {missing} (default None) to "
+        "it, pass a dict, or leave them out of fields="
+    )
+
+
+def _check_sliceable(kind: str, values: dict[str, Any], fields: Sequence[str], seq_dim: int) -> None:
+    """One ``ValueError`` for a named field that cannot be sliced or a per-position field that would stay whole."""
+    tokens = _reference(values)
+    if tokens is None:
+        return
+    shape = tuple(values[tokens].shape)
+    for name, value in values.items():
+        if value is None or not hasattr(value, "shape") or name == tokens:
+            continue
+        if name in fields and (len(value.shape) != len(shape) or value.shape[seq_dim] != shape[seq_dim]):
+            raise ValueError(
+                f"{kind}.{name} has shape {tuple(value.shape)}, which cannot be sliced like {tokens} "
+                f"{shape} along dim {seq_dim}: give it {tokens}'s shape (a mask over pairs of positions is built "
+                "after slicing, from the sliced position_ids), or leave it out of fields="
+            )
+        if name not in fields and tuple(value.shape) == shape:
+            raise ValueError(
+                f"{kind}.{name} has the shape of {tokens} {shape}, so it looks per-position, but it is not in "
+                f"fields={list(fields)}: it would stay whole next to sliced tokens; name it in fields= to slice "
+                "it, or drop it from the batch"
+            )
+
+
+def _reference(values: dict[str, Any]) -> str | None:
+    """The field whose shape every per-position field shares."""
+    return next((name for name in ("input_ids", "inputs") if values.get(name) is not None), None)
+
+
+def _positions(tokens: Any, seq_dim: int, bounds: Any) -> Any:
+    """Each position's index in its row (with ``bounds``: in its document), shaped like ``tokens``."""
+    moved = _move_last(tokens, seq_dim)
+    shape, length = tuple(moved.shape), int(moved.shape[-1])
+    if bounds is None:
+        positions = np.broadcast_to(np.arange(length, dtype=np.int64), shape)
+    else:
+        edges = _as_array(bounds)
+        total = int(edges[-1]) if len(edges) else 0
+        if total not in (length, math.prod(shape)):
+            raise ValueError(
+                f"the document bounds end at {total}, neither a row's {length} positions nor the batch's "
+                f"{math.prod(shape)}: they do not describe these rows"
+            )
+        index = np.arange(total, dtype=np.int64) - np.repeat(edges[:-1], np.diff(edges))
+        positions = np.broadcast_to(index, shape) if total == length else index.reshape(shape)
+    positions = np.ascontiguousarray(positions)
+    if isinstance(tokens, torch.Tensor):
+        return _move_back(torch.from_numpy(positions).to(tokens.device), seq_dim)
+    return _move_back(positions, seq_dim)
+
+
+def _shifted(labels: Any, seq_dim: int, bounds: Any) -> Any:
+    """Each position's next label (``-100`` at every row's and, with ``bounds``, every document's last position)."""
+    moved = _move_last(labels, seq_dim)
+    if isinstance(labels, torch.Tensor):
+        shifted = torch.full(moved.shape, IGNORE_INDEX, dtype=moved.dtype, device=moved.device)
+    else:
+        shifted = np.full(moved.shape, IGNORE_INDEX, dtype=moved.dtype)
+    shifted[..., :-1] = moved[..., 1:]
+    if bounds is not None:
+        edges = _as_array(bounds)
+        ends = edges[1:][edges[1:] > 0] - 1
+        index = torch.from_numpy(ends).to(moved.device) if isinstance(labels, torch.Tensor) else ends
+        if int(edges[-1]) == shifted.shape[-1]:  # the same bounds in every row
+            shifted[..., index] = IGNORE_INDEX
+        elif int(edges[-1]) == math.prod(shifted.shape):  # bounds over the rows flattened
+            shifted.reshape(-1)[index] = IGNORE_INDEX
+    return _move_back(shifted, seq_dim)
+
+
+def _move_last(values: Any, dim: int) -> Any:
+    return values.movedim(dim, -1) if isinstance(values, torch.Tensor) else np.moveaxis(values, dim, -1)
+
+
+def _move_back(values: Any, dim: int) -> Any:
+    return values.movedim(-1, dim) if isinstance(values, torch.Tensor) else np.moveaxis(values, -1, dim)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

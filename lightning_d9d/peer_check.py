@@ -7,13 +7,14 @@ error everywhere. Trade-off: a host copy and an all-gather per step, so it is fo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from lightning_d9d.digest import Hasher
 
 
 class PeerMismatchError(RuntimeError):
@@ -22,40 +23,73 @@ class PeerMismatchError(RuntimeError):
 
 def batch_digest(batch: Any) -> str:
     """A stable hex digest of a batch (tensors by shape, dtype and bytes; other leaves by ``repr``)."""
-    digest = hashlib.sha256()
-    _update(digest, batch)
-    return digest.hexdigest()[:32]
+    hashed = Hasher()
+    _update(hashed, batch)
+    return hashed.hexdigest()
 
 
-def _update(digest: Any, value: Any) -> None:
+def _update(hashed: Hasher, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
         if tensor.layout != torch.strided:
             tensor = tensor.to_dense()
         tensor = tensor.cpu().contiguous()
-        digest.update(f"tensor{tuple(tensor.shape)}{tensor.dtype}".encode())
+        hashed.add(f"tensor{tuple(tensor.shape)}{tensor.dtype}".encode())
         # A view as bytes hashes every dtype (bfloat16 and bool included, which numpy cannot hold).
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        hashed.add(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     elif isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
-        digest.update(f"array{array.shape}{array.dtype.str}".encode())
-        digest.update(array.tobytes() if array.dtype != object else repr(array.tolist()).encode())
+        hashed.add(f"array{array.shape}{array.dtype.str}".encode())
+        hashed.add(array.tobytes() if array.dtype != object else repr(array.tolist()).encode())
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        digest.update(f"dataclass {type(value).__qualname__}".encode())
+        hashed.add(f"dataclass {type(value).__qualname__}".encode())
         for field in dataclasses.fields(value):
-            digest.update(f"field {field.name}".encode())
-            _update(digest, getattr(value, field.name))
+            hashed.add(f"field {field.name}".encode())
+            _update(hashed, getattr(value, field.name))
     elif isinstance(value, dict):
-        digest.update(b"dict")
+        hashed.add(b"dict")
         for key in sorted(value, key=repr):
-            digest.update(f"key {key!r}".encode())
-            _update(digest, value[key])
+            hashed.add(f"key {key!r}".encode())
+            _update(hashed, value[key])
     elif isinstance(value, (list, tuple)):
-        digest.update(f"{type(value).__name__}{len(value)}".encode())
+        hashed.add(f"{type(value).__name__}{len(value)}".encode())
         for item in value:
-            _update(digest, item)
+            _update(hashed, item)
     else:
-        digest.update(f"leaf {value!r}".encode())
+        hashed.add(f"leaf {value!r}".encode())
+
+
+class NothingToCompareWarning(UserWarning):
+    """``verify_peers`` is on, but no data-parallel replica has two processes: the check proves nothing."""
+
+
+def checked_summary(what: str, dp_size: int, world_size: int) -> str:
+    """The one line that says what a passed check compared, e.g. ``peer check: optimizer steps 0-4 identical ...``."""
+    peers = world_size // dp_size
+    replicas = "the one data-parallel replica" if dp_size == 1 else f"each of {dp_size} data-parallel replicas"
+    return f"peer check: {what} identical across the {peers} processes of {replicas}"
+
+
+def steps_checked(first: int, last: int) -> str:
+    """``optimizer step 3`` or ``optimizer steps 0-4``."""
+    return f"optimizer step {first}" if first == last else f"optimizer steps {first}-{last}"
+
+
+def nothing_to_compare(verify_peers: int, dp_size: int, world_size: int) -> str | None:
+    """The warning for a check without peers to compare (every replica one process), else ``None``."""
+    if world_size // dp_size > 1:
+        return None
+    where = (
+        "a single process"
+        if world_size == 1
+        else f"each of the {dp_size} data-parallel replicas has one process (data_parallel counts every process as "
+        "a replica: right under DDP or FSDP; under tensor, context or pipeline parallelism it names the wrong dims "
+        "and peers train different rows)"
+    )
+    return (
+        f"verify_peers={verify_peers} compares the processes of each data-parallel replica, but {where}: there are "
+        "no peers to compare, so the check proves nothing"
+    )
 
 
 def verify_peer_step(step: int | str, digests: Sequence[str], dp_rank: int, group: Any = None) -> None:

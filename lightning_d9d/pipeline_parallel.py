@@ -13,7 +13,7 @@ from typing import Any
 
 FIRST_STAGE_FIELDS = ("input_ids", "inputs", "position_ids", "attention_mask")
 """Fields only the first stage needs (it embeds the tokens)."""
-LAST_STAGE_FIELDS = ("labels", "targets", "loss_mask")
+LAST_STAGE_FIELDS = ("labels", "shift_labels", "targets", "loss_mask")
 """Fields only the last stage needs (it computes the loss)."""
 
 

@@ -4,8 +4,13 @@ Tensor, context and pipeline peers of one replica must see the same samples. The
 strategy's ``distributed_sampler_kwargs``, or from a ``DeviceMesh`` and its data-parallel dims (``dp_rank`` is the
 row-major coordinate over them); a layout that cannot be resolved raises instead of falling back to processes.
 
-Trade-off: dp dims are recognised by a fixed list of names and ambiguous ones are refused, so other names must be
-spelled out.
+Dims are told apart by name. Data-parallel by default: ``DATA_PARALLEL_DIM_NAMES``. Model-parallel (their processes
+are peers that share data, so naming one as data-parallel is refused): Lightning's ``tensor_parallel``, the long names
+``context_parallel``, ``pipeline_parallel``, ``sequence_parallel``, and any dim with ``tp``, ``cp``, ``pp`` or ``sp``
+as a ``_``-separated part (torchtitan's ``tp``, ``cp``, ``pp`` and flattened ``dp_cp``, ``dp_shard_cp``).
+
+Trade-off: names are all a mesh says about its dims, so unknown names must be spelled out and a model-parallel dim
+under a name of its own is not recognised.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ if TYPE_CHECKING:
 
 DATA_PARALLEL_DIM_NAMES = ("data_parallel", "dp", "dp_replicate", "dp_shard", "batch")
 """Mesh dims taken as data-parallel by default (Lightning's, torchtitan's and OLMo-core's names)."""
+
+MODEL_PARALLEL_DIM_NAMES = ("tensor_parallel", "context_parallel", "pipeline_parallel", "sequence_parallel")
+"""Mesh dims whose processes share data: Lightning's ``ModelParallelStrategy`` names its TP dim ``tensor_parallel``."""
+MODEL_PARALLEL_DIM_PARTS = {"tp": "tensor", "cp": "context", "pp": "pipeline", "sp": "sequence"}
+"""Short names (torchtitan's, Megatron's) that make a dim model-parallel, alone or as a part (``dp_cp``)."""
 
 DataParallelSetting = Union[str, Sequence[str], "DeviceMesh", "DataParallelTopology", None]
 """What a DataModule's ``data_parallel`` accepts."""
@@ -165,18 +175,40 @@ def default_data_parallel_dims(names: Sequence[str]) -> tuple[str, ...]:
     if not found:
         raise ValueError(
             f"the device mesh's dims {list(names)} include no data-parallel dim (one of "
-            f"{list(DATA_PARALLEL_DIM_NAMES)}): name them with data_parallel=[...] (or [] for a single replica)"
+            f"{list(DATA_PARALLEL_DIM_NAMES)}): name them, data_parallel=DataParallelTopology.from_device_mesh(mesh, "
+            "['<dim>', ...]) (from_device_mesh(mesh, []) for a single replica)"
         )
     return found
 
 
+def model_parallelism(name: str) -> str | None:
+    """The parallelism whose peers share data that a dim of this name holds (``"tensor"``, ...), or ``None``."""
+    if name in MODEL_PARALLEL_DIM_NAMES:
+        return name.split("_")[0]
+    return next((MODEL_PARALLEL_DIM_PARTS[p] for p in name.split("_") if p in MODEL_PARALLEL_DIM_PARTS), None)
+
+
+def _named(dims: str | Sequence[str]) -> tuple[str, ...]:
+    return (dims,) if isinstance(dims, str) else tuple(dims)
+
+
 def _named_dims(dims: str | Sequence[str], names: tuple[str, ...]) -> tuple[str, ...]:
-    chosen = (dims,) if isinstance(dims, str) else tuple(dims)
+    chosen = _named(dims)
     missing = [d for d in chosen if d not in names]
     if missing:
         raise ValueError(f"the device mesh has no dim {missing[0]!r}; its dims are {list(names)}")
     if len(set(chosen)) != len(chosen):
         raise ValueError(f"data-parallel dims {list(chosen)} name a dim twice")
+    shared = next((d for d in chosen if model_parallelism(d)), None)
+    if shared is not None:
+        candidates = [n for n in names if not model_parallelism(n)]
+        valid = [n for n in candidates if n in DATA_PARALLEL_DIM_NAMES] or candidates
+        raise ValueError(
+            f"the data-parallel dims {list(chosen)} include the device mesh's dim {shared!r}, which holds "
+            f"{model_parallelism(shared)}-parallel peers: they must train the same rows, so it cannot be "
+            "data-parallel (each peer would train other rows, silently). The data-parallel dims of this mesh "
+            f"{list(names)} are {f'{valid} (or [] for a single replica)' if valid else 'none: [] (a single replica)'}"
+        )
     return chosen
 
 
@@ -225,8 +257,9 @@ def resolve_data_parallel(
         return DataParallelTopology.from_device_mesh(setting, None, world_size)
     if strategy_mesh is None:
         raise ValueError(
-            f"data_parallel={setting!r} names device-mesh dims, but {strategy} has no device_mesh; pass the "
-            "DeviceMesh itself (data_parallel=mesh) or a DataParallelTopology"
+            f"data_parallel={setting!r} names device-mesh dims, but {strategy} has no device_mesh; pass a "
+            "DeviceMesh (data_parallel=mesh) or its dims as a DataParallelTopology "
+            f"(data_parallel=DataParallelTopology.from_device_mesh(mesh, {list(_named(setting))!r}))"
         )
     return DataParallelTopology.from_device_mesh(strategy_mesh, setting, world_size)
 
@@ -272,10 +305,13 @@ def _is_device_mesh(value: Any) -> bool:
 
 __all__ = [
     "DATA_PARALLEL_DIM_NAMES",
+    "MODEL_PARALLEL_DIM_NAMES",
+    "MODEL_PARALLEL_DIM_PARTS",
     "DataParallelSetting",
     "DataParallelTopology",
     "check_across_processes",
     "check_data_parallel_setting",
     "default_data_parallel_dims",
+    "model_parallelism",
     "resolve_data_parallel",
 ]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
@@ -28,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule, TextDataModule
+from lightning_d9d.digest import Hasher
+from lightning_d9d.peer_check import NothingToCompareWarning
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.packing import BufferGrowth
 from lightning_d9d.streaming.source import Units
@@ -177,10 +179,8 @@ def tensors_of(batch: Any) -> list[torch.Tensor]:
 
 
 def digest(batch: Any) -> str:
-    h = hashlib.sha256()
-    for tensor in tensors_of(batch):
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:20]
+    """The digest of a batch's tensors' bytes, in field order."""
+    return Hasher().add(*(t.detach().cpu().contiguous().numpy().tobytes() for t in tensors_of(batch))).hexdigest()
 
 
 class RecordingModule(pl.LightningModule):
@@ -326,7 +326,8 @@ def read_records(record_dir: str | Path, kind: str = "train", run: str | None = 
 
 # ------------------------------------------------------------------------------------------------ fitting
 class DealtByProcess(D9DDataModule):
-    """A broken D9DDataModule that deals its training data by process, as every DataModule did before issue 30."""
+    """A broken D9DDataModule that deals its training data by process (wrong under model parallelism: peers get
+    different rows), for the peer check to catch."""
 
     def train_dataloader(self):  # type: ignore[override]
         trainer = self.trainer
@@ -335,15 +336,37 @@ class DealtByProcess(D9DDataModule):
         )
 
 
+class DealtByOwnMesh(D9DDataModule):
+    """A D9DDataModule whose ``data_parallel`` comes from a ``DeviceMesh`` of the user's, built at ``setup`` (the
+    process group exists then). ``mesh``: ``shape``, ``names``, and ``dims`` (absent: the mesh itself is passed;
+    a list: ``DataParallelTopology.from_device_mesh(mesh, dims)``)."""
+
+    def __init__(self, *args: Any, mesh: dict[str, Any], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._mesh = mesh
+
+    def setup(self, stage: str | None = None) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        own = init_device_mesh("cpu", tuple(self._mesh["shape"]), mesh_dim_names=tuple(self._mesh["names"]))
+        dims = self._mesh.get("dims")
+        self.data_parallel = own if dims is None else DataParallelTopology.from_device_mesh(own, dims)
+        super().setup(stage)
+
+
+_D9D_KINDS = {"d9d": D9DDataModule, "d9d_by_process": DealtByProcess, "d9d_mesh": DealtByOwnMesh}
+
+
 def build_datamodule(config: dict[str, Any]) -> pl.LightningDataModule:
-    """A D9DDataModule over ``LengthDataset`` (``config["data"]``: ``"d9d"``, or ``"d9d_by_process"`` for the broken
-    one), a TextDataModule (``"text"``) or a PretrainingDataModule (``"pretraining"``)."""
+    """A D9DDataModule over ``LengthDataset`` (``config["data"]``: ``"d9d"``, ``"d9d_by_process"`` for the broken
+    one, ``"d9d_mesh"`` for ``DealtByOwnMesh``), a TextDataModule (``"text"``) or a PretrainingDataModule
+    (``"pretraining"``)."""
     options = dict(config.get("options", {}))
     data = config.get("data", "d9d")
-    if data in ("d9d", "d9d_by_process"):
+    if data in _D9D_KINDS:
         size, val_size = options.pop("size", 200), options.pop("val_size", None)
         options.setdefault("sort_buffer_size", 64)
-        return (D9DDataModule if data == "d9d" else DealtByProcess)(
+        return _D9D_KINDS[data](
             LengthDataset(size),
             pad_collate,
             val_dataset=LengthDataset(val_size, seed=1) if val_size else None,
@@ -388,13 +411,14 @@ def make_trainer(run: dict[str, Any], devices: int = 1, callbacks: list[pl.Callb
 def fit(config: dict[str, Any]) -> None:
     """Run every fit of ``config["runs"]`` in turn.
 
-    ``config``: ``data`` ("d9d", "d9d_by_process", "text" or "pretraining"), ``options`` (the DataModule's
+    ``config``: ``data`` ("d9d", "d9d_by_process", "d9d_mesh", "text" or "pretraining"), ``options`` (the DataModule's
     arguments), ``devices``, ``record_dir``, ``ckpt_dir``, ``packs``, and ``runs``: a list of dicts with ``name``,
     ``max_epochs`` or ``max_steps``, ``ckpt_path``, ``every_n_train_steps``, ``epoch_end_ckpt``, ``save_at``,
     ``estimated``, ``kill_at_step``, ``ckpt_dir``, ``options`` (overrides of the DataModule's arguments for this
     run), ``data`` (another DataModule kind for this run, with all its ``options``), ``strategy``, ``trainer``,
     ``expect_error`` (the run must raise an exception whose message contains this; its type and message are
-    written to ``<record_dir>/errors-rank<R>.txt``).
+    written to ``<record_dir>/errors-rank<R>.txt``). The peer check's ``NothingToCompareWarning``s are written to
+    ``<record_dir>/warnings-rank<R>.txt``.
     """
     record_dir = config["record_dir"]
     Path(record_dir).mkdir(parents=True, exist_ok=True)
@@ -428,22 +452,39 @@ def fit(config: dict[str, Any]) -> None:
             kill_at_step=run.get("kill_at_step"),
         )
         trainer = make_trainer({**run, "record_dir": record_dir}, config.get("devices", 1), callbacks)
+        fit_and_record(trainer, module, datamodule, run, record_dir)
+
+
+def fit_and_record(
+    trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any, run: dict[str, Any], record_dir: str
+) -> None:
+    """One fit of ``fit``: its expected error and the peer check's warnings written down for the test."""
+    name = run.get("name", "")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NothingToCompareWarning)
+            trainer.fit(module, datamodule=datamodule, ckpt_path=run.get("ckpt_path"))
+    except Exception as error:
         if "expect_error" not in run:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=run.get("ckpt_path"))
-            continue
-        try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=run.get("ckpt_path"))
-        except Exception as error:
-            with open(Path(record_dir) / f"errors-rank{trainer.global_rank}.txt", "a") as file:
-                file.write(f"{run.get('name', '')}: {type(error).__name__}: {error}\n")
-            if run["expect_error"] not in str(error):
-                raise
-        else:
-            raise AssertionError(f"run {run.get('name')!r} was expected to raise {run['expect_error']!r}")
+            raise
+        with open(Path(record_dir) / f"errors-rank{trainer.global_rank}.txt", "a") as file:
+            file.write(f"{name}: {type(error).__name__}: {error}\n")
+        if run["expect_error"] not in str(error):
+            raise
+    else:
+        if "expect_error" in run:
+            raise AssertionError(f"run {name!r} was expected to raise {run['expect_error']!r}")
+    with open(Path(record_dir) / f"warnings-rank{trainer.global_rank}.txt", "a") as file:
+        file.writelines(
+            f"{name}: {w.category.__name__}: {w.message}\n" for w in caught if w.category is NothingToCompareWarning
+        )
 
 
-def fit_in_processes(config: dict[str, Any], timeout: int = 300, expect_returncode: int = 0) -> None:
-    """``fit(config)`` in a fresh Python process (DDP when ``config["devices"] > 1``: real processes, gloo)."""
+def fit_in_processes(
+    config: dict[str, Any], timeout: int = 300, expect_returncode: int = 0
+) -> subprocess.CompletedProcess[str]:
+    """``fit(config)`` in a fresh Python process (DDP when ``config["devices"] > 1``: real processes, gloo); returns
+    the finished process (its ``stdout``, ``stderr``: Lightning's info lines, e.g. the peer check's)."""
     result = subprocess.run(
         [sys.executable, str(TESTS / "fit_script.py"), json.dumps(config)],
         capture_output=True,
@@ -454,6 +495,7 @@ def fit_in_processes(config: dict[str, Any], timeout: int = 300, expect_returnco
     assert result.returncode == expect_returncode, (
         f"exit status {result.returncode}\nstdout: {result.stdout[-2000:]}\nstderr: {result.stderr[-4000:]}"
     )
+    return result
 
 
 # ------------------------------------------------------------------------------------------------ streams
@@ -543,10 +585,7 @@ class RankDataModule(PretrainingDataModule):
 
 def row_digest(batch: Any, i: int) -> str:
     """A digest of row ``i`` of a ``PretrainingBatch`` (its inputs, targets and positions)."""
-    h = hashlib.sha256()
-    for tensor in (batch.input_ids[i], batch.targets[i], batch.position_ids[i]):
-        h.update(tensor.numpy().tobytes())
-    return h.hexdigest()[:16]
+    return digest([batch.input_ids[i], batch.targets[i], batch.position_ids[i]])
 
 
 def run_steps(dm: PretrainingDataModule, steps: int) -> list[list[tuple[int, str]]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from support import BatchRecorder, make_docs, train_tokenizer, write_parquet
+from support import BOS, BatchRecorder, make_docs, train_tokenizer, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -439,3 +439,77 @@ def test_pretraining_config_rejects_bad_values_at_parse_time(
         run_cli(["fit", "--config", str(DEMO), "--config", str(config), override, "--print_config"])
     assert exit_info.value.code == 2
     assert f"data.init_args.{field}: must be an integer" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def config_callbacks(config: Path, dirpath: Path, every: int) -> list[dict]:
+    """The config's own callbacks, writing to ``dirpath`` and saving every ``every`` steps, plus a BatchRecorder."""
+    callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
+    for callback in callbacks:
+        callback["init_args"]["dirpath"] = str(dirpath)
+        if "every_n_train_steps" in callback["init_args"]:
+            callback["init_args"]["every_n_train_steps"] = every
+    return [*callbacks, {"class_path": "support.BatchRecorder"}]
+
+
+STEPPED_CONFIGS = [
+    path for path in CONFIGS if "every_n_train_steps" in json.dumps(yaml.safe_load(path.read_text()).get("trainer"))
+]
+
+
+@pytest.mark.parametrize("config", STEPPED_CONFIGS, ids=[path.name for path in STEPPED_CONFIGS])
+def test_a_config_that_saves_every_n_steps_also_saves_each_epochs_end_as_last(config: Path) -> None:
+    """Saving only every N steps leaves last.ckpt short of the end (step 100 of 132): a resume trains again."""
+    callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
+    checkpoints = [c["init_args"] for c in callbacks if c["class_path"].endswith("ModelCheckpoint")]
+    at_the_end = [c for c in checkpoints if not c.get("every_n_train_steps") and c.get("save_last")]
+    assert at_the_end and all(c["dirpath"] == checkpoints[0]["dirpath"] for c in checkpoints)
+    assert at_the_end[0].get("enable_version_counter") is False, "one last.ckpt, not last-v1.ckpt"
+
+
+@pytest.mark.slow
+def test_the_demo_saves_the_trained_model_and_resuming_a_finished_run_trains_nothing(
+    offline_env: dict[str, str], tmp_path: Path
+) -> None:
+    """configs/demo_pretraining.yaml with its own checkpoint callbacks (every 2 steps here) over a 5-step epoch."""
+    config = REPO / "configs" / "demo_pretraining.yaml"
+    args = [
+        "fit", "--config", str(config), "--model.init_args.width=32", "--model.init_args.num_layers=1",
+        "--model.init_args.num_heads=2", "--data.init_args.steps_per_epoch=5", "--data.init_args.num_workers=0",
+        "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+        f"--trainer.callbacks={json.dumps(config_callbacks(config, tmp_path / 'checkpoints', 2))}",
+    ]  # fmt: skip
+    record = tmp_path / "record.jsonl"
+    previous = os.getcwd()
+    os.environ[BatchRecorder.ENV] = str(record)
+    try:
+        os.chdir(tmp_path)
+        run_cli(args)
+        trained = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+        assert trained["global_step"] == 5, "last.ckpt is the end of the run, not step 4"
+        assert len(read_records(record)) == 5 * 4
+        run_cli([*args, "--ckpt_path", "last"])
+    finally:
+        os.chdir(previous)
+        del os.environ[BatchRecorder.ENV]
+    assert len(read_records(record)) == 5 * 4, "the finished run resumed: no step trained again"
+    again = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert again["global_step"] == 5
+    for name, tensor in trained["state_dict"].items():
+        torch.testing.assert_close(again["state_dict"][name], tensor, msg=name)
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == [
+        "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "last.ckpt",
+    ]  # fmt: skip
+
+
+def test_inspect_needs_no_model(pretraining_config: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """``inspect --config configs/pretraining.yaml``: a data section alone (it reads data, never the model)."""
+    monkeypatch.chdir(pretraining_config)
+    data = {"train_files": "train", "tokenizer": "tokenizer.json", "bos_token": BOS, "seq_len": 32,
+            "global_batch_size": 8, "microbatch_size": 4, "num_streams": 4, "num_workers": 0,
+            "steps_per_epoch": 3}  # fmt: skip
+    overrides = [f"--data.init_args.{key}={value}" for key, value in data.items()]
+    run_cli(["inspect", "--config", str(REPO / "configs" / "pretraining.yaml"), *overrides, "--steps", "2"])
+    report = capsys.readouterr().out
+    assert "data: lightning_d9d.datamodules.pretraining.PretrainingDataModule" in report
+    assert "steps per epoch: 3" in report and "batch.input_ids: (4, 32)" in report

@@ -212,5 +212,8 @@ def test_each_pipeline_stage_keeps_its_fields_and_the_metadata() -> None:
     assert only.input_ids is batch.input_ids and only.labels is batch.labels
     rows = {"inputs": 1, "targets": 2, "position_ids": 3, "cu_seqlens": 4}
     assert pipeline_stage_fields(rows, first=False, last=True) == {"targets": 2, "cu_seqlens": 4}
+    sliced = cp_shard_batch(FlatteningCollator(context_parallel_size=2)([{"input_ids": [1, 2, 3]}]), 0, 2)
+    assert pipeline_stage_fields(sliced, first=False, last=True).shift_labels is sliced.shift_labels is not None
+    assert pipeline_stage_fields(sliced, first=True, last=False).shift_labels is None, "the loss's: last stage only"
     with pytest.raises(TypeError, match="dataclass or a dict"):
         pipeline_stage_fields([1], True, True)

@@ -1,6 +1,7 @@
-"""The peer check's digest (stable, sensitive to bytes, shape and dtype) and its comparison of gathered digests
-(one error naming the step and the processes that differ within a data-parallel replica). The collective itself
-runs under real processes in tests/datamodules/test_model_parallel.py."""
+"""The peer check's digest (stable, sensitive to bytes, shape and dtype), its comparison of gathered digests
+(one error naming the step and the processes that differ within a data-parallel replica), the line that says what
+passed and the warning of a fit with nothing to compare. The collective itself runs under real processes in
+tests/datamodules/test_model_parallel.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from support import fit, read_records
 
-from lightning_d9d.peer_check import PeerMismatchError, batch_digest, check_peer_digests, verify_peer_step
+from lightning_d9d.peer_check import (
+    PeerMismatchError,
+    batch_digest,
+    check_peer_digests,
+    checked_summary,
+    nothing_to_compare,
+    steps_checked,
+    verify_peer_step,
+)
 from lightning_d9d.text.collate import FlatteningCollator
 
 
@@ -29,7 +39,7 @@ def make_batch(**changes) -> Batch:
 
 def test_equal_batches_give_equal_digests_and_any_difference_changes_it() -> None:
     base = batch_digest(make_batch())
-    assert base == batch_digest(make_batch()) and len(base) == 32
+    assert base == batch_digest(make_batch()) and len(base) == 16
     variants = [
         make_batch(tokens=torch.arange(6).reshape(3, 2)),  # shape
         make_batch(tokens=torch.arange(6, dtype=torch.int32).reshape(2, 3)),  # dtype
@@ -88,3 +98,29 @@ def test_replicas_that_all_train_the_same_data_are_warned_about() -> None:
 
 def test_one_process_has_nothing_to_compare() -> None:
     verify_peer_step(0, ["a"], 0)  # torch.distributed is not initialised here
+
+
+def test_the_line_that_says_what_was_checked_names_steps_processes_and_replicas() -> None:
+    assert steps_checked(0, 4) == "optimizer steps 0-4" and steps_checked(3, 3) == "optimizer step 3"
+    assert checked_summary("optimizer steps 0-4", 2, 4) == (
+        "peer check: optimizer steps 0-4 identical across the 2 processes of each of 2 data-parallel replicas"
+    )
+    assert checked_summary("optimizer step 0", 1, 8) == (
+        "peer check: optimizer step 0 identical across the 8 processes of the one data-parallel replica"
+    )
+    assert nothing_to_compare(2, 2, 4) is None
+    assert "each of the 4 data-parallel replicas has one process" in nothing_to_compare(2, 4, 4)
+    assert "verify_peers=3 compares the processes of each data-parallel replica, but a single process: " in (
+        nothing_to_compare(3, 1, 1)
+    )
+
+
+def test_a_fit_on_one_process_warns_that_the_check_proves_nothing(tmp_path) -> None:
+    """A real Trainer fit with ``verify_peers=2`` on one process: one warning, and no claim of a passed check."""
+    config = {"data": "d9d", "options": {"size": 32, "global_batch_size": 8, "microbatch_size": 2, "verify_peers": 2}}
+    fit({**config, "record_dir": str(tmp_path), "runs": [{"name": "alone", "max_steps": 3}]})
+    assert (tmp_path / "warnings-rank0.txt").read_text() == (
+        "alone: NothingToCompareWarning: verify_peers=2 compares the processes of each data-parallel replica, but a "
+        "single process: there are no peers to compare, so the check proves nothing\n"
+    )
+    assert len(read_records(tmp_path)) == 12, "the fit trains on: 3 steps of 4 microbatches"

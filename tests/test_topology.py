@@ -17,6 +17,7 @@ from lightning_d9d.topology import (
     DataParallelTopology,
     check_data_parallel_setting,
     default_data_parallel_dims,
+    model_parallelism,
     resolve_data_parallel,
 )
 
@@ -166,9 +167,85 @@ def test_a_mesh_without_the_data_parallel_dims_is_one_clear_error(names, dims, s
             DataParallelTopology.from_device_mesh(device_mesh[sub] if sub else device_mesh, dims)
 
 
+MP_MESHES = [  # (shape, names, the dims named as data-parallel, the refused dim, its kind, what is valid)
+    (
+        (1, 2),
+        ("data_parallel", "tensor_parallel"),
+        ["tensor_parallel"],
+        "tensor_parallel",
+        "tensor",
+        "['data_parallel'] (or [] for a single replica)",
+    ),  # Lightning's ModelParallelStrategy mesh
+    (
+        (2, 2),
+        ("data_parallel", "tensor_parallel"),
+        ["data_parallel", "tensor_parallel"],
+        "tensor_parallel",
+        "tensor",
+        "['data_parallel'] (or [] for a single replica)",
+    ),
+    (
+        (2, 2, 2),
+        ("dp_shard", "cp", "tp"),
+        ["dp_shard", "cp"],
+        "cp",
+        "context",
+        "['dp_shard'] (or [] for a single replica)",
+    ),
+    (
+        (2, 2, 2),
+        ("pp", "dp_replicate", "dp_cp"),
+        ["dp_replicate", "dp_cp"],
+        "dp_cp",
+        "context",
+        "['dp_replicate'] (or [] for a single replica)",
+    ),  # torchtitan's flattened dp × cp
+    ((2, 2), ("pp", "layers"), ["pp"], "pp", "pipeline", "['layers'] (or [] for a single replica)"),
+    ((2, 2), ("sp", "tp"), ["sp"], "sp", "sequence", "none: [] (a single replica)"),
+]
+
+
+@pytest.mark.parametrize(("shape", "names", "dims", "refused", "kind", "valid"), MP_MESHES)
+def test_a_model_parallel_dim_named_as_data_parallel_is_refused_naming_it_and_the_valid_dims(
+    shape, names, dims, refused, kind, valid
+) -> None:
+    """Its peers would each be a replica of their own: other rows each, which no peer check can see."""
+    size = shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1)
+    message = (
+        f"the data-parallel dims {dims} include the device mesh's dim '{refused}', which holds {kind}-parallel "
+        f"peers: they must train the same rows, so it cannot be data-parallel (each peer would train other rows, "
+        f"silently). The data-parallel dims of this mesh {list(names)} are {valid}"
+    )
+    with world(size - 1, size):
+        device_mesh = mesh(shape, names)
+        with pytest.raises(ValueError) as direct:
+            DataParallelTopology.from_device_mesh(device_mesh, dims)
+        with pytest.raises(ValueError) as named:  # names of a strategy's mesh: the CLI's and a config's way
+            resolve_data_parallel(dims, None, device_mesh, size, size - 1, "ModelParallelStrategy")
+    assert str(direct.value) == str(named.value) == message
+
+
+def test_a_mesh_without_a_data_parallel_dim_under_ddp_names_the_remedy_that_works_there() -> None:
+    """DDP has no device_mesh, so dim names cannot be resolved: the hint names ``from_device_mesh``, which works."""
+    with world(1, 2):
+        own = mesh((2,), ("replica",))
+        with pytest.raises(ValueError, match=r"include no data-parallel dim") as error:
+            resolve_data_parallel(own, None, None, 2, 1, "DDPStrategy")
+        assert "data_parallel=DataParallelTopology.from_device_mesh(mesh, ['<dim>', ...])" in str(error.value)
+        assert "from_device_mesh(mesh, []) for a single replica" in str(error.value)
+        remedy = DataParallelTopology.from_device_mesh(own, ["replica"])
+        assert resolve_data_parallel(remedy, None, None, 2, 1, "DDPStrategy") == DataParallelTopology(1, 2, 1, 2)
+        single = DataParallelTopology.from_device_mesh(own, [])
+        assert resolve_data_parallel(single, None, None, 2, 1, "DDPStrategy") == DataParallelTopology(0, 1, 1, 2)
+
+
 def test_default_dims_follow_the_known_names() -> None:
     assert default_data_parallel_dims(("pp", "dp_replicate", "dp_shard", "cp", "tp")) == ("dp_replicate", "dp_shard")
     assert default_data_parallel_dims(("data_parallel", "tensor_parallel")) == ("data_parallel",)
+    kinds = {n: model_parallelism(n) for n in ("tp", "cp", "pp", "dp_shard_cp", "tensor_parallel", "context_parallel")}
+    assert kinds == {"tp": "tensor", "cp": "context", "pp": "pipeline", "dp_shard_cp": "context",
+                     "tensor_parallel": "tensor", "context_parallel": "context"}  # fmt: skip
+    assert [model_parallelism(n) for n in ("data_parallel", "dp_replicate", "batch", "ep", "stp", "a")] == [None] * 6
 
 
 # ------------------------------------------------------------------------------------------------ the setting
@@ -180,10 +257,9 @@ def test_resolve_follows_the_setting() -> None:
         by_name = resolve_data_parallel("data_parallel", None, strategy_mesh, 4, 3)
         by_mesh = resolve_data_parallel(strategy_mesh, None, None, 4, 3)
         assert by_kwargs == by_name == by_mesh == DataParallelTopology(1, 2, 3, 4)
-        # Both dims named: every process its own replica (what DDP would do), explicitly.
-        assert resolve_data_parallel(["tensor_parallel", "data_parallel"], None, strategy_mesh, 4, 3).dp_size == 4
-        with pytest.raises(ValueError, match=r"names device-mesh dims, but DDPStrategy has no device_mesh"):
+        with pytest.raises(ValueError, match=r"names device-mesh dims, but DDPStrategy has no device_mesh") as error:
             resolve_data_parallel("dp", None, None, 4, 3, "DDPStrategy")
+        assert "data_parallel=DataParallelTopology.from_device_mesh(mesh, ['dp'])" in str(error.value)
         with pytest.raises(ValueError, match=r"is for process 0 of 4, but this is process 3 of 4"):
             resolve_data_parallel(DataParallelTopology(0, 2, 0, 4), None, None, 4, 3)
 

@@ -101,6 +101,11 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         step = layout.step_of(index)
         return step, index - layout.before(step), layout.at(step)
 
+    def batches_in_global_step(self, step: int) -> int:
+        """Batches the training loop receives in global optimizer step ``step`` (the same every step unless a
+        subclass's steps change size)."""
+        return self.batches_per_step
+
     def batches_before(self, epoch: int, step: int) -> int:
         """Batches the training loop receives in ``epoch`` before its ``step``."""
         return step if self.yield_packs else self.step_layout(epoch).before(step)

@@ -2,7 +2,8 @@
 
 It sets ``accumulate_grad_batches = M`` (and per-epoch reloads where epochs differ), checks a restored data state
 against the checkpoint's loops, aligns Lightning's in-epoch counters to the data position, runs the peer check and
-times the data; the DataModule itself never edits the Trainer.
+times the data; attaching it makes Lightning's progress bar count optimizer steps. The DataModule itself never
+edits the Trainer.
 
 Trade-off: aligning counters touches Lightning's loop internals, which tests pin down.
 """
@@ -13,9 +14,18 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_d9d.datamodules.observability import DataObserver
-from lightning_d9d.peer_check import batch_digest, verify_peer_step
+from lightning_d9d.datamodules.progress_bar import count_optimizer_steps
+from lightning_d9d.peer_check import (
+    NothingToCompareWarning,
+    batch_digest,
+    checked_summary,
+    nothing_to_compare,
+    steps_checked,
+    verify_peer_step,
+)
 from lightning_d9d.resume import InvalidDataState
 
 if TYPE_CHECKING:
@@ -33,11 +43,13 @@ class DataModuleCallback(pl.Callback):
 
     @classmethod
     def attach(cls, trainer: pl.Trainer, datamodule: SteppedDataModule) -> None:
-        """Add the callback of ``datamodule`` to ``trainer`` (replacing one left by another DataModule)."""
+        """Add the callback of ``datamodule`` to ``trainer`` (replacing one left by another DataModule), and make
+        Lightning's progress bar count optimizer steps."""
         callbacks = [c for c in trainer.callbacks if not isinstance(c, cls) or c._datamodule is datamodule]
         if not any(isinstance(c, cls) for c in callbacks):
             callbacks.append(cls(datamodule))
         trainer.callbacks[:] = callbacks
+        count_optimizer_steps(trainer)
 
     # ------------------------------------------------------------------ trainer settings
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -124,6 +136,7 @@ class DataModuleCallback(pl.Callback):
         self._observer.fit_start(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._peers.end()
         self._observer.fit_end()
 
     # ------------------------------------------------------------------ the peer check and the data's speed
@@ -194,15 +207,22 @@ class DataModuleCallback(pl.Callback):
 
 
 class _PeerCheck:
-    """Digests of the first ``verify_peers`` steps, compared among each replica's processes."""
+    """Digests of the first ``verify_peers`` steps, compared among each replica's processes; one line says what
+    passed, a warning that nothing could be compared."""
 
     def __init__(self, datamodule: SteppedDataModule):
         self._datamodule = datamodule
-        self._checked, self._step, self._digests, self._batches = 0, 0, [], 0
+        self._checked, self._step, self._digests, self._first, self._batches = 0, 0, [], 0, 0
         self._validation: list[str] | None = []  # None once a validation run was checked
 
     def start(self) -> None:
         self._checked, self._step, self._digests = 0, 0, []
+        datamodule = self._datamodule
+        if datamodule.verify_peers:
+            topology = datamodule.topology
+            warning = nothing_to_compare(datamodule.verify_peers, topology.dp_size, topology.world_size)
+            if warning is not None:
+                rank_zero_warn(warning, category=NothingToCompareWarning)
 
     def collect(self, trainer: pl.Trainer, batch: Any) -> None:
         if trainer.world_size == 1 or self._checked >= self._datamodule.verify_peers:
@@ -211,6 +231,8 @@ class _PeerCheck:
             self._step = trainer.global_step
             index = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1
             self._batches = self._datamodule.batch_in_step(trainer.current_epoch, index)[2]
+            if not self._checked:
+                self._first = self._step
         self._digests.append(batch_digest(batch))
 
     def verify_if_step_ends(self) -> None:
@@ -218,6 +240,13 @@ class _PeerCheck:
             step, digests = self._step, self._digests
             self._digests, self._checked = [], self._checked + 1
             verify_peer_step(step, digests, self._datamodule.dp_rank)
+            if self._checked == self._datamodule.verify_peers:
+                self._say(steps_checked(self._first, step))
+
+    def end(self) -> None:
+        """A fit shorter than ``verify_peers`` steps: say what was checked."""
+        if 0 < self._checked < self._datamodule.verify_peers:
+            self._say(steps_checked(self._first, self._step))
 
     def collect_validation(self, trainer: pl.Trainer, batch: Any) -> None:
         if trainer.world_size > 1 and self._datamodule.verify_peers and self._validation is not None:
@@ -228,6 +257,12 @@ class _PeerCheck:
             return
         digests, self._validation = self._validation, None
         verify_peer_step(f"{trainer.global_step} (validation)", digests, self._datamodule.dp_rank)
+        self._say(f"the validation run at step {trainer.global_step}")
+
+    def _say(self, what: str) -> None:
+        topology = self._datamodule.topology
+        if topology.model_parallel:  # else nothing was compared (warned at the start)
+            rank_zero_info(checked_summary(what, topology.dp_size, topology.world_size))
 
 
 def _steps_done_in_epoch(checkpoint: dict[str, Any], automatic_optimization: bool, packs: bool) -> int | None:

@@ -48,6 +48,9 @@ class PretrainingShapes:
         """M of global optimizer step ``step`` on one data-parallel replica."""
         return self.global_batch_size_at(step) // (self.dp_size * self.microbatch_size)
 
+    def batches_in_global_step(self, step: int) -> int:
+        return self.microbatches_at(step)
+
     def microbatches_for(self, dp_size: int) -> int:
         """M at data-parallel size ``dp_size`` (``ValueError`` where the global batch size has phases)."""
         sizes = self.shapes.global_batch_sizes

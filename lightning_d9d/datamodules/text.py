@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse.typing import NonNegativeInt, PositiveInt
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_d9d.checks import plain_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch
@@ -195,8 +195,9 @@ class TextDataModule(D9DDataModule):
             chat_template=recipe.template.digest if recipe.template is not None else None,
         )
         for which, (dropped, truncated) in self.sft.counts.items():
-            report = rank_zero_warn if dropped or truncated else rank_zero_info
-            report(
+            if not (dropped or truncated):
+                continue  # nothing to report: every row trains whole
+            rank_zero_warn(
                 f"{'training' if which == 'split' else 'validation'} split {getattr(self, which)!r}: {dropped} rows "
                 f"dropped (longer than max_length={self.max_length} under truncation={recipe.truncation!r}, or "
                 f"nothing to train), {truncated} cut to max_length (their trained tokens past it lost)"

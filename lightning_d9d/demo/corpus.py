@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import os
 import sys
 import sysconfig
@@ -20,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lightning_d9d.demo.cache import build_once
+from lightning_d9d.digest import digest
 
 # Bump when the corpus or tokenizer recipe changes: it is part of the cache key, so old caches are not reused.
 _FORMAT_VERSION = 1
@@ -164,5 +164,4 @@ def _write_corpus(folder: Path) -> str:
     splits = DatasetDict(train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": validation}))
     splits.save_to_disk(str(folder / "dataset"))
     _train_tokenizer(train, folder / "tokenizer.json")
-    digest = hashlib.sha256("\x00".join(train + validation).encode()).hexdigest()
-    return f"{digest}\n"
+    return f"{digest(*train, *validation)}\n"

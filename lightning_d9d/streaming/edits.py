@@ -49,8 +49,10 @@ class DocumentRef:
         ok = isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 4
         if ok:
             source, file, group, row = value
-            ok = isinstance(source, str) and isinstance(file, str) and all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (group, row)
+            ok = (
+                isinstance(source, str)
+                and isinstance(file, str)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (group, row))
             )
         if not ok:
             raise ValueError(

@@ -3,6 +3,13 @@ flattened (``collate``)."""
 
 from __future__ import annotations
 
-from lightning_d9d.text.collate import IGNORE_INDEX, CausalLMCollator, FlatBatch, FlatteningCollator, TextBatch
+from lightning_d9d.text.collate import (
+    IGNORE_INDEX,
+    CausalLMCollator,
+    CPTextBatch,
+    FlatBatch,
+    FlatteningCollator,
+    TextBatch,
+)
 
-__all__ = ["IGNORE_INDEX", "CausalLMCollator", "FlatBatch", "FlatteningCollator", "TextBatch"]
+__all__ = ["IGNORE_INDEX", "CPTextBatch", "CausalLMCollator", "FlatBatch", "FlatteningCollator", "TextBatch"]

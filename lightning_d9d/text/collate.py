@@ -55,6 +55,26 @@ class TextBatch:
 
 
 @dataclasses.dataclass
+class CPTextBatch(TextBatch):
+    """A context-parallel rank's slice of a :class:`TextBatch` (``cp_shard_batch``): every per-position field holds
+    this rank's zigzag pieces, which are not contiguous, so the slice also carries what a model cannot infer.
+
+    Attributes:
+        position_ids: each kept position's index in its padded row (what a model uses without ``position_ids``).
+        shift_labels: each kept position's next label (``-100`` at a row's end): the loss takes these (Hugging
+            Face: ``shift_labels=``), since shifting ``labels`` inside the slice would pair different pieces.
+    """
+
+    position_ids: torch.Tensor | None = None
+    shift_labels: torch.Tensor | None = None
+
+
+# What cp_shard_batch makes of a TextBatch: a plain class attribute, so that it is no dataclass field (nor a
+# ClassVar entry among __dataclass_fields__, which code walking a batch's fields would meet).
+TextBatch.context_parallel_slice = CPTextBatch  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass
 class FlatBatch:
     """One padding-free causal-LM microbatch: its documents concatenated into one ``[1, T]`` row.
 
@@ -62,6 +82,7 @@ class FlatBatch:
         cu_seqlens: ``int32 [D + 1]`` cumulative document lengths from 0.
         step_label_tokens: next-token targets of the whole step over all ranks.
         cu_seqlens_padded: cumulative padded lengths (CP); ``None`` given: set to ``cu_seqlens``.
+        shift_labels: ``None``; a context-parallel slice (``cp_shard_batch``) gets each position's next label.
     """
 
     input_ids: torch.Tensor
@@ -71,6 +92,7 @@ class FlatBatch:
     max_seqlen: int
     step_label_tokens: int | None = None
     cu_seqlens_padded: torch.Tensor | None = None
+    shift_labels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.cu_seqlens_padded is None:

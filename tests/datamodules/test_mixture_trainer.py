@@ -4,7 +4,6 @@ same steps on 2 DDP ranks with resumes across world sizes, and the demo mixture 
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from support import make_docs, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
+from lightning_d9d.digest import digest
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 
 G, K = 8, 4
@@ -37,8 +37,8 @@ class SourceRecorder(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         rows = []
         for i in range(len(batch)):
-            h = hashlib.sha256(batch.input_ids[i].numpy().tobytes() + batch.targets[i].numpy().tobytes())
-            rows.append((int(batch.sources[i]), h.hexdigest()[:16]))
+            row = digest(batch.input_ids[i].numpy().tobytes(), batch.targets[i].numpy().tobytes())
+            rows.append((int(batch.sources[i]), row))
         self.train_rows.append((self.global_step, rows))
         return ((self.weight - batch.input_ids.float().mean() / 100) ** 2).mean()
 

@@ -37,7 +37,14 @@ from lightning_d9d import D9DDataModule, PretrainingDataModule, TextDataModule
 G, M_SIZE, SIZE, VAL_SIZE = 8, 2, 48, 13  # D9D: 6 steps of 8 samples, microbatches of 2
 D9D = {"size": SIZE, "val_size": VAL_SIZE, "global_batch_size": G, "microbatch_size": M_SIZE, "sort_buffer_size": 16}
 TEXT_BUDGET = {"global_batch_tokens": 512, "microbatch_tokens": 128}  # P = 4 microbatches a step
-LAYOUTS = {"d_tp": (1, 2), "d_dp": (2, 1), "d_ddp": (2, 1), "d_tp_to_dp": (2, 1), "d_dp_to_tp": (1, 2)}
+LAYOUTS = {
+    "d_tp": (1, 2),
+    "d_dp": (2, 1),
+    "d_ddp": (2, 1),
+    "ddp_mesh_remedy": (2, 1),
+    "d_tp_to_dp": (2, 1),
+    "d_dp_to_tp": (1, 2),
+}
 LAYOUTS |= {"t_tp": (1, 2), "t_dp": (2, 1), "t_tp_to_dp": (2, 1), "d_2x2": (2, 2)}
 LAYOUTS |= {"p_tp": (1, 2), "p_dp": (2, 1), "p_ddp": (2, 1), "p_tp_to_dp": (2, 1)}
 LAYOUTS |= {"p_cp_tp": (1, 2), "p_cp_dp": (2, 1), "p_2x2": (2, 2), "p_2x2_to_4x1": (4, 1)}
@@ -104,7 +111,7 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict, 
         {"name": "d_tp", "strategy": [1, 2], "every_n_train_steps": 3, "ckpt_dir": ckpt["d_tp"],
          "options": {"verify_peers": 2}},
         {"name": "d_dp", "strategy": [2, 1], "every_n_train_steps": 3, "ckpt_dir": ckpt["d_dp"]},
-        {"name": "d_ddp", "strategy": "ddp"},
+        {"name": "d_ddp", "strategy": "ddp", "options": {"verify_peers": 1}},
         {"name": "d_tp_to_dp", "strategy": [2, 1], "ckpt_path": f"{ckpt['d_tp']}/epoch=0-step=3.ckpt"},
         {"name": "d_dp_to_tp", "strategy": [1, 2], "ckpt_path": f"{ckpt['d_dp']}/epoch=0-step=3.ckpt"},
         {"name": "t_tp", "strategy": [1, 2], "every_n_train_steps": 2, "ckpt_dir": ckpt["t_tp"], **text},
@@ -121,10 +128,16 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, text_options: dict, 
          "expect_error": "optimizer step 0"},
         {"name": "bad_dims", "strategy": [1, 2], "options": {"data_parallel": ["dp_shard"]},
          "expect_error": "the device mesh has no dim 'dp_shard'"},
+        {"name": "tp_as_dp", "strategy": [1, 2], "options": {"data_parallel": ["tensor_parallel"]},
+         "expect_error": "include the device mesh's dim 'tensor_parallel'"},
+        {"name": "ddp_mesh", "data": "d9d_mesh", "strategy": "ddp",
+         "options": {**D9D, "mesh": {"shape": [2], "names": ["replica"]}}, "expect_error": "no data-parallel dim"},
+        {"name": "ddp_mesh_remedy", "data": "d9d_mesh", "strategy": "ddp",
+         "options": {**D9D, "mesh": {"shape": [2], "names": ["replica"], "dims": ["replica"]}}},
     ]  # fmt: skip
     config = {"data": "d9d", "options": D9D, "record_dir": str(root / "records"), "devices": 2}
-    fit_in_processes({**config, "runs": [{"max_epochs": 1, **run} for run in runs]}, timeout=400)
-    return {"root": root, "records": root / "records"}
+    result = fit_in_processes({**config, "runs": [{"max_epochs": 1, **run} for run in runs]}, timeout=400)
+    return {"root": root, "records": root / "records", "log": result.stdout + result.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +152,8 @@ def four_processes(tmp_path_factory: pytest.TempPathFactory, pretraining_options
         {"name": "p_2x2_to_4x1", "strategy": [4, 1], "ckpt_path": str(root / "ckpt" / "epoch=0-step=2.ckpt"),
          **pretraining},
     ]  # fmt: skip
-    fit_in_processes({**config, "runs": [{"max_epochs": 1, **run} for run in runs]}, timeout=500)
+    result = fit_in_processes({**config, "runs": [{"max_epochs": 1, **run} for run in runs]}, timeout=500)
+    (root / "log.txt").write_text(result.stdout + result.stderr)
     return root
 
 
@@ -336,6 +350,53 @@ def test_the_peer_check_stops_data_dealt_by_process_under_tensor_parallelism(two
 
 
 @pytest.mark.slow
+def test_the_peer_check_says_what_it_compared_and_warns_when_there_is_nothing_to_compare(two_processes: dict) -> None:
+    """d_tp and p_tp check 2 steps and their validation run on 1 × 2; d_ddp (every process a replica) cannot."""
+    lines = two_processes["log"].splitlines()
+    said = sorted(line[line.index("peer check:") :] for line in lines if "peer check:" in line)
+    one = "identical across the 2 processes of the one data-parallel replica"
+    assert said == sorted(
+        [f"peer check: optimizer steps 0-1 {one}"] * 2
+        + [f"peer check: the validation run at step {step} {one}" for step in (4, SIZE // G)]
+    )
+    warned = (two_processes["records"] / "warnings-rank0.txt").read_text().splitlines()
+    assert warned == [
+        "d_ddp: NothingToCompareWarning: verify_peers=1 compares the processes of each data-parallel replica, but "
+        "each of the 2 data-parallel replicas has one process (data_parallel counts every process as a replica: "
+        "right under DDP or FSDP; under tensor, context or pipeline parallelism it names the wrong dims and peers "
+        "train different rows): there are no peers to compare, so the check proves nothing"
+    ]
+
+
+@pytest.mark.slow
+def test_model_parallel_dims_named_as_data_parallel_are_refused_before_training(two_processes: dict) -> None:
+    """``ModelParallelStrategy``'s own TP dim named as data-parallel: each peer its own replica, refused at setup."""
+    for rank in (0, 1):
+        errors = (two_processes["records"] / f"errors-rank{rank}.txt").read_text()
+        assert (
+            "tp_as_dp: ValueError: the data-parallel dims ['tensor_parallel'] include the device mesh's dim "
+            "'tensor_parallel', which holds tensor-parallel peers"
+        ) in errors
+        assert (
+            "The data-parallel dims of this mesh ['data_parallel', 'tensor_parallel'] are ['data_parallel']" in errors
+        )
+    assert read_records(two_processes["records"], run="tp_as_dp") == []
+
+
+@pytest.mark.slow
+def test_under_ddp_a_mesh_without_a_data_parallel_dim_names_a_remedy_that_trains(
+    two_processes: dict, d9d_steps: dict
+) -> None:
+    errors = (two_processes["records"] / "errors-rank0.txt").read_text()
+    hint = "name them, data_parallel=DataParallelTopology.from_device_mesh(mesh, ['<dim>', ...])"
+    assert "ddp_mesh: ValueError: the device mesh's dims ['replica'] include no data-parallel dim" in errors
+    assert hint in errors
+    records = read_records(two_processes["records"], run="ddp_mesh_remedy")  # the hint followed
+    assert_layout(records, 2, 1, G // (2 * M_SIZE))
+    assert union_per_step(records, "ids") == d9d_steps
+
+
+@pytest.mark.slow
 def test_two_by_two_peers_share_and_replicas_split(four_processes: Path, d9d_steps: dict) -> None:
     records = read_records(four_processes, run="d_2x2")
     assert_layout(records, 2, 2, G // (2 * M_SIZE))
@@ -344,6 +405,10 @@ def test_two_by_two_peers_share_and_replicas_split(four_processes: Path, d9d_ste
     assert sorted(i for r in one_per_replica(val) for i in r["ids"]) == list(range(VAL_SIZE))
     for where, processes in by_process(val).items():
         assert len({tuple(s) for s in processes.values()}) == 1, where
+    log = (four_processes / "log.txt").read_text()
+    each = "identical across the 2 processes of each of 2 data-parallel replicas"
+    assert f"peer check: optimizer step 0 {each}" in log
+    assert f"peer check: the validation run at step {SIZE // G} {each}" in log
 
 
 @pytest.mark.slow

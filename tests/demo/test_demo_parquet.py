@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -12,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lightning_d9d.demo.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, write_shards
+from lightning_d9d.digest import Hasher
 
 pytestmark = pytest.mark.slow  # builds the demo corpus and trains its tokenizer, and fits through the CLI
 
@@ -30,7 +30,7 @@ def built(demo_cache: Path) -> DemoParquet:
 
 
 def digest(paths: list[str]) -> str:
-    return hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()
+    return Hasher().add(*(Path(p).read_bytes() for p in paths)).hexdigest()
 
 
 def test_the_shards_hold_two_sources_in_several_row_groups(built: DemoParquet) -> None:

@@ -5,7 +5,9 @@ clear error for bad rows."""
 from __future__ import annotations
 
 import json
+import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,20 @@ def make_dm(data: dict, tmp_path: Path, dataset: str = "chats.jsonl", **override
     dm.prepare_data()
     dm.setup("fit")
     return dm
+
+
+def test_drops_are_warned_about_and_a_split_without_any_says_nothing(
+    data: dict, tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.warns(UserWarning, match=r"training split .*: [1-9][0-9]* rows dropped \(longer than max_length=64"):
+        make_dm(data, tmp_path / "short", max_length=64)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        dm = make_dm(data, tmp_path / "long", max_length=512)
+    assert dm.dropped_samples == dm.truncated_samples == 0
+    said = [str(w.message) for w in caught] + capfd.readouterr().err.splitlines() + caplog.messages
+    assert not [text for text in said if "rows dropped" in text], "nothing dropped or cut: no line about it"
 
 
 def test_conversations_are_tokenized_as_transformers_with_assistant_labels(data: dict, tmp_path: Path) -> None:
