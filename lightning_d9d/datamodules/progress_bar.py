@@ -63,7 +63,7 @@ class _CountsSteps:
     def _epoch_walk(self, trainer: pl.Trainer) -> StepWalk | None:
         """The walk of this epoch's steps, from its first (a resumed epoch began before the restored step)."""
         datamodule = getattr(trainer, "datamodule", None)
-        if not hasattr(datamodule, "batches_per_step"):
+        if not hasattr(type(datamodule), "batches_in_global_step"):
             return None  # not a lightning_d9d DataModule: microbatches, as Lightning counts
         restored = getattr(datamodule, "restored", None)
         done = restored[1] if restored is not None and restored[0] == trainer.current_epoch else 0

@@ -144,3 +144,27 @@ def test_one_two_and_four_ranks_train_the_same_steps_and_resume_exactly_around_e
     for name, start in (("from_two_at", 5), ("from_two_next_epoch", 8)):
         got = global_rows(records, name)
         assert got == {s: rows for s, rows in full.items() if s >= start}, name
+
+
+def test_the_progress_bar_counts_optimizer_steps_of_every_size(data: Path, tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from support import RecordingModule, build_datamodule
+
+    seen: list[tuple[int, int]] = []
+
+    class Positions(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            bar = trainer.progress_bar_callback.train_progress_bar
+            seen.append((bar.n, bar.total))
+
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=STEPS_PER_EPOCH, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        callbacks=[TQDMProgressBar(), Positions()],
+    )  # fmt: skip
+    datamodule = build_datamodule(config(tmp_path, data, []))
+    trainer.fit(RecordingModule(str(tmp_path / "records")), datamodule=datamodule)
+    ends = [sum(size_at(s) // 2 for s in range(step + 1)) for step in range(STEPS_PER_EPOCH)]
+    expected = [(sum(1 for end in ends if end <= i + 1), STEPS_PER_EPOCH) for i in range(ends[-1])]
+    assert seen == expected, "after each microbatch: the optimizer steps completed, of the epoch's 7"
