@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch.utils.data import Dataset
@@ -209,6 +210,19 @@ class D9DDataModule(SteppedDataModule):
     def train_dataloader(self) -> TrainLoader:
         """This replica's training loader: a sized iterable of microbatches (or packs), continuing the position."""
         return self.track_loader(self._train_loader(self.dp_size, self.dp_rank, self.position, self.start_point))
+
+    def provenance(self, step: int, epoch: int = 0) -> list[list[int]]:
+        """The dataset indices optimizer step ``step`` of ``epoch`` trains: its microbatches in global order (those of
+        data-parallel rank 0, then rank 1, ... at one replica: the global batch), the same on every layout.
+
+        Raises:
+            ValueError: a step outside the epoch.
+        """
+        schedule = self._require_schedule()
+        steps = schedule.steps_in_epoch(epoch)
+        if not 0 <= step < steps:
+            raise ValueError(f"step={step} is not a step of epoch {epoch}, which has {steps} (0..{steps - 1})")
+        return [np.asarray(batch).tolist() for batch in schedule.rank_microbatches(epoch, step, 1, 0)]
 
     def train_dataloader_for_rank(self, dp_rank: int, dp_size: int, epoch: int = 0) -> TrainLoader:
         """What data-parallel rank ``dp_rank`` of ``dp_size`` would train in ``epoch``, with a position of its own."""

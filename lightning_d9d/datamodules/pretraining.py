@@ -15,6 +15,7 @@ import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -27,15 +28,17 @@ from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
 from lightning_d9d.datamodules.pretraining_mixture import (
     OnMixtureChange,
+    Sources,
     mixture_arguments,
     say_unvalidated_sources,
-    shape_differences,
 )
+from lightning_d9d.datamodules.pretraining_provenance import PretrainingProvenance, edits_asked
 from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_shapes import PretrainingShapes
-from lightning_d9d.datamodules.pretraining_state import STATE_VERSION, migrate, restored_streams, saved_streams
+from lightning_d9d.datamodules.pretraining_state import STATE_VERSION
 from lightning_d9d.device.pin import pin_batch
 from lightning_d9d.streaming.estimate import estimate_pass
+from lightning_d9d.streaming.ledger import DEFAULT_EVERY as DEFAULT_PROVENANCE_EVERY
 from lightning_d9d.streaming.loader import (
     StreamPosition,
     TokenTrainLoader,
@@ -45,7 +48,6 @@ from lightning_d9d.streaming.loader import (
 )
 from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.packing import RowBlock, sequence_bounds
-from lightning_d9d.streaming.shape import ShapeSchedule
 from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.topology import DataParallelSetting
@@ -122,7 +124,7 @@ class _Setting:
         return self if owner is None else getattr(owner.settings, self.name)
 
 
-class PretrainingDataModule(PretrainingShapes, PretrainingReports, SteppedDataModule):
+class PretrainingDataModule(PretrainingProvenance, PretrainingShapes, PretrainingReports, SteppedDataModule):
     """Stream parquet or JSONL text into packed token rows: the same global batches on any number of GPUs.
 
     Args:
@@ -159,6 +161,14 @@ class PretrainingDataModule(PretrainingShapes, PretrainingReports, SteppedDataMo
         data_wait_warning: warn once a fit if waiting for data exceeds this share of its steps.
         context_parallel_size: the CP size c rows are laid out for; ``seq_len`` must be a multiple of ``2·c``.
         val_seq_len: validation rows' ``seq_len``; ``None``: that of the last ``seq_len`` phase.
+        skip_data: ranges ``[start, stop)`` of optimizer steps whose data is never trained: resumed before
+            ``start``, step ``start`` trains what step ``stop`` would have (recorded: later resumes keep it).
+        exclude_documents: documents never trained from this resume on, as ``dm.provenance()`` names them
+            (``[source, file, row_group, row]``), or a JSONL file of them (docs/provenance.md).
+        provenance_dir: where every stream's state is recorded every ``provenance_every`` steps, so that
+            ``dm.provenance(step)`` replays a few steps, not the run; ``None``: ``<default_root_dir>/data_provenance``
+            under a Trainer, none without.
+        provenance_every: optimizer steps between records.
 
     Raises:
         ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout.
@@ -178,6 +188,9 @@ class PretrainingDataModule(PretrainingShapes, PretrainingReports, SteppedDataMo
     steps_per_epoch: int | None = None  # type: ignore[assignment]
     estimated_pass_tokens: float | None = None
     _step_targets: tuple[int, int] = (-1, 0)  # (global step, its targets over every replica), summed once per step
+    val_specs: Sequence[MixtureSpec] = ()  # one per validation source
+    val_steps_per_source: Sequence[int] = ()
+    source_pass_rows: Mapping[str, float] = MappingProxyType({})  # estimated rows of one pass over each source
 
     def __init__(
         self,
@@ -212,32 +225,31 @@ class PretrainingDataModule(PretrainingShapes, PretrainingReports, SteppedDataMo
         data_wait_warning: float | None = 0.2,
         context_parallel_size: PositiveInt = 1,
         val_seq_len: PositiveInt | None = None,
+        skip_data: list[tuple[NonNegativeInt, PositiveInt]] | None = None,
+        exclude_documents: list[list[Any]] | list[dict[str, Any]] | str | None = None,
+        provenance_dir: str | None = None,
+        provenance_every: PositiveInt = DEFAULT_PROVENANCE_EVERY,
     ):
         super().__init__()
         self.data_parallel, self.verify_peers, self.data_wait_warning = data_parallel, verify_peers, data_wait_warning
-        self.settings = StreamSettings(
-            seq_len=seq_len, global_batch_size=global_batch_size, packing=packing, seed=seed, num_streams=num_streams,
-            bestfit_buffer_size=bestfit_buffer_size, max_document_chars=max_document_chars,
-            tokenizer_batch_size=tokenizer_batch_size, context_parallel_size=context_parallel_size,
-        )  # fmt: skip
+        self.settings = StreamSettings(seq_len, global_batch_size, packing, seed, num_streams, bestfit_buffer_size,
+                                       max_document_chars, tokenizer_batch_size,
+                                       context_parallel_size=context_parallel_size)  # fmt: skip
         self.microbatch_size = positive_int("microbatch_size", microbatch_size)
-        self.val_seq_len = positive_int("val_seq_len", val_seq_len, allow_none=True)
         self._check_microbatches(1)  # every phase's G must be a multiple of m
-        self._steps_per_epoch_arg = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
-        self._val_steps_arg = positive_int("val_steps", val_steps, allow_none=True)
+        self._steps_per_epoch_arg, self._val_steps_arg, self.val_seq_len = _positive_or_none(
+            steps_per_epoch=steps_per_epoch, val_steps=val_steps, val_seq_len=val_seq_len
+        )
+        self.skip_data, self.exclude_documents = edits_asked(skip_data, exclude_documents)
+        self.provenance_dir, self.provenance_every = provenance_dir, positive_int("provenance_every", provenance_every)
         self.num_workers = non_negative_int("num_workers", num_workers)
         self.train_files, self.val_files, self.tokenizer, self.bos_token = train_files, val_files, tokenizer, bos_token
         self.text_column, self.token_cache, self.on_malformed = _reading(text_column, token_cache, on_malformed)
         self.pin_memory, self.on_order_mismatch = pin_memory, on_order_mismatch
         self.storage = storage_of(storage_options, read_retry_seconds)
         self.on_mixture_change, self.weights, self.allow_shared_files = on_mixture_change, weights, allow_shared_files
-        self.sources = mixture_arguments(
-            train_files, val_files, text_column, weights, on_mixture_change, allow_shared_files
-        )
+        self.sources = self._parsed_sources()
         say_unvalidated_sources(self.sources)  # once: setup parses the same sources again
-        self.val_specs: list[MixtureSpec] = []  # one per validation source
-        self.val_steps_per_source: list[int] = []
-        self.source_pass_rows: dict[str, float] = {}  # estimated rows of one pass over each source
         self.position = StreamPosition()
 
     @property
@@ -254,10 +266,7 @@ class PretrainingDataModule(PretrainingShapes, PretrainingReports, SteppedDataMo
         """Resolve files, read footers, load the tokenizer, check the layout, size the epoch."""
         self.resolve_topology()
         # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
-        self.sources = mixture_arguments(
-            self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change,
-            self.allow_shared_files,
-        )  # fmt: skip
+        self.sources = self._parsed_sources()
         corpus = PretrainingCorpus(
             self.settings, self.tokenizer, self.bos_token, self.storage, self.token_cache, self.on_malformed
         )
@@ -277,8 +286,16 @@ class PretrainingDataModule(PretrainingShapes, PretrainingReports, SteppedDataMo
             )
             self.val_steps_per_source = [_val_steps_of(self, spec) for spec in self.val_specs]
         if stage in (None, "fit"):
-            self._layouts = {}
-            self.start_fit(StreamPosition(layout=self.step_layout(0), generation=self.position.generation + 1))
+            self._fresh_edits()
+            position = StreamPosition(layout=self.step_layout(0), generation=self.position.generation + 1)
+            position.on_commit = self._record_step
+            self.start_fit(position)
+
+    def _parsed_sources(self) -> Sources:
+        return mixture_arguments(
+            self.train_files, self.val_files, self.text_column, self.weights, self.on_mixture_change,
+            self.allow_shared_files,
+        )  # fmt: skip
 
     @property
     def val_steps(self) -> int | None:
@@ -339,29 +356,6 @@ class PretrainingDataModule(PretrainingShapes, PretrainingReports, SteppedDataMo
         ]  # fmt: skip
         return loaders if self.sources.validation_by_source else (loaders[0] if loaders else [])
 
-    # ------------------------------------------------------------------ the resume contract
-    def extra_state(self) -> dict[str, Any]:
-        """Every stream's state at the last optimizer step, gathered from all ranks (only rank 0 saves)."""
-        _epoch, step = self.saved_position()
-        states = self.position.committed_states(step)
-        return saved_streams(states, self._require(self.train_spec), gather=self.dp_size > 1)
-
-    def other_differences(self, state_dict: dict[str, Any]) -> list[str]:
-        """The global batch size and ``seq_len`` (phases) the checkpoint differs in."""
-        try:
-            saved = ShapeSchedule.from_dict(migrate(state_dict)["shapes"])
-        except (KeyError, TypeError, ValueError):
-            return []  # a malformed state is named when it is read
-        return shape_differences(saved, self.shapes)[1]
-
-    def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
-        """Restore the streams this rank owns to the checkpoint's last optimizer step, validated first."""
-        states = {}
-        if state is not None:
-            spec = self._require(self.train_spec)
-            self.train_spec, states = restored_streams(state, spec, self.owned_streams, step, self.on_mixture_change)
-        self.position.restart(epoch, step, states, self.step_layout(epoch))
-
 
 def _val_steps_of(dm: PretrainingDataModule, spec: MixtureSpec) -> int:
     """``val_steps``, else one estimated pass over ``spec`` shared by the replicas (at least 1)."""
@@ -369,6 +363,10 @@ def _val_steps_of(dm: PretrainingDataModule, spec: MixtureSpec) -> int:
         return dm._val_steps_arg
     _, rows = estimate_pass(spec.sources[0])
     return max(1, int(rows // (dm.dp_size * dm.microbatch_size)))
+
+
+def _positive_or_none(**values: Any) -> tuple[int | None, ...]:
+    return tuple(positive_int(name, value, allow_none=True) for name, value in values.items())
 
 
 def _reading(text_column: Any, token_cache: Any, on_malformed: Any) -> tuple[str, str | None, str]:

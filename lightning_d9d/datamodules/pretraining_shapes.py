@@ -9,8 +9,14 @@ internal of Lightning's loops pinned by tests.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 from lightning_d9d.checks import microbatches_per_step
+from lightning_d9d.datamodules.pretraining_mixture import shape_differences
+from lightning_d9d.datamodules.pretraining_state import migrate
 from lightning_d9d.resume import StepLayout
+from lightning_d9d.streaming.edits import DataEdits
 from lightning_d9d.streaming.shape import Shape, ShapeSchedule, StepValues
 from lightning_d9d.streaming.spec import StreamSettings
 
@@ -21,6 +27,7 @@ class PretrainingShapes:
     val_seq_len: int | None
     steps_per_epoch: int | None
     _layouts: dict = {}  # noqa: RUF012 (replaced, never changed in place)
+    edits: DataEdits = DataEdits()  # skips and exclusions recorded
 
     @property
     def shapes(self) -> ShapeSchedule:
@@ -32,17 +39,21 @@ class PretrainingShapes:
         """The longest rows of the run, training phases and validation."""
         return max(self.shapes.max_seq_len, self.val_seq_len or 0)
 
+    def data_step(self, step: int) -> int:
+        """The step of data that global optimizer step ``step`` trains (``step`` itself unless data was skipped)."""
+        return self.edits.data_step(step)
+
     def shape_at(self, step: int) -> Shape:
-        """The shape (global batch size, ``seq_len``) of global optimizer step ``step``."""
-        return self.shapes.at(step)
+        """The shape (global batch size, ``seq_len``) of global optimizer step ``step``: its data step's."""
+        return self.shapes.at(self.data_step(step))
 
     def global_batch_size_at(self, step: int) -> int:
         """Rows of global optimizer step ``step`` over all ranks (for models and learning-rate schedules)."""
-        return self.shapes.global_batch_size_at(step)
+        return self.shape_at(step).global_batch_size
 
     def seq_len_at(self, step: int) -> int:
         """Inputs per row of global optimizer step ``step``."""
-        return self.shapes.seq_len_at(step)
+        return self.shape_at(step).seq_len
 
     def microbatches_at(self, step: int) -> int:
         """M of global optimizer step ``step`` on one data-parallel replica."""
@@ -83,16 +94,33 @@ class PretrainingShapes:
     def step_layout(self, epoch: int) -> StepLayout:
         """This replica's microbatches of each step of ``epoch`` (global steps ``epoch × steps_per_epoch`` on)."""
         per_epoch = self.steps_per_epoch
-        key = (epoch, per_epoch, self.dp_size)
+        key = (epoch, per_epoch, self.dp_size, self.edits)
         layout = self._layouts.get(key)
         if layout is None:
             first, unit = epoch * per_epoch, self.dp_size * self.microbatch_size
-            stretches = list(self.shapes.global_batch_sizes.segments(first, first + per_epoch))
-            layout = StepLayout(
-                tuple(int(a) - first for a, _, _ in stretches), tuple(g // unit for _, _, g in stretches)
-            )
+            starts = self._size_changes(first, first + per_epoch)
+            layout = StepLayout(tuple(s - first for s in starts), tuple(self.global_batch_size_at(s) // unit
+                                                                         for s in starts))  # fmt: skip
             self._layouts = {**self._layouts, key: layout} if len(self._layouts) < 64 else {key: layout}
         return layout
+
+    def _size_changes(self, first: int, stop: int) -> list[int]:
+        """The training steps of ``[first, stop)`` where G may change: ``first``, every skip's start, and every
+        start of a G phase met by the data steps trained (``d(s) = s + shift`` between skips)."""
+        points = {first} | {at for at, _ in self.edits.skips if first < at < stop}
+        cuts = sorted(points | {stop})
+        for start, end in itertools.pairwise(cuts):
+            shift = self.data_step(start) - start
+            points.update(b - shift for b in self.shapes.global_batch_sizes.starts if start < b - shift < end)
+        return sorted(points)
+
+    def other_differences(self, state_dict: dict[str, Any]) -> list[str]:
+        """The global batch size and ``seq_len`` (phases) the checkpoint differs in."""
+        try:
+            saved = ShapeSchedule.from_dict(migrate(state_dict)["shapes"])
+        except (KeyError, TypeError, ValueError):
+            return []  # a malformed state is named when it is read
+        return shape_differences(saved, self.shapes)[1]
 
     def describe_step(self) -> str:
         if self.step_sizes_vary:

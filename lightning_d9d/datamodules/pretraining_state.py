@@ -79,7 +79,8 @@ def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
             sources[name] = {**sub, "packing": packing}
         streams[sid] = {**stream, "sources": sources}
     shapes = {"global_batch_size": [[0, size]], "seq_len": [[0, seq_len]]}
-    return {**state, "version": STATE_VERSION, "streams": streams, "shapes": shapes}
+    edits = {"skips": [], "exclusions": []}
+    return {**state, "version": STATE_VERSION, "streams": streams, "shapes": shapes, "edits": edits}
 
 
 def _buffer_from_version_1(buffer: Any, kind: str, capacity: int) -> Any:

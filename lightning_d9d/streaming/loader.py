@@ -112,10 +112,14 @@ class StreamPosition(TrainPosition):
     committed: tuple[int, int, StreamStates] = (0, 0, {})
     previous: tuple[int, int, StreamStates] = (0, 0, {})
     generation: int = 0
+    on_commit: Callable[[int, int, StreamStates], None] | None = field(default=None, compare=False, repr=False)
 
     def commit(self, epoch: int, step: int) -> None:
-        """Record the streams' states at the boundary before ``step`` just reached, keeping the one before."""
+        """Record the streams' states at the boundary before ``step`` just reached, keeping the one before (and tell
+        ``on_commit``)."""
         self.previous, self.committed = self.committed, (epoch, step, dict(self.states))
+        if self.on_commit is not None:
+            self.on_commit(epoch, step, self.committed[2])
 
     def committed_states(self, step: int) -> StreamStates:
         """The streams' states at the start of ``step``: the last boundary or the one before (else RuntimeError)."""

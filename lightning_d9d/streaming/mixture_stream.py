@@ -20,6 +20,7 @@ import numpy as np
 
 from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.bestfit_restore import read_buffered_texts
+from lightning_d9d.streaming.edits import is_skipped
 from lightning_d9d.streaming.mixture import MixturePlan, deal_rows
 from lightning_d9d.streaming.packing import RowBlock, StreamCounters
 from lightning_d9d.streaming.spec import MixtureSpec
@@ -116,6 +117,7 @@ class MixtureStream:
         try:
             first = True
             while True:
+                skipped = is_skipped(step, spec.skipped)  # a data step consumed untrained: its rows are dropped
                 asked[:] = self.step_rows.of(step)[k]
                 capacity[0] = spec.capacity_at(step)
                 if first and len(subs) > 1:
@@ -128,6 +130,8 @@ class MixtureStream:
                 first = False
                 step += 1
                 self.state = MixtureState(step, {name: state for name, (_, state) in zip(spec.names, parts)})
+                if skipped:
+                    continue
                 block = RowBlock.joined([block for block, _ in parts])
                 block.sources = np.repeat(sources, asked)
                 yield block, self.state

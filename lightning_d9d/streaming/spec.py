@@ -191,6 +191,7 @@ class MixtureSpec:
         names: the source names, in order (a row's source index refers to it).
         sources: each source's stream spec (shared K, seq_len, packing, tokenizer; own files and text column).
         plan: the rows per source of every step.
+        skipped: data steps ``[start, stop)`` consumed untrained (``DataEdits.skipped_data``), ascending.
 
     Raises:
         ValueError: no source, names and specs that differ in number, or sources that disagree on shared settings.
@@ -199,6 +200,7 @@ class MixtureSpec:
     names: tuple[str, ...]
     sources: tuple[StreamSpec, ...]
     plan: MixturePlan
+    skipped: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sources or len(self.names) != len(self.sources):
@@ -248,6 +250,9 @@ class MixtureSpec:
 
     def with_plan(self, plan: MixturePlan) -> MixtureSpec:
         return dataclasses.replace(self, plan=plan)
+
+    def with_skipped(self, skipped: tuple[tuple[int, int], ...]) -> MixtureSpec:
+        return dataclasses.replace(self, skipped=tuple(skipped))
 
     def fingerprint(self) -> CorpusFingerprint:
         """What decides the rows of every step: the settings, and by source its files and text column."""

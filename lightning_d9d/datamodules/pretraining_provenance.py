@@ -1,0 +1,224 @@
+"""Which data trained step s, and deliberate edits of what is trained: a PretrainingDataModule's provenance,
+skipped data ranges and excluded documents.
+
+Rows are a pure function of (data, tokenizer, settings, K) and of the edits recorded, so the pieces of any step are
+rebuilt by replaying every stream from a saved state at or before it: the ledger's records (every
+``provenance_every`` steps and at every resume), a checkpoint, or this process's own position. A replay packs the
+steps between (reading tokens from the token cache where it holds them) and notes, for every piece of every row,
+which document and which of its tokens it holds. Trade-off: a query costs up to ``provenance_every`` steps of
+packing, in exchange for records of tens of KiB per stream instead of a per-step ledger of pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from lightning_d9d.datamodules.pretraining_state import migrate, restored_streams, saved_streams
+from lightning_d9d.resume import InvalidDataState
+from lightning_d9d.streaming.edits import DataEdits, DocumentRef, _range
+from lightning_d9d.streaming.ledger import StreamLedger
+from lightning_d9d.streaming.mixture_stream import MixtureState
+from lightning_d9d.streaming.provenance import Piece, file_namer, pieces_of_step, recording, replay
+
+
+def edits_asked(skip_data: Any, exclude_documents: Any) -> tuple[tuple[tuple[int, int], ...], Any]:
+    """``skip_data`` checked as ranges of optimizer steps, and ``exclude_documents`` (references checked now, a file
+    read at ``setup``).
+
+    Raises:
+        ValueError: a range that is not ``[start, stop)`` with ``0 <= start < stop``, a reference that is not
+            ``[source, file, row_group, row]``, or something else in their place.
+    """
+    if skip_data is None:
+        ranges: tuple[tuple[int, int], ...] = ()
+    elif isinstance(skip_data, Sequence) and not isinstance(skip_data, str):
+        ranges = tuple(_range(value, number) for number, value in enumerate(skip_data))
+    else:
+        raise ValueError(f"skip_data={skip_data!r} is not valid: give ranges [[start, stop], ...] of optimizer steps")
+    if exclude_documents is None or isinstance(exclude_documents, (str, os.PathLike)):
+        return ranges, exclude_documents
+    if not isinstance(exclude_documents, Sequence):
+        raise ValueError(
+            f"exclude_documents={exclude_documents!r} is not valid: give a list of document references "
+            "[source, file, row_group, row] or the path of a JSONL file of them"
+        )
+    return ranges, tuple(DocumentRef.of(value, number) for number, value in enumerate(exclude_documents))
+
+
+def read_references(path: str | os.PathLike) -> tuple[DocumentRef, ...]:
+    """The document references of a JSONL file (one ``[source, file, row_group, row]`` or object per line; blank
+    lines and ``#`` comments ignored; a provenance JSONL works as it is).
+
+    Raises:
+        ValueError: a missing file or a line that is no reference, naming the file and line.
+    """
+    try:
+        text = open(path, encoding="utf-8").read()  # noqa: SIM115 (read whole)
+    except OSError as error:
+        raise ValueError(f"exclude_documents={os.fspath(path)!r}: cannot read it ({error})") from error
+    refs = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            value = json.loads(line)
+            if isinstance(value, Mapping) and "document_row" in value:  # a provenance line
+                value = [value["source"], value["file"], value["row_group"], value["document_row"]]
+            refs.append(DocumentRef.of(value))
+        except (ValueError, json.JSONDecodeError) as error:
+            raise ValueError(f"line {number} of exclude_documents={os.fspath(path)!r}: {error}") from error
+    return tuple(refs)
+
+
+def resumed_edits(
+    saved: DataEdits, resume_step: int, skips: Iterable[Sequence[int]], excluded: Iterable[DocumentRef]
+) -> DataEdits:
+    """The edits after a resume at global step ``resume_step``: the checkpoint's, and those asked now."""
+    return saved.with_new(resume_step, skips, excluded)
+
+
+def ledger_of(provenance_dir: str | None, default_root: str | None, storage: Any, every: int) -> StreamLedger | None:
+    """The ledger at ``provenance_dir``, else ``<default_root>/data_provenance`` (a Trainer's), else none."""
+    root = provenance_dir if provenance_dir is not None else (
+        os.path.join(default_root, "data_provenance") if default_root is not None else None
+    )  # fmt: skip
+    return None if root is None else StreamLedger(root, storage, every)
+
+
+class PretrainingProvenance:
+    """A PretrainingDataModule's saved state (streams and edits), the edits it records, and what it answers about
+    the data of its steps."""
+
+    edits: DataEdits
+    skip_data: tuple[tuple[int, int], ...]
+    exclude_documents: Any
+    provenance_dir: str | None
+    provenance_every: int
+
+    # ------------------------------------------------------------------ the resume contract
+    def extra_state(self) -> dict[str, Any]:
+        """Every stream's state at the last optimizer step, gathered from all ranks (only rank 0 saves), and the
+        data edits recorded."""
+        _epoch, step = self.saved_position()
+        states = self.position.committed_states(step)
+        saved = saved_streams(states, self._require(self.train_spec), gather=self.dp_size > 1)
+        return {**saved, "edits": self.edits.to_dict()}
+
+    def restore_extra_state(self, state: dict[str, Any] | None, epoch: int, step: int) -> None:
+        """Restore the streams this rank owns to the checkpoint's last optimizer step, validated first, under the
+        checkpoint's edits and those asked now (recorded from this step on)."""
+        states, global_step = {}, epoch * self.steps_per_epoch + step
+        if state is not None:
+            state = migrate(state)
+            self._use_edits(self._resumed_edits(state, global_step))
+            spec = self._require(self.train_spec)
+            self.train_spec, states = restored_streams(state, spec, self.owned_streams, step, self.on_mixture_change)
+            expected = DataEdits.from_dict(state["edits"]).data_step(global_step)
+            if any(saved.step != expected for saved in states.values()):
+                found = sorted({saved.step for saved in states.values()})
+                raise InvalidDataState(
+                    "streams.*.step", found, f"the data step of global step {global_step}: {expected}"
+                )
+        self.position.restart(epoch, step, states, self.step_layout(epoch))
+        self._record_step(epoch, step, states, resumed=True)
+
+    # ------------------------------------------------------------------ edits
+    def _excluded_refs(self) -> tuple[DocumentRef, ...]:
+        refs = self.exclude_documents
+        if refs is None:
+            return ()
+        return read_references(refs) if isinstance(refs, (str, os.PathLike)) else tuple(refs)
+
+    def _use_edits(self, edits: DataEdits) -> None:
+        """Train under ``edits``: skipped data consumed by the streams, excluded documents never read."""
+        self.edits = edits
+        self.train_spec = self.train_spec.with_skipped(edits.skipped_data())
+        self._layouts = {}
+
+    def _fresh_edits(self) -> None:
+        self._use_edits(DataEdits().with_new(0, self.skip_data, self._excluded_refs()))
+
+    def _resumed_edits(self, state: Mapping[str, Any], global_step: int) -> DataEdits:
+        """The checkpoint's edits and those asked now, in force from ``global_step`` (``InvalidDataState`` for a
+        malformed record)."""
+        try:
+            saved = DataEdits.from_dict(state["edits"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise InvalidDataState(
+                "edits", state.get("edits"), f"the skips and exclusions a state records ({error})"
+            ) from error
+        return saved.with_new(global_step, self.skip_data, self._excluded_refs())
+
+    # ------------------------------------------------------------------ the ledger
+    def _ledger(self) -> StreamLedger | None:
+        trainer = getattr(self, "trainer", None)
+        default_root = getattr(trainer, "default_root_dir", None) if trainer is not None else None
+        return ledger_of(self.provenance_dir, default_root, self.storage, self.provenance_every)
+
+    def _record_step(self, epoch: int, step: int, states: Mapping[int, Any], resumed: bool = False) -> None:
+        """Record the streams' states at a step boundary where the ledger keeps one (every ``provenance_every``
+        steps, and at every resume)."""
+        global_step = epoch * self.steps_per_epoch + step
+        if not (resumed or global_step % self.provenance_every == 0) or not states:
+            return
+        ledger = self._ledger()
+        if ledger is not None:
+            lineage = self.edits.lineage(global_step)
+            ledger.write(global_step, {sid: state.to_dict() for sid, state in states.items()}, lineage)
+
+    # ------------------------------------------------------------------ queries
+    def provenance(self, steps: int | Iterable[int], max_replay: int | None = None) -> list[Piece]:
+        """Every piece of every row of the given global optimizer steps, in step and row order: which tokens
+        ``[start, stop)`` of which document (source, file, row group, row) sit at ``column`` of row ``batch_row``
+        (rank-independent: rank 0's rows, then rank 1's, ...). Re-tokenizing those spans rebuilds the rows' tokens
+        exactly (``dm.document``); positions no piece covers are padding.
+
+        Every stream is replayed from the latest state at or before the first step asked: a ledger record of this
+        run's lineage, this process's own position, or the start.
+
+        Args:
+            steps: a global step or several (a ``range``).
+            max_replay: refuse to replay more than this many steps for one stream (``None``: no limit).
+
+        Raises:
+            ValueError: a negative step, or a replay longer than ``max_replay``.
+        """
+        spec = recording(self._require(self.train_spec))
+        wanted = sorted({steps} if isinstance(steps, int) else set(steps))
+        if not wanted or wanted[0] < 0:
+            raise ValueError(f"steps={steps!r}: give global optimizer steps >= 0")
+        starts = self._replay_starts(wanted[0], spec)
+        if max_replay is not None and any(wanted[-1] - first > max_replay for first, _ in starts.values()):
+            nearest = min(first for first, _ in starts.values())
+            raise ValueError(f"answering step {wanted[-1]} would replay {wanted[-1] - nearest} steps (more than "
+                             f"max_replay={max_replay}): keep records closer (provenance_every)")  # fmt: skip
+        per_step: dict[int, dict[int, Any]] = {step: {} for step in wanted}
+        for stream, (first, state) in starts.items():
+            for step, pieces in replay(spec, stream, state, first, wanted):
+                per_step[step][stream] = pieces
+        name = file_namer(spec)
+        out = []
+        for step in wanted:
+            rows = self.global_batch_size_at(step) // spec.num_streams
+            out += pieces_of_step(spec, step, per_step[step], rows, name)
+        return out
+
+    def _replay_starts(self, step: int, spec: Any) -> dict[int, tuple[int, Any]]:
+        """Per stream, ``(training step, state)`` of the latest known state of this lineage at or before ``step``."""
+        starts: dict[int, tuple[int, Any]] = {stream: (0, None) for stream in range(spec.num_streams)}
+        epoch, at, states = self.position.committed
+        here = epoch * self.steps_per_epoch + at
+        if here <= step:
+            for stream, state in states.items():
+                starts[stream] = (here, state)
+        ledger = self._ledger()
+        if ledger is not None:
+            for stream in starts:
+                found = ledger.latest(stream, step, self.edits.lineage)
+                if found is not None and found[0] > starts[stream][0]:
+                    starts[stream] = (found[0], MixtureState.from_dict(found[1], spec, f"ledger.{stream}"))
+        return starts
