@@ -1,4 +1,5 @@
-"""The ``lightning-d9d`` command: LightningCLI for any LightningModule + DataModule, plus ``inspect``.
+"""The ``lightning-d9d`` command: LightningCLI for any LightningModule + DataModule, plus ``inspect`` and
+``provenance``.
 
 ``fit|validate|test|predict`` take model and data in subclass mode; on the CPU they leave the DataLoader workers
 their cores (``cpu_threads``). ``inspect`` builds the data at world size 1 and prints one epoch's steps,
@@ -29,6 +30,7 @@ from lightning_d9d.cli_errors import (
     full_tracebacks,
     report_configuration_error,
 )
+from lightning_d9d.cli_provenance import provenance_report
 from lightning_d9d.cpu_threads import choose_cpu_threads
 from lightning_d9d.datamodules.base import SteppedDataModule
 from lightning_d9d.datamodules.d9d import D9DDataModule
@@ -37,6 +39,8 @@ from lightning_d9d.topology import DataParallelTopology
 
 INSPECT = "inspect"
 _INSPECT_HELP = "Print steps per epoch, microbatches and tokens per step, padding and the first batch's shapes."
+PROVENANCE = "provenance"
+_PROVENANCE_HELP = "Print (or write) which pieces of which documents every row of the given steps holds."
 _INSPECT_DEFAULT_STEPS = 20
 # Values LightningCLI's --ckpt_path accepts besides a file: Lightning resolves them itself.
 _CKPT_PATH_KEYWORDS = ("last", "best", "hpc", "registry")
@@ -87,25 +91,34 @@ class D9DCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
-        # LightningCLI's subcommands must be Trainer methods; inspect is not, so its parser is added here with
-        # the same model/data/trainer arguments (the model optional: inspect reads data only) and run by
-        # _run_subcommand below.
-        inspect_parser = self.init_parser(description=_INSPECT_HELP)
-        self._building_inspect = True
-        try:
-            self._add_arguments(inspect_parser)
-        finally:
-            self._building_inspect = False
+        # LightningCLI's subcommands must be Trainer methods; inspect and provenance are not, so their parsers are
+        # added here with the same model/data/trainer arguments (the model optional: they read data only) and run
+        # by _run_subcommand below.
+        inspect_parser = self._data_parser(parser, INSPECT, _INSPECT_HELP)
         inspect_parser.add_argument(
             "--steps",
             type=int,
             default=_INSPECT_DEFAULT_STEPS,
             help="global batches to read for the tokens-per-step and padding figures",
         )
-        self._subcommand_parsers[INSPECT] = inspect_parser
-        self._subcommand_method_arguments[INSPECT] = []
+        provenance_parser = self._data_parser(parser, PROVENANCE, _PROVENANCE_HELP)
+        provenance_parser.add_argument("--steps", type=str, required=True, help="a step, or steps a:b (b excluded)")
+        provenance_parser.add_argument("--ckpt_path", type=str, default=None, help="the checkpoint of the run")
+        provenance_parser.add_argument("--output", type=str, default=None, help="a .jsonl or .parquet file to write")
+
+    def _data_parser(self, parser: LightningArgumentParser, name: str, help: str) -> LightningArgumentParser:
+        """A subcommand with the model/data/trainer arguments (the model optional: it reads data only)."""
+        subparser = self.init_parser(description=help)
+        self._building_inspect = True
+        try:
+            self._add_arguments(subparser)
+        finally:
+            self._building_inspect = False
+        self._subcommand_parsers[name] = subparser
+        self._subcommand_method_arguments[name] = []
         assert parser._subcommands_action is not None
-        parser._subcommands_action.add_subcommand(INSPECT, inspect_parser, help=_INSPECT_HELP)
+        parser._subcommands_action.add_subcommand(name, subparser, help=help)
+        return subparser
 
     def _run_subcommand(self, subcommand: str) -> None:
         if subcommand == INSPECT:
@@ -113,6 +126,12 @@ class D9DCLI(LightningCLI):
             if steps < 1:
                 raise ValueError(f"--steps must be a positive integer, got {steps}")
             print(inspect(self.datamodule, self.trainer, steps))
+            return
+        if subcommand == PROVENANCE:
+            options = self.config_init[PROVENANCE]
+            check_ckpt_path(options["ckpt_path"])
+            print(provenance_report(self.datamodule, self.trainer, options["steps"], options["ckpt_path"],
+                                    options["output"]))  # fmt: skip
             return
         check_ckpt_path(self.config_init[subcommand].get("ckpt_path"))
         self._choose_cpu_threads()
