@@ -44,7 +44,8 @@ class LossSpikeProvenance(pl.Callback):
         for name, value in (("window", window), ("steps", steps), ("min_steps", min_steps), ("cooldown", cooldown)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.factor, self.steps, self.min_steps, self.cooldown, self.dirpath = factor, steps, min_steps, cooldown, dirpath
+        self.factor, self.steps, self.min_steps, self.cooldown = factor, steps, min_steps, cooldown
+        self.dirpath = dirpath
         self._losses: collections.deque[float] = collections.deque(maxlen=window)
         self._step_loss, self._quiet_until = 0.0, -1
         self.spikes: list[tuple[int, str]] = []  # (step, file written) of every spike seen
