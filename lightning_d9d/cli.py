@@ -290,7 +290,7 @@ def _pretraining_lines(datamodule: Any, trainer: Any, rows_by_source: Counter[in
     sources = range(len(datamodule.source_names))
     shares = [rows_by_source[i] for i in sources]
     lines = datamodule.mixture_report(_run_steps(trainer, datamodule.steps_per_epoch), shares, steps)
-    return lines + datamodule.token_cache_report()
+    return lines + datamodule.edits_report() + datamodule.token_cache_report()
 
 
 def _run_steps(trainer: Any, steps_per_epoch: int) -> int:

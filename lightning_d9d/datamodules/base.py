@@ -224,6 +224,9 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
         trainer = self._trainer
         return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
+    def check_run(self, total_steps: int | None) -> None:
+        """Refuse settings that contradict the run's length (``total_steps`` optimizer steps, where known)."""
+
     def complete_batch(self, trainer: pl.Trainer, batch: Any) -> None:
         """Fill in what a training batch can only know from every rank (a collective, the same on every process);
         called as each training batch starts."""

@@ -131,6 +131,7 @@ class DataModuleCallback(pl.Callback):
 
     # ------------------------------------------------------------------ Lightning's restored counters
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._datamodule.check_run(_total_steps(trainer, self._datamodule))
         self.align_lightning_progress(trainer)
         self._peers.start()
         self._observer.fit_start(trainer)
@@ -263,6 +264,15 @@ class _PeerCheck:
         topology = self._datamodule.topology
         if topology.model_parallel:  # else nothing was compared (warned at the start)
             rank_zero_info(checked_summary(what, topology.dp_size, topology.world_size))
+
+
+def _total_steps(trainer: pl.Trainer, datamodule: SteppedDataModule) -> int | None:
+    """The optimizer steps the fit ends after, where known (``max_steps``, else ``max_epochs`` epochs)."""
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return int(trainer.max_steps)
+    if trainer.max_epochs is not None and trainer.max_epochs > 0:
+        return sum(datamodule.steps_in_epoch(epoch) for epoch in range(trainer.max_epochs))
+    return None
 
 
 def _steps_done_in_epoch(checkpoint: dict[str, Any], automatic_optimization: bool, packs: bool) -> int | None:

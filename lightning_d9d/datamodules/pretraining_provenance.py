@@ -16,12 +16,16 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from lightning_d9d.datamodules.pretraining_state import migrate, restored_streams, saved_streams
 from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.edits import DataEdits, DocumentRef, _range
+from lightning_d9d.streaming.edits import DataEdits, DocumentRef, _range, resolve_reference
 from lightning_d9d.streaming.ledger import StreamLedger
 from lightning_d9d.streaming.mixture_stream import MixtureState
 from lightning_d9d.streaming.provenance import Piece, file_namer, pieces_of_step, recording, replay
+from lightning_d9d.streaming.tokenize import encode_documents
+from lightning_d9d.tokenizer import tokenizer_from_json
 
 
 def edits_asked(skip_data: Any, exclude_documents: Any) -> tuple[tuple[tuple[int, int], ...], Any]:
@@ -222,3 +226,28 @@ class PretrainingProvenance:
                 if found is not None and found[0] > starts[stream][0]:
                     starts[stream] = (found[0], MixtureState.from_dict(found[1], spec, f"ledger.{stream}"))
         return starts
+
+    def document(self, ref: DocumentRef | Piece | Sequence[Any]) -> dict[str, Any]:
+        """A document named as provenance names it (a piece, a ``DocumentRef`` or ``[source, file, row_group,
+        row]``): ``{"text": ..., "tokens": ...}``, its tokens as training lays them out (BOS first), so a piece's
+        tokens are ``tokens[start:stop]``.
+
+        Raises:
+            ValueError: a reference to no document of this corpus.
+        """
+        if isinstance(ref, Piece):
+            ref = DocumentRef(ref.source, ref.file, ref.row_group, ref.document_row)
+        spec = self._require(self.train_spec)
+        source, group, row = resolve_reference(spec.names, [s.index for s in spec.sources], DocumentRef.of(ref))
+        text = spec.sources[source].index.read_texts(group, [row])[0] or ""
+        ids = encode_documents(tokenizer_from_json(spec.sources[source].tokenizer_json), [text])[0].ids
+        return {"text": text, "tokens": np.asarray([spec.bos_id, *ids], np.int64)}
+
+    def check_run(self, total_steps: int | None) -> None:
+        """Raises ValueError for a skip that starts where the run has ended (nothing after it would train)."""
+        for at, count in self.edits.skips:
+            if total_steps is not None and at >= total_steps:
+                raise ValueError(
+                    f"skip_data range [{at}, {at + count}) starts at or after the run's last step ({total_steps - 1}): "
+                    "nothing after it would be trained; give a range inside the run or more steps"
+                )

@@ -13,6 +13,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_d9d.datamodules.pretraining_mixture import Sources, mixture_report, source_stats
+from lightning_d9d.streaming.edits import DataEdits
 from lightning_d9d.streaming.loader import StreamPosition
 from lightning_d9d.streaming.packing import StreamCounters
 from lightning_d9d.streaming.spec import MixtureSpec
@@ -25,6 +26,8 @@ class PretrainingReports:
     train_spec: MixtureSpec | None
     source_pass_rows: dict[str, float]
     position: StreamPosition
+    edits: DataEdits
+    steps_per_epoch: int | None
     token_cache: str | None
     _cache_said = False
 
@@ -50,6 +53,11 @@ class PretrainingReports:
         if not self.sources.mixture:
             return []
         return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
+
+    def edits_report(self) -> list[str]:
+        """``inspect``'s lines for the data edits recorded or asked (skips, exclusions)."""
+        lines = self.edits.describe()
+        return ["data edits:", *(f"  {line}" for line in lines)] if lines else []
 
     def shape_report(self, run_steps: int, dp_size: int) -> list[str]:
         """``inspect``'s lines for shapes in phases (none for one shape): each phase's steps, global batch, microbatches
@@ -116,6 +124,9 @@ class PretrainingReports:
             "data/fill": stats["emitted"] / positions if positions else 1.0,
             "data/cropped": stats["cropped"] / stats["tokens"] if stats["tokens"] else 0.0,
         }
+        if self.edits.skips:  # how far the data runs ahead of the step: every step skipped so far
+            step = self.position.epoch * self.steps_per_epoch + self.position.step
+            metrics["data/skipped_steps"] = float(self.edits.data_step(step) - step)
         names = self.source_names
         rows = sum(rows_by_source.values())
         if len(names) > 1 and rows:

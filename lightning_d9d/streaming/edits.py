@@ -18,7 +18,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from lightning_d9d.digest import digest
+from lightning_d9d.streaming.storage import redact
 
 
 @dataclass(frozen=True, order=True)
@@ -179,3 +182,34 @@ def is_skipped(data_step: int, ranges: Sequence[tuple[int, int]]) -> bool:
     """Whether ``data_step`` lies in one of the ascending ``[start, stop)`` ``ranges``."""
     i = bisect.bisect_right(ranges, (data_step, float("inf"))) - 1
     return i >= 0 and ranges[i][0] <= data_step < ranges[i][1]
+
+
+def resolve_reference(names: Sequence[str], indexes: Sequence[Any], ref: DocumentRef) -> tuple[int, int, int]:
+    """``(source, global row group, row)`` of a reference to one of ``names``' documents (``indexes``: each source's
+    ``RowGroupIndex``); the file may be named by its resolved path or its label.
+
+    Raises:
+        ValueError: an unknown source, a file the source does not hold, or a row group or row out of range.
+    """
+    if ref.source not in names:
+        raise ValueError(f"document reference {ref.to_list()}: no source {ref.source!r} (the sources: {list(names)})")
+    source = list(names).index(ref.source)
+    index = indexes[source]
+    paths = [redact(path) for path in index.files]
+    labels = index.file_labels()
+    matches = [i for i, (path, label) in enumerate(zip(paths, labels)) if ref.file in (path, label, index.files[i])]
+    if not matches:
+        shown = labels[:5] + (["..."] if len(labels) > 5 else [])
+        raise ValueError(f"document reference {ref.to_list()}: source {ref.source!r} holds no file {ref.file!r} (its "
+                         f"files, by label: {shown})")  # fmt: skip
+    file = matches[0]
+    groups = np.flatnonzero(index.file_of == file)
+    if not 0 <= ref.row_group < len(groups):
+        raise ValueError(f"document reference {ref.to_list()}: {ref.file!r} has {len(groups)} row groups "
+                         f"(0..{len(groups) - 1})")  # fmt: skip
+    group = int(groups[ref.row_group])
+    rows = int(index.num_rows[group])
+    if not 0 <= ref.row < rows:
+        raise ValueError(f"document reference {ref.to_list()}: row group {ref.row_group} of {ref.file!r} has "
+                         f"{rows} rows (0..{rows - 1})")  # fmt: skip
+    return source, group, ref.row

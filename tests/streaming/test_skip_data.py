@@ -128,3 +128,18 @@ def test_edits_round_trip_and_name_their_lineage() -> None:
     assert edits.excluded(11) == frozenset() and edits.excluded(12) == {ref}
     with pytest.raises(ValueError, match=r"exclude_documents\[0\] = \['web', 'a.parquet', -1, 7\] is not a document"):
         DocumentRef.of(["web", "a.parquet", -1, 7])
+
+
+def test_a_skip_past_the_runs_end_is_refused_at_fit_start(corpus: Path, tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from support import RecordingModule
+
+    dm = PretrainingDataModule(
+        train_files=str(corpus / "train"), tokenizer=str(corpus / "tokenizer.json"), seq_len=16,
+        global_batch_size=8, microbatch_size=4, num_streams=4, steps_per_epoch=10, num_workers=0,
+        skip_data=[[6, 9]], provenance_dir=str(tmp_path / "ledger"),
+    )  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match=r"skip_data range \[6, 9\) starts at or after the run's last step \(5\)"):
+        trainer.fit(RecordingModule(str(tmp_path / "records")), datamodule=dm)
