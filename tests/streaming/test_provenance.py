@@ -1,0 +1,179 @@
+"""Provenance: the pieces ``dm.provenance(step)`` names, re-tokenized from their documents and placed at their
+columns, rebuild the step's rows bit for bit — every packing, a mixture, a CP layout, with and without the token
+cache, on 1 and 2 ranks, after a resume and an elastic resume, answered from the ledger's records. Excluded
+documents never come back."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support import RankDataModule, make_docs, train_tokenizer, write_parquet
+
+from lightning_d9d import PretrainingDataModule
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("provenance")
+    docs = make_docs(400, seed=9, max_words=30, long_every=7, long_words=120)
+    write_parquet(root / "train", docs, files=2, row_group_size=25)
+    train_tokenizer(docs, root / "tokenizer.json")
+    return root
+
+
+def datamodule(corpus: Path, packing: str, world: int = 1, rank: int = 0, **changes) -> PretrainingDataModule:
+    options = dict(
+        train_files=str(corpus / "train"), tokenizer=str(corpus / "tokenizer.json"), seq_len=[[0, 16], [5, 32]],
+        global_batch_size=[[0, 8], [3, 16]], microbatch_size=2, num_streams=4, steps_per_epoch=STEPS, num_workers=0,
+        bestfit_buffer_size=12, packing=packing, tokenizer_batch_size=8,
+    )  # fmt: skip
+    options.update(changes)
+    dm = RankDataModule(**options, world=world, rank=rank)
+    dm.setup("fit")
+    return dm
+
+
+def trained_rows(dms: list[PretrainingDataModule], start: int, stop: int) -> dict[int, np.ndarray]:
+    """Per step, the inputs of the global batch in rank order (rank 0's microbatches, then rank 1's, ...)."""
+    per_rank = []
+    for dm in dms:
+        batches, steps = iter(dm.train_dataloader()), {}
+        for step in range(start, stop):
+            parts = [next(batches).input_ids.numpy() for _ in range(dm.microbatches_at(step))]
+            steps[step] = np.concatenate(parts)
+        per_rank.append(steps)
+        dm.close_loaders()
+    return {step: np.concatenate([steps[step] for steps in per_rank]) for step in range(start, stop)}
+
+
+def rebuilt_rows(dm: PretrainingDataModule, steps: range) -> dict[int, np.ndarray]:
+    """The inputs of each step rebuilt from its provenance alone: every named span re-tokenized and placed."""
+    pad = dm.train_spec.sources[0].pad_id
+    out, documents = {}, {}
+    pieces = dm.provenance(steps)
+    for step in steps:
+        rows = np.full((dm.global_batch_size_at(step), dm.seq_len_at(step) + 1), pad, np.int64)
+        for piece in (p for p in pieces if p.step == step):
+            key = (piece.source, piece.file, piece.row_group, piece.document_row)
+            if key not in documents:
+                documents[key] = dm.document(piece)["tokens"]
+            rows[piece.batch_row, piece.column : piece.column + piece.length] = documents[key][piece.start : piece.stop]
+        out[step] = rows[:, :-1]
+    return out
+
+
+def assert_rebuilt(got: dict[int, np.ndarray], want: dict[int, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for step in want:
+        np.testing.assert_array_equal(got[step], want[step], err_msg=f"step {step}")
+
+
+CASES = {
+    "concat": {"packing": "concat"},
+    "bestfit": {"packing": "bestfit"},
+    "bestfit_split": {"packing": "bestfit_split"},
+    "context_parallel": {"packing": "bestfit_split", "context_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_pieces_rebuild_every_row_exactly_on_one_and_two_ranks(corpus: Path, case: str) -> None:
+    options = CASES[case]
+    want = trained_rows([datamodule(corpus, **options)], 0, STEPS)
+    dm = datamodule(corpus, **options)
+    assert_rebuilt(rebuilt_rows(dm, range(STEPS)), want)
+    two = trained_rows([datamodule(corpus, world=2, rank=r, **options) for r in range(2)], 0, STEPS)
+    assert_rebuilt(two, want)  # the global rows do not depend on the layout, nor does batch_row
+
+
+def test_a_mixture_names_each_rows_source(corpus: Path) -> None:
+    mixture = {"train_files": {"a": str(corpus / "train" / "part-000.parquet"),
+                               "b": str(corpus / "train" / "part-001.parquet")},
+               "weights": [[0, {"a": 3, "b": 1}], [4, {"a": 1, "b": 3}]]}  # fmt: skip
+    want = trained_rows([datamodule(corpus, "bestfit_split", **mixture)], 0, STEPS)
+    dm = datamodule(corpus, "bestfit_split", **mixture)
+    assert_rebuilt(rebuilt_rows(dm, range(STEPS)), want)
+    sources = {piece.source for piece in dm.provenance(range(STEPS))}
+    assert sources == {"a", "b"}
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit_split"])
+def test_the_ledger_answers_a_step_by_a_short_replay_with_the_cache_and_after_an_elastic_resume(
+    corpus: Path, tmp_path: Path, packing: str
+) -> None:
+    options = {"packing": packing, "token_cache": str(tmp_path / "cache"), "provenance_dir": str(tmp_path / "ledger"),
+               "provenance_every": 3}  # fmt: skip
+    first = datamodule(corpus, **options)
+    batches = iter(first.train_dataloader())
+    for _ in range(first.step_layout(0).before(4)):
+        next(batches)
+    state = first.state_dict()
+    first.close_loaders()
+    # A resume on two ranks from step 4: the ledger gets records at the resume and every 3 steps.
+    resumed = [datamodule(corpus, world=2, rank=r, **options) for r in range(2)]
+    for dm in resumed:
+        dm.load_state_dict(state)
+    want = trained_rows(resumed, 4, STEPS)
+    records = sorted(int(path.name) for path in (tmp_path / "ledger").iterdir())
+    assert records == [0, 3, 4, 6, 9], records
+    asker = datamodule(corpus, **options)
+    starts = asker._replay_starts(8, asker.train_spec)
+    assert {first for first, _ in starts.values()} == {6}, "every stream replays from the record at step 6"
+    assert_rebuilt(rebuilt_rows(asker, range(4, STEPS)), want)
+
+
+def test_excluded_documents_never_come_back_and_only_their_streams_change(corpus: Path, tmp_path: Path) -> None:
+    dm = datamodule(corpus, "bestfit_split")
+    full = trained_rows([dm], 0, STEPS)
+    pieces = datamodule(corpus, "bestfit_split").provenance(range(2, 6))
+    # Exclude the documents of one stream's rows of step 4 (stream 0: rows 0..3 of G=16).
+    chosen = sorted({(p.source, p.file, p.row_group, p.document_row) for p in pieces if p.step == 4 and p.batch_row < 4})
+    refs = tmp_path / "exclude.jsonl"
+    refs.write_text("".join(json.dumps(list(ref)) + "\n" for ref in chosen))
+    first = datamodule(corpus, "bestfit_split")
+    batches = iter(first.train_dataloader())
+    for _ in range(first.step_layout(0).before(2)):
+        next(batches)
+    state = first.state_dict()
+    first.close_loaders()
+    resumed = datamodule(corpus, "bestfit_split", exclude_documents=str(refs))
+    resumed.load_state_dict(state)
+    after = trained_rows([resumed], 2, STEPS)
+    seen = {(p.source, p.file, p.row_group, p.document_row) for p in resumed.provenance(range(2, STEPS))}
+    assert not seen & set(chosen), "an excluded document is trained again"
+    assert resumed.stream_stats()["excluded"] >= len(chosen) - 1
+    rows_per_stream = {step: len(full[step]) // 4 for step in full}
+    for step in range(2, STEPS):  # streams 1..3 held none of them: their rows are the uninterrupted run's
+        r = rows_per_stream[step]
+        np.testing.assert_array_equal(after[step][r:], full[step][r:], err_msg=f"step {step}")
+    assert any(not np.array_equal(after[s][: rows_per_stream[s]], full[s][: rows_per_stream[s]]) for s in range(4, 8))
+
+
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        (["nope", "part-000.parquet", 0, 0], r"no source 'nope' \(the sources: \['train'\]\)"),
+        (["train", "part-009.parquet", 0, 0], r"source 'train' holds no file 'part-009.parquet'"),
+        (["train", "part-000.parquet", 99, 0], r"'part-000.parquet' has 8 row groups \(0..7\)"),
+        (["train", "part-000.parquet", 0, 999], r"row group 0 of 'part-000.parquet' has 25 rows \(0..24\)"),
+        (["train", "part-000.parquet", -1, 0], r"exclude_documents\[0\] = .* is not a document reference"),
+    ],
+)
+def test_a_bad_reference_is_one_clear_error(corpus: Path, reference: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        datamodule(corpus, "concat", exclude_documents=[reference])
+
+
+def test_provenance_of_a_negative_step_or_a_replay_too_long_is_refused(corpus: Path) -> None:
+    dm = datamodule(corpus, "concat")
+    with pytest.raises(ValueError, match="give global optimizer steps >= 0"):
+        dm.provenance(-1)
+    with pytest.raises(ValueError, match=r"would replay 7 steps \(more than max_replay=5\)"):
+        dm.provenance(7, max_replay=5)
+    assert list(itertools.islice(dm.provenance(0), 1))[0].start == 0
