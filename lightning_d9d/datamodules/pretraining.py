@@ -39,7 +39,7 @@ from lightning_d9d.streaming.loader import (
 from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
 from lightning_d9d.streaming.packing import RowBlock
 from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
-from lightning_d9d.streaming.step_tensors import microbatch_tensors, source_tensor
+from lightning_d9d.streaming.step_tensors import microbatch_tensors
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.topology import DataParallelSetting
 
@@ -77,7 +77,7 @@ class PretrainingBatch:
 def make_batch(rows: RowBlock, spec: MixtureSpec, pin: bool, source: int | None = None) -> PretrainingBatch:
     """The ``PretrainingBatch`` of a microbatch's rows; ``source``, where given, labels every row."""
     built = microbatch_tensors(rows, spec.bos_id, spec.sources[0].settings.context_parallel_size)
-    sources = source_tensor(rows) if source is None else torch.full((len(rows),), source, dtype=torch.int64)
+    sources = built.sources if source is None else torch.full((len(rows),), source, dtype=torch.int64)
     batch = PretrainingBatch(built.input_ids, built.targets, built.position_ids, sources, built.cu_seqlens,
                              built.cu_seqlens_padded, built.max_seqlen)  # fmt: skip
     return pin_batch(batch) if pin else batch

@@ -40,7 +40,7 @@ from lightning_d9d.streaming.memory import IN_PROCESS_CHUNK_CHARS, WORKER_CHUNK_
 from lightning_d9d.streaming.mixture_stream import MixtureState, mixture_streams
 from lightning_d9d.streaming.packing import RowBlock
 from lightning_d9d.streaming.spec import MixtureSpec
-from lightning_d9d.streaming.step_tensors import StepRows
+from lightning_d9d.streaming.step_tensors import StepBlock
 from lightning_d9d.streaming.stream import StreamState
 
 StreamStates = dict[int, MixtureState]
@@ -343,7 +343,7 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
             sid, block, state = next(blocks)
             parts.append(block)
             states[sid] = state
-        yield StepRows(RowBlock.joined(parts)), states
+        yield StepBlock(RowBlock.joined(parts)), states
 
 
 @dataclass

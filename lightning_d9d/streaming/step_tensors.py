@@ -34,11 +34,12 @@ def _flat_offsets(size: int) -> np.ndarray:
 
 @dataclass
 class MicrobatchTensors:
-    """What a microbatch of rows trains on (``PretrainingBatch``'s fields but the sources)."""
+    """What a microbatch of rows trains on: ``PretrainingBatch``'s fields (``sources`` ``None`` for rows without)."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor
+    sources: torch.Tensor | None
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
     max_seqlen: int
@@ -57,8 +58,7 @@ class StepTensors:
     def __init__(self, rows: RowBlock, bos_id: int, context_parallel_size: int = 1):
         tokens, flags = rows.tokens, rows.flags
         count, capacity = tokens.shape
-        width = capacity - 1
-        self.width = width
+        width = self.width = capacity - 1
         inputs, targets = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
         if flags is None:
             starts = tokens[:, :-1] == bos_id
@@ -75,12 +75,12 @@ class StepTensors:
         positions = np.subtract(_flat_offsets(size), last_start, out=last_start).reshape(count, width)
         self.input_ids, self.targets = torch.from_numpy(inputs), torch.from_numpy(targets)
         self.position_ids = torch.from_numpy(positions)
+        self.sources = None if rows.sources is None else torch.from_numpy(np.asarray(rows.sources, np.int64))
         # bounds[row_first[r]] is row r's first token: every row start is a sequence start.
-        self.row_first = np.searchsorted(at, np.arange(0, size + 1, width))
-        self.row_longest = np.maximum.reduceat(lengths, self.row_first[:-1]).tolist() if count else []
-        self.row_first = self.row_first.tolist()
-        self.padded = bounds
-        self.real = bounds  # the offsets less the CP padding before them
+        row_first = np.searchsorted(at, np.arange(0, size + 1, width))
+        self.row_longest = np.maximum.reduceat(lengths, row_first[:-1]).tolist() if count else []
+        self.row_first = row_first.tolist()
+        self.padded = self.real = bounds  # real: the offsets less the CP padding before them
         self.whole_rows = context_parallel_size > 1 and flags is None  # concat under CP: a row is one sequence
         if context_parallel_size > 1 and flags is not None:
             pads_before = np.zeros(size + 1, np.int64)
@@ -89,31 +89,30 @@ class StepTensors:
 
     def microbatch(self, start: int, stop: int) -> MicrobatchTensors:
         """Rows ``[start, stop)`` of the step: views of its tensors, and their own sequence bounds."""
-        inputs, targets, positions = self.input_ids[start:stop], self.targets[start:stop], self.position_ids[start:stop]
+        sources = None if self.sources is None else self.sources[start:stop]
+        parts = self.input_ids[start:stop], self.targets[start:stop], self.position_ids[start:stop], sources
         if self.whole_rows:
             padded = torch.arange(0, (stop - start) * self.width + 1, self.width, dtype=torch.int32)
-            longest = self.width if stop > start else 0
-            return MicrobatchTensors(inputs, targets, positions, padded, padded.clone(), longest)
+            return MicrobatchTensors(*parts, padded, padded.clone(), self.width if stop > start else 0)
         first, last = self.row_first[start], self.row_first[stop]
         padded = self.padded[first : last + 1]
-        cu_padded = torch.from_numpy((padded - padded[0]).astype(np.int32))
+        cu_padded = (padded - padded[0]).astype(np.int32)
         if self.real is self.padded:
-            cu_seqlens = cu_padded.clone()
+            cu_seqlens = cu_padded.copy()
         else:
             real = self.real[first : last + 1]
-            cu_seqlens = torch.from_numpy((real - real[0]).astype(np.int32))
+            cu_seqlens = (real - real[0]).astype(np.int32)
         longest = max(self.row_longest[start:stop]) if stop > start else 0
-        return MicrobatchTensors(inputs, targets, positions, cu_seqlens, cu_padded, longest)
+        return MicrobatchTensors(*parts, torch.from_numpy(cu_seqlens), torch.from_numpy(cu_padded), longest)
 
 
-class StepRows(RowBlock):
+class StepBlock(RowBlock):
     """A step's rows whose tensors are built once for all its microbatches: :meth:`rows` gives a
     :class:`StepSlice`, which :func:`microbatch_tensors` serves from the step's :class:`StepTensors`."""
 
     def __init__(self, block: RowBlock):
         super().__init__(block.tokens, block.flags, block.sources)
         self._built: tuple[tuple[int, int], StepTensors] | None = None
-        self._sources: torch.Tensor | None = None
 
     def rows(self, start: int, stop: int) -> StepSlice:
         return StepSlice(self, start, stop)
@@ -124,16 +123,11 @@ class StepRows(RowBlock):
             self._built = (key, StepTensors(self, bos_id, context_parallel_size))
         return self._built[1]
 
-    def source_tensor(self) -> torch.Tensor:
-        if self._sources is None:
-            self._sources = torch.from_numpy(np.asarray(self.sources, np.int64))
-        return self._sources
-
 
 class StepSlice(RowBlock):
-    """Rows ``[start, stop)`` of a :class:`StepRows` (a microbatch), whose tensors are views of the step's."""
+    """Rows ``[start, stop)`` of a :class:`StepBlock` (a microbatch), whose tensors are views of the step's."""
 
-    def __init__(self, step: StepRows, start: int, stop: int):
+    def __init__(self, step: StepBlock, start: int, stop: int):
         flags = None if step.flags is None else step.flags[start:stop]
         sources = None if step.sources is None else step.sources[start:stop]
         super().__init__(step.tokens[start:stop], flags, sources)
@@ -145,10 +139,3 @@ def microbatch_tensors(rows: RowBlock, bos_id: int, context_parallel_size: int) 
     if isinstance(rows, StepSlice):
         return rows.step.tensors(bos_id, context_parallel_size).microbatch(rows.start, rows.stop)
     return StepTensors(rows, bos_id, context_parallel_size).microbatch(0, len(rows))
-
-
-def source_tensor(rows: RowBlock) -> torch.Tensor:
-    """Each row's source as an int64 tensor (a view of its step's for a :class:`StepSlice`)."""
-    if isinstance(rows, StepSlice):
-        return rows.step.source_tensor()[rows.start : rows.stop]
-    return torch.from_numpy(np.asarray(rows.sources, np.int64))

@@ -24,7 +24,7 @@ from lightning_d9d.streaming.packing import (
     flagged_tensors,
     sequence_bounds,
 )
-from lightning_d9d.streaming.step_tensors import StepRows, StepTensors, microbatch_tensors, source_tensor
+from lightning_d9d.streaming.step_tensors import StepBlock, StepTensors, microbatch_tensors
 from lightning_d9d.tokens import IGNORE_INDEX
 
 BOS, PAD = 1, 0
@@ -89,19 +89,22 @@ def assert_matches(got, expected: Expected) -> None:
 
 
 def check_every_microbatch(block: RowBlock, microbatch: int, cp: int) -> None:
-    """Each microbatch of the step, cut from the step's tensors, equals the walk over its own rows; so does the
-    microbatch built on its own, and (without CP) the per-microbatch functions."""
-    step = StepRows(block)
-    for start in range(0, len(block), microbatch):
-        stop = min(start + microbatch, len(block))
+    """Each microbatch of the step (and a run of rows across microbatches), cut from the step's tensors, equals the
+    walk over its own rows; so do the rows built on their own, and the per-microbatch functions."""
+    step = StepBlock(block)
+    aligned = [(start, min(start + microbatch, len(block))) for start in range(0, len(block), microbatch)]
+    unaligned = [(start + 1, stop) for start, stop in aligned if stop - start > 2]  # cut apart, not split off
+    for start, stop in aligned + unaligned:
         part = step.rows(start, stop)
         expected = reference(block.tokens[start:stop], None if block.flags is None else block.flags[start:stop],
                              BOS, cp)  # fmt: skip
-        assert_matches(microbatch_tensors(part, BOS, cp), expected)
         alone = RowBlock(part.tokens.copy(), None if part.flags is None else part.flags.copy(), part.sources)
-        assert_matches(microbatch_tensors(alone, BOS, cp), expected)
-        if block.sources is not None:
-            assert source_tensor(part).tolist() == block.sources[start:stop].tolist()
+        for got in (microbatch_tensors(part, BOS, cp), microbatch_tensors(alone, BOS, cp)):
+            assert_matches(got, expected)
+            if block.sources is None:
+                assert got.sources is None
+            else:
+                assert got.sources.dtype == torch.int64 and got.sources.tolist() == block.sources[start:stop].tolist()
         if block.flags is None:
             inputs, targets, positions = bos_tensors(part.tokens, BOS)
         else:
@@ -185,7 +188,7 @@ def test_every_packings_rows_match_the_walk(packing: str, cp: int) -> None:
 
 
 def test_a_steps_tensors_are_built_once_and_its_microbatches_share_no_rows() -> None:
-    step = StepRows(packed("bestfit_split", 1, 0))
+    step = StepBlock(packed("bestfit_split", 1, 0))
     first, second = microbatch_tensors(step.rows(0, 8), BOS, 1), microbatch_tensors(step.rows(8, 16), BOS, 1)
     assert step.tensors(BOS, 1) is step.tensors(BOS, 1)
     first.input_ids.fill_(-1)  # a microbatch's tensors are its own rows only
