@@ -34,6 +34,7 @@ from lightning_d9d.streaming.packing import (
     StreamCounters,
     bos_tensors,
     flagged_tensors,
+    kept_rows,
     prefix_hash,
     read_kind,
 )
@@ -110,11 +111,11 @@ class _PieceBuffer:
             found[found] = previous[at[found], 0] == gone[found]
             kept = np.ones(len(previous), bool)
             kept[at[found]] = False
-            if len(added):
+            if len(added) and not found.all():  # pieces pushed and popped since: not in the buffer
                 added = added[~np.isin(added[:, 0], gone[~found])]
         else:
             kept = np.ones(len(previous), bool)
-        return np.concatenate([previous[kept], added]), kept, added
+        return kept_rows(previous, kept, added), kept, added
 
     def snapshot(self) -> np.ndarray:
         """The rows of the buffered pieces, sorted by insertion number."""

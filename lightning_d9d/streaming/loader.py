@@ -38,7 +38,7 @@ from lightning_d9d.resume import TrainPosition
 from lightning_d9d.streaming.bestfit import BestFitState
 from lightning_d9d.streaming.memory import IN_PROCESS_CHUNK_CHARS, WORKER_CHUNK_CHARS
 from lightning_d9d.streaming.mixture_stream import MixtureState, mixture_streams
-from lightning_d9d.streaming.packing import RowBlock
+from lightning_d9d.streaming.packing import RowBlock, kept_rows
 from lightning_d9d.streaming.spec import MixtureSpec
 from lightning_d9d.streaming.step_tensors import StepBlock
 from lightning_d9d.streaming.stream import StreamState
@@ -251,8 +251,7 @@ class WireFormat:
         if previous is None or not len(previous):
             buffer = added
         else:
-            kept = np.unpackbits(bits, count=len(previous)).view(bool)
-            buffer = np.concatenate([previous[kept], added])
+            buffer = kept_rows(previous, np.unpackbits(bits, count=len(previous)).view(bool), added)
         self.sent[key] = buffer
         return buffer
 

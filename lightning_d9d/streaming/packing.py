@@ -240,6 +240,19 @@ def sequence_bounds(
     return torch.from_numpy((offsets - pads_before[offsets]).astype(np.int32)), padded, longest
 
 
+def kept_rows(table: np.ndarray, keep: np.ndarray, added: np.ndarray) -> np.ndarray:
+    """``table``'s rows where ``keep`` is set, then ``added``'s rows (2-D tables of one dtype and width).
+
+    Each row is selected as one fixed-size item, which numpy copies several times faster than the rows of a 2-D
+    array under a boolean mask (a best-fit buffer is rebuilt this way for every block).
+    """
+    width = table.shape[1]
+    row = np.dtype((np.void, width * table.itemsize))
+    table, added = np.ascontiguousarray(table), np.ascontiguousarray(added, table.dtype)
+    joined = np.concatenate([table.view(row).reshape(-1)[keep], added.view(row).reshape(-1)])
+    return joined.view(table.dtype).reshape(-1, width)
+
+
 def prefix_hash(tokens: np.ndarray) -> int:
     """A 32-bit checksum of a token prefix, to verify a prefix rebuilt on resume."""
     return zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32))  # crc32 reads the buffer itself, no copy
