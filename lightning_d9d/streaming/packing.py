@@ -132,6 +132,8 @@ class RowBlock:
 
     @classmethod
     def joined(cls, blocks: list[RowBlock]) -> RowBlock:
+        if len(blocks) == 1:  # a block's arrays are never written after it is made: share them, copy nothing
+            return cls(blocks[0].tokens, blocks[0].flags, blocks[0].sources)
         flags = None if blocks[0].flags is None else np.concatenate([block.flags for block in blocks])
         sources = None if blocks[0].sources is None else np.concatenate([block.sources for block in blocks])
         return cls(np.concatenate([block.tokens for block in blocks]), flags, sources)
