@@ -21,9 +21,11 @@ Configurations, each in a process of its own, started once and frozen (``SIGSTOP
 Timing: ``--rounds`` rounds; in each, every configuration runs one window of ``--seconds`` (whole steps or batches),
 in one order in even rounds and the reverse in odd ones. Every loader counts rows × seq_len tokens. Each figure is
 a ratio of two configurations' rates in the same round; its min / median / max over the rounds is printed.
-Targets: cached concat with workers >= 1.0x litdata in-process (where installed) and >= 10 % of the bare copy loop
-in as many processes; cached bestfit_split >= 0.8x cached concat (both with workers); with ``--old-tree``, the
-tokenizing pass >= 0.95x the old checkout's. Rows: with workers and in-process, the first steps are identical.
+Targets: cached concat in the training process (``num_workers=0``) >= 1.0x litdata in-process (where installed);
+cached concat >= 10 % of the bare copy loop with as many processes (in-process against one, ``--workers`` workers
+against as many); cached bestfit_split >= 0.8x cached concat (with workers); with ``--old-tree``, the tokenizing pass
+>= 0.95x the old checkout's. Rows: the first steps are identical with workers and in-process (and, with
+``--old-tree``, in both checkouts).
 """
 
 from __future__ import annotations
@@ -351,12 +353,12 @@ def ratios(rates: dict[str, list[float]], a: str, b: str) -> tuple[float, float,
     return spread([x / y for x, y in zip(rates[a], rates[b])])
 
 
-RATIOS = (
-    ("concat_w", "litdata_ip", PEER_TARGET), ("concat_w", "memmap_w", LIMIT_TARGET),
-    ("split_w", "concat_w", SPLIT_TARGET),
-    ("concat_ip", "litdata_ip", None), ("concat_ip", "memmap_1", None), ("split_ip", "concat_ip", None),
-    ("concat_w", "litdata_w", None), ("concat_w", "mosaic_ip", None), ("concat_w", "mosaic_w", None),
-    ("litdata_ip", "memmap_1", None), ("concat_w", "old_concat_w", None), ("split_w", "old_split_w", None),
+RATIOS = (  # (a, b, target of a's rate / b's in the same round, or None: printed only)
+    ("concat_ip", "litdata_ip", PEER_TARGET), ("concat_ip", "memmap_1", LIMIT_TARGET),
+    ("concat_w", "memmap_w", LIMIT_TARGET), ("split_w", "concat_w", SPLIT_TARGET),
+    ("split_ip", "concat_ip", None), ("concat_w", "litdata_ip", None), ("concat_w", "litdata_w", None),
+    ("concat_ip", "mosaic_ip", None), ("concat_w", "mosaic_w", None), ("litdata_ip", "memmap_1", None),
+    ("concat_w", "old_concat_w", None), ("split_w", "old_split_w", None),
     ("tok_concat_w", "old_tok_concat_w", TOKENIZING_TARGET),
 )  # fmt: skip
 
