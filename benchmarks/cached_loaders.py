@@ -284,6 +284,7 @@ LABELS = {
     "mosaic_ip": "mosaic, in-process", "mosaic_w": "mosaic, {w} workers",
     "tok_concat_w": "concat tokenizing, {w} workers", "old_tok_concat_w": "old: concat tokenizing, {w} workers",
     "old_concat_w": "old: concat, {w} workers", "old_split_w": "old: bestfit_split, {w} workers",
+    "old_concat_ip": "old: concat, in-process",
 }  # fmt: skip
 
 
@@ -306,9 +307,12 @@ def configurations(args: argparse.Namespace, data: dict) -> dict[str, tuple]:
             configs[key] = (PeerRun, cfg, None)
     if args.old_tree:
         configs["tok_concat_w"] = (OursRun, {**ours, "packing": "concat", "workers": w, "cache": None}, None)
-        for key, packing, key_cache in (("old_concat_w", "concat", cache), ("old_split_w", "bestfit_split", cache),
-                                        ("old_tok_concat_w", "concat", None)):  # fmt: skip
-            configs[key] = (OursRun, {**ours, "packing": packing, "workers": w, "cache": key_cache}, args.old_tree)
+        for key, packing, workers, key_cache in (
+            ("old_concat_w", "concat", w, cache), ("old_split_w", "bestfit_split", w, cache),
+            ("old_concat_ip", "concat", 0, cache), ("old_tok_concat_w", "concat", w, None),
+        ):  # fmt: skip
+            cfg = {**ours, "packing": packing, "workers": workers, "cache": key_cache}
+            configs[key] = (OursRun, cfg, args.old_tree)
     return configs
 
 
@@ -358,8 +362,15 @@ RATIOS = (  # (a, b, target of a's rate / b's in the same round, or None: printe
     ("concat_w", "memmap_w", LIMIT_TARGET), ("split_w", "concat_w", SPLIT_TARGET),
     ("split_ip", "concat_ip", None), ("concat_w", "litdata_ip", None), ("concat_w", "litdata_w", None),
     ("concat_ip", "mosaic_ip", None), ("concat_w", "mosaic_w", None), ("litdata_ip", "memmap_1", None),
-    ("concat_w", "old_concat_w", None), ("split_w", "old_split_w", None),
+    ("concat_ip", "old_concat_ip", None), ("old_concat_ip", "litdata_ip", None), ("concat_w", "old_concat_w", None),
+    ("split_w", "old_split_w", None), ("old_split_w", "old_concat_w", None),
     ("tok_concat_w", "old_tok_concat_w", TOKENIZING_TARGET),
+)  # fmt: skip
+
+
+SAME_ROWS = (  # configurations whose first steps' batches must be identical
+    ("concat_w", "concat_ip"), ("split_w", "split_ip"), ("concat_w", "old_concat_w"), ("concat_ip", "old_concat_ip"),
+    ("split_w", "old_split_w"), ("tok_concat_w", "old_tok_concat_w"),
 )  # fmt: skip
 
 
@@ -381,8 +392,7 @@ def report(rates: dict, infos: dict, workers: int) -> list[tuple[bool, str]]:
         if target is not None:
             verdicts.append((figure[1] >= target, f"{text}: median {figure[1]:.3f}, min {figure[0]:.3f}, max "
                              f"{figure[2]:.3f} (target >= {target})"))  # fmt: skip
-    for a, b in (("concat_w", "concat_ip"), ("split_w", "split_ip"), ("concat_w", "old_concat_w"),
-                 ("split_w", "old_split_w"), ("tok_concat_w", "old_tok_concat_w")):  # fmt: skip
+    for a, b in SAME_ROWS:
         if a in infos and b in infos:
             same = infos[a]["digest"] == infos[b]["digest"]
             verdicts.append((same, f"the first {DIGEST_STEPS} steps' batches of {label[a]} and {label[b]} "
