@@ -1,9 +1,10 @@
 """Cached loaders: PretrainingDataModule with a filled token cache against the memory system's limit and its peers.
 
-Run: ``python benchmarks/cached_loaders.py`` (about 8 minutes on 2 cores; ``--quick`` for a smoke test: a tiny
-corpus, every configuration in this process, figures meaningless). Nothing is downloaded: the corpus is the stdlib
-text that ``benchmarks/streaming.py`` uses (help topics, then source files), one parquet file, a byte-level BPE
-trained on it, and a token cache filled by two passes of ``concat`` before anything is timed.
+Run: ``python benchmarks/cached_loaders.py`` (about 8 minutes on 2 cores, 15 with both peers and ``--old-tree``;
+``--quick`` for a smoke test: a tiny corpus, every configuration in this process, figures meaningless). Nothing is
+downloaded: the corpus is the stdlib text that ``benchmarks/streaming.py`` uses (help topics, then source files),
+one parquet file, a byte-level BPE trained on it, and a token cache filled by two passes of ``concat`` before
+anything is timed. Method and figures: ``docs/benchmarks_streaming.md`` (*Cached loaders*).
 
 Configurations, each in a process of its own, started once and frozen (``SIGSTOP``) outside its own windows:
 
@@ -14,18 +15,19 @@ Configurations, each in a process of its own, started once and frozen (``SIGSTOP
 * optional peers, where importable (they pull torchvision, so they are no dependency of this package): litdata
   (``StreamingDataset`` + ``TokensLoader`` over the same rows written by ``optimize``) and mosaicml-streaming
   (``StreamingDataset`` over the same rows written as MDS), batches of ``m`` rows converted to int64, in-process and
-  with ``--workers`` workers; one that is not importable or does not start is skipped with a note;
-* with ``--old-tree DIR``, another checkout's DataModule (cached ``concat`` and ``bestfit_split`` and the tokenizing
-  ``concat`` pass, with workers) beside this one's tokenizing pass: the regression check.
+  with ``--workers`` workers; one that is not installed, or cannot run here, is skipped with a note;
+* with ``--old-tree DIR``, another checkout's DataModule (cached ``concat`` with workers and in-process, cached
+  ``bestfit_split`` and the tokenizing ``concat`` pass with workers) beside this one's: the regression check.
 
-Timing: ``--rounds`` rounds; in each, every configuration runs one window of ``--seconds`` (whole steps or batches),
-in one order in even rounds and the reverse in odd ones. Every loader counts rows × seq_len tokens. Each figure is
-a ratio of two configurations' rates in the same round; its min / median / max over the rounds is printed.
-Targets: cached concat in the training process (``num_workers=0``) >= 1.0x litdata in-process (where installed);
-cached concat >= 10 % of the bare copy loop with as many processes (in-process against one, ``--workers`` workers
-against as many); cached bestfit_split >= 0.8x cached concat (with workers); with ``--old-tree``, the tokenizing pass
->= 0.95x the old checkout's. Rows: the first steps are identical with workers and in-process (and, with
-``--old-tree``, in both checkouts).
+Timing: ``--rounds`` rounds; in each, every configuration runs one window of ``--seconds`` (whole steps or batches;
+a tokenizing pass's windows last ``--tokenizing-seconds``: it makes a few steps a second), in one order in even
+rounds and the reverse in odd ones. Every loader counts rows × seq_len tokens. Each figure is a ratio of two
+configurations' rates in the same round; its min / median / max over the rounds is printed. Targets: cached concat
+in the training process (``num_workers=0``) >= 1.0x litdata in-process (where installed); cached concat >= 10 % of
+the bare copy loop with as many processes (in-process against one, ``--workers`` workers against as many); cached
+bestfit_split >= 0.8x cached concat (with workers); with ``--old-tree``, the tokenizing pass >= 0.95x the old
+checkout's. Rows: the first steps are identical with workers and in-process (and, with ``--old-tree``, in both
+checkouts).
 """
 
 from __future__ import annotations
@@ -333,13 +335,13 @@ def start_all(configs: dict, inline: bool) -> tuple[dict, dict, list[str]]:
     return handles, infos, notes
 
 
-def run_rounds(handles: dict, rounds: int, seconds: float) -> dict[str, list[float]]:
+def run_rounds(handles: dict, rounds: int, seconds: float, tokenizing_seconds: float) -> dict[str, list[float]]:
     """Tokens/s of every configuration in every round; the order reverses every other round."""
     rates: dict[str, list[float]] = {key: [] for key in handles}
     keys = list(handles)
     for round_index in range(rounds):
         for key in keys if round_index % 2 == 0 else keys[::-1]:
-            window = handles[key].call("window", seconds)
+            window = handles[key].call("window", tokenizing_seconds if "tok_" in key else seconds)
             rates[key].append(window["tokens"] / window["elapsed"])
         print(f"  round {round_index + 1}: " + ", ".join(f"{k} {v[-1] / 1e6:.1f}M" for k, v in rates.items()),
               flush=True)  # fmt: skip
@@ -436,6 +438,12 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=6, help="windows per configuration (even: balanced order)")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per window")
+    parser.add_argument(
+        "--tokenizing-seconds",
+        type=float,
+        default=10.0,
+        help="seconds per window of a tokenizing pass (--old-tree; a few steps a second)",
+    )
     parser.add_argument("--peer-rows", type=int, default=131072, help="rows the copy loop and the peers cycle over")
     parser.add_argument("--old-tree", help="also run this checkout's DataModule (a regression check)")
     parser.add_argument(
@@ -449,7 +457,7 @@ def _arguments() -> argparse.Namespace:
     options.peer_path = [entry for entry in options.peer_path.split(os.pathsep) if entry]
     if options.quick:
         options.mb, options.vocab, options.seq_len, options.global_batch, options.microbatch = 0.2, 1024, 256, 16, 4
-        options.rounds, options.seconds, options.peer_rows = 2, 0.2, 256
+        options.rounds, options.seconds, options.tokenizing_seconds, options.peer_rows = 2, 0.2, 0.2, 256
     return options
 
 
@@ -463,7 +471,7 @@ def main() -> None:
         handles, infos, failed = start_all(configurations(options, data), options.quick)
         for note in notes + failed:
             print(f"note: {note}")
-        rates = run_rounds(handles, options.rounds, options.seconds)
+        rates = run_rounds(handles, options.rounds, options.seconds, options.tokenizing_seconds)
         print_verdicts(report(rates, infos, options.workers))
     finally:
         for handle in handles.values():
