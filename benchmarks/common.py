@@ -1,8 +1,14 @@
-"""Helpers shared by the scale benchmarks: a dataset of any length that costs nothing, and peak-RSS probes."""
+"""Helpers shared by the benchmarks: a dataset of any length that costs nothing, peak-RSS probes, verdict lines,
+and runners in processes of their own, frozen between the windows that time them."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing
+import os
+import signal
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +79,109 @@ def in_child(target: Callable[..., None], *args: object, inline: bool = False) -
     parent, child = multiprocessing.get_context("spawn").Pipe()
     process = multiprocessing.get_context("spawn").Process(target=target, args=(child, *args))
     process.start()
-    result = parent.recv()
+    child.close()  # the child's end lives in the child only: its exit without a result ends recv() at once
+    try:
+        result = parent.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"{target.__name__} exited with code {process.exitcode} without a result") from None
     process.join()
     return result
+
+
+class Inline:
+    """A runner in this process (``--quick``: no process start-up to pay, timings meaningless anyway)."""
+
+    def __init__(self, factory: Callable[..., Any], cfg: dict):
+        self.runner = factory(**cfg)
+        self.info = self.runner.info
+
+    def call(self, command: str, *args: object) -> object:
+        return getattr(self.runner, command)(*args)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _serve(conn, factory: Callable[..., Any], cfg: dict) -> None:
+    os.setpgrp()  # its own process group, DataLoader workers included, so it can be frozen as one
+    # A spawned process defaults to spawning its own children; a training script's DataLoader workers start the
+    # platform's default way (fork on Linux), so these do too.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    try:
+        runner = factory(**cfg)
+        conn.send(("ok", runner.info))
+        while True:
+            command, args = conn.recv()
+            if command == "quit":
+                break
+            conn.send(("ok", getattr(runner, command)(*args)))
+        runner.close()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+_CHILDREN: list[Child] = []
+
+
+class Child:
+    """``factory(**cfg)`` (a runner class: ``info``, ``close()`` and the methods ``call`` names) in a fresh spawned
+    process with ``environment`` added to this one's, frozen (``SIGSTOP`` of its process group) between calls."""
+
+    def __init__(self, factory: Callable[..., Any], cfg: dict, environment: dict[str, str] | None = None):
+        context = multiprocessing.get_context("spawn")
+        self.conn, theirs = context.Pipe()
+        previous = {name: os.environ.get(name) for name in environment or {}}
+        os.environ.update(environment or {})
+        try:
+            # Not a daemon: daemonic processes may not start DataLoader workers.
+            self.process = context.Process(target=_serve, args=(theirs, factory, cfg))
+            self.process.start()
+        finally:
+            for name, value in previous.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
+        theirs.close()
+        _CHILDREN.append(self)
+        self.info = self._receive()
+        self._signal(signal.SIGSTOP)
+
+    def _receive(self) -> object:
+        tag, value = self.conn.recv()
+        if tag == "error":
+            raise RuntimeError(f"benchmark child failed:\n{value}")
+        return value
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def call(self, command: str, *args: object) -> object:
+        self._signal(signal.SIGCONT)
+        try:
+            self.conn.send((command, args))
+            return self._receive()
+        finally:
+            self._signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        self._signal(signal.SIGCONT)
+        try:
+            self.conn.send(("quit", ()))
+            self.process.join(120)
+        except (BrokenPipeError, OSError):
+            pass
+        if self.process.is_alive():
+            self._signal(signal.SIGKILL)
+            self.process.join()
+        if self in _CHILDREN:
+            _CHILDREN.remove(self)
+
+
+@atexit.register
+def _kill_children() -> None:
+    for child in list(_CHILDREN):
+        child._signal(signal.SIGCONT)
+        child._signal(signal.SIGKILL)

@@ -53,21 +53,17 @@ row; target: the first batch within 5 s.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import glob
 import io
 import itertools
 import multiprocessing
 import os
 import pickle
-import signal
 import sys
 import sysconfig
 import tempfile
 import threading
 import time
-import traceback
 from collections import deque
 from pathlib import Path
 
@@ -82,7 +78,7 @@ _TREE = os.environ.get("D9D_BENCH_TREE") or str(Path(__file__).resolve().parents
 sys.path.insert(0, _TREE)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
-from common import in_child, print_verdicts, process_kib
+from common import Child, Inline, in_child, print_verdicts, process_kib
 
 BOS = "<|bos|>"
 PACKINGS = ("concat", "bestfit", "bestfit_split")
@@ -515,100 +511,12 @@ RUNNERS = {"bare": BareRun, "ref": RefRun, "dm": DataModuleRun, "resume": Resume
 
 
 # ------------------------------------------------------------------------------------------------ processes
-class Inline:
-    """A runner in this process (``--quick``: no process start-up to pay, timings meaningless anyway)."""
-
-    def __init__(self, kind: str, cfg: dict):
-        self.runner = RUNNERS[kind](**cfg)
-        self.info = self.runner.info
-
-    def call(self, command: str, *args: object) -> object:
-        return getattr(self.runner, command)(*args)
-
-    def close(self) -> None:
-        self.runner.close()
-
-
-def _serve(conn, kind: str, cfg: dict) -> None:
-    os.setpgrp()  # its own process group, DataLoader workers included, so it can be frozen as one
-    # A spawned process defaults to spawning its own children; a training script's DataLoader workers start the
-    # platform's default way (fork on Linux), so these do too.
-    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
-    try:
-        runner = RUNNERS[kind](**cfg)
-        conn.send(("ok", runner.info))
-        while True:
-            command, args = conn.recv()
-            if command == "quit":
-                break
-            conn.send(("ok", getattr(runner, command)(*args)))
-        runner.close()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-
-
-_CHILDREN: list[Child] = []
-
-
-class Child:
-    """A runner in a fresh process (spawned: its tokenizer pool starts unused), frozen between calls."""
-
-    def __init__(self, kind: str, cfg: dict, tree: str | None = None):
-        context = multiprocessing.get_context("spawn")
-        self.conn, theirs = context.Pipe()
-        previous = os.environ.get("D9D_BENCH_TREE")
-        os.environ["D9D_BENCH_TREE"] = tree or _TREE
-        try:
-            # Not a daemon: daemonic processes may not start DataLoader workers.
-            self.process = context.Process(target=_serve, args=(theirs, kind, cfg))
-            self.process.start()
-        finally:
-            if previous is None:
-                del os.environ["D9D_BENCH_TREE"]
-            else:
-                os.environ["D9D_BENCH_TREE"] = previous
-        theirs.close()
-        _CHILDREN.append(self)
-        self.info = self._receive()
-        self._signal(signal.SIGSTOP)
-
-    def _receive(self) -> object:
-        tag, value = self.conn.recv()
-        if tag == "error":
-            raise RuntimeError(f"benchmark child failed:\n{value}")
-        return value
-
-    def _signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, sig)
-
-    def call(self, command: str, *args: object) -> object:
-        self._signal(signal.SIGCONT)
-        try:
-            self.conn.send((command, args))
-            return self._receive()
-        finally:
-            self._signal(signal.SIGSTOP)
-
-    def close(self) -> None:
-        self._signal(signal.SIGCONT)
-        try:
-            self.conn.send(("quit", ()))
-            self.process.join(120)
-        except (BrokenPipeError, OSError):
-            pass
-        if self.process.is_alive():
-            self._signal(signal.SIGKILL)
-            self.process.join()
-        if self in _CHILDREN:
-            _CHILDREN.remove(self)
-
-
-@atexit.register
-def _kill_children() -> None:
-    for child in list(_CHILDREN):
-        child._signal(signal.SIGCONT)
-        child._signal(signal.SIGKILL)
+def start(kind: str, cfg: dict, inline: bool, tree: str | None = None) -> Inline | Child:
+    """Runner ``kind`` in this process (``inline``) or in a fresh one frozen between calls (another checkout's
+    ``lightning_d9d`` where ``tree`` is given)."""
+    if inline:
+        return Inline(RUNNERS[kind], cfg)
+    return Child(RUNNERS[kind], cfg, {"D9D_BENCH_TREE": tree or _TREE})
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -697,7 +605,6 @@ def run_corpus(name: str, files: str, tok: Tokenizer, texts: list[str], args: ar
     base = {"files": files, "tokenizer": args.tokenizer_path, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "microbatch": args.microbatch, "batch_size": args.tokenizer_batch,
             "buffer": args.buffer, "num_streams": args.num_streams}  # fmt: skip
-    make = Inline if args.inline else Child
     configs: dict[str, tuple[str, dict, str | None]] = {"bare": ("bare", {}, None)}
     for path, workers in (("w", args.workers), ("ip", 0)):
         for packing in PACKINGS:
@@ -721,7 +628,7 @@ def run_corpus(name: str, files: str, tok: Tokenizer, texts: list[str], args: ar
     try:
         for key, (kind, cfg, tree) in configs.items():  # one at a time: start-up figures are not shared
             start = time.perf_counter()
-            handles[key] = make(kind, {**base, **cfg}, tree) if not args.inline else make(kind, {**base, **cfg})
+            handles[key] = start(kind, {**base, **cfg}, args.inline, tree)
             r["info"][key] = {**handles[key].info, "start_s": time.perf_counter() - start}
             print(f"  started {key}: {_fmt_info(r['info'][key])}", flush=True)
         loaders = [key for key in configs if key != "bare"]
@@ -749,7 +656,7 @@ def run_corpus(name: str, files: str, tok: Tokenizer, texts: list[str], args: ar
         for layout in QUICK_LAYOUTS if args.quick else LAYOUTS:
             layout = tuple(args.workers if v == "W" else v for v in layout)
             cfg = {**base, "packing": packing, "state": saved["state"], "rows": saved["rows"], "layout": layout}
-            r["resume"][(packing, layout[0])] = make("resume", cfg).info
+            r["resume"][(packing, layout[0])] = start("resume", cfg, args.inline).info
     r["yield"] = long_run_yield(tok, texts, args.seq_len + 1, args.buffer)
     return r
 

@@ -33,6 +33,7 @@ EXPECTED = {
     "token_cache.py": ("read() MB/s", "store of 1 M tokens uint32"),
     "cached_pass.py": ("cached / tok", "cached / tokenizing useful tokens/s"),
     "schedule.py": ("scheduled / fixed tok/s", "scheduled / fixed-shape useful tokens/s"),
+    "cached_loaders.py": ("memmap copy loop, 1 process", "bestfit_split, 2 workers / concat, 2 workers"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
 MIN_VERDICTS = {
@@ -47,6 +48,7 @@ MIN_VERDICTS = {
     "token_cache.py": 4,
     "cached_pass.py": 3,  # 3 per packing; --quick runs bestfit_split alone (the full run: concat as well, 6)
     "schedule.py": 8,  # 8 per packing; --quick runs bestfit_split alone
+    "cached_loaders.py": 5,  # 3 targets and 2 identical-rows checks; litdata adds one where it is installed
 }
 
 

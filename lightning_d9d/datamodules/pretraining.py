@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from tokenizers import Tokenizer
@@ -47,8 +46,9 @@ from lightning_d9d.streaming.loader import (
     rank_streams,
 )
 from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
-from lightning_d9d.streaming.packing import RowBlock, sequence_bounds
+from lightning_d9d.streaming.packing import RowBlock
 from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
+from lightning_d9d.streaming.step_tensors import microbatch_tensors
 from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.topology import DataParallelSetting
 
@@ -103,14 +103,10 @@ def make_batch(
         step_targets: the targets of the replica's rows of the whole step (``None``: validation).
         all_targets: the step's targets over every replica, where known without asking the others.
     """
-    input_ids, targets, positions = spec.packing.tensors(rows, spec.bos_id)
-    if source is None:
-        sources = torch.from_numpy(np.asarray(rows.sources, np.int64))
-    else:
-        sources = torch.full((len(rows),), source, dtype=torch.int64)
-    cu_seqlens, cu_padded, max_seqlen = sequence_bounds(rows, positions, spec.sources[0].settings.context_parallel_size)
-    batch = PretrainingBatch(input_ids, targets, positions, sources, cu_seqlens, cu_padded, max_seqlen, all_targets,
-                             step_targets)  # fmt: skip
+    built = microbatch_tensors(rows, spec.bos_id, spec.sources[0].settings.context_parallel_size)
+    sources = built.sources if source is None else torch.full((len(rows),), source, dtype=torch.int64)
+    batch = PretrainingBatch(built.input_ids, built.targets, built.position_ids, sources, built.cu_seqlens,
+                             built.cu_seqlens_padded, built.max_seqlen, all_targets, step_targets)  # fmt: skip
     return pin_batch(batch) if pin else batch
 
 

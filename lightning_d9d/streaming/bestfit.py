@@ -34,6 +34,7 @@ from lightning_d9d.streaming.packing import (
     StreamCounters,
     bos_tensors,
     flagged_tensors,
+    kept_rows,
     prefix_hash,
     read_kind,
 )
@@ -107,20 +108,19 @@ class _PieceBuffer:
         self.pushed, self.popped = [], []
         if previous is None:
             return self.snapshot(), None, None
-        added = np.asarray(pushed, np.int64).reshape(-1, len(META_COLUMNS))
+        kept = np.ones(len(previous), bool)
         if popped:
             gone = np.asarray(popped, np.int64)
             # previous is sorted by insertion number, so the popped pieces are found by bisection, not a set test
             at = np.searchsorted(previous[:, 0], gone)
             found = at < len(previous)
             found[found] = previous[at[found], 0] == gone[found]
-            kept = np.ones(len(previous), bool)
             kept[at[found]] = False
-            if len(added):
-                added = added[~np.isin(added[:, 0], gone[~found])]
-        else:
-            kept = np.ones(len(previous), bool)
-        return np.concatenate([previous[kept], added]), kept, added
+            if pushed and not found.all():  # pieces pushed and popped since (a few): never in the buffer
+                transient = set(gone[~found].tolist())
+                pushed = [row for row in pushed if row[0] not in transient]
+        added = np.asarray(pushed, np.int64).reshape(-1, len(META_COLUMNS))
+        return kept_rows(previous, kept, added), kept, added
 
     def snapshot(self) -> np.ndarray:
         """The rows of the buffered pieces, sorted by insertion number."""

@@ -37,16 +37,19 @@ class ConcatPacker:
     def __init__(self, capacity: int, counters: StreamCounters | None = None) -> None:
         self.capacity = _checked_capacity(capacity)
         self.counters = counters if counters is not None else StreamCounters()
-        self._tokens = np.empty(0, np.int32)
-        self._pos = 0
-        self._chunk_starts: list[int] = []  # offset of each buffered chunk in _tokens
-        self._chunk_docs: list[np.ndarray] = []  # each chunk's document offsets, relative to the chunk
+        # The live chunks as they came (never concatenated: a row inside one chunk is a view of it), each one's
+        # offset in the stream of live tokens, its document offsets (relative to it) and its ref.
+        self._chunks: list[np.ndarray] = []
+        self._chunk_starts: list[int] = []
+        self._chunk_docs: list[np.ndarray] = []
         self._chunk_refs: list[object] = []
+        self._end = 0  # live tokens buffered
+        self._pos = 0  # the next unemitted one
 
     @property
     def available(self) -> int:
         """Tokens buffered and not yet emitted."""
-        return len(self._tokens) - self._pos
+        return self._end - self._pos
 
     def add(self, tokens: np.ndarray, doc_starts: np.ndarray, ref: object, skip: int = 0) -> None:
         """Append one chunk's tokens (BOS-prefixed documents, concatenated).
@@ -61,17 +64,14 @@ class ConcatPacker:
         first_live = bisect.bisect_right(self._chunk_starts, self._pos) - 1
         if first_live > 0:
             cut = self._chunk_starts[first_live]
-            self._tokens = self._tokens[cut:]
             self._pos -= cut
+            self._end -= cut
             self._chunk_starts = [s - cut for s in self._chunk_starts[first_live:]]
-            self._chunk_docs = self._chunk_docs[first_live:]
-            self._chunk_refs = self._chunk_refs[first_live:]
-        if self._chunk_starts:
-            self._chunk_starts.append(len(self._tokens))
-            self._tokens = np.concatenate([self._tokens, np.asarray(tokens, np.int32)])
-        else:
-            self._chunk_starts = [0]
-            self._tokens = np.asarray(tokens, np.int32)
+            del self._chunks[:first_live], self._chunk_docs[:first_live], self._chunk_refs[:first_live]
+        tokens = np.asarray(tokens, np.int32)
+        self._chunk_starts.append(self._end)
+        self._chunks.append(tokens)
+        self._end += len(tokens)
         self._chunk_docs.append(np.asarray(doc_starts, np.int64))
         self._chunk_refs.append(ref)
         self._pos += skip
@@ -81,18 +81,30 @@ class ConcatPacker:
         more, retry)."""
         capacity = self.capacity if capacity is None else _checked_capacity(capacity)
         need = num_rows * capacity
-        if self.available < need:
+        pos = self._pos
+        if self._end - pos < need:
             return None
-        rows = self._tokens[self._pos : self._pos + need].reshape(num_rows, capacity)
-        self._pos += need
+        i = bisect.bisect_right(self._chunk_starts, pos) - 1
+        offset = pos - self._chunk_starts[i]
+        chunk = self._chunks[i]
+        if offset + need <= len(chunk):
+            rows = chunk[offset : offset + need]
+        else:  # the rows span chunks: only these tokens are copied
+            parts, left = [chunk[offset:]], need - (len(chunk) - offset)
+            while left > 0:
+                i += 1
+                parts.append(self._chunks[i][:left])
+                left -= len(parts[-1])
+            rows = np.concatenate(parts)
+        self._pos = pos + need
         self.counters.emitted += need
-        return rows
+        return rows.reshape(num_rows, capacity)
 
     def position(self) -> tuple[object, int, int]:
         """``(ref, document, offset)`` of the next unemitted token; all emitted: ``(last ref, its documents, 0)``."""
         if not self._chunk_starts:
             raise RuntimeError("the packer holds no chunk yet")
-        if self._pos == len(self._tokens):
+        if self._pos == self._end:
             return self._chunk_refs[-1], len(self._chunk_docs[-1]), 0
         i = bisect.bisect_right(self._chunk_starts, self._pos) - 1
         offset = self._pos - self._chunk_starts[i]

@@ -38,8 +38,9 @@ from lightning_d9d.resume import StepLayout, TrainPosition
 from lightning_d9d.streaming.bestfit import BestFitState
 from lightning_d9d.streaming.memory import IN_PROCESS_CHUNK_CHARS, WORKER_CHUNK_CHARS
 from lightning_d9d.streaming.mixture_stream import MixtureState, mixture_streams
-from lightning_d9d.streaming.packing import RowBlock
+from lightning_d9d.streaming.packing import RowBlock, kept_rows
 from lightning_d9d.streaming.spec import MixtureSpec
+from lightning_d9d.streaming.step_tensors import StepBlock
 from lightning_d9d.streaming.stream import StreamState
 
 StreamStates = dict[int, MixtureState]
@@ -209,18 +210,27 @@ class _HostedStreams(IterableDataset):
 
 
 class WireFormat:
-    """A worker's items as they cross to the training process, compactly (``encode`` in the worker, ``decode`` here):
-    ids as uint16 where they fit, flags as positions, a best-fit buffer as its change since the last step.
+    """A worker's items of a step as they cross to the training process, compactly (``encode`` in the worker,
+    ``decode`` here): its streams' rows as one block (ids as uint16 where they fit, flags as positions), each
+    stream's rows a view of it again on arrival, and a best-fit buffer as its change since the last step.
     """
 
     def __init__(self) -> None:
         self.sent: dict[tuple[int, str], np.ndarray] = {}
 
-    def encode(self, items: list[tuple]) -> list[tuple]:
-        return [(sid, _packed_block(block), self._map(sid, state, self._delta)) for sid, block, state in items]
+    def encode(self, items: list[tuple]) -> tuple:
+        block = RowBlock.joined([block for _, block, _ in items])
+        states = [self._map(sid, state, self._delta) for sid, _, state in items]
+        return [sid for sid, _, _ in items], [len(block) for _, block, _ in items], _packed_block(block), states
 
-    def decode(self, items: list[tuple]) -> list[tuple]:
-        return [(sid, _unpacked_block(block), self._map(sid, state, self._rebuilt)) for sid, block, state in items]
+    def decode(self, message: tuple) -> list[tuple]:
+        sids, counts, packed, states = message
+        block, stop = _unpacked_block(packed), 0
+        items = []
+        for sid, count, state in zip(sids, counts, states):
+            start, stop = stop, stop + count
+            items.append((sid, block.rows(start, stop), self._map(sid, state, self._rebuilt)))
+        return items
 
     def _map(self, sid: int, state: MixtureState, change: Callable[[tuple[int, str], Any], Any]) -> MixtureState:
         sources = {}
@@ -250,8 +260,7 @@ class WireFormat:
         if previous is None or not len(previous):
             buffer = added
         else:
-            kept = np.unpackbits(bits, count=len(previous)).view(bool)
-            buffer = np.concatenate([previous[kept], added])
+            buffer = kept_rows(previous, np.unpackbits(bits, count=len(previous)).view(bool), added)
         self.sent[key] = buffer
         return buffer
 
@@ -302,9 +311,10 @@ class _InStreamOrder:
 
     def __next__(self) -> tuple:
         if not self.pending:
-            step = [item for _ in range(self.processes) for item in next(self.lists)]
-            if self.deltas is not None:
-                step = self.deltas.decode(step)
+            step = []
+            for _ in range(self.processes):
+                message = next(self.lists)
+                step += message if self.deltas is None else self.deltas.decode(message)
             step.sort(key=lambda item: self.order[item[0]], reverse=True)  # popped from the end
             self.pending = step
         return self.pending.pop()
@@ -351,7 +361,7 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
             sid, block, state = next(blocks)
             parts.append(block)
             states[sid] = state
-        yield RowBlock.joined(parts), states
+        yield StepBlock(RowBlock.joined(parts)), states
 
 
 @dataclass

@@ -140,6 +140,8 @@ class RowBlock:
 
     @classmethod
     def joined(cls, blocks: list[RowBlock]) -> RowBlock:
+        if len(blocks) == 1:  # a block's arrays are never written after it is made: share them, copy nothing
+            return cls(blocks[0].tokens, blocks[0].flags, blocks[0].sources)
         flags = None if blocks[0].flags is None else np.concatenate([block.flags for block in blocks])
         sources = None if blocks[0].sources is None else np.concatenate([block.sources for block in blocks])
         return cls(np.concatenate([block.tokens for block in blocks]), flags, sources)
@@ -246,6 +248,19 @@ def sequence_bounds(
     # The real tokens before a sequence's start are its offset less the CP padding before it.
     offsets = padded.numpy().astype(np.int64)
     return torch.from_numpy((offsets - pads_before[offsets]).astype(np.int32)), padded, longest
+
+
+def kept_rows(table: np.ndarray, keep: np.ndarray, added: np.ndarray) -> np.ndarray:
+    """``table``'s rows where ``keep`` is set, then ``added``'s rows (2-D tables of one dtype and width).
+
+    Each row is selected as one fixed-size item, which numpy copies several times faster than the rows of a 2-D
+    array under a boolean mask (a best-fit buffer is rebuilt this way for every block).
+    """
+    width = table.shape[1]
+    row = np.dtype((np.void, width * table.itemsize))
+    table, added = np.ascontiguousarray(table), np.ascontiguousarray(added, table.dtype)
+    joined = np.concatenate([table.view(row).reshape(-1)[keep], added.view(row).reshape(-1)])
+    return joined.view(table.dtype).reshape(-1, width)
 
 
 def prefix_hash(tokens: np.ndarray) -> int:

@@ -1,0 +1,107 @@
+"""What crosses from a worker to the training process: a step's items cross unchanged (rows, flags, sources and
+every state, best-fit buffers rebuilt from their changes), and the buffer a best-fit stage reports after each block
+is the buffer it holds."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support import corpus_spec, flat, make_docs, respec, stream_spec, train_tokenizer, write_parquet
+
+from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.loader import WireFormat
+from lightning_d9d.streaming.mixture_stream import mixture_streams
+from lightning_d9d.streaming.packing import BufferGrowth, kept_rows
+from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("wire")
+    docs = make_docs(300, seed=5, long_every=7, long_words=80)
+    write_parquet(root / "data", docs, files=2, row_group_size=20)
+    tok = train_tokenizer(docs, root / "tokenizer.json")
+    return {"tok": tok, "index": RowGroupIndex.scan(resolve_files(str(root / "data")), "text")}
+
+
+def assert_same_items(got: list, want: list) -> None:
+    assert [sid for sid, _, _ in got] == [sid for sid, _, _ in want]
+    for (_, block, state), (_, expected, expected_state) in zip(got, want):
+        for name in ("tokens", "flags", "sources"):
+            value, wanted = getattr(block, name), getattr(expected, name)
+            assert (value is None) == (wanted is None), name
+            if value is not None:
+                np.testing.assert_array_equal(value, wanted, err_msg=name)
+        assert block.tokens.dtype in (np.uint16, np.int32)
+        a, b = flat(state.to_dict()), flat(expected_state.to_dict())
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("packing", ["concat", "bestfit", "bestfit_split"])
+def test_a_workers_steps_cross_unchanged(corpus: dict, packing: str, cp: int) -> None:
+    """A worker hosting streams 0 and 2 of 4: each step's items, encoded, pickled and decoded step after step (the
+    buffers crossing as their changes), equal the items themselves."""
+    spec = stream_spec(corpus["tok"], corpus["index"], packing, streams=4, seq_len=24, rows=3, buffer_size=12)
+    spec = respec(spec, context_parallel_size=cp)
+    hosted = [0, 2]
+    streams = [iter(stream) for stream in mixture_streams(corpus_spec(spec), hosted, {})]
+    sender, receiver = WireFormat(), WireFormat()
+    try:
+        for _ in range(80):
+            items = [(sid, *next(stream)) for sid, stream in zip(hosted, streams)]
+            message = pickle.loads(pickle.dumps(sender.encode(items), protocol=pickle.HIGHEST_PROTOCOL))
+            assert_same_items(receiver.decode(message), items)
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 90), min_size=400, max_size=400),
+    split=st.booleans(),
+    buffer_size=st.integers(1, 30),
+    takes=st.lists(st.integers(1, 4), min_size=1, max_size=25),
+)
+def test_the_buffer_after_each_block_is_the_buffer_held(lengths, split, buffer_size, takes) -> None:
+    """Pieces pushed and popped within one block (a split document's chunks) never appear; the rest stay in order."""
+    capacity = 33
+    docs = iter([np.full(n, i + 1, np.int32) for i, n in enumerate(lengths)])
+    if split:
+        packer = BestFitSplitPacker(capacity, 0, buffer_size, BufferGrowth(2, 1))
+
+        def refill() -> None:
+            packer.add(next(docs), (0, 0))
+    else:
+        packer = BestFitPacker(capacity, buffer_size, BufferGrowth(2, 1))
+
+        def refill() -> None:
+            doc = next(docs)
+            packer.add(doc[:capacity], len(doc), (0, 0))
+
+    previous = packer._buffer.advance(None)[0]
+    for rows in takes:
+        packer.take(rows, refill)
+        buffer, kept, added = packer._buffer.advance(previous)
+        np.testing.assert_array_equal(buffer, packer.snapshot())
+        np.testing.assert_array_equal(kept_rows(previous, kept, added), buffer)
+        previous = buffer
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 30), added=st.integers(0, 5), width=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
+def test_kept_rows_is_a_masked_copy_then_the_added_rows(rows, added, width, seed) -> None:
+    rng = np.random.default_rng(seed)
+    table = rng.integers(-(2**40), 2**40, (rows, width))
+    extra = rng.integers(-(2**40), 2**40, (added, width))
+    keep = rng.random(rows) < 0.7
+    got = kept_rows(table[:, ::-1][:, ::-1], keep, extra)  # a strided view as well
+    np.testing.assert_array_equal(got, np.concatenate([table[keep], extra]))
+    assert got.dtype == np.int64 and got.flags.c_contiguous
