@@ -177,6 +177,8 @@ class BestFitPacker:
         self.added = 0  # documents added: each refill() must add one
         self._buffer = _PieceBuffer(max(16, 2 * buffer_size))
         self._fetch: Fetch | None = None
+        # (row, column, length, row group, row, offset) of every piece placed, where provenance is asked for
+        self.record: list[tuple[int, ...]] | None = None
 
     def _checked_capacity(self, capacity: int) -> int:
         if capacity <= 1:
@@ -214,7 +216,7 @@ class BestFitPacker:
             RuntimeError: a ``refill()`` call added no document.
             ValueError: a restored piece no longer matches its saved length or checksum.
         """
-        capacity, buffer, multiple = self.capacity, self._buffer, self.cp_multiple
+        capacity, buffer, multiple, record = self.capacity, self._buffer, self.cp_multiple, self.record
         lengths, find = buffer.lengths, bisect.bisect_right
         out = np.empty((num_rows, capacity), np.int32)
         # Flat offsets where a piece or a padding run starts, of pieces' first tokens that are no target (after
@@ -239,6 +241,8 @@ class BestFitPacker:
                 if tokens is None:  # restored lazily: fetch and verify it now
                     tokens = self._materialize(buffer.table[slot].copy())
                 out[r, pos : pos + length] = tokens
+                if record is not None:
+                    record.append((r, pos, length, *buffer.table[slot, 2:5].tolist()))
                 if marks is not None:
                     marks[0].append(r * capacity + pos)
                     # Not the target of the token before it: that token is another document's, or (a piece cut at
@@ -265,6 +269,8 @@ class BestFitPacker:
         if tokens is None:
             tokens = self._materialize(self._buffer.table[slot].copy())
         out[row, pos:] = tokens[:remaining]
+        if self.record is not None:
+            self.record.append((row, pos, remaining, *self._buffer.table[slot, 2:5].tolist()))
         if marks is not None:  # rows flagged for CP: the cropped piece starts a sequence
             marks[0].append(row * self.capacity + pos)
         self.counters.crops += 1
@@ -443,6 +449,17 @@ class BestFitSplitPacker(BestFitPacker):
         return self.capacity - pos
 
 
+def recorded_pieces(record: list[tuple[int, ...]] | None) -> np.ndarray | None:
+    """The pieces a packer noted since the last block, as ``PIECE_COLUMNS`` rows (source 0); the note is emptied."""
+    if record is None:
+        return None
+    table = np.zeros((len(record), 7), np.int64)
+    if record:
+        table[:, :6] = record
+    record.clear()
+    return table
+
+
 def _flags(
     shape: tuple[int, int], starts: list[int], blocked: list[int], padded: list[int], cp_padded: list
 ) -> np.ndarray:
@@ -564,6 +581,7 @@ class BestFitStage(PackingStage):
             packer = BestFitPacker(capacity, spec.buffer_size, state.growth, counters, multiple, spec.pad_id,
                                    hold=max(capacity, spec.max_capacity))  # fmt: skip
         packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
+        packer.record = [] if spec.record_pieces else None
         packer.reset(state.buffer, state.next_seq, self.fetch)
         packer._buffer.advance(None)  # the restored buffer is the start's: changes count from here
         return packer
@@ -597,7 +615,7 @@ class BestFitStage(PackingStage):
             change = (last, kept, added) if kept is not None else None
             state = BestFitState(start.kind, read, buffer, packer.next_seq, start.growth, change)
             last = buffer
-            yield RowBlock(tokens, flags), state
+            yield RowBlock(tokens, flags, pieces=recorded_pieces(packer.record)), state
 
     def _refiller(self, chunks: Iterator[Any], cursor: _Cursor, packer: BestFitPacker) -> Callable[[], None]:
         """``refill()``: add the next document (one per call, so the buffer never depends on chunk sizes)."""

@@ -100,6 +100,21 @@ class ConcatPacker:
         self.counters.emitted += need
         return rows.reshape(num_rows, capacity)
 
+    def document_spans(self, start: int, stop: int) -> list[tuple[int, int, object, int, int]]:
+        """``(position, length, ref, document, its token)`` of every document's part in live tokens ``[start,
+        stop)`` (taken, not yet dropped): what provenance names."""
+        spans = []
+        i = bisect.bisect_right(self._chunk_starts, start) - 1
+        while start < stop:
+            base, docs, size = self._chunk_starts[i], self._chunk_docs[i], len(self._chunks[i])
+            doc = int(np.searchsorted(docs, start - base, side="right")) - 1
+            while start < stop and start - base < size:
+                end = min(base + (int(docs[doc + 1]) if doc + 1 < len(docs) else size), stop)
+                spans.append((start, end - start, self._chunk_refs[i], doc, start - base - int(docs[doc])))
+                start, doc = end, doc + 1
+            i += 1
+        return spans
+
     def position(self) -> tuple[object, int, int]:
         """``(ref, document, offset)`` of the next unemitted token; all emitted: ``(last ref, its documents, 0)``."""
         if not self._chunk_starts:
@@ -197,7 +212,23 @@ class ConcatStage(PackingStage):
                     after_last, last_begun = self.after(*last_begun), None
                 read = after_last
             state = ConcatState(read, offset)
-            yield RowBlock(rows), state
+            pieces = self._pieces(packer, rows_per_block, capacity) if self.spec.record_pieces else None
+            yield RowBlock(rows, pieces=pieces), state
+
+    @staticmethod
+    def _pieces(packer: ConcatPacker, rows: int, capacity: int) -> np.ndarray:
+        """The pieces of the rows just taken: each document's part, cut at row ends."""
+        stop = packer._pos
+        start = stop - rows * capacity
+        table = []
+        for at, length, laid, doc, token in packer.document_spans(start, stop):
+            group, row = laid.chunk.group, int(laid.chunk.rows[doc])
+            while length:
+                row_index, column = divmod(at - start, capacity)
+                part = min(length, capacity - column)
+                table.append((row_index, column, part, group, row, token, 0))
+                at, length, token = at + part, length - part, token + part
+        return np.asarray(table, np.int64).reshape(-1, 7)
 
     def _count_begun(self, pending: list[_Begun], laid: Any, begun: int) -> tuple[TextChunk, int] | None:
         """Count every document begun by now (``begun`` of ``laid``'s), each once, in stream order; the last one."""

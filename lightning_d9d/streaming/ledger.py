@@ -55,8 +55,8 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 def encode(state: Mapping[str, Any], lineage: str) -> bytes:
     """A saved stream state (plain values and int arrays) as one compressed ``.npz`` payload."""
     flat = flatten(state)
-    arrays = {f"a{i}": np.asarray(v) for i, (k, v) in enumerate(flat.items()) if isinstance(v, np.ndarray)}
     names = [k for k, v in flat.items() if isinstance(v, np.ndarray)]
+    arrays = {f"a{i}": np.asarray(flat[name]) for i, name in enumerate(names)}
     plain = {k: (int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v)
              for k, v in flat.items() if not isinstance(v, np.ndarray)}  # fmt: skip
     header = {"format": _FORMAT, "lineage": lineage, "plain": plain, "arrays": names}

@@ -134,6 +134,11 @@ class MixtureStream:
                     continue
                 block = RowBlock.joined([block for block, _ in parts])
                 block.sources = np.repeat(sources, asked)
+                if any(part.pieces is not None for part, _ in parts):  # provenance: each piece names its source
+                    for i, (part, _) in enumerate(parts):
+                        if part.pieces is not None:
+                            part.pieces[:, 6] = i
+                    block.pieces = RowBlock.joined_pieces([part for part, _ in parts])
                 yield block, self.state
         finally:
             for sub in subs:

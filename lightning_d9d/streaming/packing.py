@@ -111,11 +111,13 @@ FULL_BUFFER = BufferGrowth(0, 0)  # no growth: the full buffer from the first ro
 @dataclass
 class RowBlock:
     """Rows of ``seq_len + 1`` tokens; ``flags`` (``bestfit_split``, and ``bestfit`` under context parallelism)
-    marks piece starts, non-targets and CP padding; ``sources`` the int64 index of each row's source."""
+    marks piece starts, non-targets and CP padding; ``sources`` the int64 index of each row's source; ``pieces``,
+    where provenance is recorded, one int64 row per piece (``streaming.provenance.PIECE_COLUMNS``)."""
 
     tokens: np.ndarray
     flags: np.ndarray | None = None
     sources: np.ndarray | None = None
+    pieces: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -137,6 +139,20 @@ class RowBlock:
     def empty(cls, capacity: int, flagged: bool) -> RowBlock:
         """A block of no rows (a mixture's source that gives a step none)."""
         return cls(np.empty((0, capacity), np.int32), np.empty((0, capacity), np.uint8) if flagged else None)
+
+    @staticmethod
+    def joined_pieces(blocks: list[RowBlock]) -> np.ndarray | None:
+        """The blocks' pieces, their rows counted on from block to block (``None`` where not recorded)."""
+        if all(block.pieces is None for block in blocks):
+            return None
+        tables, first = [np.zeros((0, 7), np.int64)], 0
+        for block in blocks:
+            if block.pieces is not None:
+                table = block.pieces.copy()
+                table[:, 0] += first
+                tables.append(table)
+            first += len(block)
+        return np.concatenate(tables)
 
     @classmethod
     def joined(cls, blocks: list[RowBlock]) -> RowBlock:

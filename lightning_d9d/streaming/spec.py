@@ -121,6 +121,8 @@ class StreamSpec:
         pad_id: the token id at padding positions.
         shuffle: reshuffle units every pass (``False``: rotated file order, for validation).
         prefetch, chunk_chars, cache: read-ahead chunks, tokenizer-call character cap and token cache; no row changes.
+        record_pieces: blocks list the pieces of their rows (provenance; no row changes).
+        excluded: documents (global row group, row) never read (``exclude_documents``).
     """
 
     settings: StreamSettings
@@ -133,6 +135,8 @@ class StreamSpec:
     prefetch: int = 4
     chunk_chars: int = 0
     cache: Any = None
+    record_pieces: bool = False
+    excluded: frozenset[tuple[int, int]] = frozenset()
 
     def capacity_at(self, step: int) -> int:
         """Tokens of a row of ``step`` (``seq_len + 1``)."""

@@ -120,7 +120,7 @@ def test_the_ledger_answers_a_step_by_a_short_replay_with_the_cache_and_after_an
         dm.load_state_dict(state)
     want = trained_rows(resumed, 4, STEPS)
     records = sorted(int(path.name) for path in (tmp_path / "ledger").iterdir())
-    assert records == [0, 3, 4, 6, 9], records
+    assert records == [3, 4, 6, 9], records  # every 3 steps, and at the resume (step 0 is no record: the start)
     asker = datamodule(corpus, **options)
     starts = asker._replay_starts(8, asker.train_spec)
     assert {first for first, _ in starts.values()} == {6}, "every stream replays from the record at step 6"
@@ -178,3 +178,16 @@ def test_provenance_of_a_negative_step_or_a_replay_too_long_is_refused(corpus: P
     with pytest.raises(ValueError, match=r"would replay 7 steps \(more than max_replay=5\)"):
         dm.provenance(7, max_replay=5)
     assert dm.provenance(0)[0].start == 0
+
+
+def test_a_ledger_record_round_trips_a_state_of_several_arrays() -> None:
+    from lightning_d9d.streaming.ledger import decode, encode
+
+    state = {"step": 7, "sources": {"a": {"buffer": np.arange(12).reshape(3, 4), "next": 3},
+                                    "b": {"buffer": np.zeros((0, 8), np.int64), "kind": "bestfit"}}}  # fmt: skip
+    back, lineage = decode(encode(state, "abc"))
+    assert lineage == "abc" and back["step"] == 7 and back["sources"]["b"]["kind"] == "bestfit"
+    np.testing.assert_array_equal(back["sources"]["a"]["buffer"], state["sources"]["a"]["buffer"])
+    assert back["sources"]["b"]["buffer"].shape == (0, 8)
+    with pytest.raises(ValueError, match="not a stream ledger record"):
+        decode(b"not an npz")
