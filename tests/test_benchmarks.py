@@ -34,6 +34,7 @@ EXPECTED = {
     "cached_pass.py": ("cached / tok", "cached / tokenizing useful tokens/s"),
     "schedule.py": ("scheduled / fixed tok/s", "scheduled / fixed-shape useful tokens/s"),
     "cached_loaders.py": ("memmap copy loop, 1 process", "bestfit_split, 2 workers / concat, 2 workers"),
+    "provenance.py": ("provenance s", "MiB per 10^5 steps"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
 MIN_VERDICTS = {
@@ -49,6 +50,7 @@ MIN_VERDICTS = {
     "cached_pass.py": 3,  # 3 per packing; --quick runs bestfit_split alone (the full run: concat as well, 6)
     "schedule.py": 8,  # 8 per packing; --quick runs bestfit_split alone
     "cached_loaders.py": 5,  # 3 targets and 2 identical-rows checks; litdata adds one where it is installed
+    "provenance.py": 2,
 }
 
 
