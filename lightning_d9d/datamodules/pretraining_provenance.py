@@ -22,7 +22,7 @@ from lightning_d9d.datamodules.pretraining_state import migrate, restored_stream
 from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.edits import DataEdits, DocumentRef, _range, resolve_reference
 from lightning_d9d.streaming.ledger import StreamLedger
-from lightning_d9d.streaming.mixture_stream import MixtureState
+from lightning_d9d.streaming.mixture_stream import MixtureState, StepRows
 from lightning_d9d.streaming.provenance import Piece, file_namer, pieces_of_step, recording, replay
 from lightning_d9d.streaming.tokenize import encode_documents
 from lightning_d9d.tokenizer import tokenizer_from_json
@@ -201,8 +201,10 @@ class PretrainingProvenance:
             raise ValueError(f"answering step {wanted[-1]} would replay {wanted[-1] - nearest} steps (more than "
                              f"max_replay={max_replay}): keep records closer (provenance_every)")  # fmt: skip
         per_step: dict[int, dict[int, Any]] = {step: {} for step in wanted}
+        # One plan for every stream replayed (data steps: skips make them run ahead of training steps).
+        shared = StepRows(spec.plan, spec.num_streams, keep=self.data_step(wanted[-1]) + 1)
         for stream, (first, state) in starts.items():
-            for step, pieces in replay(spec, stream, state, first, wanted):
+            for step, pieces in replay(spec, stream, state, first, wanted, shared):
                 per_step[step][stream] = pieces
         name = file_namer(spec)
         out = []

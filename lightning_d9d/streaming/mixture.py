@@ -302,6 +302,10 @@ class MixturePlan:
 
     def quotas_from(self, step: int) -> Iterator[tuple[int, ...]]:
         """``rows_of_step`` of ``step``, ``step + 1``, … one after another, in constant memory (a stream's plan)."""
+        if len(self.schedule.sources) == 1:  # one source takes every row: no targets to weigh
+            while True:
+                yield (self.rows_at(step),)
+                step += 1
         rows = self.cumulative_rows(step)
         while True:
             quota = _planned_quota(rows, self.target_rows(step), self.schedule.shares_at(step), self.rows_at(step))

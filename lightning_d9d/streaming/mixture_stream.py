@@ -146,10 +146,11 @@ class MixtureStream:
 
 
 class StepRows:
-    """The plan's rows per stream and source of each step, computed once for a process's lockstep streams."""
+    """The plan's rows per stream and source of each step, computed once for a process's lockstep streams (the
+    latest ``keep`` steps are kept: streams in lockstep ask a few; a replay of one stream after another asks all)."""
 
-    def __init__(self, plan: MixturePlan, num_streams: int):
-        self.plan, self.num_streams = plan, num_streams
+    def __init__(self, plan: MixturePlan, num_streams: int, keep: int = 4):
+        self.plan, self.num_streams, self.keep = plan, num_streams, keep
         self._lock = threading.Lock()  # first blocks are asked for from several threads at once
         self._dealt: dict[int, list[tuple[int, ...]]] = {}
         self._quotas: Iterator[tuple[int, ...]] | None = None
@@ -163,7 +164,8 @@ class StepRows:
                     self._quotas = self.plan.quotas_from(step)
                 dealt = deal_rows(next(self._quotas), step, self.num_streams)
                 self._next = step + 1
-                self._dealt = {s: d for s, d in self._dealt.items() if s > step - 4}
+                if len(self._dealt) >= self.keep:
+                    self._dealt = {s: d for s, d in self._dealt.items() if s > step - self.keep}
                 self._dealt[step] = dealt
             return dealt
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_d9d.streaming.mixture_stream import MixtureState, MixtureStream
+from lightning_d9d.streaming.mixture_stream import MixtureState, MixtureStream, StepRows
 from lightning_d9d.streaming.spec import MixtureSpec
 from lightning_d9d.streaming.storage import redact
 
@@ -54,16 +54,22 @@ def recording(spec: MixtureSpec) -> MixtureSpec:
 
 
 def replay(
-    spec: MixtureSpec, stream: int, state: MixtureState | None, first: int, steps: Iterable[int]
+    spec: MixtureSpec,
+    stream: int,
+    state: MixtureState | None,
+    first: int,
+    steps: Iterable[int],
+    step_rows: StepRows | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """``(training step, pieces)`` of stream ``stream``'s blocks for ``steps``, replayed from ``state`` saved at
-    training step ``first`` (``None``: the stream's start, ``first`` 0); ``spec`` must record pieces."""
+    training step ``first`` (``None``: the stream's start, ``first`` 0); ``spec`` must record pieces, ``step_rows``
+    may be shared by the streams replayed."""
     wanted = sorted(set(steps))
     if not wanted:
         return
     if wanted[0] < first:
         raise ValueError(f"steps from {wanted[0]} cannot be replayed from a state at step {first}")
-    blocks = iter(MixtureStream(spec, stream, state))
+    blocks = iter(MixtureStream(spec, stream, state, step_rows=step_rows))
     try:
         step = first
         for block, _ in blocks:

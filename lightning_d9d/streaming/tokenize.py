@@ -224,7 +224,7 @@ class _ReadAhead:
     def _slot(self) -> bool:
         while not self.stop.is_set():
             if self.slots.acquire(timeout=0.1):
-                return True
+                return not self.stop.is_set()  # close() releases a slot to wake it: then it stops here
         return False
 
 
@@ -293,6 +293,7 @@ class PrefetchedTokenizing(Generic[T]):
         self.closed = True
         read_ahead = self.read_ahead
         read_ahead.stop.set()
+        self.slots.release()  # a reader waiting for a slot wakes now, sees the stop and ends
         while True:
             try:
                 item = read_ahead.out.get_nowait()
