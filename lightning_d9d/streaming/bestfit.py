@@ -337,27 +337,9 @@ class BestFitPacker:
 
     def _arrange(self, rows: np.ndarray, payloads: dict[int, Any]) -> None:
         """Buffer ``rows`` (sorted by insertion number) with their ``payloads`` (by insertion number; lazy where
-        missing); a ``bestfit_split`` piece longer than a row is replaced by its row-sized pieces, numbered after
-        every other piece, so insertion order and numbers agree.
-        """
-        capacity, split = self.capacity, self.split
-        kept, pieces = [], []
-        for row in rows.tolist():
-            payload = payloads.get(row[0], (None, row[4] > 0))
-            if not split or row[1] <= capacity:
-                kept.append((row, payload))
-                continue
-            tokens = payload[0] if payload[0] is not None else self._materialize(np.asarray(row, np.int64), row[1])
-            count = -(-row[1] // capacity)
-            for j in range(count):
-                piece = tokens[j * capacity : (j + 1) * capacity]
-                final = int(bool(row[5]) and j == count - 1)
-                pieces.append(([0, len(piece), row[2], row[3], row[4] + j * capacity, final, prefix_hash(piece),
-                                len(piece)], (piece, row[4] + j * capacity > 0)))  # fmt: skip
-        for piece in pieces:
-            piece[0][0] = self.next_seq
-            self.next_seq += 1
-        for row, payload in (*kept, *pieces):
+        missing), ``bestfit_split`` pieces longer than a row re-cut (:func:`recut`)."""
+        arranged, self.next_seq = recut(rows, payloads, self.capacity, self.split, self._materialize, self.next_seq)
+        for row, payload in arranged:
             self._buffer.push(row[1], tuple(row), payload)
 
     def _materialize(self, row: np.ndarray, keep: int | None = None) -> np.ndarray:
@@ -447,6 +429,31 @@ class BestFitSplitPacker(BestFitPacker):
         marks[0].append(row * self.capacity + pos)
         marks[2].append(row * self.capacity + pos)
         return self.capacity - pos
+
+
+def recut(
+    rows: np.ndarray, payloads: dict[int, Any], capacity: int, split: bool, materialize: Callable, next_seq: int
+) -> tuple[list[tuple[list[int], Any]], int]:
+    """``(row, payload)`` of every piece to buffer for rows of ``capacity`` tokens, and the next insertion number: a
+    ``bestfit_split`` piece longer than a row is replaced by its row-sized pieces (its tokens from ``payloads`` or
+    ``materialize(row, length)``), numbered after every other piece, so insertion order and numbers agree."""
+    kept, pieces = [], []
+    for row in rows.tolist():
+        payload = payloads.get(row[0], (None, row[4] > 0))
+        if not split or row[1] <= capacity:
+            kept.append((row, payload))
+            continue
+        tokens = payload[0] if payload[0] is not None else materialize(np.asarray(row, np.int64), row[1])
+        count = -(-row[1] // capacity)
+        for j in range(count):
+            piece, offset = tokens[j * capacity : (j + 1) * capacity], row[4] + j * capacity
+            final = int(bool(row[5]) and j == count - 1)
+            pieces.append(([0, len(piece), row[2], row[3], offset, final, prefix_hash(piece), len(piece)],
+                           (piece, offset > 0)))  # fmt: skip
+    for piece in pieces:
+        piece[0][0] = next_seq
+        next_seq += 1
+    return kept + pieces, next_seq
 
 
 def recorded_pieces(record: list[tuple[int, ...]] | None) -> np.ndarray | None:
