@@ -307,14 +307,14 @@ def configurations(args: argparse.Namespace, data: dict) -> dict[str, tuple]:
         for key, workers in ((f"{peer}_ip", 0), (f"{peer}_w", w)):
             cfg = {**rows, "peer": peer, "peer_dir": peer_dir, "workers": workers, "peer_path": args.peer_path}
             configs[key] = (PeerRun, cfg, None)
-    if args.old_tree:
-        configs["tok_concat_w"] = (OursRun, {**ours, "packing": "concat", "workers": w, "cache": None}, None)
-        for key, packing, workers, key_cache in (
-            ("old_concat_w", "concat", w, cache), ("old_split_w", "bestfit_split", w, cache),
-            ("old_concat_ip", "concat", 0, cache), ("old_tok_concat_w", "concat", w, None),
+    if args.old_tree:  # the two tokenizing passes last and side by side: they see the same load in every round
+        old = args.old_tree
+        for key, packing, workers, key_cache, tree in (
+            ("old_concat_w", "concat", w, cache, old), ("old_split_w", "bestfit_split", w, cache, old),
+            ("old_concat_ip", "concat", 0, cache, old), ("tok_concat_w", "concat", w, None, None),
+            ("old_tok_concat_w", "concat", w, None, old),
         ):  # fmt: skip
-            cfg = {**ours, "packing": packing, "workers": workers, "cache": key_cache}
-            configs[key] = (OursRun, cfg, args.old_tree)
+            configs[key] = (OursRun, {**ours, "packing": packing, "workers": workers, "cache": key_cache}, tree)
     return configs
 
 

@@ -511,7 +511,7 @@ RUNNERS = {"bare": BareRun, "ref": RefRun, "dm": DataModuleRun, "resume": Resume
 
 
 # ------------------------------------------------------------------------------------------------ processes
-def start(kind: str, cfg: dict, inline: bool, tree: str | None = None) -> Inline | Child:
+def start_runner(kind: str, cfg: dict, inline: bool, tree: str | None = None) -> Inline | Child:
     """Runner ``kind`` in this process (``inline``) or in a fresh one frozen between calls (another checkout's
     ``lightning_d9d`` where ``tree`` is given)."""
     if inline:
@@ -628,7 +628,7 @@ def run_corpus(name: str, files: str, tok: Tokenizer, texts: list[str], args: ar
     try:
         for key, (kind, cfg, tree) in configs.items():  # one at a time: start-up figures are not shared
             start = time.perf_counter()
-            handles[key] = start(kind, {**base, **cfg}, args.inline, tree)
+            handles[key] = start_runner(kind, {**base, **cfg}, args.inline, tree)
             r["info"][key] = {**handles[key].info, "start_s": time.perf_counter() - start}
             print(f"  started {key}: {_fmt_info(r['info'][key])}", flush=True)
         loaders = [key for key in configs if key != "bare"]
@@ -656,7 +656,7 @@ def run_corpus(name: str, files: str, tok: Tokenizer, texts: list[str], args: ar
         for layout in QUICK_LAYOUTS if args.quick else LAYOUTS:
             layout = tuple(args.workers if v == "W" else v for v in layout)
             cfg = {**base, "packing": packing, "state": saved["state"], "rows": saved["rows"], "layout": layout}
-            r["resume"][(packing, layout[0])] = start("resume", cfg, args.inline).info
+            r["resume"][(packing, layout[0])] = start_runner("resume", cfg, args.inline).info
     r["yield"] = long_run_yield(tok, texts, args.seq_len + 1, args.buffer)
     return r
 
