@@ -1,32 +1,48 @@
 """Digest: the one content hash every fingerprint, cache key and identity of this package uses.
 
 Algorithm: SHA-256 over the parts (strings UTF-8 encoded, each followed by a NUL so that ``("ab", "c")`` and
-``("a", "bc")`` differ), shown as its first 16 hex digits; a file is hashed in 1 MiB blocks.
+``("a", "bc")`` differ), shown as its first 16 hex digits; a file is hashed in 1 MiB blocks. SHA-256 rather than
+BLAKE2b: CPUs with SHA extensions hash it faster (measured in docs/token_cache.md), and one algorithm serves every
+use.
 
 Trade-off: 64 bits shown are plenty to tell versions of the same data apart (a fingerprint compares two values,
-it is no collision-resistant identity); the full hash costs nothing more but would clutter every message.
+it is no collision-resistant identity); the full hash costs nothing more but would clutter every message. A
+*content key* (what names a token cache entry) is an identity among many: it shows 128 bits, so that no two
+contents ever share one by accident.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
 
 DIGITS = 16
+CONTENT_DIGITS = 32
 
 
-def digest(*parts: str | bytes) -> str:
-    """The hex digest of ``parts`` (see the module docstring)."""
-    hashed = hashlib.sha256()
+def hasher() -> Any:
+    """A fresh incremental SHA-256 (``update`` as bytes arrive, ``hexdigest`` at the end)."""
+    return hashlib.sha256()
+
+
+def digest(*parts: str | bytes, digits: int = DIGITS) -> str:
+    """The hex digest of ``parts`` (see the module docstring), ``digits`` long."""
+    hashed = hasher()
     for part in parts:
         hashed.update(part.encode() if isinstance(part, str) else part)
         hashed.update(b"\0")
-    return hashed.hexdigest()[:DIGITS]
+    return hashed.hexdigest()[:digits]
+
+
+def content_key(*parts: str | bytes) -> str:
+    """A content key: the digest of ``parts`` at ``CONTENT_DIGITS`` hex digits."""
+    return digest(*parts, digits=CONTENT_DIGITS)
 
 
 def file_digest(path: str | os.PathLike) -> str:
     """The hex digest of a file's bytes."""
-    hashed = hashlib.sha256()
+    hashed = hasher()
     with open(path, "rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
             hashed.update(block)
