@@ -35,7 +35,7 @@ from lightning_d9d.streaming.jsonl import (
     read_jsonl_group_keyed,
 )
 from lightning_d9d.streaming.jsonl_scan import scan_jsonl, scan_jsonl_files
-from lightning_d9d.streaming.source import resolve_files
+from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.storage import Storage
 
 STORAGE = Storage(read_retry_seconds=0.0)
@@ -125,6 +125,22 @@ def test_a_directory_lists_parquet_and_jsonl_files_and_a_glob_takes_jsonl(tmp_pa
     assert found == ["a.parquet", "b.jsonl", "c.jsonl.gz", "sub/d.json.zst"]
     assert [os.path.basename(p) for p in resolve_files(str(tmp_path / "**" / "*.json.zst"))] == ["d.json.zst"]
     assert resolve_files(str(tmp_path / "b.jsonl")) == [str(tmp_path / "b.jsonl")]
+
+
+def test_files_without_rows_are_named_with_their_format(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"^JSONL file '{empty}' holds no rows \(it has no lines\): give files"):
+        RowGroupIndex.scan([str(empty)], "text")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    gz = write(tmp_path / "empty.jsonl.gz", [], "gzip")
+    files = [str(empty), str(tmp_path / "empty.parquet"), str(gz)]
+    with pytest.raises(ValueError, match=rf"^the 3 files hold no rows: JSONL file '{empty}', parquet file "
+                       rf"'{tmp_path / 'empty.parquet'}', JSONL file '{gz}'; give files"):  # fmt: skip
+        RowGroupIndex.scan(files, "text")
+    # An empty file among others is no error: it has no groups.
+    write(tmp_path / "x.jsonl", docs(20), "none")
+    assert RowGroupIndex.scan([str(empty), str(tmp_path / "x.jsonl")], "text").total_rows == 20
 
 
 # ---------------------------------------------------------------------------------------------- round trips
