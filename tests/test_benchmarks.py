@@ -32,6 +32,7 @@ EXPECTED = {
     "token_budget.py": ("budget-free", "padding-free / padded tokens/s"),
     "token_cache.py": ("read() MB/s", "store of 1 M tokens uint32"),
     "cached_pass.py": ("cached / tok", "cached / tokenizing useful tokens/s"),
+    "setup_scale.py": ("cache, again", "files holding the same text"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
 MIN_VERDICTS = {
@@ -45,6 +46,7 @@ MIN_VERDICTS = {
     "token_budget.py": 8,
     "token_cache.py": 4,
     "cached_pass.py": 3,  # 3 per packing; --quick runs bestfit_split alone (the full run: concat as well, 6)
+    "setup_scale.py": 3,  # one per configuration: no cache, a cache's first setup, its next
 }
 
 

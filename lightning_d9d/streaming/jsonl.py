@@ -18,7 +18,7 @@ import os
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -120,7 +120,7 @@ class JsonlLayout:
         return sum(group.num_rows for group in self.groups)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "groups"}
+        out: dict[str, Any] = {name: getattr(self, name) for name in _LAYOUT_FIELDS}
         out["groups"] = {name: [getattr(group, name) for group in self.groups] for name in _GROUP_FIELDS}
         return out
 
@@ -128,54 +128,91 @@ class JsonlLayout:
     def from_dict(cls, data: Any) -> JsonlLayout:
         """Read a layout written by :meth:`to_dict`; ValueError for a bad field or groups that do not tile the file."""
         try:
-            columns = data["groups"]
-            lists = [columns[name] for name in _GROUP_FIELDS]
-            if not all(isinstance(values, list) and len(values) == len(lists[0]) for values in lists):
-                raise ValueError("group fields of unequal lengths")
-            groups = tuple(JsonlGroup(*values) for values in zip(*lists))
-            layout = cls(
-                path=data["path"],
-                size=data["size"],
-                mtime_ns=data["mtime_ns"],
-                digest=data["digest"],
-                compression=data["compression"],
-                frames=data["frames"],
-                uncompressed_size=data["uncompressed_size"],
-                group_bytes=data["group_bytes"],
-                groups=groups,
-            )
+            files: dict[str, Any] = {name: [data[name]] for name in _LAYOUT_FIELDS}
+            groups = data["groups"]
+            files["groups"] = [len(groups["start"])]
         except (KeyError, TypeError) as err:
             raise ValueError(f"not a JSONL layout: {err!r}") from err
-        layout._check()
-        return layout
+        return layouts_from_columns({"files": files, "groups": groups})[0]
 
-    def _check(self) -> None:
-        def integer(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
-        if not (isinstance(self.path, str) and isinstance(self.digest, str) and len(self.digest) == 64):
-            raise ValueError("not a JSONL layout: bad path or digest")
-        if self.compression not in ("none", "gzip", "zstd"):
-            raise ValueError(f"not a JSONL layout: compression {self.compression!r}")
-        numbers = (self.size, self.frames, self.uncompressed_size, self.group_bytes)
-        if not all(map(integer, numbers)) or (self.mtime_ns is not None and not integer(self.mtime_ns)):
-            raise ValueError("not a JSONL layout: sizes must be integers >= 0")
-        position, line = 0, 0
-        for group in self.groups:
-            if not all(integer(getattr(group, name)) for name in _GROUP_FIELDS):
-                raise ValueError(f"not a JSONL layout: bad group {group}")
-            frames_ok = (
-                group.frame_start <= group.start and group.frame_offset < group.frame_stop <= self.size
-                if self.compression != "none"
-                else group.frame_offset == group.frame_start == 0 and group.frame_stop == self.size
-            )
-            if group.start != position or group.stop <= group.start or group.first_line != line:
-                raise ValueError(f"not a JSONL layout: group {group} does not follow byte {position}, line {line}")
-            if not 1 <= group.num_rows <= group.stop - group.start or not frames_ok:
-                raise ValueError(f"not a JSONL layout: inconsistent group {group}")
-            position, line = group.stop, line + group.num_rows
-        if position != self.uncompressed_size:
-            raise ValueError(f"not a JSONL layout: the groups end at {position}, not {self.uncompressed_size}")
+_LAYOUT_FIELDS = ("path", "size", "mtime_ns", "digest", "compression", "frames", "uncompressed_size", "group_bytes")
+
+
+def layouts_to_columns(layouts: Sequence[JsonlLayout]) -> dict[str, Any]:
+    """Many layouts as JSON-serialisable columns: per file its fields and group count, then every group's fields."""
+    files: dict[str, Any] = {name: [getattr(layout, name) for layout in layouts] for name in _LAYOUT_FIELDS}
+    files["groups"] = [len(layout.groups) for layout in layouts]
+    groups = {name: [getattr(g, name) for layout in layouts for g in layout.groups] for name in _GROUP_FIELDS}
+    return {"files": files, "groups": groups}
+
+
+def layouts_from_columns(data: Any) -> list[JsonlLayout]:
+    """Read layouts written by :func:`layouts_to_columns`, checked all at once; ValueError for a bad field or a file
+    whose groups do not tile its text (consecutive bytes and lines, frames inside the file)."""
+    try:
+        files, groups = data["files"], data["groups"]
+        file_columns = [files[name] for name in (*_LAYOUT_FIELDS, "groups")]
+        group_columns = [groups[name] for name in _GROUP_FIELDS]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"not a JSONL layout: {err!r}") from err
+    _check_columns(file_columns, group_columns)
+    paths, sizes, times, digests, compressions, frames, uncompressed, group_bytes, counts = file_columns
+    made = list(map(JsonlGroup, *group_columns))
+    out, at = [], 0
+    for i, count in enumerate(counts):
+        out.append(JsonlLayout(paths[i], sizes[i], times[i], digests[i], compressions[i], frames[i], uncompressed[i],
+                               group_bytes[i], tuple(made[at : at + count])))  # fmt: skip
+        at += count
+    return out
+
+
+def _check_columns(files: list[Any], groups: list[Any]) -> None:
+    """Raise ValueError unless the columns describe sound layouts (see :func:`layouts_from_columns`)."""
+
+    def integers(values: Any, none: bool = False) -> bool:
+        return all((type(v) is int and v >= 0) or (none and v is None) for v in values)
+
+    if not all(isinstance(column, list) for column in (*files, *groups)):
+        raise ValueError("not a JSONL layout: its fields must be lists")
+    if len({len(column) for column in files}) != 1 or len({len(column) for column in groups}) != 1:
+        raise ValueError("not a JSONL layout: fields of unequal lengths")
+    paths, sizes, times, digests, compressions, frames, uncompressed, group_bytes, counts = files
+    if not all(isinstance(path, str) for path in paths) or not all(
+        isinstance(d, str) and len(d) == 64 for d in digests
+    ):
+        raise ValueError("not a JSONL layout: bad path or digest")
+    if not set(compressions) <= {"none", "gzip", "zstd"}:
+        raise ValueError(f"not a JSONL layout: compression {sorted(set(compressions), key=str)!r}")
+    if not all(map(integers, (sizes, frames, uncompressed, group_bytes, counts, *groups))) or not integers(times, True):
+        raise ValueError("not a JSONL layout: sizes must be integers >= 0")
+    if sum(counts) != len(groups[0]):
+        raise ValueError("not a JSONL layout: the group counts do not add up")
+    if not groups[0]:
+        if any(uncompressed):
+            raise ValueError("not a JSONL layout: a file with text has no groups")
+        return
+    start, stop, first_line, rows, frame_offset, frame_start, frame_stop = (np.asarray(c, np.int64) for c in groups)
+    counts_array = np.asarray(counts, np.int64)
+    of_file = np.repeat(np.arange(len(counts)), counts_array)
+    first = np.zeros(len(start), bool)
+    first[(np.cumsum(counts_array) - counts_array)[counts_array > 0]] = True
+    # Each group begins where the one before it in its file ends (the first at byte 0, line 0).
+    previous_stop = np.where(first, 0, np.concatenate([[0], stop[:-1]]))
+    previous_line = np.where(first, 0, np.concatenate([[0], (first_line + rows)[:-1]]))
+    if np.any(start != previous_stop) or np.any(first_line != previous_line) or np.any(stop <= start):
+        raise ValueError("not a JSONL layout: its groups do not follow one another")
+    if np.any(rows < 1) or np.any(rows > stop - start):
+        raise ValueError("not a JSONL layout: a group's line count does not fit its bytes")
+    size, plain = np.asarray(sizes, np.int64)[of_file], np.asarray(compressions, object)[of_file] == "none"
+    framed = (frame_start <= start) & (frame_offset < frame_stop) & (frame_stop <= size)
+    whole = (frame_offset == 0) & (frame_start == 0) & (frame_stop == size)
+    if not np.all(np.where(plain, whole, framed)):
+        raise ValueError("not a JSONL layout: a group's frames lie outside its file")
+    ends = np.zeros(len(counts), np.int64)
+    ends[counts_array > 0] = stop[np.cumsum(counts_array)[counts_array > 0] - 1]  # each file's last group's stop
+    if np.any(ends != np.asarray(uncompressed, np.int64)):
+        raise ValueError("not a JSONL layout: the groups do not end where the text does")
 
 
 # ---------------------------------------------------------------------------------------------- decompression

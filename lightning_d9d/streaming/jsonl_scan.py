@@ -44,6 +44,8 @@ from lightning_d9d.streaming.jsonl import (
     _decompressed,
     _Frames,
     compression_of,
+    layouts_from_columns,
+    layouts_to_columns,
 )
 from lightning_d9d.streaming.storage import Storage, canonical, redact
 
@@ -290,21 +292,16 @@ class _Records:
         wanted = {file.identity["path"]: i for i, file in enumerate(self.files)}
         listed = self._read(self.list_record)
         self.list_found = listed is not None
-        for data in (listed or {}).get("layouts", []) if isinstance(listed, dict) else []:
-            self._take(data, wanted, layouts)
+        for layout in _layouts(listed, own=False):
+            self._take(layout, wanted, layouts)
         for i, file in enumerate(self.files):
             if layouts[i] is None and file.identity["size"] >= OWN_RECORD_BYTES and self.usable:
-                record = self._read(self.own_record(file))
-                if isinstance(record, dict):
-                    self._take(record.get("layout"), wanted, layouts)
+                for layout in _layouts(self._read(self.own_record(file)), own=True):
+                    self._take(layout, wanted, layouts)
         return layouts
 
-    def _take(self, data: Any, wanted: dict[str, int], layouts: list[JsonlLayout | None]) -> None:
-        """Put the layout ``data`` holds where its file is wanted, if it is sound and of the file as it is now."""
-        try:
-            layout = JsonlLayout.from_dict(data)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return  # corrupt or written by another version: rebuilt, never trusted
+    def _take(self, layout: JsonlLayout, wanted: dict[str, int], layouts: list[JsonlLayout | None]) -> None:
+        """Put ``layout`` where its file is wanted, if it is of the file as it is now."""
         i = wanted.get(layout.path)
         if i is None:
             return
@@ -339,7 +336,7 @@ class _Records:
             for i in scanned:
                 if self.files[i].identity["size"] >= OWN_RECORD_BYTES:
                     self._write(self.own_record(self.files[i]), {"layout": layouts[i].to_dict()})
-            self._write(self.list_record, {"layouts": [layout.to_dict() for layout in layouts]})
+            self._write(self.list_record, layouts_to_columns(layouts))
         except (OSError, pa.ArrowException) as err:
             # The layouts are good without their copy: a cache that cannot be written costs the next start a scan.
             self._broken(f"cannot write to it ({err})")
@@ -383,3 +380,14 @@ class _Records:
 
 def _nothing() -> None:
     pass
+
+
+def _layouts(record: Any, own: bool) -> list[JsonlLayout]:
+    """The layouts a record (a file's ``own`` or a list's) holds; none where it is missing, corrupt or of another
+    version: those files are scanned, the record is never trusted."""
+    if record is None:
+        return []
+    try:
+        return [JsonlLayout.from_dict(record["layout"])] if own else layouts_from_columns(record)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []

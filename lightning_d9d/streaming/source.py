@@ -383,14 +383,14 @@ class RowGroupIndex:
             if skipped:
                 _warn_malformed(path, span.first_line, span.num_rows, skipped)
             return column, lambda: self.describe(group), key if keyed else None
-        if keyed:
+        if keyed or kept is not None:  # decoded from the bytes hashed (this read's, or the lookup's just before)
             metadata, span, data, size = kept if kept is not None else self._parquet_chunk(group)
             try:
                 column = decode_chunk(metadata, in_file, self.text_column, span, data, size)
             except (pa.ArrowException, OSError) as err:
                 raise ValueError(f"cannot read {self.describe(group)}: {err}") from err
             if column is not None:
-                return plain_strings(column), lambda: self.describe(group), chunk_key(span, data)
+                return plain_strings(column), lambda: self.describe(group), chunk_key(span, data) if keyed else None
         text_column = self.text_column
         table = self._parquet_io(group, lambda pf, _, g: pf.read_row_group(g, columns=[text_column]))
         return plain_strings(table.column(0)), lambda: self.describe(group), None

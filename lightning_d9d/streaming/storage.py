@@ -257,9 +257,12 @@ class Storage:
         """:meth:`filesystem` of every spec, each S3 filesystem made once for all URLs of the same options (making
         one reads the AWS configuration); ValueError as :meth:`filesystem`."""
         made: dict[tuple[str, str, str], pafs.FileSystem] = {}
-        out = []
+        out: list[tuple[pafs.FileSystem, str]] = []
+        local = pafs.LocalFileSystem()
         for spec in specs:
-            if "://" in spec and spec.split("://", 1)[0].lower() in ("s3", "s3a"):
+            if "://" not in spec:
+                out.append((local, os.path.abspath(os.path.expanduser(spec))))
+            elif spec.split("://", 1)[0].lower() in ("s3", "s3a"):
                 scheme, userinfo, path, query = parse_url(spec)
                 fs = made.get((scheme, userinfo, query))
                 if fs is None:

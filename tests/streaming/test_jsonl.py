@@ -553,13 +553,14 @@ def test_a_corrupt_cache_entry_is_rebuilt_never_trusted(tmp_path: Path, damage: 
     elif damage == "truncated":
         entry.write_text(text[: len(text) // 2])
     elif damage == "groups that do not tile":
-        data["layouts"][0]["groups"]["num_rows"][0] += 1
+        data["groups"]["num_rows"][0] += 1
         entry.write_text(json.dumps(data))
     else:
         data["version"] = 99
         entry.write_text(json.dumps(data))
     assert scan_jsonl(str(path), STORAGE, group_bytes=800, cache_dir=str(cache)) == layout
-    assert json.loads(entry.read_text())["layouts"] == [layout.to_dict()]  # rewritten whole
+    assert JsonlLayout.from_dict(layout.to_dict()) == layout
+    assert json.loads(entry.read_text())["files"]["digest"] == [layout.digest]  # rewritten whole
 
 
 def test_an_unusable_cache_warns_once_and_the_layouts_are_still_given(tmp_path: Path) -> None:

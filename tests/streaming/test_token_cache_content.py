@@ -252,3 +252,20 @@ def test_a_damaged_jsonl_entry_is_named_by_its_file_and_lines(root: Path, tmp_pa
     entry.write_bytes(entry.read_bytes()[:-3])
     with pytest.warns(TokenCacheWarning, match=rf"\(JSONL file '{data / 'part-1.jsonl'}', lines 1\.\.{ROWS}\)"):
         assert run_steps(datamodule(root, data, cache), STEPS) == want
+
+
+def test_inspects_coverage_reads_no_text(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    for file in range(FILES):
+        write_parquet_file(data / f"part-{file}.parquet", texts_of(root, file), "zstd", row_group_size=ROWS // 2)
+    dm = datamodule(root, data, cache)
+    (line,) = dm.token_cache_report()
+    assert f"source 'train': 0 of {2 * FILES} units cached (0 %), 0.0 MiB" in line, line
+    run_steps(dm, 3)  # the units read whole are cached
+    (next(cache.rglob("*.tok"))).unlink()  # and one is not
+    stored = len(list(cache.rglob("*.tok")))
+    assert 0 < stored < 2 * FILES
+    monkeypatch.setattr(RowGroupIndex, "content_key", lambda *_: pytest.fail("inspect read a unit's text"))
+    (line,) = datamodule(root, data, cache).token_cache_report()
+    share = round(100 * stored / (2 * FILES))
+    assert f"{stored} of {2 * FILES} units cached ({share} %)" in line, line
