@@ -415,12 +415,13 @@ class TokenCache:
         """A message naming the other versions under ``root`` and how their keys differ, or ``None``; OSError as
         :meth:`coverage`. Every process computes the same message: say it once per run.
         """
-        others = self.other_versions()
+        formats: dict[str, Any] = {}
+        others = _version_keys(*self._filesystem(), skip=self.digest, formats=formats)
         if not others:
             return None
         fs, _ = self._filesystem()
         exists = fs.get_file_info(self._path(MANIFEST)).type != pafs.FileType.NotFound
-        return _versions_message(canonical(self.root), others, self.key, self.digest, exists)
+        return _versions_message(canonical(self.root), others, formats, self.key, self.digest, exists)
 
     def _count(self, **amounts: int) -> None:
         with self._lock:
@@ -437,7 +438,8 @@ def _version_digest(key: Any, vocab_size: int) -> str:
     return digest(identity)
 
 
-def _version_keys(fs: pafs.FileSystem, base: str, skip: str) -> dict[str, Any]:
+def _version_keys(fs: pafs.FileSystem, base: str, skip: str, formats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{folder: key}`` of the versions under ``base`` but ``skip``; ``formats`` (if given) gets their formats."""
     out: dict[str, Any] = {}
     for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
         name = info.base_name
@@ -445,16 +447,23 @@ def _version_keys(fs: pafs.FileSystem, base: str, skip: str) -> dict[str, Any]:
             continue
         try:
             with fs.open_input_stream(f"{base}/{name}/{MANIFEST}") as manifest:
-                out[name] = json.loads(manifest.read()).get("key")
+                data = json.loads(manifest.read())
+            out[name] = data.get("key")
+            if formats is not None:
+                formats[name] = data.get("format")
         except (OSError, ValueError, AttributeError):
             out[name] = None
     return out
 
 
-def _versions_message(root: str, others: Mapping[str, Any], key: Any, digest: str, exists: bool) -> str:
+def _versions_message(
+    root: str, others: Mapping[str, Any], formats: Mapping[str, Any], key: Any, digest: str, exists: bool
+) -> str:
     described = []
     for name, their_key in sorted(others.items()):
         differs = _differences(key, their_key)
+        if formats.get(name, FORMAT_VERSION) != FORMAT_VERSION:
+            differs.append("entry format")
         described.append(f"{name} (differs in {', '.join(differs)})" if differs else name)
     state = "continues" if exists else "starts"
     return (

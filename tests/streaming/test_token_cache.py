@@ -457,6 +457,14 @@ def test_a_changed_key_misses_and_says_so_once(tmp_path: Path) -> None:
         TokenCache(str(tmp_path), Storage(), {"tokenizer": object()}, vocab_size=10)
 
 
+def test_a_version_of_an_older_entry_format_is_said_to_be_one(tmp_path: Path) -> None:
+    cache = TokenCache(str(tmp_path), Storage(), KEY, vocab_size=1000)
+    older = tmp_path / ("0" * 16)
+    older.mkdir()
+    (older / "manifest.json").write_text(json.dumps({"format": 1, "key": KEY, "vocab_size": 1000}))
+    assert f"{'0' * 16} (differs in entry format)" in cache.describe_other_versions()
+
+
 def test_coverage_and_size(tmp_path: Path) -> None:
     cache = TokenCache(str(tmp_path), Storage(), KEY, vocab_size=1000)
     units = [make_unit(1000, docs=5, group=g, seed=g) for g in range(5)]
