@@ -542,7 +542,10 @@ _SHARED_RANGES = _RangeDigests()
 
 
 def _changed(path: str, why: str) -> ValueError:
-    return ValueError(f"JSONL file {redact(path)!r} changed since it was scanned ({why}): scan it again")
+    return ValueError(
+        f"JSONL file {redact(path)!r} changed since it was scanned ({why}): set up again to scan it anew (after an "
+        "edit that kept its size and modification time, touch it first, or its kept layout is reused)"
+    )
 
 
 def _parse(

@@ -310,6 +310,24 @@ def test_a_file_changed_since_its_scan_is_an_error_not_shifted_rows(tmp_path: Pa
         read_jsonl_group(str(path), STORAGE, layout, 1, "text")
 
 
+def test_a_kept_layout_outdated_by_an_edit_with_size_and_time_kept_is_an_error_until_touched(tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(100)]
+    path, cache = write(tmp_path / "x.jsonl", lines, "none"), str(tmp_path / "cache")
+    layout = scan_jsonl(str(path), STORAGE, group_bytes=200, cache_dir=cache)
+    stat = path.stat()
+    edited = bytearray(path.read_bytes())
+    edited[layout.groups[1].start + 3] = ord("\n")  # a line cut in two: same size, the group's lines move
+    path.write_bytes(bytes(edited))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    kept = scan_jsonl(str(path), STORAGE, group_bytes=200, cache_dir=cache)
+    assert kept == layout  # reused: size and time match
+    with pytest.raises(ValueError, match="changed since it was scanned .*touch it first"):
+        read_jsonl_group_keyed(str(path), STORAGE, kept, 1, "text", on_malformed="skip")
+    path.touch()
+    fresh = scan_jsonl(str(path), STORAGE, group_bytes=200, cache_dir=cache)
+    assert fresh != layout and fresh.num_lines == 101
+
+
 # ---------------------------------------------------------------------------------------------- content keys
 
 
