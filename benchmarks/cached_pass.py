@@ -9,8 +9,10 @@ and a byte-level BPE trained on it. For each packing, in this process's children
 1. three passes without a cache (tokenizing), two with an empty cache (tokenizing and storing: every stream reads
    all its units), then three with the cache they filled (reading it), and three more with the units' content keys
    given (what the cached pass costs without its content check: no read and hash of a unit's stored text before
-   its entry is looked up): useful tokens (document tokens in rows) per second over the passes after the first
-   (steady state), side by side;
+   its entry is looked up), three runs of each, in pairs: useful tokens (document tokens in rows) per second over
+   the passes after the first (steady state), side by side (cached: the median run; the check's cost: one minus
+   the median of the pairs' ratios); then, per unit, the content check's time beside the entry load's, each the
+   best of 5 rounds in one process;
 2. the first batch of a resume from the cache: a state saved half-way through, loaded by a fresh DataModule whose
    workers start from scratch, timed from ``iter()`` to the first batch;
 3. the cache's size on disk beside the parquet file's.
@@ -27,6 +29,7 @@ import hashlib
 import io
 import multiprocessing
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +48,7 @@ SPEEDUP_TARGET = 10.0
 RESUME_FIRST_BATCH_S = 1.0
 PASSES = 3  # per measured run: the first warms up (best-fit buffers fill, workers start), the others are timed
 CACHED_PASSES = 8  # cached passes are short: more of them to time
+PAIRS = 3  # cached runs with and without the content check
 # --quick only proves the script runs and judges its targets: one warm-up and one timed pass per run are enough.
 QUICK_PASSES = 2
 
@@ -187,19 +191,21 @@ def main() -> None:
             plain = in_child(_pass, files, tokenizer, packing, None, args, passes, inline=inline)
             # two passes with an empty cache: every stream reads all its units, so the cache is full after
             filling = in_child(_pass, files, tokenizer, packing, str(cache), args, 2, inline=inline)
-            # The cached pass with and without its content check, one after the other, twice in turn.
+            # The cached pass with and without its content check, one right after the other, in PAIRS pairs (the
+            # order swapped in every other pair): the median of the pairs' ratios.
             checked, unchecked = [], []
-            for _ in range(1 if inline else 2):
-                checked.append(in_child(_pass, files, tokenizer, packing, str(cache), args, cached_passes,
-                                        inline=inline))  # fmt: skip
-                unchecked.append(in_child(_pass, files, tokenizer, packing, str(cache), args, cached_passes, True,
-                                          inline=inline))  # fmt: skip
+            for pair in range(1 if inline else PAIRS):
+                for keys in (False, True) if pair % 2 == 0 else (True, False):
+                    run = in_child(_pass, files, tokenizer, packing, str(cache), args, cached_passes, keys,
+                                   inline=inline)  # fmt: skip
+                    (unchecked if keys else checked).append(run)
             cached = checked[0]
             resume = in_child(_resume, files, tokenizer, packing, str(cache), cached["state"], args, inline=inline)
             same = plain["digest"] == filling["digest"] == cached["digest"] == unchecked[0]["digest"]
-            cached_rate = sum(run["tokens_per_s"] for run in checked) / len(checked)
-            unchecked_rate = sum(run["tokens_per_s"] for run in unchecked) / len(unchecked)
-            speedup, check = cached_rate / plain["tokens_per_s"], 1 - cached_rate / unchecked_rate
+            cached_rate = statistics.median(run["tokens_per_s"] for run in checked)
+            unchecked_rate = statistics.median(run["tokens_per_s"] for run in unchecked)
+            pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(checked, unchecked)]
+            speedup, check = cached_rate / plain["tokens_per_s"], 1 - statistics.median(pairs)
             cache_mb = _size(cache) / 1e6
             print(f"{packing:<15}{plain['tokens_per_s']:>18,.0f}{filling['tokens_per_s']:>15,.0f}"
                   f"{cached_rate:>15,.0f}{speedup:>13.1f}x{unchecked_rate:>16,.0f}{100 * check:>12.1f}%"

@@ -2,13 +2,13 @@
 
 A one-off scan (``jsonl_scan.py``) cuts a file's text into *groups* of whole lines (a line is a row) of about
 ``group_bytes``, noting the compressed frames each group starts and ends in, so a read decompresses only those.
-A group is parsed by ``pyarrow.json`` after a cheap check that each non-blank line is one object, else line by line,
-which names the first malformed line (or, with ``on_malformed="skip"``, makes it a counted null row: row numbers
-never move). A group's *content key* (what names its cached tokens) is a digest of its stored range (its bytes in a
-plain file, its frames in a compressed one) and of the offsets that decide its decoding; a keyed read hashes the
-very bytes it decodes. Trade-off: in a single-frame file a group starts inside the one frame, so a pass costs about
-``G / 2`` full decompressions (and a keyed read hashes the whole file); multi-frame (``pzstd``, ``bgzip``) and plain
-files read only a group's bytes.
+A group is parsed by ``pyarrow.json`` after a cheap check that each non-blank line is one object, else (and when it
+has a few lines only) line by line by the standard library, which names the first malformed line (or, with
+``on_malformed="skip"``, makes it a counted null row: row numbers never move). A group's *content key* (what names
+its cached tokens) is a digest of its stored range (its bytes in a plain file, its frames in a compressed one) and
+of the offsets that decide its decoding; a keyed read hashes the very bytes it decodes. Trade-off: in a
+single-frame file a group starts inside the one frame, so a pass costs about ``G / 2`` full decompressions (and a
+keyed read hashes the whole file); multi-frame (``pzstd``, ``bgzip``) and plain files read only a group's bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ _GZIP_OUT_BYTES = 4 << 20
 _JSON_SPACE = b" \t\r\n"
 _OPEN_BRACE, _CLOSE_BRACE, _NEWLINE, _CR = ord("{"), ord("}"), ord("\n"), ord("\r")
 _BOM = b"\xef\xbb\xbf"
+# Groups of at most this many lines are parsed line by line (as the stdlib parses any line pyarrow's parse
+# refuses, so every group's texts are those the stdlib reads); many small files make many such groups.
+SMALL_GROUP_LINES = 32
 
 
 def compression_of(path: str) -> Compression:
@@ -561,6 +564,8 @@ def _parse(
     if len(ends) != span.num_rows or (span.stop != layout.uncompressed_size and not data.endswith(b"\n")):
         raise _changed(path, f"lines {span.first_line + 1}.. are {len(ends)}, not {span.num_rows}")
     starts = np.concatenate([[0], newlines[: len(ends) - 1] + 1])
+    if len(ends) <= SMALL_GROUP_LINES:  # pyarrow's parse has a fixed cost that the stdlib's beats on a few lines
+        return _parse_lines(data, starts, ends, span, path, text_column, on_malformed)
     # A line that is one JSON object starts with "{" and ends with "}" (before its "\r"); then no object can span
     # lines (a "}" that does not close it must be followed by "," or "}"), so pyarrow's rows are these lines'.
     lengths = ends - starts

@@ -101,6 +101,13 @@ def docs(count: int = 120) -> list[str]:
     return lines
 
 
+@pytest.fixture(params=["pyarrow", "line by line"])
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every group parsed by pyarrow, or line by line by the standard library (as a group of a few lines is)."""
+    monkeypatch.setattr(jsonl, "SMALL_GROUP_LINES", 0 if request.param == "pyarrow" else 10**9)
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------- names
 
 
@@ -148,7 +155,7 @@ def test_files_without_rows_are_named_with_their_format(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("end", ["\n", "\r\n"])
-def test_texts_come_back_one_row_per_line_in_every_group(tmp_path: Path, kind: str, end: str) -> None:
+def test_texts_come_back_one_row_per_line_in_every_group(tmp_path: Path, kind: str, end: str, parser: str) -> None:
     lines = docs()
     path = write(tmp_path / f"x{SUFFIX[kind]}", lines, kind, end)
     layout = scan_jsonl(str(path), STORAGE, group_bytes=1000)
@@ -196,7 +203,7 @@ def test_a_file_without_a_final_newline_keeps_its_last_line(tmp_path: Path, kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_long_lines_make_long_groups_and_cross_frames_and_pyarrow_blocks(tmp_path: Path, kind: str) -> None:
+def test_long_lines_make_long_groups_and_cross_frames_and_pyarrow_blocks(tmp_path: Path, kind: str, parser) -> None:
     long_text = "x" * (3 << 20)  # longer than a group, a frame and pyarrow's 1 MiB block
     lines = [json.dumps({"text": "short"}), json.dumps({"text": long_text}), "", json.dumps({"text": "é" * 5000})]
     path = write(tmp_path / f"x{SUFFIX[kind]}", lines, kind, frame_bytes=100_000)
@@ -448,7 +455,7 @@ def malformed_file(tmp_path: Path, bad: str, kind: str = "zstd-frames") -> tuple
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_a_malformed_line_is_one_error_naming_the_file_and_line(tmp_path: Path, case: str) -> None:
+def test_a_malformed_line_is_one_error_naming_the_file_and_line(tmp_path: Path, case: str, parser: str) -> None:
     bad, problem = MALFORMED[case]
     path, layout, _ = malformed_file(tmp_path, bad)
     group = next(g for g, span in enumerate(layout.groups) if span.first_line <= 37 < span.first_line + span.num_rows)
@@ -458,7 +465,7 @@ def test_a_malformed_line_is_one_error_naming_the_file_and_line(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_skipping_a_malformed_line_counts_it_as_a_null_row(tmp_path: Path, case: str) -> None:
+def test_skipping_a_malformed_line_counts_it_as_a_null_row(tmp_path: Path, case: str, parser: str) -> None:
     bad, _ = MALFORMED[case]
     path, layout, _ = malformed_file(tmp_path, bad)
     texts, skipped = [], 0
@@ -474,9 +481,10 @@ def test_skipping_a_malformed_line_counts_it_as_a_null_row(tmp_path: Path, case:
         assert skipped == 1 and texts == [*good[:37], None, *good[38:]]
 
 
-def test_a_line_reads_the_same_whether_its_group_is_parsed_by_pyarrow_or_line_by_line(tmp_path: Path) -> None:
+def test_a_line_reads_the_same_whether_its_group_is_parsed_by_pyarrow_or_line_by_line(tmp_path, monkeypatch) -> None:
     """A group with a malformed line is parsed by the standard library; what both parsers take, both read alike
     (NaN outside the text, bytes that are not UTF-8 outside the text, escapes)."""
+    monkeypatch.setattr(jsonl, "SMALL_GROUP_LINES", 0)  # the first group by pyarrow
     accepted = [b'{"text": "a", "score": NaN, "s": -Infinity}', b'{"text": "b", "junk": "\xff"}',
                 b'{"text": "\\u00e9\\ud83d\\ude42 \\"q\\" \\\\ \\/"}', b'  {"text" : "d"}  ', b"{}"]  # fmt: skip
     path = tmp_path / "x.jsonl"
