@@ -7,8 +7,12 @@ and a byte-level BPE trained on it. For each packing, in this process's children
 (``--workers`` DataLoader workers, K 16, seq_len 1024, G 64, m 8):
 
 1. three passes without a cache (tokenizing), two with an empty cache (tokenizing and storing: every stream reads
-   all its units), then three with the cache they filled (reading it): useful tokens (document tokens in rows)
-   per second over the passes after the first (steady state), side by side;
+   all its units), then three with the cache they filled (reading it), and three more with the units' content keys
+   given (what the cached pass costs without its content check: no read and hash of a unit's stored text before
+   its entry is looked up), three runs of each, in pairs: useful tokens (document tokens in rows) per second over
+   the passes after the first (steady state), side by side (cached: the median run; the check's cost: one minus
+   the median of the pairs' ratios); then, per unit, the content check's time beside the entry load's, each the
+   best of 5 rounds in one process;
 2. the first batch of a resume from the cache: a state saved half-way through, loaded by a fresh DataModule whose
    workers start from scratch, timed from ``iter()`` to the first batch;
 3. the cache's size on disk beside the parquet file's.
@@ -20,13 +24,16 @@ batch of a cached resume <= 1 s. Rows are checked to be the same in the three pa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import multiprocessing
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,6 +48,7 @@ SPEEDUP_TARGET = 10.0
 RESUME_FIRST_BATCH_S = 1.0
 PASSES = 3  # per measured run: the first warms up (best-fit buffers fill, workers start), the others are timed
 CACHED_PASSES = 8  # cached passes are short: more of them to time
+PAIRS = 3  # cached runs with and without the content check
 # --quick only proves the script runs and judges its targets: one warm-up and one timed pass per run are enough.
 QUICK_PASSES = 2
 
@@ -57,21 +65,43 @@ def _datamodule(files: str, tokenizer: str, packing: str, cache: str | None, arg
     return dm
 
 
-def _pass(conn, files: str, tokenizer: str, packing: str, cache: str | None, args: dict, passes: int) -> None:
+@contextlib.contextmanager
+def _known_keys(dm, given: bool) -> Iterator[None]:
+    """Where ``given``, every unit's content key up front (as a cache trusting its files would): the content check
+    left out. Patched on the class, before the loader's workers fork, so they inherit it; undone after."""
+    from lightning_d9d.streaming.source import RowGroupIndex
+
+    if not given:
+        yield
+        return
+    keys = {tuple(source.index.files): [source.index.content_key(g) for g in range(len(source.index))]
+            for source in dm.train_spec.sources}  # fmt: skip
+    real = RowGroupIndex.content_key
+    RowGroupIndex.content_key = lambda self, group: keys[tuple(self.files)][group]
+    try:
+        yield
+    finally:
+        RowGroupIndex.content_key = real
+
+
+def _pass(
+    conn, files: str, tokenizer: str, packing: str, cache: str | None, args: dict, passes: int, keys: bool = False
+) -> None:
     """In a fresh process: ``passes × args["steps"]`` steps; the rows of the first ``args["steps"]`` digested, a
     state saved half-way through them; useful tokens/s over the passes after the first (steady: best-fit buffers
-    full, workers running); the cache's coverage at the end."""
+    full, workers running); the cache's coverage at the end. ``keys``: the content keys given (:func:`_known_keys`)."""
     multiprocessing.set_start_method(None, force=True)  # workers start as a training script's do
     dm = _datamodule(files, tokenizer, packing, cache, {**args, "steps": passes * args["steps"]})
     per_pass = args["steps"] * dm.microbatches_per_step
     digest, state, start, before = hashlib.sha256(), None, time.perf_counter(), 0
-    for i, batch in enumerate(dm.train_dataloader()):
-        if i < per_pass:
-            digest.update(batch.input_ids.numpy().tobytes())
-        if i == per_pass // 2 - 1:
-            state = dm.state_dict()
-        if i == per_pass - 1:  # the timed part starts after the first pass
-            start, before = time.perf_counter(), dm.stream_stats()["emitted"]
+    with _known_keys(dm, keys):
+        for i, batch in enumerate(dm.train_dataloader()):
+            if i < per_pass:
+                digest.update(batch.input_ids.numpy().tobytes())
+            if i == per_pass // 2 - 1:
+                state = dm.state_dict()
+            if i == per_pass - 1:  # the timed part starts after the first pass
+                start, before = time.perf_counter(), dm.stream_stats()["emitted"]
     elapsed = time.perf_counter() - start
     useful = dm.stream_stats()["emitted"] - before
     covered = sum(source.cache.coverage(source.units).cached for source in dm.train_spec.sources if source.cache)
@@ -92,6 +122,34 @@ def _resume(conn, files: str, tokenizer: str, packing: str, cache: str, state: b
     next(iter(dm.train_dataloader()))
     conn.send(time.perf_counter() - start)
     dm.teardown("fit")
+
+
+def _lookups(conn, files: str, tokenizer: str, cache: str, args: dict, rounds: int) -> None:
+    """In a fresh process: per unit, the seconds its content check takes (read and hash its stored text chunk) and
+    those its entry's load takes (read, CRC-32s, structure checks), each the best of ``rounds`` interleaved rounds;
+    and the bytes hashed per unit."""
+    from lightning_d9d.streaming.content import text_chunk
+
+    dm = _datamodule(files, tokenizer, "concat", cache, args)
+    source = dm.train_spec.sources[0]
+    index, units = source.index, source.units
+    checks, loads = [float("inf")] * len(units), [float("inf")] * len(units)
+    hashed = 0
+    for _ in range(rounds):
+        for unit, (group, start, stop) in enumerate(zip(units.group.tolist(), units.start.tolist(),
+                                                        units.stop.tolist())):  # fmt: skip
+            began = time.perf_counter()
+            key = index.content_key(group)
+            checked = time.perf_counter()
+            found = source.cache.cache.load(*source.cache._where(group), start, stop, key)
+            loaded = time.perf_counter()
+            assert found is not None, "every unit is cached"
+            index._taken(group)  # drop the bytes kept for a read that does not follow
+            checks[unit], loads[unit] = min(checks[unit], checked - began), min(loads[unit], loaded - checked)
+    for group in units.group.tolist():
+        metadata = index._handle(int(index.file_of[group]))[0].metadata
+        hashed += text_chunk(metadata, int(index.group_in_file[group]), index.text_column).length
+    conn.send({"check": sum(checks) / len(units), "load": sum(loads) / len(units), "bytes": hashed / len(units)})
 
 
 def _size(path: Path) -> int:
@@ -126,22 +184,35 @@ def main() -> None:
               f"tokens, parquet {parquet_mb:.1f} MB; {args['steps']} steps of {args['global_batch']} rows x "
               f"{args['seq_len'] + 1} tokens, {options.workers} workers")  # fmt: skip
         print(f"{'packing':<15}{'tokenizing tok/s':>18}{'filling tok/s':>15}{'cached tok/s':>15}{'cached / tok':>14}"
-              f"{'resume 1st s':>14}{'cache MB':>10}")  # fmt: skip
+              f"{'no check tok/s':>16}{'check costs':>13}{'resume 1st s':>14}{'cache MB':>10}")  # fmt: skip
         verdicts = []
         for packing in options.packings.split(","):
             cache = root / f"cache-{packing}"
             plain = in_child(_pass, files, tokenizer, packing, None, args, passes, inline=inline)
             # two passes with an empty cache: every stream reads all its units, so the cache is full after
             filling = in_child(_pass, files, tokenizer, packing, str(cache), args, 2, inline=inline)
-            cached = in_child(_pass, files, tokenizer, packing, str(cache), args, cached_passes, inline=inline)
+            # The cached pass with and without its content check, one right after the other, in PAIRS pairs (the
+            # order swapped in every other pair): the median of the pairs' ratios.
+            checked, unchecked = [], []
+            for pair in range(1 if inline else PAIRS):
+                for keys in (False, True) if pair % 2 == 0 else (True, False):
+                    run = in_child(_pass, files, tokenizer, packing, str(cache), args, cached_passes, keys,
+                                   inline=inline)  # fmt: skip
+                    (unchecked if keys else checked).append(run)
+            cached = checked[0]
             resume = in_child(_resume, files, tokenizer, packing, str(cache), cached["state"], args, inline=inline)
-            same = plain["digest"] == filling["digest"] == cached["digest"]
-            speedup = cached["tokens_per_s"] / plain["tokens_per_s"]
+            same = plain["digest"] == filling["digest"] == cached["digest"] == unchecked[0]["digest"]
+            cached_rate = statistics.median(run["tokens_per_s"] for run in checked)
+            unchecked_rate = statistics.median(run["tokens_per_s"] for run in unchecked)
+            pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(checked, unchecked)]
+            speedup, check = cached_rate / plain["tokens_per_s"], 1 - statistics.median(pairs)
             cache_mb = _size(cache) / 1e6
             print(f"{packing:<15}{plain['tokens_per_s']:>18,.0f}{filling['tokens_per_s']:>15,.0f}"
-                  f"{cached['tokens_per_s']:>15,.0f}{speedup:>13.1f}x{resume:>14.2f}{cache_mb:>10.1f}")  # fmt: skip
+                  f"{cached_rate:>15,.0f}{speedup:>13.1f}x{unchecked_rate:>16,.0f}{100 * check:>12.1f}%"
+                  f"{resume:>14.2f}{cache_mb:>10.1f}")  # fmt: skip
             verdicts += [
-                (same, f"{packing}: the same rows tokenizing, filling and cached (target: identical)"),
+                (same, f"{packing}: the same rows tokenizing, filling, cached and cached without the content check "
+                 "(target: identical)"),
                 (speedup >= SPEEDUP_TARGET, f"{packing}: cached / tokenizing useful tokens/s {speedup:.1f}x "
                  f"(target >= {SPEEDUP_TARGET:.0f}x)"),
                 (resume <= RESUME_FIRST_BATCH_S, f"{packing}: first batch of a cached resume {resume:.2f} s "
@@ -149,6 +220,12 @@ def main() -> None:
             ]  # fmt: skip
             print(f"  cache / parquet size: {cache_mb / parquet_mb:.2f}; units cached after filling: "
                   f"{filling['covered']} of {filling['units']}")  # fmt: skip
+            if packing == options.packings.split(",")[0]:
+                lookup = in_child(_lookups, files, tokenizer, str(cache), args, 1 if inline else 5, inline=inline)
+                print(f"  per unit: content check {lookup['check'] * 1e3:.2f} ms ({lookup['bytes'] / 1e3:.0f} kB of "
+                      f"stored text read and hashed, {lookup['bytes'] / lookup['check'] / 1e6:.0f} MB/s), entry load "
+                      f"{lookup['load'] * 1e3:.2f} ms: the check is {lookup['check'] / lookup['load']:.2f}x a "
+                      "lookup's own cost")  # fmt: skip
         print_verdicts(verdicts)
     finally:
         shutil.rmtree(root, ignore_errors=True)

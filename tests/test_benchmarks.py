@@ -35,6 +35,7 @@ EXPECTED = {
     "schedule.py": ("scheduled / fixed tok/s", "scheduled / fixed-shape useful tokens/s"),
     "cached_loaders.py": ("memmap copy loop, 1 process", "bestfit_split, 2 workers / concat, 2 workers"),
     "provenance.py": ("provenance s", "MiB per 10^5 steps"),
+    "setup_scale.py": ("cache, again", "files holding the same text"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
 MIN_VERDICTS = {
@@ -51,6 +52,7 @@ MIN_VERDICTS = {
     "schedule.py": 8,  # 8 per packing; --quick runs bestfit_split alone
     "cached_loaders.py": 5,  # 3 targets and 2 identical-rows checks; litdata adds one where it is installed
     "provenance.py": 2,
+    "setup_scale.py": 3,  # one per configuration: no cache, a cache's first setup, its next
 }
 
 

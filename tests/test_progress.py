@@ -12,7 +12,7 @@ from support import make_docs, stream_spec, train_tokenizer, write_parquet
 
 from lightning_d9d import progress
 from lightning_d9d.streaming.estimate import estimate_pass
-from lightning_d9d.streaming.jsonl import scan_jsonl
+from lightning_d9d.streaming.jsonl_scan import scan_jsonl
 from lightning_d9d.streaming.source import RowGroupIndex
 
 

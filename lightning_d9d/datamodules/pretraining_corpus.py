@@ -22,7 +22,7 @@ from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
 from lightning_d9d.streaming.storage import Storage, canonical, redact
-from lightning_d9d.streaming.token_cache import StreamCache, TokenCache
+from lightning_d9d.streaming.token_cache import StreamCache, TokenCache, usable_root
 from lightning_d9d.streaming.tokenize import LONG_DOCUMENT_CHARS
 from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
 
@@ -75,7 +75,7 @@ class PretrainingCorpus:
     """The loaded tokenizer and the settings, which turn sources into specs.
 
     Raises:
-        ValueError: the tokenizer lacks ``bos_token``.
+        ValueError: the tokenizer lacks ``bos_token``; ``token_cache`` is a file or lies inside one.
     """
 
     def __init__(
@@ -96,7 +96,9 @@ class PretrainingCorpus:
                 f"{special}: pass one of them as bos_token or add it to the tokenizer"
             )
         self.settings, self.storage, self.bos_id = settings, storage, bos_id
-        self.token_cache, self.on_malformed = token_cache, on_malformed
+        # A cache whose storage cannot be reached is left out for this run (one warning), for every format alike.
+        self.token_cache = usable_root(token_cache, storage) if token_cache is not None else None
+        self.on_malformed = on_malformed
         self.tokenizer_json = loaded.to_str()
         self.vocab_size = loaded.get_vocab_size(with_added_tokens=True)
         self.pad_id = pad_token_id(loaded, avoid=bos_id)  # BOS marks document starts, so padding must not use it
@@ -202,6 +204,8 @@ def file_identity(path: str) -> str:
 
 def check_shared_files(resolved: Sequence[tuple[str, Sequence[str]]], what: str) -> None:
     """Raise ValueError when a file belongs to two of the ``(source name, files)`` pairs."""
+    if len(resolved) < 2:
+        return  # one source: nothing to share (its list holds each path once)
     owners: dict[str, tuple[str, str]] = {}
     shared: dict[tuple[str, str], list[str]] = {}
     for name, files in resolved:

@@ -87,7 +87,8 @@ class PretrainingReports:
         self._cache_said = True
         if rank_zero_only.rank != 0:  # only rank 0 speaks: the others need not list the cache at all
             return
-        for message in dict.fromkeys(m for source in spec.sources for m in source.cache.changes()):
+        caches = [source.cache for source in spec.sources if source.cache is not None]  # None: unreachable, left out
+        for message in dict.fromkeys(m for cache in caches for m in cache.changes()):
             rank_zero_warn(message)
 
     def token_cache_report(self) -> list[str]:

@@ -1,24 +1,24 @@
 """JSONL: compressed or plain JSON-lines files as groups of whole lines, read like parquet row groups.
 
-A one-off scan hashes a file and cuts its text into *groups* of whole lines (a line is a row) of about
+A one-off scan (``jsonl_scan.py``) cuts a file's text into *groups* of whole lines (a line is a row) of about
 ``group_bytes``, noting the compressed frames each group starts and ends in, so a read decompresses only those.
-A group is parsed by ``pyarrow.json`` after a cheap check that each non-blank line is one object, else line by line,
-which names the first malformed line (or, with ``on_malformed="skip"``, makes it a counted null row: row numbers
-never move). Trade-off: in a single-frame file a group starts inside the one frame, so a pass costs about ``G / 2``
-full decompressions; multi-frame (``pzstd``, ``bgzip``) and plain files read only a group's bytes.
+A group is parsed by ``pyarrow.json`` after a cheap check that each non-blank line is one object, else (and when it
+has a few lines only) line by line by the standard library, which names the first malformed line (or, with
+``on_malformed="skip"``, makes it a counted null row: row numbers never move). A group's *content key* (what names
+its cached tokens) is a digest of its stored range (its bytes in a plain file, its frames in a compressed one) and
+of the offsets that decide its decoding; a keyed read hashes the very bytes it decodes. Trade-off: in a
+single-frame file a group starts inside the one frame, so a pass costs about ``G / 2`` full decompressions (and a
+keyed read hashes the whole file); multi-frame (``pzstd``, ``bgzip``) and plain files read only a group's bytes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import hashlib
 import json
 import os
-import tempfile
-import warnings
+import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,7 +28,7 @@ import pyarrow.fs as pafs
 import pyarrow.json as pajson
 import zstandard
 
-from lightning_d9d.progress import byte_progress
+from lightning_d9d.digest import content_key, hasher
 from lightning_d9d.streaming.storage import Storage, StorageError, canonical, redact
 
 # The suffixes of JSONL files (matched case-insensitively) and their compression. Plain ``.json`` is left out: it
@@ -56,7 +56,9 @@ _GZIP_OUT_BYTES = 4 << 20
 _JSON_SPACE = b" \t\r\n"
 _OPEN_BRACE, _CLOSE_BRACE, _NEWLINE, _CR = ord("{"), ord("}"), ord("\n"), ord("\r")
 _BOM = b"\xef\xbb\xbf"
-_CACHE_VERSION = 1
+# Groups of at most this many lines are parsed line by line (as the stdlib parses any line pyarrow's parse
+# refuses, so every group's texts are those the stdlib reads); many small files make many such groups.
+SMALL_GROUP_LINES = 32
 
 
 def compression_of(path: str) -> Compression:
@@ -121,7 +123,7 @@ class JsonlLayout:
         return sum(group.num_rows for group in self.groups)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "groups"}
+        out: dict[str, Any] = {name: getattr(self, name) for name in _LAYOUT_FIELDS}
         out["groups"] = {name: [getattr(group, name) for group in self.groups] for name in _GROUP_FIELDS}
         return out
 
@@ -129,54 +131,91 @@ class JsonlLayout:
     def from_dict(cls, data: Any) -> JsonlLayout:
         """Read a layout written by :meth:`to_dict`; ValueError for a bad field or groups that do not tile the file."""
         try:
-            columns = data["groups"]
-            lists = [columns[name] for name in _GROUP_FIELDS]
-            if not all(isinstance(values, list) and len(values) == len(lists[0]) for values in lists):
-                raise ValueError("group fields of unequal lengths")
-            groups = tuple(JsonlGroup(*values) for values in zip(*lists))
-            layout = cls(
-                path=data["path"],
-                size=data["size"],
-                mtime_ns=data["mtime_ns"],
-                digest=data["digest"],
-                compression=data["compression"],
-                frames=data["frames"],
-                uncompressed_size=data["uncompressed_size"],
-                group_bytes=data["group_bytes"],
-                groups=groups,
-            )
+            files: dict[str, Any] = {name: [data[name]] for name in _LAYOUT_FIELDS}
+            groups = data["groups"]
+            files["groups"] = [len(groups["start"])]
         except (KeyError, TypeError) as err:
             raise ValueError(f"not a JSONL layout: {err!r}") from err
-        layout._check()
-        return layout
+        return layouts_from_columns({"files": files, "groups": groups})[0]
 
-    def _check(self) -> None:
-        def integer(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
-        if not (isinstance(self.path, str) and isinstance(self.digest, str) and len(self.digest) == 64):
-            raise ValueError("not a JSONL layout: bad path or digest")
-        if self.compression not in ("none", "gzip", "zstd"):
-            raise ValueError(f"not a JSONL layout: compression {self.compression!r}")
-        numbers = (self.size, self.frames, self.uncompressed_size, self.group_bytes)
-        if not all(map(integer, numbers)) or (self.mtime_ns is not None and not integer(self.mtime_ns)):
-            raise ValueError("not a JSONL layout: sizes must be integers >= 0")
-        position, line = 0, 0
-        for group in self.groups:
-            if not all(integer(getattr(group, name)) for name in _GROUP_FIELDS):
-                raise ValueError(f"not a JSONL layout: bad group {group}")
-            frames_ok = (
-                group.frame_start <= group.start and group.frame_offset < group.frame_stop <= self.size
-                if self.compression != "none"
-                else group.frame_offset == group.frame_start == 0 and group.frame_stop == self.size
-            )
-            if group.start != position or group.stop <= group.start or group.first_line != line:
-                raise ValueError(f"not a JSONL layout: group {group} does not follow byte {position}, line {line}")
-            if not 1 <= group.num_rows <= group.stop - group.start or not frames_ok:
-                raise ValueError(f"not a JSONL layout: inconsistent group {group}")
-            position, line = group.stop, line + group.num_rows
-        if position != self.uncompressed_size:
-            raise ValueError(f"not a JSONL layout: the groups end at {position}, not {self.uncompressed_size}")
+_LAYOUT_FIELDS = ("path", "size", "mtime_ns", "digest", "compression", "frames", "uncompressed_size", "group_bytes")
+
+
+def layouts_to_columns(layouts: Sequence[JsonlLayout]) -> dict[str, Any]:
+    """Many layouts as JSON-serialisable columns: per file its fields and group count, then every group's fields."""
+    files: dict[str, Any] = {name: [getattr(layout, name) for layout in layouts] for name in _LAYOUT_FIELDS}
+    files["groups"] = [len(layout.groups) for layout in layouts]
+    groups = {name: [getattr(g, name) for layout in layouts for g in layout.groups] for name in _GROUP_FIELDS}
+    return {"files": files, "groups": groups}
+
+
+def layouts_from_columns(data: Any) -> list[JsonlLayout]:
+    """Read layouts written by :func:`layouts_to_columns`, checked all at once; ValueError for a bad field or a file
+    whose groups do not tile its text (consecutive bytes and lines, frames inside the file)."""
+    try:
+        files, groups = data["files"], data["groups"]
+        file_columns = [files[name] for name in (*_LAYOUT_FIELDS, "groups")]
+        group_columns = [groups[name] for name in _GROUP_FIELDS]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"not a JSONL layout: {err!r}") from err
+    _check_columns(file_columns, group_columns)
+    paths, sizes, times, digests, compressions, frames, uncompressed, group_bytes, counts = file_columns
+    made = list(map(JsonlGroup, *group_columns))
+    out, at = [], 0
+    for i, count in enumerate(counts):
+        out.append(JsonlLayout(paths[i], sizes[i], times[i], digests[i], compressions[i], frames[i], uncompressed[i],
+                               group_bytes[i], tuple(made[at : at + count])))  # fmt: skip
+        at += count
+    return out
+
+
+def _check_columns(files: list[Any], groups: list[Any]) -> None:
+    """Raise ValueError unless the columns describe sound layouts (see :func:`layouts_from_columns`)."""
+
+    def integers(values: Any, none: bool = False) -> bool:
+        return all((type(v) is int and v >= 0) or (none and v is None) for v in values)
+
+    if not all(isinstance(column, list) for column in (*files, *groups)):
+        raise ValueError("not a JSONL layout: its fields must be lists")
+    if len({len(column) for column in files}) != 1 or len({len(column) for column in groups}) != 1:
+        raise ValueError("not a JSONL layout: fields of unequal lengths")
+    paths, sizes, times, digests, compressions, frames, uncompressed, group_bytes, counts = files
+    if not all(isinstance(path, str) for path in paths) or not all(
+        isinstance(d, str) and len(d) == 64 for d in digests
+    ):
+        raise ValueError("not a JSONL layout: bad path or digest")
+    if not set(compressions) <= {"none", "gzip", "zstd"}:
+        raise ValueError(f"not a JSONL layout: compression {sorted(set(compressions), key=str)!r}")
+    if not all(map(integers, (sizes, frames, uncompressed, group_bytes, counts, *groups))) or not integers(times, True):
+        raise ValueError("not a JSONL layout: sizes must be integers >= 0")
+    if sum(counts) != len(groups[0]):
+        raise ValueError("not a JSONL layout: the group counts do not add up")
+    if not groups[0]:
+        if any(uncompressed):
+            raise ValueError("not a JSONL layout: a file with text has no groups")
+        return
+    start, stop, first_line, rows, frame_offset, frame_start, frame_stop = (np.asarray(c, np.int64) for c in groups)
+    counts_array = np.asarray(counts, np.int64)
+    of_file = np.repeat(np.arange(len(counts)), counts_array)
+    first = np.zeros(len(start), bool)
+    first[(np.cumsum(counts_array) - counts_array)[counts_array > 0]] = True
+    # Each group begins where the one before it in its file ends (the first at byte 0, line 0).
+    previous_stop = np.where(first, 0, np.concatenate([[0], stop[:-1]]))
+    previous_line = np.where(first, 0, np.concatenate([[0], (first_line + rows)[:-1]]))
+    if np.any(start != previous_stop) or np.any(first_line != previous_line) or np.any(stop <= start):
+        raise ValueError("not a JSONL layout: its groups do not follow one another")
+    if np.any(rows < 1) or np.any(rows > stop - start):
+        raise ValueError("not a JSONL layout: a group's line count does not fit its bytes")
+    size, plain = np.asarray(sizes, np.int64)[of_file], np.asarray(compressions, object)[of_file] == "none"
+    framed = (frame_start <= start) & (frame_offset < frame_stop) & (frame_stop <= size)
+    whole = (frame_offset == 0) & (frame_start == 0) & (frame_stop == size)
+    if not np.all(np.where(plain, whole, framed)):
+        raise ValueError("not a JSONL layout: a group's frames lie outside its file")
+    ends = np.zeros(len(counts), np.int64)
+    ends[counts_array > 0] = stop[np.cumsum(counts_array)[counts_array > 0] - 1]  # each file's last group's stop
+    if np.any(ends != np.asarray(uncompressed, np.int64)):
+        raise ValueError("not a JSONL layout: the groups do not end where the text does")
 
 
 # ---------------------------------------------------------------------------------------------- decompression
@@ -256,62 +295,6 @@ def _decoder(compression: Compression) -> Any:
     return zlib.decompressobj(wbits=31)  # one gzip member, header and trailer checked
 
 
-# ---------------------------------------------------------------------------------------------- scan
-
-
-def scan_jsonl(
-    path: str, storage: Storage | None = None, *, group_bytes: int = DEFAULT_GROUP_BYTES, cache_dir: str | None = None
-) -> JsonlLayout:
-    """The layout of one JSONL file: scanned once from storage (retried from the start), or read from ``cache_dir``.
-
-    Args:
-        path: a local path or URL of a file ending in one of :data:`JSONL_SUFFIXES`.
-        storage: how to reach it (and the cache).
-        group_bytes: decompressed bytes per group, at least: a group ends at the first newline after that many.
-        cache_dir: where layouts are kept, reused while the file's size and mtime match; ``None``: scan every time.
-
-    Raises:
-        ValueError: the file is missing, not valid gzip/zstd, truncated, or changed while scanned; ``group_bytes`` < 1.
-        StorageError: storage refused access, or stayed unreachable for ``storage.read_retry_seconds``.
-    """
-    storage = storage or Storage()
-    if not isinstance(group_bytes, int) or group_bytes < 1:
-        raise ValueError(f"group_bytes={group_bytes!r} must be an integer >= 1")
-    compression = compression_of(path)
-    fs, fs_path = storage.filesystem(path)
-    info = _checked(storage, lambda: fs.get_file_info(fs_path), path)
-    if info.type != pafs.FileType.File:
-        raise ValueError(f"JSONL file {redact(path)!r} does not exist" + (" (a directory)" if info.type else ""))
-    # A local file is known by its absolute path, a URL without its endpoint options and credentials.
-    identity = {
-        "path": canonical(path) if "://" in path else fs_path,
-        "size": info.size,
-        "mtime_ns": info.mtime_ns,
-        "group_bytes": group_bytes,
-    }
-    if cache_dir is not None:
-        cached = _load_cached(cache_dir, identity, storage)
-        if cached is not None:
-            return cached
-
-    def scan() -> JsonlLayout:
-        # A bar per attempt: a retried scan starts again from the file's first byte.
-        bar = byte_progress(info.size, f"scanning {os.path.basename(fs_path)}")
-        with fs.open_input_stream(fs_path, compression=None) as stream, bar:
-            return _scan(stream, compression, identity, path, bar.update)
-
-    layout = _checked(storage, scan, path)
-    if cache_dir is not None:
-        try:
-            _save_cached(cache_dir, layout, storage)
-        except (OSError, pa.ArrowException) as err:
-            # The layout is good without its copy: a cache that cannot be written costs the next start a scan.
-            warnings.warn(
-                f"could not keep the layout of {redact(path)!r} in {redact(cache_dir)!r}: {err}", stacklevel=2
-            )
-    return layout
-
-
 def _checked(storage: Storage, action: Callable[[], Any], path: str) -> Any:
     """``action`` retried through ``storage``; a missing or unreadable file is a ValueError naming it."""
     try:
@@ -320,149 +303,6 @@ def _checked(storage: Storage, action: Callable[[], Any], path: str) -> Any:
         raise
     except (pa.ArrowException, OSError) as err:
         raise ValueError(f"cannot read JSONL file {redact(path)!r}: {err}") from err
-
-
-def _scan(
-    stream: Any, compression: Compression, identity: dict[str, Any], path: str, on_read: Callable[[int], Any]
-) -> JsonlLayout:
-    """The layout, in one pass that hashes the stored bytes and cuts the text; ``on_read`` gets each piece's size."""
-    digest = hashlib.sha256()
-    stored = 0
-
-    def read(size: int) -> bytes:
-        nonlocal stored
-        chunk = stream.read(size)
-        digest.update(chunk)
-        stored += len(chunk)
-        on_read(len(chunk))
-        return chunk
-
-    frames = _Frames([], [], [])
-    pieces = _decompressed(read, compression, 0, 0, frames, f"JSONL file {redact(path)!r}")
-    groups, uncompressed_size = _cut_into_groups(pieces, identity["group_bytes"])
-    if stored != identity["size"]:
-        raise ValueError(
-            f"JSONL file {redact(path)!r} changed while it was scanned: {stored} bytes read, "
-            f"{identity['size']} expected"
-        )
-    plain = compression == "none"
-    return JsonlLayout(
-        path=identity["path"],
-        size=stored,
-        mtime_ns=identity["mtime_ns"],
-        digest=digest.hexdigest(),
-        compression=compression,
-        frames=len(frames.offsets) if not plain else 1,
-        uncompressed_size=uncompressed_size,
-        group_bytes=identity["group_bytes"],
-        groups=tuple(
-            JsonlGroup(
-                g_start,
-                g_stop,
-                g_line,
-                g_rows,
-                0 if plain else frames.offsets[f_first],
-                0 if plain else frames.starts[f_first],
-                stored if plain else frames.stops[f_last],
-            )
-            for g_start, g_stop, g_line, g_rows, f_first, f_last in groups
-        ),
-    )
-
-
-def _cut_into_groups(
-    pieces: Iterable[tuple[int, bytes]], group_bytes: int
-) -> tuple[list[tuple[int, int, int, int, int, int]], int]:
-    """Cut the text of ``pieces`` into groups of whole lines; returns per group (start, stop, first line, rows, first
-    and last frame) and the text's size.
-    """
-    groups: list[tuple[int, int, int, int, int, int]] = []
-    position = 0  # decompressed offset of the current piece
-    start, first_line, lines, first_frame = 0, 0, 0, -1  # the open group
-    last_frame, last_byte = 0, _NEWLINE
-    for frame, piece in pieces:
-        size, counted = len(piece), 0  # newlines of piece[:counted] are in ``lines`` or in closed groups
-        while True:
-            if first_frame < 0 and counted < size:
-                first_frame = frame  # the open group's first byte is in this piece
-            # The group ends at the first newline at or after its ``group_bytes``-th byte.
-            search = max(counted, start + group_bytes - 1 - position)
-            end = piece.find(b"\n", search) if search < size else -1
-            if end < 0:
-                lines += piece.count(b"\n", counted)
-                break
-            lines += piece.count(b"\n", counted, end + 1)
-            groups.append((start, position + end + 1, first_line, lines, first_frame, frame))
-            start, first_line, lines, first_frame = position + end + 1, first_line + lines, 0, -1
-            counted = end + 1
-        position += size
-        last_frame, last_byte = frame, piece[-1]
-    if position > start:  # the last line has no newline: it is a row too
-        groups.append((start, position, first_line, lines + (last_byte != _NEWLINE), first_frame, last_frame))
-    return groups, position
-
-
-# ---------------------------------------------------------------------------------------------- layout cache
-
-
-def _cache_entry(cache_dir: str, identity: dict[str, Any], storage: Storage) -> tuple[pafs.FileSystem, str]:
-    key = hashlib.sha256(json.dumps([identity["path"], identity["group_bytes"]]).encode()).hexdigest()[:24]
-    name = os.path.basename(identity["path"].rstrip("/"))
-    fs, directory = storage.filesystem(cache_dir)
-    return fs, f"{directory.rstrip('/')}/{name}.{key}.layout.json"
-
-
-def _load_cached(cache_dir: str, identity: dict[str, Any], storage: Storage) -> JsonlLayout | None:
-    """The cached layout, or ``None`` (absent, unreadable, stale or corrupt)."""
-    fs, entry = _cache_entry(cache_dir, identity, storage)
-
-    def load() -> bytes:
-        with fs.open_input_stream(entry, compression=None) as stream:
-            return stream.read()
-
-    try:
-        data = json.loads(storage.retrying(load, lambda: f"JSONL layout cache {redact(entry)!r}", lambda: None))
-        if data.get("version") != _CACHE_VERSION:
-            return None
-        layout = JsonlLayout.from_dict(data["layout"])
-    except FileNotFoundError:
-        return None
-    except StorageError:
-        raise
-    except (OSError, pa.ArrowException, ValueError, KeyError, TypeError, AttributeError):
-        return None  # corrupt or written by another version: rebuilt, never trusted
-    found = {"path": layout.path, "size": layout.size, "mtime_ns": layout.mtime_ns, "group_bytes": layout.group_bytes}
-    return layout if found == identity else None
-
-
-def _save_cached(cache_dir: str, layout: JsonlLayout, storage: Storage) -> None:
-    """Write the layout where :func:`_load_cached` looks, atomically."""
-    identity = {"path": layout.path, "group_bytes": layout.group_bytes}
-    if cache_dir.split("://", 1)[0].lower() in ("s3", "s3a") and "://" in cache_dir:
-        # A delayed open lets pyarrow send a small object as one PUT (else a multipart upload of one part).
-        storage = dataclasses.replace(storage, options={**storage.options, "allow_delayed_open": True})
-    fs, entry = _cache_entry(cache_dir, identity, storage)
-    text = json.dumps({"version": _CACHE_VERSION, "layout": layout.to_dict()}, separators=(",", ":")).encode()
-    if isinstance(fs, pafs.LocalFileSystem):
-        directory = os.path.dirname(entry)
-        os.makedirs(directory, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".layout-", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "wb") as out:
-                out.write(text)
-            os.replace(temporary, entry)  # atomic on one filesystem; concurrent writers write equal entries
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-        return
-
-    def put() -> None:
-        # One object: object storage makes it visible whole, when the stream closes.
-        with fs.open_output_stream(entry, compression=None) as out:
-            out.write(text)
-
-    storage.retrying(put, lambda: f"JSONL layout cache entry {redact(entry)!r} (writing it)", lambda: None)
 
 
 # ---------------------------------------------------------------------------------------------- read
@@ -482,7 +322,7 @@ def read_jsonl_group(
     Args:
         path: the file, as the layout was scanned from.
         storage: how to reach it.
-        layout: its layout (from :func:`scan_jsonl`).
+        layout: its layout (from :func:`~lightning_d9d.streaming.jsonl_scan.scan_jsonl`).
         group: the group's index in ``layout.groups``.
         text_column: the field of each JSON object that holds the text.
         on_malformed: ``"error"``: a malformed line raises; ``"skip"``: it becomes a null row and is counted.
@@ -492,53 +332,223 @@ def read_jsonl_group(
         StorageError: storage refused access, or stayed unreachable for ``storage.read_retry_seconds``.
     """
     storage = storage or Storage()
+    _check_read(path, layout, group, on_malformed)
+    span = layout.groups[group]
+    data = _checked(storage, lambda: _group_text(path, storage, layout, group, None, None), path)
+    return _parse(data, span, layout, path, text_column, on_malformed)
+
+
+def read_jsonl_group_keyed(
+    path: str,
+    storage: Storage | None,
+    layout: JsonlLayout,
+    group: int,
+    text_column: str,
+    *,
+    on_malformed: Literal["error", "skip"] = "error",
+    stored: bytes | None = None,
+) -> tuple[pa.ChunkedArray, int, str]:
+    """As :func:`read_jsonl_group`, with the content key of the stored bytes the texts were decoded from: every byte
+    of the group's stored range is read and hashed, so the key names exactly the texts returned.
+
+    Args:
+        stored: the group's stored range as :func:`group_content_key` returned it (decoded instead of a read).
+    """
+    storage = storage or Storage()
+    _check_read(path, layout, group, on_malformed)
+    span, (low, high) = layout.groups[group], stored_range(layout, group)
+
+    def read() -> tuple[bytes, str]:
+        fs, fs_path = storage.filesystem(path)
+        shared = _shares_its_range(layout, group) and stored is None
+        before = _stat(fs, fs_path, "://" not in path) if shared else None
+        hashed = hasher()
+        text = _group_text(path, storage, layout, group, hashed, stored)
+        if before is not None and _stat(fs, fs_path, "://" not in path) == before:
+            _SHARED_RANGES.keep((layout.path, low, high), before, hashed.hexdigest())
+        return text, hashed.hexdigest()
+
+    data, stored_digest = _checked(storage, read, path)
+    column, skipped = _parse(data, span, layout, path, text_column, on_malformed)
+    return column, skipped, group_key(layout, group, stored_digest, on_malformed)
+
+
+def _check_read(path: str, layout: JsonlLayout, group: int, on_malformed: str) -> None:
     if on_malformed not in ("error", "skip"):
         raise ValueError(f"on_malformed={on_malformed!r} must be 'error' or 'skip'")
     if not 0 <= group < len(layout.groups):
         raise IndexError(f"group {group} of JSONL file {redact(path)!r}, which has {len(layout.groups)} groups")
-    span = layout.groups[group]
-    data = _checked(storage, lambda: _read_bytes(path, storage, layout, span), path)
-    return _parse(data, span, layout, path, text_column, on_malformed)
 
 
-def _read_bytes(path: str, storage: Storage, layout: JsonlLayout, span: JsonlGroup) -> bytes:
-    """The decompressed bytes ``[span.start, span.stop)``, fetched from the frame holding ``span.start`` on."""
+def _group_text(
+    path: str, storage: Storage, layout: JsonlLayout, group: int, hashed: Any, stored: bytes | None
+) -> bytes:
+    """The group's decompressed bytes ``[start, stop)``, decoded from its stored range (``stored``, or read from the
+    frame holding ``start`` on); ``hashed`` (when given) gets every byte of the stored range, read to its end.
+    """
+    low, high = stored_range(layout, group)
+    if stored is not None:
+        if len(stored) != high - low:
+            raise ValueError(f"{len(stored)} stored bytes given for the {high - low} of group {group}")
+        view = memoryview(stored)
+        return _decoded(lambda size, at: bytes(view[at - low : at - low + size]), layout, group, hashed, path)
     fs, fs_path = storage.filesystem(path)
     with fs.open_input_file(fs_path) as file:
         if file.size() != layout.size:
             raise _changed(path, f"its size is {file.size()} bytes, not {layout.size}")
-        if layout.compression == "none":
-            return file.read_at(span.stop - span.start, span.start)
-        offset = span.frame_offset
+        return _decoded(file.read_at, layout, group, hashed, path)
 
-        def read(size: int) -> bytes:
-            nonlocal offset
-            size = min(size, span.frame_stop - offset)
-            chunk = file.read_at(size, offset) if size > 0 else b""
-            offset += len(chunk)
-            return chunk
 
+def _decoded(read_at: Callable[[int, int], bytes], layout: JsonlLayout, group: int, hashed: Any, path: str) -> bytes:
+    """The group's text from ``read_at(size, offset)`` of its stored range; see :func:`_group_text`."""
+    span, (low, high) = layout.groups[group], stored_range(layout, group)
+    offset = low
+
+    def read(size: int) -> bytes:
+        nonlocal offset
+        size = min(size, high - offset)
+        chunk = read_at(size, offset) if size > 0 else b""
+        offset += len(chunk)
+        if hashed is not None:
+            hashed.update(chunk)
+        return chunk
+
+    if layout.compression == "none":
+        text = read(high - low)
+    else:
         parts, position = [], span.frame_start
-        pieces = _decompressed(
-            read,
-            layout.compression,
-            span.frame_offset,
-            span.frame_start,
-            _Frames([], [], []),
-            f"JSONL file {redact(path)!r}",
-        )
+        pieces = _decompressed(read, layout.compression, low, span.frame_start, _Frames([], [], []),
+                               f"JSONL file {redact(path)!r}")  # fmt: skip
         for _, piece in pieces:
-            low, high = max(0, span.start - position), min(len(piece), span.stop - position)
-            if low < high:
-                parts.append(piece[low:high] if (low, high) != (0, len(piece)) else piece)
+            first, last = max(0, span.start - position), min(len(piece), span.stop - position)
+            if first < last:
+                parts.append(piece[first:last] if (first, last) != (0, len(piece)) else piece)
             position += len(piece)
             if position >= span.stop:
                 break
-        return b"".join(parts)
+        text = b"".join(parts)
+    if hashed is not None:
+        while read(_READ_BYTES):  # the rest of the range: the key covers every byte it names
+            pass
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- content keys
+
+
+def stored_range(layout: JsonlLayout, group: int) -> tuple[int, int]:
+    """The stored bytes ``[low, high)`` group ``group`` is decoded from: its own bytes in a plain file, its frames in
+    a compressed one."""
+    span = layout.groups[group]
+    return (span.start, span.stop) if layout.compression == "none" else (span.frame_offset, span.frame_stop)
+
+
+def group_key(layout: JsonlLayout, group: int, stored_digest: str, on_malformed: str) -> str:
+    """The content key of group ``group`` whose stored range hashes to ``stored_digest``: that digest and what decides
+    how the range decodes (compression, the group's offsets in it, its line count, whether it ends the file, and
+    ``on_malformed``, which turns a malformed line into an empty row or an error)."""
+    span, (low, high) = layout.groups[group], stored_range(layout, group)
+    facts = [layout.compression, low, high, span.start, span.stop, span.frame_start, span.num_rows,
+             span.stop == layout.uncompressed_size, on_malformed]  # fmt: skip
+    return content_key("jsonl", json.dumps(facts), stored_digest)
+
+
+def group_content_key(
+    path: str, storage: Storage | None, layout: JsonlLayout, group: int, on_malformed: str
+) -> tuple[str, bytes | None]:
+    """The content key of group ``group`` as stored now, and its stored range where a read may decode it instead of
+    reading again (``None`` for a range other groups share: it may be a whole single-frame file).
+
+    A range several groups share is hashed once per process while the file stays as it was around the hashing (its
+    inode, size, modification and status-change times; on object storage its size and time of last write); any other
+    range is read and hashed at every call.
+
+    Raises:
+        ValueError: the file is unreadable, or its size is not the layout's (changed since scanned).
+        StorageError: as :func:`read_jsonl_group`.
+    """
+    storage = storage or Storage()
+    low, high = stored_range(layout, group)
+
+    def fetch() -> tuple[str, bytes | None]:
+        fs, fs_path = storage.filesystem(path)
+        shared = _shares_its_range(layout, group)
+        before = _stat(fs, fs_path, "://" not in path) if shared else None
+        known = _SHARED_RANGES.get((layout.path, low, high), before)
+        if known is not None:
+            return known, None
+        with fs.open_input_file(fs_path) as file:
+            if file.size() != layout.size:
+                raise _changed(path, f"its size is {file.size()} bytes, not {layout.size}")
+            if not shared:
+                data = file.read_at(high - low, low)
+                return hasher_of(data), data
+            hashed = hasher()
+            for at in range(low, high, _READ_BYTES):
+                hashed.update(file.read_at(min(_READ_BYTES, high - at), at))
+        if before is not None and _stat(fs, fs_path, "://" not in path) == before:
+            _SHARED_RANGES.keep((layout.path, low, high), before, hashed.hexdigest())
+        return hashed.hexdigest(), None
+
+    stored_digest, data = _checked(storage, fetch, path)
+    return group_key(layout, group, stored_digest, on_malformed), data
+
+
+def hasher_of(data: bytes) -> str:
+    hashed = hasher()
+    hashed.update(data)
+    return hashed.hexdigest()
+
+
+def _shares_its_range(layout: JsonlLayout, group: int) -> bool:
+    if layout.compression == "none":
+        return False
+    span = layout.groups[group]
+    return sum(1 for g in layout.groups if (g.frame_offset, g.frame_stop) == (span.frame_offset, span.frame_stop)) > 1
+
+
+def _stat(fs: pafs.FileSystem, fs_path: str, local: bool) -> tuple[int, ...] | None:
+    """What changes whenever a file's bytes do, or ``None`` where there is nothing to tell: locally its inode, size,
+    modification and status-change times (no ``utime`` can set the latter back); on object storage its size and
+    time of last write, which the store sets itself (an object is rewritten whole)."""
+    if local:
+        stat = os.stat(fs_path)
+        return (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    info = fs.get_file_info(fs_path)
+    return None if info.mtime_ns is None else (int(info.size), int(info.mtime_ns))
+
+
+class _RangeDigests:
+    """Digests of stored ranges by ``(file, low, high)``, each kept with its file's :func:`_stat` around the hashing
+    and given back only while the file's is still the same; the least recently used are forgotten."""
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity, self._entries, self._lock = capacity, OrderedDict(), threading.Lock()
+
+    def get(self, key: tuple[str, int, int], stat: tuple[int, ...] | None) -> str | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None or stat is None or found[0] != stat:
+                return None
+            self._entries.move_to_end(key)
+            return found[1]
+
+    def keep(self, key: tuple[str, int, int], stat: tuple[int, ...], digest: str) -> None:
+        with self._lock:
+            self._entries[key] = (stat, digest)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+
+_SHARED_RANGES = _RangeDigests()
 
 
 def _changed(path: str, why: str) -> ValueError:
-    return ValueError(f"JSONL file {redact(path)!r} changed since it was scanned ({why}): scan it again")
+    return ValueError(
+        f"JSONL file {redact(path)!r} changed since it was scanned ({why}): set up again to scan it anew (after an "
+        "edit that kept its size and modification time, touch it first, or its kept layout is reused)"
+    )
 
 
 def _parse(
@@ -554,6 +564,8 @@ def _parse(
     if len(ends) != span.num_rows or (span.stop != layout.uncompressed_size and not data.endswith(b"\n")):
         raise _changed(path, f"lines {span.first_line + 1}.. are {len(ends)}, not {span.num_rows}")
     starts = np.concatenate([[0], newlines[: len(ends) - 1] + 1])
+    if len(ends) <= SMALL_GROUP_LINES:  # pyarrow's parse has a fixed cost that the stdlib's beats on a few lines
+        return _parse_lines(data, starts, ends, span, path, text_column, on_malformed)
     # A line that is one JSON object starts with "{" and ends with "}" (before its "\r"); then no object can span
     # lines (a "}" that does not close it must be followed by "," or "}"), so pyarrow's rows are these lines'.
     lengths = ends - starts

@@ -252,10 +252,12 @@ class TextReader:
             too_long = dict(zip(cached.too_long_rows.tolist(), cached.too_long_chars.tolist()))
             read = _UnitRead(cached.rows, too_long, None, cached)
         else:
-            texts, too_long = self._read(group)
+            # A unit read whole is recorded under the key of the bytes its texts were decoded from.
+            keyed = self.cache is not None and whole
+            texts, too_long, content = self.units.index.read_keyed(group, self.max_document_chars, keyed)
             too_long = {r: n for r, n in too_long.items() if start <= r < stop}
             rows = np.asarray([r for r in range(start, stop) if texts[r]], np.int64)
-            recorder = self.cache.recorder(group, start, stop, too_long) if self.cache is not None and whole else None
+            recorder = self.cache.recorder(group, start, stop, too_long, content) if content is not None else None
             read = _UnitRead(rows, too_long, texts, None, recorder)
         return read if len(read.rows) or read.too_long else None
 
@@ -273,11 +275,6 @@ class TextReader:
             yield last
             first = last
             size = min(size + (size + 1) // 2, self.tokenizer_batch_size)
-
-    def _read(self, group: int) -> tuple[list[str | None], dict[int, int]]:
-        if self.max_document_chars is None:
-            return self.units.index.read_texts(group), {}
-        return self.units.index.read_capped(group, self.max_document_chars)
 
 
 def _long_before(kept: list[int], long_rows: list[int], since: int, gaps: np.ndarray) -> tuple[dict[int, int], int]:
@@ -301,8 +298,9 @@ def _skipped_long(
             continue
         _WARNED_TOO_LONG.add((path, in_file, skipped))
         warnings.warn(
-            f"skipped a document of {lengths[skipped]} characters (over max_document_chars={cap}): parquet file "
-            f"{path!r}, row group {in_file}, row {skipped}; raise max_document_chars (None: no limit) to train on it",
+            f"skipped a document of {lengths[skipped]} characters (over max_document_chars={cap}): "
+            f"{index.describe_rows(group, skipped, skipped + 1)}; raise max_document_chars (None: no limit) to train "
+            "on it",
             stacklevel=2,
         )
     return rows

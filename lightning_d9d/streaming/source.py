@@ -10,12 +10,12 @@ groups keep reads sequential and columnar, but balance is only as fine as a unit
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import os
 import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +25,18 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from lightning_d9d.digest import hasher
 from lightning_d9d.progress import progress
-from lightning_d9d.streaming.jsonl import DEFAULT_GROUP_BYTES, JsonlLayout, is_jsonl, read_jsonl_group, scan_jsonl
+from lightning_d9d.streaming.content import chunk_key, decode_chunk, text_chunk, text_leaf
+from lightning_d9d.streaming.jsonl import (
+    DEFAULT_GROUP_BYTES,
+    JsonlLayout,
+    group_content_key,
+    is_jsonl,
+    read_jsonl_group,
+    read_jsonl_group_keyed,
+)
+from lightning_d9d.streaming.jsonl_scan import PARALLEL_SCANS, scan_jsonl_files
 from lightning_d9d.streaming.storage import Storage, StorageError, canonical, parse_url, redact, with_query
 
 _GLOB_CHARS = ("*", "?", "[")
@@ -101,6 +111,7 @@ def resolve_files(
     if not specs:
         raise ValueError(f"{what} is empty: give a directory, a glob, a file, a URL, or a list of them")
     files: list[str] = []
+    seen: set[str] = set()
     for item in specs:
         matched = _expand(os.fspath(item), storage, what)
         if not matched:
@@ -109,7 +120,10 @@ def resolve_files(
                 "and *.jsonl[.gz|.zst] files are used), a glob such as 'data/*.parquet', a parquet or JSONL file, or "
                 "a URL such as 's3://bucket/data/*.parquet'"
             )
-        files.extend(m for m in matched if m not in files)
+        for path in matched:
+            if path not in seen:
+                seen.add(path)
+                files.append(path)
     return files
 
 
@@ -178,7 +192,8 @@ class RowGroupIndex:
     Attributes:
         files, text_column: the resolved files, in order, and the column (JSONL: field) of the documents.
         file_of, group_in_file, num_rows: per global row group, its file, its index in that file, its row count.
-        file_digests: per file, a 63-bit digest of its content.
+        file_digests: per file, a 63-bit digest of its footer (parquet: row counts, sizes, statistics of the text
+            column) or of its bytes as scanned (JSONL); the resume check compares them, no token is keyed by them.
         text_free: per global row group, whether its statistics prove it holds no text.
         layouts: each JSONL file's layout, by file index.
         on_malformed: a malformed JSONL line is an error (``"error"``) or a row without text (``"skip"``).
@@ -198,6 +213,8 @@ class RowGroupIndex:
     _open: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _pid: int = field(default_factory=os.getpid, repr=False, compare=False)
+    _kept: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+    _labels: list[str] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def scan(
@@ -222,19 +239,7 @@ class RowGroupIndex:
             StorageError: a file could not be reached.
         """
         storage = storage or Storage()
-        groups: list[tuple[int, int, int, bool]] = []  # (file, group in file, rows, text-free) per row group
-        file_digests, layouts = [], {}
-        # Each file costs a footer read (a request on object storage) or a JSONL scan: many files take a while.
-        for file_index, path in enumerate(progress(files, len(files), "reading footers and layouts", "file")):
-            if is_jsonl(path):
-                layout = scan_jsonl(path, storage, group_bytes=JSONL_GROUP_BYTES, cache_dir=layout_cache)
-                layouts[file_index] = layout
-                groups += [(file_index, g, int(n), False) for g, n in enumerate(layout.num_rows.tolist())]
-                file_digests.append(int(layout.digest[:16], 16) >> 1)
-            else:
-                rows, free, digest = _parquet_groups(path, text_column, storage)
-                groups += [(file_index, g, n, t) for g, (n, t) in enumerate(zip(rows, free))]
-                file_digests.append(digest)
+        groups, file_digests, layouts = _scan_files(files, text_column, storage, layout_cache)
         columns = list(zip(*groups)) if groups else [(), (), (), ()]
         index = cls(
             list(files),
@@ -249,7 +254,7 @@ class RowGroupIndex:
             storage,
         )
         if index.total_rows == 0:
-            raise ValueError(f"the parquet files {files} hold no rows")
+            raise ValueError(_no_rows(files, layouts))
         return index
 
     def __len__(self) -> int:
@@ -260,9 +265,9 @@ class RowGroupIndex:
         return int(self.num_rows.sum())
 
     def __getstate__(self) -> dict:
-        # Open file handles and locks do not travel to worker processes; each process makes its own.
+        # Open file handles, locks and read bytes do not travel to worker processes; each process makes its own.
         state = dict(self.__dict__)
-        state["_open"], state["_lock"], state["_pid"] = OrderedDict(), None, -1
+        state["_open"], state["_lock"], state["_pid"], state["_kept"] = OrderedDict(), None, -1, None
         return state
 
     def _local(self) -> threading.Lock:
@@ -272,17 +277,39 @@ class RowGroupIndex:
             with _PROCESS_LOCK[0]:
                 if self._pid != os.getpid():
                     self._open, self._lock, self._pid = OrderedDict(), threading.Lock(), os.getpid()
+                    self._kept = threading.local()
         return self._lock
 
     def file_labels(self) -> list[str]:
         """The files relative to their common folder (a corpus moved elsewhere keeps its labels)."""
-        # Without the URL's query and credentials: the same files through another endpoint keep their labels.
-        files = [canonical(path) for path in self.files]
-        if len(files) == 1:
-            return [os.path.basename(files[0])]
-        root = os.path.commonpath(files)
-        return [os.path.relpath(path, root) for path in files]
+        if self._labels is None:
+            # Without the URL's query and credentials: the same files through another endpoint keep their labels.
+            self._labels = _relative([canonical(path) for path in self.files])
+        return self._labels
 
+    # ------------------------------------------------------------------------------------------------ naming
+    def describe(self, group: int) -> str:
+        """Where global row group ``group`` is, for messages: its file, and its row group or lines."""
+        file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
+        path, layout = redact(self.files[file_index]), self.layouts.get(file_index)
+        if layout is None:
+            return f"row group {in_file} of parquet file {path!r}"
+        span = layout.groups[in_file]
+        return f"lines {span.first_line + 1}..{span.first_line + span.num_rows} of JSONL file {path!r}"
+
+    def describe_rows(self, group: int, start: int, stop: int) -> str:
+        """Rows ``[start, stop)`` of global row group ``group`` as their file names them (parquet: row group and
+        rows; JSONL: 1-based lines)."""
+        file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
+        path, layout = redact(self.files[file_index]), self.layouts.get(file_index)
+        if layout is None:
+            rows = f"row {start}" if stop == start + 1 else f"rows {start}..{stop - 1}"
+            return f"parquet file {path!r}, row group {in_file}, {rows}"
+        first = layout.groups[in_file].first_line + 1
+        lines = f"line {first + start}" if stop == start + 1 else f"lines {first + start}..{first + stop - 1}"
+        return f"JSONL file {path!r}, {lines}"
+
+    # ------------------------------------------------------------------------------------------------ reading
     def read_texts(self, group: int, rows: list[int] | None = None) -> list[str | None]:
         """The text column of one global row group as Python strings (``None`` for nulls).
 
@@ -293,7 +320,7 @@ class RowGroupIndex:
             ValueError: the file cannot be read, or a text is not valid UTF-8 (naming file, row group and row).
             StorageError: the store refused access, or stayed unreachable.
         """
-        column, where = self._read_column(group)
+        column, where, _ = self._read_column(group)
         if rows is not None:
             column = column.take(pa.array(rows, pa.int64()))
         return column_texts(column, where, rows)
@@ -302,56 +329,179 @@ class RowGroupIndex:
         """The text column of one global row group, with texts over ``max_chars`` characters ``None`` (never converted)
         and their ``{row: characters}`` returned; raises as :meth:`read_texts`.
         """
-        column, where = self._read_column(group)
-        too_long: dict[int, int] = {}
-        if max_chars is not None:
-            # A text has at most as many characters as bytes: the byte lengths (read off the offsets) pick the
-            # few candidates whose characters need counting, so an ordinary row group costs one comparison.
-            candidates = np.flatnonzero(pc.fill_null(pc.binary_length(column), 0).to_numpy() > max_chars)
-            for row in candidates.tolist():  # a slice, not a take: a take would copy the long text
-                chars = pc.utf8_length(column.slice(row, 1))[0].as_py()
-                if chars > max_chars:
-                    too_long[row] = chars
-            if too_long:
-                mask = np.zeros(len(column), bool)
-                mask[list(too_long)] = True
-                column = pc.if_else(pa.array(mask), pa.scalar(None, column.type), column)
-        return column_texts(column, where, None), too_long
+        texts, too_long, _ = self.read_keyed(group, max_chars, keyed=False)
+        return texts, too_long
 
-    def _read_column(self, group: int) -> tuple[pa.ChunkedArray, Callable[[], str]]:
-        """One row group's text column as plain strings, and a callable naming where it was read."""
+    def read_keyed(
+        self, group: int, max_chars: int | None, keyed: bool = True
+    ) -> tuple[list[str | None], dict[int, int], str | None]:
+        """As :meth:`read_capped`, with the content key of the stored bytes the texts were decoded from (``None`` when
+        not ``keyed``, or where the bytes cannot be decoded alone); raises as :meth:`read_texts`.
+        """
+        column, where, key = self._read_column(group, keyed)
+        return *capped_texts(column, where, max_chars), key
+
+    def content_key(self, group: int) -> str:
+        """The content key of global row group ``group`` as stored now: one ranged read of its stored text (parquet:
+        its text column chunk; JSONL: its bytes or frames), hashed. This thread's next :meth:`read_keyed` of the
+        group decodes the bytes read here (where they are not a whole shared frame) instead of reading again.
+
+        Raises:
+            ValueError, StorageError: as :meth:`read_texts`.
+        """
         file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
-        path = self.files[file_index]
         layout = self.layouts.get(file_index)
         if layout is not None:
-            span = layout.groups[in_file]
-            column, skipped = read_jsonl_group(path, self.storage, layout, in_file, self.text_column,
-                                               on_malformed=self.on_malformed)  # fmt: skip
+            key, stored = group_content_key(self.files[file_index], self.storage, layout, in_file, self.on_malformed)
+        else:
+            stored = self._parquet_chunk(group)
+            key = chunk_key(stored[1], stored[2])
+        self._local()
+        self._kept.value = (group, stored) if stored is not None else None
+        return key
+
+    def _taken(self, group: int) -> Any:
+        """What this thread's last :meth:`content_key` read of ``group`` (``None``: another group, or nothing); a read
+        takes it, so it never outlives the next read of this thread."""
+        self._local()
+        kept, self._kept.value = getattr(self._kept, "value", None), None
+        return kept[1] if kept is not None and kept[0] == group else None
+
+    def _read_column(self, group: int, keyed: bool = False) -> tuple[pa.ChunkedArray, Callable[[], str], str | None]:
+        """One row group's text column as plain strings, a callable naming where it was read, and its content key
+        (``None`` unless ``keyed``)."""
+        file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
+        path, layout, kept = self.files[file_index], self.layouts.get(file_index), self._taken(group)
+        if layout is not None:
+            span, key = layout.groups[in_file], None
+            if keyed or kept is not None:
+                column, skipped, key = read_jsonl_group_keyed(path, self.storage, layout, in_file, self.text_column,
+                                                              on_malformed=self.on_malformed, stored=kept)  # fmt: skip
+            else:
+                column, skipped = read_jsonl_group(path, self.storage, layout, in_file, self.text_column,
+                                                   on_malformed=self.on_malformed)  # fmt: skip
             if skipped:
                 _warn_malformed(path, span.first_line, span.num_rows, skipped)
-            return column, lambda: f"lines {span.first_line + 1}..{span.first_line + span.num_rows} of {redact(path)!r}"
+            return column, lambda: self.describe(group), key if keyed else None
+        if keyed or kept is not None:  # decoded from the bytes hashed (this read's, or the lookup's just before)
+            metadata, span, data, size = kept if kept is not None else self._parquet_chunk(group)
+            try:
+                column = decode_chunk(metadata, in_file, self.text_column, span, data, size)
+            except (pa.ArrowException, OSError) as err:
+                raise ValueError(f"cannot read {self.describe(group)}: {err}") from err
+            if column is not None:
+                return plain_strings(column), lambda: self.describe(group), chunk_key(span, data) if keyed else None
+        text_column = self.text_column
+        table = self._parquet_io(group, lambda pf, _, g: pf.read_row_group(g, columns=[text_column]))
+        return plain_strings(table.column(0)), lambda: self.describe(group), None
 
-        def read() -> pa.Table:
-            pf = self._open.pop(file_index, None) or _open_file(path, self.storage)
-            self._open[file_index] = pf
-            while len(self._open) > 8:  # a few handles: files are read a row group at a time, in shuffled order
-                self._open.popitem(last=False)
-            return pf.read_row_group(in_file, columns=[self.text_column])
+    def _handle(self, file_index: int) -> tuple[pq.ParquetFile, Any]:
+        """An open parquet file and its handle (a few kept open: files are read a row group at a time, shuffled)."""
+        handle = self._open.pop(file_index, None) or _open_handle(self.files[file_index], self.storage)
+        self._open[file_index] = handle
+        while len(self._open) > 8:
+            self._open.popitem(last=False)
+        return handle
 
-        def where() -> str:
-            return f"row group {in_file} of parquet file {redact(path)!r}"
-
+    def _parquet_io(self, group: int, action: Callable[[pq.ParquetFile, Any, int], Any]) -> Any:
+        """``action(parquet file, handle, row group in file)`` under this process's lock, retried."""
+        file_index, in_file = int(self.file_of[group]), int(self.group_in_file[group])
         # One reader at a time per process: streams of one process may share this index (a resumed stream's
         # reader can overlap its predecessor's last read), and a ParquetFile is not meant for concurrent use.
         with self._local():
             try:
                 # A failed read may leave its handle mid-request: the retry opens the file afresh.
-                table = self.storage.retrying(read, where, lambda: self._open.pop(file_index, None))
+                return self.storage.retrying(lambda: action(*self._handle(file_index), in_file),
+                                             lambda: self.describe(group),
+                                             lambda: self._open.pop(file_index, None))  # fmt: skip
             except StorageError:
                 raise
             except (pa.ArrowException, OSError) as err:
-                raise ValueError(f"cannot read {where()}: {err}") from err
-        return plain_strings(table.column(0)), where
+                raise ValueError(f"cannot read {self.describe(group)}: {err}") from err
+
+    def _parquet_chunk(self, group: int) -> tuple[Any, Any, bytes, int]:
+        """``(footer, chunk span, stored bytes, file size)`` of a parquet row group's text column chunk."""
+
+        def fetch(pf: pq.ParquetFile, handle: Any, in_file: int) -> tuple[Any, Any, bytes, int]:
+            span = text_chunk(pf.metadata, in_file, self.text_column)
+            return pf.metadata, span, handle.read_at(span.length, span.offset), handle.size()
+
+        return self._parquet_io(group, fetch)
+
+
+def capped_texts(
+    column: pa.ChunkedArray, where: Callable[[], str], max_chars: int | None
+) -> tuple[list[str | None], dict[int, int]]:
+    """A plain text column as Python strings, texts over ``max_chars`` characters ``None`` (never converted), and
+    their ``{row: characters}``; ValueError as :func:`column_texts`."""
+    too_long: dict[int, int] = {}
+    if max_chars is not None:
+        # A text has at most as many characters as bytes: the byte lengths (read off the offsets) pick the
+        # few candidates whose characters need counting, so an ordinary row group costs one comparison.
+        candidates = np.flatnonzero(pc.fill_null(pc.binary_length(column), 0).to_numpy() > max_chars)
+        for row in candidates.tolist():  # a slice, not a take: a take would copy the long text
+            chars = pc.utf8_length(column.slice(row, 1))[0].as_py()
+            if chars > max_chars:
+                too_long[row] = chars
+        if too_long:
+            mask = np.zeros(len(column), bool)
+            mask[list(too_long)] = True
+            column = pc.if_else(pa.array(mask), pa.scalar(None, column.type), column)
+    return column_texts(column, where, None), too_long
+
+
+def _relative(files: list[str]) -> list[str]:
+    """``files`` relative to their common folder (one file: its name)."""
+    if len(files) == 1:
+        return [os.path.basename(files[0])]
+    root = os.path.commonpath(files)
+    prefix = root.rstrip("/") + "/"
+    return [path[len(prefix) :] if path.startswith(prefix) else os.path.relpath(path, root) for path in files]
+
+
+def _open_handle(path: str, storage: Storage) -> tuple[pq.ParquetFile, Any]:
+    fs, fs_path = storage.filesystem(path)
+    handle = fs.open_input_file(fs_path)
+    return pq.ParquetFile(handle), handle
+
+
+def _scan_files(
+    files: list[str], text_column: str, storage: Storage, layout_cache: str | None
+) -> tuple[list[tuple[int, int, int, bool]], list[int], dict[int, JsonlLayout]]:
+    """Per row group ``(file, group in file, rows, text-free)``, per file its digest, and the JSONL layouts."""
+    jsonl = [i for i, path in enumerate(files) if is_jsonl(path)]
+    scanned = scan_jsonl_files([files[i] for i in jsonl], storage, group_bytes=JSONL_GROUP_BYTES,
+                               cache_dir=layout_cache)  # fmt: skip
+    layouts = dict(zip(jsonl, scanned))
+    parquet = [path for i, path in enumerate(files) if i not in layouts]
+    remote = any("://" in path for path in parquet)
+    with ThreadPoolExecutor(PARALLEL_SCANS if remote and len(parquet) > 1 else 1) as pool:
+        # Each footer is a request on object storage: several at once. A bar where many are read.
+        footers = progress(pool.map(lambda path: _parquet_groups(path, text_column, storage), parquet),
+                           len(parquet), "reading footers and layouts", "file")  # fmt: skip
+        footers = iter(list(footers))
+    groups: list[tuple[int, int, int, bool]] = []
+    digests = []
+    for file_index in range(len(files)):
+        layout = layouts.get(file_index)
+        if layout is not None:
+            groups += [(file_index, g, int(n), False) for g, n in enumerate(layout.num_rows.tolist())]
+            digests.append(int(layout.digest[:16], 16) >> 1)
+        else:
+            rows, free, footer_digest = next(footers)
+            groups += [(file_index, g, n, t) for g, (n, t) in enumerate(zip(rows, free))]
+            digests.append(footer_digest)
+    return groups, digests, layouts
+
+
+def _no_rows(files: list[str], layouts: dict[int, JsonlLayout]) -> str:
+    """The error for files that hold no row at all, naming each file and its format."""
+    named = [f"{'JSONL' if i in layouts else 'parquet'} file {redact(path)!r}" for i, path in enumerate(files)]
+    if len(named) == 1:
+        what = "it has no lines" if layouts else "its row groups hold no rows"
+        return f"{named[0]} holds no rows ({what}): give files with at least one row (a JSONL line)"
+    shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+    return f"the {len(files)} files hold no rows: {shown}; give files with at least one row (a JSONL line)"
 
 
 _WARNED_MALFORMED: set[tuple[str, int]] = set()
@@ -382,8 +532,8 @@ def _parquet_groups(path: str, text_column: str, storage: Storage) -> tuple[list
             f"parquet file {redact(path)!r}: column text_column={text_column!r} has type {column_type}; it must "
             "hold strings (text)"
         )
-    column = names.index(text_column)
-    digest = hashlib.sha256()
+    column = text_leaf(pf.metadata, text_column)
+    digest = hasher()
     rows, free = [], []
     for g in range(pf.metadata.num_row_groups):
         group = pf.metadata.row_group(g)
@@ -396,7 +546,9 @@ def _parquet_groups(path: str, text_column: str, storage: Storage) -> tuple[list
 
 
 def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
-    """What a footer says about one row group's text column: any rewrite with other text changes some of it."""
+    """What a footer says about one row group's text column: a rewrite with other text usually changes some of it,
+    but not always (a same-length edit may keep sizes and statistics): it serves the resume check and messages,
+    never the token cache, whose keys are digests of the stored text."""
     facts: tuple = (num_rows, chunk.total_compressed_size, chunk.total_uncompressed_size)
     if stats is not None:
         facts += (stats.null_count if stats.has_null_count else None,)

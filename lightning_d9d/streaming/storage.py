@@ -20,7 +20,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote
@@ -252,6 +252,25 @@ class Storage:
                              "installed") from err  # fmt: skip
         fs, path = fsspec.core.url_to_fs(spec, **dict(self.options))
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+    def filesystems(self, specs: Sequence[str]) -> list[tuple[pafs.FileSystem, str]]:
+        """:meth:`filesystem` of every spec, each S3 filesystem made once for all URLs of the same options (making
+        one reads the AWS configuration); ValueError as :meth:`filesystem`."""
+        made: dict[tuple[str, str, str], pafs.FileSystem] = {}
+        out: list[tuple[pafs.FileSystem, str]] = []
+        local = pafs.LocalFileSystem()
+        for spec in specs:
+            if "://" not in spec:
+                out.append((local, os.path.abspath(os.path.expanduser(spec))))
+            elif spec.split("://", 1)[0].lower() in ("s3", "s3a"):
+                scheme, userinfo, path, query = parse_url(spec)
+                fs = made.get((scheme, userinfo, query))
+                if fs is None:
+                    fs = made[(scheme, userinfo, query)] = self.filesystem(spec)[0]
+                out.append((fs, path))
+            else:
+                out.append(self.filesystem(spec))
+        return out
 
     def retrying(self, action: Callable[[], T], describe: Callable[[], str], on_retry: Callable[[], None]) -> T:
         """Run ``action``, retrying transient failures with backoff for ``read_retry_seconds``.

@@ -1,10 +1,14 @@
 """Token cache: each unit's tokens, stored the first time the unit is tokenized and read back instead of tokenizing.
 
 Under ``root``, one folder per *version* (``sha256(key)[:16]``; the key is everything that decides the tokens, so a
-changed setting never meets stale tokens) holds one self-validating entry (CRC-32s, structure) per unit of a file
-named by its content digest; a bad entry is a miss, warned about and deleted. Stores are atomic and uncoordinated:
-every writer of an entry writes the same bytes. Trade-off: one file per unit needs no index and keeps writers
-independent, at the price of a file per row group and of reading an entry whole.
+changed setting never meets stale tokens) holds one self-validating entry (CRC-32s, structure) per unit, named by
+the unit's *content key*: a digest of the stored bytes its texts are decoded from (``content.py``, ``jsonl.py``),
+computed when a stream is about to read the unit. An edited unit has another key, so its old entry is never looked
+up, and two files share an entry only where their bytes are the same. The entry's folder is its file's footer (or
+layout) digest, which only groups entries for listing (coverage, "files changed" at setup) and is trusted with no
+token. A bad entry is a miss, warned about and deleted. Stores are atomic and uncoordinated: every writer of an
+entry writes the same bytes. Trade-off: one file per unit needs no index and keeps writers independent, at the price
+of a file per row group, of reading an entry whole, and of a read and a hash of the unit's stored text per lookup.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import itertools
 import json
 import os
@@ -29,9 +32,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow.fs as pafs
 
-from lightning_d9d.streaming.storage import Storage, canonical, is_transient
+from lightning_d9d.digest import digest
+from lightning_d9d.streaming.storage import Storage, StorageError, canonical, is_transient, redact
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"D9DTOKS\n"
 ENTRY_SUFFIX = ".tok"
 MANIFEST = "manifest.json"
@@ -40,12 +44,15 @@ MANIFEST = "manifest.json"
 _PREFIX = struct.Struct("<8sIII")
 _INDEX = np.dtype("<i8")
 # Store failures that the next store would meet too: the process stops writing.
-_STOPS_WRITING = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS}
+_STOPS_WRITING = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+                  errno.EEXIST}  # fmt: skip
 # Bad entries named in a warning per cache version and process. Past that many, the cache is probably damaged
 # as a whole; one more warning says so, and the rest are only counted.
 MAX_NAMED_ENTRIES = 8
 _VERSION_NAME = re.compile(r"[0-9a-f]{16}")
 _FILE_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,127}")
+_CONTENT_KEY = re.compile(r"[0-9a-f]{16,64}")
+_ENTRY = re.compile(r"(?P<unit>.+/\d+-\d+-\d+)\.[0-9a-f]{16,64}" + re.escape(ENTRY_SUFFIX))
 
 # What this process has warned about, and the cache versions (by where()) it no longer writes to. A forked
 # worker inherits both, which keeps a failure it would meet again from being warned about once more per worker.
@@ -250,8 +257,25 @@ class TokenCache:
         return f"{root}/{self.digest}/{relative}" if relative else f"{root}/{self.digest}"
 
     @staticmethod
-    def entry_name(file_digest: int | str, group_in_file: int, start: int, stop: int) -> str:
-        """The entry's path inside the version folder; ValueError for a negative number or a digest not a plain name."""
+    def entry_name(file_digest: int | str, group_in_file: int, start: int, stop: int, content: str) -> str:
+        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.<content key>.tok``;
+        ValueError for a negative number, a file digest not a plain name, or a content key not 16 to 64 hex digits."""
+        if not isinstance(content, str) or not _CONTENT_KEY.fullmatch(content):
+            raise ValueError(f"content key {content!r} must be 16 to 64 lowercase hex digits")
+        return f"{TokenCache.file_folder(file_digest)}/{TokenCache.unit_name(group_in_file, start, stop)}.{content}" + (
+            ENTRY_SUFFIX
+        )
+
+    @staticmethod
+    def unit_name(group_in_file: int, start: int, stop: int) -> str:
+        """``<group>-<start>-<stop>``; ValueError where that is no unit."""
+        if not 0 <= start <= stop or group_in_file < 0:
+            raise ValueError(f"row group {group_in_file}, rows [{start}, {stop}) are not a unit")
+        return f"{int(group_in_file)}-{int(start)}-{int(stop)}"
+
+    @staticmethod
+    def file_folder(file_digest: int | str) -> str:
+        """The folder of a file's entries; ValueError for a negative digest or one not a plain name."""
         if isinstance(file_digest, str):
             if not _FILE_NAME.fullmatch(file_digest):
                 raise ValueError(f"file digest {file_digest!r} must be letters, digits, '.', '_', '-'")
@@ -260,24 +284,30 @@ class TokenCache:
             file_part = f"{int(file_digest):016x}"
         else:
             raise ValueError(f"file digest {file_digest} must be >= 0")
-        if not 0 <= start <= stop or group_in_file < 0:
-            raise ValueError(f"row group {group_in_file}, rows [{start}, {stop}) are not a unit")
-        return f"{file_part}/{int(group_in_file)}-{int(start)}-{int(stop)}{ENTRY_SUFFIX}"
+        return file_part
 
-    def _identity(self, file_part: str, group: int, start: int, stop: int) -> dict[str, Any]:
-        """What an entry's header must say: it is the entry looked up, of this version."""
+    def _identity(self, file_part: str, group: int, start: int, stop: int, content: str) -> dict[str, Any]:
+        """What an entry's header must say: it is the entry looked up (the same content), of this version."""
         identity = {"format": FORMAT_VERSION, "key": self.digest, "vocab_size": self.vocab_size}
         identity.update(dtype=self.dtype.name, file=file_part, group=int(group), start=int(start), stop=int(stop))
+        identity["content"] = content
         return identity
 
     # ------------------------------------------------------------------------------------------------ loading
     def load(
-        self, file_digest: int | str, group_in_file: int, start: int, stop: int, file_label: str | None = None
+        self,
+        file_digest: int | str,
+        group_in_file: int,
+        start: int,
+        stop: int,
+        content: str,
+        described: str | None = None,
     ) -> CachedUnit | None:
-        """The unit's cached tokenization, or ``None``: not cached, a failed read (warned once), or a bad entry (warned
-        about, up to ``MAX_NAMED_ENTRIES`` per version, and deleted).
+        """The cached tokenization of the unit whose stored text has content key ``content``, or ``None``: not cached,
+        a failed read (warned once), or a bad entry (warned about, up to ``MAX_NAMED_ENTRIES`` per version, and
+        deleted). ``described`` names the unit in those warnings.
         """
-        name = self.entry_name(file_digest, group_in_file, start, stop)
+        name = self.entry_name(file_digest, group_in_file, start, stop, content)
         path = self._path(name)
         fs, _ = self._filesystem()
         try:
@@ -292,10 +322,11 @@ class TokenCache:
                                               "not reported)")  # fmt: skip
             return None
         try:
-            unit = _decode(data, self._identity(name.split("/", 1)[0], group_in_file, start, stop), self.vocab_size)
+            identity = self._identity(name.split("/", 1)[0], group_in_file, start, stop, content)
+            unit = _decode(data, identity, self.vocab_size)
         except _BadEntry as bad:
             self._count(misses=1, bad=1)
-            described = f"{file_label + ', ' if file_label else ''}row group {group_in_file}, rows {start}..{stop - 1}"
+            described = described or f"row group {group_in_file}, rows {start}..{stop - 1}"
             _report_bad(self.where(), self.where(name), described, str(bad))
             _delete_quietly(fs, path)
             return None
@@ -308,11 +339,14 @@ class TokenCache:
         """Whether this process still stores entries (``False`` after a full disk, quota or permission error)."""
         return self.where() not in _NOT_WRITING
 
-    def store(self, file_digest: int | str, group_in_file: int, start: int, stop: int, unit: CachedUnit) -> bool:
-        """Store a whole unit's tokenization atomically; whether it was stored. A write failure is a warning, never an
-        exception (space, quota or permission errors stop this process's writing); ValueError for an invalid ``unit``.
+    def store(
+        self, file_digest: int | str, group_in_file: int, start: int, stop: int, content: str, unit: CachedUnit
+    ) -> bool:
+        """Store a whole unit's tokenization atomically, under the content key of the stored text it was decoded from;
+        whether it was stored. A write failure is a warning, never an exception (space, quota or permission errors
+        stop this process's writing); ValueError for an invalid ``unit``.
         """
-        name = self.entry_name(file_digest, group_in_file, start, stop)
+        name = self.entry_name(file_digest, group_in_file, start, stop, content)
         if (unit.group_in_file, unit.start, unit.stop) != (group_in_file, start, stop):
             raise ValueError(f"unit of row group {unit.group_in_file}, rows [{unit.start}, {unit.stop}) stored as "
                              f"row group {group_in_file}, rows [{start}, {stop})")  # fmt: skip
@@ -323,7 +357,7 @@ class TokenCache:
             raise ValueError(f"cannot store {self.where(name)!r}: {problem}")
         if not self.writing:
             return False
-        identity = self._identity(name.split("/", 1)[0], unit.group_in_file, unit.start, unit.stop)
+        identity = self._identity(name.split("/", 1)[0], unit.group_in_file, unit.start, unit.stop, content)
         pieces = _encode(unit, identity, self.dtype)
         fs, _ = self._filesystem()
         try:
@@ -351,14 +385,20 @@ class TokenCache:
 
     # ------------------------------------------------------------------------------------------------ inspecting
     def coverage(self, units: Iterable[tuple[int | str, int, int, int]]) -> Coverage:
-        """How many of ``units`` (``(file digest, group in file, start, stop)``) have an entry (not validated), and
-        their bytes; OSError where the root cannot be listed.
+        """How many of ``units`` (``(file digest, group in file, start, stop)``) have an entry, and their bytes; OSError
+        where the root cannot be listed. Nothing is read or hashed: an entry of the unit under its file's current
+        footer (or layout) digest counts, whatever content it was made from, so a unit edited without changing its
+        file's footer counts until it is read (and its new tokens stored beside).
         """
-        entries = _entry_sizes(self._filesystem()[0], self._path())
+        entries: dict[str, int] = {}
+        for name, size in _entry_sizes(self._filesystem()[0], self._path()).items():
+            match = _ENTRY.fullmatch(name)
+            if match is not None:
+                entries[match.group("unit")] = size
         cached = total = size = 0
         for file_digest, group, start, stop in units:
             total += 1
-            found = entries.get(self.entry_name(file_digest, group, start, stop))
+            found = entries.get(f"{self.file_folder(file_digest)}/{self.unit_name(group, start, stop)}")
             if found is not None:
                 cached, size = cached + 1, size + found
         return Coverage(cached, total, size)
@@ -375,12 +415,13 @@ class TokenCache:
         """A message naming the other versions under ``root`` and how their keys differ, or ``None``; OSError as
         :meth:`coverage`. Every process computes the same message: say it once per run.
         """
-        others = self.other_versions()
+        formats: dict[str, Any] = {}
+        others = _version_keys(*self._filesystem(), skip=self.digest, formats=formats)
         if not others:
             return None
         fs, _ = self._filesystem()
         exists = fs.get_file_info(self._path(MANIFEST)).type != pafs.FileType.NotFound
-        return _versions_message(canonical(self.root), others, self.key, self.digest, exists)
+        return _versions_message(canonical(self.root), others, formats, self.key, self.digest, exists)
 
     def _count(self, **amounts: int) -> None:
         with self._lock:
@@ -394,10 +435,11 @@ def _version_digest(key: Any, vocab_size: int) -> str:
     identity = json.dumps(
         {"format": FORMAT_VERSION, "key": key, "vocab_size": vocab_size}, sort_keys=True, separators=(",", ":")
     )
-    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return digest(identity)
 
 
-def _version_keys(fs: pafs.FileSystem, base: str, skip: str) -> dict[str, Any]:
+def _version_keys(fs: pafs.FileSystem, base: str, skip: str, formats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{folder: key}`` of the versions under ``base`` but ``skip``; ``formats`` (if given) gets their formats."""
     out: dict[str, Any] = {}
     for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
         name = info.base_name
@@ -405,16 +447,23 @@ def _version_keys(fs: pafs.FileSystem, base: str, skip: str) -> dict[str, Any]:
             continue
         try:
             with fs.open_input_stream(f"{base}/{name}/{MANIFEST}") as manifest:
-                out[name] = json.loads(manifest.read()).get("key")
+                data = json.loads(manifest.read())
+            out[name] = data.get("key")
+            if formats is not None:
+                formats[name] = data.get("format")
         except (OSError, ValueError, AttributeError):
             out[name] = None
     return out
 
 
-def _versions_message(root: str, others: Mapping[str, Any], key: Any, digest: str, exists: bool) -> str:
+def _versions_message(
+    root: str, others: Mapping[str, Any], formats: Mapping[str, Any], key: Any, digest: str, exists: bool
+) -> str:
     described = []
     for name, their_key in sorted(others.items()):
         differs = _differences(key, their_key)
+        if formats.get(name, FORMAT_VERSION) != FORMAT_VERSION:
+            differs.append("entry format")
         described.append(f"{name} (differs in {', '.join(differs)})" if differs else name)
     state = "continues" if exists else "starts"
     return (
@@ -632,7 +681,8 @@ def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
 
 # ------------------------------------------------------------------------------------------------ streams
 class StreamCache:
-    """A token cache as a source's streams use it; ``index`` (the source's ``RowGroupIndex``) names each unit's file."""
+    """A token cache as a source's streams use it; ``index`` (the source's ``RowGroupIndex``) names each unit's file
+    and gives each unit's content key."""
 
     def __init__(self, cache: TokenCache, index: Any):
         self.cache, self.index = cache, index
@@ -645,22 +695,28 @@ class StreamCache:
             self._labels = self.index.file_labels()
         return self._labels[file]
 
-    def _where(self, group: int) -> tuple[int, int, str]:
+    def _where(self, group: int) -> tuple[int, int]:
         file = int(self.index.file_of[group])
-        return self.index.file_digests[file], int(self.index.group_in_file[group]), self.index.files[file]
+        return self.index.file_digests[file], int(self.index.group_in_file[group])
 
     def load(self, group: int, start: int, stop: int) -> CachedUnit | None:
-        """Unit ``[start, stop)`` of global row group ``group``, or ``None`` when it is not (validly) cached."""
-        digest, in_file, path = self._where(group)
-        return self.cache.load(digest, in_file, start, stop, redact_label(path))
+        """Unit ``[start, stop)`` of global row group ``group``, or ``None`` when it is not (validly) cached. The unit's
+        stored text is read and hashed to find its entry; ValueError or StorageError where it cannot be read.
+        """
+        content = self.index.content_key(group)
+        file_digest, in_file = self._where(group)
+        return self.cache.load(file_digest, in_file, start, stop, content, self.index.describe_rows(group, start, stop))
 
-    def recorder(self, group: int, start: int, stop: int, too_long: Mapping[int, int]) -> UnitRecorder | None:
-        """What records the unit's documents as they are tokenized (``None`` when this process stores nothing)."""
+    def recorder(
+        self, group: int, start: int, stop: int, too_long: Mapping[int, int], content: str
+    ) -> UnitRecorder | None:
+        """What records the unit's documents as they are tokenized, to be stored under ``content`` (the content key of
+        the bytes they were decoded from); ``None`` when this process stores nothing."""
         if not self.cache.writing:
             return None
-        digest, in_file, _ = self._where(group)
+        file_digest, in_file = self._where(group)
         long_rows = {row: chars for row, chars in too_long.items() if start <= row < stop}
-        return UnitRecorder(self, group, digest, in_file, start, stop, long_rows)
+        return UnitRecorder(self, group, (file_digest, in_file, start, stop, content), long_rows)
 
     def stored(self, group: int) -> None:
         """Record once which file label a digest belongs to, so a later run can name the files edited since."""
@@ -669,13 +725,15 @@ class StreamCache:
             return
         self.labelled.add(file)
         label = self.label(file)
-        record = f"{TokenCache.entry_name(self.index.file_digests[file], 0, 0, 0).split('/')[0]}\n{label}\n"
-        path = self.cache._path(f"labels/{hashlib.sha256(label.encode()).hexdigest()[:16]}")
+        record = f"{TokenCache.file_folder(self.index.file_digests[file])}\n{label}\n"
         with contextlib.suppress(OSError):
-            _write_atomic(self.cache._filesystem()[0], path, [memoryview(record.encode())])
+            _write_atomic(self.cache._filesystem()[0], self._label_path(label), [memoryview(record.encode())])
+
+    def _label_path(self, label: str) -> str:
+        return self.cache._path(f"labels/{digest(label)}")
 
     def changes(self) -> list[str]:
-        """What a user should hear once: other versions of this cache, and files edited since they were cached."""
+        """What a user should hear once: other versions of this cache, and files changed since they were cached."""
         messages = []
         with contextlib.suppress(OSError):
             other = self.cache.describe_other_versions()
@@ -692,51 +750,54 @@ class StreamCache:
         return messages
 
     def _changed_files(self) -> list[str]:
-        """Labels of files with no entries under their digest whose label record names another digest."""
+        """Labels of files whose footer (layout) digest has no entries while their label record names another: a
+        message only (an edit that keeps the footer is not named; its tokens are rebuilt all the same, as every entry
+        is found by the content it was made from)."""
         fs, _ = self.cache._filesystem()
-        present = {
-            info.base_name for info in fs.get_file_info(pafs.FileSelector(self.cache._path(), allow_not_found=True))
-        }
+        present = {info.base_name for info in fs.get_file_info(pafs.FileSelector(self.cache._path(),
+                                                                                  allow_not_found=True))}  # fmt: skip
+        records = {info.base_name for info in fs.get_file_info(pafs.FileSelector(self.cache._path("labels"),
+                                                                                  allow_not_found=True))}  # fmt: skip
         changed = []
         for file, file_digest in enumerate(self.index.file_digests):
-            part = TokenCache.entry_name(file_digest, 0, 0, 0).split("/")[0]
-            if part in present:
+            folder = TokenCache.file_folder(file_digest)
+            if folder in present:
                 continue
             label = self.label(file)
-            path = self.cache._path(f"labels/{hashlib.sha256(label.encode()).hexdigest()[:16]}")
-            try:
-                with fs.open_input_stream(path) as stream:
-                    recorded = stream.read().decode().split("\n", 1)[0]
-            except OSError:
+            if digest(label) not in records:
                 continue  # never cached: a new file, not a changed one
-            if recorded != part:
+            try:
+                with fs.open_input_stream(self._label_path(label)) as stream:
+                    recorded = stream.read().decode().split("\n", 1)[0]
+            except (OSError, UnicodeDecodeError):
+                continue
+            if recorded != folder:
                 changed.append(label)
         return changed
 
     def coverage(self, units: Any) -> Coverage:
-        """How much of ``units`` (``Units`` of this index) the cache holds."""
+        """How much of ``units`` (``Units`` of this index) the cache holds (see :meth:`TokenCache.coverage`)."""
         return self.cache.coverage(
-            (*self._where(int(group))[:2], int(begin), int(end))
+            (*self._where(int(group)), int(begin), int(end))
             for group, begin, end in zip(units.group, units.start, units.stop)
         )
 
 
 class UnitRecorder:
-    """A unit's documents recorded chunk by chunk as compact ids, stored once whole."""
+    """A unit's documents recorded chunk by chunk as compact ids, stored once whole.
+
+    Args:
+        source: the stream cache it stores through.
+        group: the unit's global row group.
+        entry: ``(file digest, group in file, start, stop, content key)``: the entry it is stored as.
+        too_long: ``{row: characters}`` of the unit's rows skipped as too long.
+    """
 
     def __init__(
-        self,
-        source: StreamCache,
-        group: int,
-        file_digest: int,
-        group_in_file: int,
-        start: int,
-        stop: int,
-        too_long: dict,
+        self, source: StreamCache, group: int, entry: tuple[int | str, int, int, int, str], too_long: dict[int, int]
     ):
         self.source, self.cache, self.group = source, source.cache, group
-        self.unit = (file_digest, group_in_file, start, stop)
-        self.too_long = too_long
+        self.entry, self.too_long = entry, too_long
         self.rows: list[np.ndarray] = []
         self.ids: list[np.ndarray] = []
         self.lengths: list[np.ndarray] = []
@@ -751,7 +812,7 @@ class UnitRecorder:
 
     def store(self) -> None:
         """Store the unit, once all its documents were added."""
-        _digest, group_in_file, start, stop = self.unit
+        _digest, group_in_file, start, stop, _content = self.entry
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -766,11 +827,40 @@ class UnitRecorder:
             np.asarray([row for row, _ in long_rows], np.int64),
             np.asarray([chars for _, chars in long_rows], np.int64),
         )
-        if self.cache.store(*self.unit, unit):
+        if self.cache.store(*self.entry, unit):
             self.source.stored(self.group)
         self.rows, self.ids, self.lengths = [], [], []
 
 
-def redact_label(path: str) -> str:
-    """A file as named in messages (a URL without its query and credentials)."""
-    return canonical(path) if "://" in path else path
+def usable_root(root: str, storage: Storage) -> str | None:
+    """``root`` where a token cache can be kept there, ``None`` (one warning) where its storage cannot be reached: the
+    run trains without a cache rather than failing or waiting at every unit.
+
+    Raises:
+        ValueError: ``root`` is an existing file or lies inside one (a folder is created where missing), or bad
+            storage options.
+    """
+    fs, path = storage.filesystem(root)
+    local = isinstance(fs, pafs.LocalFileSystem)
+    try:
+        info = storage.retrying(lambda: fs.get_file_info(path), lambda: f"token cache {redact(root)!r}", _no_op)
+    except OSError as err:
+        if local and not isinstance(err, StorageError):
+            raise ValueError(f"token_cache={redact(root)!r} cannot be used: {err}") from err
+        _warn_once(("unreachable", canonical(root)), f"token cache {redact(root)!r} cannot be reached ({err}); this "
+                   "run trains without it: every unit is tokenized, and JSONL files are scanned at setup")  # fmt: skip
+        return None
+    if info.type == pafs.FileType.File:
+        raise ValueError(f"token_cache={redact(root)!r} is a file: give a folder (created where missing) or a URL")
+    if local and info.type == pafs.FileType.NotFound:
+        parent = os.path.dirname(path)
+        while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
+            parent = os.path.dirname(parent)
+        if os.path.isfile(parent):
+            raise ValueError(f"token_cache={redact(root)!r} lies inside the file {parent!r}: give a folder (created "
+                             "where missing) or a URL")  # fmt: skip
+    return root
+
+
+def _no_op() -> None:
+    pass

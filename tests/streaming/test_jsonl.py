@@ -11,6 +11,7 @@ the rows and the cache work as locally.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -18,20 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import zstandard
 from support import moto_server
 
-from lightning_d9d.streaming import jsonl
+from lightning_d9d.streaming import jsonl, jsonl_scan
 from lightning_d9d.streaming.jsonl import (
     JSONL_SUFFIXES,
     JsonlLayout,
+    group_content_key,
     is_jsonl,
     read_jsonl_group,
-    scan_jsonl,
+    read_jsonl_group_keyed,
 )
-from lightning_d9d.streaming.source import resolve_files
+from lightning_d9d.streaming.jsonl_scan import scan_jsonl, scan_jsonl_files
+from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.storage import Storage
 
 STORAGE = Storage(read_retry_seconds=0.0)
@@ -97,6 +101,13 @@ def docs(count: int = 120) -> list[str]:
     return lines
 
 
+@pytest.fixture(params=["pyarrow", "line by line"])
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every group parsed by pyarrow, or line by line by the standard library (as a group of a few lines is)."""
+    monkeypatch.setattr(jsonl, "SMALL_GROUP_LINES", 0 if request.param == "pyarrow" else 10**9)
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------- names
 
 
@@ -123,12 +134,28 @@ def test_a_directory_lists_parquet_and_jsonl_files_and_a_glob_takes_jsonl(tmp_pa
     assert resolve_files(str(tmp_path / "b.jsonl")) == [str(tmp_path / "b.jsonl")]
 
 
+def test_files_without_rows_are_named_with_their_format(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"^JSONL file '{empty}' holds no rows \(it has no lines\): give files"):
+        RowGroupIndex.scan([str(empty)], "text")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    gz = write(tmp_path / "empty.jsonl.gz", [], "gzip")
+    files = [str(empty), str(tmp_path / "empty.parquet"), str(gz)]
+    with pytest.raises(ValueError, match=rf"^the 3 files hold no rows: JSONL file '{empty}', parquet file "
+                       rf"'{tmp_path / 'empty.parquet'}', JSONL file '{gz}'; give files"):  # fmt: skip
+        RowGroupIndex.scan(files, "text")
+    # An empty file among others is no error: it has no groups.
+    write(tmp_path / "x.jsonl", docs(20), "none")
+    assert RowGroupIndex.scan([str(empty), str(tmp_path / "x.jsonl")], "text").total_rows == 20
+
+
 # ---------------------------------------------------------------------------------------------- round trips
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("end", ["\n", "\r\n"])
-def test_texts_come_back_one_row_per_line_in_every_group(tmp_path: Path, kind: str, end: str) -> None:
+def test_texts_come_back_one_row_per_line_in_every_group(tmp_path: Path, kind: str, end: str, parser: str) -> None:
     lines = docs()
     path = write(tmp_path / f"x{SUFFIX[kind]}", lines, kind, end)
     layout = scan_jsonl(str(path), STORAGE, group_bytes=1000)
@@ -176,7 +203,7 @@ def test_a_file_without_a_final_newline_keeps_its_last_line(tmp_path: Path, kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_long_lines_make_long_groups_and_cross_frames_and_pyarrow_blocks(tmp_path: Path, kind: str) -> None:
+def test_long_lines_make_long_groups_and_cross_frames_and_pyarrow_blocks(tmp_path: Path, kind: str, parser) -> None:
     long_text = "x" * (3 << 20)  # longer than a group, a frame and pyarrow's 1 MiB block
     lines = [json.dumps({"text": "short"}), json.dumps({"text": long_text}), "", json.dumps({"text": "é" * 5000})]
     path = write(tmp_path / f"x{SUFFIX[kind]}", lines, kind, frame_bytes=100_000)
@@ -290,6 +317,112 @@ def test_a_file_changed_since_its_scan_is_an_error_not_shifted_rows(tmp_path: Pa
         read_jsonl_group(str(path), STORAGE, layout, 1, "text")
 
 
+def test_a_kept_layout_outdated_by_an_edit_with_size_and_time_kept_is_an_error_until_touched(tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(100)]
+    path, cache = write(tmp_path / "x.jsonl", lines, "none"), str(tmp_path / "cache")
+    layout = scan_jsonl(str(path), STORAGE, group_bytes=200, cache_dir=cache)
+    stat = path.stat()
+    edited = bytearray(path.read_bytes())
+    edited[layout.groups[1].start + 3] = ord("\n")  # a line cut in two: same size, the group's lines move
+    path.write_bytes(bytes(edited))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    kept = scan_jsonl(str(path), STORAGE, group_bytes=200, cache_dir=cache)
+    assert kept == layout  # reused: size and time match
+    with pytest.raises(ValueError, match="changed since it was scanned .*touch it first"):
+        read_jsonl_group_keyed(str(path), STORAGE, kept, 1, "text", on_malformed="skip")
+    path.touch()
+    fresh = scan_jsonl(str(path), STORAGE, group_bytes=200, cache_dir=cache)
+    assert fresh != layout and fresh.num_lines == 101
+
+
+# ---------------------------------------------------------------------------------------------- content keys
+
+
+class _CountingFilesystem:
+    """A local filesystem that counts the files opened for reading."""
+
+    def __init__(self, opened: list[str]):
+        self.fs, self.opened = pafs.LocalFileSystem(), opened
+
+    def get_file_info(self, path: Any) -> Any:
+        return self.fs.get_file_info(path)
+
+    def open_input_file(self, path: str) -> Any:
+        self.opened.append(path)
+        return self.fs.open_input_file(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingStorage(Storage):
+    opened: list = dataclasses.field(default_factory=list)
+
+    def filesystem(self, spec: str) -> Any:
+        return _CountingFilesystem(self.opened), super().filesystem(spec)[1]
+
+
+def same_size_edit(lines: list[str], line: int, kind: str, size: int) -> list[str]:
+    """``lines`` with one letter of ``line``'s text replaced such that the file, written as ``kind``, keeps ``size``."""
+    text_at = lines[line].index("doc")
+    for at in range(text_at, len(lines[line]) - 2):
+        for letter in "abcdefghijklmnopqrstuvwxyz":
+            edited = list(lines)
+            edited[line] = lines[line][:at] + letter + lines[line][at + 1 :]
+            if edited[line] != lines[line] and len(compress(("\n".join(edited) + "\n").encode(), kind)) == size:
+                return edited
+    raise AssertionError("no one-letter edit keeps the file's size")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_keyed_read_names_the_bytes_it_decoded_and_a_same_size_edit_changes_the_key(tmp_path: Path, kind: str):
+    lines = [json.dumps({"text": f"doc {i:03d} " + "word " * (i % 9)}) for i in range(120)]
+    path = write(tmp_path / f"x{SUFFIX[kind]}", lines, kind)
+    layout = scan_jsonl(str(path), STORAGE, group_bytes=400)
+    assert len(layout.groups) > 3
+    keys = []
+    for group in range(len(layout.groups)):
+        key, stored = group_content_key(str(path), STORAGE, layout, group, "error")
+        column, _, read_key = read_jsonl_group_keyed(str(path), STORAGE, layout, group, "text")
+        assert read_key == key and column.equals(read_jsonl_group(str(path), STORAGE, layout, group, "text")[0])
+        if stored is not None:  # decoded from the bytes the key was made of: the same texts, the same key
+            again, _, stored_key = read_jsonl_group_keyed(str(path), STORAGE, layout, group, "text", stored=stored)
+            assert again.equals(column) and stored_key == key
+        keys.append(key)
+    assert len(set(keys)) == len(keys)  # no two groups share a key
+    assert group_content_key(str(path), STORAGE, layout, 0, "skip")[0] != keys[0]  # on_malformed decides rows
+    # One letter of a middle line replaced, size and modification time kept: the layout is stale and trusted, the
+    # edited group's key changes (every group's, in a single-frame file), and its read gives the new text.
+    stat, middle = path.stat(), layout.groups[2].first_line + 1
+    edited = same_size_edit(lines, middle, kind, stat.st_size)
+    write(path, edited, kind)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    new_keys = [group_content_key(str(path), STORAGE, layout, g, "error")[0] for g in range(len(layout.groups))]
+    assert new_keys[2] != keys[2]
+    column, _, read_key = read_jsonl_group_keyed(str(path), STORAGE, layout, 2, "text")
+    span = layout.groups[2]
+    assert read_key == new_keys[2]
+    assert column.to_pylist() == expected(edited)[span.first_line : span.first_line + span.num_rows]
+    if kind in ("none", "zstd-frames", "gzip-members"):
+        assert new_keys[0] == keys[0]  # a group of other bytes keeps its key
+
+
+def test_a_single_frame_file_is_hashed_once_per_process_while_its_size_and_time_hold(tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(300)]
+    path = write(tmp_path / "one.jsonl.gz", lines, "gzip")
+    storage = CountingStorage(read_retry_seconds=0.0)
+    layout = scan_jsonl(str(path), STORAGE, group_bytes=300)
+    assert len(layout.groups) > 5
+    keys = [group_content_key(str(path), storage, layout, g, "error")[0] for g in range(len(layout.groups))]
+    assert len(storage.opened) == 1  # the whole file, hashed for the first group, serves the others
+    assert keys == [group_content_key(str(path), storage, layout, g, "error")[0] for g in range(len(layout.groups))]
+    assert len(storage.opened) == 1
+    # A keyed read hashes what it decodes (not the remembered digest), and agrees.
+    assert read_jsonl_group_keyed(str(path), storage, layout, 3, "text")[2] == keys[3] and len(storage.opened) == 2
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # its times set back as they were: hashed again
+    assert group_content_key(str(path), storage, layout, 0, "error")[0] == keys[0] and len(storage.opened) == 3
+    assert group_content_key(str(path), storage, layout, 1, "error")[0] == keys[1] and len(storage.opened) == 3
+
+
 # ---------------------------------------------------------------------------------------------- malformed lines
 
 
@@ -322,7 +455,7 @@ def malformed_file(tmp_path: Path, bad: str, kind: str = "zstd-frames") -> tuple
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_a_malformed_line_is_one_error_naming_the_file_and_line(tmp_path: Path, case: str) -> None:
+def test_a_malformed_line_is_one_error_naming_the_file_and_line(tmp_path: Path, case: str, parser: str) -> None:
     bad, problem = MALFORMED[case]
     path, layout, _ = malformed_file(tmp_path, bad)
     group = next(g for g, span in enumerate(layout.groups) if span.first_line <= 37 < span.first_line + span.num_rows)
@@ -332,7 +465,7 @@ def test_a_malformed_line_is_one_error_naming_the_file_and_line(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_skipping_a_malformed_line_counts_it_as_a_null_row(tmp_path: Path, case: str) -> None:
+def test_skipping_a_malformed_line_counts_it_as_a_null_row(tmp_path: Path, case: str, parser: str) -> None:
     bad, _ = MALFORMED[case]
     path, layout, _ = malformed_file(tmp_path, bad)
     texts, skipped = [], 0
@@ -348,9 +481,10 @@ def test_skipping_a_malformed_line_counts_it_as_a_null_row(tmp_path: Path, case:
         assert skipped == 1 and texts == [*good[:37], None, *good[38:]]
 
 
-def test_a_line_reads_the_same_whether_its_group_is_parsed_by_pyarrow_or_line_by_line(tmp_path: Path) -> None:
+def test_a_line_reads_the_same_whether_its_group_is_parsed_by_pyarrow_or_line_by_line(tmp_path, monkeypatch) -> None:
     """A group with a malformed line is parsed by the standard library; what both parsers take, both read alike
     (NaN outside the text, bytes that are not UTF-8 outside the text, escapes)."""
+    monkeypatch.setattr(jsonl, "SMALL_GROUP_LINES", 0)  # the first group by pyarrow
     accepted = [b'{"text": "a", "score": NaN, "s": -Infinity}', b'{"text": "b", "junk": "\xff"}',
                 b'{"text": "\\u00e9\\ud83d\\ude42 \\"q\\" \\\\ \\/"}', b'  {"text" : "d"}  ', b"{}"]  # fmt: skip
     path = tmp_path / "x.jsonl"
@@ -402,7 +536,7 @@ def test_a_layout_is_json_and_a_broken_one_is_refused(tmp_path: Path) -> None:
 
 
 def cache_entries(cache: Path) -> list[Path]:
-    return sorted(cache.glob("*.layout.json"))
+    return sorted(cache.glob("*.layouts.json"))
 
 
 def test_the_cache_is_used_while_the_file_is_unchanged_and_rebuilt_after_an_edit(tmp_path: Path, monkeypatch) -> None:
@@ -412,8 +546,8 @@ def test_the_cache_is_used_while_the_file_is_unchanged_and_rebuilt_after_an_edit
     assert len(cache_entries(cache)) == 1 and not list(cache.glob(".layout-*"))  # no temporary left over
     assert first.path == str(path) and first.mtime_ns == path.stat().st_mtime_ns
     scans = []
-    original = jsonl._scan
-    monkeypatch.setattr(jsonl, "_scan", lambda *args: scans.append(1) or original(*args))
+    original = jsonl_scan._scan
+    monkeypatch.setattr(jsonl_scan, "_scan", lambda *args: scans.append(1) or original(*args))
     assert scan_jsonl(str(path), STORAGE, group_bytes=800, cache_dir=str(cache)) == first and scans == []
     monkeypatch.chdir(tmp_path)  # the same file by a relative path: the same entry
     assert scan_jsonl("x.jsonl.gz", STORAGE, group_bytes=800, cache_dir="cache") == first and scans == []
@@ -445,21 +579,48 @@ def test_a_corrupt_cache_entry_is_rebuilt_never_trusted(tmp_path: Path, damage: 
     elif damage == "truncated":
         entry.write_text(text[: len(text) // 2])
     elif damage == "groups that do not tile":
-        data["layout"]["groups"]["num_rows"][0] += 1
+        data["groups"]["num_rows"][0] += 1
         entry.write_text(json.dumps(data))
     else:
         data["version"] = 99
         entry.write_text(json.dumps(data))
     assert scan_jsonl(str(path), STORAGE, group_bytes=800, cache_dir=str(cache)) == layout
-    assert json.loads(entry.read_text())["layout"] == layout.to_dict()  # rewritten whole
+    assert JsonlLayout.from_dict(layout.to_dict()) == layout
+    assert json.loads(entry.read_text())["files"]["digest"] == [layout.digest]  # rewritten whole
 
 
-def test_an_unwritable_cache_warns_and_the_layout_is_still_given(tmp_path: Path) -> None:
-    path = write(tmp_path / "x.jsonl", docs(), "none")
+def test_an_unusable_cache_warns_once_and_the_layouts_are_still_given(tmp_path: Path) -> None:
+    paths = [str(write(tmp_path / f"x{i}.jsonl", docs(), "none")) for i in range(5)]
     (tmp_path / "file").write_text("a file, not a directory")
-    with pytest.warns(UserWarning, match="could not keep the layout of"):
-        layout = scan_jsonl(str(path), STORAGE, cache_dir=str(tmp_path / "file"))
-    assert layout.num_lines == len(docs())
+    with pytest.warns(UserWarning, match=r"JSONL layout cache '.*file': cannot read it") as caught:
+        layouts = scan_jsonl_files(paths, STORAGE, cache_dir=str(tmp_path / "file"))
+    assert len(caught) == 1  # one warning, not one per file
+    assert [layout.num_lines for layout in layouts] == [len(docs())] * 5
+    assert (tmp_path / "file").read_text() == "a file, not a directory"
+
+
+def test_many_files_scan_as_each_alone_and_a_large_file_keeps_a_record_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = [str(write(tmp_path / f"x{i}{SUFFIX[kind]}", docs(20 + i), kind)) for i, kind in enumerate(KINDS)]
+    alone = [scan_jsonl(path, STORAGE, group_bytes=300) for path in paths]
+    cache = tmp_path / "cache"
+    assert scan_jsonl_files(paths, STORAGE, group_bytes=300, cache_dir=str(cache)) == alone
+    assert len(cache_entries(cache)) == 1 and not list(cache.glob("*.layout.json"))  # one record for the list
+    scans: list[str] = []
+    original = jsonl_scan._scan
+    monkeypatch.setattr(jsonl_scan, "_scan", lambda *args: scans.append(args[3]) or original(*args))
+    assert scan_jsonl_files(paths, STORAGE, group_bytes=300, cache_dir=str(cache)) == alone and scans == []
+    # Files from 1 KB on keep a record of their own: a list that gains a file rescans its small files only.
+    monkeypatch.setattr(jsonl_scan, "OWN_RECORD_BYTES", 1000)
+    large = [path for path in paths if os.path.getsize(path) >= 1000]
+    assert 0 < len(large) < len(paths)
+    fresh = tmp_path / "fresh"
+    scan_jsonl_files(paths[:-1], STORAGE, group_bytes=300, cache_dir=str(fresh))
+    assert len(list(fresh.glob("*.layout.json"))) == len([p for p in large if p != paths[-1]])
+    scans.clear()
+    assert scan_jsonl_files(paths, STORAGE, group_bytes=300, cache_dir=str(fresh)) == alone
+    assert sorted(scans) == sorted(p for p in paths if p not in large or p == paths[-1])
 
 
 # ---------------------------------------------------------------------------------------------- s3
@@ -509,8 +670,8 @@ def test_over_s3_rows_equal_a_local_copys_and_the_cache_lives_in_the_bucket(
     assert read_all(url, layout) == expected(lines)  # type: ignore[arg-type]
     # The cache entry is one object in the bucket; the next scan reads it instead of the file.
     listed = s3_env["client"].list_objects_v2(Bucket="corpus", Prefix=f"layouts/{kind}/")["Contents"]
-    assert len(listed) == 1 and listed[0]["Key"].endswith(".layout.json")
-    monkeypatch.setattr(jsonl, "_scan", lambda *args: pytest.fail("scanned despite a cached layout"))
+    assert len(listed) == 1 and listed[0]["Key"].endswith(".layouts.json")
+    monkeypatch.setattr(jsonl_scan, "_scan", lambda *args: pytest.fail("scanned despite a cached layout"))
     assert scan_jsonl(url, STORAGE, group_bytes=1000, cache_dir=cache) == layout
     assert [os.path.basename(p.split("?")[0]) for p in resolve_files(f"s3://corpus/data/{kind}{query}")] == [
         f"x{SUFFIX[kind]}"

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import warnings
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from support import BOS, WORDS, digest, make_docs, stream_spec, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming import reader, tokenize
+from lightning_d9d.streaming import source as source_module
 from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.spec import StreamSpec
 from lightning_d9d.streaming.stream import StreamState, TokenStream
@@ -162,6 +165,29 @@ def test_a_document_over_the_cap_is_skipped_counted_and_named_once(capped: dict,
     assert len(named) == 1, named
     assert "part-000.parquet" in named[0] and "row group 1, row 7" in named[0]
     assert f"{capped['length']} characters" in named[0] and f"max_document_chars={CAP}" in named[0]
+
+
+def test_a_jsonl_document_over_the_cap_is_named_by_its_file_and_line(capped: dict, tmp_path, monkeypatch) -> None:
+    """The same corpus as JSONL files in groups of a few lines: the warning names the JSONL file and the 1-based line
+    (never a parquet row group), and the rows are those of the parquet corpus."""
+    monkeypatch.setattr(reader, "_WARNED_TOO_LONG", set())
+    monkeypatch.setattr(source_module, "JSONL_GROUP_BYTES", 2000)  # the document is in the file's second group
+    texts = [t for path in resolve_files(str(capped["root"] / "huge"))
+             for t in pq.read_table(path).column("text").to_pylist()]  # fmt: skip
+    (tmp_path / "data").mkdir()
+    for number, part in enumerate((texts[:30], texts[30:])):
+        lines = "".join(json.dumps({"text": text}) + "\n" for text in part)
+        (tmp_path / "data" / f"part-{number:03d}.jsonl").write_text(lines)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dm = PretrainingDataModule(str(tmp_path / "data"), capped["tokenizer"], packing="concat",
+                                   max_document_chars=CAP, **DM_OPTIONS)  # fmt: skip
+        dm.setup("fit")
+        take(dm, 40 * dm.microbatches_per_step)
+    named = too_long_warnings(record)
+    assert len(named) == 1, named
+    assert f"JSONL file '{tmp_path / 'data' / 'part-000.jsonl'}', line {HUGE_AT + 1};" in named[0], named[0]
+    assert "row group" not in named[0] and "parquet" not in named[0]
 
 
 def test_without_a_cap_the_document_is_trained_on(capped: dict) -> None:

@@ -101,12 +101,12 @@ def test_fewer_rows_than_streams_is_an_error_naming_both(corpus: dict, tmp_path:
 def test_streams_read_their_dealt_units_in_order_and_cycle_passes(corpus: dict) -> None:
     spec = spec_for(corpus, "bestfit", streams=3, buffer_size=4)
     read: list[int] = []
-    original = spec.index.read_texts
-    spec.index.read_texts = lambda group: (read.append(group), original(group))[1]  # type: ignore[method-assign]
+    original = spec.index.read_keyed
+    spec.index.read_keyed = lambda group, *rest: (read.append(group), original(group, *rest))[1]  # type: ignore
     try:
         take(TokenStream(spec, 1), 60)
     finally:
-        del spec.index.read_texts
+        del spec.index.read_keyed
     expected = np.concatenate([spec.stream_units(1).of_pass(p) for p in range(4)]).tolist()
     assert read == expected[: len(read)] and len(read) > len(spec.index) // 3  # went past a pass boundary
 

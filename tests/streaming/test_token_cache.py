@@ -36,6 +36,7 @@ from lightning_d9d.streaming.token_cache import (
 REPO = Path(__file__).resolve().parents[2]
 KEY = {"tokenizer": "sha256:0123", "text_column": "text", "max_document_chars": 1 << 26, "recipe": 1}
 FILE = 0x1234_5678_9ABC_DEF0
+CONTENT = "0123456789abcdef" * 2  # a unit's content key
 
 
 def make_unit(
@@ -60,16 +61,17 @@ def assert_same(loaded: CachedUnit | None, unit: CachedUnit) -> None:
         assert np.array_equal(ours, theirs), name
 
 
-def entry(cache: TokenCache, unit: CachedUnit, file_digest: int = FILE) -> Path:
-    return Path(cache._path(cache.entry_name(file_digest, unit.group_in_file, unit.start, unit.stop)))
+def entry(cache: TokenCache, unit: CachedUnit, file_digest: int = FILE, content: str = CONTENT) -> Path:
+    return Path(cache._path(cache.entry_name(file_digest, unit.group_in_file, unit.start, unit.stop, content)))
 
 
-def store(cache: TokenCache, unit: CachedUnit, file_digest: int = FILE) -> bool:
-    return cache.store(file_digest, unit.group_in_file, unit.start, unit.stop, unit)
+def store(cache: TokenCache, unit: CachedUnit, file_digest: int = FILE, content: str = CONTENT) -> bool:
+    return cache.store(file_digest, unit.group_in_file, unit.start, unit.stop, content, unit)
 
 
-def load(cache: TokenCache, unit: CachedUnit, file_digest: int = FILE) -> CachedUnit | None:
-    return cache.load(file_digest, unit.group_in_file, unit.start, unit.stop, file_label="part-0.parquet")
+def load(cache: TokenCache, unit: CachedUnit, file_digest: int = FILE, content: str = CONTENT) -> CachedUnit | None:
+    described = f"parquet file 'part-0.parquet', row group {unit.group_in_file}, rows {unit.start}..{unit.stop - 1}"
+    return cache.load(file_digest, unit.group_in_file, unit.start, unit.stop, content, described)
 
 
 def run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -167,7 +169,7 @@ def test_store_rejects_a_unit_that_does_not_describe_its_rows(
     with pytest.raises(ValueError, match=message):
         store(TokenCache(str(tmp_path), Storage(), KEY, vocab_size=100), dataclasses.replace(unit, **change))
     with pytest.raises(ValueError, match="stored as row group 1"):
-        TokenCache(str(tmp_path), Storage(), KEY, vocab_size=100).store(FILE, 1, 0, 10, unit)
+        TokenCache(str(tmp_path), Storage(), KEY, vocab_size=100).store(FILE, 1, 0, 10, CONTENT, unit)
 
 
 # ------------------------------------------------------------------------------------------------ bad entries
@@ -211,6 +213,7 @@ CORRUPTIONS = {
         "not ascending rows|do not frame|offsets decrease",
     ),
     "entry of another unit": (lambda d: rewrite_header(d, group=4), "its header says group=4, expected 3"),
+    "entry of another content": (lambda d: rewrite_header(d, content="f" * 32), "its header says content='ffff"),
     "entry of another cache version": (lambda d: rewrite_header(d, vocab_size=7), "its header says vocab_size=7"),
 }
 
@@ -227,7 +230,7 @@ def test_a_bad_entry_is_named_deleted_and_rebuilt(tmp_path: Path, kind: str) -> 
         assert load(cache, unit) is None
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert str(path) in message and "part-0.parquet, row group 3, rows 0..99" in message, message
+    assert str(path) in message and "parquet file 'part-0.parquet', row group 3, rows 0..99" in message, message
     assert any(part in message for part in reason.split("|")), message
     assert not path.exists()  # deleted: the next store replaces it
     assert cache.counters.bad == 1
@@ -276,7 +279,7 @@ CHILD_STORES = """
     cache = TokenCache(root, Storage(), {KEY}, vocab_size=50_000)
     print("ready", flush=True)
     for group in range(groups):
-        assert cache.store({FILE}, group, 0, 1000, dataclasses.replace(unit, group_in_file=group))
+        assert cache.store({FILE}, group, 0, 1000, {CONTENT}, dataclasses.replace(unit, group_in_file=group))
         print("stored", group, flush=True)
 """
 
@@ -291,7 +294,8 @@ def child_unit(tokens: int, group: int) -> CachedUnit:
 
 
 def child_script(code: str) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(code.replace("{KEY}", repr(KEY)).replace("{FILE}", str(FILE)))]
+    code = code.replace("{KEY}", repr(KEY)).replace("{FILE}", str(FILE)).replace("{CONTENT}", repr(CONTENT))
+    return [sys.executable, "-c", textwrap.dedent(code)]
 
 
 def size_of(path: Path) -> int:
@@ -330,14 +334,14 @@ def test_a_store_killed_mid_write_leaves_no_entry(tmp_path: Path) -> None:
     group = int(caught[1:].split("-", 1)[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no bad entry anywhere: only whole entries or none
-        assert cache.load(FILE, group, 0, 1000) is None
+        assert cache.load(FILE, group, 0, 1000, CONTENT) is None
         for done in range(group):
-            assert_same(cache.load(FILE, done, 0, 1000), child_unit(tokens, done))
-    assert not (folder / f"{group}-0-1000.tok").exists()
+            assert_same(cache.load(FILE, done, 0, 1000, CONTENT), child_unit(tokens, done))
+    assert not (folder / f"{group}-0-1000.{CONTENT}.tok").exists()
     # The killed writer's temporary file is no entry; the entry can be stored and read.
     assert cache.coverage([(FILE, g, 0, 1000) for g in range(group + 1)]).cached == group
     assert store(cache, child_unit(tokens, group))
-    assert_same(cache.load(FILE, group, 0, 1000), child_unit(tokens, group))
+    assert_same(cache.load(FILE, group, 0, 1000, CONTENT), child_unit(tokens, group))
 
 
 CHILD_SIZE_LIMIT = """
@@ -353,10 +357,10 @@ CHILD_SIZE_LIMIT = """
     results = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results["small"] = cache.store({FILE}, 0, 0, 2, small)
-        results["big"] = cache.store({FILE}, 1, 0, 1, big)
-        results["big again"] = cache.store({FILE}, 2, 0, 1, dataclasses.replace(big, group_in_file=2))
-        results["small loads"] = cache.load({FILE}, 0, 0, 2) is not None
+        results["small"] = cache.store({FILE}, 0, 0, 2, {CONTENT}, small)
+        results["big"] = cache.store({FILE}, 1, 0, 1, {CONTENT}, big)
+        results["big again"] = cache.store({FILE}, 2, 0, 1, {CONTENT}, dataclasses.replace(big, group_in_file=2))
+        results["small loads"] = cache.load({FILE}, 0, 0, 2, {CONTENT}) is not None
     results["writing"] = cache.writing
     results["warnings"] = [str(w.message) for w in caught]
     results["failures"] = cache.counters.store_failures
@@ -378,8 +382,8 @@ def test_a_file_size_limit_is_one_warning_and_leaves_no_partial_file(tmp_path: P
     assert str(tmp_path) in message and "File too large" in message and "stops writing" in message, message
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     cache = TokenCache(str(tmp_path), Storage(), KEY, vocab_size=50_000)
-    assert files == [f"{cache.digest}/{FILE:016x}/0-0-2.tok", f"{cache.digest}/manifest.json"]
-    assert cache.load(FILE, 0, 0, 2).tokens.tolist() == [1, 2, 3, 4]
+    assert files == [f"{cache.digest}/{FILE:016x}/0-0-2.{CONTENT}.tok", f"{cache.digest}/manifest.json"]
+    assert cache.load(FILE, 0, 0, 2, CONTENT).tokens.tolist() == [1, 2, 3, 4]
 
 
 CHILD_SAME_ENTRY = """
@@ -392,7 +396,7 @@ CHILD_SAME_ENTRY = """
     unit = CachedUnit.of(0, 0, 100, list(range(100)), docs, vocab_size=50_000)
     cache = TokenCache(sys.argv[1], Storage(), {KEY}, vocab_size=50_000)
     for _ in range(int(sys.argv[2])):
-        assert cache.store({FILE}, 0, 0, 100, unit)
+        assert cache.store({FILE}, 0, 0, 100, {CONTENT}, unit)
 """
 
 
@@ -409,15 +413,15 @@ def test_concurrent_stores_of_one_entry_are_harmless(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         while any(w.poll() is None for w in writers):
-            loaded = cache.load(FILE, 0, 0, 100)
+            loaded = cache.load(FILE, 0, 0, 100, CONTENT)
             if loaded is not None:
                 assert_same(loaded, expected)
                 hits += 1
         assert [w.wait() for w in writers] == [0, 0]
-        assert_same(cache.load(FILE, 0, 0, 100), expected)
+        assert_same(cache.load(FILE, 0, 0, 100, CONTENT), expected)
     assert hits > 0
     files = sorted(str(p.relative_to(tmp_path / cache.digest)) for p in (tmp_path / cache.digest).rglob("*"))
-    assert files == [f"{FILE:016x}", f"{FILE:016x}/0-0-100.tok", "manifest.json"]
+    assert files == [f"{FILE:016x}", f"{FILE:016x}/0-0-100.{CONTENT}.tok", "manifest.json"]
 
 
 # ------------------------------------------------------------------------------------------------ versions
@@ -441,11 +445,24 @@ def test_a_changed_key_misses_and_says_so_once(tmp_path: Path) -> None:
     text_key = TokenCache(str(tmp_path), Storage(), "tokenizer-v2", vocab_size=50_000)
     assert text_key.digest not in (old.digest, new.digest)
     assert f"{old.digest} (differs in key)" in text_key.describe_other_versions()
-    # An edited file has another digest: its entries are simply not there.
-    assert load(old, unit, file_digest=FILE + 1) is None
+    # Another file digest, or the same unit with other content: its entries are simply not there.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(old, unit, file_digest=FILE + 1) is None
+        assert load(old, unit, content="f" * 32) is None
     assert_same(load(old, unit), unit)
+    with pytest.raises(ValueError, match="content key 'x' must be 16 to 64 lowercase hex digits"):
+        load(old, unit, content="x")
     with pytest.raises(ValueError, match="JSON"):
         TokenCache(str(tmp_path), Storage(), {"tokenizer": object()}, vocab_size=10)
+
+
+def test_a_version_of_an_older_entry_format_is_said_to_be_one(tmp_path: Path) -> None:
+    cache = TokenCache(str(tmp_path), Storage(), KEY, vocab_size=1000)
+    older = tmp_path / ("0" * 16)
+    older.mkdir()
+    (older / "manifest.json").write_text(json.dumps({"format": 1, "key": KEY, "vocab_size": 1000}))
+    assert f"{'0' * 16} (differs in entry format)" in cache.describe_other_versions()
 
 
 def test_coverage_and_size(tmp_path: Path) -> None:
@@ -456,7 +473,7 @@ def test_coverage_and_size(tmp_path: Path) -> None:
     for unit in units[:3]:
         assert store(cache, unit)
     sizes = [entry(cache, u).stat().st_size for u in units[:3]]
-    stray = entry(cache, units[0]).with_name(".3-0-100.tok.999.abc.tmp")
+    stray = entry(cache, units[0]).with_name(f".3-0-100.{CONTENT}.tok.999.abc.tmp")
     stray.write_bytes(b"x" * 10)  # a killed writer's temporary file
     coverage = cache.coverage([(FILE, u.group_in_file, u.start, u.stop) for u in units])
     assert coverage == Coverage(3, 5, sum(sizes))
@@ -541,18 +558,18 @@ def test_s3_round_trip_bad_entry_and_coverage(s3: dict) -> None:
         for unit in units[:2]:
             assert_same(load(pickle.loads(pickle.dumps(cache)), unit), unit)
     names = s3_objects(s3, f"round-trip/{cache.digest}/")
-    assert sorted(names) == [f"{FILE:016x}/0-0-100.tok", f"{FILE:016x}/1-0-100.tok", "manifest.json"]
+    assert sorted(names) == [f"{FILE:016x}/{g}-0-100.{CONTENT}.tok" for g in (0, 1)] + ["manifest.json"]
     spans = [(FILE, u.group_in_file, u.start, u.stop) for u in units]
     entry_bytes = sum(size for name, size in names.items() if name.endswith(".tok"))
     assert cache.coverage(spans) == Coverage(2, 3, entry_bytes)
     assert cache.size() == sum(names.values())
     # A truncated object is named, deleted and rebuilt.
-    key = f"round-trip/{cache.digest}/{cache.entry_name(FILE, 0, 0, 100)}"
+    key = f"round-trip/{cache.digest}/{cache.entry_name(FILE, 0, 0, 100, CONTENT)}"
     body = s3["client"].get_object(Bucket=S3_BUCKET, Key=key)["Body"].read()
     s3["client"].put_object(Bucket=S3_BUCKET, Key=key, Body=body[: len(body) // 2])
-    with pytest.warns(TokenCacheWarning, match=rf"{root}/{cache.digest}/{FILE:016x}/0-0-100.tok.*truncated"):
+    with pytest.warns(TokenCacheWarning, match=rf"{root}/{cache.digest}/{FILE:016x}/0-0-100.{CONTENT}.tok.*truncated"):
         assert load(cache, units[0]) is None
-    assert f"{FILE:016x}/0-0-100.tok" not in s3_objects(s3, f"round-trip/{cache.digest}/")
+    assert f"{FILE:016x}/0-0-100.{CONTENT}.tok" not in s3_objects(s3, f"round-trip/{cache.digest}/")
     assert store(cache, units[0])
     assert_same(load(cache, units[0]), units[0])
     other = TokenCache(root, s3["storage"], {**KEY, "max_document_chars": 10}, vocab_size=150_000)
@@ -568,9 +585,9 @@ CHILD_S3_STORE = """
     unit = CachedUnit(0, 0, 1, np.zeros(1, np.int64), np.asarray([0, tokens]), np.ones(tokens, np.uint16),
                       np.zeros(0, np.int64), np.zeros(0, np.int64))
     cache = TokenCache(sys.argv[1], Storage(json.loads(sys.argv[2])), {KEY}, vocab_size=50_000)
-    assert cache.store({FILE}, 1, 0, 1, dataclasses.replace(unit, group_in_file=1))  # and the manifest
+    assert cache.store({FILE}, 1, 0, 1, {CONTENT}, dataclasses.replace(unit, group_in_file=1))  # and the manifest
     print("ready", flush=True)
-    cache.store({FILE}, 0, 0, 1, unit)
+    cache.store({FILE}, 0, 0, 1, {CONTENT}, unit)
 """
 
 
@@ -601,8 +618,8 @@ def test_s3_store_killed_mid_upload_leaves_no_object(s3: dict) -> None:
     assert child.returncode == -signal.SIGKILL
     cache = TokenCache(root, s3["storage"], KEY, vocab_size=50_000)
     names = s3_objects(s3, f"killed/{cache.digest}/")
-    assert sorted(names) == [f"{FILE:016x}/1-0-1.tok", "manifest.json"]
+    assert sorted(names) == [f"{FILE:016x}/1-0-1.{CONTENT}.tok", "manifest.json"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert cache.load(FILE, 0, 0, 1) is None
-        assert cache.load(FILE, 1, 0, 1) is not None
+        assert cache.load(FILE, 0, 0, 1, CONTENT) is None
+        assert cache.load(FILE, 1, 0, 1, CONTENT) is not None

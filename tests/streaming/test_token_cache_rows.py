@@ -87,9 +87,9 @@ def text_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     reads: list[int] = []
     real = RowGroupIndex._read_column
 
-    def counted(self, group):
+    def counted(self, group, *args):
         reads.append(group)
-        return real(self, group)
+        return real(self, group, *args)
 
     monkeypatch.setattr(RowGroupIndex, "_read_column", counted)
     return reads
@@ -195,13 +195,28 @@ def test_a_damaged_entry_is_named_and_rebuilt_never_read_as_tokens(corpus: Path,
         assert run_steps(datamodule(corpus, cache=cache), STEPS) == want
 
 
-def test_a_cache_that_cannot_be_written_warns_and_tokenizes_on(corpus: Path, tmp_path: Path) -> None:
+def test_a_cache_that_cannot_be_written_warns_once_and_tokenizes_on(corpus: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    cache.write_text("a file where the cache's folder would be")  # every write fails, as on a broken mount
+    cache.mkdir()
+    blocked = cache / datamodule(corpus, cache=cache).train_spec.sources[0].cache.cache.digest
+    blocked.write_text("a file where the version's folder would be")  # every write fails, as on a broken mount
     want = run_steps(datamodule(corpus), 8)
-    with pytest.warns(TokenCacheWarning):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert run_steps(datamodule(corpus, cache=cache), 8) == want
-    assert cache.read_text() == "a file where the cache's folder would be"
+    said = [str(w.message) for w in caught if issubclass(w.category, TokenCacheWarning)]
+    stores = [message for message in said if "cannot store tokens" in message]
+    assert len(stores) == 1 and "stops writing" in stores[0], said  # not a warning and a try per unit
+    assert len(said) == 2 and "cannot read token cache entry" in " ".join(said), said
+    assert blocked.read_text() == "a file where the version's folder would be"
+
+
+def test_a_token_cache_that_is_a_file_is_refused_at_setup(corpus: Path, tmp_path: Path) -> None:
+    (tmp_path / "tokens").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"token_cache='.*tokens' is a file: give a folder"):
+        datamodule(corpus, cache=tmp_path / "tokens")
+    with pytest.raises(ValueError, match=r"token_cache='.*tokens/sub/dir' lies inside the file '.*tokens'"):
+        datamodule(corpus, cache=tmp_path / "tokens" / "sub" / "dir")
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "gz", "zst"])
