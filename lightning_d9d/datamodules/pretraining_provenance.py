@@ -11,6 +11,7 @@ packing, in exchange for records of tens of KiB per stream instead of a per-step
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,7 @@ from lightning_d9d.streaming.edits import DataEdits, DocumentRef, _range, resolv
 from lightning_d9d.streaming.ledger import StreamLedger
 from lightning_d9d.streaming.mixture_stream import MixtureState, StepRows
 from lightning_d9d.streaming.provenance import Piece, file_namer, pieces_of_step, recording, replay
+from lightning_d9d.streaming.spec import MixtureSpec
 from lightning_d9d.streaming.tokenize import encode_documents
 from lightning_d9d.tokenizer import tokenizer_from_json
 
@@ -85,6 +87,17 @@ def resumed_edits(
     return saved.with_new(resume_step, skips, excluded)
 
 
+def excluding(spec: MixtureSpec, refs: Iterable[DocumentRef]) -> MixtureSpec:
+    """``spec`` with every source passing over the documents ``refs`` name (``ValueError`` for a bad reference)."""
+    indexes = [source.index for source in spec.sources]
+    keys: list[set[tuple[int, int]]] = [set() for _ in spec.sources]
+    for ref in refs:
+        source, group, row = resolve_reference(spec.names, indexes, ref)
+        keys[source].add((group, row))
+    sources = tuple(dataclasses.replace(s, excluded=frozenset(k)) for s, k in zip(spec.sources, keys))
+    return dataclasses.replace(spec, sources=sources)
+
+
 def ledger_of(provenance_dir: str | None, default_root: str | None, storage: Any, every: int) -> StreamLedger | None:
     """The ledger at ``provenance_dir``, else ``<default_root>/data_provenance`` (a Trainer's), else none."""
     root = provenance_dir if provenance_dir is not None else (
@@ -140,7 +153,7 @@ class PretrainingProvenance:
     def _use_edits(self, edits: DataEdits) -> None:
         """Train under ``edits``: skipped data consumed by the streams, excluded documents never read."""
         self.edits = edits
-        self.train_spec = self.train_spec.with_skipped(edits.skipped_data())
+        self.train_spec = excluding(self.train_spec.with_skipped(edits.skipped_data()), edits.excluded())
         self._layouts = {}
 
     def _fresh_edits(self) -> None:
@@ -193,6 +206,7 @@ class PretrainingProvenance:
         """
         spec = recording(self._require(self.train_spec))
         wanted = sorted({steps} if isinstance(steps, int) else set(steps))
+        edits, excluded_from = self.edits, sorted({start for start, _ in self.edits.exclusions})
         if not wanted or wanted[0] < 0:
             raise ValueError(f"steps={steps!r}: give global optimizer steps >= 0")
         starts = self._replay_starts(wanted[0], spec)
@@ -203,8 +217,16 @@ class PretrainingProvenance:
         per_step: dict[int, dict[int, Any]] = {step: {} for step in wanted}
         # One plan for every stream replayed (data steps: skips make them run ahead of training steps).
         shared = StepRows(spec.plan, spec.num_streams, keep=self.data_step(wanted[-1]) + 1)
+        specs: dict[frozenset, MixtureSpec] = {}
+
+        def spec_at(step: int) -> MixtureSpec:  # the exclusions in force from a resume at ``step`` on
+            excluded = edits.excluded(step)
+            if excluded not in specs:
+                specs[excluded] = excluding(spec, excluded)
+            return specs[excluded]
+
         for stream, (first, state) in starts.items():
-            for step, pieces in replay(spec, stream, state, first, wanted, shared):
+            for step, pieces in replay(spec_at, stream, state, first, wanted, excluded_from, shared):
                 per_step[step][stream] = pieces
         name = file_namer(spec)
         out = []

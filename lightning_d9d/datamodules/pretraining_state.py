@@ -76,7 +76,8 @@ def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
             packing = dict(mapping(mapping(sub, name).get("packing"), f"streams.{sid}.sources.{name}.packing"))
             if packing.get("kind") in ("bestfit", "bestfit_split") and "buffer" in packing:
                 packing["buffer"] = _buffer_from_version_1(_loaded(packing["buffer"]), packing["kind"], capacity)
-            sources[name] = {**sub, "packing": packing}
+            counters = {**mapping(sub.get("counters", {}), f"streams.{sid}.sources.{name}.counters"), "excluded": 0}
+            sources[name] = {**sub, "packing": packing, "counters": counters}
         streams[sid] = {**stream, "sources": sources}
     shapes = {"global_batch_size": [[0, size]], "seq_len": [[0, seq_len]]}
     edits = {"skips": [], "exclusions": []}

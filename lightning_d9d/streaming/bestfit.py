@@ -553,13 +553,14 @@ class _Cursor:
     empty_before: list[int] = field(default_factory=list)
     units_before: list[int] = field(default_factory=list)
     long_before: dict[int, int] = field(default_factory=dict)
+    excluded_before: dict[int, int] = field(default_factory=dict)
 
     def load(self, laid: Any) -> None:
         chunk, self.laid = laid.chunk, laid
         self.next_doc, self.payload, self.group = 0, laid.payload, chunk.group
         self.lengths, self.rows, self.starts = laid.lengths.tolist(), chunk.rows.tolist(), laid.starts.tolist()
         self.empty_before, self.units_before = chunk.empty_before.tolist(), chunk.units_before.tolist()
-        self.long_before = chunk.long_before
+        self.long_before, self.excluded_before = chunk.long_before, chunk.excluded_before
 
 
 class BestFitStage(PackingStage):
@@ -589,7 +590,12 @@ class BestFitStage(PackingStage):
                                    hold=max(capacity, spec.max_capacity))  # fmt: skip
         packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
         packer.record = [] if spec.record_pieces else None
-        packer.reset(state.buffer, state.next_seq, self.fetch)
+        buffer = state.buffer
+        if spec.excluded and len(buffer):  # documents excluded since the state was saved leave the buffer
+            out = np.asarray([(key0, key1) in spec.excluded for key0, key1 in buffer[:, 2:4].tolist()], bool)
+            counters.excluded += len({tuple(key) for key in buffer[out, 2:4].tolist()})
+            buffer = buffer[~out]
+        packer.reset(buffer, state.next_seq, self.fetch)
         packer._buffer.advance(None)  # the restored buffer is the start's: changes count from here
         return packer
 
@@ -646,6 +652,8 @@ class BestFitStage(PackingStage):
             counters.text_free_units += cursor.units_before[doc]
             if cursor.long_before:
                 counters.too_long += cursor.long_before.get(doc, 0)
+            if cursor.excluded_before:
+                counters.excluded += cursor.excluded_before.get(doc, 0)
             cursor.next_doc = doc + 1
 
         return refill

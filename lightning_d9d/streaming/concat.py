@@ -180,7 +180,9 @@ class ConcatStage(PackingStage):
         start = self.start
         packer = ConcatPacker(2, self.counters)
         skip = start.offset
-        self.carried = start.offset > 0  # resumed inside a document: it was counted before the checkpoint
+        if skip and self._excluded(start.read):  # resumed inside a document excluded since: its rest is never read
+            skip = 0
+        self.carried = skip > 0  # resumed inside a document: it was counted before the checkpoint
         after_last = start.read  # the position after the last document begun (or where reading started)
         pending: list[_Begun] = []  # chunks not yet all begun, oldest first
         last_begun: tuple[TextChunk, int] | None = None  # (chunk, document) begun last, once after_last is stale
@@ -214,6 +216,10 @@ class ConcatStage(PackingStage):
             state = ConcatState(read, offset)
             pieces = self._pieces(packer, rows_per_block, capacity) if self.spec.record_pieces else None
             yield RowBlock(rows, pieces=pieces), state
+
+    def _excluded(self, read: ReadPosition) -> bool:
+        unit = int(self.units.of_pass(read.pass_index)[read.slot])
+        return (int(self.units.units.group[unit]), read.row) in self.spec.excluded
 
     @staticmethod
     def _pieces(packer: ConcatPacker, rows: int, capacity: int) -> np.ndarray:

@@ -43,6 +43,7 @@ class StreamCounters:
         crops, cropped: documents cropped and tokens dropped with them (``bestfit``).
         split_docs, chunks: documents split and the pieces they gave (``bestfit_split``).
         cp_padding: of ``padding``, the tokens rounding pieces up to a multiple of ``2·context_parallel_size``.
+        excluded: documents passed over (or dropped from a restored buffer) as ``exclude_documents`` asks.
     """
 
     docs: int = 0
@@ -58,6 +59,7 @@ class StreamCounters:
     chunks: int = 0
     rows: int = 0
     cp_padding: int = 0
+    excluded: int = 0
 
     def copy(self) -> StreamCounters:
         return dataclasses.replace(self)
@@ -216,6 +218,8 @@ class PackingStage:
         counters.text_free_units += int(chunk.units_before[first:stop].sum())
         if chunk.long_before:
             counters.too_long += sum(n for doc, n in chunk.long_before.items() if first <= doc < stop)
+        if chunk.excluded_before:
+            counters.excluded += sum(n for doc, n in chunk.excluded_before.items() if first <= doc < stop)
 
 
 def bos_tensors(rows: np.ndarray, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -54,32 +54,35 @@ def recording(spec: MixtureSpec) -> MixtureSpec:
 
 
 def replay(
-    spec: MixtureSpec,
+    spec_at: Callable[[int], MixtureSpec],
     stream: int,
     state: MixtureState | None,
     first: int,
     steps: Iterable[int],
+    restarts: Iterable[int] = (),
     step_rows: StepRows | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """``(training step, pieces)`` of stream ``stream``'s blocks for ``steps``, replayed from ``state`` saved at
-    training step ``first`` (``None``: the stream's start, ``first`` 0); ``spec`` must record pieces, ``step_rows``
-    may be shared by the streams replayed."""
+    training step ``first`` (``None``: the stream's start, ``first`` 0) under ``spec_at(step)`` (recording pieces).
+    At each of ``restarts`` (a resume that changed the stream's settings, as an exclusion does) the stream starts
+    again from its state there under ``spec_at`` of that step, as training did. ``step_rows`` may be shared."""
     wanted = sorted(set(steps))
     if not wanted:
         return
     if wanted[0] < first:
         raise ValueError(f"steps from {wanted[0]} cannot be replayed from a state at step {first}")
-    blocks = iter(MixtureStream(spec, stream, state, step_rows=step_rows))
-    try:
-        step = first
-        for block, _ in blocks:
-            if step in wanted:
-                yield step, block.pieces
-            if step >= wanted[-1]:
-                return
-            step += 1
-    finally:
-        blocks.close()
+    cuts = [step for step in sorted(set(restarts)) if first < step <= wanted[-1]]
+    step = first
+    for stop in [*cuts, wanted[-1] + 1]:
+        blocks = iter(MixtureStream(spec_at(step), stream, state, step_rows=step_rows))
+        try:
+            while step < stop:
+                block, state = next(blocks)
+                if step in wanted:
+                    yield step, block.pieces
+                step += 1
+        finally:
+            blocks.close()
 
 
 def pieces_of_step(

@@ -72,6 +72,7 @@ class TextChunk:
         texts: the documents.
         empty_before, units_before: per document, the null or empty rows and text-free units skipped since the last.
         long_before: ``{document: too-long rows skipped before it}``, only where there were any.
+        excluded_before: ``{document: excluded documents passed over before it}``, only where there were any.
         tokens: for a chunk replayed from the token cache, its ids (BOS not included) and counts; ``texts`` is empty.
         record: what records the chunk's tokens for the cache, or ``None``.
         closes_unit: the last chunk of a recorded unit (the cache stores the unit once it is tokenized).
@@ -88,6 +89,7 @@ class TextChunk:
     tokens: tuple[np.ndarray, np.ndarray] | None = None
     record: Any = None
     closes_unit: bool = False
+    excluded_before: dict[int, int] = field(default_factory=dict)
 
     def position_of(self, doc: int) -> ReadPosition:
         """The position of document ``doc`` (reading from there yields it first)."""
@@ -150,11 +152,16 @@ class _UnitRead:
         cached = self.cached
         if cached is None:
             texts = [self.texts[r] for r in rows]
-            return TextChunk(*where, np.asarray(rows, np.int64), texts, *before, None, self.recorder, closes)
-        first, last = np.searchsorted(cached.rows, [rows[0], rows[-1]]).tolist()
-        offsets = cached.offsets[first : last + 2]
-        tokens = (cached.tokens[int(offsets[0]) : int(offsets[-1])], np.diff(offsets))
-        return TextChunk(*where, np.asarray(rows, np.int64), [], *before, tokens)
+            return TextChunk(*where, np.asarray(rows, np.int64), texts, *before[:3], None, self.recorder, closes,
+                             before[3])  # fmt: skip
+        at = np.searchsorted(cached.rows, rows)
+        starts, stops = cached.offsets[at], cached.offsets[at + 1]
+        if len(rows) and stops[-1] - starts[0] == int((stops - starts).sum()):  # consecutive documents: one slice
+            ids = cached.tokens[int(starts[0]) : int(stops[-1])]
+        else:  # excluded documents among them: their tokens are left out
+            ids = np.concatenate([cached.tokens[int(a) : int(b)] for a, b in zip(starts, stops)])
+        return TextChunk(*where, np.asarray(rows, np.int64), [], *before[:3], (ids, stops - starts),
+                         excluded_before=before[3])  # fmt: skip
 
 
 class TextReader:
@@ -167,6 +174,7 @@ class TextReader:
         chunk_chars: a chunk also ends before its text passes this many characters (0: no limit).
         max_document_chars: texts over this many characters are skipped, counted and warned about (``None``: no limit).
         cache: the source's ``StreamCache``: a unit it holds is replayed from its tokens, one read whole is recorded.
+        excluded: documents ``(row group, row)`` passed over (counted, never read into a chunk).
 
     Raises:
         ValueError: (when iterated) ``MAX_PASSES_WITHOUT_TEXT`` passes in a row without a document.
@@ -180,10 +188,14 @@ class TextReader:
         chunk_chars: int = 0,
         max_document_chars: int | None = None,
         cache: Any = None,
+        excluded: frozenset[tuple[int, int]] = frozenset(),
     ):
         self.units = units
         self.tokenizer_batch_size, self.chunk_chars = tokenizer_batch_size, chunk_chars
         self.max_document_chars, self.cache = max_document_chars, cache
+        self.excluded: dict[int, np.ndarray] = {}  # row group -> its excluded rows, ascending
+        for group, row in sorted(excluded):
+            self.excluded[group] = np.append(self.excluded.get(group, np.zeros(0, np.int64)), row)
         self.reset(start)
 
     def reset(self, initial_state: ReadPosition) -> None:
@@ -198,7 +210,7 @@ class TextReader:
         size = 1  # grows to tokenizer_batch_size
         start = self._next
         pass_index, slot, row = start.pass_index, start.slot, start.row
-        empty_since = units_since = long_since = 0  # skipped since the last document handed out
+        empty_since = units_since = long_since = excluded_since = 0  # skipped since the last document handed out
         passes_without_text = 0
         while True:
             slots = units.of_pass(pass_index)
@@ -213,22 +225,29 @@ class TextReader:
                     slot, row = slot + 1, 0
                     continue
                 long_rows = _skipped_long(index, group, read.too_long, row, stop, self.max_document_chars)
-                kept = read.rows[read.rows >= row].tolist()
-                if not kept:  # resumed after the unit's last document
-                    empty_since, long_since = empty_since + stop - row - len(long_rows), long_since + len(long_rows)
+                documents = read.rows[read.rows >= row]
+                excluded = self.excluded.get(group)
+                out = documents[np.isin(documents, excluded)].tolist() if excluded is not None else []
+                kept = documents[~np.isin(documents, excluded)].tolist() if out else documents.tolist()
+                if not kept:  # resumed after the unit's last document (or none of its documents is read)
+                    skipped = len(long_rows) + len(out)
+                    empty_since, long_since = empty_since + stop - row - skipped, long_since + len(long_rows)
+                    excluded_since += len(out)
                     slot, row = slot + 1, 0
                     continue
                 found = True
                 gaps = np.diff(np.asarray([row - 1, *kept], np.int64)) - 1
                 gaps[0] += empty_since
                 long_before, long_after = _long_before(kept, long_rows, long_since, gaps)
+                excluded_before, excluded_after = _long_before(kept, out, excluded_since, gaps)
                 units_before = np.asarray([units_since] + [0] * (len(kept) - 1), np.int64)
-                empty_since = stop - 1 - kept[-1] - long_after
-                units_since, long_since = 0, long_after
+                empty_since = stop - 1 - kept[-1] - long_after - excluded_after
+                units_since, long_since, excluded_since = 0, long_after, excluded_after
                 first = 0
                 for last in self._chunk_ends(read, kept, size):
                     before = (gaps[first:last], units_before[first:last],
-                              {d - first: n for d, n in long_before.items() if first <= d < last})  # fmt: skip
+                              {d - first: n for d, n in long_before.items() if first <= d < last},
+                              {d - first: n for d, n in excluded_before.items() if first <= d < last})  # fmt: skip
                     chunk = read.chunk((pass_index, slot, group), kept[first:last], before, last == len(kept))
                     self._next = ReadPosition(pass_index, slot, kept[last - 1] + 1)
                     yield chunk
@@ -258,6 +277,9 @@ class TextReader:
             too_long = {r: n for r, n in too_long.items() if start <= r < stop}
             rows = np.asarray([r for r in range(start, stop) if texts[r]], np.int64)
             recorder = self.cache.recorder(group, start, stop, too_long, content) if content is not None else None
+            excluded = self.excluded.get(group)
+            if excluded is not None and ((excluded >= start) & (excluded < stop)).any():
+                recorder = None  # its documents are not all read: the cache keeps whole units only
             read = _UnitRead(rows, too_long, texts, None, recorder)
         return read if len(read.rows) or read.too_long else None
 

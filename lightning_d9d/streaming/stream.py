@@ -98,9 +98,8 @@ class TokenStream:
         spec, state = self.spec, self.state
         sizes = _with_capacity(sizes, spec)
         units = spec.stream_units(self.stream)
-        reader = TextReader(
-            units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars, spec.max_document_chars, spec.cache
-        )
+        reader = TextReader(units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars,
+                            spec.max_document_chars, spec.cache, spec.excluded)  # fmt: skip
         cropped_to = spec.max_capacity if spec.packing.crops_to_row else None
         # Chunks on demand until the first block is out and asked past (a hosting process asks every stream's
         # first block before any second one), then prefetched.

@@ -149,6 +149,13 @@ def test_excluded_documents_never_come_back_and_only_their_streams_change(corpus
     seen = {(p.source, p.file, p.row_group, p.document_row) for p in resumed.provenance(range(2, STEPS))}
     assert not seen & set(chosen), "an excluded document is trained again"
     assert resumed.stream_stats()["excluded"] >= len(chosen) - 1
+    # Before the resume the documents were trained: the provenance of those steps names them as it did.
+    before = [p for p in resumed.provenance(range(0, 5)) if p.step < 2]
+    assert before == [p for p in datamodule(corpus, "bestfit_split").provenance(range(0, 2))]
+    # Replayed from the start, the exclusion applies where the run resumed: the rows after it rebuild exactly.
+    replayed = datamodule(corpus, "bestfit_split", exclude_documents=str(refs))
+    replayed.edits = resumed.edits
+    assert_rebuilt(rebuilt_rows(replayed, range(2, 6)), {step: after[step] for step in range(2, 6)})
     rows_per_stream = {step: len(full[step]) // 4 for step in full}
     for step in range(2, STEPS):  # streams 1..3 held none of them: their rows are the uninterrupted run's
         r = rows_per_stream[step]
