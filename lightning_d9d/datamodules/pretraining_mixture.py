@@ -189,7 +189,7 @@ def source_stats(spec: MixtureSpec, states: Mapping[int, MixtureState]) -> dict:
     """Per source: the streams' counters summed, and ``passes`` (the mean passes completed, fractional)."""
     stats = {}
     for name, source_spec in zip(spec.names, spec.sources):
-        rows = tokens = docs = padding = too_long = 0
+        rows = tokens = docs = padding = too_long = excluded = 0
         passes = []
         for sid, state in states.items():
             sub = state.sources.get(name)
@@ -198,11 +198,11 @@ def source_stats(spec: MixtureSpec, states: Mapping[int, MixtureState]) -> dict:
                 continue
             c = sub.counters
             rows, tokens, docs, padding = rows + c.rows, tokens + c.emitted, docs + c.docs, padding + c.padding
-            too_long += c.too_long
+            too_long, excluded = too_long + c.too_long, excluded + c.excluded
             passes.append(_passes_read(source_spec, sid, sub))
         mean = sum(passes) / len(passes) if passes else 0.0
         stats[name] = {"rows": rows, "tokens": tokens, "documents": docs, "padding": padding, "too_long": too_long,
-                       "passes": mean}  # fmt: skip
+                       "excluded": excluded, "passes": mean}  # fmt: skip
     return stats
 
 

@@ -43,7 +43,7 @@ class PretrainingReports:
 
     def source_stats(self) -> dict[str, dict[str, float]]:
         """Per training source, over this rank's streams as of the latest step handed out: ``rows``, ``tokens``,
-        ``documents``, ``padding``, ``too_long`` and ``passes`` (fractional).
+        ``documents``, ``padding``, ``too_long``, ``excluded`` and ``passes`` (fractional).
         """
         return source_stats(self._require(self.train_spec), self.position.states)
 

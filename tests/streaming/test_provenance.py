@@ -149,6 +149,7 @@ def test_excluded_documents_never_come_back_and_only_their_streams_change(corpus
     seen = {(p.source, p.file, p.row_group, p.document_row) for p in resumed.provenance(range(2, STEPS))}
     assert not seen & set(chosen), "an excluded document is trained again"
     assert resumed.stream_stats()["excluded"] >= len(chosen) - 1
+    assert resumed.source_stats()["train"]["excluded"] == resumed.stream_stats()["excluded"]
     # Before the resume the documents were trained: the provenance of those steps names them as it did.
     before = [p for p in resumed.provenance(range(0, 5)) if p.step < 2]
     assert before == [p for p in datamodule(corpus, "bestfit_split").provenance(range(0, 2))]
