@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import fit, fit_in_processes, make_docs, read_records, train_tokenizer, write_parquet
+from support import build_datamodule, fit, fit_in_processes, make_docs, read_records, train_tokenizer, write_parquet
 
 # G: 8 → 16 at step 3 → 8 at step 5; seq_len: 16 → 32 at step 4 → 8 at step 6. With m = 2 on one rank, M is
 # 4, 4, 4, 8, 8, 4, ...: an epoch of 7 steps puts step 3's window at microbatch 12, not a multiple of its M = 8, where
@@ -117,8 +117,14 @@ def test_one_two_and_four_ranks_train_the_same_steps_and_resume_exactly_around_e
         dict(name="tensor_parallel", max_steps=TOTAL_STEPS, strategy=[1, 2]),  # both processes: one replica
     ]
     two_dir = tmp_path / "two"
-    fit_in_processes(config(two_dir, data, resumed, devices=2), timeout=600)
+    ledger = {"provenance_dir": str(two_dir / "ledger"), "provenance_every": 3}
+    fit_in_processes(config(two_dir, data, resumed, devices=2, **ledger), timeout=600)
     two = read_records(two_dir / "records")
+    # Each rank recorded its own streams: a query finds every stream's record and names the step's rows.
+    asker = build_datamodule(config(two_dir, data, [], **ledger))
+    asker.setup("fit")
+    assert {first for first, _ in asker._replay_starts(7, asker.train_spec).values()} == {6}
+    assert {piece.batch_row for piece in asker.provenance(7)} == set(range(size_at(7)))
     assert global_rows(two, "full") == full, "1 and 2 ranks train the same global batch in every step"
     for step, microbatches in by_step(two, "full").items():  # bestfit_split pads: each replica's count differs
         targets = sum(r["targets"] for r in microbatches)
