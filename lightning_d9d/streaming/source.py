@@ -1,10 +1,11 @@
 """Source: find the parquet and JSONL files, list their row groups, cut them into units, deal each pass's units.
 
-Footers give every row group's row count and text statistics (a digest per file, so a resume notices an edited
-file). A *unit* is a row group, or an equal share of one when there are fewer row groups than streams. Pass ``p``
-visits the units in an order seeded by ``(seed, p)``; stream ``s`` of ``K`` reads ``order[s::K]``, so no unit is read
-twice in a pass and no stream's order depends on another's speed or on the process layout. Trade-off: whole row
-groups keep reads sequential and columnar, but balance is only as fine as a unit.
+Footers give every row group's row count and text statistics (a digest per file, so a resume notices a file whose
+footer changed); a unit's *content key* (its stored text, hashed: ``content.py``, ``jsonl.py``) is taken only when a
+stream reads it. A *unit* is a row group, or an equal share of one when there are fewer row groups than streams.
+Pass ``p`` visits the units in an order seeded by ``(seed, p)``; stream ``s`` of ``K`` reads ``order[s::K]``, so no
+unit is read twice in a pass and no stream's order depends on another's speed or on the process layout. Trade-off:
+whole row groups keep reads sequential and columnar, but balance is only as fine as a unit.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class RowGroupIndex:
         files, text_column: the resolved files, in order, and the column (JSONL: field) of the documents.
         file_of, group_in_file, num_rows: per global row group, its file, its index in that file, its row count.
         file_digests: per file, a 63-bit digest of its footer (parquet: row counts, sizes, statistics of the text
-            column) or of its bytes as scanned (JSONL); the resume check compares them, no token is keyed by them.
+            column) or of its bytes as scanned (JSONL): the resume check compares them; no token is trusted for them.
         text_free: per global row group, whether its statistics prove it holds no text.
         layouts: each JSONL file's layout, by file index.
         on_malformed: a malformed JSONL line is an error (``"error"``) or a row without text (``"skip"``).
