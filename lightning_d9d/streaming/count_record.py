@@ -83,11 +83,15 @@ class CountRecord:
         tokens = np.asarray([units[name][1] if name in units else 0 for name in names], np.int64)
         return docs, tokens, known
 
-    def _count_entries(self, names: list[str]) -> None:
+    def _listed(self) -> dict[str, tuple[str, int]]:
+        """The cache's entries by unit; none where it cannot be listed (nothing is counted from it then)."""
         try:
-            listed = self.cache.entries()
+            return self.cache.entries()
         except OSError:
-            return  # an unlistable cache: nothing counted from it
+            return {}
+
+    def _count_entries(self, names: list[str]) -> None:
+        listed = self._listed()
         found = [(name, listed[name][0]) for name in names if name in listed]
         local = "://" not in self.cache.root or self.cache.root.startswith("file://")
         with ThreadPoolExecutor(1 if local or len(found) < 2 else PARALLEL_READS) as pool:
@@ -108,7 +112,7 @@ class CountRecord:
             documents = self.data["units"][name][0]
             kept = self.data["lengths"].get(name)
             if not isinstance(kept, list) or len(kept) < min(per_unit, documents):
-                listed = self.cache.entries() if listed is None else listed
+                listed = self._listed() if listed is None else listed
                 count = self.cache.entry_counts(listed[name][0], per_unit) if name in listed else None
                 if count is None:
                     continue

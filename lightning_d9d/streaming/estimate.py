@@ -188,6 +188,8 @@ def _counted(spec: StreamSpec, record: CountRecord, sampling: tuple[int, int, in
         # the sample takes from a row group.
         order = [names[i] for i in np.random.default_rng(0).permutation(len(names)).tolist() if counted[i] and docs[i]]
         lengths = record.lengths(order, max(1, -(-sample_docs // sample_groups)), sample_docs)
+        if not lengths:  # their entries gone since they were counted: the sample's lengths
+            lengths = list(stored_sample(spec, *sampling, record=record).lengths)
     tokens_per_pass = counted_tokens + counted_tokens / max(1, counted_rows) * missing_rows
     return PassSample(float(tokens_per_pass), tuple(lengths), exact=not missing.any())
 
