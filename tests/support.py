@@ -357,10 +357,61 @@ class DealtByOwnMesh(D9DDataModule):
 _D9D_KINDS = {"d9d": D9DDataModule, "d9d_by_process": DealtByProcess, "d9d_mesh": DealtByOwnMesh}
 
 
+class CacheFillingDataModule(PretrainingDataModule):
+    """Rank 1 fills the token cache during its setup (every unit tokenized and stored, in its own process), after the
+    processes met to confirm their layout and before it sizes the epoch, while rank 0 goes on at once: each would
+    count another pass if it counted its own. Every rank writes its ``steps_per_epoch`` to
+    ``<record_dir>/epochs-rank<R>.txt``."""
+
+    def __init__(self, *args: Any, record_dir: str, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.record_dir, self.filled = record_dir, False
+
+    def resolve_topology(self) -> Any:
+        topology = super().resolve_topology()  # a collective: both processes are in setup from here on
+        if self.trainer.global_rank == 1 and not self.filled:
+            self.filled = True
+            fill_token_cache(self.train_files, self.tokenizer, self.token_cache, seq_len=self.seq_len,
+                             num_streams=self.num_streams, global_batch_size=self.global_batch_size,
+                             max_document_chars=self.max_document_chars)  # fmt: skip
+        return topology
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        (Path(self.record_dir) / f"epochs-rank{self.trainer.global_rank}.txt").write_text(str(self.steps_per_epoch))
+
+
+def fill_token_cache(train_files: Any, tokenizer: Any, cache: str, **options: Any) -> int:
+    """Read passes with ``cache`` until it holds every unit with rows that may hold text (in this process); the
+    batches read."""
+    options.setdefault("microbatch_size", options.get("global_batch_size", 8))
+    dm = PretrainingDataModule(train_files, tokenizer, token_cache=cache, steps_per_epoch=10**6, num_workers=0,
+                               **options)  # fmt: skip
+    dm.setup("fit")
+    sources = dm.train_spec.sources
+    wanted = [int((~source.index.text_free[source.units.group]).sum()) for source in sources]
+    batches, read = iter(dm.train_dataloader()), 0
+    while _covered(sources) != wanted:
+        for _ in range(4):
+            next(batches)
+        read += 4
+        assert read < 100_000, "the token cache does not fill"
+    dm.teardown("fit")
+    return read
+
+
+def _covered(sources: Any) -> list[int] | None:
+    """Units cached per source; ``None`` where a listing met a folder being made (the streams store meanwhile)."""
+    try:
+        return [source.cache.coverage(source.units).cached for source in sources]
+    except OSError:
+        return None
+
+
 def build_datamodule(config: dict[str, Any]) -> pl.LightningDataModule:
     """A D9DDataModule over ``LengthDataset`` (``config["data"]``: ``"d9d"``, ``"d9d_by_process"`` for the broken
     one, ``"d9d_mesh"`` for ``DealtByOwnMesh``), a TextDataModule (``"text"``) or a PretrainingDataModule
-    (``"pretraining"``)."""
+    (``"pretraining"``; ``"pretraining_cache_filling"``: ``CacheFillingDataModule``)."""
     options = dict(config.get("options", {}))
     data = config.get("data", "d9d")
     if data in _D9D_KINDS:
@@ -374,6 +425,8 @@ def build_datamodule(config: dict[str, Any]) -> pl.LightningDataModule:
         )
     if data == "text":
         return TextDataModule(**options)
+    if data == "pretraining_cache_filling":
+        return CacheFillingDataModule(record_dir=config["record_dir"], **options)
     return PretrainingDataModule(**options)
 
 

@@ -36,6 +36,7 @@ EXPECTED = {
     "cached_loaders.py": ("memmap copy loop, 1 process", "bestfit_split, 2 workers / concat, 2 workers"),
     "provenance.py": ("provenance s", "MiB per 10^5 steps"),
     "setup_scale.py": ("cache, again", "files holding the same text"),
+    "setup_time.py": ("first count", "setup with a filled token cache / without a cache"),
 }
 # verdict lines each script's --quick run prints at least (one per target it checks)
 MIN_VERDICTS = {
@@ -53,6 +54,7 @@ MIN_VERDICTS = {
     "cached_loaders.py": 5,  # 3 targets and 2 identical-rows checks; litdata adds one where it is installed
     "provenance.py": 2,
     "setup_scale.py": 3,  # one per configuration: no cache, a cache's first setup, its next
+    "setup_time.py": 4,  # 2 targets and 2 checks per packing; --quick runs concat alone
 }
 
 

@@ -15,7 +15,6 @@ import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -25,6 +24,7 @@ from tokenizers import Tokenizer
 from lightning_d9d.checks import non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
+from lightning_d9d.datamodules.pretraining_epochs import PretrainingEpochs
 from lightning_d9d.datamodules.pretraining_mixture import (
     OnMixtureChange,
     Sources,
@@ -36,7 +36,6 @@ from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_shapes import PretrainingShapes
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.streaming.estimate import estimate_pass
 from lightning_d9d.streaming.ledger import DEFAULT_EVERY as DEFAULT_PROVENANCE_EVERY
 from lightning_d9d.streaming.loader import (
     StreamPosition,
@@ -120,7 +119,9 @@ class _Setting:
         return self if owner is None else getattr(owner.settings, self.name)
 
 
-class PretrainingDataModule(PretrainingProvenance, PretrainingShapes, PretrainingReports, SteppedDataModule):
+class PretrainingDataModule(
+    PretrainingEpochs, PretrainingProvenance, PretrainingShapes, PretrainingReports, SteppedDataModule
+):
     """Stream parquet or JSONL text into packed token rows: the same global batches on any number of GPUs.
 
     Args:
@@ -182,11 +183,9 @@ class PretrainingDataModule(PretrainingProvenance, PretrainingShapes, Pretrainin
     train_spec: MixtureSpec | None = None  # set by setup, as the rest
     fingerprint: CorpusFingerprint | None = None
     steps_per_epoch: int | None = None  # type: ignore[assignment]
-    estimated_pass_tokens: float | None = None
     _step_targets: tuple[int, int] = (-1, 0)  # (global step, its targets over every replica), summed once per step
     val_specs: Sequence[MixtureSpec] = ()  # one per validation source
     val_steps_per_source: Sequence[int] = ()
-    source_pass_rows: Mapping[str, float] = MappingProxyType({})  # estimated rows of one pass over each source
 
     def __init__(
         self,
@@ -259,7 +258,9 @@ class PretrainingDataModule(PretrainingProvenance, PretrainingShapes, Pretrainin
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str | None = None) -> None:
-        """Resolve files, read footers, load the tokenizer, check the layout, size the epoch."""
+        """Resolve files, read footers, load the tokenizer, check the layout, size the epoch (counted from the token
+        cache or estimated, on rank 0 of a Trainer's processes; nothing is counted where ``steps_per_epoch`` and
+        ``val_steps`` are given)."""
         self.resolve_topology()
         # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
         self.sources = self._parsed_sources()
@@ -268,19 +269,16 @@ class PretrainingDataModule(PretrainingProvenance, PretrainingShapes, Pretrainin
         )
         self._check_microbatches(self.dp_size)  # raises early when a G is not divisible by D·m
         check_layout(self.num_streams, self.dp_size, self.num_workers)
+        train, val_specs = None, None
         if self.train_spec is None or stage in (None, "fit"):
             sources = self.sources
             train = corpus.train(sources.train, sources.schedule, sources.mixture, self.allow_shared_files)
-            self.train_spec, self.fingerprint = train.spec, train.spec.fingerprint()
-            self.source_pass_rows, self.estimated_pass_tokens = train.source_pass_rows(), train.pass_tokens
-            self.steps_per_epoch = self._steps_per_epoch_arg or train.steps_per_pass()
+            self._train, self.train_spec, self.fingerprint = train, train.spec, train.spec.fingerprint()
             self._say_cache_changes(train.spec)
         if self.sources.validation is not None and not self.val_specs:
             by_source = self.sources.validation_by_source
-            self.val_specs = corpus.validation(
-                self.sources.validation, by_source, self.allow_shared_files, self.val_seq_len
-            )
-            self.val_steps_per_source = [_val_steps_of(self, spec) for spec in self.val_specs]
+            val_specs = corpus.validation(self.sources.validation, by_source, self.allow_shared_files, self.val_seq_len)
+        self._size_epochs(train, val_specs)
         if stage in (None, "fit"):
             self._fresh_edits()
             position = StreamPosition(layout=self.step_layout(0), generation=self.position.generation + 1)
@@ -351,14 +349,6 @@ class PretrainingDataModule(PretrainingProvenance, PretrainingShapes, Pretrainin
             for j, (spec, steps) in enumerate(zip(self.val_specs, self.val_steps_per_source))
         ]  # fmt: skip
         return loaders if self.sources.validation_by_source else (loaders[0] if loaders else [])
-
-
-def _val_steps_of(dm: PretrainingDataModule, spec: MixtureSpec) -> int:
-    """``val_steps``, else one estimated pass over ``spec`` shared by the replicas (at least 1)."""
-    if dm._val_steps_arg is not None:
-        return dm._val_steps_arg
-    _, rows = estimate_pass(spec.sources[0])
-    return max(1, int(rows // (dm.dp_size * dm.microbatch_size)))
 
 
 def _positive_or_none(**values: Any) -> tuple[int | None, ...]:

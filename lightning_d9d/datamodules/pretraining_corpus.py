@@ -1,4 +1,4 @@
-"""The corpus of a PretrainingDataModule: its sources scanned, their stream specs, and one pass estimated.
+"""The corpus of a PretrainingDataModule: its sources scanned, their stream specs, and one pass counted when asked.
 
 All sources' files are resolved before any footer is read, and a file two sources claim is refused unless
 ``allow_shared_files``. Trade-off: footers are rescanned on every ``setup``, so a run reads the files as they are
@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 from tokenizers import Tokenizer
 
 from lightning_d9d.datamodules.pretraining_mixture import SourceConfig
 from lightning_d9d.digest import digest
-from lightning_d9d.streaming.estimate import PassSample, first_text, sample_pass
+from lightning_d9d.streaming.count_record import CountRecord
+from lightning_d9d.streaming.estimate import PassSample, count_pass, first_text, stored_sample
 from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
@@ -30,24 +30,60 @@ from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
 TOKEN_RECIPE_VERSION = 1
 
 
-@dataclass(frozen=True)
 class TrainCorpus:
-    """The training side of a corpus: the streams' spec and one pass's estimated sample per source."""
+    """The training side of a corpus: the streams' spec and, counted when first asked, one pass per source.
 
-    spec: MixtureSpec
-    samples: dict[str, PassSample]
+    Args:
+        spec: the training streams.
+        counts: one pass's count per source, where already known (another rank's); else counted when first asked.
+    """
+
+    def __init__(self, spec: MixtureSpec, counts: Mapping[str, PassSample] | None = None):
+        self.spec = spec
+        self._counts: dict[str, PassSample] | None = None
+        self._rows: dict[int, dict[str, float]] = {}
+        if counts is not None:
+            self.use_counts(counts)
+
+    def use_counts(self, counts: Mapping[str, PassSample]) -> None:
+        """Take these counts (another process's) rather than counting."""
+        self._counts, self._rows = dict(counts), {}
+
+    def sampled(self) -> TrainCorpus:
+        """This corpus sized by the sampled estimate alone (kept in the token cache once made), whatever the cache
+        counts: how epochs were sized before counts were taken from the cache."""
+        return TrainCorpus(
+            self.spec, {name: stored_sample(spec) for name, spec in zip(self.spec.names, self.spec.sources)}
+        )
+
+    @property
+    def counts(self) -> dict[str, PassSample]:
+        """One pass's tokens (and sampled lengths) per source: counted from the token cache where it holds the units,
+        else estimated (made once, then kept); nothing is read or tokenized before the first ask."""
+        if self._counts is None:
+            self._counts = {name: count_pass(spec) for name, spec in zip(self.spec.names, self.spec.sources)}
+        return self._counts
+
+    @property
+    def exact(self) -> bool:
+        """Whether every source's pass was counted from the token cache, none estimated."""
+        return all(sample.exact for sample in self.counts.values())
 
     @property
     def pass_tokens(self) -> float:
-        return sum(sample.tokens for sample in self.samples.values())
+        return sum(sample.tokens for sample in self.counts.values())
 
     def source_pass_rows(self, step: int = 0) -> dict[str, float]:
-        """Estimated rows of one pass over each source, at the row length of ``step``."""
-        capacity = self.spec.capacity_at(step)
-        return {name: self.samples[name].rows(spec, capacity) for name, spec in zip(self.spec.names, self.spec.sources)}
+        """Rows of one pass over each source, at the row length of ``step`` (estimated, or counted)."""
+        capacity, counts = self.spec.capacity_at(step), self.counts
+        if capacity not in self._rows:  # best-fit's yield runs its packer: once per row length
+            self._rows[capacity] = {
+                name: counts[name].rows(spec, capacity) for name, spec in zip(self.spec.names, self.spec.sources)
+            }
+        return dict(self._rows[capacity])
 
     def steps_per_pass(self) -> int:
-        """Whole optimizer steps in one estimated pass over all sources, the shape schedule followed (``ValueError``
+        """Whole optimizer steps in one pass over all sources, the shape schedule followed (``ValueError``
         if fewer than one): a step of ``G`` rows of length ``L`` takes ``G`` of the pass's rows at that length.
         """
         shapes, used, steps = self.spec.shapes, 0.0, 0
@@ -63,7 +99,8 @@ class TrainCorpus:
             first = shapes.at(0)
             rows = sum(self.source_pass_rows(0).values())
             raise ValueError(
-                f"train_files are too small for one optimizer step: about {self.pass_tokens:.0f} tokens "
+                f"train_files are too small for one optimizer step: {'' if self.exact else 'about '}"
+                f"{self.pass_tokens:.0f} tokens "
                 f"({rows:.1f} rows of seq_len+1={first.capacity}) per pass, but one step takes "
                 f"global_batch_size={first.global_batch_size} rows; add data, lower seq_len or "
                 "global_batch_size, or set steps_per_epoch to cycle the data"
@@ -115,16 +152,11 @@ class PretrainingCorpus:
             ValueError: missing, shared or bad files, no text, or too few rows for K streams.
             StorageError: a URL could not be listed or opened.
         """
-        specs, samples = [], {}
         whats = [f"train_files[{source.name!r}]" if mixture else "train_files" for source in sources]
         resolved = self._resolved(sources, whats, "train_files", allow_shared_files)
-        for source, what, files in zip(sources, whats, resolved):
-            spec = self.spec(source, files, what, shuffle=True)
-            samples[source.name] = sample_pass(spec)
-            specs.append(spec)
+        specs = [self.spec(source, files, what, shuffle=True) for source, what, files in zip(sources, whats, resolved)]
         plan = MixturePlan(schedule, self.settings.shapes.global_batch_sizes)
-        mixture = MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan)
-        return TrainCorpus(mixture, samples)
+        return TrainCorpus(MixtureSpec(tuple(source.name for source in sources), tuple(specs), plan))
 
     def validation(
         self, sources: Sequence[SourceConfig], by_source: bool, allow_shared_files: bool, seq_len: int | None = None
@@ -157,14 +189,19 @@ class PretrainingCorpus:
         self, source: SourceConfig, files: list[str], what: str, shuffle: bool, settings: StreamSettings | None = None
     ) -> StreamSpec:
         """The spec of the K streams ``source``'s row groups are dealt to (with ``settings``, default the corpus's)."""
-        index = self.scan(files, what, source.text_column)
+        index = self.scan(files, source.text_column)
+        cache = StreamCache(self._token_cache(source.text_column), index) if self.token_cache is not None else None
+        if not _holds_text(index, cache):
+            raise ValueError(
+                f"{what} hold no text: every value of column {source.text_column!r} in {len(index.files)} file(s) "
+                f"({index.total_rows} rows) is null or empty"
+            )
         try:
             units = Units.of(index, self.settings.num_streams)
         except ValueError as error:  # too few rows for K streams: say which source of a mixture
             if "[" not in what:
                 raise
             raise ValueError(f"{what}: {error}") from error
-        cache = StreamCache(self._token_cache(source.text_column), index) if self.token_cache is not None else None
         return StreamSpec(settings or self.settings, index, units, self.tokenizer_json, self.bos_id, self.pad_id,
                           shuffle, cache=cache)  # fmt: skip
 
@@ -179,16 +216,20 @@ class PretrainingCorpus:
         }
         return TokenCache(self.token_cache, self.storage, key, vocab_size=self.vocab_size)
 
-    def scan(self, files: list[str], what: str, text_column: str) -> RowGroupIndex:
-        """The row groups of resolved ``files`` (footers only); ``ValueError`` if they hold no text."""
+    def scan(self, files: list[str], text_column: str) -> RowGroupIndex:
+        """The row groups of resolved ``files`` (footers and JSONL layouts only)."""
         layouts = f"{self.token_cache.rstrip('/')}/jsonl-layouts" if self.token_cache is not None else None
-        index = RowGroupIndex.scan(files, text_column, self.storage, layouts, self.on_malformed)
-        if first_text(index) is None:
-            raise ValueError(
-                f"{what} hold no text: every value of column {text_column!r} in {len(index.files)} file(s) "
-                f"({index.total_rows} rows) is null or empty"
-            )
-        return index
+        return RowGroupIndex.scan(files, text_column, self.storage, layouts, self.on_malformed)
+
+
+def _holds_text(index: RowGroupIndex, cache: StreamCache | None) -> bool:
+    """Whether the files hold a non-empty text: proven by a footer's statistics or by a unit the token cache counted
+    documents in (nothing read), else found by reading row groups until one holds a text."""
+    if index.text_proven.any():
+        return True
+    if cache is not None and any(documents for documents, _ in CountRecord(cache).data["units"].values()):
+        return True
+    return first_text(index) is not None
 
 
 def file_identity(path: str) -> str:

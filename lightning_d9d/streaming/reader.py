@@ -281,6 +281,8 @@ class TextReader:
             if excluded is not None and ((excluded >= start) & (excluded < stop)).any():
                 recorder = None  # its documents are not all read: the cache keeps whole units only
             read = _UnitRead(rows, too_long, texts, None, recorder)
+            if recorder is not None and not len(rows):
+                recorder.store()  # nothing to tokenize: stored now, so that the cache holds (and counts) every unit
         return read if len(read.rows) or read.too_long else None
 
     def _chunk_ends(self, read: _UnitRead, kept: list[int], size: int) -> Iterator[int]:

@@ -196,6 +196,7 @@ class RowGroupIndex:
         file_digests: per file, a 63-bit digest of its footer (parquet: row counts, sizes, statistics of the text
             column) or of its bytes as scanned (JSONL): the resume check compares them; no token is trusted for them.
         text_free: per global row group, whether its statistics prove it holds no text.
+        text_proven: per global row group, whether its statistics prove it holds a non-empty text (empty: unknown).
         layouts: each JSONL file's layout, by file index.
         on_malformed: a malformed JSONL line is an error (``"error"``) or a row without text (``"skip"``).
         storage: how the files are reached; it decides no row.
@@ -216,6 +217,7 @@ class RowGroupIndex:
     _pid: int = field(default_factory=os.getpid, repr=False, compare=False)
     _kept: threading.local = field(default_factory=threading.local, repr=False, compare=False)
     _labels: list[str] | None = field(default=None, repr=False, compare=False)
+    text_proven: np.ndarray = field(default_factory=lambda: np.zeros(0, bool), repr=False, compare=False)
 
     @classmethod
     def scan(
@@ -241,7 +243,7 @@ class RowGroupIndex:
         """
         storage = storage or Storage()
         groups, file_digests, layouts = _scan_files(files, text_column, storage, layout_cache)
-        columns = list(zip(*groups)) if groups else [(), (), (), ()]
+        columns = list(zip(*groups)) if groups else [(), (), (), (), ()]
         index = cls(
             list(files),
             text_column,
@@ -253,6 +255,7 @@ class RowGroupIndex:
             layouts,
             on_malformed,
             storage,
+            text_proven=np.asarray(columns[4], bool),
         )
         if index.total_rows == 0:
             raise ValueError(_no_rows(files, layouts))
@@ -468,8 +471,9 @@ def _open_handle(path: str, storage: Storage) -> tuple[pq.ParquetFile, Any]:
 
 def _scan_files(
     files: list[str], text_column: str, storage: Storage, layout_cache: str | None
-) -> tuple[list[tuple[int, int, int, bool]], list[int], dict[int, JsonlLayout]]:
-    """Per row group ``(file, group in file, rows, text-free)``, per file its digest, and the JSONL layouts."""
+) -> tuple[list[tuple[int, int, int, bool, bool]], list[int], dict[int, JsonlLayout]]:
+    """Per row group ``(file, group in file, rows, text-free, proven to hold text)``, per file its digest, and the
+    JSONL layouts."""
     jsonl = [i for i, path in enumerate(files) if is_jsonl(path)]
     scanned = scan_jsonl_files([files[i] for i in jsonl], storage, group_bytes=JSONL_GROUP_BYTES,
                                cache_dir=layout_cache)  # fmt: skip
@@ -481,16 +485,16 @@ def _scan_files(
         footers = progress(pool.map(lambda path: _parquet_groups(path, text_column, storage), parquet),
                            len(parquet), "reading footers and layouts", "file")  # fmt: skip
         footers = iter(list(footers))
-    groups: list[tuple[int, int, int, bool]] = []
+    groups: list[tuple[int, int, int, bool, bool]] = []
     digests = []
     for file_index in range(len(files)):
         layout = layouts.get(file_index)
         if layout is not None:
-            groups += [(file_index, g, int(n), False) for g, n in enumerate(layout.num_rows.tolist())]
+            groups += [(file_index, g, int(n), False, False) for g, n in enumerate(layout.num_rows.tolist())]
             digests.append(int(layout.digest[:16], 16) >> 1)
         else:
-            rows, free, footer_digest = next(footers)
-            groups += [(file_index, g, n, t) for g, (n, t) in enumerate(zip(rows, free))]
+            rows, free, footer_digest, proven = next(footers)
+            groups += [(file_index, g, n, t, p) for g, (n, t, p) in enumerate(zip(rows, free, proven))]
             digests.append(footer_digest)
     return groups, digests, layouts
 
@@ -519,8 +523,9 @@ def _warn_malformed(path: str, first_line: int, rows: int, skipped: int) -> None
         )
 
 
-def _parquet_groups(path: str, text_column: str, storage: Storage) -> tuple[list[int], list[bool], int]:
-    """A parquet file's row counts, whether each row group is text-free, and its footer digest; ValueError as scan."""
+def _parquet_groups(path: str, text_column: str, storage: Storage) -> tuple[list[int], list[bool], int, list[bool]]:
+    """A parquet file's row counts, whether each row group is text-free, its footer digest, and whether each row group
+    is proven to hold a non-empty text; ValueError as scan."""
     pf = open_parquet(path, storage)
     names = pf.schema_arrow.names
     if text_column not in names:
@@ -535,15 +540,16 @@ def _parquet_groups(path: str, text_column: str, storage: Storage) -> tuple[list
         )
     column = text_leaf(pf.metadata, text_column)
     digest = hasher()
-    rows, free = [], []
+    rows, free, proven = [], [], []
     for g in range(pf.metadata.num_row_groups):
         group = pf.metadata.row_group(g)
         chunk = group.column(column)
         stats = chunk.statistics if chunk.is_stats_set else None
         rows.append(group.num_rows)
         free.append(_proves_text_free(stats, group.num_rows))
+        proven.append(_proves_text(stats))
         digest.update(repr(_footer_facts(group.num_rows, chunk, stats)).encode())
-    return rows, free, int.from_bytes(digest.digest()[:8], "little") >> 1
+    return rows, free, int.from_bytes(digest.digest()[:8], "little") >> 1, proven
 
 
 def _footer_facts(num_rows: int, chunk: Any, stats: Any) -> tuple:
@@ -563,6 +569,12 @@ def _min_max(stats: Any) -> tuple:
         return stats.min, stats.max
     except UnicodeDecodeError:
         return stats.min_raw, stats.max_raw
+
+
+def _proves_text(stats: Any) -> bool:
+    """Whether a row group's statistics prove a non-empty text in it: a largest value that is not empty (a writer
+    may truncate it, never to empty)."""
+    return stats is not None and bool(stats.has_min_max) and _min_max(stats)[1] not in ("", b"")
 
 
 def _proves_text_free(stats: Any, num_rows: int) -> bool:

@@ -52,7 +52,12 @@ MAX_NAMED_ENTRIES = 8
 _VERSION_NAME = re.compile(r"[0-9a-f]{16}")
 _FILE_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,127}")
 _CONTENT_KEY = re.compile(r"[0-9a-f]{16,64}")
-_ENTRY = re.compile(r"(?P<unit>.+/\d+-\d+-\d+)\.[0-9a-f]{16,64}" + re.escape(ENTRY_SUFFIX))
+_ENTRY = re.compile(
+    r"(?P<unit>(?P<file>[^/]+)/(?P<group>\d+)-(?P<start>\d+)-(?P<stop>\d+))\.(?P<content>[0-9a-f]{16,64})"
+    + re.escape(ENTRY_SUFFIX)
+)
+# What a count reads of an entry at first: its prefix and header (a longer header is read whole in a second read).
+_HEAD_BYTES = 4096
 
 # What this process has warned about, and the cache versions (by where()) it no longer writes to. A forked
 # worker inherits both, which keeps a failure it would meet again from being warned about once more per worker.
@@ -390,18 +395,35 @@ class TokenCache:
         footer (or layout) digest counts, whatever content it was made from, so a unit edited without changing its
         file's footer counts until it is read (and its new tokens stored beside).
         """
-        entries: dict[str, int] = {}
-        for name, size in _entry_sizes(self._filesystem()[0], self._path()).items():
-            match = _ENTRY.fullmatch(name)
-            if match is not None:
-                entries[match.group("unit")] = size
+        entries = self.entries()
         cached = total = size = 0
         for file_digest, group, start, stop in units:
             total += 1
             found = entries.get(f"{self.file_folder(file_digest)}/{self.unit_name(group, start, stop)}")
             if found is not None:
-                cached, size = cached + 1, size + found
+                cached, size = cached + 1, size + found[1]
         return Coverage(cached, total, size)
+
+    def entries(self) -> dict[str, tuple[str, int]]:
+        """``{<file digest>/<group>-<start>-<stop>: (entry name, bytes)}`` from one listing (OSError as
+        :meth:`coverage`); of a unit's several entries (contents made under one footer), the first by name."""
+        found: dict[str, tuple[str, int]] = {}
+        for name, size in sorted(_entry_sizes(self._filesystem()[0], self._path()).items()):
+            match = _ENTRY.fullmatch(name)
+            if match is not None:
+                found.setdefault(match.group("unit"), (name, size))
+        return found
+
+    def entry_counts(self, name: str, lengths: int = 0) -> tuple[int, int, np.ndarray] | None:
+        """``(documents, tokens, the first lengths documents' token counts)`` of entry ``name`` (as :meth:`entries`
+        names it) from its header and offsets; ``None``: missing, unreadable or failing its header's checks."""
+        parts = _entry_parts(name)
+        if parts is None:
+            return None
+        try:  # the arrays' CRC-32 is not checked: nothing read here is ever a token
+            return _entry_counts(self._filesystem()[0], self._path(name), self._identity(*parts), lengths)
+        except (OSError, _BadEntry):
+            return None
 
     def size(self) -> int:
         """Bytes under this version's folder, killed writers' temporary files included; OSError as :meth:`coverage`."""
@@ -498,9 +520,11 @@ def _encode(unit: CachedUnit, identity: Mapping[str, Any], dtype: np.dtype) -> l
     return [memoryview(prefix), memoryview(header), *views]
 
 
-def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUnit:
-    """The unit ``data`` holds, fully checked against ``identity``; raises :class:`_BadEntry` naming the problem."""
-    size, dtype = len(data), token_dtype(vocab_size)
+def _header(data: Any, identity: Mapping[str, Any]) -> tuple[list[int], int, dict[str, Any]]:
+    """An entry's ``[documents, too-long rows, tokens]``, where its arrays start and its header, from ``data`` (the
+    entry, or at least its prefix and header), checked: magic, format version, the header's CRC-32 and ``identity``;
+    raises :class:`_BadEntry` naming the problem."""
+    size = len(data)
     if size < _PREFIX.size:
         raise _BadEntry(f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
     magic, version, header_size, header_crc = _PREFIX.unpack_from(data, 0)
@@ -522,9 +546,46 @@ def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUn
     for name, value in identity.items():
         if header.get(name) != value:
             raise _BadEntry(f"its header says {name}={header.get(name)!r}, expected {value!r}")
-    docs, long_docs, tokens = counts
     if min(counts) < 0:
         raise _BadEntry(f"its header holds negative counts {counts}")
+    return counts, payload_at, header
+
+
+def _entry_parts(name: str) -> tuple[str, int, int, int, str] | None:
+    """``(file folder, group, start, stop, content key)`` of an entry's name inside its version, or ``None``."""
+    match = _ENTRY.fullmatch(name)
+    if match is None:
+        return None
+    return match.group("file"), *(int(match.group(part)) for part in ("group", "start", "stop")), match.group("content")
+
+
+def _entry_counts(
+    fs: pafs.FileSystem, path: str, identity: Mapping[str, Any], lengths: int
+) -> tuple[int, int, np.ndarray]:
+    """``(documents, tokens, the first lengths documents' token counts)`` of the entry at ``path``, from its prefix,
+    header and offsets (two or three small reads); raises :class:`_BadEntry` or OSError."""
+    with open(path, "rb") if isinstance(fs, pafs.LocalFileSystem) else fs.open_input_file(path) as entry:
+        head = entry.read(_HEAD_BYTES)
+        if len(head) >= _PREFIX.size and _PREFIX.size + _PREFIX.unpack_from(head, 0)[2] > len(head):
+            entry.seek(0)
+            head = entry.read(_PREFIX.size + _PREFIX.unpack_from(head, 0)[2])
+        (docs, _long_docs, tokens), payload_at, _ = _header(head, identity)
+        take = min(int(lengths), docs)
+        entry.seek(payload_at + _INDEX.itemsize * docs)
+        data = entry.read(_INDEX.itemsize * (take + 1))
+    if len(data) != _INDEX.itemsize * (take + 1):
+        raise _BadEntry("truncated: its offsets end early")
+    offsets = np.frombuffer(data, _INDEX)
+    if offsets[0] != 0 or bool(np.any(offsets[1:] < offsets[:-1])) or offsets[-1] > tokens:
+        raise _BadEntry("its document offsets do not frame its tokens")
+    return docs, tokens, np.diff(offsets)
+
+
+def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUnit:
+    """The unit ``data`` holds, fully checked against ``identity``; raises :class:`_BadEntry` naming the problem."""
+    size, dtype = len(data), token_dtype(vocab_size)
+    counts, payload_at, header = _header(data, identity)
+    docs, long_docs, tokens = counts
     payload = _INDEX.itemsize * (2 * docs + 1 + 2 * long_docs) + dtype.itemsize * tokens
     if size != payload_at + payload:
         state = "truncated" if size < payload_at + payload else "longer than its header says"
@@ -585,6 +646,16 @@ def _write_atomic(fs: pafs.FileSystem, path: str, pieces: list[memoryview]) -> N
             fs.delete_file(path)
         raise
     out.close()  # the object exists from here on, whole
+
+
+def read_record(cache: TokenCache, relative: str) -> bytes:
+    """The bytes of a record kept in ``cache``'s version folder (``relative`` to it); OSError where there is none."""
+    return bytes(_read_whole(cache._filesystem()[0], cache._path(relative)))
+
+
+def write_record(cache: TokenCache, relative: str, data: bytes) -> None:
+    """Write a record into ``cache``'s version folder atomically (OSError where it cannot be written)."""
+    _write_atomic(cache._filesystem()[0], cache._path(relative), [memoryview(data)])
 
 
 def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:

@@ -90,11 +90,18 @@ BAD_BYTES = {"invalid": b"\xff\xfe", "lone_surrogate": b"\xed\xa0\x80"}
 
 @pytest.mark.parametrize("bad", list(BAD_BYTES))
 def test_text_that_is_not_utf8_is_named_by_file_row_group_and_row_at_setup(root: Path, tmp_path: Path, bad: str):
+    """Where setup samples the text to size the epoch, it meets the row and names it; where ``steps_per_epoch`` is
+    given, setup reads no text, and the first batch names the row in the same words."""
     path = tmp_path / "broken.parquet"
     write_with_bad_row(path, BAD_BYTES[bad], row=23)
     message = r"row group 2 of parquet file '.*broken\.parquet', row 3: the text is not valid UTF-8"
     with pytest.raises(ValueError, match=message):
-        make_dm(root, str(path)).setup("fit")
+        make_dm(root, str(path), steps_per_epoch=None).setup("fit")
+    given = make_dm(root, str(path), num_streams=1, global_batch_size=2)
+    given.setup("fit")
+    with pytest.raises(ValueError, match=message):
+        next(iter(given.train_dataloader()))
+    given.teardown("fit")
 
 
 @pytest.mark.parametrize("bad", list(BAD_BYTES))
