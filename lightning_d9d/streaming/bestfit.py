@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.bestfit_restore import BufferedTexts, buffer_fetch
+from lightning_d9d.streaming.bestfit_restore import BufferedTexts, UnitTokens, buffer_fetch
 from lightning_d9d.streaming.packing import (
     CP_PAD,
     FULL_BUFFER,
@@ -572,11 +572,16 @@ class BestFitStage(PackingStage):
         units: StreamUnits,
         state: BestFitState,
         counters: StreamCounters,
-        texts: BufferedTexts | None,
+        texts: BufferedTexts | UnitTokens | None,
     ):
         super().__init__(spec, units, counters)
-        self.start = state
-        self.fetch = buffer_fetch(spec, state.buffer, texts) if len(state.buffer) else None
+        self.start, self.buffer, self.dropped = state, state.buffer, 0
+        if spec.excluded and len(self.buffer):  # documents excluded since the state was saved leave the buffer
+            keys = self.buffer[:, 2:4].tolist()
+            out = np.asarray([(key0, key1) in spec.excluded for key0, key1 in keys], bool)
+            self.dropped = len({tuple(key) for key in self.buffer[out, 2:4].tolist()})
+            self.buffer = self.buffer[~out]
+        self.fetch = buffer_fetch(spec, self.buffer, texts) if len(self.buffer) else None
         self.packer: BestFitPacker | None = None  # made at the first block that takes rows, at its row length
 
     def _packer(self, capacity: int) -> BestFitPacker:
@@ -590,12 +595,8 @@ class BestFitStage(PackingStage):
                                    hold=max(capacity, spec.max_capacity))  # fmt: skip
         packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
         packer.record = [] if spec.record_pieces else None
-        buffer = state.buffer
-        if spec.excluded and len(buffer):  # documents excluded since the state was saved leave the buffer
-            out = np.asarray([(key0, key1) in spec.excluded for key0, key1 in buffer[:, 2:4].tolist()], bool)
-            counters.excluded += len({tuple(key) for key in buffer[out, 2:4].tolist()})
-            buffer = buffer[~out]
-        packer.reset(buffer, state.next_seq, self.fetch)
+        counters.excluded += self.dropped
+        packer.reset(self.buffer, state.next_seq, self.fetch)
         packer._buffer.advance(None)  # the restored buffer is the start's: changes count from here
         return packer
 

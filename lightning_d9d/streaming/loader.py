@@ -31,7 +31,7 @@ from lightning_d9d.epoch_iterator import (
     OneIterationAtATime,
     ResumedByDataModule,
     close_at_exit,
-    collect_before_fork,
+    forking_workers,
     shutdown_workers,
 )
 from lightning_d9d.resume import StepLayout, TrainPosition
@@ -349,8 +349,9 @@ def rank_blocks(spec: MixtureSpec, streams: list[int], num_workers: int, states:
         context = _forkserver_context() if start_method == "forkserver" else None
         loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=2, collate_fn=_as_is,
                             multiprocessing_context=context)  # fmt: skip
-    collect_before_fork()
-    return _InStreamOrder(iter(loader), streams, num_workers, WireFormat())
+    with forking_workers():
+        lists = iter(loader)
+    return _InStreamOrder(lists, streams, num_workers, WireFormat())
 
 
 def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, StreamStates]]:
