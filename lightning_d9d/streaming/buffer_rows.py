@@ -76,8 +76,14 @@ class BufferRows:
                 link = link._before
             chain.reverse()
             table = applied(link._table, [c.pushed for c in chain], [c.popped for c in chain])
-            self._table, self._before = table, None  # later links stop here; earlier ones may be freed
+            # Later links stop here and count their chain from here; earlier ones may be freed.
+            self._table, self._before, self._links = table, None, 0
         return table
+
+    @property
+    def built(self) -> bool:
+        """Whether the table is built (reading it costs nothing more)."""
+        return self._table is not None
 
     def change_from(self, prior: BufferRows | None) -> tuple[np.ndarray, np.ndarray] | np.ndarray | None:
         """What a receiver holding ``prior`` needs to hold this: ``None`` (it is ``prior``), ``(pushed, popped)``

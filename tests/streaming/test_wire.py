@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from support import corpus_spec, flat, make_docs, respec, stream_spec, train_tokenizer, write_parquet
 
 from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.buffer_rows import LINKS, WIDTH, BufferRows
 from lightning_d9d.streaming.loader import WireFormat
 from lightning_d9d.streaming.mixture_stream import mixture_streams
 from lightning_d9d.streaming.packing import BufferGrowth, kept_rows
@@ -99,6 +100,24 @@ def test_the_rows_after_each_block_are_the_buffer_held_then(lengths, split, buff
             np.testing.assert_array_equal(rows.table(), held[-1][1])
     for rows, snapshot in reversed(held):
         np.testing.assert_array_equal(rows.table(), snapshot)
+
+
+def test_a_chain_of_rows_is_built_once_every_links_blocks() -> None:
+    """Blocks whose rows nobody reads build a table once every ``LINKS`` blocks, not at every block, and every
+    block's rows read later are still its own."""
+    rows, chain, want = BufferRows.empty(), [], []
+    table = np.zeros((0, WIDTH), np.int64)
+    for block in range(5 * LINKS + 3):
+        pushed = np.full((2, WIDTH), block, np.int64)
+        pushed[:, 0] = [2 * block, 2 * block + 1]
+        popped = table[:1, 0]  # the oldest piece leaves
+        rows = rows.after(pushed, popped)
+        table = np.concatenate([table[1:], pushed])
+        chain.append(rows)
+        want.append(table)
+    assert sum(link.built for link in chain) == len(chain) // LINKS
+    for link, table in zip(chain, want):
+        np.testing.assert_array_equal(link.table(), table)
 
 
 @settings(max_examples=60, deadline=None)
