@@ -12,7 +12,6 @@ for a little padding, but a chunk loses attention to its predecessors.
 from __future__ import annotations
 
 import bisect
-import struct
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -56,64 +55,40 @@ BOS-prefixed document, whether it runs to the document's end, and the CRC-32 of 
 
 
 class _PieceBuffer:
-    """Buffered pieces by length (a pick is one ``bisect``), each owning a row of an int64 table that describes it."""
+    """Buffered pieces by length (a pick is one ``bisect``), each described by its ``META_COLUMNS`` row, a tuple of
+    Python ints: a pick reads it without numpy, and the rows become a table only for a snapshot."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self) -> None:
         self.lengths: list[int] = []
-        self.by_length: dict[int, deque] = {}  # length -> FIFO of (slot, payload)
+        self.by_length: dict[int, deque] = {}  # length -> FIFO of (row, payload)
         self.count = 0
-        self.table = np.zeros((slots, len(META_COLUMNS)), np.int64)
-        self.used = bytearray(slots)  # 1 where a slot holds a buffered piece (a numpy view is made per snapshot)
-        self.seq = [0] * slots  # each slot's insertion number and whether its piece ends its document, as Python
-        self.final = [0] * slots  # ints: a pick reads them without a numpy scalar
-        self.free = list(range(slots - 1, -1, -1))
-        self.row_bytes = 8 * len(META_COLUMNS)
-        self.pack_into = struct.Struct(f"={len(META_COLUMNS)}q").pack_into
+        # The buffered pieces' rows by insertion number, in insertion order: pieces are numbered as they come, so
+        # the dict's order is ascending numbers without a sort.
+        self.live: dict[int, tuple[int, ...]] = {}
         self.pushed: list[tuple[int, ...]] = []  # rows pushed and insertion numbers popped since the last rows()
         self.popped: list[int] = []
         self.rebuilt = False  # extend() ran since the last rows(): its changes are not listed (a snapshot follows)
 
-    def _grow(self, needed: int) -> None:
-        """Slots for ``needed`` more pieces (the table at least doubles)."""
-        size = len(self.table)
-        grown = max(2 * size, size + needed - len(self.free))
-        self.table = np.concatenate([self.table, np.zeros((grown - size, self.table.shape[1]), np.int64)])
-        self.used.extend(bytes(grown - size))
-        self.seq.extend([0] * (grown - size))
-        self.final.extend([0] * (grown - size))
-        self.free = list(range(grown - 1, size - 1, -1)) + self.free
-
     def push(self, length: int, row: tuple[int, ...], payload: Any) -> None:
-        """Buffer one piece of ``length`` (its sort key) described by ``row``; ``payload`` comes back on pop."""
-        if not self.free:
-            self._grow(1)
-        slot = self.free.pop()
-        self.pack_into(self.table, slot * self.row_bytes, *row)
-        self.seq[slot], self.final[slot] = row[0], row[5]
+        """Buffer one piece of ``length`` (its sort key) described by ``row`` (numbered above every piece here);
+        ``payload`` comes back on pop."""
+        self.live[row[0]] = row
         self.pushed.append(row)
-        self.used[slot] = 1
         bucket = self.by_length.get(length)
         if bucket is None:
             bucket = self.by_length[length] = deque()
             bisect.insort(self.lengths, length)
-        bucket.append((slot, payload))
+        bucket.append((row, payload))
         self.count += 1
 
     def extend(self, rows: np.ndarray, payloads: list[Any]) -> None:
-        """Buffer many pieces (rows in insertion order, each its length as sort key): as :meth:`push` of each in
-        turn, at numpy speed; the next :meth:`rows` is a snapshot."""
+        """Buffer many pieces (rows in insertion order, numbered above every piece here, each its length as sort
+        key): as :meth:`push` of each in turn, grouped by length; the next :meth:`rows` is a snapshot."""
         n = len(rows)
         if not n:
             return
-        if len(self.free) < n:
-            self._grow(n)
-        slots = self.free[len(self.free) - n :][::-1]  # the slots push() would take one after another
-        del self.free[len(self.free) - n :]
-        at = np.asarray(slots, np.int64)
-        self.table[at] = rows
-        np.frombuffer(self.used, np.uint8)[at] = 1
-        for slot, seq, final in zip(slots, rows[:, 0].tolist(), rows[:, 5].tolist()):
-            self.seq[slot], self.final[slot] = seq, final
+        listed = list(map(tuple, rows.tolist()))
+        self.live.update(zip(rows[:, 0].tolist(), listed))
         self.rebuilt = True
         lengths = rows[:, 1]
         order = np.argsort(lengths, kind="stable")  # each length's pieces in insertion order
@@ -126,22 +101,21 @@ class _PieceBuffer:
                 bucket = self.by_length[length] = deque()
                 bisect.insort(self.lengths, length)
             picked = order_list[first:last]
-            bucket.extend(zip([slots[i] for i in picked], [payloads[i] for i in picked]))
+            bucket.extend(zip([listed[i] for i in picked], [payloads[i] for i in picked]))
         self.count += n
 
-    def pop(self, index: int) -> tuple[int, Any, int]:
-        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, slot)``."""
+    def pop(self, index: int) -> tuple[int, Any, tuple[int, ...]]:
+        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, row)``."""
         length = self.lengths[index]
         bucket = self.by_length[length]
-        slot, payload = bucket.popleft()
-        self.popped.append(self.seq[slot])
+        row, payload = bucket.popleft()
+        del self.live[row[0]]
+        self.popped.append(row[0])
         if not bucket:
             del self.by_length[length]
             del self.lengths[index]
-        self.used[slot] = 0
-        self.free.append(slot)
         self.count -= 1
-        return length, payload, slot
+        return length, payload, row
 
     def rows(self, before: BufferRows | None) -> BufferRows:
         """The buffered pieces' rows: ``before`` (the rows at the last call) and the changes since, or (``before``
@@ -155,11 +129,7 @@ class _PieceBuffer:
 
     def snapshot(self) -> np.ndarray:
         """The rows of the buffered pieces, sorted by insertion number."""
-        slots = np.flatnonzero(np.frombuffer(self.used, np.bool_))
-        # Sorting insertion numbers with the slot in the low bits is a plain sort, cheaper than an argsort.
-        shift = max(1, len(self.table) - 1).bit_length()
-        keys = np.sort((self.table[slots, 0] << shift) | slots)
-        return self.table[keys & ((1 << shift) - 1)]
+        return np.asarray(list(self.live.values()), np.int64).reshape(-1, len(META_COLUMNS))
 
 
 class BestFitPacker:
@@ -206,7 +176,7 @@ class BestFitPacker:
         self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
         self.next_seq = 0
         self.added = 0  # documents added: each refill() must add one
-        self._buffer = _PieceBuffer(max(16, 2 * buffer_size))
+        self._buffer = _PieceBuffer()
         self._fetch: Fetch | None = None
         # (row, column, length, row group, row, offset) of every piece placed, where provenance is asked for
         self.record: list[tuple[int, ...]] | None = None
@@ -268,19 +238,19 @@ class BestFitPacker:
                 if i < 0:  # nothing fits
                     padding += self._gap(out, r, pos, marks)
                     break
-                length, (tokens, continuation), slot = buffer.pop(i)
+                length, (tokens, continuation), row = buffer.pop(i)
                 if tokens is None:  # restored lazily: fetch and verify it now
-                    tokens = self._materialize(buffer.table[slot].copy())
+                    tokens = self._materialize(row)
                 out[r, pos : pos + length] = tokens
                 if record is not None:
-                    record.append((r, pos, length, *buffer.table[slot, 2:5].tolist()))
+                    record.append((r, pos, length, row[2], row[3], row[4]))
                 if marks is not None:
                     marks[0].append(r * capacity + pos)
                     # Not the target of the token before it: that token is another document's, or (a piece cut at
                     # a shorter row length, now sharing a row) it is followed in its own document by other text.
                     if continuation or open_end:
                         marks[1].append(r * capacity + pos)
-                    open_end = not buffer.final[slot]
+                    open_end = not row[5]
                 pos += length
                 if multiple > 1 and pos < capacity:
                     pos, padded = self._cp_pad(out, r, pos, marks)
@@ -296,12 +266,12 @@ class BestFitPacker:
     def _gap(self, out: np.ndarray, row: int, pos: int, marks: Any) -> int:
         """No piece fits the rest of row ``row`` from ``pos``: crop the shortest to fill it; returns 0 (padding)."""
         remaining = self.capacity - pos
-        length, (tokens, _), slot = self._buffer.pop(0)
+        length, (tokens, _), piece = self._buffer.pop(0)
         if tokens is None:
-            tokens = self._materialize(self._buffer.table[slot].copy())
+            tokens = self._materialize(piece)
         out[row, pos:] = tokens[:remaining]
         if self.record is not None:
-            self.record.append((row, pos, remaining, *self._buffer.table[slot, 2:5].tolist()))
+            self.record.append((row, pos, remaining, piece[2], piece[3], piece[4]))
         if marks is not None:  # rows flagged for CP: the cropped piece starts a sequence
             marks[0].append(row * self.capacity + pos)
         self.counters.crops += 1
@@ -357,13 +327,13 @@ class BestFitPacker:
         if not self.split and capacity > self.hold:
             raise ValueError(f"rows of {capacity} tokens need documents' prefixes of as many, this packer keeps "
                              f"{self.hold}")  # fmt: skip
-        payloads, seq = {}, self._buffer.seq
+        payloads = {}
         for bucket in self._buffer.by_length.values():
-            for slot, payload in bucket:
-                payloads[seq[slot]] = payload
+            for row, payload in bucket:
+                payloads[row[0]] = payload
         rows = self.snapshot()
         self.capacity = self._checked_capacity(capacity)
-        self._buffer = _PieceBuffer(len(self._buffer.table))
+        self._buffer = _PieceBuffer()
         self._arrange(rows, payloads)
 
     def _arrange(self, rows: np.ndarray, payloads: dict[int, Any]) -> None:
@@ -372,8 +342,10 @@ class BestFitPacker:
         arranged, self.next_seq = recut(rows, payloads, self.capacity, self.split, self._materialize, self.next_seq)
         self._buffer.extend(*arranged)
 
-    def _materialize(self, row: np.ndarray, keep: int | None = None) -> np.ndarray:
-        """A lazily restored piece's tokens, fetched and verified: its first ``keep`` (default: what a row takes)."""
+    def _materialize(self, row: Any, keep: int | None = None) -> np.ndarray:
+        """A lazily restored piece's tokens (``row``: its ``META_COLUMNS`` values), fetched and verified: its first
+        ``keep`` (default: what a row takes)."""
+        row = np.asarray(row, np.int64)
         _seq, length, key0, key1, offset, _final, checksum, hashed = row.tolist()
         keep = min(length, self.capacity) if keep is None else keep
         need = max(keep, hashed) if hashed else length
@@ -478,7 +450,7 @@ def recut(
     pieces: list[list[int]] = []
     for row in rows[long].tolist():
         payload = payloads.get(row[0], _LAZY[row[4] > 0])
-        tokens = payload[0] if payload[0] is not None else materialize(np.asarray(row, np.int64), row[1])
+        tokens = payload[0] if payload[0] is not None else materialize(row, row[1])
         count = -(-row[1] // capacity)
         for j in range(count):
             piece, offset = tokens[j * capacity : (j + 1) * capacity], row[4] + j * capacity
