@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import corpus_spec, flat, make_docs, respec, stream_spec, train_tokenizer, write_parquet
 
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
 from lightning_d9d.streaming.buffer_rows import LINKS, WIDTH, BufferRows
 from lightning_d9d.streaming.loader import WireFormat
 from lightning_d9d.streaming.mixture_stream import mixture_streams
 from lightning_d9d.streaming.packing import BufferGrowth, kept_rows
+from lightning_d9d.streaming.reader import ReadPosition
 from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 
 
@@ -118,6 +119,24 @@ def test_a_chain_of_rows_is_built_once_every_links_blocks() -> None:
     assert sum(link.built for link in chain) == len(chain) // LINKS
     for link, table in zip(chain, want):
         np.testing.assert_array_equal(link.table(), table)
+
+
+def test_best_fit_states_compare_and_pickle_their_buffers_by_value() -> None:
+    """A state whose rows are a chain equals one given the same table, survives pickling (as its table) and to_dict /
+    from_dict, and differs from a state whose buffer differs in one value."""
+    table = np.arange(3 * WIDTH, dtype=np.int64).reshape(3, WIDTH)
+    table[:, 0] = [0, 1, 2]
+    chained = BufferRows.of(table[:2]).after(table[2:], np.zeros(0, np.int64))
+    state = BestFitState("bestfit_split", ReadPosition(0, 1, 2), chained, 3)
+    same = BestFitState("bestfit_split", ReadPosition(0, 1, 2), table.copy(), 3)
+    assert not chained.built
+    assert state == same
+    assert pickle.loads(pickle.dumps(state)) == state
+    assert BestFitState.from_dict(state.to_dict(), "packing", "bestfit_split") == state
+    other = table.copy()
+    other[1, 6] += 1
+    assert state != BestFitState("bestfit_split", ReadPosition(0, 1, 2), other, 3)
+    assert state != BestFitState("bestfit_split", ReadPosition(0, 1, 2), table, 4)
 
 
 @settings(max_examples=60, deadline=None)
