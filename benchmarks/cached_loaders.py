@@ -16,8 +16,8 @@ Configurations, each in a process of its own, started once and frozen (``SIGSTOP
   (``StreamingDataset`` + ``TokensLoader`` over the same rows written by ``optimize``) and mosaicml-streaming
   (``StreamingDataset`` over the same rows written as MDS), batches of ``m`` rows converted to int64, in-process and
   with ``--workers`` workers; one that is not installed, or cannot run here, is skipped with a note;
-* with ``--old-tree DIR``, another checkout's DataModule (cached ``concat`` with workers and in-process, cached
-  ``bestfit_split`` and the tokenizing ``concat`` pass with workers) beside this one's: the regression check.
+* with ``--old-tree DIR``, another checkout's DataModule (cached ``concat`` and ``bestfit_split`` with workers and
+  in-process, the tokenizing ``concat`` pass with workers) beside this one's: the regression check.
 
 Timing: ``--rounds`` rounds; in each, every configuration runs one window of ``--seconds`` (whole steps or batches;
 a tokenizing pass's windows last ``--tokenizing-seconds``: it makes a few steps a second), in one order in even
@@ -286,7 +286,7 @@ LABELS = {
     "mosaic_ip": "mosaic, in-process", "mosaic_w": "mosaic, {w} workers",
     "tok_concat_w": "concat tokenizing, {w} workers", "old_tok_concat_w": "old: concat tokenizing, {w} workers",
     "old_concat_w": "old: concat, {w} workers", "old_split_w": "old: bestfit_split, {w} workers",
-    "old_concat_ip": "old: concat, in-process",
+    "old_concat_ip": "old: concat, in-process", "old_split_ip": "old: bestfit_split, in-process",
 }  # fmt: skip
 
 
@@ -311,7 +311,8 @@ def configurations(args: argparse.Namespace, data: dict) -> dict[str, tuple]:
         old = args.old_tree
         for key, packing, workers, key_cache, tree in (
             ("old_concat_w", "concat", w, cache, old), ("old_split_w", "bestfit_split", w, cache, old),
-            ("old_concat_ip", "concat", 0, cache, old), ("tok_concat_w", "concat", w, None, None),
+            ("old_concat_ip", "concat", 0, cache, old), ("old_split_ip", "bestfit_split", 0, cache, old),
+            ("tok_concat_w", "concat", w, None, None),
             ("old_tok_concat_w", "concat", w, None, old),
         ):  # fmt: skip
             configs[key] = (OursRun, {**ours, "packing": packing, "workers": workers, "cache": key_cache}, tree)
@@ -365,14 +366,14 @@ RATIOS = (  # (a, b, target of a's rate / b's in the same round, or None: printe
     ("split_ip", "concat_ip", None), ("concat_w", "litdata_ip", None), ("concat_w", "litdata_w", None),
     ("concat_ip", "mosaic_ip", None), ("concat_w", "mosaic_w", None), ("litdata_ip", "memmap_1", None),
     ("concat_ip", "old_concat_ip", None), ("old_concat_ip", "litdata_ip", None), ("concat_w", "old_concat_w", None),
-    ("split_w", "old_split_w", None), ("old_split_w", "old_concat_w", None),
+    ("split_w", "old_split_w", None), ("old_split_w", "old_concat_w", None), ("split_ip", "old_split_ip", None),
     ("tok_concat_w", "old_tok_concat_w", TOKENIZING_TARGET),
 )  # fmt: skip
 
 
 SAME_ROWS = (  # configurations whose first steps' batches must be identical
     ("concat_w", "concat_ip"), ("split_w", "split_ip"), ("concat_w", "old_concat_w"), ("concat_ip", "old_concat_ip"),
-    ("split_w", "old_split_w"), ("tok_concat_w", "old_tok_concat_w"),
+    ("split_w", "old_split_w"), ("split_ip", "old_split_ip"), ("tok_concat_w", "old_tok_concat_w"),
 )  # fmt: skip
 
 

@@ -1,13 +1,18 @@
 """Epoch iterators that start lazily and stop their worker processes deterministically.
 
 An epoch starts at its first ``next()`` (Lightning probes ``iter()`` before resume state loads). Iterators hold no
-reference cycle and close when freed, garbage is collected before forking, and an ``atexit`` hook closes the rest.
+reference cycle and close when freed, and an ``atexit`` hook closes the rest. A worker forked by
+:func:`forking_workers` freezes what it inherits (``gc.freeze``), so no finalizer of the parent's garbage ever runs
+in it; collecting that garbage before every fork instead took a full collection of the parent's heap (hundreds of
+milliseconds with torch and Lightning loaded), and every resume pays for its forks.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
+import os
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
@@ -93,6 +98,24 @@ def shutdown_workers(iterator: Iterator[Any] | None) -> None:
         shutdown()
 
 
-def collect_before_fork() -> None:
-    """Free unreachable objects before forking workers, so no child inherits them as garbage."""
-    gc.collect()
+_FREEZE_IN_CHILD = [False]  # set while forking_workers() is open: a child forked then freezes what it inherits
+
+
+def _freeze_inherited() -> None:
+    if _FREEZE_IN_CHILD[0]:
+        _FREEZE_IN_CHILD[0] = False
+        gc.freeze()
+
+
+os.register_at_fork(after_in_child=_freeze_inherited)
+
+
+@contextlib.contextmanager
+def forking_workers() -> Iterator[None]:
+    """Processes forked inside (a DataLoader's workers) never collect what they inherit: nothing of this process's,
+    garbage or not, is finalized in them (and their collections touch none of its pages, so fewer are copied)."""
+    _FREEZE_IN_CHILD[0] = True
+    try:
+        yield
+    finally:
+        _FREEZE_IN_CHILD[0] = False

@@ -23,7 +23,7 @@ from lightning_d9d.epoch_iterator import (
     EpochIterator,
     OneIterationAtATime,
     ResumedByDataModule,
-    collect_before_fork,
+    forking_workers,
     shutdown_workers,
 )
 from lightning_d9d.resume import TrainPosition
@@ -329,9 +329,9 @@ def make_loader(
             # Its snapshots feed only its own state_dict, which we never use; turning them off saves work.
             snapshot_every_n_steps=None if num_workers else 1,
         )
-    if num_workers:
-        collect_before_fork()
-    return _Unpinned(iter(loader)) if pin_memory else iter(loader)
+    with forking_workers():
+        batches = iter(loader)
+    return _Unpinned(batches) if pin_memory else batches
 
 
 def stop(batches: Iterator[Any]) -> None:

@@ -12,7 +12,6 @@ for a little padding, but a chunk loses attention to its predecessors.
 from __future__ import annotations
 
 import bisect
-import struct
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +21,8 @@ import numpy as np
 import torch
 
 from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.bestfit_restore import BufferedTexts, buffer_fetch
+from lightning_d9d.streaming.bestfit_restore import BufferedTexts, UnitTokens, buffer_fetch
+from lightning_d9d.streaming.buffer_rows import BufferRows
 from lightning_d9d.streaming.packing import (
     CP_PAD,
     FULL_BUFFER,
@@ -34,7 +34,6 @@ from lightning_d9d.streaming.packing import (
     StreamCounters,
     bos_tensors,
     flagged_tensors,
-    kept_rows,
     prefix_hash,
     read_kind,
 )
@@ -56,79 +55,83 @@ BOS-prefixed document, whether it runs to the document's end, and the CRC-32 of 
 
 
 class _PieceBuffer:
-    """Buffered pieces by length (a pick is one ``bisect``), each owning a row of an int64 table that describes it."""
+    """Buffered pieces by length (a pick is one ``bisect``), each described by its ``META_COLUMNS`` row, a tuple of
+    Python ints: a pick reads it without numpy, and the rows become a table only for a snapshot."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self) -> None:
         self.lengths: list[int] = []
-        self.by_length: dict[int, deque] = {}  # length -> FIFO of (slot, payload)
+        self.by_length: dict[int, deque] = {}  # length -> FIFO of (row, payload)
         self.count = 0
-        self.table = np.zeros((slots, len(META_COLUMNS)), np.int64)
-        self.used = bytearray(slots)  # 1 where a slot holds a buffered piece (a numpy view is made per snapshot)
-        self.free = list(range(slots - 1, -1, -1))
-        self.row_bytes = 8 * len(META_COLUMNS)
-        self.pack_into = struct.Struct(f"={len(META_COLUMNS)}q").pack_into
-        self.pushed: list[tuple[int, ...]] = []  # rows pushed and insertion numbers popped since the last advance
+        # The buffered pieces' rows by insertion number, in insertion order: pieces are numbered as they come, so
+        # the dict's order is ascending numbers without a sort.
+        self.live: dict[int, tuple[int, ...]] = {}
+        # The values of the rows pushed, one after another (a flat list becomes an array at half the cost of a list
+        # of tuples), and the insertion numbers popped, since the last rows().
+        self.pushed: list[int] = []
         self.popped: list[int] = []
+        self.rebuilt = False  # extend() ran since the last rows(): its changes are not listed (a snapshot follows)
 
     def push(self, length: int, row: tuple[int, ...], payload: Any) -> None:
-        """Buffer one piece of ``length`` (its sort key) described by ``row``; ``payload`` comes back on pop."""
-        if not self.free:  # double the slots
-            size = len(self.table)
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self.used.extend(bytes(size))
-            self.free = list(range(2 * size - 1, size - 1, -1))
-        slot = self.free.pop()
-        self.pack_into(self.table, slot * self.row_bytes, *row)
-        self.pushed.append(row)
-        self.used[slot] = 1
+        """Buffer one piece of ``length`` (its sort key) described by ``row`` (numbered above every piece here);
+        ``payload`` comes back on pop."""
+        self.live[row[0]] = row
+        self.pushed.extend(row)
         bucket = self.by_length.get(length)
         if bucket is None:
             bucket = self.by_length[length] = deque()
             bisect.insort(self.lengths, length)
-        bucket.append((slot, payload))
+        bucket.append((row, payload))
         self.count += 1
 
-    def pop(self, index: int) -> tuple[int, Any, int]:
-        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, slot)``."""
+    def extend(self, rows: np.ndarray, payloads: list[Any]) -> None:
+        """Buffer many pieces (rows in insertion order, numbered above every piece here, each its length as sort
+        key): as :meth:`push` of each in turn, grouped by length; the next :meth:`rows` is a snapshot."""
+        n = len(rows)
+        if not n:
+            return
+        listed = list(map(tuple, rows.tolist()))
+        self.live.update(zip(rows[:, 0].tolist(), listed))
+        self.rebuilt = True
+        lengths = rows[:, 1]
+        order = np.argsort(lengths, kind="stable")  # each length's pieces in insertion order
+        values, firsts = np.unique(lengths[order], return_index=True)
+        bounds = [*firsts.tolist(), n]
+        order_list = order.tolist()
+        for length, first, last in zip(values.tolist(), bounds[:-1], bounds[1:]):
+            bucket = self.by_length.get(length)
+            if bucket is None:
+                bucket = self.by_length[length] = deque()
+                bisect.insort(self.lengths, length)
+            picked = order_list[first:last]
+            bucket.extend(zip([listed[i] for i in picked], [payloads[i] for i in picked]))
+        self.count += n
+
+    def pop(self, index: int) -> tuple[int, Any, tuple[int, ...]]:
+        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, row)``."""
         length = self.lengths[index]
         bucket = self.by_length[length]
-        slot, payload = bucket.popleft()
-        self.popped.append(int(self.table[slot, 0]))
+        row, payload = bucket.popleft()
+        del self.live[row[0]]
+        self.popped.append(row[0])
         if not bucket:
             del self.by_length[length]
             del self.lengths[index]
-        self.used[slot] = 0
-        self.free.append(slot)
         self.count -= 1
-        return length, payload, slot
+        return length, payload, row
 
-    def advance(self, previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """The buffered rows from ``previous`` and the changes since; which of ``previous`` stay, and rows added."""
+    def rows(self, before: BufferRows | None) -> BufferRows:
+        """The buffered pieces' rows: ``before`` (the rows at the last call) and the changes since, or (``before``
+        ``None``, or after :meth:`extend`) a snapshot; the changes count from here."""
         pushed, popped = self.pushed, self.popped
         self.pushed, self.popped = [], []
-        if previous is None:
-            return self.snapshot(), None, None
-        kept = np.ones(len(previous), bool)
-        if popped:
-            gone = np.asarray(popped, np.int64)
-            # previous is sorted by insertion number, so the popped pieces are found by bisection, not a set test
-            at = np.searchsorted(previous[:, 0], gone)
-            found = at < len(previous)
-            found[found] = previous[at[found], 0] == gone[found]
-            kept[at[found]] = False
-            if pushed and not found.all():  # pieces pushed and popped since (a few): never in the buffer
-                transient = set(gone[~found].tolist())
-                pushed = [row for row in pushed if row[0] not in transient]
-        added = np.asarray(pushed, np.int64).reshape(-1, len(META_COLUMNS))
-        return kept_rows(previous, kept, added), kept, added
+        if before is None or self.rebuilt:
+            self.rebuilt = False
+            return BufferRows(self.snapshot())
+        return before.after(np.array(pushed, np.int64).reshape(-1, len(META_COLUMNS)), np.array(popped, np.int64))
 
     def snapshot(self) -> np.ndarray:
         """The rows of the buffered pieces, sorted by insertion number."""
-        slots = np.flatnonzero(np.frombuffer(self.used, np.bool_))
-        # Sorting insertion numbers with the slot in the low bits is a plain sort, cheaper than an argsort.
-        shift = max(1, len(self.table) - 1).bit_length()
-        keys = np.sort((self.table[slots, 0] << shift) | slots)
-        return self.table[keys & ((1 << shift) - 1)]
+        return np.asarray(list(self.live.values()), np.int64).reshape(-1, len(META_COLUMNS))
 
 
 class BestFitPacker:
@@ -175,7 +178,7 @@ class BestFitPacker:
         self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
         self.next_seq = 0
         self.added = 0  # documents added: each refill() must add one
-        self._buffer = _PieceBuffer(max(16, 2 * buffer_size))
+        self._buffer = _PieceBuffer()
         self._fetch: Fetch | None = None
         # (row, column, length, row group, row, offset) of every piece placed, where provenance is asked for
         self.record: list[tuple[int, ...]] | None = None
@@ -237,19 +240,19 @@ class BestFitPacker:
                 if i < 0:  # nothing fits
                     padding += self._gap(out, r, pos, marks)
                     break
-                length, (tokens, continuation), slot = buffer.pop(i)
+                length, (tokens, continuation), row = buffer.pop(i)
                 if tokens is None:  # restored lazily: fetch and verify it now
-                    tokens = self._materialize(buffer.table[slot].copy())
+                    tokens = self._materialize(row)
                 out[r, pos : pos + length] = tokens
                 if record is not None:
-                    record.append((r, pos, length, *buffer.table[slot, 2:5].tolist()))
+                    record.append((r, pos, length, row[2], row[3], row[4]))
                 if marks is not None:
                     marks[0].append(r * capacity + pos)
                     # Not the target of the token before it: that token is another document's, or (a piece cut at
                     # a shorter row length, now sharing a row) it is followed in its own document by other text.
                     if continuation or open_end:
                         marks[1].append(r * capacity + pos)
-                    open_end = not buffer.table[slot, 5]
+                    open_end = not row[5]
                 pos += length
                 if multiple > 1 and pos < capacity:
                     pos, padded = self._cp_pad(out, r, pos, marks)
@@ -265,12 +268,12 @@ class BestFitPacker:
     def _gap(self, out: np.ndarray, row: int, pos: int, marks: Any) -> int:
         """No piece fits the rest of row ``row`` from ``pos``: crop the shortest to fill it; returns 0 (padding)."""
         remaining = self.capacity - pos
-        length, (tokens, _), slot = self._buffer.pop(0)
+        length, (tokens, _), piece = self._buffer.pop(0)
         if tokens is None:
-            tokens = self._materialize(self._buffer.table[slot].copy())
+            tokens = self._materialize(piece)
         out[row, pos:] = tokens[:remaining]
         if self.record is not None:
-            self.record.append((row, pos, remaining, *self._buffer.table[slot, 2:5].tolist()))
+            self.record.append((row, pos, remaining, piece[2], piece[3], piece[4]))
         if marks is not None:  # rows flagged for CP: the cropped piece starts a sequence
             marks[0].append(row * self.capacity + pos)
         self.counters.crops += 1
@@ -328,22 +331,23 @@ class BestFitPacker:
                              f"{self.hold}")  # fmt: skip
         payloads = {}
         for bucket in self._buffer.by_length.values():
-            for slot, payload in bucket:
-                payloads[int(self._buffer.table[slot, 0])] = payload
+            for row, payload in bucket:
+                payloads[row[0]] = payload
         rows = self.snapshot()
         self.capacity = self._checked_capacity(capacity)
-        self._buffer = _PieceBuffer(len(self._buffer.table))
+        self._buffer = _PieceBuffer()
         self._arrange(rows, payloads)
 
     def _arrange(self, rows: np.ndarray, payloads: dict[int, Any]) -> None:
         """Buffer ``rows`` (sorted by insertion number) with their ``payloads`` (by insertion number; lazy where
         missing), ``bestfit_split`` pieces longer than a row re-cut (:func:`recut`)."""
         arranged, self.next_seq = recut(rows, payloads, self.capacity, self.split, self._materialize, self.next_seq)
-        for row, payload in arranged:
-            self._buffer.push(row[1], tuple(row), payload)
+        self._buffer.extend(*arranged)
 
-    def _materialize(self, row: np.ndarray, keep: int | None = None) -> np.ndarray:
-        """A lazily restored piece's tokens, fetched and verified: its first ``keep`` (default: what a row takes)."""
+    def _materialize(self, row: Any, keep: int | None = None) -> np.ndarray:
+        """A lazily restored piece's tokens (``row``: its ``META_COLUMNS`` values), fetched and verified: its first
+        ``keep`` (default: what a row takes)."""
+        row = np.asarray(row, np.int64)
         _seq, length, key0, key1, offset, _final, checksum, hashed = row.tolist()
         keep = min(length, self.capacity) if keep is None else keep
         need = max(keep, hashed) if hashed else length
@@ -431,29 +435,34 @@ class BestFitSplitPacker(BestFitPacker):
         return self.capacity - pos
 
 
+_LAZY = ((None, False), (None, True))  # the payload of a piece restored lazily: (no tokens yet, continuation?)
+
+
 def recut(
     rows: np.ndarray, payloads: dict[int, Any], capacity: int, split: bool, materialize: Callable, next_seq: int
-) -> tuple[list[tuple[list[int], Any]], int]:
-    """``(row, payload)`` of every piece to buffer for rows of ``capacity`` tokens, and the next insertion number: a
-    ``bestfit_split`` piece longer than a row is replaced by its row-sized pieces (its tokens from ``payloads`` or
-    ``materialize(row, length)``), numbered after every other piece, so insertion order and numbers agree."""
-    kept, pieces = [], []
-    for row in rows.tolist():
-        payload = payloads.get(row[0], (None, row[4] > 0))
-        if not split or row[1] <= capacity:
-            kept.append((row, payload))
-            continue
-        tokens = payload[0] if payload[0] is not None else materialize(np.asarray(row, np.int64), row[1])
+) -> tuple[tuple[np.ndarray, list[Any]], int]:
+    """``(rows, payloads)`` of every piece to buffer for rows of ``capacity`` tokens (a payload from ``payloads`` by
+    insertion number, else lazy), and the next insertion number: a ``bestfit_split`` piece longer than a row is
+    replaced by its row-sized pieces (its tokens from ``payloads`` or ``materialize(row, length)``), numbered after
+    every other piece, so insertion order and numbers agree."""
+    rows = np.asarray(rows, np.int64).reshape(-1, len(META_COLUMNS))
+    long = rows[:, 1] > capacity if split else np.zeros(len(rows), bool)
+    kept = rows[~long] if long.any() else rows
+    kept_payloads = [payloads.get(seq) or _LAZY[offset > 0] for seq, offset in kept[:, [0, 4]].tolist()]
+    pieces: list[list[int]] = []
+    for row in rows[long].tolist():
+        payload = payloads.get(row[0], _LAZY[row[4] > 0])
+        tokens = payload[0] if payload[0] is not None else materialize(row, row[1])
         count = -(-row[1] // capacity)
         for j in range(count):
             piece, offset = tokens[j * capacity : (j + 1) * capacity], row[4] + j * capacity
             final = int(bool(row[5]) and j == count - 1)
-            pieces.append(([0, len(piece), row[2], row[3], offset, final, prefix_hash(piece), len(piece)],
-                           (piece, offset > 0)))  # fmt: skip
-    for piece in pieces:
-        piece[0][0] = next_seq
-        next_seq += 1
-    return kept + pieces, next_seq
+            pieces.append([next_seq, len(piece), row[2], row[3], offset, final, prefix_hash(piece), len(piece)])
+            kept_payloads.append((piece, offset > 0))
+            next_seq += 1
+    if pieces:
+        kept = np.concatenate([kept, np.asarray(pieces, np.int64)])
+    return (kept, kept_payloads), next_seq
 
 
 def recorded_pieces(record: list[tuple[int, ...]] | None) -> np.ndarray | None:
@@ -482,20 +491,37 @@ def _flags(
     return flags.reshape(shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BestFitState:
-    """A best-fit packing's state: the reader's position after the last document added, and ``buffer`` (one int64
-    ``META_COLUMNS`` row per piece, in insertion order).
+    """A best-fit packing's state: the reader's position after the last document added, and the buffer's rows (one
+    int64 ``META_COLUMNS`` row per piece, in insertion order: :attr:`buffer`), built only when read
+    (:class:`BufferRows`; a table given is wrapped as it is). Two states are equal when every field is, the
+    buffer's rows by value.
     """
 
     kind: str = "bestfit"
     read: ReadPosition = field(default_factory=ReadPosition)
-    buffer: np.ndarray = field(default_factory=lambda: np.zeros((0, len(META_COLUMNS)), np.int64))
+    rows: BufferRows = field(default_factory=BufferRows.empty)
     next_seq: int = 0
     growth: BufferGrowth = FULL_BUFFER
-    # How ``buffer`` came from the state before (that buffer, which of its rows stay, the rows added), where known:
-    # what crosses from a worker is that change, not the buffer. Never saved or compared.
-    change: tuple | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rows, np.ndarray):
+            object.__setattr__(self, "rows", BufferRows.of(self.rows))
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The buffered pieces' rows (built now if they were not)."""
+        return self.rows.table()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BestFitState):
+            return NotImplemented
+        return (self.kind, self.read, self.next_seq, self.growth) == (
+            other.kind, other.read, other.next_seq, other.growth
+        ) and np.array_equal(self.buffer, other.buffer)  # fmt: skip
+
+    __hash__ = None  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -572,11 +598,16 @@ class BestFitStage(PackingStage):
         units: StreamUnits,
         state: BestFitState,
         counters: StreamCounters,
-        texts: BufferedTexts | None,
+        texts: BufferedTexts | UnitTokens | None,
     ):
         super().__init__(spec, units, counters)
-        self.start = state
-        self.fetch = buffer_fetch(spec, state.buffer, texts) if len(state.buffer) else None
+        self.start, self.buffer, self.dropped = state, state.buffer, 0
+        if spec.excluded and len(self.buffer):  # documents excluded since the state was saved leave the buffer
+            keys = self.buffer[:, 2:4].tolist()
+            out = np.asarray([(key0, key1) in spec.excluded for key0, key1 in keys], bool)
+            self.dropped = len({tuple(key) for key in self.buffer[out, 2:4].tolist()})
+            self.buffer = self.buffer[~out]
+        self.fetch = buffer_fetch(spec, self.buffer, texts) if len(self.buffer) else None
         self.packer: BestFitPacker | None = None  # made at the first block that takes rows, at its row length
 
     def _packer(self, capacity: int) -> BestFitPacker:
@@ -590,13 +621,8 @@ class BestFitStage(PackingStage):
                                    hold=max(capacity, spec.max_capacity))  # fmt: skip
         packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
         packer.record = [] if spec.record_pieces else None
-        buffer = state.buffer
-        if spec.excluded and len(buffer):  # documents excluded since the state was saved leave the buffer
-            out = np.asarray([(key0, key1) in spec.excluded for key0, key1 in buffer[:, 2:4].tolist()], bool)
-            counters.excluded += len({tuple(key) for key in buffer[out, 2:4].tolist()})
-            buffer = buffer[~out]
-        packer.reset(buffer, state.next_seq, self.fetch)
-        packer._buffer.advance(None)  # the restored buffer is the start's: changes count from here
+        counters.excluded += self.dropped
+        packer.reset(self.buffer, state.next_seq, self.fetch)
         return packer
 
     def blocks(
@@ -604,7 +630,7 @@ class BestFitStage(PackingStage):
     ) -> Generator[tuple[RowBlock, Any], None, None]:
         spec, start = self.spec, self.start
         cursor = _Cursor()
-        state, last = start, None
+        state, rows = start, None
         packer: BestFitPacker | None = None
         while True:
             rows_per_block, capacity = next(sizes)
@@ -614,20 +640,15 @@ class BestFitStage(PackingStage):
             if packer is None:
                 packer = self.packer = self._packer(capacity)
                 refill = self._refiller(chunks, cursor, packer)
-                last = None  # the restored buffer may be re-cut: its rows are described whole, once
             elif capacity != packer.capacity:  # a new row length: the buffer carries over, re-cut where needed
                 packer.reshape(capacity)
-                packer._buffer.advance(None)
-                last = None
             added = packer.added
             tokens, flags = packer.take(rows_per_block, refill)
             read = state.read
             if packer.added != added:  # only the last document added names the position
                 read = self.after(cursor.laid.chunk, cursor.next_doc - 1)
-            buffer, kept, added = packer._buffer.advance(last)
-            change = (last, kept, added) if kept is not None else None
-            state = BestFitState(start.kind, read, buffer, packer.next_seq, start.growth, change)
-            last = buffer
+            rows = packer._buffer.rows(rows)  # the rows built only if something reads them
+            state = BestFitState(start.kind, read, rows, packer.next_seq, start.growth)
             yield RowBlock(tokens, flags, pieces=recorded_pieces(packer.record)), state
 
     def _refiller(self, chunks: Iterator[Any], cursor: _Cursor, packer: BestFitPacker) -> Callable[[], None]:

@@ -10,8 +10,10 @@ MiBs of tokens per stream in every checkpoint.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,50 +29,103 @@ if TYPE_CHECKING:
 BufferedTexts = Mapping[tuple[int, int], str]
 
 
-def buffer_fetch(spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | None = None) -> Callable[[Any, int], Any]:
-    """The ``fetch`` a best-fit packer needs to rebuild the buffer ``meta`` (``texts``: already read, or ``None``).
+def buffer_fetch(
+    spec: StreamSpec, meta: np.ndarray, texts: BufferedTexts | UnitTokens | None = None
+) -> Callable[[Any, int], Any]:
+    """The ``fetch`` a best-fit packer needs to rebuild the buffer ``meta``: from the token cache where the spec has
+    one (``texts``: the process's shared :class:`UnitTokens`, or ``None``), else from the texts (``texts``: already
+    read, or ``None``).
 
     Raises:
         ValueError: a saved row group cannot be read.
     """
     meta = np.asarray(meta, np.int64)
-    cached = _cached_fetch(spec, meta) if spec.cache is not None else None
-    if cached is not None:
-        return cached
+    if spec.cache is not None:
+        return _CachedFetch(spec, meta, texts if isinstance(texts, UnitTokens) else UnitTokens(spec))
     own = _own_texts(spec, meta, texts)
     return _SplitFetch(spec, meta, own) if spec.packing.flagged else _PrefixFetch(spec, meta, own)
 
 
-def _cached_fetch(spec: StreamSpec, meta: np.ndarray) -> Callable[[Any, int], Any] | None:
-    """A ``fetch`` that cuts every piece from its unit's cached tokens, or ``None`` when a unit is not cached."""
-    units, documents = spec.units, {}
-    for group in np.unique(meta[:, 2]).tolist():
-        rows = np.unique(meta[meta[:, 2] == group, 3])
-        of_group = np.flatnonzero(units.group == group)
-        for unit in of_group[(units.start[of_group] <= rows.max()) & (units.stop[of_group] > rows.min())].tolist():
-            start, stop = int(units.start[unit]), int(units.stop[unit])
-            inside = rows[(rows >= start) & (rows < stop)]
-            if not len(inside):
-                continue
-            cached = spec.cache.load(group, start, stop)
-            if cached is None:
-                return None
-            at = np.searchsorted(cached.rows, inside)
-            if (at >= len(cached.rows)).any() or (cached.rows[np.minimum(at, len(cached.rows) - 1)] != inside).any():
-                return None  # a buffered row the cache does not hold as a document: another content
-            for row, doc in zip(inside.tolist(), at.tolist()):
-                documents[(group, row)] = cached.ids(doc)
-    bos = spec.bos_id
+class UnitTokens:
+    """The cached tokens of the units that restored buffers' pieces come from, shared by a process's streams of one
+    source: a unit is loaded when a piece of it is first fetched (once for all those streams), and dropped once
+    every buffered piece of it that was counted in is fetched.
+    """
 
-    def fetch(row: np.ndarray, need: int) -> np.ndarray:
-        ids = documents[(int(row[2]), int(row[3]))]
+    def __init__(self, spec: StreamSpec):
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._loads: dict[int, _UnitLoad] = {}
+        self._pending: Counter[int] = Counter()  # buffered pieces per unit not fetched yet
+
+    def count(self, units: np.ndarray) -> None:
+        """Pieces of ``units`` (one entry per piece) will be fetched."""
+        with self._lock:
+            self._pending.update(units.tolist())
+
+    def document(self, unit: int, row: int) -> np.ndarray | None:
+        """The cached ids of ``row`` in ``unit`` (``None``: the unit is not cached, or not with that document)."""
+        with self._lock:
+            load = self._loads.get(unit)
+            if load is None:
+                load = self._loads[unit] = _UnitLoad()
+            self._pending[unit] -= 1
+            if self._pending[unit] <= 0:
+                del self._pending[unit], self._loads[unit]
+        with load.lock:  # a unit wanted by several streams at once is loaded by the first of them
+            if not load.done:
+                units = self.spec.units
+                start, stop = int(units.start[unit]), int(units.stop[unit])
+                load.cached, load.done = self.spec.cache.load(int(units.group[unit]), start, stop), True
+        cached = load.cached
+        if cached is None:
+            return None
+        at = int(np.searchsorted(cached.rows, row))
+        return cached.ids(at) if at < len(cached.rows) and cached.rows[at] == row else None
+
+
+class _UnitLoad:
+    __slots__ = ("cached", "done", "lock")
+
+    def __init__(self) -> None:
+        self.lock, self.done, self.cached = threading.Lock(), False, None
+
+
+class _CachedFetch:
+    """``fetch`` from the token cache: a piece's tokens cut from its unit's cached ids (its unit loaded when first
+    needed); a unit that is not cached, or holds another content, has its pieces rebuilt from text instead."""
+
+    def __init__(self, spec: StreamSpec, meta: np.ndarray, units: UnitTokens):
+        self.spec, self.meta, self.tokens = spec, meta, units
+        self.units = _units_of(spec, meta)
+        self.unit_of = dict(zip(zip(meta[:, 2].tolist(), meta[:, 3].tolist()), self.units.tolist()))
+        units.count(self.units)
+        self.from_text: dict[int, Callable[[Any, int], Any]] = {}
+
+    def __call__(self, row: np.ndarray, need: int) -> np.ndarray:
+        key = (int(row[2]), int(row[3]))
+        unit = self.unit_of[key]
+        fallback = self.from_text.get(unit)
+        ids = self.tokens.document(unit, key[1]) if fallback is None else None
+        if ids is None:
+            if fallback is None:  # the unit's pieces are rebuilt from its texts, read now
+                mine = self.meta[self.units == unit]
+                fallback = self.from_text[unit] = buffer_fetch(replace(self.spec, cache=None), mine)
+            return fallback(row, need)
         start = int(row[4])
         tokens = np.empty(min(len(ids) + 1, start + need), np.int32)  # BOS, then the ids up to the piece's end
-        tokens[0] = bos
+        tokens[0] = self.spec.bos_id
         tokens[1:] = ids[: len(tokens) - 1]
         return tokens[start:]
 
-    return fetch
+
+def _units_of(spec: StreamSpec, meta: np.ndarray) -> np.ndarray:
+    """The unit of each buffered piece (by its row group and row)."""
+    units = spec.units
+    order = np.lexsort((units.start, units.group))  # units by (row group, first row)
+    groups, starts = units.group[order], units.start[order]
+    at = np.searchsorted(groups * (1 << 32) + starts, meta[:, 2] * (1 << 32) + meta[:, 3], side="right") - 1
+    return order[at]
 
 
 def read_buffered_texts(spec: StreamSpec, metas: Iterable[np.ndarray]) -> dict[tuple[int, int], str]:

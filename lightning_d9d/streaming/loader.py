@@ -31,14 +31,15 @@ from lightning_d9d.epoch_iterator import (
     OneIterationAtATime,
     ResumedByDataModule,
     close_at_exit,
-    collect_before_fork,
+    forking_workers,
     shutdown_workers,
 )
 from lightning_d9d.resume import StepLayout, TrainPosition
 from lightning_d9d.streaming.bestfit import BestFitState
+from lightning_d9d.streaming.buffer_rows import BufferRows, received
 from lightning_d9d.streaming.memory import IN_PROCESS_CHUNK_CHARS, WORKER_CHUNK_CHARS
 from lightning_d9d.streaming.mixture_stream import MixtureState, mixture_streams
-from lightning_d9d.streaming.packing import RowBlock, kept_rows
+from lightning_d9d.streaming.packing import RowBlock
 from lightning_d9d.streaming.spec import MixtureSpec
 from lightning_d9d.streaming.step_tensors import StepBlock
 from lightning_d9d.streaming.stream import StreamState
@@ -212,15 +213,16 @@ class _HostedStreams(IterableDataset):
 class WireFormat:
     """A worker's items of a step as they cross to the training process, compactly (``encode`` in the worker,
     ``decode`` here): its streams' rows as one block (ids as uint16 where they fit, flags as positions), each
-    stream's rows a view of it again on arrival, and a best-fit buffer as its change since the last step.
+    stream's rows a view of it again on arrival, and a best-fit buffer's rows as their change since the last step
+    (:meth:`BufferRows.change_from`), chained here the same way, so neither side builds a buffer's table per step.
     """
 
     def __init__(self) -> None:
-        self.sent: dict[tuple[int, str], np.ndarray] = {}
+        self.sent: dict[tuple[int, str], BufferRows] = {}
 
     def encode(self, items: list[tuple]) -> tuple:
         block = RowBlock.joined([block for _, block, _ in items])
-        states = [self._map(sid, state, self._delta) for sid, _, state in items]
+        states = [self._map(sid, state, self._change) for sid, _, state in items]
         return [sid for sid, _, _ in items], [len(block) for _, block, _ in items], _packed_block(block), states
 
     def decode(self, message: tuple) -> list[tuple]:
@@ -229,7 +231,7 @@ class WireFormat:
         items = []
         for sid, count, state in zip(sids, counts, states):
             start, stop = stop, stop + count
-            items.append((sid, block.rows(start, stop), self._map(sid, state, self._rebuilt)))
+            items.append((sid, block.rows(start, stop), self._map(sid, state, self._received)))
         return items
 
     def _map(self, sid: int, state: MixtureState, change: Callable[[tuple[int, str], Any], Any]) -> MixtureState:
@@ -237,32 +239,29 @@ class WireFormat:
         for name, sub in state.sources.items():
             packing = sub.packing
             if isinstance(packing, BestFitState):  # made directly: dataclasses.replace costs more than the rest
-                packing = BestFitState(packing.kind, packing.read, change((sid, name), packing), packing.next_seq,
-                                       packing.growth)  # fmt: skip
+                packing = BestFitState(packing.kind, packing.read, change((sid, name), packing.rows),
+                                       packing.next_seq, packing.growth)  # fmt: skip
                 sub = StreamState(packing, sub.counters, sub.blocks)
             sources[name] = sub
         return MixtureState(state.step, sources)
 
-    def _delta(self, key: tuple[int, str], packing: BestFitState) -> tuple[np.ndarray, np.ndarray]:
-        buffer, change, previous = packing.buffer, packing.change, self.sent.get(key)
-        self.sent[key] = buffer
-        if previous is None or not len(previous):
-            return np.zeros(0, np.uint8), buffer
-        if change is not None and change[0] is previous:  # the stage knows what changed since
-            return np.packbits(change[1]), change[2]
-        added = buffer[:, 0] > previous[-1, 0]
-        kept = np.isin(previous[:, 0], buffer[~added, 0], assume_unique=True)
-        return np.packbits(kept), buffer[added]
+    def _change(self, key: tuple[int, str], rows: BufferRows) -> _Wire:
+        change = rows.change_from(self.sent.get(key))
+        self.sent[key] = rows
+        return _Wire(change)
 
-    def _rebuilt(self, key: tuple[int, str], packing: BestFitState) -> np.ndarray:
-        bits, added = packing.buffer
-        previous = self.sent.get(key)
-        if previous is None or not len(previous):
-            buffer = added
-        else:
-            buffer = kept_rows(previous, np.unpackbits(bits, count=len(previous)).view(bool), added)
-        self.sent[key] = buffer
-        return buffer
+    def _received(self, key: tuple[int, str], wire: _Wire) -> BufferRows:
+        rows = self.sent[key] = received(self.sent.get(key), wire.change)
+        return rows
+
+
+class _Wire:
+    """A best-fit buffer's rows on the wire: the change a :class:`WireFormat` sends for them."""
+
+    __slots__ = ("change",)
+
+    def __init__(self, change: Any):
+        self.change = change
 
 
 def _packed_block(block: RowBlock) -> tuple:
@@ -349,8 +348,9 @@ def rank_blocks(spec: MixtureSpec, streams: list[int], num_workers: int, states:
         context = _forkserver_context() if start_method == "forkserver" else None
         loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=2, collate_fn=_as_is,
                             multiprocessing_context=context)  # fmt: skip
-    collect_before_fork()
-    return _InStreamOrder(iter(loader), streams, num_workers, WireFormat())
+    with forking_workers():
+        lists = iter(loader)
+    return _InStreamOrder(lists, streams, num_workers, WireFormat())
 
 
 def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, StreamStates]]:

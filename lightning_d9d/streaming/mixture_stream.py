@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.bestfit_restore import read_buffered_texts
+from lightning_d9d.streaming.bestfit_restore import UnitTokens, read_buffered_texts
 from lightning_d9d.streaming.edits import is_skipped
 from lightning_d9d.streaming.mixture import MixturePlan, deal_rows
 from lightning_d9d.streaming.packing import RowBlock, StreamCounters
@@ -176,12 +176,16 @@ def _asked(asked: list[int], capacity: list[int], source: int) -> Iterator[tuple
 
 
 def mixture_streams(spec: MixtureSpec, hosted: list[int], states: Mapping[int, MixtureState]) -> list[MixtureStream]:
-    """The streams one process hosts, continuing from ``states``, their buffered texts read once for all."""
+    """The streams one process hosts, continuing from ``states``: their buffered texts read once for all, or (with a
+    token cache) their buffered units' tokens loaded once for all, each when a piece of it is first picked."""
     texts: dict[int, dict[str, Any]] = {sid: {} for sid in hosted}
     if len(states) > 1:
         for i, name in enumerate(spec.names):
             if spec.sources[i].cache is not None:
-                continue  # restored from the cache's tokens (each stream reads the texts itself if it lacks some)
+                shared_units = UnitTokens(spec.sources[i])
+                for sid in hosted:
+                    texts[sid][name] = shared_units
+                continue
             owners = [sid for sid, state in states.items() if name in state.sources]
             buffers = saved_buffers([states[sid].sources[name] for sid in owners])
             if buffers:

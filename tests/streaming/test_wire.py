@@ -1,6 +1,6 @@
 """What crosses from a worker to the training process: a step's items cross unchanged (rows, flags, sources and
-every state, best-fit buffers rebuilt from their changes), and the buffer a best-fit stage reports after each block
-is the buffer it holds."""
+every state, best-fit buffers chained from their changes), and the rows a best-fit stage reports after each block,
+built whenever they are read, are the buffer it held then."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import corpus_spec, flat, make_docs, respec, stream_spec, train_tokenizer, write_parquet
 
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
+from lightning_d9d.streaming.buffer_rows import LINKS, WIDTH, BufferRows
 from lightning_d9d.streaming.loader import WireFormat
 from lightning_d9d.streaming.mixture_stream import mixture_streams
 from lightning_d9d.streaming.packing import BufferGrowth, kept_rows
+from lightning_d9d.streaming.reader import ReadPosition
 from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 
 
@@ -68,31 +70,73 @@ def test_a_workers_steps_cross_unchanged(corpus: dict, packing: str, cp: int) ->
     lengths=st.lists(st.integers(1, 90), min_size=400, max_size=400),
     split=st.booleans(),
     buffer_size=st.integers(1, 30),
-    takes=st.lists(st.integers(1, 4), min_size=1, max_size=25),
+    takes=st.lists(st.tuples(st.integers(1, 4), st.sampled_from([33, 33, 33, 21, 47])), min_size=1, max_size=90),
+    read_at=st.sets(st.integers(0, 89), max_size=6),
 )
-def test_the_buffer_after_each_block_is_the_buffer_held(lengths, split, buffer_size, takes) -> None:
-    """Pieces pushed and popped within one block (a split document's chunks) never appear; the rest stay in order."""
-    capacity = 33
+def test_the_rows_after_each_block_are_the_buffer_held_then(lengths, split, buffer_size, takes, read_at) -> None:
+    """A block's rows, read at the end (or some of them at once, which builds part of a chain), equal the buffer
+    the packer held right after that block: pieces pushed and popped within one block (a split document's chunks)
+    never appear, the rest stay in order; a new row length (a re-cut) starts a fresh table; chains longer than
+    ``LINKS`` blocks are built on the way."""
     docs = iter([np.full(n, i + 1, np.int32) for i, n in enumerate(lengths)])
     if split:
-        packer = BestFitSplitPacker(capacity, 0, buffer_size, BufferGrowth(2, 1))
+        packer = BestFitSplitPacker(33, 0, buffer_size, BufferGrowth(2, 1))
 
         def refill() -> None:
             packer.add(next(docs), (0, 0))
     else:
-        packer = BestFitPacker(capacity, buffer_size, BufferGrowth(2, 1))
+        packer = BestFitPacker(33, buffer_size, BufferGrowth(2, 1), hold=47)
 
         def refill() -> None:
             doc = next(docs)
-            packer.add(doc[:capacity], len(doc), (0, 0))
+            packer.add(doc[:47], len(doc), (0, 0))
 
-    previous = packer._buffer.advance(None)[0]
-    for rows in takes:
-        packer.take(rows, refill)
-        buffer, kept, added = packer._buffer.advance(previous)
-        np.testing.assert_array_equal(buffer, packer.snapshot())
-        np.testing.assert_array_equal(kept_rows(previous, kept, added), buffer)
-        previous = buffer
+    rows, held = packer._buffer.rows(None), []
+    for block, (count, capacity) in enumerate(takes):
+        packer.reshape(capacity)
+        packer.take(count, refill)
+        rows = packer._buffer.rows(rows)
+        held.append((rows, packer.snapshot()))
+        if block in read_at:
+            np.testing.assert_array_equal(rows.table(), held[-1][1])
+    for rows, snapshot in reversed(held):
+        np.testing.assert_array_equal(rows.table(), snapshot)
+
+
+def test_a_chain_of_rows_is_built_once_every_links_blocks() -> None:
+    """Blocks whose rows nobody reads build a table once every ``LINKS`` blocks, not at every block, and every
+    block's rows read later are still its own."""
+    rows, chain, want = BufferRows.empty(), [], []
+    table = np.zeros((0, WIDTH), np.int64)
+    for block in range(5 * LINKS + 3):
+        pushed = np.full((2, WIDTH), block, np.int64)
+        pushed[:, 0] = [2 * block, 2 * block + 1]
+        popped = table[:1, 0]  # the oldest piece leaves
+        rows = rows.after(pushed, popped)
+        table = np.concatenate([table[1:], pushed])
+        chain.append(rows)
+        want.append(table)
+    assert sum(link.built for link in chain) == len(chain) // LINKS
+    for link, table in zip(chain, want):
+        np.testing.assert_array_equal(link.table(), table)
+
+
+def test_best_fit_states_compare_and_pickle_their_buffers_by_value() -> None:
+    """A state whose rows are a chain equals one given the same table, survives pickling (as its table) and to_dict /
+    from_dict, and differs from a state whose buffer differs in one value."""
+    table = np.arange(3 * WIDTH, dtype=np.int64).reshape(3, WIDTH)
+    table[:, 0] = [0, 1, 2]
+    chained = BufferRows.of(table[:2]).after(table[2:], np.zeros(0, np.int64))
+    state = BestFitState("bestfit_split", ReadPosition(0, 1, 2), chained, 3)
+    same = BestFitState("bestfit_split", ReadPosition(0, 1, 2), table.copy(), 3)
+    assert not chained.built
+    assert state == same
+    assert pickle.loads(pickle.dumps(state)) == state
+    assert BestFitState.from_dict(state.to_dict(), "packing", "bestfit_split") == state
+    other = table.copy()
+    other[1, 6] += 1
+    assert state != BestFitState("bestfit_split", ReadPosition(0, 1, 2), other, 3)
+    assert state != BestFitState("bestfit_split", ReadPosition(0, 1, 2), table, 4)
 
 
 @settings(max_examples=60, deadline=None)
