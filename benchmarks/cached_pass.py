@@ -197,7 +197,7 @@ def _peer_resumes(root: Path, rows: bytes, args: dict, peer_path: list[str], qui
     rows_path.write_bytes(rows)
     capacity = args["seq_len"] + 1
     written, notes = peer_data(root, str(rows_path), capacity, peer_path, quick)
-    batches = len(rows) // (2 * capacity) // args["microbatch"] // 2  # half the rows (2 bytes an id)
+    batches = len(rows) // (2 * capacity) // args["microbatch"] // 2  # half the rows (uint16: 2 bytes an id)
     runs, nexts = {}, {}
     for peer, peer_dir in written.items():
         saved = in_child(_peer_state, peer, peer_dir, args, batches, peer_path, inline=quick)
