@@ -20,7 +20,13 @@ and a byte-level BPE trained on it. For each packing, in this process's children
 
 Targets: the cached pass >= 10x the tokenizing pass's useful tokens/s (``concat`` and ``bestfit_split``), the first
 batch of a cached resume <= 0.3 s (median). Rows are checked to be the same in the three passes (digest of every
-batch). ``--resume-only`` fills the cache (two passes) and times the resumes alone.
+batch). ``--resume-only`` fills the cache (two passes) and times the resumes alone, in ``--resumes`` rounds, each
+resume in a fresh process, the order reversed every other round; with ``--peer-path`` (as in
+``benchmarks/cached_loaders.py``), beside the same resume of its optional peers where importable: the first
+packing's rows of a pass written for litdata (and mosaicml-streaming), a state of its loader (``--workers``
+workers, batches of m rows) saved after half those rows, and its first batch after ``load_state_dict`` in a fresh
+process, timed the same way and checked to be the batch the saving run got next; the ratios ours / peer's are of
+the same round. A peer not installed, or that cannot run here, is skipped with a note.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import contextlib
 import hashlib
 import io
 import multiprocessing
+import os
 import shutil
 import statistics
 import sys
@@ -43,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
+from cached_loaders import _import_mosaic, _litdata_loader, peer_data, ratios, spread
 from common import in_child, print_verdicts
 from streaming import stdlib_texts, train_tokenizer, write_corpus
 
@@ -87,19 +95,23 @@ def _known_keys(dm, given: bool) -> Iterator[None]:
 
 
 def _pass(
-    conn, files: str, tokenizer: str, packing: str, cache: str | None, args: dict, passes: int, keys: bool = False
-) -> None:
+    conn, files: str, tokenizer: str, packing: str, cache: str | None, args: dict, passes: int, keys: bool = False,
+    rows: bool = False,
+) -> None:  # fmt: skip
     """In a fresh process: ``passes × args["steps"]`` steps; the rows of the first ``args["steps"]`` digested, a
     state saved half-way through them; useful tokens/s over the passes after the first (steady: best-fit buffers
-    full, workers running); the cache's coverage at the end. ``keys``: the content keys given (:func:`_known_keys`)."""
+    full, workers running); the cache's coverage at the end. ``keys``: the content keys given (:func:`_known_keys`);
+    ``rows``: the first pass's rows (inputs and the last target, ``seq_len + 1`` uint16 ids each) sent as well."""
     multiprocessing.set_start_method(None, force=True)  # workers start as a training script's do
     dm = _datamodule(files, tokenizer, packing, cache, {**args, "steps": passes * args["steps"]})
     per_pass = args["steps"] * dm.microbatches_per_step
-    digest, state, start, before = hashlib.sha256(), None, time.perf_counter(), 0
+    digest, state, start, before, kept = hashlib.sha256(), None, time.perf_counter(), 0, []
     with _known_keys(dm, keys):
         for i, batch in enumerate(dm.train_dataloader()):
             if i < per_pass:
                 digest.update(batch.input_ids.numpy().tobytes())
+                if rows:
+                    kept.append(torch.cat([batch.input_ids, batch.targets[:, -1:]], dim=1).to(torch.uint16))
             if i == per_pass // 2 - 1:
                 state = dm.state_dict()
             if i == per_pass - 1:  # the timed part starts after the first pass
@@ -112,7 +124,8 @@ def _pass(
     saved = io.BytesIO()
     torch.save(state, saved)  # bytes: tensors through a pipe would outlive this process as shared memory
     conn.send({"tokens_per_s": useful / elapsed, "digest": digest.hexdigest(), "state": saved.getvalue(),
-               "covered": covered, "units": units})  # fmt: skip
+               "covered": covered, "units": units,
+               "rows": torch.cat(kept).numpy().tobytes() if rows else None})  # fmt: skip
 
 
 def _resume(conn, files: str, tokenizer: str, packing: str, cache: str, state: bytes, args: dict) -> None:
@@ -136,6 +149,95 @@ def _resumes(files: str, tokenizer: str, packing: str, cache: str, state: bytes,
 def _resume_verdict(packing: str, resume: tuple[float, float, float]) -> tuple[bool, str]:
     return (resume[1] <= RESUME_FIRST_BATCH_S, f"{packing}: first batch of a cached resume, median {resume[1]:.2f} s "
             f"(min {resume[0]:.2f}, max {resume[2]:.2f}; target <= {RESUME_FIRST_BATCH_S} s)")  # fmt: skip
+
+
+def _peer_loader(peer: str, peer_dir: str, args: dict, peer_path: list[str]):
+    """``peer``'s loader over the rows written for it, with ``args["workers"]`` workers, batches of m rows."""
+    sys.path[:0] = [entry for entry in peer_path if entry not in sys.path]
+    if peer == "litdata":
+        return _litdata_loader(peer_dir, args["seq_len"] + 1, args, args["workers"])
+    mosaic = _import_mosaic()
+    dataset = mosaic.StreamingDataset(local=peer_dir, batch_size=args["microbatch"], shuffle=False)
+    # Mosaic's own DataLoader counts the samples it yields: its state_dict is where that count resumes.
+    return mosaic.StreamingDataLoader(dataset, batch_size=args["microbatch"], num_workers=args["workers"],
+                                      drop_last=True)  # fmt: skip
+
+
+def _batch_digest(batch) -> str:
+    return hashlib.sha256((batch["tokens"] if isinstance(batch, dict) else batch).numpy().tobytes()).hexdigest()
+
+
+def _peer_state(conn, peer: str, peer_dir: str, args: dict, batches: int, peer_path: list[str]) -> None:
+    """In a fresh process: ``peer``'s loader state after ``batches`` batches, and the digest of the batch after."""
+    multiprocessing.set_start_method(None, force=True)
+    loader = _peer_loader(peer, peer_dir, args, peer_path)
+    batch_iter = iter(loader)
+    for _ in range(batches):
+        next(batch_iter)
+    state = loader.state_dict()
+    conn.send({"state": state, "next": _batch_digest(next(batch_iter))})
+
+
+def _peer_resume(conn, peer: str, peer_dir: str, args: dict, state: dict, peer_path: list[str]) -> None:
+    """In a fresh process: ``peer``'s loader restored from ``state``; seconds from ``iter()`` to its first batch,
+    and that batch's digest."""
+    multiprocessing.set_start_method(None, force=True)
+    loader = _peer_loader(peer, peer_dir, args, peer_path)
+    loader.load_state_dict(state)
+    start = time.perf_counter()
+    batch = next(iter(loader))
+    conn.send((time.perf_counter() - start, _batch_digest(batch)))
+
+
+def _peer_resumes(root: Path, rows: bytes, args: dict, peer_path: list[str], quick: bool):
+    """``rows`` written for each installed peer that can run here, and a state of its loader saved after half of
+    them: ``(runs, nexts, notes)``: ``peer -> _peer_resume's arguments``, ``peer -> digest of the batch the saving
+    run got next``, a note for each peer skipped."""
+    rows_path = root / "rows.u16"
+    rows_path.write_bytes(rows)
+    capacity = args["seq_len"] + 1
+    written, notes = peer_data(root, str(rows_path), capacity, peer_path, quick)
+    batches = len(rows) // (2 * capacity) // args["microbatch"] // 2  # half the rows (uint16: 2 bytes an id)
+    runs, nexts = {}, {}
+    for peer, peer_dir in written.items():
+        saved = in_child(_peer_state, peer, peer_dir, args, batches, peer_path, inline=quick)
+        runs[peer], nexts[peer] = (_peer_resume, peer, peer_dir, args, saved["state"], peer_path), saved["next"]
+    return runs, nexts, notes
+
+
+def _resume_only(options: argparse.Namespace, files: str, tokenizer: str, args: dict, root: Path, inline: bool):
+    """The resumes alone, ours and the peers', in interleaved rounds; their verdicts."""
+    packings, runs, rows = options.packings.split(","), {}, b""
+    for packing in packings:
+        cache = str(root / f"cache-{packing}")
+        filled = in_child(_pass, files, tokenizer, packing, cache, args, 2, False, packing == packings[0],
+                          inline=inline)  # fmt: skip
+        runs[packing] = (_resume, files, tokenizer, packing, cache, filled["state"], args)
+        rows = filled["rows"] or rows
+    peers, nexts, notes = _peer_resumes(root, rows, args, options.peer_path, options.quick)
+    for note in notes:
+        print(f"note: {note}")
+    runs.update(peers)
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    firsts: dict[str, set[str]] = {peer: set() for peer in peers}
+    for round_index in range(options.resumes):
+        for label in list(runs) if round_index % 2 == 0 else list(runs)[::-1]:
+            target, *rest = runs[label]
+            result = in_child(target, *rest, inline=inline)
+            times[label].append(result[0] if label in peers else result)
+            if label in peers:
+                firsts[label].add(result[1])
+    print(f"first batch of a resume, {options.resumes} fresh processes each ({options.workers} workers), seconds:")
+    for label, values in times.items():
+        print(f"  {label:<15}" + " ".join(f"{value:.2f}" for value in spread(values)) + "  (min median max)")
+    verdicts = [_resume_verdict(packing, spread(times[packing])) for packing in packings]
+    for peer in peers:
+        for packing in packings:
+            low, mid, high = ratios(times, packing, peer)
+            print(f"  {packing} / {peer} (same round): median {mid:.2f}x (min {low:.2f}, max {high:.2f})")
+        verdicts.append((firsts[peer] == {nexts[peer]}, f"{peer}: the first batch of every resume is the one the "
+                         "saving run got next (target: identical)"))  # fmt: skip
+    return verdicts
 
 
 def _lookups(conn, files: str, tokenizer: str, cache: str, args: dict, rounds: int) -> None:
@@ -177,8 +279,15 @@ def main() -> None:
     parser.add_argument("--packings", default="concat,bestfit_split")
     parser.add_argument("--resumes", type=int, default=5, help="resumes timed per packing, each a fresh process")
     parser.add_argument("--resume-only", action="store_true", help="fill the cache, then time the resumes alone")
+    parser.add_argument(
+        "--peer-path",
+        default="",
+        help=f"with --resume-only: folders ({os.pathsep}-separated) the peers are imported from, first, in their "
+        "processes only (an install kept out of this environment)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny corpus, bestfit_split, in process (smoke test)")
     options = parser.parse_args()
+    options.peer_path = [entry for entry in options.peer_path.split(os.pathsep) if entry]
     mb = 0.1 if options.quick else options.mb
     args = {"seq_len": 1024, "global_batch": 64, "microbatch": 8, "workers": options.workers}
     passes, cached_passes, inline = PASSES, CACHED_PASSES, options.quick
@@ -200,19 +309,15 @@ def main() -> None:
         print(f"corpus: {len(texts)} documents, {sum(map(len, texts)) / 1e6:.1f} MB of text, {tokens / 1e6:.2f} M "
               f"tokens, parquet {parquet_mb:.1f} MB; {args['steps']} steps of {args['global_batch']} rows x "
               f"{args['seq_len'] + 1} tokens, {options.workers} workers")  # fmt: skip
-        if not options.resume_only:
-            print(f"{'packing':<15}{'tokenizing tok/s':>18}{'filling tok/s':>15}{'cached tok/s':>15}"
-                  f"{'cached / tok':>14}{'no check tok/s':>16}{'check costs':>13}{'resume 1st s':>14}"
-                  f"{'cache MB':>10}")  # fmt: skip
+        if options.resume_only:
+            print_verdicts(_resume_only(options, files, tokenizer, args, root, inline))
+            return
+        print(f"{'packing':<15}{'tokenizing tok/s':>18}{'filling tok/s':>15}{'cached tok/s':>15}"
+              f"{'cached / tok':>14}{'no check tok/s':>16}{'check costs':>13}{'resume 1st s':>14}"
+              f"{'cache MB':>10}")  # fmt: skip
         verdicts = []
         for packing in options.packings.split(","):
             cache = root / f"cache-{packing}"
-            if options.resume_only:
-                filled = in_child(_pass, files, tokenizer, packing, str(cache), args, 2, inline=inline)
-                resume = _resumes(files, tokenizer, packing, str(cache), filled["state"], args, options.resumes, inline)
-                verdicts.append(_resume_verdict(packing, resume))
-                print(verdicts[-1][1])
-                continue
             plain = in_child(_pass, files, tokenizer, packing, None, args, passes, inline=inline)
             # two passes with an empty cache: every stream reads all its units, so the cache is full after
             filling = in_child(_pass, files, tokenizer, packing, str(cache), args, 2, inline=inline)
