@@ -159,8 +159,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=24.0, help="MB of stdlib text in the corpus")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--phase-tokens", type=float, default=12e6, help="row positions per phase")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--phase-tokens",
+        type=float,
+        default=36e6,
+        help="row positions per phase (a phase of a few seconds at least: shorter ones are noise)",
+    )
     parser.add_argument("--packings", default="concat,bestfit_split")
     parser.add_argument("--quick", action="store_true", help="a tiny corpus, short phases, in process (smoke test)")
     options = parser.parse_args()
