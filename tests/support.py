@@ -636,6 +636,25 @@ class RankDataModule(PretrainingDataModule):
         super().__init__(*args, data_parallel=topology, **kwargs)
 
 
+def small_corpus(root: Path, docs: list[str | None], row_group_size: int) -> Path:
+    """``docs`` as two parquet files under ``root / "train"`` and a BPE trained on them, ``root / "tokenizer.json"``."""
+    write_parquet(root / "train", docs, files=2, row_group_size=row_group_size)
+    train_tokenizer(docs, root / "tokenizer.json")
+    return root
+
+
+def small_run(corpus: Path, packing: str, steps: int, world: int = 1, rank: int = 0, **options: Any) -> RankDataModule:
+    """Rank ``rank`` of ``world`` over a :func:`small_corpus`, set up: K 4, m 2, in this process, small buffers;
+    ``options`` (``seq_len`` and ``global_batch_size`` among them) given to the DataModule as well."""
+    defaults = dict(
+        train_files=str(corpus / "train"), tokenizer=str(corpus / "tokenizer.json"), microbatch_size=2, num_streams=4,
+        steps_per_epoch=steps, num_workers=0, bestfit_buffer_size=12, packing=packing, tokenizer_batch_size=8,
+    )  # fmt: skip
+    dm = RankDataModule(**(defaults | options), world=world, rank=rank)
+    dm.setup("fit")
+    return dm
+
+
 def row_digest(batch: Any, i: int) -> str:
     """A digest of row ``i`` of a ``PretrainingBatch`` (its inputs, targets and positions)."""
     return digest([batch.input_ids[i], batch.targets[i], batch.position_ids[i]])
@@ -653,6 +672,21 @@ def run_steps(dm: PretrainingDataModule, steps: int) -> list[list[tuple[int, str
             rows += [(int(batch.sources[i]), row_digest(batch, i)) for i in range(len(batch))]
         out.append(rows)
     batches.close()
+    dm.close_loaders()
+    return out
+
+
+def step_rows(dm: PretrainingDataModule, stop: int, start: int = 0) -> list[list[str]]:
+    """Per step from ``start`` to ``stop``: this rank's rows as digests, in order, each microbatch checked to be of
+    the step's shape (``microbatch_size`` rows of its ``seq_len``)."""
+    batches, out = iter(dm.train_dataloader()), []
+    for step in range(start, stop):
+        rows = []
+        for _ in range(dm.microbatches_at(step)):
+            batch = next(batches)
+            assert batch.input_ids.shape == (dm.microbatch_size, dm.seq_len_at(step)), f"step {step}"
+            rows += [row_digest(batch, i) for i in range(len(batch))]
+        out.append(rows)
     dm.close_loaders()
     return out
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import RankDataModule, make_docs, train_tokenizer, write_parquet
+from support import make_docs, small_corpus, small_run
 
 from lightning_d9d import PretrainingDataModule
 
@@ -19,23 +19,16 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("provenance")
-    docs = make_docs(400, seed=9, max_words=30, long_every=7, long_words=120)
-    write_parquet(root / "train", docs, files=2, row_group_size=25)
-    train_tokenizer(docs, root / "tokenizer.json")
-    return root
+    return small_corpus(
+        tmp_path_factory.mktemp("provenance"),
+        make_docs(400, seed=9, max_words=30, long_every=7, long_words=120),
+        row_group_size=25,
+    )
 
 
 def datamodule(corpus: Path, packing: str, world: int = 1, rank: int = 0, **changes) -> PretrainingDataModule:
-    options = dict(
-        train_files=str(corpus / "train"), tokenizer=str(corpus / "tokenizer.json"), seq_len=[[0, 16], [5, 32]],
-        global_batch_size=[[0, 8], [3, 16]], microbatch_size=2, num_streams=4, steps_per_epoch=STEPS, num_workers=0,
-        bestfit_buffer_size=12, packing=packing, tokenizer_batch_size=8,
-    )  # fmt: skip
-    options.update(changes)
-    dm = RankDataModule(**options, world=world, rank=rank)
-    dm.setup("fit")
-    return dm
+    shape = dict(seq_len=[[0, 16], [5, 32]], global_batch_size=[[0, 8], [3, 16]])
+    return small_run(corpus, packing, STEPS, world, rank, **(shape | changes))
 
 
 def trained_rows(dms: list[PretrainingDataModule], start: int, stop: int) -> dict[int, np.ndarray]:

@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import RankDataModule, make_docs, row_digest, train_tokenizer, write_parquet
+from support import (
+    make_docs,
+    small_corpus,
+    small_run,
+    step_rows,
+)
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
@@ -240,37 +245,16 @@ STEPS = 9
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("shapes")
-    docs = make_docs(300, seed=5, max_words=30, long_every=9, long_words=90)
-    write_parquet(root / "train", docs, files=2, row_group_size=20)
-    train_tokenizer(docs, root / "tokenizer.json")
-    return root
+    return small_corpus(
+        tmp_path_factory.mktemp("shapes"),
+        make_docs(300, seed=5, max_words=30, long_every=9, long_words=90),
+        row_group_size=20,
+    )
 
 
 def datamodule(corpus: Path, packing: str, world: int = 1, rank: int = 0, **changes) -> PretrainingDataModule:
-    options = dict(
-        train_files=str(corpus / "train"), tokenizer=str(corpus / "tokenizer.json"), seq_len=SEQ_LENS,
-        global_batch_size=SIZES, microbatch_size=2, num_streams=4, steps_per_epoch=STEPS, num_workers=0,
-        bestfit_buffer_size=12, packing=packing, tokenizer_batch_size=8,
-    )  # fmt: skip
-    options.update(changes)
-    dm = RankDataModule(**options, world=world, rank=rank)
-    dm.setup("fit")
-    return dm
-
-
-def steps_of(dm: PretrainingDataModule, stop: int, start: int = 0) -> list[list]:
-    """Per step from ``start``: its rows (``PretrainingBatch`` rows as numpy tuples), in this rank's order."""
-    batches, out = iter(dm.train_dataloader()), []
-    for step in range(start, stop):
-        rows = []
-        for _ in range(dm.microbatches_at(step)):
-            batch = next(batches)
-            assert batch.input_ids.shape == (2, dm.seq_len_at(step))
-            rows += [row_digest(batch, i) for i in range(len(batch))]
-        out.append(rows)
-    dm.close_loaders()
-    return out
+    shape = dict(seq_len=SEQ_LENS, global_batch_size=SIZES)
+    return small_run(corpus, packing, STEPS, world, rank, **(shape | changes))
 
 
 def global_steps(corpus: Path, packing: str, world: int, start: int = 0, state: dict | None = None, **changes):
@@ -280,7 +264,7 @@ def global_steps(corpus: Path, packing: str, world: int, start: int = 0, state: 
         dm = datamodule(corpus, packing, world, rank, **changes)
         if state is not None:
             dm.load_state_dict(state)
-        per_rank.append(steps_of(dm, STEPS, start))
+        per_rank.append(step_rows(dm, STEPS, start))
     return [sorted(itertools.chain(*parts)) for parts in zip(*per_rank)]
 
 

@@ -8,7 +8,12 @@ import itertools
 from pathlib import Path
 
 import pytest
-from support import RankDataModule, make_docs, row_digest, train_tokenizer, write_parquet
+from support import (
+    make_docs,
+    small_corpus,
+    small_run,
+    step_rows,
+)
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming.edits import DataEdits, DocumentRef
@@ -18,35 +23,16 @@ STEPS = 14
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("skip")
-    docs = make_docs(300, seed=8, max_words=30, long_every=9, long_words=90)
-    write_parquet(root / "train", docs, files=2, row_group_size=20)
-    train_tokenizer(docs, root / "tokenizer.json")
-    return root
+    return small_corpus(
+        tmp_path_factory.mktemp("skip"),
+        make_docs(300, seed=8, max_words=30, long_every=9, long_words=90),
+        row_group_size=20,
+    )
 
 
 def datamodule(corpus: Path, packing: str, world: int = 1, rank: int = 0, **changes) -> PretrainingDataModule:
-    options = dict(
-        train_files=str(corpus / "train"), tokenizer=str(corpus / "tokenizer.json"), seq_len=[[0, 16], [6, 24]],
-        global_batch_size=[[0, 8], [4, 16]], microbatch_size=2, num_streams=4, steps_per_epoch=STEPS,
-        num_workers=0, bestfit_buffer_size=12, packing=packing, tokenizer_batch_size=8,
-    )  # fmt: skip
-    options.update(changes)
-    dm = RankDataModule(**options, world=world, rank=rank)
-    dm.setup("fit")
-    return dm
-
-
-def run(dm: PretrainingDataModule, start: int, stop: int) -> list[list[str]]:
-    batches, out = iter(dm.train_dataloader()), []
-    for step in range(start, stop):
-        rows = []
-        for _ in range(dm.microbatches_at(step)):
-            batch = next(batches)
-            rows += [row_digest(batch, i) for i in range(len(batch))]
-        out.append(rows)
-    dm.close_loaders()
-    return out
+    shape = dict(seq_len=[[0, 16], [6, 24]], global_batch_size=[[0, 8], [4, 16]])
+    return small_run(corpus, packing, STEPS, world, rank, **(shape | changes))
 
 
 def global_run(corpus: Path, packing: str, world: int, start: int, stop: int, state=None, **changes):
@@ -55,7 +41,7 @@ def global_run(corpus: Path, packing: str, world: int, start: int, stop: int, st
         dm = datamodule(corpus, packing, world, rank, **changes)
         if state is not None:
             dm.load_state_dict(state)
-        parts.append(run(dm, start, stop))
+        parts.append(step_rows(dm, stop, start))
     return [sorted(itertools.chain(*rows)) for rows in zip(*parts)], dm
 
 
@@ -93,7 +79,7 @@ def test_two_skips_and_one_asked_again_on_a_later_resume(corpus: Path) -> None:
     dm = datamodule(corpus, "concat", skip_data=[[2, 3], [5, 7]])
     dm.load_state_dict(first)
     assert [dm.data_step(s) for s in range(8)] == [0, 1, 3, 4, 5, 8, 9, 10]
-    got = run(dm, 1, 8)
+    got = step_rows(dm, 8, 1)
     assert [sorted(rows) for rows in got] == [full[d] for d in (1, 3, 4, 5, 8, 9, 10)]
     state = dm.state_dict()
     assert state["edits"]["skips"] == [[2, 1], [5, 2]]
