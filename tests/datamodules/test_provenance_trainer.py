@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from support import LengthDataset, RecordingModule, make_docs, pad_collate, train_tokenizer, write_parquet
+from support import LengthDataset, RecordingModule, make_docs, pad_collate, small_corpus
 
 from lightning_d9d import D9DDataModule, PretrainingDataModule
 from lightning_d9d.datamodules.loss_spike import LossSpikeProvenance
@@ -23,11 +23,8 @@ SPIKE_AT = 30
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("provenance_trainer")
     docs = make_docs(200, seed=4, max_words=20, long_every=9, long_words=60)
-    write_parquet(root / "train", docs, files=2, row_group_size=10)
-    train_tokenizer(docs, root / "tokenizer.json")
-    return root
+    return small_corpus(tmp_path_factory.mktemp("provenance_trainer"), docs, row_group_size=10)
 
 
 def datamodule(data: Path, tmp: Path, **changes: Any) -> PretrainingDataModule:
