@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.packing import PackingStage, RowBlock, StreamCounters, bos_tensors, read_kind
+from lightning_d9d.streaming.packing import DocumentSums, PackingStage, RowBlock, StreamCounters, bos_tensors, read_kind
 from lightning_d9d.streaming.reader import ReadPosition, StreamUnits, TextChunk
 from lightning_d9d.streaming.state import field as state_field
 from lightning_d9d.streaming.state import integer, join
@@ -42,6 +42,7 @@ class ConcatPacker:
         self._chunks: list[np.ndarray] = []
         self._chunk_starts: list[int] = []
         self._chunk_docs: list[np.ndarray] = []
+        self._chunk_doc_lists: list[list[int]] = []  # the same offsets as ints: bisect on them costs less per take
         self._chunk_refs: list[object] = []
         self._end = 0  # live tokens buffered
         self._pos = 0  # the next unemitted one
@@ -68,24 +69,29 @@ class ConcatPacker:
             self._end -= cut
             self._chunk_starts = [s - cut for s in self._chunk_starts[first_live:]]
             del self._chunks[:first_live], self._chunk_docs[:first_live], self._chunk_refs[:first_live]
+            del self._chunk_doc_lists[:first_live]
         tokens = np.asarray(tokens, np.int32)
         self._chunk_starts.append(self._end)
         self._chunks.append(tokens)
         self._end += len(tokens)
         self._chunk_docs.append(np.asarray(doc_starts, np.int64))
+        self._chunk_doc_lists.append(self._chunk_docs[-1].tolist())
         self._chunk_refs.append(ref)
         self._pos += skip
 
     def take(self, num_rows: int, capacity: int | None = None) -> np.ndarray | None:
         """``(num_rows, capacity)`` tokens (default: the packer's capacity), or ``None`` when fewer are buffered (add
         more, retry)."""
-        capacity = self.capacity if capacity is None else _checked_capacity(capacity)
-        need = num_rows * capacity
-        pos = self._pos
+        if capacity is None:
+            capacity = self.capacity
+        elif capacity <= 1:
+            _checked_capacity(capacity)
+        need, pos = num_rows * capacity, self._pos
         if self._end - pos < need:
             return None
-        i = bisect.bisect_right(self._chunk_starts, pos) - 1
-        offset = pos - self._chunk_starts[i]
+        starts = self._chunk_starts
+        i = bisect.bisect_right(starts, pos) - 1
+        offset = pos - starts[i]
         chunk = self._chunks[i]
         if offset + need <= len(chunk):
             rows = chunk[offset : offset + need]
@@ -123,8 +129,9 @@ class ConcatPacker:
             return self._chunk_refs[-1], len(self._chunk_docs[-1]), 0
         i = bisect.bisect_right(self._chunk_starts, self._pos) - 1
         offset = self._pos - self._chunk_starts[i]
-        doc = int(np.searchsorted(self._chunk_docs[i], offset, side="right")) - 1
-        return self._chunk_refs[i], doc, offset - int(self._chunk_docs[i][doc])
+        docs = self._chunk_doc_lists[i]
+        doc = bisect.bisect_right(docs, offset) - 1
+        return self._chunk_refs[i], doc, offset - docs[doc]
 
 
 def _checked_capacity(capacity: int) -> int:
@@ -161,10 +168,14 @@ class ConcatState:
         self.read.check(units, join(path, "reader"))
 
 
-@dataclass(slots=True)
 class _Begun:
-    laid: Any
-    counted: int = 0
+    """A chunk whose documents are being begun: ``counted`` of them are counted."""
+
+    __slots__ = ("counted", "laid", "sums")
+
+    def __init__(self, laid: Any):
+        self.laid, self.counted = laid, 0
+        self.sums = DocumentSums(laid.chunk, laid.lengths)
 
 
 class ConcatStage(PackingStage):
@@ -186,7 +197,8 @@ class ConcatStage(PackingStage):
         after_last = start.read  # the position after the last document begun (or where reading started)
         pending: list[_Begun] = []  # chunks not yet all begun, oldest first
         last_begun: tuple[TextChunk, int] | None = None  # (chunk, document) begun last, once after_last is stale
-        state = start
+        state, record_pieces = start, self.spec.record_pieces
+        placed: tuple[Any, int, ReadPosition | None] = (None, -1, None)  # (chunk, document, its position) last placed
         while True:
             rows_per_block, capacity = next(sizes)
             if rows_per_block == 0:  # nothing taken: the position stays
@@ -204,17 +216,21 @@ class ConcatStage(PackingStage):
                 skip = 0
                 rows = packer.take(rows_per_block, capacity)
             laid, doc, offset = packer.position()
-            counted_last = self._count_begun(pending, laid, doc + (1 if offset > 0 else 0))
-            if counted_last is not None:
-                last_begun = counted_last
+            begun = doc + 1 if offset > 0 else doc
+            if pending and (pending[0].laid is not laid or pending[0].counted != begun):  # a document begun
+                counted_last = self._count_begun(pending, laid, begun)
+                if counted_last is not None:
+                    last_begun = counted_last
             if offset > 0:
-                read = laid.chunk.position_of(doc)
+                if laid is not placed[0] or doc != placed[1]:  # a document spanning blocks is placed once
+                    placed = (laid, doc, laid.chunk.position_of(doc))
+                read = placed[2]
             else:
                 if last_begun is not None:  # only the last document begun names the position, so only it is placed
                     after_last, last_begun = self.after(*last_begun), None
                 read = after_last
             state = ConcatState(read, offset)
-            pieces = self._pieces(packer, rows_per_block, capacity) if self.spec.record_pieces else None
+            pieces = self._pieces(packer, rows_per_block, capacity) if record_pieces else None
             yield RowBlock(rows, pieces=pieces), state
 
     def _excluded(self, read: ReadPosition) -> bool:
@@ -245,7 +261,7 @@ class ConcatStage(PackingStage):
             if upto > current.counted:
                 first = current.counted + (1 if self.carried else 0)
                 self.carried = False
-                self.took_range(current.laid.chunk, current.laid.lengths, first, upto)
+                self.took_range(current.sums, first, upto)
                 last = (current.laid.chunk, upto - 1)
             if current.laid is not laid:
                 pending.pop(0)

@@ -10,6 +10,7 @@ every source, and a source added later starts fresh. Trade-off: each sub-stream 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -105,21 +106,26 @@ class MixtureStream:
         self.buffered_texts = dict(buffered_texts or {})
 
     def __iter__(self) -> Generator[tuple[RowBlock, MixtureState], None, None]:
-        spec, k, step = self.spec, self.stream, self.state.step
-        asked = [0] * len(spec.names)  # this step's rows per source, read by each sub-stream when asked
-        capacity = [0]  # this step's row length
+        spec, k, step, names = self.spec, self.stream, self.state.step, self.spec.names
+        # This step's (rows, capacity) per source: each sub-stream pulls its own entry (a C-level iterator, no
+        # generator frame per pull), set just before the sub-streams are asked.
+        sizes: list[tuple[int, int]] = [(0, 0)] * len(names)
         subs = []
-        for i, name in enumerate(spec.names):
+        for i, name in enumerate(names):
             texts = self.buffered_texts.pop(name, None)
             stream = TokenStream(spec.sources[i], k, self.state.sources.get(name), texts)
-            subs.append(stream.blocks(_asked(asked, capacity, i)))
-        sources = np.arange(len(spec.names), dtype=np.int64)
+            subs.append(stream.shaped_blocks(map(sizes.__getitem__, itertools.repeat(i))))
+        skips, step_rows, sources = spec.skipped, self.step_rows, _Sources()
+        capacity, capacity_until = 0, step  # the row length, the same up to step capacity_until
         try:
             first = True
             while True:
-                skipped = is_skipped(step, spec.skipped)  # a data step consumed untrained: its rows are dropped
-                asked[:] = self.step_rows.of(step)[k]
-                capacity[0] = spec.capacity_at(step)
+                skipped = bool(skips) and is_skipped(step, skips)  # a data step consumed untrained: rows dropped
+                asked = step_rows.of(step)[k]
+                if step >= capacity_until:
+                    capacity, capacity_until = spec.capacity_span(step)
+                for i, rows in enumerate(asked):
+                    sizes[i] = (rows, capacity)
                 if first and len(subs) > 1:
                     # The sources' first blocks at once: each waits on its first reads (and a restored buffer's
                     # documents), which overlap across sources but would add up one source after another.
@@ -129,20 +135,46 @@ class MixtureStream:
                     parts = [next(sub) for sub in subs]
                 first = False
                 step += 1
-                self.state = MixtureState(step, {name: state for name, (_, state) in zip(spec.names, parts)})
+                self.state = MixtureState(step, {name: state for name, (_, state) in zip(names, parts)})
                 if skipped:
                     continue
-                block = RowBlock.joined([block for block, _ in parts])
-                block.sources = np.repeat(sources, asked)
-                if any(part.pieces is not None for part, _ in parts):  # provenance: each piece names its source
-                    for i, (part, _) in enumerate(parts):
-                        if part.pieces is not None:
-                            part.pieces[:, 6] = i
-                    block.pieces = RowBlock.joined_pieces([part for part, _ in parts])
-                yield block, self.state
+                yield _joined(parts, sources.of(asked)), self.state
         finally:
             for sub in subs:
                 sub.close()
+
+
+def _joined(parts: list[tuple[RowBlock, Any]], sources: np.ndarray) -> RowBlock:
+    """The sources' blocks of a step as one, each row tagged with its source (and each piece, where recorded)."""
+    if len(parts) == 1:
+        part = parts[0][0]
+        block = RowBlock(part.tokens, part.flags, sources)
+    else:
+        block = RowBlock.joined([part for part, _ in parts])
+        block.sources = sources
+    if any(part.pieces is not None for part, _ in parts):  # provenance: each piece names its source
+        for i, (part, _) in enumerate(parts):
+            if part.pieces is not None:
+                part.pieces[:, 6] = i
+        block.pieces = RowBlock.joined_pieces([part for part, _ in parts])
+    return block
+
+
+class _Sources:
+    """Each row's source index for a step's rows per source: a fresh copy (a step's arrays are its own) of an array
+    made once per distinct split."""
+
+    def __init__(self, keep: int = 64):
+        self.keep = keep
+        self.made: dict[tuple[int, ...], np.ndarray] = {}
+
+    def of(self, asked: tuple[int, ...]) -> np.ndarray:
+        made = self.made.get(asked)
+        if made is None:
+            if len(self.made) >= self.keep:  # schedules that change the split every step: keep a few
+                self.made.clear()
+            made = self.made[asked] = np.repeat(np.arange(len(asked), dtype=np.int64), asked)
+        return made.copy()
 
 
 class StepRows:
@@ -155,8 +187,12 @@ class StepRows:
         self._dealt: dict[int, list[tuple[int, ...]]] = {}
         self._quotas: Iterator[tuple[int, ...]] | None = None
         self._next = -1
+        self._last: tuple[int, list[tuple[int, ...]]] = (-1, [])
 
     def of(self, step: int) -> list[tuple[int, ...]]:
+        last = self._last  # one read: the K streams of a step ask in turn, and another thread may replace it
+        if last[0] == step:
+            return last[1]
         with self._lock:
             dealt = self._dealt.get(step)
             if dealt is None:
@@ -167,12 +203,8 @@ class StepRows:
                 if len(self._dealt) >= self.keep:
                     self._dealt = {s: d for s, d in self._dealt.items() if s > step - self.keep}
                 self._dealt[step] = dealt
+            self._last = (step, dealt)
             return dealt
-
-
-def _asked(asked: list[int], capacity: list[int], source: int) -> Iterator[tuple[int, int]]:
-    while True:
-        yield asked[source], capacity[0]
 
 
 def mixture_streams(spec: MixtureSpec, hosted: list[int], states: Mapping[int, MixtureState]) -> list[MixtureStream]:

@@ -211,17 +211,36 @@ class PackingStage:
         position = chunk.position_of(doc)
         return self.units.normalise(ReadPosition(position.pass_index, position.slot, position.row + 1))
 
-    def took_range(self, chunk: TextChunk, lengths: np.ndarray, first: int, stop: int) -> None:
-        """Count documents ``[first, stop)`` of ``chunk`` as taken (and the rows and units skipped before them)."""
-        counters = self.counters
+    def took_range(self, sums: DocumentSums, first: int, stop: int) -> None:
+        """Count documents ``[first, stop)`` of ``sums``' chunk as taken (and the rows and units skipped before)."""
+        counters, chunk = self.counters, sums.chunk
         counters.docs += stop - first
-        counters.tokens += int(lengths[first:stop].sum())
-        counters.empty += int(chunk.empty_before[first:stop].sum())
-        counters.text_free_units += int(chunk.units_before[first:stop].sum())
+        counters.tokens += sums.tokens[stop] - sums.tokens[first]
+        counters.empty += sums.empty[stop] - sums.empty[first]
+        counters.text_free_units += sums.units[stop] - sums.units[first]
         if chunk.long_before:
             counters.too_long += sum(n for doc, n in chunk.long_before.items() if first <= doc < stop)
         if chunk.excluded_before:
             counters.excluded += sum(n for doc, n in chunk.excluded_before.items() if first <= doc < stop)
+
+
+class DocumentSums:
+    """A chunk's per-document counts as prefix sums (Python ints), so that counting a range of its documents costs a
+    few subtractions whatever its length: ``tokens`` (``lengths``: BOS included), ``empty`` and ``units`` (skipped
+    before each document); entry ``i`` sums documents ``[0, i)``."""
+
+    __slots__ = ("chunk", "empty", "tokens", "units")
+
+    def __init__(self, chunk: TextChunk, lengths: np.ndarray):
+        self.chunk = chunk
+        self.tokens, self.empty, self.units = (_prefix_sums(values) for values in (lengths, chunk.empty_before,
+                                                                                    chunk.units_before))  # fmt: skip
+
+
+def _prefix_sums(values: np.ndarray) -> list[int]:
+    sums = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(values, out=sums[1:])
+    return sums.tolist()
 
 
 def bos_tensors(rows: np.ndarray, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -142,6 +142,11 @@ class StreamSpec:
         """Tokens of a row of ``step`` (``seq_len + 1``)."""
         return self.settings.shapes.seq_len_at(step) + 1
 
+    def capacity_span(self, step: int) -> tuple[int, float]:
+        """``(capacity of step, the first later step whose capacity may differ)`` (that step may be ``math.inf``)."""
+        _, end, seq_len = next(self.settings.shapes.seq_lens.segments(step, math.inf))
+        return seq_len + 1, end
+
     @property
     def max_capacity(self) -> int:
         """Tokens of the longest rows of the schedule."""
@@ -239,6 +244,9 @@ class MixtureSpec:
 
     def capacity_at(self, step: int) -> int:
         return self.sources[0].capacity_at(step)
+
+    def capacity_span(self, step: int) -> tuple[int, float]:
+        return self.sources[0].capacity_span(step)
 
     @property
     def files(self) -> list[str]:

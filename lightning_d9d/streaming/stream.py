@@ -95,8 +95,11 @@ class TokenStream:
         just before each block; rows never depend on the grouping, and a new capacity carries the stream over to rows
         of that length, nothing dropped.
         """
+        return self.shaped_blocks(_with_capacity(sizes, self.spec))
+
+    def shaped_blocks(self, sizes: Iterator[tuple[int, int]]) -> Generator[tuple[RowBlock, StreamState], None, None]:
+        """:meth:`blocks` of sizes that are all ``(rows, capacity)`` pairs."""
         spec, state = self.spec, self.state
-        sizes = _with_capacity(sizes, spec)
         units = spec.stream_units(self.stream)
         reader = TextReader(units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars,
                             spec.max_document_chars, spec.cache, spec.excluded)  # fmt: skip
@@ -112,14 +115,16 @@ class TokenStream:
         stage = spec.packing.stage(spec, units, state.packing, counters, texts)
         del texts
         blocks_done = state.blocks
+        opened = False
         try:
-            for number, (block, packing) in enumerate(stage.blocks(chunks, sizes)):
-                counters.rows += len(block)
+            for block, packing in stage.blocks(chunks, sizes):
+                counters.rows += len(block.tokens)
                 blocks_done += 1
                 self.state = StreamState(packing, counters.copy(), blocks_done)
                 yield block, self.state
-                if number == 0:
+                if not opened:
                     chunks.open_lookahead()
+                    opened = True
         finally:
             chunks.close()
 
@@ -166,12 +171,35 @@ class LaidOut:
         ids, counts = tokens
         self.lengths = counts + 1
         self.starts = np.concatenate([[0], np.cumsum(self.lengths[:-1])]) if len(counts) else self.lengths
-        flat = np.insert(ids.astype(np.int32), np.concatenate([[0], np.cumsum(counts[:-1])]), bos_id)
+        flat = bos_first(ids, counts, self.starts, bos_id)
         if capacity is None:
             self.payload = flat
         else:
             ends = self.starts + np.minimum(self.lengths, capacity)
             self.payload = [flat[s:e] for s, e in zip(self.starts.tolist(), ends.tolist())]
+
+
+def bos_first(ids: np.ndarray, counts: np.ndarray, starts: np.ndarray, bos_id: int) -> np.ndarray:
+    """Documents' ids (``counts`` each, concatenated) as int32 with ``bos_id`` before each, document ``i`` at
+    ``starts[i]``.
+
+    Few long documents are copied one slice each (one pass, the int32 cast made in the copy); many short ones in one
+    vectorised insert, whose cost does not grow with their number.
+    """
+    if len(counts) * _SLICED_DOCUMENT_TOKENS > len(ids):
+        return np.insert(ids.astype(np.int32), starts - np.arange(len(starts)), bos_id)
+    flat = np.empty(len(ids) + len(counts), np.int32)
+    flat[starts] = bos_id
+    at = 0
+    for first, stop in zip((starts + 1).tolist(), (starts + 1 + counts).tolist()):
+        after = at + stop - first
+        flat[first:stop] = ids[at:after]
+        at = after
+    return flat
+
+
+# Average document length (tokens) from which the per-document copy lays a chunk out faster than one insert.
+_SLICED_DOCUMENT_TOKENS = 2048
 
 
 def _with_capacity(sizes: Iterator[tuple[int, int] | int], spec: StreamSpec) -> Iterator[tuple[int, int]]:
