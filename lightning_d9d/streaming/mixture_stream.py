@@ -117,25 +117,31 @@ class MixtureStream:
             subs.append(stream.shaped_blocks(map(sizes.__getitem__, itertools.repeat(i))))
         skips, step_rows, sources = spec.skipped, self.step_rows, _Sources()
         capacity, capacity_until = 0, step  # the row length, the same up to step capacity_until
+        single, first = len(subs) == 1, True
         try:
-            first = True
             while True:
                 skipped = bool(skips) and is_skipped(step, skips)  # a data step consumed untrained: rows dropped
                 asked = step_rows.of(step)[k]
                 if step >= capacity_until:
                     capacity, capacity_until = spec.capacity_span(step)
-                for i, rows in enumerate(asked):
-                    sizes[i] = (rows, capacity)
-                if first and len(subs) > 1:
-                    # The sources' first blocks at once: each waits on its first reads (and a restored buffer's
-                    # documents), which overlap across sources but would add up one source after another.
-                    with ThreadPoolExecutor(len(subs), thread_name_prefix="lightning-d9d-source") as pool:
-                        parts = list(pool.map(next, subs))
+                if single:  # one source: its block is the stream's
+                    sizes[0] = (asked[0], capacity)
+                    parts = [next(subs[0])]
+                    states = {names[0]: parts[0][1]}
                 else:
-                    parts = [next(sub) for sub in subs]
-                first = False
+                    for i, rows in enumerate(asked):
+                        sizes[i] = (rows, capacity)
+                    if first:
+                        # The sources' first blocks at once: each waits on its first reads (and a restored buffer's
+                        # documents), which overlap across sources but would add up one source after another.
+                        with ThreadPoolExecutor(len(subs), thread_name_prefix="lightning-d9d-source") as pool:
+                            parts = list(pool.map(next, subs))
+                        first = False
+                    else:
+                        parts = [next(sub) for sub in subs]
+                    states = {name: state for name, (_, state) in zip(names, parts)}
                 step += 1
-                self.state = MixtureState(step, {name: state for name, (_, state) in zip(names, parts)})
+                self.state = MixtureState(step, states)
                 if skipped:
                     continue
                 yield _joined(parts, sources.of(asked)), self.state
@@ -149,14 +155,17 @@ def _joined(parts: list[tuple[RowBlock, Any]], sources: np.ndarray) -> RowBlock:
     if len(parts) == 1:
         part = parts[0][0]
         block = RowBlock(part.tokens, part.flags, sources)
+        if part.pieces is None:
+            return block
     else:
         block = RowBlock.joined([part for part, _ in parts])
         block.sources = sources
-    if any(part.pieces is not None for part, _ in parts):  # provenance: each piece names its source
-        for i, (part, _) in enumerate(parts):
-            if part.pieces is not None:
-                part.pieces[:, 6] = i
-        block.pieces = RowBlock.joined_pieces([part for part, _ in parts])
+        if all(part.pieces is None for part, _ in parts):
+            return block
+    for i, (part, _) in enumerate(parts):  # provenance: each piece names its source
+        if part.pieces is not None:
+            part.pieces[:, 6] = i
+    block.pieces = RowBlock.joined_pieces([part for part, _ in parts])
     return block
 
 

@@ -8,6 +8,7 @@ can be parsed back into the pieces it holds; stream tests run real text through 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -323,6 +324,13 @@ def full_rows(dm: PretrainingDataModule, stop: int, start: int = 0) -> list[list
             stream.extend(rows[k * per_stream : (k + 1) * per_stream])
     dm.close_loaders()
     return streams
+
+
+def test_a_streams_row_length_holds_over_the_span_its_spec_gives(corpus: Path) -> None:
+    spec = datamodule(corpus, "concat").train_spec
+    spans = [spec.capacity_span(step) for step in range(12)]
+    assert spans[:7] == [(17, 3), (17, 3), (17, 3), (33, 6), (33, 6), (33, 6), (9, math.inf)]
+    assert all(capacity == spec.capacity_at(step) for step, (capacity, _) in enumerate(spans))
 
 
 def test_concat_cuts_the_same_token_stream_whatever_the_shapes(corpus: Path) -> None:
