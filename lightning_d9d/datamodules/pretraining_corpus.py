@@ -190,7 +190,9 @@ class PretrainingCorpus:
     ) -> StreamSpec:
         """The spec of the K streams ``source``'s row groups are dealt to (with ``settings``, default the corpus's)."""
         index = self.scan(files, source.text_column)
-        cache = StreamCache(self._token_cache(source.text_column), index) if self.token_cache is not None else None
+        cache = (
+            StreamCache(self._token_cache(source.text_column), index, what) if self.token_cache is not None else None
+        )
         if not _holds_text(index, cache):
             raise ValueError(
                 f"{what} hold no text: every value of column {source.text_column!r} in {len(index.files)} file(s) "

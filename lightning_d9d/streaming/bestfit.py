@@ -12,6 +12,7 @@ for a little padding, but a chunk loses attention to its predecessors.
 from __future__ import annotations
 
 import bisect
+import zlib
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -62,9 +63,6 @@ class _PieceBuffer:
         self.lengths: list[int] = []
         self.by_length: dict[int, deque] = {}  # length -> FIFO of (row, payload)
         self.count = 0
-        # The buffered pieces' rows by insertion number, in insertion order: pieces are numbered as they come, so
-        # the dict's order is ascending numbers without a sort.
-        self.live: dict[int, tuple[int, ...]] = {}
         # The values of the rows pushed, one after another (a flat list becomes an array at half the cost of a list
         # of tuples), and the insertion numbers popped, since the last rows().
         self.pushed: list[int] = []
@@ -74,7 +72,6 @@ class _PieceBuffer:
     def push(self, length: int, row: tuple[int, ...], payload: Any) -> None:
         """Buffer one piece of ``length`` (its sort key) described by ``row`` (numbered above every piece here);
         ``payload`` comes back on pop."""
-        self.live[row[0]] = row
         self.pushed.extend(row)
         bucket = self.by_length.get(length)
         if bucket is None:
@@ -90,7 +87,6 @@ class _PieceBuffer:
         if not n:
             return
         listed = list(map(tuple, rows.tolist()))
-        self.live.update(zip(rows[:, 0].tolist(), listed))
         self.rebuilt = True
         lengths = rows[:, 1]
         order = np.argsort(lengths, kind="stable")  # each length's pieces in insertion order
@@ -111,7 +107,6 @@ class _PieceBuffer:
         length = self.lengths[index]
         bucket = self.by_length[length]
         row, payload = bucket.popleft()
-        del self.live[row[0]]
         self.popped.append(row[0])
         if not bucket:
             del self.by_length[length]
@@ -131,7 +126,10 @@ class _PieceBuffer:
 
     def snapshot(self) -> np.ndarray:
         """The rows of the buffered pieces, sorted by insertion number."""
-        return np.asarray(list(self.live.values()), np.int64).reshape(-1, len(META_COLUMNS))
+        # Read from the buckets (a snapshot is rare: a rebuilt buffer, a reshape), so a push or pop keeps no index.
+        rows = [row for bucket in self.by_length.values() for row, _ in bucket]
+        rows.sort()
+        return np.asarray(rows, np.int64).reshape(-1, len(META_COLUMNS))
 
 
 class BestFitPacker:
@@ -169,13 +167,14 @@ class BestFitPacker:
         if cp_multiple < 1:
             raise ValueError(f"cp_multiple={cp_multiple} must be >= 1")
         self.buffer_size, self.growth, self.cp_multiple, self.pad_id = buffer_size, growth, cp_multiple, pad_id
-        self.capacity = self._checked_capacity(capacity)
+        self._set_capacity(capacity)
         self.hold = capacity if hold is None else hold
         if self.hold < capacity:
             raise ValueError(f"hold={self.hold} must be at least the row capacity {capacity}")
         self.flagged = self.split or cp_multiple > 1  # rows carry START / NO_TARGET (/ CP_PAD) flags
         self.counters = counters if counters is not None else StreamCounters()
         self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
+        self._full_from = _rows_until_full(growth, buffer_size)
         self.next_seq = 0
         self.added = 0  # documents added: each refill() must add one
         self._buffer = _PieceBuffer()
@@ -183,12 +182,13 @@ class BestFitPacker:
         # (row, column, length, row group, row, offset) of every piece placed, where provenance is asked for
         self.record: list[tuple[int, ...]] | None = None
 
-    def _checked_capacity(self, capacity: int) -> int:
+    def _set_capacity(self, capacity: int) -> None:
         if capacity <= 1:
             raise ValueError(f"row capacity must be > 1 (seq_len >= 1), got {capacity}")
         if (capacity - 1) % self.cp_multiple:
             raise ValueError(f"cp_multiple={self.cp_multiple} must divide seq_len={capacity - 1}")
-        return capacity
+        self.capacity = capacity
+        self._padding = np.full(capacity, self.pad_id, np.int32)  # padding runs are slices of it
 
     def __len__(self) -> int:
         return self._buffer.count
@@ -220,74 +220,86 @@ class BestFitPacker:
             ValueError: a restored piece no longer matches its saved length or checksum.
         """
         capacity, buffer, multiple, record = self.capacity, self._buffer, self.cp_multiple, self.record
+        flagged = self.flagged
         lengths, find = buffer.lengths, bisect.bisect_right
-        out = np.empty((num_rows, capacity), np.int32)
+        # The rows' tokens in order, pieces and padding runs alike, joined once at the end: no numpy call per piece.
+        parts: list[np.ndarray] = []
         # Flat offsets where a piece or a padding run starts, of pieces' first tokens that are no target (after
         # another document or CP padding), of each padding run, and (start, stop) of each CP padding.
-        marks: tuple[list[int], list[int], list[int], list] | None = ([], [], [], []) if self.flagged else None
+        marks: tuple[list[int], list[int], list[int], list] = ([], [], [], [])
+        starts, blocked = marks[0], marks[1]
         padding = cp_padding = 0
         for r in range(num_rows):
-            pos, open_end = 0, False  # open_end: the piece before ends inside its document
-            size = self.growth.size(self.buffer_size, self.rows_taken)
-            self.rows_taken += 1
+            pos, open_end, at = 0, False, r * capacity  # open_end: the piece before ends inside its document
+            size = self._size_before_row()
             while pos < capacity:
-                while buffer.count < size:
-                    added = self.added
-                    refill()
-                    if self.added == added:
-                        raise RuntimeError("refill() added no document")
+                if buffer.count < size:
+                    self._top_up(size, refill)
                 i = find(lengths, capacity - pos) - 1
                 if i < 0:  # nothing fits
-                    padding += self._gap(out, r, pos, marks)
+                    padding += self._gap(parts, r, pos, marks)
                     break
                 length, (tokens, continuation), row = buffer.pop(i)
-                if tokens is None:  # restored lazily: fetch and verify it now
-                    tokens = self._materialize(row)
-                out[r, pos : pos + length] = tokens
+                parts.append(tokens if tokens is not None else self._materialize(row))  # None: restored lazily
                 if record is not None:
                     record.append((r, pos, length, row[2], row[3], row[4]))
-                if marks is not None:
-                    marks[0].append(r * capacity + pos)
+                if flagged:
+                    starts.append(at + pos)
                     # Not the target of the token before it: that token is another document's, or (a piece cut at
                     # a shorter row length, now sharing a row) it is followed in its own document by other text.
                     if continuation or open_end:
-                        marks[1].append(r * capacity + pos)
+                        blocked.append(at + pos)
                     open_end = not row[5]
                 pos += length
                 if multiple > 1 and pos < capacity:
-                    pos, padded = self._cp_pad(out, r, pos, marks)
+                    pos, padded = self._cp_pad(parts, r, pos, marks)
                     cp_padding += padded
         padding += cp_padding
         self.counters.emitted += num_rows * capacity - padding
         self.counters.padding += padding
         self.counters.cp_padding += cp_padding
-        if marks is None:
-            return out, None
-        return out, _flags(out.shape, *marks)
+        out = np.concatenate(parts, dtype=np.int32, casting="unsafe") if parts else np.empty(0, np.int32)
+        out = out.reshape(num_rows, capacity)
+        return out, (_flags(out.shape, *marks) if flagged else None)
 
-    def _gap(self, out: np.ndarray, row: int, pos: int, marks: Any) -> int:
+    def _size_before_row(self) -> int:
+        """The buffer's size before the next row (counted as taken)."""
+        taken = self.rows_taken
+        self.rows_taken = taken + 1
+        if taken >= self._full_from:
+            return self.buffer_size
+        return self.growth.size(self.buffer_size, taken)
+
+    def _top_up(self, size: int, refill: Callable[[], None]) -> None:
+        while self._buffer.count < size:
+            added = self.added
+            refill()
+            if self.added == added:
+                raise RuntimeError("refill() added no document")
+
+    def _gap(self, parts: list[np.ndarray], row: int, pos: int, marks: Any) -> int:
         """No piece fits the rest of row ``row`` from ``pos``: crop the shortest to fill it; returns 0 (padding)."""
         remaining = self.capacity - pos
         length, (tokens, _), piece = self._buffer.pop(0)
         if tokens is None:
             tokens = self._materialize(piece)
-        out[row, pos:] = tokens[:remaining]
+        parts.append(tokens[:remaining])
         if self.record is not None:
             self.record.append((row, pos, remaining, piece[2], piece[3], piece[4]))
-        if marks is not None:  # rows flagged for CP: the cropped piece starts a sequence
+        if self.flagged:  # rows flagged for CP: the cropped piece starts a sequence
             marks[0].append(row * self.capacity + pos)
         self.counters.crops += 1
         self.counters.cropped += length - remaining
         return 0
 
-    def _cp_pad(self, out: np.ndarray, row: int, pos: int, marks: Any) -> tuple[int, int]:
+    def _cp_pad(self, parts: list[np.ndarray], row: int, pos: int, marks: Any) -> tuple[int, int]:
         """Pad from ``pos`` to the next multiple of ``cp_multiple`` (or row end); returns new position, padding."""
         stop = -(-pos // self.cp_multiple) * self.cp_multiple
         if stop >= self.capacity - 1:
             stop = self.capacity
         if stop == pos:
             return pos, 0
-        out[row, pos:stop] = self.pad_id
+        parts.append(self._padding[: stop - pos])
         at = row * self.capacity
         marks[3].append((at + pos, at + stop))
         if stop < self.capacity:  # what follows must not be the target of padding
@@ -334,7 +346,7 @@ class BestFitPacker:
             for row, payload in bucket:
                 payloads[row[0]] = payload
         rows = self.snapshot()
-        self.capacity = self._checked_capacity(capacity)
+        self._set_capacity(capacity)
         self._buffer = _PieceBuffer()
         self._arrange(rows, payloads)
 
@@ -396,7 +408,7 @@ class BestFitSplitPacker(BestFitPacker):
 
     def add(self, tokens: np.ndarray, key: tuple[int, int]) -> None:  # type: ignore[override]
         """Buffer one whole document (1-D ids, BOS first): one piece, or all its chunks when longer than a row."""
-        tokens = np.asarray(tokens, np.int32)
+        tokens = np.ascontiguousarray(tokens, np.int32)  # its chunks are then contiguous: CRC-32 reads them as they are
         length = len(tokens)
         if tokens.ndim != 1 or length == 0:
             raise ValueError(f"a document must be a non-empty 1-D token array, got shape {tokens.shape}")
@@ -406,33 +418,31 @@ class BestFitSplitPacker(BestFitPacker):
             push(length, (seq, length, key0, key1, 0, 1, 0, 0), (tokens, False))
             self.next_seq = seq + 1
         else:
-            pieces = -(-length // capacity)
-            for chunk in range(pieces):
-                at = chunk * capacity
+            last = (length - 1) // capacity
+            for chunk, at in enumerate(range(0, length, capacity)):
                 piece = tokens[at : at + capacity]
-                row = (
-                    seq + chunk,
-                    len(piece),
-                    key0,
-                    key1,
-                    at,
-                    int(chunk == pieces - 1),
-                    prefix_hash(piece),
-                    len(piece),
-                )
-                push(len(piece), row, (piece, chunk > 0))
-            self.next_seq = seq + pieces
+                size = capacity if chunk < last else length - at
+                push(size, (seq + chunk, size, key0, key1, at, int(chunk == last), zlib.crc32(piece), size),
+                     (piece, chunk > 0))  # fmt: skip
+            self.next_seq = seq + last + 1
             self.counters.split_docs += 1
-            self.counters.chunks += pieces
+            self.counters.chunks += last + 1
         self.added += 1
         self.counters.docs += 1
 
-    def _gap(self, out: np.ndarray, row: int, pos: int, marks: Any) -> int:
+    def _gap(self, parts: list[np.ndarray], row: int, pos: int, marks: Any) -> int:
         """Pad the rest of the row (a run that starts positions and trains nothing); returns the padding written."""
-        out[row, pos:] = self.pad_id
+        parts.append(self._padding[: self.capacity - pos])
         marks[0].append(row * self.capacity + pos)
         marks[2].append(row * self.capacity + pos)
         return self.capacity - pos
+
+
+def _rows_until_full(growth: BufferGrowth, buffer_size: int) -> int:
+    """The rows taken from which ``growth`` gives the full ``buffer_size``."""
+    if not growth.per_row:
+        return 0
+    return max(0, -(-(buffer_size - growth.start) // growth.per_row))
 
 
 _LAZY = ((None, False), (None, True))  # the payload of a piece restored lazily: (no tokens yet, continuation?)

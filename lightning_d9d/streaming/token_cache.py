@@ -753,10 +753,11 @@ def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
 # ------------------------------------------------------------------------------------------------ streams
 class StreamCache:
     """A token cache as a source's streams use it; ``index`` (the source's ``RowGroupIndex``) names each unit's file
-    and gives each unit's content key."""
+    and gives each unit's content key; ``scope`` names the file set (``train_files``, ``val_files['web']``): file labels
+    are relative to their set's common folder, so two sets may hold the same label for different files."""
 
-    def __init__(self, cache: TokenCache, index: Any):
-        self.cache, self.index = cache, index
+    def __init__(self, cache: TokenCache, index: Any, scope: str = ""):
+        self.cache, self.index, self.scope = cache, index, scope
         self.labelled: set[int] = set()  # files whose label record this process has written
         self._labels: list[str] | None = None
 
@@ -801,7 +802,10 @@ class StreamCache:
             _write_atomic(self.cache._filesystem()[0], self._label_path(label), [memoryview(record.encode())])
 
     def _label_path(self, label: str) -> str:
-        return self.cache._path(f"labels/{digest(label)}")
+        return self.cache._path(f"labels/{self._label_key(label)}")
+
+    def _label_key(self, label: str) -> str:
+        return digest(f"{self.scope}\n{label}" if self.scope else label)
 
     def changes(self) -> list[str]:
         """What a user should hear once: other versions of this cache, and files changed since they were cached."""
@@ -815,8 +819,10 @@ class StreamCache:
             if changed:
                 shown = ", ".join(repr(label) for label in changed[:5]) + (" ..." if len(changed) > 5 else "")
                 messages.append(
-                    f"token cache {self.cache.where()!r}: {len(changed)} file(s) changed since their tokens were "
-                    f"cached ({shown}); their tokens are rebuilt as they are read, the old ones are never used"
+                    f"token cache {self.cache.where()!r}: {len(changed)} file(s)"
+                    + (f" of {self.scope}" if self.scope else "")
+                    + f" changed since their tokens were cached ({shown}); their tokens are rebuilt as they "
+                    "are read, the old ones are never used"
                 )
         return messages
 
@@ -835,7 +841,7 @@ class StreamCache:
             if folder in present:
                 continue
             label = self.label(file)
-            if digest(label) not in records:
+            if self._label_key(label) not in records:
                 continue  # never cached: a new file, not a changed one
             try:
                 with fs.open_input_stream(self._label_path(label)) as stream:

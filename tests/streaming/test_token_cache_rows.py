@@ -177,6 +177,35 @@ def test_another_tokenizer_or_an_edited_file_never_reads_stale_tokens_and_says_s
     assert run_steps(edited, 10) == want
 
 
+def test_file_sets_whose_files_share_names_are_never_said_changed_and_an_edit_names_its_set(
+    corpus: Path, tmp_path: Path
+) -> None:
+    # Two sources whose files have the same names relative to their folders (web/part-000 and code/part-000),
+    # cached partly: neither source's files are said changed, run after run.
+    web, code, cache = tmp_path / "web", tmp_path / "code", tmp_path / "cache"
+    for folder, first in ((web, 0), (code, 4)):
+        folder.mkdir()
+        for g in range(4):
+            source = corpus / "parquet" / f"part-{first + g:03d}.parquet"
+            (folder / f"part-{g:03d}.parquet").write_bytes(source.read_bytes())
+    mixture = dict(train_files={"web": str(web), "code": str(code)}, weights={"web": 0.9, "code": 0.1})
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dm = datamodule(corpus, cache=cache, **mixture)
+        assert not [str(w.message) for w in caught if "changed since" in str(w.message)]
+        run_steps(dm, 3)
+    # An edit of web's part-001 is said once, naming its file set.
+    table = pq.read_table(web / "part-001.parquet")
+    texts = [" ".join(reversed(text.split())) if text else text for text in table.column("text").to_pylist()]
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), web / "part-001.parquet")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        datamodule(corpus, cache=cache, **mixture)
+    said = [str(w.message) for w in caught if "changed since" in str(w.message)]
+    assert len(said) == 1 and "of train_files['web']" in said[0] and "'part-001.parquet'" in said[0], said
+
+
 def test_a_damaged_entry_is_named_and_rebuilt_never_read_as_tokens(corpus: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     want = run_steps(datamodule(corpus, cache=cache), STEPS)
