@@ -251,7 +251,7 @@ class PrefetchedTokenizing(Generic[T]):
         self.slots = threading.Semaphore(1 if self.on_demand else self.ahead)  # on demand: the first at once
         self.asked, self.closed = 0, False
         # Bound here so that closing at interpreter exit needs no module global.
-        self._empty, self._future, self._current_thread = queue.Empty, Future, threading.current_thread
+        self._future, self._current_thread = Future, threading.current_thread
         self.read_ahead = _ReadAhead(encode, self.slots, lookahead)
         self.reader = threading.Thread(
             target=self.read_ahead.run, args=(chunks,), name=f"lightning-d9d-{name}-reader", daemon=True
@@ -294,11 +294,14 @@ class PrefetchedTokenizing(Generic[T]):
         read_ahead = self.read_ahead
         read_ahead.stop.set()
         self.slots.release()  # a reader waiting for a slot wakes now, sees the stop and ends
-        while True:
-            try:
-                item = read_ahead.out.get_nowait()
-            except self._empty:
-                break
+        # Drained under the queue's own lock, not by get_nowait(): at interpreter exit the queue module's globals
+        # may already be gone, and get_nowait() on an empty queue would then raise a TypeError instead of Empty.
+        out = read_ahead.out
+        with out.mutex:
+            items = list(out.queue)
+            out.queue.clear()
+            out.not_full.notify_all()
+        for item in items:
             if isinstance(item, self._future):
                 item.cancel()
         # Wait for the reader to leave the read it is in: a thread still inside pyarrow's C++ when the process

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -606,3 +609,23 @@ def test_empty_and_null_texts_are_skipped_and_counted(corpus: dict, tmp_path: Pa
     assert state.counters.empty == 2 * state.counters.docs - 1 > 0
     stats = dm.stream_stats()
     assert stats["empty"] == state.counters.empty and stats["emitted"] == 6 * 5 and stats["crops"] == 0
+
+
+def test_streams_left_running_at_interpreter_exit_end_without_a_traceback(corpus: dict) -> None:
+    # Streams never closed (a notebook, a script that ends mid-pass): their readers are stopped as the interpreter
+    # tears its modules down, which must not print "Exception ignored ... TypeError" for every stream.
+    script = textwrap.dedent(f"""
+        from lightning_d9d import PretrainingDataModule
+        from lightning_d9d.streaming.loader import rank_blocks
+        dm = PretrainingDataModule({str(corpus["root"] / "data")!r}, {str(corpus["root"] / "tokenizer.json")!r},
+                                   seq_len=24, global_batch_size=8, microbatch_size=2, num_streams=4, num_workers=0,
+                                   packing="bestfit_split", steps_per_epoch=10, pin_memory=False)
+        dm.setup("fit")
+        blocks = rank_blocks(dm.train_spec, [0, 1, 2, 3], 0, {{}})
+        for _ in range(12):
+            next(blocks)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
