@@ -59,51 +59,93 @@ class StepTensors:
         tokens, flags = rows.tokens, rows.flags
         count, capacity = tokens.shape
         width = self.width = capacity - 1
+        self.count = count
         inputs, targets = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
+        pads = None  # CP padding's input offsets, where they count
         if flags is None:
-            starts = tokens[:, :-1] == bos_id
-        else:
-            np.putmask(targets, (flags[:, 1:] & NO_TARGET) != 0, IGNORE_INDEX)
-            starts = (flags[:, :-1] & START) != 0
-        starts[:, 0] = True
-        at = np.flatnonzero(starts)
+            marked = np.flatnonzero(tokens == bos_id)
+        else:  # flags are sparse: their offsets once, then each bit among them
+            flagged = np.flatnonzero(flags != 0)
+            bits = flags.reshape(-1)[flagged]
+            marked = flagged[(bits & START) != 0]
+            no_target = flagged[(bits & NO_TARGET) != 0]
+            no_target = no_target[no_target % capacity != 0]  # a row's first token is no one's target
+            targets.reshape(-1)[no_target - no_target // capacity - 1] = IGNORE_INDEX  # the token before's
+            if context_parallel_size > 1:
+                pads = _input_offsets(flagged[(bits & CP_PAD) != 0], capacity, 0)
         size = count * width
+        row_starts = np.arange(0, size + 1, width) if width else np.zeros(count + 1, np.int64)
+        at = np.sort(np.concatenate((row_starts[:-1], _input_offsets(marked, capacity, 1))))
         bounds = np.empty(len(at) + 1, np.int64)  # every sequence start, then the end
         bounds[:-1], bounds[-1] = at, size
-        lengths = bounds[1:] - bounds[:-1]
-        last_start = np.repeat(at, lengths)
+        last_start = np.repeat(at, bounds[1:] - bounds[:-1])
         positions = np.subtract(_flat_offsets(size), last_start, out=last_start).reshape(count, width)
         self.input_ids, self.targets = torch.from_numpy(inputs), torch.from_numpy(targets)
         self.position_ids = torch.from_numpy(positions)
         self.sources = None if rows.sources is None else torch.from_numpy(np.asarray(rows.sources, np.int64))
-        # bounds[row_first[r]] is row r's first token: every row start is a sequence start.
-        row_first = np.searchsorted(at, np.arange(0, size + 1, width))
-        self.row_longest = np.maximum.reduceat(lengths, row_first[:-1]).tolist() if count else []
-        self.row_first = row_first.tolist()
-        self.padded = self.real = bounds  # real: the offsets less the CP padding before them
-        self.whole_rows = context_parallel_size > 1 and flags is None  # concat under CP: a row is one sequence
-        if context_parallel_size > 1 and flags is not None:
-            pads_before = np.zeros(size + 1, np.int64)
-            np.cumsum((flags[:, :-1] & CP_PAD) != 0, out=pads_before[1:])
-            self.real = bounds - pads_before[bounds]
+        if context_parallel_size > 1 and flags is None:  # concat under CP: a row is one sequence
+            self.padded, self.row_first = row_starts, np.arange(count + 1)
+        else:  # bounds[row_first[r]] is row r's first token: every row start is a sequence start
+            self.padded, self.row_first = bounds, np.searchsorted(at, row_starts)
+        # real: the offsets less the CP padding before them
+        self.real = self.padded if pads is None else bounds - np.searchsorted(pads, bounds)
+        self.lengths = self.padded[1:] - self.padded[:-1]
+        self._runs: dict[int, list[MicrobatchTensors]] = {}
 
     def microbatch(self, start: int, stop: int) -> MicrobatchTensors:
         """Rows ``[start, stop)`` of the step: views of its tensors, and their own sequence bounds."""
-        sources = None if self.sources is None else self.sources[start:stop]
-        parts = self.input_ids[start:stop], self.targets[start:stop], self.position_ids[start:stop], sources
-        if self.whole_rows:
-            padded = torch.arange(0, (stop - start) * self.width + 1, self.width, dtype=torch.int32)
-            return MicrobatchTensors(*parts, padded, padded.clone(), self.width if stop > start else 0)
+        stop = min(stop, self.count)
+        size = stop - start
+        if size > 0 and start % size == 0:
+            runs = self._runs.get(size)
+            if runs is None:
+                runs = self._runs[size] = self._every_run(size)
+            return runs[start // size]
         first, last = self.row_first[start], self.row_first[stop]
-        padded = self.padded[first : last + 1]
-        cu_padded = (padded - padded[0]).astype(np.int32)
+        cu_padded = _from_zero(self.padded[first : last + 1])
+        cu_seqlens = cu_padded.copy() if self.real is self.padded else _from_zero(self.real[first : last + 1])
+        longest = int(self.lengths[first:last].max()) if last > first else 0
+        parts = _rows(self.input_ids, start, stop), _rows(self.targets, start, stop), _rows(self.position_ids, start, stop)
+        return MicrobatchTensors(*parts, _rows(self.sources, start, stop), torch.from_numpy(cu_seqlens),
+                                 torch.from_numpy(cu_padded), longest)  # fmt: skip
+
+    def _every_run(self, size: int) -> list[MicrobatchTensors]:
+        """Every run of ``size`` rows from row 0 (the last one shorter where ``size`` does not divide the rows), built
+        together: one torch view per tensor and run, and all runs' ``cu_seqlens`` in one pass."""
+        edges = np.minimum(np.arange(0, self.count + size, size), self.count)
+        first = self.row_first[edges]
+        counts = first[1:] - first[:-1] + 1  # bounds per run: its sequence starts and its end
+        index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - first[:-1], counts)
+        origin = np.repeat(first[:-1], counts)
+        split = counts.tolist()
+        cu_padded = torch.from_numpy((self.padded[index] - self.padded[origin]).astype(np.int32)).split(split)
         if self.real is self.padded:
-            cu_seqlens = cu_padded.copy()
+            cu_seqlens = torch.from_numpy((self.padded[index] - self.padded[origin]).astype(np.int32)).split(split)
         else:
-            real = self.real[first : last + 1]
-            cu_seqlens = (real - real[0]).astype(np.int32)
-        longest = max(self.row_longest[start:stop]) if stop > start else 0
-        return MicrobatchTensors(*parts, torch.from_numpy(cu_seqlens), torch.from_numpy(cu_padded), longest)
+            cu_seqlens = torch.from_numpy((self.real[index] - self.real[origin]).astype(np.int32)).split(split)
+        longest = np.maximum.reduceat(self.lengths, first[:-1]).tolist()
+        sources = [None] * len(split) if self.sources is None else self.sources.split(size)
+        return [
+            MicrobatchTensors(*parts)
+            for parts in zip(self.input_ids.split(size), self.targets.split(size), self.position_ids.split(size),
+                             sources, cu_seqlens, cu_padded, longest)  # fmt: skip
+        ]
+
+
+def _input_offsets(marked: np.ndarray, capacity: int, first: int) -> np.ndarray:
+    """The flat offsets among the inputs (a row's first ``capacity - 1`` tokens) of the marked flat token offsets in
+    columns ``first`` to ``capacity - 2`` of rows of ``capacity`` tokens (sorted as given)."""
+    column = marked % capacity
+    inside = marked[(column >= first) & (column < capacity - 1)] if first else marked[column < capacity - 1]
+    return inside - inside // capacity  # one token fewer per row before
+
+
+def _from_zero(bounds: np.ndarray) -> np.ndarray:
+    return (bounds - bounds[0]).astype(np.int32)
+
+
+def _rows(tensor: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if tensor is None else tensor[start:stop]
 
 
 class StepBlock(RowBlock):
