@@ -5,8 +5,11 @@ flat offset less the last sequence start at or before it: one ``np.repeat``) and
 sequence starts, found once). A sequence starts at every row start and at BOS (``concat``, and ``bestfit`` without
 context parallelism) or at a ``START`` flag (flagged rows); a ``NO_TARGET`` flag makes a target ``-100``. A run of
 rows (a microbatch) is then a view of the step's tensors plus its slice of the bounds, since no sequence crosses a
-row. Trade-off: the step's tensors live as long as any of its microbatches (a step's worth of int64 memory), for
-one pass of a few numpy calls per step instead of per microbatch, and no Python per row or per sequence.
+row. The microbatches of one size are built together on the first one's request: one torch split per field
+(a torch view costs more than all the numpy work of a microbatch) and every run's ``cu_seqlens`` in one numpy pass;
+any other run of rows is cut on its own. Trade-off: the step's tensors live as long as any of its microbatches (a
+step's worth of int64 memory), for a few numpy calls per step instead of per microbatch, and no Python per row or
+per sequence.
 """
 
 from __future__ import annotations
@@ -105,9 +108,9 @@ class StepTensors:
         cu_padded = _from_zero(self.padded[first : last + 1])
         cu_seqlens = cu_padded.copy() if self.real is self.padded else _from_zero(self.real[first : last + 1])
         longest = int(self.lengths[first:last].max()) if last > first else 0
-        parts = _rows(self.input_ids, start, stop), _rows(self.targets, start, stop), _rows(self.position_ids, start, stop)
-        return MicrobatchTensors(*parts, _rows(self.sources, start, stop), torch.from_numpy(cu_seqlens),
-                                 torch.from_numpy(cu_padded), longest)  # fmt: skip
+        fields = self.input_ids, self.targets, self.position_ids, self.sources
+        rows = [_rows(tensor, start, stop) for tensor in fields]
+        return MicrobatchTensors(*rows, torch.from_numpy(cu_seqlens), torch.from_numpy(cu_padded), longest)
 
     def _every_run(self, size: int) -> list[MicrobatchTensors]:
         """Every run of ``size`` rows from row 0 (the last one shorter where ``size`` does not divide the rows), built
@@ -125,11 +128,8 @@ class StepTensors:
             cu_seqlens = torch.from_numpy((self.real[index] - self.real[origin]).astype(np.int32)).split(split)
         longest = np.maximum.reduceat(self.lengths, first[:-1]).tolist()
         sources = [None] * len(split) if self.sources is None else self.sources.split(size)
-        return [
-            MicrobatchTensors(*parts)
-            for parts in zip(self.input_ids.split(size), self.targets.split(size), self.position_ids.split(size),
-                             sources, cu_seqlens, cu_padded, longest)  # fmt: skip
-        ]
+        tensors = self.input_ids.split(size), self.targets.split(size), self.position_ids.split(size), sources
+        return [MicrobatchTensors(*parts) for parts in zip(*tensors, cu_seqlens, cu_padded, longest)]
 
 
 def _input_offsets(marked: np.ndarray, capacity: int, first: int) -> np.ndarray:
