@@ -14,7 +14,7 @@ per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,8 +35,7 @@ def _flat_offsets(size: int) -> np.ndarray:
     return offsets
 
 
-@dataclass
-class MicrobatchTensors:
+class MicrobatchTensors(NamedTuple):  # a tuple: made for every microbatch, it costs less than a dataclass
     """What a microbatch of rows trains on: ``PretrainingBatch``'s fields (``sources`` ``None`` for rows without)."""
 
     input_ids: torch.Tensor
@@ -64,23 +63,27 @@ class StepTensors:
         width = self.width = capacity - 1
         self.count = count
         inputs, targets = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
+        size = count * width
+        row_starts = np.arange(0, size + 1, width)
         pads = None  # CP padding's input offsets, where they count
         if flags is None:
-            marked = np.flatnonzero(tokens == bos_id)
+            starts = tokens[:, :-1] == bos_id
+            starts[:, 0] = True
+            bounds = np.append(np.flatnonzero(starts), size)  # every sequence start, then the end
         else:  # flags are sparse: their offsets once, then each bit among them
             flagged = np.flatnonzero(flags != 0)
             bits = flags.reshape(-1)[flagged]
-            marked = flagged[(bits & START) != 0]
             no_target = flagged[(bits & NO_TARGET) != 0]
             no_target = no_target[no_target % capacity != 0]  # a row's first token is no one's target
             targets.reshape(-1)[no_target - no_target // capacity - 1] = IGNORE_INDEX  # the token before's
+            marked = flagged[(bits & START) != 0]
+            # As input offsets (one token fewer per row before), a row's last token lands on the next row's start.
+            bounds = np.union1d(row_starts, marked - marked // capacity)
             if context_parallel_size > 1:
-                pads = _input_offsets(flagged[(bits & CP_PAD) != 0], capacity, 0)
-        size = count * width
-        row_starts = np.arange(0, size + 1, width) if width else np.zeros(count + 1, np.int64)
-        at = np.sort(np.concatenate((row_starts[:-1], _input_offsets(marked, capacity, 1))))
-        bounds = np.empty(len(at) + 1, np.int64)  # every sequence start, then the end
-        bounds[:-1], bounds[-1] = at, size
+                pads = flagged[(bits & CP_PAD) != 0]
+                pads = pads[pads % capacity != width]  # a row's last token is no input
+                pads -= pads // capacity
+        at = bounds[:-1]
         last_start = np.repeat(at, bounds[1:] - bounds[:-1])
         positions = np.subtract(_flat_offsets(size), last_start, out=last_start).reshape(count, width)
         self.input_ids, self.targets = torch.from_numpy(inputs), torch.from_numpy(targets)
@@ -89,7 +92,7 @@ class StepTensors:
         if context_parallel_size > 1 and flags is None:  # concat under CP: a row is one sequence
             self.padded, self.row_first = row_starts, np.arange(count + 1)
         else:  # bounds[row_first[r]] is row r's first token: every row start is a sequence start
-            self.padded, self.row_first = bounds, np.searchsorted(at, row_starts)
+            self.padded, self.row_first = bounds, np.searchsorted(bounds, row_starts)
         # real: the offsets less the CP padding before them
         self.real = self.padded if pads is None else bounds - np.searchsorted(pads, bounds)
         self.lengths = self.padded[1:] - self.padded[:-1]
@@ -115,29 +118,23 @@ class StepTensors:
     def _every_run(self, size: int) -> list[MicrobatchTensors]:
         """Every run of ``size`` rows from row 0 (the last one shorter where ``size`` does not divide the rows), built
         together: one torch view per tensor and run, and all runs' ``cu_seqlens`` in one pass."""
-        edges = np.minimum(np.arange(0, self.count + size, size), self.count)
-        first = self.row_first[edges]
+        count = self.count
+        first = self.row_first[[*range(0, count, size), count]]  # each run's first sequence, then the end
         counts = first[1:] - first[:-1] + 1  # bounds per run: its sequence starts and its end
-        index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - first[:-1], counts)
-        origin = np.repeat(first[:-1], counts)
+        repeats = np.ones(len(self.padded), np.intp)
+        repeats[first[1:-1]] = 2  # a bound between runs ends one and starts the next
+        both = np.stack((self.real, self.padded))
+        cu = torch.from_numpy((both.repeat(repeats, axis=1) - both[:, first[:-1].repeat(counts)]).astype(np.int32))
         split = counts.tolist()
-        cu_padded = torch.from_numpy((self.padded[index] - self.padded[origin]).astype(np.int32)).split(split)
-        if self.real is self.padded:
-            cu_seqlens = torch.from_numpy((self.padded[index] - self.padded[origin]).astype(np.int32)).split(split)
-        else:
-            cu_seqlens = torch.from_numpy((self.real[index] - self.real[origin]).astype(np.int32)).split(split)
+        cu_seqlens, cu_padded = cu[0].split(split), cu[1].split(split)
         longest = np.maximum.reduceat(self.lengths, first[:-1]).tolist()
-        sources = [None] * len(split) if self.sources is None else self.sources.split(size)
-        tensors = self.input_ids.split(size), self.targets.split(size), self.position_ids.split(size), sources
-        return [MicrobatchTensors(*parts) for parts in zip(*tensors, cu_seqlens, cu_padded, longest)]
-
-
-def _input_offsets(marked: np.ndarray, capacity: int, first: int) -> np.ndarray:
-    """The flat offsets among the inputs (a row's first ``capacity - 1`` tokens) of the marked flat token offsets in
-    columns ``first`` to ``capacity - 2`` of rows of ``capacity`` tokens (sorted as given)."""
-    column = marked % capacity
-    inside = marked[(column >= first) & (column < capacity - 1)] if first else marked[column < capacity - 1]
-    return inside - inside // capacity  # one token fewer per row before
+        if count % size:
+            tensors = [tensor.split(size) for tensor in (self.input_ids, self.targets, self.position_ids)]
+        else:  # unbinding costs less per view than splitting
+            tensors = [tensor.view(-1, size, self.width).unbind() for tensor in (self.input_ids, self.targets,
+                                                                                    self.position_ids)]  # fmt: skip
+        tensors.append([None] * len(split) if self.sources is None else self.sources.split(size))
+        return list(map(MicrobatchTensors._make, zip(*tensors, cu_seqlens, cu_padded, longest)))
 
 
 def _from_zero(bounds: np.ndarray) -> np.ndarray:
@@ -167,13 +164,27 @@ class StepBlock(RowBlock):
 
 
 class StepSlice(RowBlock):
-    """Rows ``[start, stop)`` of a :class:`StepBlock` (a microbatch), whose tensors are views of the step's."""
+    """Rows ``[start, stop)`` of a :class:`StepBlock` (a microbatch), whose tensors are views of the step's; its
+    arrays are cut from the step's only when read (the tensors never need them)."""
 
-    def __init__(self, step: StepBlock, start: int, stop: int):
-        flags = None if step.flags is None else step.flags[start:stop]
-        sources = None if step.sources is None else step.sources[start:stop]
-        super().__init__(step.tokens[start:stop], flags, sources)
+    def __init__(self, step: StepBlock, start: int, stop: int):  # no RowBlock.__init__: its fields are properties
         self.step, self.start, self.stop = step, start, stop
+
+    @property
+    def tokens(self) -> np.ndarray:  # type: ignore[override]
+        return self.step.tokens[self.start : self.stop]
+
+    @property
+    def flags(self) -> np.ndarray | None:  # type: ignore[override]
+        return None if self.step.flags is None else self.step.flags[self.start : self.stop]
+
+    @property
+    def sources(self) -> np.ndarray | None:  # type: ignore[override]
+        return None if self.step.sources is None else self.step.sources[self.start : self.stop]
+
+    @property
+    def pieces(self) -> None:  # type: ignore[override]
+        return None
 
 
 def microbatch_tensors(rows: RowBlock, bos_id: int, context_parallel_size: int) -> MicrobatchTensors:
