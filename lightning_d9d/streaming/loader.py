@@ -154,10 +154,14 @@ class StreamPosition(TrainPosition):
     def hand_out(self) -> int:
         """Count one microbatch handed out; returns its index in its step. A step's last commits the states."""
         step, index = self.next_microbatch()
-        self.microbatches += 1
-        if index == self.layout.at(step) - 1:
-            self.commit(self.epoch, step + 1)
+        self.hand_out_of(step, index, self.layout.at(step))
         return index
+
+    def hand_out_of(self, step: int, index: int, count: int) -> None:
+        """:meth:`hand_out` where the next microbatch is known to be ``index`` of the ``count`` of ``step``."""
+        self.microbatches += 1
+        if index == count - 1:
+            self.commit(self.epoch, step + 1)
 
 
 class _HostedStreams(IterableDataset):
@@ -270,7 +274,7 @@ def _packed_block(block: RowBlock) -> tuple:
         tokens = tokens.astype(np.uint16)
     flags = None
     if block.flags is not None:
-        at = np.flatnonzero(block.flags)
+        at = np.flatnonzero(block.flags != 0)  # numpy finds a bool array's nonzeros much faster than uint8's
         flags = (block.flags.shape, at.astype(np.uint32), block.flags.reshape(-1)[at])
     return tokens, flags, block.sources
 
@@ -432,14 +436,20 @@ class TokenTrainLoader(ResumedByDataModule):
             self._step = None
         steps, end = self._running.steps, layout.before(steps_in_epoch)
         while position.microbatches < end:
-            if self._step is None or position.next_microbatch()[1] == 0:
+            step, index = position.next_microbatch()
+            if self._step is None or index == 0:
                 # A loop broken off mid-step continues in the step it left (its rows are kept until it ends).
                 rows, states = next(steps)
                 self._step = (rows, states, rows.target_count())
                 position.enter_step(states)
             rows, _, targets = self._step
-            j = position.hand_out()
-            yield self.make_batch(rows.rows(j * m, (j + 1) * m), targets)
+            count, first = layout.at(step), position.microbatches - index
+            # The rest of the step, as long as nothing else moves the position meanwhile.
+            for j in range(index, count):
+                if position.microbatches != first + j:
+                    break
+                position.hand_out_of(step, j, count)
+                yield self.make_batch(rows.rows(j * m, (j + 1) * m), targets)
 
 
 class TokenValidationLoader(OneIterationAtATime):

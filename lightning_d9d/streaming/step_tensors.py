@@ -5,13 +5,16 @@ flat offset less the last sequence start at or before it: one ``np.repeat``) and
 sequence starts, found once). A sequence starts at every row start and at BOS (``concat``, and ``bestfit`` without
 context parallelism) or at a ``START`` flag (flagged rows); a ``NO_TARGET`` flag makes a target ``-100``. A run of
 rows (a microbatch) is then a view of the step's tensors plus its slice of the bounds, since no sequence crosses a
-row. Trade-off: the step's tensors live as long as any of its microbatches (a step's worth of int64 memory), for
-one pass of a few numpy calls per step instead of per microbatch, and no Python per row or per sequence.
+row. The microbatches of one size are built together on the first one's request: one torch split per field
+(a torch view costs more than all the numpy work of a microbatch) and every run's ``cu_seqlens`` in one numpy pass;
+any other run of rows is cut on its own. Trade-off: the step's tensors live as long as any of its microbatches (a
+step's worth of int64 memory), for a few numpy calls per step instead of per microbatch, and no Python per row or
+per sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,8 +35,7 @@ def _flat_offsets(size: int) -> np.ndarray:
     return offsets
 
 
-@dataclass
-class MicrobatchTensors:
+class MicrobatchTensors(NamedTuple):  # a tuple: made for every microbatch, it costs less than a dataclass
     """What a microbatch of rows trains on: ``PretrainingBatch``'s fields (``sources`` ``None`` for rows without)."""
 
     input_ids: torch.Tensor
@@ -59,51 +61,88 @@ class StepTensors:
         tokens, flags = rows.tokens, rows.flags
         count, capacity = tokens.shape
         width = self.width = capacity - 1
+        self.count = count
         inputs, targets = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
+        size = count * width
+        row_starts = np.arange(0, size + 1, width)
+        pads = None  # CP padding's input offsets, where they count
         if flags is None:
             starts = tokens[:, :-1] == bos_id
-        else:
-            np.putmask(targets, (flags[:, 1:] & NO_TARGET) != 0, IGNORE_INDEX)
-            starts = (flags[:, :-1] & START) != 0
-        starts[:, 0] = True
-        at = np.flatnonzero(starts)
-        size = count * width
-        bounds = np.empty(len(at) + 1, np.int64)  # every sequence start, then the end
-        bounds[:-1], bounds[-1] = at, size
-        lengths = bounds[1:] - bounds[:-1]
-        last_start = np.repeat(at, lengths)
+            starts[:, 0] = True
+            bounds = np.append(np.flatnonzero(starts), size)  # every sequence start, then the end
+        else:  # flags are sparse: their offsets once, then each bit among them
+            flagged = np.flatnonzero(flags != 0)
+            bits = flags.reshape(-1)[flagged]
+            no_target = flagged[(bits & NO_TARGET) != 0]
+            no_target = no_target[no_target % capacity != 0]  # a row's first token is no one's target
+            targets.reshape(-1)[no_target - no_target // capacity - 1] = IGNORE_INDEX  # the token before's
+            marked = flagged[(bits & START) != 0]
+            # As input offsets (one token fewer per row before), a row's last token lands on the next row's start.
+            bounds = np.union1d(row_starts, marked - marked // capacity)
+            if context_parallel_size > 1:
+                pads = flagged[(bits & CP_PAD) != 0]
+                pads = pads[pads % capacity != width]  # a row's last token is no input
+                pads -= pads // capacity
+        at = bounds[:-1]
+        last_start = np.repeat(at, bounds[1:] - bounds[:-1])
         positions = np.subtract(_flat_offsets(size), last_start, out=last_start).reshape(count, width)
         self.input_ids, self.targets = torch.from_numpy(inputs), torch.from_numpy(targets)
         self.position_ids = torch.from_numpy(positions)
         self.sources = None if rows.sources is None else torch.from_numpy(np.asarray(rows.sources, np.int64))
-        # bounds[row_first[r]] is row r's first token: every row start is a sequence start.
-        row_first = np.searchsorted(at, np.arange(0, size + 1, width))
-        self.row_longest = np.maximum.reduceat(lengths, row_first[:-1]).tolist() if count else []
-        self.row_first = row_first.tolist()
-        self.padded = self.real = bounds  # real: the offsets less the CP padding before them
-        self.whole_rows = context_parallel_size > 1 and flags is None  # concat under CP: a row is one sequence
-        if context_parallel_size > 1 and flags is not None:
-            pads_before = np.zeros(size + 1, np.int64)
-            np.cumsum((flags[:, :-1] & CP_PAD) != 0, out=pads_before[1:])
-            self.real = bounds - pads_before[bounds]
+        if context_parallel_size > 1 and flags is None:  # concat under CP: a row is one sequence
+            self.padded, self.row_first = row_starts, np.arange(count + 1)
+        else:  # bounds[row_first[r]] is row r's first token: every row start is a sequence start
+            self.padded, self.row_first = bounds, np.searchsorted(bounds, row_starts)
+        # real: the offsets less the CP padding before them
+        self.real = self.padded if pads is None else bounds - np.searchsorted(pads, bounds)
+        self.lengths = self.padded[1:] - self.padded[:-1]
+        self._runs: dict[int, list[MicrobatchTensors]] = {}
 
     def microbatch(self, start: int, stop: int) -> MicrobatchTensors:
         """Rows ``[start, stop)`` of the step: views of its tensors, and their own sequence bounds."""
-        sources = None if self.sources is None else self.sources[start:stop]
-        parts = self.input_ids[start:stop], self.targets[start:stop], self.position_ids[start:stop], sources
-        if self.whole_rows:
-            padded = torch.arange(0, (stop - start) * self.width + 1, self.width, dtype=torch.int32)
-            return MicrobatchTensors(*parts, padded, padded.clone(), self.width if stop > start else 0)
+        stop = min(stop, self.count)
+        size = stop - start
+        if size > 0 and start % size == 0:
+            runs = self._runs.get(size)
+            if runs is None:
+                runs = self._runs[size] = self._every_run(size)
+            return runs[start // size]
         first, last = self.row_first[start], self.row_first[stop]
-        padded = self.padded[first : last + 1]
-        cu_padded = (padded - padded[0]).astype(np.int32)
-        if self.real is self.padded:
-            cu_seqlens = cu_padded.copy()
-        else:
-            real = self.real[first : last + 1]
-            cu_seqlens = (real - real[0]).astype(np.int32)
-        longest = max(self.row_longest[start:stop]) if stop > start else 0
-        return MicrobatchTensors(*parts, torch.from_numpy(cu_seqlens), torch.from_numpy(cu_padded), longest)
+        cu_padded = _from_zero(self.padded[first : last + 1])
+        cu_seqlens = cu_padded.copy() if self.real is self.padded else _from_zero(self.real[first : last + 1])
+        longest = int(self.lengths[first:last].max()) if last > first else 0
+        fields = self.input_ids, self.targets, self.position_ids, self.sources
+        rows = [_rows(tensor, start, stop) for tensor in fields]
+        return MicrobatchTensors(*rows, torch.from_numpy(cu_seqlens), torch.from_numpy(cu_padded), longest)
+
+    def _every_run(self, size: int) -> list[MicrobatchTensors]:
+        """Every run of ``size`` rows from row 0 (the last one shorter where ``size`` does not divide the rows), built
+        together: one torch view per tensor and run, and all runs' ``cu_seqlens`` in one pass."""
+        count = self.count
+        first = self.row_first[[*range(0, count, size), count]]  # each run's first sequence, then the end
+        counts = first[1:] - first[:-1] + 1  # bounds per run: its sequence starts and its end
+        repeats = np.ones(len(self.padded), np.intp)
+        repeats[first[1:-1]] = 2  # a bound between runs ends one and starts the next
+        both = np.stack((self.real, self.padded))
+        cu = torch.from_numpy((both.repeat(repeats, axis=1) - both[:, first[:-1].repeat(counts)]).astype(np.int32))
+        split = counts.tolist()
+        cu_seqlens, cu_padded = cu[0].split(split), cu[1].split(split)
+        longest = np.maximum.reduceat(self.lengths, first[:-1]).tolist()
+        if count % size:
+            tensors = [tensor.split(size) for tensor in (self.input_ids, self.targets, self.position_ids)]
+        else:  # unbinding costs less per view than splitting
+            tensors = [tensor.view(-1, size, self.width).unbind() for tensor in (self.input_ids, self.targets,
+                                                                                    self.position_ids)]  # fmt: skip
+        tensors.append([None] * len(split) if self.sources is None else self.sources.split(size))
+        return list(map(MicrobatchTensors._make, zip(*tensors, cu_seqlens, cu_padded, longest)))
+
+
+def _from_zero(bounds: np.ndarray) -> np.ndarray:
+    return (bounds - bounds[0]).astype(np.int32)
+
+
+def _rows(tensor: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if tensor is None else tensor[start:stop]
 
 
 class StepBlock(RowBlock):
@@ -125,13 +164,27 @@ class StepBlock(RowBlock):
 
 
 class StepSlice(RowBlock):
-    """Rows ``[start, stop)`` of a :class:`StepBlock` (a microbatch), whose tensors are views of the step's."""
+    """Rows ``[start, stop)`` of a :class:`StepBlock` (a microbatch), whose tensors are views of the step's; its
+    arrays are cut from the step's only when read (the tensors never need them)."""
 
-    def __init__(self, step: StepBlock, start: int, stop: int):
-        flags = None if step.flags is None else step.flags[start:stop]
-        sources = None if step.sources is None else step.sources[start:stop]
-        super().__init__(step.tokens[start:stop], flags, sources)
+    def __init__(self, step: StepBlock, start: int, stop: int):  # no RowBlock.__init__: its fields are properties
         self.step, self.start, self.stop = step, start, stop
+
+    @property
+    def tokens(self) -> np.ndarray:  # type: ignore[override]
+        return self.step.tokens[self.start : self.stop]
+
+    @property
+    def flags(self) -> np.ndarray | None:  # type: ignore[override]
+        return None if self.step.flags is None else self.step.flags[self.start : self.stop]
+
+    @property
+    def sources(self) -> np.ndarray | None:  # type: ignore[override]
+        return None if self.step.sources is None else self.step.sources[self.start : self.stop]
+
+    @property
+    def pieces(self) -> None:  # type: ignore[override]
+        return None
 
 
 def microbatch_tensors(rows: RowBlock, bos_id: int, context_parallel_size: int) -> MicrobatchTensors:

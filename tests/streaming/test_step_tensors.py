@@ -193,3 +193,26 @@ def test_a_steps_tensors_are_built_once_and_its_microbatches_share_no_rows() -> 
     assert step.tensors(BOS, 1) is step.tensors(BOS, 1)
     first.input_ids.fill_(-1)  # a microbatch's tensors are its own rows only
     assert (second.input_ids != -1).all()
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("packing", ["concat", "bestfit_split"])
+def test_runs_built_together_equal_runs_cut_one_at_a_time(packing: str, cp: int) -> None:
+    """Runs of every size asked of one step (a size that does not divide the rows included: its last run is
+    shorter), built all at once per size, equal the same rows cut on their own; no two fields share memory."""
+    block = packed(packing, cp, 3)
+    together = StepTensors(block, BOS, cp)
+    for size in (7, 8, 3, 24, 5):
+        for start in range(0, len(block), size):
+            stop = min(start + size, len(block))
+            got = together.microbatch(start, stop)
+            alone = StepTensors(block.rows(start, stop), BOS, cp).microbatch(0, stop - start)
+            assert (got.sources is None) == (alone.sources is None) == (block.sources is None)
+            for name in ("input_ids", "targets", "position_ids", "sources", "cu_seqlens", "cu_seqlens_padded"):
+                mine, theirs = getattr(got, name), getattr(alone, name)
+                if theirs is not None:
+                    assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), (size, start, name)
+            assert got.max_seqlen == alone.max_seqlen
+            assert got.cu_seqlens.data_ptr() != got.cu_seqlens_padded.data_ptr()
+            assert got.input_ids.is_contiguous() and got.position_ids.is_contiguous()
+    assert together.microbatch(0, 8) is together.microbatch(0, 8)  # built once per size
