@@ -56,7 +56,7 @@ class ConcatPacker:
         """Append one chunk's tokens (BOS-prefixed documents, concatenated).
 
         Args:
-            tokens: 1-D token ids (uint16 kept as they are, anything else as int32).
+            tokens: 1-D int32 token ids.
             doc_starts: where each document starts in ``tokens`` (ascending, the first is 0).
             ref: what the caller needs to find this chunk again.
             skip: tokens of this chunk already emitted (when resuming inside a document).
@@ -70,9 +70,7 @@ class ConcatPacker:
             self._chunk_starts = [s - cut for s in self._chunk_starts[first_live:]]
             del self._chunks[:first_live], self._chunk_docs[:first_live], self._chunk_refs[:first_live]
             del self._chunk_doc_lists[:first_live]
-        tokens = np.asarray(tokens)
-        if tokens.dtype != np.uint16:
-            tokens = tokens.astype(np.int32, copy=False)
+        tokens = np.asarray(tokens, np.int32)
         self._chunk_starts.append(self._end)
         self._chunks.append(tokens)
         self._end += len(tokens)

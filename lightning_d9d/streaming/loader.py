@@ -270,7 +270,7 @@ class _Wire:
 
 def _packed_block(block: RowBlock) -> tuple:
     tokens = block.tokens
-    if tokens.dtype != np.uint16 and tokens.size and int(tokens.max()) < 1 << 16:
+    if tokens.size and int(tokens.max()) < 1 << 16:
         tokens = tokens.astype(np.uint16)
     flags = None
     if block.flags is not None:

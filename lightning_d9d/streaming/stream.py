@@ -180,17 +180,15 @@ class LaidOut:
 
 
 def bos_first(ids: np.ndarray, counts: np.ndarray, starts: np.ndarray, bos_id: int) -> np.ndarray:
-    """Documents' ids (``counts`` each, concatenated) with ``bos_id`` before each, document ``i`` at ``starts[i]``:
-    uint16 where the ids are (a cached unit of a vocabulary under 65,536) and BOS fits, else int32. Rows cut from
-    uint16 documents are half the bytes to join, send and cast; every row is cast to int64 for training anyway.
+    """Documents' ids (``counts`` each, concatenated) as int32 with ``bos_id`` before each, document ``i`` at
+    ``starts[i]``.
 
-    Few long documents are copied one slice each (one pass, any cast made in the copy); many short ones in one
+    Few long documents are copied one slice each (one pass, the int32 cast made in the copy); many short ones in one
     vectorised insert, whose cost does not grow with their number.
     """
-    dtype = np.uint16 if ids.dtype == np.uint16 and 0 <= bos_id < 1 << 16 else np.int32
     if len(counts) * _SLICED_DOCUMENT_TOKENS > len(ids):
-        return np.insert(ids.astype(dtype), starts - np.arange(len(starts)), bos_id)
-    flat = np.empty(len(ids) + len(counts), dtype)
+        return np.insert(ids.astype(np.int32), starts - np.arange(len(starts)), bos_id)
+    flat = np.empty(len(ids) + len(counts), np.int32)
     flat[starts] = bos_id
     at = 0
     for first, stop in zip((starts + 1).tolist(), (starts + 1 + counts).tolist()):
