@@ -148,7 +148,10 @@ def train(
 
 @pytest.fixture
 def restore_sigint():
-    """Lightning ignores SIGINT after a KeyboardInterrupt (so a second Ctrl+C cannot break its shutdown)."""
+    """Python's default SIGINT handler during the test and after it: Lightning ignores SIGINT after a
+    KeyboardInterrupt (so a second Ctrl+C cannot break its shutdown), and a test that sends SIGINT must not depend on
+    what ran before it in the same process."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
