@@ -151,14 +151,9 @@ class StreamPosition(TrainPosition):
         step = self.layout.step_of(self.microbatches)
         return step, self.microbatches - self.layout.before(step)
 
-    def hand_out(self) -> int:
-        """Count one microbatch handed out; returns its index in its step. A step's last commits the states."""
-        step, index = self.next_microbatch()
-        self.hand_out_of(step, index, self.layout.at(step))
-        return index
-
-    def hand_out_of(self, step: int, index: int, count: int) -> None:
-        """:meth:`hand_out` where the next microbatch is known to be ``index`` of the ``count`` of ``step``."""
+    def hand_out(self, step: int, index: int, count: int) -> None:
+        """Count one microbatch handed out: ``index`` of the ``count`` of ``step``, the next one
+        (:meth:`next_microbatch`). A step's last commits the states."""
         self.microbatches += 1
         if index == count - 1:
             self.commit(self.epoch, step + 1)
@@ -448,7 +443,7 @@ class TokenTrainLoader(ResumedByDataModule):
             for j in range(index, count):
                 if position.microbatches != first + j:
                     break
-                position.hand_out_of(step, j, count)
+                position.hand_out(step, j, count)
                 yield self.make_batch(rows.rows(j * m, (j + 1) * m), targets)
 
 
