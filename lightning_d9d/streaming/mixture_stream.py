@@ -115,7 +115,8 @@ class MixtureStream:
             texts = self.buffered_texts.pop(name, None)
             stream = TokenStream(spec.sources[i], k, self.state.sources.get(name), texts)
             subs.append(stream.shaped_blocks(map(sizes.__getitem__, itertools.repeat(i))))
-        skips, step_rows, sources = spec.skipped, self.step_rows, _Sources()
+        skips, step_rows = spec.skipped, self.step_rows
+        sources = np.arange(len(names), dtype=np.int64)
         capacity, capacity_until = 0, step  # the row length, the same up to step capacity_until
         single, first = len(subs) == 1, True
         try:
@@ -144,7 +145,7 @@ class MixtureStream:
                 self.state = MixtureState(step, states)
                 if skipped:
                     continue
-                yield _joined(parts, sources.of(asked)), self.state
+                yield _joined(parts, np.repeat(sources, asked)), self.state
         finally:
             for sub in subs:
                 sub.close()
@@ -167,23 +168,6 @@ def _joined(parts: list[tuple[RowBlock, Any]], sources: np.ndarray) -> RowBlock:
             part.pieces[:, 6] = i
     block.pieces = RowBlock.joined_pieces([part for part, _ in parts])
     return block
-
-
-class _Sources:
-    """Each row's source index for a step's rows per source: a fresh copy (a step's arrays are its own) of an array
-    made once per distinct split."""
-
-    def __init__(self, keep: int = 64):
-        self.keep = keep
-        self.made: dict[tuple[int, ...], np.ndarray] = {}
-
-    def of(self, asked: tuple[int, ...]) -> np.ndarray:
-        made = self.made.get(asked)
-        if made is None:
-            if len(self.made) >= self.keep:  # schedules that change the split every step: keep a few
-                self.made.clear()
-            made = self.made[asked] = np.repeat(np.arange(len(asked), dtype=np.int64), asked)
-        return made.copy()
 
 
 class StepRows:
