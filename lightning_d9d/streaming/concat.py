@@ -41,8 +41,7 @@ class ConcatPacker:
         # offset in the stream of live tokens, its document offsets (relative to it) and its ref.
         self._chunks: list[np.ndarray] = []
         self._chunk_starts: list[int] = []
-        self._chunk_docs: list[np.ndarray] = []
-        self._chunk_doc_lists: list[list[int]] = []  # the same offsets as ints: bisect on them costs less per take
+        self._chunk_docs: list[list[int]] = []  # as ints: bisect on them costs less than numpy per take
         self._chunk_refs: list[object] = []
         self._end = 0  # live tokens buffered
         self._pos = 0  # the next unemitted one
@@ -69,23 +68,18 @@ class ConcatPacker:
             self._end -= cut
             self._chunk_starts = [s - cut for s in self._chunk_starts[first_live:]]
             del self._chunks[:first_live], self._chunk_docs[:first_live], self._chunk_refs[:first_live]
-            del self._chunk_doc_lists[:first_live]
         tokens = np.asarray(tokens, np.int32)
         self._chunk_starts.append(self._end)
         self._chunks.append(tokens)
         self._end += len(tokens)
-        self._chunk_docs.append(np.asarray(doc_starts, np.int64))
-        self._chunk_doc_lists.append(self._chunk_docs[-1].tolist())
+        self._chunk_docs.append(np.asarray(doc_starts, np.int64).tolist())
         self._chunk_refs.append(ref)
         self._pos += skip
 
     def take(self, num_rows: int, capacity: int | None = None) -> np.ndarray | None:
         """``(num_rows, capacity)`` tokens (default: the packer's capacity), or ``None`` when fewer are buffered (add
         more, retry)."""
-        if capacity is None:
-            capacity = self.capacity
-        elif capacity <= 1:
-            _checked_capacity(capacity)
+        capacity = self.capacity if capacity is None else _checked_capacity(capacity)
         need, pos = num_rows * capacity, self._pos
         if self._end - pos < need:
             return None
@@ -113,10 +107,10 @@ class ConcatPacker:
         i = bisect.bisect_right(self._chunk_starts, start) - 1
         while start < stop:
             base, docs, size = self._chunk_starts[i], self._chunk_docs[i], len(self._chunks[i])
-            doc = int(np.searchsorted(docs, start - base, side="right")) - 1
+            doc = bisect.bisect_right(docs, start - base) - 1
             while start < stop and start - base < size:
-                end = min(base + (int(docs[doc + 1]) if doc + 1 < len(docs) else size), stop)
-                spans.append((start, end - start, self._chunk_refs[i], doc, start - base - int(docs[doc])))
+                end = min(base + (docs[doc + 1] if doc + 1 < len(docs) else size), stop)
+                spans.append((start, end - start, self._chunk_refs[i], doc, start - base - docs[doc]))
                 start, doc = end, doc + 1
             i += 1
         return spans
@@ -129,7 +123,7 @@ class ConcatPacker:
             return self._chunk_refs[-1], len(self._chunk_docs[-1]), 0
         i = bisect.bisect_right(self._chunk_starts, self._pos) - 1
         offset = self._pos - self._chunk_starts[i]
-        docs = self._chunk_doc_lists[i]
+        docs = self._chunk_docs[i]
         doc = bisect.bisect_right(docs, offset) - 1
         return self._chunk_refs[i], doc, offset - docs[doc]
 
