@@ -12,7 +12,6 @@ for a little padding, but a chunk loses attention to its predecessors.
 from __future__ import annotations
 
 import bisect
-import zlib
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -408,7 +407,7 @@ class BestFitSplitPacker(BestFitPacker):
 
     def add(self, tokens: np.ndarray, key: tuple[int, int]) -> None:  # type: ignore[override]
         """Buffer one whole document (1-D ids, BOS first): one piece, or all its chunks when longer than a row."""
-        tokens = np.ascontiguousarray(tokens, np.int32)  # its chunks are then contiguous: CRC-32 reads them as they are
+        tokens = np.ascontiguousarray(tokens, np.int32)  # its chunks are then contiguous: hashed as they are
         length = len(tokens)
         if tokens.ndim != 1 or length == 0:
             raise ValueError(f"a document must be a non-empty 1-D token array, got shape {tokens.shape}")
@@ -422,7 +421,7 @@ class BestFitSplitPacker(BestFitPacker):
             for chunk, at in enumerate(range(0, length, capacity)):
                 piece = tokens[at : at + capacity]
                 size = capacity if chunk < last else length - at
-                push(size, (seq + chunk, size, key0, key1, at, int(chunk == last), zlib.crc32(piece), size),
+                push(size, (seq + chunk, size, key0, key1, at, int(chunk == last), prefix_hash(piece), size),
                      (piece, chunk > 0))  # fmt: skip
             self.next_seq = seq + last + 1
             self.counters.split_docs += 1

@@ -305,8 +305,10 @@ def kept_rows(table: np.ndarray, keep: np.ndarray, added: np.ndarray) -> np.ndar
 
 
 def prefix_hash(tokens: np.ndarray) -> int:
-    """A 32-bit checksum of a token prefix, to verify a prefix rebuilt on resume."""
-    return zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32))  # crc32 reads the buffer itself, no copy
+    """A 32-bit checksum of a token prefix (its int32 bytes), to verify a prefix rebuilt on resume."""
+    if tokens.dtype != np.int32 or not tokens.flags.c_contiguous:  # else crc32 reads the buffer as it is
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    return zlib.crc32(tokens)
 
 
 def read_kind(state: Mapping[str, Any], path: str, expected: str) -> None:
