@@ -52,7 +52,7 @@ sys.path.insert(0, _TREE)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from common import Child, Inline, in_child, print_verdicts
-from streaming import stdlib_texts, train_tokenizer, write_corpus
+from streaming import stdlib_corpus
 
 PEER_TARGET, LIMIT_TARGET, SPLIT_TARGET, TOKENIZING_TARGET = 1.0, 0.10, 0.8, 0.95
 DIGEST_STEPS = 2  # steps whose rows each DataModule configuration digests at its start (untimed)
@@ -408,11 +408,7 @@ def prepare(root: Path, options: argparse.Namespace) -> dict:
     """Corpus, tokenizer, a filled token cache, and the rows concat gave (tiled to ``--peer-rows``) as a memmap."""
     shape = {"seq_len": options.seq_len, "global_batch": options.global_batch, "microbatch": options.microbatch,
              "workers": options.workers}  # fmt: skip
-    texts = stdlib_texts(options.mb)
-    files = write_corpus(root / "data", texts, row_group_size=64)
-    tok = train_tokenizer(texts, options.vocab)
-    tokenizer = str(root / "tokenizer.json")
-    tok.save(tokenizer)
+    texts, files, tokenizer, tok = stdlib_corpus(root, options.mb, options.vocab)
     tokens = sum(len(e) + 1 for e in tok.encode_batch_fast(texts))
     capacity = options.seq_len + 1
     steps = max(4, tokens // (options.global_batch * capacity))  # about one pass

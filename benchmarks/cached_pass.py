@@ -52,7 +52,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from cached_loaders import _import_mosaic, _litdata_loader, peer_data, ratios, spread
 from common import in_child, print_verdicts
-from streaming import stdlib_texts, train_tokenizer, write_corpus
+from streaming import stdlib_corpus
 
 SPEEDUP_TARGET = 10.0
 RESUME_FIRST_BATCH_S = 0.3
@@ -298,11 +298,7 @@ def main() -> None:
         options.resumes = 1
     root = Path(tempfile.mkdtemp(prefix="cached-pass-"))
     try:
-        texts = stdlib_texts(mb)
-        files = write_corpus(root / "data", texts, row_group_size=64)
-        tokenizer = str(root / "tokenizer.json")
-        tok = train_tokenizer(texts, 1024 if options.quick else 8192)
-        tok.save(tokenizer)
+        texts, files, tokenizer, tok = stdlib_corpus(root, mb, 1024 if options.quick else 8192)
         tokens = sum(len(e) + 1 for e in tok.encode_batch_fast(texts))
         args["steps"] = max(4, int(tokens // (args["global_batch"] * (args["seq_len"] + 1))))  # about one pass
         parquet_mb = _size(root / "data") / 1e6

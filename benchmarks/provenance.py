@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from common import print_verdicts
-from streaming import stdlib_texts, train_tokenizer, write_corpus
+from streaming import stdlib_corpus
 
 QUERY_TARGET_S = 5.0
 
@@ -97,10 +97,7 @@ def main() -> None:
         options.mb, options.steps, options.every, options.queries = 0.3, 300, 50, 2
     root = Path(tempfile.mkdtemp(prefix="provenance-"))
     try:
-        texts = stdlib_texts(options.mb)
-        files = write_corpus(root / "data", texts, row_group_size=64)
-        tokenizer = str(root / "tokenizer.json")
-        train_tokenizer(texts, 1024 if options.quick else 8192).save(tokenizer)
+        texts, files, tokenizer, _ = stdlib_corpus(root, options.mb, 1024 if options.quick else 8192)
         small, usual = (16, 128), (16, 256) if options.quick else (64, 1024)
         fill = datamodule(files, tokenizer, root, usual, 10**9, 10**9)  # one pass fills the token cache
         train(fill, max(20, int(sum(map(len, texts)) / 3 / (usual[0] * usual[1]))), set())

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from common import in_child, print_verdicts
-from streaming import stdlib_texts, train_tokenizer, write_corpus
+from streaming import stdlib_corpus
 
 THROUGHPUT_TARGET = 0.95
 PADDING_MARGIN = 0.0025  # the scheduled run's padding at a shape may exceed the fixed run's by this much
@@ -174,10 +174,7 @@ def main() -> None:
     args = {"workers": options.workers}
     root = Path(tempfile.mkdtemp(prefix="schedule-"))
     try:
-        texts = stdlib_texts(options.mb)
-        files = write_corpus(root / "data", texts, row_group_size=64)
-        tokenizer = str(root / "tokenizer.json")
-        train_tokenizer(texts, 1024 if options.quick else 8192).save(tokenizer)
+        texts, files, tokenizer, _ = stdlib_corpus(root, options.mb, 1024 if options.quick else 8192)
         scheduled, fixed = schedules(options.phase_tokens, 8 if options.quick else WARMUP_ROWS_PER_STREAM)
         print(f"corpus: {len(texts)} documents, {sum(map(len, texts)) / 1e6:.1f} MB of text; phases (G, seq_len) "
               f"{SHAPES} of {[b - a for a, b in scheduled['timed'][1:]]} steps after the first; {options.workers} "

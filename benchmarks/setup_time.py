@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from common import in_child, print_verdicts
-from streaming import stdlib_texts, train_tokenizer, write_corpus
+from streaming import stdlib_corpus
 
 RATIO_TARGET, SECONDS_TARGET = 0.1, 0.5
 CONFIGURATIONS = ("no cache", "filled cache", "first count", "epoch given")
@@ -143,10 +143,7 @@ def main() -> None:
         args.update(seq_len=256, global_batch=16, workers=0)
     root = Path(tempfile.mkdtemp(prefix="setup-time-"))
     try:
-        texts = stdlib_texts(options.mb)
-        files = write_corpus(root / "data", texts, row_group_size=64)
-        tokenizer = str(root / "tokenizer.json")
-        train_tokenizer(texts, 1024 if options.quick else 8192).save(tokenizer)
+        texts, files, tokenizer, _ = stdlib_corpus(root, options.mb, 1024 if options.quick else 8192)
         cache = str(root / "cache")
         began = time.perf_counter()
         batches = in_child(_fill, files, tokenizer, cache, args, inline=options.quick)

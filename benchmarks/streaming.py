@@ -133,6 +133,18 @@ def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
     return tok
 
 
+def stdlib_corpus(root: Path, mb: float, vocab: int) -> tuple[list[str], str, str, Tokenizer]:
+    """The stdlib corpus of the cached benchmarks: ``mb`` MB of text as one parquet file in row groups of 64 documents
+    under ``root / "data"``, and a byte-level BPE of ``vocab`` tokens trained on it, saved as ``root /
+    "tokenizer.json"``: ``(texts, files, tokenizer path, tokenizer)``."""
+    texts = stdlib_texts(mb)
+    files = write_corpus(root / "data", texts, row_group_size=64)
+    tok = train_tokenizer(texts, vocab)
+    tokenizer = str(root / "tokenizer.json")
+    tok.save(tokenizer)
+    return texts, files, tokenizer, tok
+
+
 def _index(files: str):
     from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 
