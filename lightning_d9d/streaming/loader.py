@@ -360,7 +360,7 @@ def steps_of(blocks: Iterator[tuple], streams: int) -> Iterator[tuple[RowBlock, 
             sid, block, state = next(blocks)
             parts.append(block)
             states[sid] = state
-        yield StepBlock(RowBlock.joined(parts)), states
+        yield StepBlock(*parts), states
 
 
 @dataclass

@@ -126,10 +126,14 @@ class RowBlock:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def capacity(self) -> int:
+        """Tokens per row (``seq_len + 1``)."""
+        return self.tokens.shape[1]
+
     def target_count(self) -> int:
         """The positions of these rows that have a target (all but those whose next token is ``NO_TARGET``)."""
-        rows, capacity = self.tokens.shape
-        positions = rows * (capacity - 1)
+        positions = len(self) * (self.capacity - 1)
         if self.flags is None:
             return positions
         return positions - int(np.count_nonzero(self.flags[:, 1:] & NO_TARGET))

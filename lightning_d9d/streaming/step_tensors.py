@@ -1,15 +1,15 @@
 """Step tensors: a step's packed rows turned into a microbatch's tensors, vectorised over all the step's rows at once.
 
-``(rows, seq_len + 1)`` token ids become int64 ``input_ids`` and ``targets`` (one cast each), ``position_ids`` (the
-flat offset less the last sequence start at or before it: one ``np.repeat``) and the sequence bounds (the flat
-sequence starts, found once). A sequence starts at every row start and at BOS (``concat``, and ``bestfit`` without
-context parallelism) or at a ``START`` flag (flagged rows); a ``NO_TARGET`` flag makes a target ``-100``. A run of
-rows (a microbatch) is then a view of the step's tensors plus its slice of the bounds, since no sequence crosses a
-row. The microbatches of one size are built together on the first one's request: one torch split per field
-(a torch view costs more than all the numpy work of a microbatch) and every run's ``cu_seqlens`` in one numpy pass;
-any other run of rows is cut on its own. Trade-off: the step's tensors live as long as any of its microbatches (a
-step's worth of int64 memory), for a few numpy calls per step instead of per microbatch, and no Python per row or
-per sequence.
+``(rows, seq_len + 1)`` token ids become int64 ``input_ids`` and ``targets`` (one cast each, made in the copy that joins
+the blocks the step's rows arrived in), ``position_ids`` (the flat offset less the last sequence start at or before it:
+one ``np.repeat``) and the sequence bounds (the flat sequence starts, found once). A sequence starts at every row start
+and at BOS (``concat``, and ``bestfit`` without context parallelism) or at a ``START`` flag (flagged rows); a
+``NO_TARGET`` flag makes a target ``-100``. A run of rows (a microbatch) is then a view of the step's tensors plus its
+slice of the bounds, since no sequence crosses a row. The microbatches of one size are built together on the first one's
+request: one torch split per field (a torch view costs more than all the numpy work of a microbatch) and every run's
+``cu_seqlens`` in one numpy pass; any other run of rows is cut on its own. Trade-off: the step's tensors live as long as
+any of its microbatches (a step's worth of int64 memory), for a few numpy calls per step instead of per microbatch, and
+no Python per row or per sequence.
 """
 
 from __future__ import annotations
@@ -58,16 +58,16 @@ class StepTensors:
     """
 
     def __init__(self, rows: RowBlock, bos_id: int, context_parallel_size: int = 1):
-        tokens, flags = rows.tokens, rows.flags
-        count, capacity = tokens.shape
+        parts = rows.token_parts if isinstance(rows, StepBlock) else [rows.tokens]
+        flags, count, capacity = rows.flags, len(rows), rows.capacity
         width = self.width = capacity - 1
         self.count = count
-        inputs, targets = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
+        inputs, targets = _columns(parts, slice(None, -1)), _columns(parts, slice(1, None))
         size = count * width
         row_starts = np.arange(0, size + 1, width)
         pads = None  # CP padding's input offsets, where they count
         if flags is None:
-            starts = tokens[:, :-1] == bos_id
+            starts = inputs == bos_id
             starts[:, 0] = True
             bounds = np.append(np.flatnonzero(starts), size)  # every sequence start, then the end
         else:  # flags are sparse: their offsets once, then each bit among them
@@ -137,6 +137,17 @@ class StepTensors:
         return list(map(MicrobatchTensors._make, zip(*tensors, cu_seqlens, cu_padded, longest)))
 
 
+def _columns(parts: list[np.ndarray], columns: slice) -> np.ndarray:
+    """``columns`` of every row of the parts, as one int64 array: the cast made in the one copy that joins them."""
+    if len(parts) == 1:
+        return parts[0][:, columns].astype(np.int64)
+    return np.concatenate([part[:, columns] for part in parts], dtype=np.int64)
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # a block's arrays are never written: shared
+
+
 def _from_zero(bounds: np.ndarray) -> np.ndarray:
     return (bounds - bounds[0]).astype(np.int32)
 
@@ -146,12 +157,33 @@ def _rows(tensor: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | 
 
 
 class StepBlock(RowBlock):
-    """A step's rows whose tensors are built once for all its microbatches: :meth:`rows` gives a
-    :class:`StepSlice`, which :func:`microbatch_tensors` serves from the step's :class:`StepTensors`."""
+    """A step's rows, kept as the blocks they arrived in (its streams', or its workers'), whose tensors are built once
+    for all its microbatches: :meth:`rows` gives a :class:`StepSlice`, which :func:`microbatch_tensors` serves from
+    the step's :class:`StepTensors`. The tensors are cut from the blocks directly (the int64 cast is the copy that
+    joins them); ``tokens`` are joined only when read.
+    """
 
-    def __init__(self, block: RowBlock):
-        super().__init__(block.tokens, block.flags, block.sources)
+    def __init__(self, *blocks: RowBlock):  # no RowBlock.__init__: tokens is a property
+        self.token_parts = [block.tokens for block in blocks]
+        self.flags = None if blocks[0].flags is None else _joined([block.flags for block in blocks])
+        self.sources = None if blocks[0].sources is None else _joined([block.sources for block in blocks])
+        self.pieces = None
+        self.count = sum(len(part) for part in self.token_parts)
+        self._tokens: np.ndarray | None = None
         self._built: tuple[tuple[int, int], StepTensors] | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:  # type: ignore[override]
+        if self._tokens is None:
+            self._tokens = _joined(self.token_parts)
+        return self._tokens
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def capacity(self) -> int:
+        return self.token_parts[0].shape[1]
 
     def rows(self, start: int, stop: int) -> StepSlice:
         return StepSlice(self, start, stop)
@@ -169,6 +201,13 @@ class StepSlice(RowBlock):
 
     def __init__(self, step: StepBlock, start: int, stop: int):  # no RowBlock.__init__: its fields are properties
         self.step, self.start, self.stop = step, start, stop
+
+    def __len__(self) -> int:
+        return max(0, min(self.stop, len(self.step)) - self.start)
+
+    @property
+    def capacity(self) -> int:
+        return self.step.capacity
 
     @property
     def tokens(self) -> np.ndarray:  # type: ignore[override]

@@ -88,10 +88,18 @@ def assert_matches(got, expected: Expected) -> None:
     assert got.max_seqlen == expected.max_seqlen
 
 
-def check_every_microbatch(block: RowBlock, microbatch: int, cp: int) -> None:
+def check_every_microbatch(block: RowBlock, microbatch: int, cp: int, cuts: list[int] | None = None) -> None:
     """Each microbatch of the step (and a run of rows across microbatches), cut from the step's tensors, equals the
-    walk over its own rows; so do the rows built on their own, and the per-microbatch functions."""
+    walk over its own rows; so do the rows built on their own, the per-microbatch functions, and the step kept as
+    the blocks it arrived in (``block`` cut at ``cuts``, empty blocks included), whose rows read as the joined ones."""
     step = StepBlock(block)
+    bounds = [0, *sorted(min(cut, len(block)) for cut in cuts or [len(block) // 2]), len(block)]
+    arrived = StepBlock(*[block.rows(start, stop) for start, stop in itertools.pairwise(bounds)])
+    assert len(arrived) == len(block) and arrived.target_count() == block.target_count()
+    assert np.array_equal(arrived.tokens, block.tokens)
+    for name in ("flags", "sources"):
+        assert (getattr(arrived, name) is None) == (getattr(block, name) is None), name
+        assert getattr(block, name) is None or np.array_equal(getattr(arrived, name), getattr(block, name)), name
     aligned = [(start, min(start + microbatch, len(block))) for start in range(0, len(block), microbatch)]
     unaligned = [(start + 1, stop) for start, stop in aligned if stop - start > 2]  # cut apart, not split off
     for start, stop in aligned + unaligned:
@@ -99,7 +107,11 @@ def check_every_microbatch(block: RowBlock, microbatch: int, cp: int) -> None:
         expected = reference(block.tokens[start:stop], None if block.flags is None else block.flags[start:stop],
                              BOS, cp)  # fmt: skip
         alone = RowBlock(part.tokens.copy(), None if part.flags is None else part.flags.copy(), part.sources)
-        for got in (microbatch_tensors(part, BOS, cp), microbatch_tensors(alone, BOS, cp)):
+        arrived_part = arrived.rows(start, stop)
+        assert len(part) == len(arrived_part) == stop - start
+        assert arrived_part.capacity == part.capacity == block.tokens.shape[1]
+        for got in (microbatch_tensors(part, BOS, cp), microbatch_tensors(alone, BOS, cp),
+                    microbatch_tensors(arrived_part, BOS, cp)):  # fmt: skip
             assert_matches(got, expected)
             if block.sources is None:
                 assert got.sources is None
@@ -127,14 +139,16 @@ def check_every_microbatch(block: RowBlock, microbatch: int, cp: int) -> None:
     cp=st.sampled_from([1, 2, 4]),
     dtype=st.sampled_from([np.uint16, np.int32]),
     seed=st.integers(0, 2**32 - 1),
+    cuts=st.lists(st.integers(0, 12), max_size=4),
 )
-def test_random_rows_and_flags_match_the_walk(rows, width, microbatch, flagged, cp, dtype, seed) -> None:
-    """Any flag bits anywhere (not only what a packer writes), BOS at random places, empty steps included."""
+def test_random_rows_and_flags_match_the_walk(rows, width, microbatch, flagged, cp, dtype, seed, cuts) -> None:
+    """Any flag bits anywhere (not only what a packer writes), BOS at random places, empty steps included, the step
+    arriving in any number of blocks."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 6, (rows, width + 1)).astype(dtype)  # small ids: BOS (1) comes often
     flags = rng.integers(0, 8, (rows, width + 1)).astype(np.uint8) if flagged else None
     sources = rng.integers(0, 3, rows).astype(np.int64)
-    check_every_microbatch(RowBlock(tokens, flags, sources), microbatch, cp)
+    check_every_microbatch(RowBlock(tokens, flags, sources), microbatch, cp, cuts)
 
 
 def test_bos_ids_beyond_the_token_dtype_and_one_token_rows() -> None:
