@@ -34,8 +34,13 @@ print("finished", flush=True)
 
 
 def children(pid: int) -> set[int]:
+    """The children of ``pid``'s threads; none once it has ended (its /proc entry may go while it is listed)."""
     found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
         try:
             found |= {int(child) for child in (task / "children").read_text().split()}
         except OSError:
