@@ -8,8 +8,8 @@ anything is timed. Method and figures: ``docs/benchmarks_streaming.md`` (*Cached
 
 Configurations, each in a process of its own, started once and frozen (``SIGSTOP``) outside its own windows:
 
-* ``PretrainingDataModule`` (K 16, seq_len 1024, G 64, m 8) reading the filled cache: ``concat`` and
-  ``bestfit_split`` with ``--workers`` DataLoader workers and in-process (``num_workers=0``);
+* ``PretrainingDataModule`` (K 16, or ``--num-streams``; seq_len 1024, G 64, m 8) reading the filled cache:
+  ``concat`` and ``bestfit_split`` with ``--workers`` DataLoader workers and in-process (``num_workers=0``);
 * the limit: a bare loop copying blocks of ``m`` rows of the same rows (concat's, as raw ids in a uint16 memmap)
   into ``[m, seq_len + 1]`` int64 tensors, in ``--workers`` processes at once and in one;
 * optional peers, where importable (they pull torchvision, so they are no dependency of this package): litdata
@@ -65,7 +65,7 @@ def _datamodule(files: str, tokenizer: str, packing: str, workers: int, cache: s
     dm = PretrainingDataModule(
         files, tokenizer, seq_len=shape["seq_len"], global_batch_size=shape["global_batch"],
         microbatch_size=shape["microbatch"], packing=packing, num_workers=workers, steps_per_epoch=10**9,
-        pin_memory=False, token_cache=cache,
+        pin_memory=False, token_cache=cache, num_streams=shape["num_streams"],
     )  # fmt: skip
     dm.setup("fit")
     return dm
@@ -407,7 +407,7 @@ def report(rates: dict, infos: dict, workers: int) -> list[tuple[bool, str]]:
 def prepare(root: Path, options: argparse.Namespace) -> dict:
     """Corpus, tokenizer, a filled token cache, and the rows concat gave (tiled to ``--peer-rows``) as a memmap."""
     shape = {"seq_len": options.seq_len, "global_batch": options.global_batch, "microbatch": options.microbatch,
-             "workers": options.workers}  # fmt: skip
+             "workers": options.workers, "num_streams": options.num_streams}  # fmt: skip
     texts, files, tokenizer, tok = stdlib_corpus(root, options.mb, options.vocab)
     tokens = sum(len(e) + 1 for e in tok.encode_batch_fast(texts))
     capacity = options.seq_len + 1
@@ -432,6 +432,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--num-streams", type=int, default=16, help="K (the DataModule's default: 16)")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=6, help="windows per configuration (even: balanced order)")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per window")
