@@ -131,6 +131,11 @@ class RowBlock:
         """Tokens per row (``seq_len + 1``)."""
         return self.tokens.shape[1]
 
+    @property
+    def token_parts(self) -> list[np.ndarray]:
+        """The rows' tokens as the arrays that hold them, in order (one here; a step keeps its streams' blocks)."""
+        return [self.tokens]
+
     def target_count(self) -> int:
         """The positions of these rows that have a target (all but those whose next token is ``NO_TARGET``)."""
         positions = len(self) * (self.capacity - 1)
@@ -164,11 +169,19 @@ class RowBlock:
 
     @classmethod
     def joined(cls, blocks: list[RowBlock]) -> RowBlock:
-        if len(blocks) == 1:  # a block's arrays are never written after it is made: share them, copy nothing
-            return cls(blocks[0].tokens, blocks[0].flags, blocks[0].sources)
-        flags = None if blocks[0].flags is None else np.concatenate([block.flags for block in blocks])
-        sources = None if blocks[0].sources is None else np.concatenate([block.sources for block in blocks])
-        return cls(np.concatenate([block.tokens for block in blocks]), flags, sources)
+        return cls(joined_arrays([block.tokens for block in blocks]), *cls.joined_marks(blocks))
+
+    @staticmethod
+    def joined_marks(blocks: list[RowBlock]) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The blocks' ``(flags, sources)``, each ``None`` where the blocks have none."""
+        flags = None if blocks[0].flags is None else joined_arrays([block.flags for block in blocks])
+        sources = None if blocks[0].sources is None else joined_arrays([block.sources for block in blocks])
+        return flags, sources
+
+
+def joined_arrays(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays end to end; a single one is shared as it is (a block's arrays are never written after it is made)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 class PackingState(Protocol):

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from lightning_d9d.streaming.packing import CP_PAD, NO_TARGET, START, RowBlock
+from lightning_d9d.streaming.packing import CP_PAD, NO_TARGET, START, RowBlock, joined_arrays
 from lightning_d9d.tokens import IGNORE_INDEX
 
 _ORIGINS: dict[int, np.ndarray] = {}  # flat offsets 0..n-1 by n (read-only), reused step after step
@@ -58,8 +58,7 @@ class StepTensors:
     """
 
     def __init__(self, rows: RowBlock, bos_id: int, context_parallel_size: int = 1):
-        parts = rows.token_parts if isinstance(rows, StepBlock) else [rows.tokens]
-        flags, count, capacity = rows.flags, len(rows), rows.capacity
+        parts, flags, count, capacity = rows.token_parts, rows.flags, len(rows), rows.capacity
         width = self.width = capacity - 1
         self.count = count
         inputs, targets = _columns(parts, slice(None, -1)), _columns(parts, slice(1, None))
@@ -144,10 +143,6 @@ def _columns(parts: list[np.ndarray], columns: slice) -> np.ndarray:
     return np.concatenate([part[:, columns] for part in parts], dtype=np.int64)
 
 
-def _joined(arrays: list[np.ndarray]) -> np.ndarray:
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # a block's arrays are never written: shared
-
-
 def _from_zero(bounds: np.ndarray) -> np.ndarray:
     return (bounds - bounds[0]).astype(np.int32)
 
@@ -164,26 +159,29 @@ class StepBlock(RowBlock):
     """
 
     def __init__(self, *blocks: RowBlock):  # no RowBlock.__init__: tokens is a property
-        self.token_parts = [block.tokens for block in blocks]
-        self.flags = None if blocks[0].flags is None else _joined([block.flags for block in blocks])
-        self.sources = None if blocks[0].sources is None else _joined([block.sources for block in blocks])
+        self._parts = [block.tokens for block in blocks]
+        self.flags, self.sources = RowBlock.joined_marks(list(blocks))
         self.pieces = None
-        self.count = sum(len(part) for part in self.token_parts)
+        self.count = sum(len(part) for part in self._parts)
         self._tokens: np.ndarray | None = None
         self._built: tuple[tuple[int, int], StepTensors] | None = None
 
     @property
     def tokens(self) -> np.ndarray:  # type: ignore[override]
         if self._tokens is None:
-            self._tokens = _joined(self.token_parts)
+            self._tokens = joined_arrays(self._parts)
         return self._tokens
+
+    @property
+    def token_parts(self) -> list[np.ndarray]:
+        return self._parts
 
     def __len__(self) -> int:
         return self.count
 
     @property
     def capacity(self) -> int:
-        return self.token_parts[0].shape[1]
+        return self._parts[0].shape[1]
 
     def rows(self, start: int, stop: int) -> StepSlice:
         return StepSlice(self, start, stop)
