@@ -45,14 +45,15 @@ SUFFIX = {"none": ".jsonl", "gzip": ".jsonl.gz", "gzip-members": ".json.gz", "zs
 
 
 def compress(data: bytes, kind: str, frame_bytes: int = 700) -> bytes:
-    """``data`` as ``kind``: multi-frame kinds cut it every ``frame_bytes`` bytes, wherever lines are."""
+    """``data`` as ``kind``: multi-frame kinds cut it every ``frame_bytes`` bytes, wherever lines are. A gzip member
+    records no time (``mtime=0``): the same lines written again are the same bytes, even a second later."""
     cuts = range(0, max(len(data), 1), frame_bytes)
     if kind == "none":
         return data
     if kind == "gzip":
-        return gzip.compress(data)
+        return gzip.compress(data, mtime=0)
     if kind == "gzip-members":
-        return b"".join(gzip.compress(data[i : i + frame_bytes]) for i in cuts)
+        return b"".join(gzip.compress(data[i : i + frame_bytes], mtime=0) for i in cuts)
     compressor = zstandard.ZstdCompressor()
     if kind == "zstd":
         return compressor.compress(data)
