@@ -26,7 +26,6 @@ import torch
 from make_row_digests import HERE, Lengths, digest_batches, documents, pad_collate, tokenizer, write_jsonl  # isort: skip
 
 from lightning_d9d import D9DDataModule, PretrainingDataModule
-from lightning_d9d.datamodules.pretraining_state import STATE_VERSION
 
 FIXTURES = HERE / "checkpoints"
 SAVE_AT, MAX_STEPS = 3, 8  # the checkpoint after 3 optimizer steps; 8 in all (epochs of 5: across an epoch end)
@@ -59,7 +58,7 @@ def d9d_datamodule(root: Path) -> D9DDataModule:
 
 
 KINDS = {
-    "pretraining": (pretraining_datamodule, f"pretraining_state_v{STATE_VERSION}"),
+    "pretraining": (pretraining_datamodule, "pretraining_state_v2"),  # the DataModule state's "version"
     "d9d": (d9d_datamodule, "d9d_state"),
 }
 
@@ -119,18 +118,19 @@ def expected(kind: str) -> dict[str, Any]:
 
 def write_fixtures() -> None:
     """Writes every fixture that does not exist yet (delete one on purpose to write it again)."""
-    FIXTURES.mkdir(exist_ok=True)
-    for kind, (make, name) in KINDS.items():
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    for make, name in KINDS.values():
         ckpt = FIXTURES / f"{name}.ckpt"
         if ckpt.exists():
             print(f"{ckpt.name} exists: kept (a fixture is written once)")
             continue
         with tempfile.TemporaryDirectory(prefix="golden-ckpt-") as tmp:
-            module, saver = fit(make(Path(tmp)), Path(tmp), save=ckpt)
+            datamodule = make(Path(tmp))
+            module, saver = fit(datamodule, Path(tmp), save=ckpt)
         assert saver.saved_after is not None, "the checkpoint was not written"
         record = {
             "note": "batches after the checkpoint in the uninterrupted run; written once, never regenerated",
-            "state_version": STATE_VERSION if kind == "pretraining" else None,
+            "state_version": torch.load(ckpt, weights_only=True)[type(datamodule).__qualname__].get("version"),
             "lightning": pl.__version__,
             "saved_after_step": SAVE_AT,
             "max_steps": MAX_STEPS,
