@@ -67,7 +67,7 @@ def test_entries_that_must_coincide_do(computed: dict) -> None:
     for name in [n for n in computed if n.endswith("/token_cache")]:  # filled, then read: the same rows
         rows = batches(computed, name)
         assert len(rows) == 24 * m and rows[: 12 * m] == rows[12 * m :], name
-    # Workers and in-process give the same rows; CP's rows differ (laid out for CP) but have as many microbatches.
+    # Workers and in-process give the same rows.
     assert batches(computed, "pretraining/concat/workers2") == batches(computed, "pretraining/concat")
     assert batches(computed, "pretraining/bestfit_split/workers2") == batches(computed, "pretraining/bestfit_split")
     # skip_data [[2, 4]] at a resume at step 2: steps 0, 1 as before, then step 2 trains step 4's rows, and so on.
