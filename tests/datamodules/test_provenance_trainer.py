@@ -5,7 +5,11 @@ map-style DataModule names the samples of any step."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,6 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from support import LengthDataset, RecordingModule, make_docs, pad_collate, small_corpus
+from tokenizers import Tokenizer
 
 from lightning_d9d import D9DDataModule, PretrainingDataModule
 from lightning_d9d.datamodules.loss_spike import LossSpikeProvenance
@@ -134,3 +139,98 @@ def test_checkpoints_of_a_run_keep_its_edits_and_the_ledger_records_its_resume(d
     records = sorted(p.name for p in (tmp_path / "ledger").iterdir())
     assert records == ["000000000005", "000000000010"], "the resume and every 10 steps"
     assert dm.state_dict()["edits"]["skips"] == [[7, 2]]
+
+
+# ------------------------------------------------------------------------------------------------ a planted spike
+PLANTED_AT = 12
+SPIKE_WORD = "spikeword"
+
+
+def _spike_options(corpus: Path, root: Path, **changes: Any) -> dict[str, Any]:
+    options = dict(train_files=str(corpus / "train"), tokenizer=str(corpus / "tokenizer.json"), seq_len=16,
+                   global_batch_size=8, microbatch_size=2, num_streams=4, steps_per_epoch=40, num_workers=0,
+                   packing="concat", provenance_dir=str(root / "ledger"), provenance_every=5)  # fmt: skip
+    return options | changes
+
+
+def _run_spike_script(config: dict[str, Any]) -> None:
+    script = Path(__file__).parents[1] / "spike_script.py"
+    result = subprocess.run([sys.executable, str(script), json.dumps(config)], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _where(piece: Any) -> tuple[str, int, int]:
+    return Path(piece.file).name, piece.row_group, piece.document_row
+
+
+def _trained(record_dir: Path) -> dict[int, list[tuple[int, list[list[int]]]]]:
+    """Per step, the (rank, token rows) of every microbatch the model trained."""
+    out: dict[int, list] = {}
+    for path in sorted(record_dir.glob("records-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            out.setdefault(record["step"], []).append((record["rank"], record["rows"]))
+    return out
+
+
+@pytest.mark.slow
+def test_a_spike_on_rank_1_is_seen_and_its_advice_file_removes_the_planted_documents_from_every_step(
+    tmp_path: Path,
+) -> None:
+    docs = make_docs(240, seed=11, max_words=20, long_every=9, long_words=40, empties=False)
+    plain = small_corpus(tmp_path / "plain", docs, row_group_size=10)
+    # Choose the documents to plant: those rank 1's rows (4..7 of 8) hold at step 12, trained in no earlier step.
+    asker = PretrainingDataModule(**_spike_options(plain, tmp_path / "dry"))
+    asker.setup("fit")
+    pieces = asker.provenance(range(PLANTED_AT + 1), untrained=True)
+    earlier = {_where(p) for p in pieces if p.step < PLANTED_AT}
+    at_spike = [p for p in pieces if p.step == PLANTED_AT]
+    on_rank_0 = {_where(p) for p in at_spike if p.batch_row < 4}
+    chosen = {_where(p) for p in at_spike if p.batch_row >= 4} - earlier - on_rank_0
+    assert chosen, "no document starts in rank 1's rows at the step chosen"
+    # The corpus's own layout (write_parquet: 2 files of 120 rows, row groups of 10) names each chosen document.
+    planted = [int(file[5:8]) * 120 + group * 10 + row for file, group, row in chosen]
+    # Words become the spike word one for one: a word-level tokenizer gives every document its length, so packing
+    # and every row's layout are unchanged, and the spike word's token marks the planted documents' tokens.
+    docs = [" ".join([SPIKE_WORD] * len(doc.split())) if i in planted else doc for i, doc in enumerate(docs)]
+    corpus = small_corpus(tmp_path / "corpus", docs, row_group_size=10)
+    token = Tokenizer.from_file(str(corpus / "tokenizer.json")).token_to_id(SPIKE_WORD)
+    assert token is not None
+
+    first = {"record_dir": str(tmp_path / "first"), "spike_dir": str(tmp_path / "spikes"), "spike_token": token,
+             "ckpt_dir": str(tmp_path / "ckpt"), "devices": 2, "max_steps": 16,
+             "data": _spike_options(corpus, tmp_path)}  # fmt: skip
+    _run_spike_script(first)
+    trained = _trained(tmp_path / "first")
+    assert sorted(trained) == list(range(16)) and all(len(trained[s]) == 4 for s in trained)
+    holding = {(step, rank) for step, microbatches in trained.items() for rank, rows in microbatches
+               if token in np.asarray(rows)}  # fmt: skip
+    assert min(step for step, _ in holding) == PLANTED_AT
+    assert {rank for step, rank in holding if step == PLANTED_AT} == {1}, "the spike is in rank 1's microbatches"
+    # One file, for the spike at step 12, naming every planted document by its place in the corpus.
+    files = sorted(Path(first["spike_dir"]).iterdir())
+    assert [file.name for file in files] == [f"loss-spike-step-{PLANTED_AT}.jsonl"]
+    lines = [json.loads(line) for line in files[0].read_text().splitlines()]
+    named = {_where(SimpleNamespace(**line)) for line in lines}
+    assert chosen <= named
+    advice = (tmp_path / "first" / "warnings.txt").read_text()
+    assert advice.index("exclude_documents=") < advice.index("skip_data="), "the surgical remedy comes first"
+    skip = [int(n) for n in re.search(r"skip_data=\[\[(\d+), (\d+)\]\]", advice).groups()]
+    # Every step that trained a planted token lies in the range suggested (chunks after the spike included).
+    assert all(skip[0] <= step < skip[1] for step, _ in holding), (skip, sorted(holding))
+
+    # Resumed on one process from the last checkpoint before the first step the advice names, with each remedy: no
+    # step trains a planted token.
+    resume_at = skip[0] // 5 * 5
+    assert resume_at > 0
+    for name, edit in (("excluded", {"exclude_documents": str(files[0])}), ("skipped", {"skip_data": [skip]})):
+        rerun = {**first, "record_dir": str(tmp_path / name), "devices": 1, "max_steps": 16,
+                 "ckpt_path": str(tmp_path / "ckpt" / f"epoch=0-step={resume_at}.ckpt"),
+                 "ckpt_dir": str(tmp_path / f"{name}-ckpt"), "spike_dir": str(tmp_path / f"{name}-spikes"),
+                 "data": _spike_options(corpus, tmp_path, **edit)}  # fmt: skip
+        _run_spike_script(rerun)
+        again = _trained(tmp_path / name)
+        assert sorted(again) == list(range(resume_at, 16)) and all(len(again[s]) == 4 for s in again), name
+        assert not any(token in np.asarray(rows) for microbatches in again.values() for _, rows in microbatches), name
+        assert not Path(rerun["spike_dir"]).exists(), f"{name}: no spike"
