@@ -5,8 +5,11 @@ Rows are a pure function of (data, tokenizer, settings, K) and of the edits reco
 rebuilt by replaying every stream from a saved state at or before it: the ledger's records (every
 ``provenance_every`` steps and at every resume), a checkpoint, or this process's own position. A replay packs the
 steps between (reading tokens from the token cache where it holds them) and notes, for every piece of every row,
-which document and which of its tokens it holds. Trade-off: a query costs up to ``provenance_every`` steps of
-packing, in exchange for records of tens of KiB per stream instead of a per-step ledger of pieces.
+which document and which of its tokens it holds. Records are read only where their lineage (the edits and the plan
+in force) is the run's, and the edits are the run's own (a checkpoint's, or those trained under), so a rolled-back
+run's abandoned records or a DataModule built without the run's edits never name data the run did not train.
+Trade-off: a query costs up to ``provenance_every`` steps of packing, in exchange for records of tens of KiB per
+stream instead of a per-step ledger of pieces.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from lightning_d9d.datamodules.pretraining_state import migrate, restored_streams, saved_streams
+from lightning_d9d.digest import digest
 from lightning_d9d.resume import InvalidDataState
 from lightning_d9d.streaming.edits import DataEdits, DocumentRef, _range, resolve_reference
 from lightning_d9d.streaming.ledger import StreamLedger
@@ -227,6 +231,14 @@ class PretrainingProvenance:
         default_root = getattr(trainer, "default_root_dir", None) if trainer is not None else None
         return ledger_of(self.provenance_dir, default_root, self.storage, self.provenance_every)
 
+    def _lineage(self, step: int) -> str:
+        """The edits in force at ``step`` and the plan trained under (shares, rows and shapes per step): a resume
+        with other weights or shapes under ``on_mixture_change="continue"`` starts a lineage of its own, so the
+        records an abandoned run left after that step are never read for the continuation."""
+        spec = self._require(self.train_spec)
+        plan = json.dumps({"mixture": spec.plan.to_dict(), "shapes": spec.shapes.to_dict()}, sort_keys=True)
+        return digest(self.edits.lineage(step), plan)
+
     def _record_step(self, epoch: int, step: int, states: Mapping[int, Any], resumed: bool = False) -> None:
         """Record the streams' states at a step boundary where the ledger keeps one (every ``provenance_every``
         steps, and at every resume)."""
@@ -235,7 +247,7 @@ class PretrainingProvenance:
             return
         ledger = self._ledger()
         if ledger is not None:
-            lineage = self.edits.lineage(global_step)
+            lineage = self._lineage(global_step)
             saved = {sid: state.to_dict() for sid, state in states.items()}
             ledger.write(global_step, saved, lineage, self.edits.to_dict())
 
@@ -266,6 +278,12 @@ class PretrainingProvenance:
         """
         spec = recording(self._require(self.train_spec))
         wanted = steps_asked(steps)
+        if wanted[0] < spec.plan.start_step:
+            raise ValueError(
+                f"step {wanted[0]} was trained before this run resumed at step {spec.plan.start_step} with other "
+                "weights or batch/seq_len phases (on_mixture_change='continue'): this DataModule's plan starts there; "
+                f"ask one built with the settings of that time, or give steps from {spec.plan.start_step} on"
+            )
         edits, excluded_from = self.edits, sorted({start for start, _ in self.edits.exclusions})
         starts = self._replay_starts(wanted[0], spec)
         if not untrained:
@@ -306,7 +324,7 @@ class PretrainingProvenance:
                 if step <= known:
                     break
                 record = ledger.read(step, 0)
-                if record is not None and record[1] == self.edits.lineage(step):
+                if record is not None and record[1] == self._lineage(step):
                     return step
         return known
 
@@ -338,7 +356,7 @@ class PretrainingProvenance:
             return starts
         passed: list[tuple[int, Any]] = []
         for stream in starts:
-            found = ledger.latest(stream, step, self.edits.lineage, passed)
+            found = ledger.latest(stream, step, self._lineage, passed)
             if found is not None and found[0] > starts[stream][0]:
                 starts[stream] = (found[0], MixtureState.from_dict(found[1], spec, f"ledger.{stream}"))
         holds_run = getattr(self, "_holds_run", False) or here > 0
@@ -348,9 +366,9 @@ class PretrainingProvenance:
             ours = "; ".join(self.edits.describe()) or "none"
             raise ValueError(
                 f"the run's ledger record of step {at_step} was written under other data edits "
-                f"({'; '.join(described)}) than this DataModule's ({ours}): its answer would name data the run did not "
-                "train; load the run's checkpoint (dm.load_state_dict, --ckpt_path) or build the "
-                "DataModule with the run's skip_data and exclude_documents"
+                f"({'; '.join(described)}) than this DataModule's ({ours}), or other weights or batch/seq_len phases: "
+                "its answer would name data the run did not train; load the run's checkpoint (dm.load_state_dict, "
+                "--ckpt_path) or build the DataModule with the run's settings, skip_data and exclude_documents"
             )
         return starts
 

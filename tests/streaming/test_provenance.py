@@ -294,3 +294,37 @@ def test_a_ledger_record_round_trips_a_state_of_several_arrays() -> None:
     assert back["sources"]["b"]["buffer"].shape == (0, 8)
     with pytest.raises(ValueError, match="not a stream ledger record"):
         decode(b"not an npz")
+
+
+def test_after_a_rollback_under_other_batch_phases_queries_answer_the_continuation_not_the_abandoned_run(
+    corpus: Path, tmp_path: Path
+) -> None:
+    ledger = {"packing": "bestfit_split", "provenance_dir": str(tmp_path / "ledger"), "provenance_every": 3}
+    abandoned = datamodule(corpus, **ledger)
+    batches = iter(abandoned.train_dataloader())
+    for _ in range(abandoned.step_layout(0).before(4)):
+        next(batches)
+    state = abandoned.state_dict()  # the checkpoint the run is rolled back to
+    abandoned.close_loaders()
+    abandoned_rows = trained_rows([datamodule(corpus, "bestfit_split")], 0, STEPS)
+    abandoned = datamodule(corpus, **ledger)
+    trained_rows([abandoned], 0, STEPS)  # the abandoned run goes on to step 10: records at 3, 6 and 9
+    # The continuation resumes at step 4 with another batch ramp, under on_mixture_change="continue".
+    changed = {"global_batch_size": [[0, 8], [3, 16], [6, 8]], "on_mixture_change": "continue"}
+    reference = datamodule(corpus, "bestfit_split", **changed)  # no ledger: the continuation's own rows
+    reference.load_state_dict(state)
+    want = trained_rows([reference], 4, STEPS)
+    continuation = datamodule(corpus, **(ledger | changed))
+    continuation.load_state_dict(state)
+    batches = iter(continuation.train_dataloader())
+    for step in range(4, 7):  # trains to step 7: records at 4 (the resume) and 6 replace the abandoned ones
+        for _ in range(continuation.microbatches_at(step)):
+            next(batches)
+    continuation.close_loaders()
+    assert sorted(int(p.name) for p in (tmp_path / "ledger").iterdir()) == [3, 4, 6, 9]
+    assert continuation.trained_until() == 7, "the abandoned run's record of step 9 is not this run's"
+    assert_rebuilt(rebuilt_rows(continuation, range(4, STEPS)), want)  # step 9 not from the abandoned record
+    with pytest.raises(ValueError, match=r"step 2 was trained before this run resumed at step 4 with other weights"):
+        continuation.provenance(2)
+    # The abandoned run's own DataModule still answers its steps, from its own records where they remain.
+    assert_rebuilt(rebuilt_rows(abandoned, range(6, STEPS)), {s: abandoned_rows[s] for s in range(6, STEPS)})
