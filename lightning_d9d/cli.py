@@ -103,8 +103,19 @@ class D9DCLI(LightningCLI):
         )
         provenance_parser = self._data_parser(parser, PROVENANCE, _PROVENANCE_HELP)
         provenance_parser.add_argument("--steps", type=str, required=True, help="a step, or steps a:b (b excluded)")
-        provenance_parser.add_argument("--ckpt_path", type=str, default=None, help="the checkpoint of the run")
+        provenance_parser.add_argument(
+            "--ckpt_path",
+            type=str,
+            default=None,
+            help="the run's checkpoint: a file, 'last', or a folder (its newest); only its data state is read",
+        )
         provenance_parser.add_argument("--output", type=str, default=None, help="a .jsonl or .parquet file to write")
+        provenance_parser.add_argument(
+            "--text", action="store_true", help="add each document's first characters and token count"
+        )
+        provenance_parser.add_argument(
+            "--untrained", action="store_true", help="also answer steps the run has not trained yet (said so)"
+        )
 
     def _data_parser(self, parser: LightningArgumentParser, name: str, help: str) -> LightningArgumentParser:
         """A subcommand with the model/data/trainer arguments (the model optional: it reads data only)."""
@@ -129,9 +140,11 @@ class D9DCLI(LightningCLI):
             return
         if subcommand == PROVENANCE:
             options = self.config_init[PROVENANCE]
-            check_ckpt_path(options["ckpt_path"])
-            print(provenance_report(self.datamodule, self.trainer, options["steps"], options["ckpt_path"],
-                                    options["output"]))  # fmt: skip
+            ckpt_path = options["ckpt_path"]
+            if ckpt_path is not None and ckpt_path != "last" and not os.path.isdir(ckpt_path):
+                check_ckpt_path(ckpt_path)
+            print(provenance_report(self.datamodule, self.trainer, options["steps"], ckpt_path, options["output"],
+                                    options["text"], options["untrained"]))  # fmt: skip
             return
         check_ckpt_path(self.config_init[subcommand].get("ckpt_path"))
         self._choose_cpu_threads()

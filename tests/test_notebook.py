@@ -26,3 +26,5 @@ def test_explore_notebook_executes_every_cell(tmp_path: Path) -> None:
     assert "next 6 microbatches identical after restore: True" in printed
     assert "steps per epoch:" in printed and "padding:" in printed
     assert "largest distance from the target, rows: 0." in printed  # the mixture stays within one row
+    assert "schedule shapes match the batches: True" in printed
+    assert "rows rebuilt from provenance identical: True" in printed

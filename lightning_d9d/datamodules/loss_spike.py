@@ -1,11 +1,15 @@
-"""LossSpikeProvenance: when the training loss jumps, write which documents the steps before it held.
+"""LossSpikeProvenance: when the training loss jumps, write which documents the steps before it held, and wherever
+else those documents train.
 
-At every optimizer step's end the step's loss (the mean of its microbatches' losses) is compared with the median of
-the last ``window`` steps; above ``factor`` times that median, rank 0 writes the DataModule's provenance of the last
-``steps`` steps as JSONL next to the checkpoints, and says where. What to do next is the usual recipe: resume from
-a checkpoint before the spike with ``skip_data=[[a, b]]`` and, if some documents are to blame,
-``exclude_documents=<that file>`` (docs/provenance.md). Trade-off: the provenance is replayed in the training
-process, which pauses a few seconds per spike; ``min_steps`` and ``cooldown`` keep that rare.
+At every optimizer step's end the step's loss (the mean of its microbatches' losses, averaged over every rank, so a
+spike in any data-parallel rank's microbatches counts) is compared with the median of the last ``window`` steps;
+above ``factor`` times that median, rank 0 writes one JSONL file: every piece of the last ``steps`` steps, and every
+piece of those documents in the ``steps`` steps either side (rows of later steps are known in advance: the streams
+are replayed past the spike). The advice names the surgical remedy first: resume from a checkpoint before the first
+of those steps with ``exclude_documents=<that file>`` (it reads the file as it is); the blunt one,
+``skip_data=[[a, b]]``, covers every step holding a chunk of them. Trade-off: the provenance is replayed in the
+training process, which pauses a few seconds per spike; ``min_steps`` and ``cooldown`` keep that rare, and a chunk
+further than ``steps`` steps from the window is not searched for (``exclude_documents`` removes it anyway).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ class LossSpikeProvenance(pl.Callback):
     Args:
         factor: a step's loss above ``factor × median`` of the window is a spike.
         window: steps whose losses the median is taken over.
-        steps: the steps before (and including) the spike whose provenance is written.
+        steps: the steps before (and including) the spike whose documents are written; their pieces in this many
+            steps either side are written too.
         min_steps: steps seen before any is judged.
         cooldown: steps after a spike before another is judged.
         dirpath: where ``loss-spike-step-<s>.jsonl`` go (``None``: the checkpoint callback's folder, else
@@ -59,7 +64,10 @@ class LossSpikeProvenance(pl.Callback):
         _, at, count = datamodule.batch_in_step(trainer.current_epoch, index)
         if at == count - 1:
             step = trainer.global_step - 1  # the step that just ended
-            self._judge(trainer, step, self._step_loss)
+            # Every rank ends the step here together: the mean over ranks is the step's loss on every rank, so all
+            # judge alike (the cooldown stays in step) and a spike in one rank's microbatches is seen.
+            local = torch.tensor(self._step_loss, dtype=torch.float64, device=pl_module.device)
+            self._judge(trainer, step, float(trainer.strategy.reduce(local, reduce_op="mean")))
             self._step_loss = 0.0
 
     def _judge(self, trainer: pl.Trainer, step: int, loss: float) -> None:
@@ -72,18 +80,20 @@ class LossSpikeProvenance(pl.Callback):
         if not spike:
             return
         self._quiet_until = step + self.cooldown
-        first = max(0, step - self.steps + 1)
         path = os.path.join(self._folder(trainer), f"loss-spike-step-{step}.jsonl")
         if trainer.is_global_zero:
-            pieces = trainer.datamodule.provenance(range(first, step + 1))
+            pieces, (first, stop) = spike_pieces(trainer.datamodule, step, self.steps)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as file:
                 file.writelines(json.dumps(piece.to_dict()) + "\n" for piece in pieces)
+            documents = len({(p.source, p.file, p.row_group, p.document_row) for p in pieces})
+            window = max(0, step - self.steps + 1)
             rank_zero_warn(
                 f"loss spike at step {step}: {loss:.4g} against a median of {statistics.median(self._losses):.4g}; "
-                f"the provenance of steps {first}-{step} is in {path!r} (to go on without that data, resume from a "
-                f"checkpoint before step {first} with skip_data=[[{first}, {step + 1}]], or exclude documents with "
-                "exclude_documents=<a file of their references>)"
+                f"the {documents} documents of steps {window}-{step}, with every piece of them in steps "
+                f"{first}-{stop - 1}, are in {path!r}. To go on without them, resume from a checkpoint before step "
+                f"{first} with exclude_documents={path!r} (only those documents removed, from the resume on), or "
+                f"with skip_data=[[{first}, {stop}]] (every step holding a chunk of them)"
             )
         self.spikes.append((step, path))
 
@@ -93,3 +103,16 @@ class LossSpikeProvenance(pl.Callback):
         callback = trainer.checkpoint_callback
         folder = getattr(callback, "dirpath", None) if callback is not None else None
         return folder or trainer.default_root_dir
+
+
+def spike_pieces(datamodule: Any, step: int, steps: int) -> tuple[list[Any], tuple[int, int]]:
+    """The pieces of steps ``step - steps + 1 .. step``, and the pieces of their documents in the ``steps`` steps
+    either side; with ``[first, stop)``, the steps holding any piece of those documents."""
+    window = range(max(0, step - steps + 1), step + 1)
+    around = range(max(0, window.start - steps), step + steps + 1)
+    every = datamodule.provenance(around, untrained=True)  # steps after the spike: rows the run will train
+    inside = [piece for piece in every if piece.step in window]
+    documents = {(p.source, p.file, p.row_group, p.document_row) for p in inside}
+    pieces = [p for p in every if p.step in window or (p.source, p.file, p.row_group, p.document_row) in documents]
+    held = [p.step for p in pieces if (p.source, p.file, p.row_group, p.document_row) in documents]
+    return pieces, (min(held, default=window.start), max(held, default=step) + 1)

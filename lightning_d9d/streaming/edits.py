@@ -39,13 +39,18 @@ class DocumentRef:
 
     @classmethod
     def of(cls, value: Any, number: int = 0) -> DocumentRef:
-        """A reference from ``[source, file, row_group, row]`` or ``{source, file, row_group, row}``.
+        """A reference from ``[source, file, row_group, row]``, ``{source, file, row_group, row}``, a provenance
+        ``Piece`` or one of its ``to_dict`` lines (``document_row`` for ``row``).
 
         Raises:
             ValueError: anything else, naming the reference and its position in the list.
         """
         if isinstance(value, DocumentRef):
             return value
+        if all(hasattr(value, name) for name in ("source", "file", "row_group", "document_row")):
+            value = [value.source, value.file, value.row_group, value.document_row]  # a provenance Piece
+        elif isinstance(value, Mapping) and "document_row" in value and "row" not in value:  # a provenance line
+            value = {**value, "row": value["document_row"]}
         fields = ("source", "file", "row_group", "row")
         if isinstance(value, Mapping) and set(value) >= set(fields):
             value = [value[name] for name in fields]
@@ -55,7 +60,7 @@ class DocumentRef:
             ok = (
                 isinstance(source, str)
                 and isinstance(file, str)
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (group, row))
+                and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in (group, row))
             )
         if not ok:
             raise ValueError(

@@ -5,7 +5,10 @@ A record is one file per (training step, stream): ``<root>/<step>/<stream>.npz``
 flattened (integers in one JSON header, arrays compressed), with the run's *lineage* at that step (the data edits
 in force). Streams are layout-independent, so any layout writes and reads the same records, and a resumed or
 elastically resumed run writes the same bytes for a step again; a record of another lineage (a run resumed
-earlier with a skip or an exclusion) is never taken for this one. Writes are atomic and idempotent. Trade-off:
+earlier with a skip or an exclusion) is never taken for this one. A record names its own step and stream, so one
+copied over another's is told apart; a record that cannot be trusted (missing, truncated, bit-flipped by the zip's
+CRC check, empty, another's) is passed over, and a query replays from an earlier one: slower, never wrong. Writes
+are atomic and idempotent. Trade-off:
 a record costs tens of KiB per stream (a best-fit buffer's rows) every N steps; a larger N answers a query with
 a longer replay.
 """
@@ -17,6 +20,8 @@ import io
 import json
 import os
 import uuid
+import zipfile
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,7 +31,8 @@ import pyarrow.fs as pafs
 from lightning_d9d.streaming.storage import Storage
 
 DEFAULT_EVERY = 500
-_FORMAT = 1
+_FORMAT = 2
+_UNREADABLE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error, UnicodeDecodeError)
 
 
 def flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -52,32 +58,47 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def encode(state: Mapping[str, Any], lineage: str) -> bytes:
-    """A saved stream state (plain values and int arrays) as one compressed ``.npz`` payload."""
+def encode(state: Mapping[str, Any], lineage: str, step: int = -1, stream: int = -1, edits: Any = None) -> bytes:
+    """A saved stream state (plain values and int arrays) as one compressed ``.npz`` payload, with the lineage, the
+    ``(step, stream)`` it is the record of (so a record copied over another's is told apart) and the edits in
+    force (so a query by a DataModule that lacks them can say so)."""
     flat = flatten(state)
     names = [k for k, v in flat.items() if isinstance(v, np.ndarray)]
     arrays = {f"a{i}": np.asarray(flat[name]) for i, name in enumerate(names)}
     plain = {k: (int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v)
              for k, v in flat.items() if not isinstance(v, np.ndarray)}  # fmt: skip
-    header = {"format": _FORMAT, "lineage": lineage, "plain": plain, "arrays": names}
+    header = {"format": _FORMAT, "lineage": lineage, "step": int(step), "stream": int(stream), "edits": edits,
+              "plain": plain, "arrays": names}  # fmt: skip
     buffer = io.BytesIO()
     np.savez_compressed(buffer, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
     return buffer.getvalue()
 
 
-def decode(payload: bytes) -> tuple[dict[str, Any], str]:
-    """``(state, lineage)`` of an :func:`encode` payload (ValueError for anything else)."""
+def decode_record(payload: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(state, header)`` of an :func:`encode` payload.
+
+    Raises:
+        ValueError: anything else: a truncated, bit-flipped or empty payload, or a record of another format (the
+            zip's CRC check catches a flipped bit in a member's data).
+    """
     try:
         with np.load(io.BytesIO(payload)) as data:
             header = json.loads(bytes(data["header"]).decode())
             flat = dict(header["plain"])
             for i, name in enumerate(header["arrays"]):
                 flat[name] = data[f"a{i}"]
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
-        raise ValueError(f"not a stream ledger record: {error}") from error
-    if header.get("format") != _FORMAT:
-        raise ValueError(f"a stream ledger record of format {header.get('format')!r}, not {_FORMAT}")
-    return unflatten(flat), header["lineage"]
+    except (*_UNREADABLE, json.JSONDecodeError) as error:
+        raise ValueError(f"not a stream ledger record: {type(error).__name__}: {error}") from error
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        found = header.get("format") if isinstance(header, dict) else header
+        raise ValueError(f"a stream ledger record of format {found!r}, not {_FORMAT}")
+    return unflatten(flat), header
+
+
+def decode(payload: bytes) -> tuple[dict[str, Any], str]:
+    """``(state, lineage)`` of an :func:`encode` payload (ValueError for anything else)."""
+    state, header = decode_record(payload)
+    return state, header["lineage"]
 
 
 class StreamLedger:
@@ -111,12 +132,13 @@ class StreamLedger:
     def _path(self, step: int, stream: int) -> str:
         return f"{self._filesystem()[1]}/{step:012d}/{stream}.npz"
 
-    def write(self, step: int, states: Mapping[int, Any], lineage: str) -> None:
-        """Record ``states`` (stream -> saved state dict) at training step ``step``."""
+    def write(self, step: int, states: Mapping[int, Any], lineage: str, edits: Any = None) -> None:
+        """Record ``states`` (stream -> saved state dict) at training step ``step`` under ``lineage`` and ``edits``
+        (the edits' ``to_dict``)."""
         fs, _ = self._filesystem()
         for stream, state in states.items():
             path = self._path(step, stream)
-            payload = encode(state, lineage)
+            payload = encode(state, lineage, step, stream, edits)
             if isinstance(fs, pafs.LocalFileSystem):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 temporary = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -133,25 +155,40 @@ class StreamLedger:
         infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
         return sorted(int(info.base_name) for info in infos if info.base_name.isdigit())
 
-    def read(self, step: int, stream: int) -> tuple[dict[str, Any], str] | None:
-        """``(state, lineage)`` of stream ``stream`` at ``step``, or ``None`` where there is no readable record."""
+    def read_record(self, step: int, stream: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """``(state, header)`` of stream ``stream``'s record at ``step``, or ``None`` where there is none that can be
+        trusted: missing, unreadable (truncated, bit-flipped, empty) or the record of another step or stream (a file
+        copied over this one): each is passed over, and a query replays from an earlier record instead."""
         fs, _ = self._filesystem()
         try:
             with fs.open_input_stream(self._path(step, stream)) as source:
-                return decode(source.read())
-        except (FileNotFoundError, ValueError):
+                state, header = decode_record(source.read())
+        except (FileNotFoundError, ValueError, OSError):
             return None
-        except OSError:
+        if header.get("step") != step or header.get("stream") != stream:
             return None
+        return state, header
 
-    def latest(self, stream: int, at_most: int, lineage_of: Callable[[int], str]) -> tuple[int, dict] | None:
-        """The latest record of ``stream`` at a step ``<= at_most`` whose lineage is ``lineage_of(step)``."""
+    def read(self, step: int, stream: int) -> tuple[dict[str, Any], str] | None:
+        """``(state, lineage)`` of stream ``stream`` at ``step``, or ``None`` where there is no trusted record."""
+        record = self.read_record(step, stream)
+        return None if record is None else (record[0], record[1]["lineage"])
+
+    def latest(
+        self, stream: int, at_most: int, lineage_of: Callable[[int], str], passed: list | None = None
+    ) -> tuple[int, dict] | None:
+        """The latest record of ``stream`` at a step ``<= at_most`` whose lineage is ``lineage_of(step)``; the
+        ``(step, edits)`` of readable records of another lineage passed over on the way are appended to ``passed``."""
         for step in reversed(self.steps()):
             if step > at_most:
                 continue
-            record = self.read(step, stream)
-            if record is not None and record[1] == lineage_of(step):
+            record = self.read_record(step, stream)
+            if record is None:
+                continue
+            if record[1]["lineage"] == lineage_of(step):
                 return step, record[0]
+            if passed is not None:
+                passed.append((step, record[1].get("edits")))
         return None
 
     def size(self) -> int:
