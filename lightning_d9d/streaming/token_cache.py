@@ -38,6 +38,8 @@ from lightning_d9d.streaming.storage import Storage, StorageError, canonical, is
 FORMAT_VERSION = 2
 MAGIC = b"D9DTOKS\n"
 ENTRY_SUFFIX = ".tok"
+# A partial entry: the documents of a unit's first rows, kept while a run reads the unit and extended by later ones.
+PARTIAL_SUFFIX = ".part"
 MANIFEST = "manifest.json"
 # magic, format version, header length in bytes, the header's CRC-32. CRC-32 (zlib) rather than a faster hash:
 # no optional dependency, and one entry format.
@@ -189,6 +191,7 @@ class CacheCounters:
 
     hits: int = 0
     misses: int = 0
+    partial_hits: int = 0
     bad: int = 0
     stored: int = 0
     store_failures: int = 0
@@ -262,14 +265,16 @@ class TokenCache:
         return f"{root}/{self.digest}/{relative}" if relative else f"{root}/{self.digest}"
 
     @staticmethod
-    def entry_name(file_digest: int | str, group_in_file: int, start: int, stop: int, content: str) -> str:
-        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.<content key>.tok``;
-        ValueError for a negative number, a file digest not a plain name, or a content key not 16 to 64 hex digits."""
+    def entry_name(
+        file_digest: int | str, group_in_file: int, start: int, stop: int, content: str, partial: bool = False
+    ) -> str:
+        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.<content key>.tok``
+        (``.part`` for a partial entry); ValueError for a negative number, a file digest not a plain name, or a
+        content key not 16 to 64 hex digits."""
         if not isinstance(content, str) or not _CONTENT_KEY.fullmatch(content):
             raise ValueError(f"content key {content!r} must be 16 to 64 lowercase hex digits")
-        return f"{TokenCache.file_folder(file_digest)}/{TokenCache.unit_name(group_in_file, start, stop)}.{content}" + (
-            ENTRY_SUFFIX
-        )
+        unit = TokenCache.unit_name(group_in_file, start, stop)
+        return f"{TokenCache.file_folder(file_digest)}/{unit}.{content}{PARTIAL_SUFFIX if partial else ENTRY_SUFFIX}"
 
     @staticmethod
     def unit_name(group_in_file: int, start: int, stop: int) -> str:
@@ -307,35 +312,39 @@ class TokenCache:
         stop: int,
         content: str,
         described: str | None = None,
+        partial: bool = False,
     ) -> CachedUnit | None:
         """The cached tokenization of the unit whose stored text has content key ``content``, or ``None``: not cached,
         a failed read (warned once), or a bad entry (warned about, up to ``MAX_NAMED_ENTRIES`` per version, and
-        deleted). ``described`` names the unit in those warnings.
+        deleted). ``described`` names the unit in those warnings. ``partial``: the unit's partial entry, a unit
+        whose ``stop`` is the row its documents reach (rows ``[start, stop)`` of it are accounted for).
         """
-        name = self.entry_name(file_digest, group_in_file, start, stop, content)
+        name = self.entry_name(file_digest, group_in_file, start, stop, content, partial)
         path = self._path(name)
         fs, _ = self._filesystem()
+        # A unit without a whole entry is one miss, whether or not a partial entry of it is found.
+        missed = {} if partial else {"misses": 1}
         try:
             data = _read_whole(fs, path)
         except FileNotFoundError:
-            self._count(misses=1)
+            self._count(**missed)
             return None
         except OSError as err:
-            self._count(misses=1)
+            self._count(**missed)
             _warn_once(("read", self.where()), f"cannot read token cache entry {self.where(name)!r} ({err}); its "
                                               "unit is tokenized instead (further read failures of this cache are "
                                               "not reported)")  # fmt: skip
             return None
         try:
             identity = self._identity(name.split("/", 1)[0], group_in_file, start, stop, content)
-            unit = _decode(data, identity, self.vocab_size)
+            unit = _decode(data, identity, self.vocab_size, partial)
         except _BadEntry as bad:
-            self._count(misses=1, bad=1)
+            self._count(**missed, bad=1)
             described = described or f"row group {group_in_file}, rows {start}..{stop - 1}"
             _report_bad(self.where(), self.where(name), described, str(bad))
             _delete_quietly(fs, path)
             return None
-        self._count(hits=1, bytes_read=len(data))
+        self._count(**{"partial_hits" if partial else "hits": 1}, bytes_read=len(data))
         return unit
 
     # ------------------------------------------------------------------------------------------------ storing
@@ -345,16 +354,26 @@ class TokenCache:
         return self.where() not in _NOT_WRITING
 
     def store(
-        self, file_digest: int | str, group_in_file: int, start: int, stop: int, content: str, unit: CachedUnit
+        self,
+        file_digest: int | str,
+        group_in_file: int,
+        start: int,
+        stop: int,
+        content: str,
+        unit: CachedUnit,
+        partial: bool = False,
     ) -> bool:
         """Store a whole unit's tokenization atomically, under the content key of the stored text it was decoded from;
         whether it was stored. A write failure is a warning, never an exception (space, quota or permission errors
-        stop this process's writing); ValueError for an invalid ``unit``.
+        stop this process's writing); ValueError for an invalid ``unit``. ``partial``: ``unit`` holds the documents
+        of the unit's rows ``[start, unit.stop)``, stored as its partial entry (replacing the one there).
         """
-        name = self.entry_name(file_digest, group_in_file, start, stop, content)
-        if (unit.group_in_file, unit.start, unit.stop) != (group_in_file, start, stop):
+        name = self.entry_name(file_digest, group_in_file, start, stop, content, partial)
+        same = (unit.group_in_file, unit.start) == (group_in_file, start)
+        if not (same and (start <= unit.stop < stop if partial else unit.stop == stop)):
             raise ValueError(f"unit of row group {unit.group_in_file}, rows [{unit.start}, {unit.stop}) stored as "
-                             f"row group {group_in_file}, rows [{start}, {stop})")  # fmt: skip
+                             f"{'part of ' if partial else ''}row group {group_in_file}, rows [{start}, "
+                             f"{stop})")  # fmt: skip
         if unit.tokens.dtype != self.dtype:
             unit = dataclasses.replace(unit, tokens=token_array(unit.tokens, self.vocab_size))
         problem = _problem(unit, self.vocab_size)
@@ -362,7 +381,9 @@ class TokenCache:
             raise ValueError(f"cannot store {self.where(name)!r}: {problem}")
         if not self.writing:
             return False
-        identity = self._identity(name.split("/", 1)[0], unit.group_in_file, unit.start, unit.stop, content)
+        identity = self._identity(name.split("/", 1)[0], group_in_file, start, stop, content)
+        if partial:
+            identity.update(partial=True, covered=int(unit.stop))
         pieces = _encode(unit, identity, self.dtype)
         fs, _ = self._filesystem()
         try:
@@ -375,6 +396,11 @@ class TokenCache:
             return False
         self._count(stored=1, bytes_written=sum(len(piece) for piece in pieces))
         return True
+
+    def delete_partial(self, file_digest: int | str, group_in_file: int, start: int, stop: int, content: str) -> None:
+        """Delete the unit's partial entry, best effort: its whole entry holds every document of it."""
+        _delete_quietly(self._filesystem()[0], self._path(self.entry_name(file_digest, group_in_file, start, stop,
+                                                                          content, partial=True)))  # fmt: skip
 
     def _write_manifest(self) -> None:
         """Once per process; every writer writes the same manifest."""
@@ -407,11 +433,16 @@ class TokenCache:
     def entries(self) -> dict[str, tuple[str, int]]:
         """``{<file digest>/<group>-<start>-<stop>: (entry name, bytes)}`` from one listing (OSError as
         :meth:`coverage`); of a unit's several entries (contents made under one footer), the first by name."""
-        found: dict[str, tuple[str, int]] = {}
+        return {unit: found[0] for unit, found in self.unit_entries().items()}
+
+    def unit_entries(self) -> dict[str, list[tuple[str, int]]]:
+        """``{<file digest>/<group>-<start>-<stop>: [(entry name, bytes), ...]}``: every whole entry of each unit (one
+        per content it was stored from), by name, from one listing (OSError as :meth:`coverage`)."""
+        found: dict[str, list[tuple[str, int]]] = {}
         for name, size in sorted(_entry_sizes(self._filesystem()[0], self._path()).items()):
             match = _ENTRY.fullmatch(name)
             if match is not None:
-                found.setdefault(match.group("unit"), (name, size))
+                found.setdefault(match.group("unit"), []).append((name, size))
         return found
 
     def entry_counts(self, name: str, lengths: int = 0) -> tuple[int, int, np.ndarray] | None:
@@ -581,10 +612,19 @@ def _entry_counts(
     return docs, tokens, np.diff(offsets)
 
 
-def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUnit:
-    """The unit ``data`` holds, fully checked against ``identity``; raises :class:`_BadEntry` naming the problem."""
+def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int, partial: bool = False) -> CachedUnit:
+    """The unit ``data`` holds, fully checked against ``identity``; raises :class:`_BadEntry` naming the problem.
+    ``partial``: a partial entry, whose unit ends at the row its header says it covers."""
     size, dtype = len(data), token_dtype(vocab_size)
     counts, payload_at, header = _header(data, identity)
+    stop = identity["stop"]
+    if bool(header.get("partial")) != partial:
+        raise _BadEntry("a partial entry under a whole entry's name" if header.get("partial") else
+                        "a whole entry under a partial entry's name")  # fmt: skip
+    if partial:
+        stop = header.get("covered")
+        if not isinstance(stop, int) or not identity["start"] <= stop < identity["stop"]:
+            raise _BadEntry(f"it covers rows up to {stop!r}, not inside [{identity['start']}, {identity['stop']})")
     docs, long_docs, tokens = counts
     payload = _INDEX.itemsize * (2 * docs + 1 + 2 * long_docs) + dtype.itemsize * tokens
     if size != payload_at + payload:
@@ -597,8 +637,8 @@ def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUn
                                (dtype, tokens)):  # fmt: skip
         arrays.append(np.frombuffer(data, array_dtype, count, at))
         at += array_dtype.itemsize * count
-    unit = CachedUnit(identity["group"], identity["start"], identity["stop"], arrays[0], arrays[1], arrays[4],
-                      arrays[2], arrays[3])  # fmt: skip
+    unit = CachedUnit(identity["group"], identity["start"], stop, arrays[0], arrays[1], arrays[4], arrays[2],
+                      arrays[3])  # fmt: skip
     problem = _problem(unit, vocab_size)
     if problem is not None:
         raise _BadEntry(problem)
@@ -759,6 +799,9 @@ class StreamCache:
     def __init__(self, cache: TokenCache, index: Any, scope: str = ""):
         self.cache, self.index, self.scope = cache, index, scope
         self.labelled: set[int] = set()  # files whose label record this process has written
+        # Entries this process stored whole: a recorder of the same unit (a later pass read ahead of the tokenizer)
+        # writes no partial entry beside one.
+        self.completed: set[tuple[int | str, int, int, int, str]] = set()
         self._labels: list[str] | None = None
 
     def label(self, file: int) -> str:
@@ -779,16 +822,41 @@ class StreamCache:
         file_digest, in_file = self._where(group)
         return self.cache.load(file_digest, in_file, start, stop, content, self.index.describe_rows(group, start, stop))
 
+    def lookup(self, group: int, start: int, stop: int) -> tuple[CachedUnit | None, CachedUnit | None, str]:
+        """``(whole entry, partial entry, content key)`` of unit ``[start, stop)`` of global row group ``group``: its
+        whole entry where cached, else its partial entry where one is (each ``None`` where missing or bad), found by
+        the content key of its stored text as read and hashed now; raises as :meth:`load`."""
+        content = self.index.content_key(group)
+        file_digest, in_file = self._where(group)
+        described = self.index.describe_rows(group, start, stop)
+        whole = self.cache.load(file_digest, in_file, start, stop, content, described)
+        if whole is not None:
+            return whole, None, content
+        return None, self.cache.load(file_digest, in_file, start, stop, content, described, partial=True), content
+
+    def partial(self, group: int, start: int, stop: int) -> CachedUnit | None:
+        """The partial entry of unit ``[start, stop)`` of ``group`` for its current content, or ``None``."""
+        content = self.index.content_key(group)
+        file_digest, in_file = self._where(group)
+        return self.cache.load(file_digest, in_file, start, stop, content, partial=True)
+
     def recorder(
-        self, group: int, start: int, stop: int, too_long: Mapping[int, int], content: str
+        self,
+        group: int,
+        start: int,
+        stop: int,
+        too_long: Mapping[int, int],
+        content: str,
+        base: CachedUnit | None = None,
     ) -> UnitRecorder | None:
         """What records the unit's documents as they are tokenized, to be stored under ``content`` (the content key of
-        the bytes they were decoded from); ``None`` when this process stores nothing."""
+        the bytes they were decoded from), after ``base`` (its partial entry, where the read continues it); ``None``
+        when this process stores nothing."""
         if not self.cache.writing:
             return None
         file_digest, in_file = self._where(group)
         long_rows = {row: chars for row, chars in too_long.items() if start <= row < stop}
-        return UnitRecorder(self, group, (file_digest, in_file, start, stop, content), long_rows)
+        return UnitRecorder(self, group, (file_digest, in_file, start, stop, content), long_rows, base)
 
     def stored(self, group: int) -> None:
         """Record once which file label a digest belongs to, so a later run can name the files edited since."""
@@ -861,42 +929,86 @@ class StreamCache:
 
 
 class UnitRecorder:
-    """A unit's documents recorded chunk by chunk as compact ids, stored once whole.
+    """A unit's documents recorded chunk by chunk as compact ids: stored whole once every chunk is in, and meanwhile
+    kept as a partial entry (its first documents) so that a run stopping inside the unit loses little of its work.
+
+    Chunks may be tokenized out of order (a consumer and the tokenizing thread); only the chunks in order from the
+    first (or from ``base``) are stored. A partial entry is rewritten when the documents in order have doubled since
+    the last one (so at most about twice the unit is written in all), and at :meth:`close`, when the reader stops.
 
     Args:
         source: the stream cache it stores through.
         group: the unit's global row group.
         entry: ``(file digest, group in file, start, stop, content key)``: the entry it is stored as.
         too_long: ``{row: characters}`` of the unit's rows skipped as too long.
+        base: the unit's partial entry that the chunks continue (their first document follows its last row).
     """
 
     def __init__(
-        self, source: StreamCache, group: int, entry: tuple[int | str, int, int, int, str], too_long: dict[int, int]
+        self,
+        source: StreamCache,
+        group: int,
+        entry: tuple[int | str, int, int, int, str],
+        too_long: dict[int, int],
+        base: CachedUnit | None = None,
     ):
         self.source, self.cache, self.group = source, source.cache, group
         self.entry, self.too_long = entry, too_long
         self.rows: list[np.ndarray] = []
         self.ids: list[np.ndarray] = []
         self.lengths: list[np.ndarray] = []
+        if base is not None:
+            self.rows.append(base.rows)
+            self.ids.append(base.tokens)
+            self.lengths.append(base.lengths)
+        self.documents = self.saved = len(base) if base is not None else 0
+        self.waiting: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
+        self.next_part, self.closed, self.done = 0, False, False
+        self._lock = threading.Lock()
 
-    def add(self, rows: np.ndarray, encodings: Sequence[Any]) -> None:
-        """Record one chunk's documents, in the stream's order."""
+    def add(self, part: int, rows: np.ndarray, encodings: Sequence[Any], last: bool = False) -> None:
+        """Record chunk ``part`` (0, 1, ... in the unit's order) of documents; ``last``: the unit's last chunk."""
         lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
         flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
-        self.rows.append(np.asarray(rows, np.int64))
-        self.ids.append(token_array(flat, self.cache.vocab_size))
-        self.lengths.append(lengths)
+        chunk = (np.asarray(rows, np.int64), token_array(flat, self.cache.vocab_size), lengths, last)
+        with self._lock:
+            if self.done:
+                return
+            self.waiting[part] = chunk
+            complete = False
+            while self.next_part in self.waiting:
+                rows, ids, lengths, complete = self.waiting.pop(self.next_part)
+                self.rows.append(rows)
+                self.ids.append(ids)
+                self.lengths.append(lengths)
+                self.documents += len(rows)
+                self.next_part += 1
+            if complete:
+                self._store_whole()
+            elif self.documents > self.saved and (self.closed or self.documents >= 2 * self.saved):
+                self._store_partial()
 
     def store(self) -> None:
-        """Store the unit, once all its documents were added."""
-        _digest, group_in_file, start, stop, _content = self.entry
+        """Store the unit whole now: every one of its documents was added (or it has none)."""
+        with self._lock:
+            if not self.done:
+                self._store_whole()
+
+    def close(self) -> None:
+        """The reader stopped: keep what is recorded as a partial entry now, and any chunk still added later."""
+        with self._lock:
+            self.closed = True
+            if not self.done and self.documents > self.saved:
+                self._store_partial()
+
+    def _unit(self, stop: int) -> CachedUnit:
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        long_rows = sorted(self.too_long.items())
-        unit = CachedUnit(
-            group_in_file,
-            start,
+        long_rows = sorted((row, chars) for row, chars in self.too_long.items() if row < stop)
+        return CachedUnit(
+            self.entry[1],
+            self.entry[2],
             stop,
             np.concatenate(self.rows) if self.rows else np.zeros(0, np.int64),
             offsets,
@@ -904,9 +1016,29 @@ class UnitRecorder:
             np.asarray([row for row, _ in long_rows], np.int64),
             np.asarray([chars for _, chars in long_rows], np.int64),
         )
-        if self.cache.store(*self.entry, unit):
+
+    def _store_whole(self) -> None:
+        self.done = True
+        if self.cache.store(*self.entry, self._unit(self.entry[3])):
+            self.source.completed.add(self.entry)
             self.source.stored(self.group)
-        self.rows, self.ids, self.lengths = [], [], []
+            if self.saved:  # its partial entry (this run's or an earlier one's) is superseded
+                self.cache.delete_partial(*self.entry)
+        self.rows, self.ids, self.lengths, self.waiting = [], [], [], {}
+
+    def _store_partial(self) -> None:
+        covered = int(self.rows[-1][-1]) + 1 if self.rows and any(len(rows) for rows in self.rows) else None
+        if covered is None or covered >= self.entry[3]:
+            return  # nothing recorded, or every row: the unit is stored whole when its last chunk is in
+        if self.entry in self.source.completed:
+            self.done, self.rows, self.ids, self.lengths, self.waiting = True, [], [], [], {}
+            return
+        # Joined once, so that the next rewrite starts from one array per field.
+        unit = self._unit(covered)
+        self.rows, self.ids, self.lengths = [unit.rows], [unit.tokens], [unit.lengths]
+        if self.cache.store(*self.entry, unit, partial=True):
+            self.source.stored(self.group)
+        self.saved = self.documents
 
 
 def usable_root(root: str, storage: Storage) -> str | None:
