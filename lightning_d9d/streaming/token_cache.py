@@ -7,8 +7,12 @@ computed when a stream is about to read the unit. An edited unit has another key
 up, and two files share an entry only where their bytes are the same. The entry's folder is its file's footer (or
 layout) digest, which only groups entries for listing (coverage, "files changed" at setup) and is trusted with no
 token. A bad entry is a miss, warned about and deleted. Stores are atomic and uncoordinated: every writer of an
-entry writes the same bytes. Trade-off: one file per unit needs no index and keeps writers independent, at the price
-of a file per row group, of reading an entry whole, and of a read and a hash of the unit's stored text per lookup.
+entry writes the same bytes. While a unit is read, its documents tokenized so far are kept as its *partial entry*
+(the same format, ``.part``, holding the documents of its first rows), rewritten as they double and when the reader
+stops: a run that stops inside its units keeps its work, and the next read continues it instead of starting over.
+Trade-off: one file per unit needs no index and keeps writers independent, at the price of a file per row group,
+of reading an entry whole, and of a read and a hash of the unit's stored text per lookup; rewriting a partial
+entry as it doubles writes about twice a unit in all, and a killed process loses at most half of its last unit.
 """
 
 from __future__ import annotations

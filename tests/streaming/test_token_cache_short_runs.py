@@ -62,8 +62,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def datamodule(root: Path, files: Path, cache: Path | None, **changes) -> RankDataModule:
     options = dict(
         train_files=str(files), tokenizer=str(root / "tokenizer.json"), seq_len=SEQ, global_batch_size=G,
-        microbatch_size=2, num_streams=FILES, num_workers=0, steps_per_epoch=1000, tokenizer_batch_size=8, packing="concat",
-        token_cache=None if cache is None else str(cache),
+        microbatch_size=2, num_streams=FILES, num_workers=0, steps_per_epoch=1000, tokenizer_batch_size=8,
+        packing="concat", token_cache=None if cache is None else str(cache),
     )  # fmt: skip
     options.update(changes)
     dm = RankDataModule(**options)
@@ -97,9 +97,8 @@ def stored_documents(dm: RankDataModule, suffix: str) -> dict[str, list[int]]:
     cache = dm.train_spec.sources[0].cache
     index, docs = cache.index, {}
     for group in range(len(index)):
-        texts = index.read_texts(group)
-        unit = cache.load(group, 0, int(index.num_rows[group])) if suffix == ".tok" else cache.partial(group, 0,
-                                                                                                      int(index.num_rows[group]))  # fmt: skip
+        texts, rows = index.read_texts(group), int(index.num_rows[group])
+        unit = cache.load(group, 0, rows) if suffix == ".tok" else cache.partial(group, 0, rows)
         if unit is None:
             continue
         for at, row in enumerate(unit.rows.tolist()):
@@ -134,7 +133,6 @@ def test_a_short_run_keeps_its_tokens_and_a_second_one_reads_them(
     assert not set(encoded) & set(first_encoded)
     counters = second.train_spec.sources[0].cache.cache.counters
     assert counters.partial_hits >= FILES and counters.hits == 0
-    print("second run", len(encoded), counters)
 
     encoded.clear()
     third = datamodule(corpus, files, cache)
