@@ -293,7 +293,7 @@ class TextReader:
         whole, partial, content = self.cache.lookup(group, start, stop) if self.cache is not None else (None,) * 3
         if whole is not None:
             too_long = dict(zip(whole.too_long_rows.tolist(), whole.too_long_chars.tolist()))
-            return _UnitRead(whole.rows, too_long, None, whole)
+            return _UnitRead(whole.rows, too_long, None, whole) if len(whole.rows) or too_long else None
         # Recorded under the key of the bytes its texts were decoded from; a partial entry is used (and continued)
         # only where those are the bytes its key was made of.
         covered = partial.stop if partial is not None else start

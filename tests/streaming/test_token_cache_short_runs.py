@@ -233,3 +233,22 @@ def test_a_setup_counts_an_edited_unit_from_its_new_tokens_once_they_are_stored(
     assert len(list(cache.rglob("*.tok"))) == FILES + 1
     for _ in range(2):  # and every later setup (the count record written by the first)
         assert datamodule(corpus, data, cache, steps_per_epoch=None).steps_per_epoch == new
+
+
+def test_a_cached_unit_without_documents_is_counted_as_one_without_text(corpus: Path, tmp_path: Path) -> None:
+    """A unit of empty texts (JSONL) replays from its (empty) whole entry as a unit without text, as when read: the
+    same rows and the same counters as a run without a cache."""
+    docs = json.loads((corpus / "docs.json").read_text())
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    parts = [docs[:ROWS], [""] * 40, docs[ROWS:]]
+    for f, part in enumerate(parts):  # JSONL: no statistics to prove a group text-free before it is read
+        write_file(data / f"part-{f}.jsonl", part, "jsonl")
+    uncached = datamodule(corpus, data, None)
+    want = run_steps(uncached, PASS)
+    for _ in range(2):  # filling the cache, then reading every unit from it
+        dm = datamodule(corpus, data, cache)
+        got = run_steps(dm, PASS)
+        assert len(got) == PASS and got == want
+        assert dm.stream_stats() == uncached.stream_stats()
+    assert dm.train_spec.sources[0].cache.cache.counters.hits >= len(parts)
