@@ -62,6 +62,7 @@ _ENTRY = re.compile(
     r"(?P<unit>(?P<file>[^/]+)/(?P<group>\d+)-(?P<start>\d+)-(?P<stop>\d+))\.(?P<content>[0-9a-f]{16,64})"
     + re.escape(ENTRY_SUFFIX)
 )
+_PARTIAL = re.compile(_ENTRY.pattern[: -len(re.escape(ENTRY_SUFFIX))] + re.escape(PARTIAL_SUFFIX))
 # What a count reads of an entry at first: its prefix and header (a longer header is read whole in a second read).
 _HEAD_BYTES = 4096
 
@@ -182,11 +183,14 @@ class CachedUnit:
 
 
 class Coverage(NamedTuple):
-    """How much of a list of units a cache holds: ``cached`` of ``total`` units, in ``bytes`` bytes."""
+    """How much of a list of units a cache holds: ``cached`` of ``total`` units whole, in ``bytes`` bytes; ``partial``
+    more units have a partial entry (their first documents), in ``partial_bytes`` bytes."""
 
     cached: int
     total: int
     bytes: int
+    partial: int = 0
+    partial_bytes: int = 0
 
 
 @dataclass
@@ -425,14 +429,18 @@ class TokenCache:
         footer (or layout) digest counts, whatever content it was made from, so a unit edited without changing its
         file's footer counts until it is read (and its new tokens stored beside).
         """
-        entries = self.entries()
-        cached = total = size = 0
+        listed = _entry_sizes(self._filesystem()[0], self._path(), (ENTRY_SUFFIX, PARTIAL_SUFFIX))
+        entries, partials = _by_unit(listed, _ENTRY), _by_unit(listed, _PARTIAL)
+        cached = total = size = partial = partial_size = 0
         for file_digest, group, start, stop in units:
             total += 1
-            found = entries.get(f"{self.file_folder(file_digest)}/{self.unit_name(group, start, stop)}")
+            unit = f"{self.file_folder(file_digest)}/{self.unit_name(group, start, stop)}"
+            found = entries.get(unit)
             if found is not None:
-                cached, size = cached + 1, size + found[1]
-        return Coverage(cached, total, size)
+                cached, size = cached + 1, size + found[0][1]
+            elif unit in partials:
+                partial, partial_size = partial + 1, partial_size + partials[unit][0][1]
+        return Coverage(cached, total, size, partial, partial_size)
 
     def entries(self) -> dict[str, tuple[str, int]]:
         """``{<file digest>/<group>-<start>-<stop>: (entry name, bytes)}`` from one listing (OSError as
@@ -442,12 +450,7 @@ class TokenCache:
     def unit_entries(self) -> dict[str, list[tuple[str, int]]]:
         """``{<file digest>/<group>-<start>-<stop>: [(entry name, bytes), ...]}``: every whole entry of each unit (one
         per content it was stored from), by name, from one listing (OSError as :meth:`coverage`)."""
-        found: dict[str, list[tuple[str, int]]] = {}
-        for name, size in sorted(_entry_sizes(self._filesystem()[0], self._path()).items()):
-            match = _ENTRY.fullmatch(name)
-            if match is not None:
-                found.setdefault(match.group("unit"), []).append((name, size))
-        return found
+        return _by_unit(_entry_sizes(self._filesystem()[0], self._path()), _ENTRY)
 
     def entry_counts(self, name: str, lengths: int = 0) -> tuple[int, int, np.ndarray] | None:
         """``(documents, tokens, the first lengths documents' token counts)`` of entry ``name`` (as :meth:`entries`
@@ -715,14 +718,25 @@ def _files(fs: pafs.FileSystem, folder: str) -> list[pafs.FileInfo]:
     return [info for info in infos if info.type == pafs.FileType.File]
 
 
-def _entry_sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
-    """``{entry name: bytes}`` under a version's ``folder``, temporary files and the manifest left out."""
+def _entry_sizes(fs: pafs.FileSystem, folder: str, suffixes: tuple[str, ...] = (ENTRY_SUFFIX,)) -> dict[str, int]:
+    """``{entry name: bytes}`` of the entries (by default whole ones) under a version's ``folder``, temporary files
+    and the manifest left out."""
     out = {}
     for info in _files(fs, folder):
         name = info.base_name
-        if name.endswith(ENTRY_SUFFIX) and not name.startswith("."):
+        if name.endswith(suffixes) and not name.startswith("."):
             out[info.path[len(folder) + 1 :]] = int(info.size)
     return out
+
+
+def _by_unit(sizes: Mapping[str, int], pattern: re.Pattern) -> dict[str, list[tuple[str, int]]]:
+    """``{unit: [(entry name, bytes), ...]}`` of the entries of ``sizes`` that ``pattern`` names, by name."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for name, size in sorted(sizes.items()):
+        match = pattern.fullmatch(name)
+        if match is not None:
+            found.setdefault(match.group("unit"), []).append((name, size))
+    return found
 
 
 # ------------------------------------------------------------------------------------------------ warnings

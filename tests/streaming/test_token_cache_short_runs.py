@@ -119,6 +119,8 @@ def test_a_short_run_keeps_its_tokens_and_a_second_one_reads_them(
     first_encoded = list(encoded)
     assert 0 < len(first_encoded) < len(own_ids(corpus)) // 2  # it stopped inside its units
     assert not list(cache.rglob("*.tok"))  # no unit was read whole
+    (line,) = datamodule(corpus, files, cache).token_cache_report()
+    assert f"0 of {FILES} units cached (0 %), 0.0 MiB; {FILES} more in part" in line, line
     kept = stored_documents(first, ".part")
     reference = own_ids(corpus)
     # Every document the run tokenized is kept, with the ids the tokenizer gives it.
