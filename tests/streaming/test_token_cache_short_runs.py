@@ -5,7 +5,8 @@ A run that stops inside its units keeps the documents it tokenized as partial en
 a document the first run tokenized) and trains an uncached run's rows, a longer run completes them, and checkpoints
 of runs resume to the same rows whatever the cache holds. After an edit that keeps a parquet footer (or a JSONL
 file's size and modification time), a setup counts the new content's exact steps once a pass has stored its tokens:
-the reference is the files' texts tokenized here and concat's arithmetic.
+the reference is the files' texts tokenized here and concat's arithmetic. A damaged partial entry is named, deleted
+and its documents tokenized again; a unit whose whole entry holds no document replays as a unit without text.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tokenizers import Tokenizer
 from lightning_d9d.streaming import tokenize
 from lightning_d9d.streaming.source import _parquet_groups
 from lightning_d9d.streaming.storage import Storage
+from lightning_d9d.streaming.token_cache import TokenCacheWarning
 
 FILES, ROWS = 2, 240  # one unit per file and stream
 G, SEQ = 8, 24
@@ -254,3 +256,21 @@ def test_a_cached_unit_without_documents_is_counted_as_one_without_text(corpus: 
         assert len(got) == PASS and got == want
         assert dm.stream_stats() == uncached.stream_stats()
     assert dm.train_spec.sources[0].cache.cache.counters.hits >= len(parts)
+
+
+def test_a_damaged_partial_entry_is_named_deleted_and_its_documents_tokenized_again(
+    corpus: Path, tmp_path: Path
+) -> None:
+    files, cache = corpus / "parquet", tmp_path / "cache"
+    want = run_steps(datamodule(corpus, files, None), SHORT)
+    run_steps(datamodule(corpus, files, cache), SHORT)
+    damaged = sorted(cache.rglob("*.part"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF  # a flipped bit in its tokens
+    damaged.write_bytes(bytes(data))
+    with pytest.warns(TokenCacheWarning, match=rf"{damaged.name}.*unusable, its arrays fail their CRC-32 check"):
+        dm = datamodule(corpus, files, cache)
+        got = run_steps(dm, SHORT)
+    assert len(got) == SHORT and got == want
+    counters = dm.train_spec.sources[0].cache.cache.counters
+    assert (counters.bad, counters.partial_hits) == (1, FILES - 1)
