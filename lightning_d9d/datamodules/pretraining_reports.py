@@ -103,6 +103,12 @@ class PretrainingReports:
             lines.append(
                 f"token cache {source.cache.cache.where()!r}, source {name!r}: {covered.cached} of {covered.total} "
                 f"units cached ({share:.0f} %), {covered.bytes / 2**20:,.1f} MiB"
+                + (
+                    f"; {covered.partial} more in part (their first documents, kept by runs that stopped inside "
+                    f"them), {covered.partial_bytes / 2**20:,.1f} MiB"
+                    if covered.partial
+                    else ""
+                )
             )
         return lines
 

@@ -1,19 +1,23 @@
 """Count records: what sizing a pass needs of a source, kept beside its token cache so ``setup`` need not tokenize.
 
 A source's record, ``<version>/counts/<digest of its files' footer (layout) digests>.json`` in its token cache,
-holds per unit (``<file digest>/<group>-<start>-<stop>``) the documents and tokens of its cache entry, read from
-the entry's header the first time a setup finds the entry (one listing of the version finds them all); the token
-counts of the first documents of a few units (what best-fit's yield is judged by); and the estimate's tokenized
-sample once one was made. The version folder already names the tokenizer and every setting that decides tokens,
-and the record's name the files' footers, so a record is never read for other tokens or files.
+holds per whole entry (``<file digest>/<group>-<start>-<stop>.<content key>.tok``) its documents and tokens, read
+from the entry's header the first time a setup counts it; the token counts of the first documents of a few
+entries (what best-fit's yield is judged by); and the estimate's tokenized sample once one was made. The version
+folder already names the tokenizer and every setting that decides tokens, and the record's name the files'
+footers, so a record is never read for other tokens or files.
 
-A record is found by the files' footers, not by their content, and it is trusted with counts only (the length of
-an epoch), never with a token: tokens are always found by the content they were made from (``content.py``). A
-unit edited without changing its file's footer keeps its old counts here until its record is deleted, which can
-make an epoch a few steps longer or shorter, never a row wrong.
+Which entry counts for a unit is decided at every setup from one listing of the version: a unit's only entry under
+its file's footer (layout) digest counts without reading its text; where a unit has several (its text was edited
+without changing the footer, and a later read stored the new tokens beside the old), its stored text is read and
+hashed, and the entry of that content counts (none, if its tokens are not stored yet: the unit is estimated). So
+a count trusts the footer only for a unit whose edited tokens no read has stored yet: such an epoch is a few steps
+longer or shorter than the content's until a pass reads the unit, never a row wrong, since tokens are always found
+by the content they were made from (``content.py``).
 
-Trade-off: one small file per source, read at every setup and rewritten by whichever setup learns something new
-(the last writer wins; every version of it is true), against reading every entry's header at every setup.
+Trade-off: one small file per source and one listing, read at every setup, the record rewritten by whichever
+setup learns something new (the last writer wins; every version of it is true), against reading every entry's
+header at every setup; the listing is what lets an edited unit's new tokens count as soon as they are stored.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from lightning_d9d.digest import digest
-from lightning_d9d.streaming.token_cache import StreamCache, TokenCache, read_record, write_record
+from lightning_d9d.streaming.token_cache import ENTRY_SUFFIX, StreamCache, TokenCache, read_record, write_record
 
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2  # 2: counts per entry (content key included), not per unit
 # Entry headers read at once where the cache is on object storage (each is a request).
 PARALLEL_READS = 16
 
@@ -41,6 +45,7 @@ class CountRecord:
 
     def __init__(self, cache: StreamCache):
         self.cache, self.index = cache.cache, cache.index
+        self.chosen: dict[str, str] = {}  # unit name -> the entry counted for it, decided by :meth:`counts`
         self.files = [int(file_digest) for file_digest in self.index.file_digests]
         self.path = f"counts/{digest(json.dumps(self.files))}.json"
         self.changed = False
@@ -71,53 +76,77 @@ class CountRecord:
         folder = TokenCache.file_folder(self.index.file_digests[int(self.index.file_of[group])])
         return f"{folder}/{TokenCache.unit_name(int(self.index.group_in_file[group]), start, stop)}"
 
-    def counts(self, names: list[str], wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per unit of ``names``: its documents, its tokens (BOS not included) and whether they are known; the
-        ``wanted`` units the record lacks are looked for in the cache (one listing, then their entries' headers)."""
+    def counts(
+        self, names: list[str], groups: list[int], wanted: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per unit of ``names`` (of global row groups ``groups``): its documents, its tokens (BOS not included) and
+        whether they are known, for the ``wanted`` units with an entry of their current content (as the module
+        docstring says which); entries the record lacks are counted from their headers."""
+        listed = self._listed()
+        self.chosen = {}
+        for name, group, want in zip(names, groups, wanted.tolist()):
+            entry = self._current(group, listed.get(name, [])) if want else None
+            if entry is not None:
+                self.chosen[name] = entry
         units = self.data["units"]
-        missing = [name for name, want in zip(names, wanted.tolist()) if want and name not in units]
+        missing = [entry for entry in self.chosen.values() if entry not in units]
         if missing:
             self._count_entries(missing)
-        known = np.asarray([name in units for name in names], bool)
-        docs = np.asarray([units[name][0] if name in units else 0 for name in names], np.int64)
-        tokens = np.asarray([units[name][1] if name in units else 0 for name in names], np.int64)
+        for name in [name for name, entry in self.chosen.items() if entry not in units]:
+            del self.chosen[name]  # unreadable: estimated
+        known = np.asarray([name in self.chosen for name in names], bool)
+        docs = np.asarray([units[self.chosen[name]][0] if name in self.chosen else 0 for name in names], np.int64)
+        tokens = np.asarray([units[self.chosen[name]][1] if name in self.chosen else 0 for name in names], np.int64)
         return docs, tokens, known
 
-    def _listed(self) -> dict[str, tuple[str, int]]:
-        """The cache's entries by unit; none where it cannot be listed (nothing is counted from it then)."""
+    def _current(self, group: int, entries: list[str]) -> str | None:
+        """The entry of ``entries`` (one unit's) that counts: the only one, else the one of its current content."""
+        if len(entries) <= 1:
+            return entries[0] if entries else None
         try:
-            return self.cache.entries()
-        except OSError:
-            return {}
+            content = self.index.content_key(group)
+        except (ValueError, OSError):  # unreadable now: estimated (the read that trains it says why)
+            return None
+        return next((entry for entry in entries if entry.endswith(f".{content}{ENTRY_SUFFIX}")), None)
 
-    def _count_entries(self, names: list[str]) -> None:
-        listed = self._listed()
-        found = [(name, listed[name][0]) for name in names if name in listed]
+    def _listed(self) -> dict[str, list[str]]:
+        """Every whole entry of each unit, from one listing of the cache; where it cannot be listed, those this record
+        counted (nothing new is counted then)."""
+        try:
+            return {unit: [name for name, _ in found] for unit, found in self.cache.unit_entries().items()}
+        except OSError:
+            listed: dict[str, list[str]] = {}
+            for entry in sorted(self.data["units"]):
+                listed.setdefault(entry.rsplit(".", 2)[0], []).append(entry)
+            return listed
+
+    def _count_entries(self, entries: list[str]) -> None:
         local = "://" not in self.cache.root or self.cache.root.startswith("file://")
-        with ThreadPoolExecutor(1 if local or len(found) < 2 else PARALLEL_READS) as pool:
-            counted = list(pool.map(lambda item: self.cache.entry_counts(item[1]), found))
-        for (name, _), count in zip(found, counted):
+        with ThreadPoolExecutor(1 if local or len(entries) < 2 else PARALLEL_READS) as pool:
+            counted = list(pool.map(self.cache.entry_counts, entries))
+        for entry, count in zip(entries, counted):
             if count is not None:
-                self.data["units"][name] = [count[0], count[1]]
+                self.data["units"][entry] = [count[0], count[1]]
                 self.changed = True
 
     def lengths(self, names: list[str], per_unit: int, wanted: int) -> list[int]:
         """Token counts (BOS included) of the first ``per_unit`` documents of the units ``names`` (counted ones, in
         this order) until ``wanted`` documents are reached, read from their entries' offsets where not recorded."""
         out: list[int] = []
-        listed: dict[str, tuple[str, int]] | None = None
         for name in names:
             if len(out) >= wanted:
                 break
-            documents = self.data["units"][name][0]
-            kept = self.data["lengths"].get(name)
+            entry = self.chosen.get(name)
+            if entry is None:
+                continue
+            documents = self.data["units"][entry][0]
+            kept = self.data["lengths"].get(entry)
             if not isinstance(kept, list) or len(kept) < min(per_unit, documents):
-                listed = self._listed() if listed is None else listed
-                count = self.cache.entry_counts(listed[name][0], per_unit) if name in listed else None
+                count = self.cache.entry_counts(entry, per_unit)
                 if count is None:
                     continue
                 kept = (count[2] + 1).tolist()
-                self.data["lengths"][name], self.changed = kept, True
+                self.data["lengths"][entry], self.changed = kept, True
             out.extend(kept[:per_unit])
         return out
 

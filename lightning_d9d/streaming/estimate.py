@@ -169,7 +169,7 @@ def _counted(spec: StreamSpec, record: CountRecord, sampling: tuple[int, int, in
     names = [record.unit_name(*unit) for unit in zip(units.group.tolist(), units.start.tolist(), units.stop.tolist())]
     rows = units.stop - units.start
     text = ~index.text_free[units.group] if index.text_free.size else np.ones(len(units), bool)
-    docs, tokens, known = record.counts(names, text)
+    docs, tokens, known = record.counts(names, units.group.tolist(), text)
     counted, missing = text & known, text & ~known
     counted_tokens = int((docs + tokens)[counted].sum())  # a BOS per document
     counted_rows, missing_rows = int(rows[counted].sum()), int(rows[missing].sum())

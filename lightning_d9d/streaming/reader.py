@@ -8,6 +8,7 @@ columnar and simple at the cost of re-reading a unit's head once per resume.
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class TextChunk:
         tokens: for a chunk replayed from the token cache, its ids (BOS not included) and counts; ``texts`` is empty.
         record: what records the chunk's tokens for the cache, or ``None``.
         closes_unit: the last chunk of a recorded unit (the cache stores the unit once it is tokenized).
+        record_part: the chunk's place among its unit's recorded chunks (0, 1, ...).
     """
 
     pass_index: int
@@ -90,6 +92,7 @@ class TextChunk:
     record: Any = None
     closes_unit: bool = False
     excluded_before: dict[int, int] = field(default_factory=dict)
+    record_part: int = 0
 
     def position_of(self, doc: int) -> ReadPosition:
         """The position of document ``doc`` (reading from there yields it first)."""
@@ -140,20 +143,29 @@ class StreamUnits:
 
 @dataclass
 class _UnitRead:
-    """One unit's kept and too-long rows, with texts or cached tokens, and its cache recorder."""
+    """One unit's kept and too-long rows, with texts or cached tokens (or both: cached tokens of its rows before
+    ``cached.stop``, a partial entry, and texts for the rest), and its cache recorder."""
 
     rows: np.ndarray
     too_long: dict[int, int]
     texts: list[str | None] | None
     cached: Any = None
     recorder: Any = None
+    parts: int = 0  # text chunks handed to the recorder so far
+
+    def cached_rows(self, kept: list[int]) -> int:
+        """How many of the leading ``kept`` rows are read from cached tokens."""
+        if self.cached is None:
+            return 0
+        return len(kept) if self.texts is None else bisect.bisect_left(kept, self.cached.stop)
 
     def chunk(self, where: tuple[int, int, int], rows: list[int], before: tuple, closes: bool) -> TextChunk:
         cached = self.cached
-        if cached is None:
+        if cached is None or (self.texts is not None and rows[0] >= cached.stop):
             texts = [self.texts[r] for r in rows]
+            part, self.parts = self.parts, self.parts + (self.recorder is not None)
             return TextChunk(*where, np.asarray(rows, np.int64), texts, *before[:3], None, self.recorder, closes,
-                             before[3])  # fmt: skip
+                             before[3], part)  # fmt: skip
         at = np.searchsorted(cached.rows, rows)
         starts, stops = cached.offsets[at], cached.offsets[at + 1]
         if len(rows) and stops[-1] - starts[0] == int((stops - starts).sum()):  # consecutive documents: one slice
@@ -196,6 +208,7 @@ class TextReader:
         self.excluded: dict[int, np.ndarray] = {}  # row group -> its excluded rows, ascending
         for group, row in sorted(excluded):
             self.excluded[group] = np.append(self.excluded.get(group, np.zeros(0, np.int64)), row)
+        self._recording: list[Any] = []  # recorders of units not yet stored whole
         self.reset(start)
 
     def reset(self, initial_state: ReadPosition) -> None:
@@ -206,6 +219,15 @@ class TextReader:
         return self.units.normalise(self._next)
 
     def __iter__(self) -> Iterator[TextChunk]:
+        try:
+            yield from self._chunks()
+        finally:
+            # Stopped (closed, or freed with its reader thread): what the units being read recorded so far is kept.
+            for recorder in self._recording:
+                recorder.close()
+            self._recording.clear()
+
+    def _chunks(self) -> Iterator[TextChunk]:
         units, index = self.units, self.units.index
         size = 1  # grows to tokenizer_batch_size
         start = self._next
@@ -219,7 +241,7 @@ class TextReader:
                 unit = int(slots[slot])
                 group, stop = int(units.units.group[unit]), int(units.units.stop[unit])
                 row = max(row, first_row := int(units.units.start[unit]))
-                read = self._read_unit(group, first_row, stop, whole=row == first_row)
+                read = self._read_unit(group, first_row, stop, row)
                 if read is None:
                     units_since += 1  # a text-free unit is counted as one, not as its rows
                     slot, row = slot + 1, 0
@@ -262,36 +284,50 @@ class TextReader:
                 )
             pass_index, slot, row = pass_index + 1, 0, 0
 
-    def _read_unit(self, group: int, start: int, stop: int, whole: bool) -> _UnitRead | None:
-        """From the token cache if it holds the unit, else read (and recorded when read whole); ``None``: no text."""
+    def _read_unit(self, group: int, start: int, stop: int, row: int) -> _UnitRead | None:
+        """From the token cache if it holds the unit whole; else read, its rows before ``cached.stop`` from its partial
+        entry where there is one, and recorded from where the cache's documents end (the start without a partial
+        entry) where reading begins there or before (at ``row``); ``None``: no text."""
         if self.units.index.text_free[group]:
             return None
-        cached = self.cache.load(group, start, stop) if self.cache is not None else None
-        if cached is not None:
-            too_long = dict(zip(cached.too_long_rows.tolist(), cached.too_long_chars.tolist()))
-            read = _UnitRead(cached.rows, too_long, None, cached)
-        else:
-            # A unit read whole is recorded under the key of the bytes its texts were decoded from.
-            keyed = self.cache is not None and whole
-            texts, too_long, content = self.units.index.read_keyed(group, self.max_document_chars, keyed)
-            too_long = {r: n for r, n in too_long.items() if start <= r < stop}
-            rows = np.asarray([r for r in range(start, stop) if texts[r]], np.int64)
-            recorder = self.cache.recorder(group, start, stop, too_long, content) if content is not None else None
-            excluded = self.excluded.get(group)
-            if excluded is not None and ((excluded >= start) & (excluded < stop)).any():
-                recorder = None  # its documents are not all read: the cache keeps whole units only
-            read = _UnitRead(rows, too_long, texts, None, recorder)
-            if recorder is not None and not len(rows):
-                recorder.store()  # nothing to tokenize: stored now, so that the cache holds (and counts) every unit
+        whole, partial, content = self.cache.lookup(group, start, stop) if self.cache is not None else (None,) * 3
+        if whole is not None:
+            too_long = dict(zip(whole.too_long_rows.tolist(), whole.too_long_chars.tolist()))
+            return _UnitRead(whole.rows, too_long, None, whole) if len(whole.rows) or too_long else None
+        # Recorded under the key of the bytes its texts were decoded from; a partial entry is used (and continued)
+        # only where those are the bytes its key was made of.
+        covered = partial.stop if partial is not None else start
+        keyed = self.cache is not None and row <= covered
+        texts, too_long, read_content = self.units.index.read_keyed(group, self.max_document_chars, keyed)
+        if partial is not None and read_content != content:
+            partial, covered = None, start
+        too_long = {r: n for r, n in too_long.items() if start <= r < stop}
+        rows = np.asarray([r for r in range(start, stop) if texts[r]], np.int64)
+        recorder = None
+        if read_content is not None and row <= covered:
+            recorder = self.cache.recorder(group, start, stop, too_long, read_content, partial)
+        excluded = self.excluded.get(group)
+        if excluded is not None and ((excluded >= start) & (excluded < stop)).any():
+            recorder = None  # its documents are not all read: the cache keeps units whose documents all are
+        read = _UnitRead(rows, too_long, texts, partial if partial is not None and row < covered else None, recorder)
+        if recorder is not None:
+            if not len(rows) or rows[-1] < covered:
+                # Nothing to tokenize (or nothing past its partial entry): stored now, so that the cache holds (and
+                # counts) every unit.
+                recorder.store()
+            else:
+                self._recording = [*(other for other in self._recording if not other.done), recorder]
         return read if len(read.rows) or read.too_long else None
 
     def _chunk_ends(self, read: _UnitRead, kept: list[int], size: int) -> Iterator[int]:
-        """Where each chunk of ``kept`` ends: one chunk of cached tokens, else growing sizes capped by both limits."""
-        if read.cached is not None:
-            yield len(kept)
+        """Where each chunk of ``kept`` ends: one chunk of cached tokens, then (the rest of a partially cached unit, or
+        one not cached) growing sizes capped by both limits."""
+        first = read.cached_rows(kept)
+        if first:
+            yield first
+        if first == len(kept):
             return
         lengths = np.fromiter((len(read.texts[r]) for r in kept), np.int64, len(kept)) if self.chunk_chars else None
-        first = 0
         while first < len(kept):
             last = min(first + size, len(kept))
             if lengths is not None:

@@ -7,8 +7,12 @@ computed when a stream is about to read the unit. An edited unit has another key
 up, and two files share an entry only where their bytes are the same. The entry's folder is its file's footer (or
 layout) digest, which only groups entries for listing (coverage, "files changed" at setup) and is trusted with no
 token. A bad entry is a miss, warned about and deleted. Stores are atomic and uncoordinated: every writer of an
-entry writes the same bytes. Trade-off: one file per unit needs no index and keeps writers independent, at the price
-of a file per row group, of reading an entry whole, and of a read and a hash of the unit's stored text per lookup.
+entry writes the same bytes. While a unit is read, its documents tokenized so far are kept as its *partial entry*
+(the same format, ``.part``, holding the documents of its first rows), rewritten as they double and when the reader
+stops: a run that stops inside its units keeps its work, and the next read continues it instead of starting over.
+Trade-off: one file per unit needs no index and keeps writers independent, at the price of a file per row group,
+of reading an entry whole, and of a read and a hash of the unit's stored text per lookup; rewriting a partial
+entry as it doubles writes about twice a unit in all, and a killed process loses at most half of its last unit.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from lightning_d9d.streaming.storage import Storage, StorageError, canonical, is
 FORMAT_VERSION = 2
 MAGIC = b"D9DTOKS\n"
 ENTRY_SUFFIX = ".tok"
+# A partial entry: the documents of a unit's first rows, kept while a run reads the unit and extended by later ones.
+PARTIAL_SUFFIX = ".part"
 MANIFEST = "manifest.json"
 # magic, format version, header length in bytes, the header's CRC-32. CRC-32 (zlib) rather than a faster hash:
 # no optional dependency, and one entry format.
@@ -56,6 +62,7 @@ _ENTRY = re.compile(
     r"(?P<unit>(?P<file>[^/]+)/(?P<group>\d+)-(?P<start>\d+)-(?P<stop>\d+))\.(?P<content>[0-9a-f]{16,64})"
     + re.escape(ENTRY_SUFFIX)
 )
+_PARTIAL = re.compile(_ENTRY.pattern[: -len(re.escape(ENTRY_SUFFIX))] + re.escape(PARTIAL_SUFFIX))
 # What a count reads of an entry at first: its prefix and header (a longer header is read whole in a second read).
 _HEAD_BYTES = 4096
 
@@ -176,11 +183,14 @@ class CachedUnit:
 
 
 class Coverage(NamedTuple):
-    """How much of a list of units a cache holds: ``cached`` of ``total`` units, in ``bytes`` bytes."""
+    """How much of a list of units a cache holds: ``cached`` of ``total`` units whole, in ``bytes`` bytes; ``partial``
+    more units have a partial entry (their first documents), in ``partial_bytes`` bytes."""
 
     cached: int
     total: int
     bytes: int
+    partial: int = 0
+    partial_bytes: int = 0
 
 
 @dataclass
@@ -189,6 +199,7 @@ class CacheCounters:
 
     hits: int = 0
     misses: int = 0
+    partial_hits: int = 0
     bad: int = 0
     stored: int = 0
     store_failures: int = 0
@@ -262,14 +273,16 @@ class TokenCache:
         return f"{root}/{self.digest}/{relative}" if relative else f"{root}/{self.digest}"
 
     @staticmethod
-    def entry_name(file_digest: int | str, group_in_file: int, start: int, stop: int, content: str) -> str:
-        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.<content key>.tok``;
-        ValueError for a negative number, a file digest not a plain name, or a content key not 16 to 64 hex digits."""
+    def entry_name(
+        file_digest: int | str, group_in_file: int, start: int, stop: int, content: str, partial: bool = False
+    ) -> str:
+        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.<content key>.tok``
+        (``.part`` for a partial entry); ValueError for a negative number, a file digest not a plain name, or a
+        content key not 16 to 64 hex digits."""
         if not isinstance(content, str) or not _CONTENT_KEY.fullmatch(content):
             raise ValueError(f"content key {content!r} must be 16 to 64 lowercase hex digits")
-        return f"{TokenCache.file_folder(file_digest)}/{TokenCache.unit_name(group_in_file, start, stop)}.{content}" + (
-            ENTRY_SUFFIX
-        )
+        unit = TokenCache.unit_name(group_in_file, start, stop)
+        return f"{TokenCache.file_folder(file_digest)}/{unit}.{content}{PARTIAL_SUFFIX if partial else ENTRY_SUFFIX}"
 
     @staticmethod
     def unit_name(group_in_file: int, start: int, stop: int) -> str:
@@ -307,35 +320,39 @@ class TokenCache:
         stop: int,
         content: str,
         described: str | None = None,
+        partial: bool = False,
     ) -> CachedUnit | None:
         """The cached tokenization of the unit whose stored text has content key ``content``, or ``None``: not cached,
         a failed read (warned once), or a bad entry (warned about, up to ``MAX_NAMED_ENTRIES`` per version, and
-        deleted). ``described`` names the unit in those warnings.
+        deleted). ``described`` names the unit in those warnings. ``partial``: the unit's partial entry, a unit
+        whose ``stop`` is the row its documents reach (rows ``[start, stop)`` of it are accounted for).
         """
-        name = self.entry_name(file_digest, group_in_file, start, stop, content)
+        name = self.entry_name(file_digest, group_in_file, start, stop, content, partial)
         path = self._path(name)
         fs, _ = self._filesystem()
+        # A unit without a whole entry is one miss, whether or not a partial entry of it is found.
+        missed = {} if partial else {"misses": 1}
         try:
             data = _read_whole(fs, path)
         except FileNotFoundError:
-            self._count(misses=1)
+            self._count(**missed)
             return None
         except OSError as err:
-            self._count(misses=1)
+            self._count(**missed)
             _warn_once(("read", self.where()), f"cannot read token cache entry {self.where(name)!r} ({err}); its "
                                               "unit is tokenized instead (further read failures of this cache are "
                                               "not reported)")  # fmt: skip
             return None
         try:
             identity = self._identity(name.split("/", 1)[0], group_in_file, start, stop, content)
-            unit = _decode(data, identity, self.vocab_size)
+            unit = _decode(data, identity, self.vocab_size, partial)
         except _BadEntry as bad:
-            self._count(misses=1, bad=1)
+            self._count(**missed, bad=1)
             described = described or f"row group {group_in_file}, rows {start}..{stop - 1}"
             _report_bad(self.where(), self.where(name), described, str(bad))
             _delete_quietly(fs, path)
             return None
-        self._count(hits=1, bytes_read=len(data))
+        self._count(**{"partial_hits" if partial else "hits": 1}, bytes_read=len(data))
         return unit
 
     # ------------------------------------------------------------------------------------------------ storing
@@ -345,16 +362,26 @@ class TokenCache:
         return self.where() not in _NOT_WRITING
 
     def store(
-        self, file_digest: int | str, group_in_file: int, start: int, stop: int, content: str, unit: CachedUnit
+        self,
+        file_digest: int | str,
+        group_in_file: int,
+        start: int,
+        stop: int,
+        content: str,
+        unit: CachedUnit,
+        partial: bool = False,
     ) -> bool:
         """Store a whole unit's tokenization atomically, under the content key of the stored text it was decoded from;
         whether it was stored. A write failure is a warning, never an exception (space, quota or permission errors
-        stop this process's writing); ValueError for an invalid ``unit``.
+        stop this process's writing); ValueError for an invalid ``unit``. ``partial``: ``unit`` holds the documents
+        of the unit's rows ``[start, unit.stop)``, stored as its partial entry (replacing the one there).
         """
-        name = self.entry_name(file_digest, group_in_file, start, stop, content)
-        if (unit.group_in_file, unit.start, unit.stop) != (group_in_file, start, stop):
+        name = self.entry_name(file_digest, group_in_file, start, stop, content, partial)
+        same = (unit.group_in_file, unit.start) == (group_in_file, start)
+        if not (same and (start <= unit.stop < stop if partial else unit.stop == stop)):
             raise ValueError(f"unit of row group {unit.group_in_file}, rows [{unit.start}, {unit.stop}) stored as "
-                             f"row group {group_in_file}, rows [{start}, {stop})")  # fmt: skip
+                             f"{'part of ' if partial else ''}row group {group_in_file}, rows [{start}, "
+                             f"{stop})")  # fmt: skip
         if unit.tokens.dtype != self.dtype:
             unit = dataclasses.replace(unit, tokens=token_array(unit.tokens, self.vocab_size))
         problem = _problem(unit, self.vocab_size)
@@ -362,7 +389,9 @@ class TokenCache:
             raise ValueError(f"cannot store {self.where(name)!r}: {problem}")
         if not self.writing:
             return False
-        identity = self._identity(name.split("/", 1)[0], unit.group_in_file, unit.start, unit.stop, content)
+        identity = self._identity(name.split("/", 1)[0], group_in_file, start, stop, content)
+        if partial:
+            identity.update(partial=True, covered=int(unit.stop))
         pieces = _encode(unit, identity, self.dtype)
         fs, _ = self._filesystem()
         try:
@@ -375,6 +404,11 @@ class TokenCache:
             return False
         self._count(stored=1, bytes_written=sum(len(piece) for piece in pieces))
         return True
+
+    def delete_partial(self, file_digest: int | str, group_in_file: int, start: int, stop: int, content: str) -> None:
+        """Delete the unit's partial entry, best effort: its whole entry holds every document of it."""
+        _delete_quietly(self._filesystem()[0], self._path(self.entry_name(file_digest, group_in_file, start, stop,
+                                                                          content, partial=True)))  # fmt: skip
 
     def _write_manifest(self) -> None:
         """Once per process; every writer writes the same manifest."""
@@ -395,24 +429,28 @@ class TokenCache:
         footer (or layout) digest counts, whatever content it was made from, so a unit edited without changing its
         file's footer counts until it is read (and its new tokens stored beside).
         """
-        entries = self.entries()
-        cached = total = size = 0
+        listed = _entry_sizes(self._filesystem()[0], self._path(), (ENTRY_SUFFIX, PARTIAL_SUFFIX))
+        entries, partials = _by_unit(listed, _ENTRY), _by_unit(listed, _PARTIAL)
+        cached = total = size = partial = partial_size = 0
         for file_digest, group, start, stop in units:
             total += 1
-            found = entries.get(f"{self.file_folder(file_digest)}/{self.unit_name(group, start, stop)}")
+            unit = f"{self.file_folder(file_digest)}/{self.unit_name(group, start, stop)}"
+            found = entries.get(unit)
             if found is not None:
-                cached, size = cached + 1, size + found[1]
-        return Coverage(cached, total, size)
+                cached, size = cached + 1, size + found[0][1]
+            elif unit in partials:
+                partial, partial_size = partial + 1, partial_size + partials[unit][0][1]
+        return Coverage(cached, total, size, partial, partial_size)
 
     def entries(self) -> dict[str, tuple[str, int]]:
         """``{<file digest>/<group>-<start>-<stop>: (entry name, bytes)}`` from one listing (OSError as
         :meth:`coverage`); of a unit's several entries (contents made under one footer), the first by name."""
-        found: dict[str, tuple[str, int]] = {}
-        for name, size in sorted(_entry_sizes(self._filesystem()[0], self._path()).items()):
-            match = _ENTRY.fullmatch(name)
-            if match is not None:
-                found.setdefault(match.group("unit"), (name, size))
-        return found
+        return {unit: found[0] for unit, found in self.unit_entries().items()}
+
+    def unit_entries(self) -> dict[str, list[tuple[str, int]]]:
+        """``{<file digest>/<group>-<start>-<stop>: [(entry name, bytes), ...]}``: every whole entry of each unit (one
+        per content it was stored from), by name, from one listing (OSError as :meth:`coverage`)."""
+        return _by_unit(_entry_sizes(self._filesystem()[0], self._path()), _ENTRY)
 
     def entry_counts(self, name: str, lengths: int = 0) -> tuple[int, int, np.ndarray] | None:
         """``(documents, tokens, the first lengths documents' token counts)`` of entry ``name`` (as :meth:`entries`
@@ -581,10 +619,19 @@ def _entry_counts(
     return docs, tokens, np.diff(offsets)
 
 
-def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUnit:
-    """The unit ``data`` holds, fully checked against ``identity``; raises :class:`_BadEntry` naming the problem."""
+def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int, partial: bool = False) -> CachedUnit:
+    """The unit ``data`` holds, fully checked against ``identity``; raises :class:`_BadEntry` naming the problem.
+    ``partial``: a partial entry, whose unit ends at the row its header says it covers."""
     size, dtype = len(data), token_dtype(vocab_size)
     counts, payload_at, header = _header(data, identity)
+    stop = identity["stop"]
+    if bool(header.get("partial")) != partial:
+        raise _BadEntry("a partial entry under a whole entry's name" if header.get("partial") else
+                        "a whole entry under a partial entry's name")  # fmt: skip
+    if partial:
+        stop = header.get("covered")
+        if not isinstance(stop, int) or not identity["start"] <= stop < identity["stop"]:
+            raise _BadEntry(f"it covers rows up to {stop!r}, not inside [{identity['start']}, {identity['stop']})")
     docs, long_docs, tokens = counts
     payload = _INDEX.itemsize * (2 * docs + 1 + 2 * long_docs) + dtype.itemsize * tokens
     if size != payload_at + payload:
@@ -597,8 +644,8 @@ def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int) -> CachedUn
                                (dtype, tokens)):  # fmt: skip
         arrays.append(np.frombuffer(data, array_dtype, count, at))
         at += array_dtype.itemsize * count
-    unit = CachedUnit(identity["group"], identity["start"], identity["stop"], arrays[0], arrays[1], arrays[4],
-                      arrays[2], arrays[3])  # fmt: skip
+    unit = CachedUnit(identity["group"], identity["start"], stop, arrays[0], arrays[1], arrays[4], arrays[2],
+                      arrays[3])  # fmt: skip
     problem = _problem(unit, vocab_size)
     if problem is not None:
         raise _BadEntry(problem)
@@ -671,14 +718,25 @@ def _files(fs: pafs.FileSystem, folder: str) -> list[pafs.FileInfo]:
     return [info for info in infos if info.type == pafs.FileType.File]
 
 
-def _entry_sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
-    """``{entry name: bytes}`` under a version's ``folder``, temporary files and the manifest left out."""
+def _entry_sizes(fs: pafs.FileSystem, folder: str, suffixes: tuple[str, ...] = (ENTRY_SUFFIX,)) -> dict[str, int]:
+    """``{entry name: bytes}`` of the entries (by default whole ones) under a version's ``folder``, temporary files
+    and the manifest left out."""
     out = {}
     for info in _files(fs, folder):
         name = info.base_name
-        if name.endswith(ENTRY_SUFFIX) and not name.startswith("."):
+        if name.endswith(suffixes) and not name.startswith("."):
             out[info.path[len(folder) + 1 :]] = int(info.size)
     return out
+
+
+def _by_unit(sizes: Mapping[str, int], pattern: re.Pattern) -> dict[str, list[tuple[str, int]]]:
+    """``{unit: [(entry name, bytes), ...]}`` of the entries of ``sizes`` that ``pattern`` names, by name."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for name, size in sorted(sizes.items()):
+        match = pattern.fullmatch(name)
+        if match is not None:
+            found.setdefault(match.group("unit"), []).append((name, size))
+    return found
 
 
 # ------------------------------------------------------------------------------------------------ warnings
@@ -759,6 +817,9 @@ class StreamCache:
     def __init__(self, cache: TokenCache, index: Any, scope: str = ""):
         self.cache, self.index, self.scope = cache, index, scope
         self.labelled: set[int] = set()  # files whose label record this process has written
+        # Entries this process stored whole: a recorder of the same unit (a later pass read ahead of the tokenizer)
+        # writes no partial entry beside one.
+        self.completed: set[tuple[int | str, int, int, int, str]] = set()
         self._labels: list[str] | None = None
 
     def label(self, file: int) -> str:
@@ -779,16 +840,41 @@ class StreamCache:
         file_digest, in_file = self._where(group)
         return self.cache.load(file_digest, in_file, start, stop, content, self.index.describe_rows(group, start, stop))
 
+    def lookup(self, group: int, start: int, stop: int) -> tuple[CachedUnit | None, CachedUnit | None, str]:
+        """``(whole entry, partial entry, content key)`` of unit ``[start, stop)`` of global row group ``group``: its
+        whole entry where cached, else its partial entry where one is (each ``None`` where missing or bad), found by
+        the content key of its stored text as read and hashed now; raises as :meth:`load`."""
+        content = self.index.content_key(group)
+        file_digest, in_file = self._where(group)
+        described = self.index.describe_rows(group, start, stop)
+        whole = self.cache.load(file_digest, in_file, start, stop, content, described)
+        if whole is not None:
+            return whole, None, content
+        return None, self.cache.load(file_digest, in_file, start, stop, content, described, partial=True), content
+
+    def partial(self, group: int, start: int, stop: int) -> CachedUnit | None:
+        """The partial entry of unit ``[start, stop)`` of ``group`` for its current content, or ``None``."""
+        content = self.index.content_key(group)
+        file_digest, in_file = self._where(group)
+        return self.cache.load(file_digest, in_file, start, stop, content, partial=True)
+
     def recorder(
-        self, group: int, start: int, stop: int, too_long: Mapping[int, int], content: str
+        self,
+        group: int,
+        start: int,
+        stop: int,
+        too_long: Mapping[int, int],
+        content: str,
+        base: CachedUnit | None = None,
     ) -> UnitRecorder | None:
         """What records the unit's documents as they are tokenized, to be stored under ``content`` (the content key of
-        the bytes they were decoded from); ``None`` when this process stores nothing."""
+        the bytes they were decoded from), after ``base`` (its partial entry, where the read continues it); ``None``
+        when this process stores nothing."""
         if not self.cache.writing:
             return None
         file_digest, in_file = self._where(group)
         long_rows = {row: chars for row, chars in too_long.items() if start <= row < stop}
-        return UnitRecorder(self, group, (file_digest, in_file, start, stop, content), long_rows)
+        return UnitRecorder(self, group, (file_digest, in_file, start, stop, content), long_rows, base)
 
     def stored(self, group: int) -> None:
         """Record once which file label a digest belongs to, so a later run can name the files edited since."""
@@ -861,42 +947,86 @@ class StreamCache:
 
 
 class UnitRecorder:
-    """A unit's documents recorded chunk by chunk as compact ids, stored once whole.
+    """A unit's documents recorded chunk by chunk as compact ids: stored whole once every chunk is in, and meanwhile
+    kept as a partial entry (its first documents) so that a run stopping inside the unit loses little of its work.
+
+    Chunks may be tokenized out of order (a consumer and the tokenizing thread); only the chunks in order from the
+    first (or from ``base``) are stored. A partial entry is rewritten when the documents in order have doubled since
+    the last one (so at most about twice the unit is written in all), and at :meth:`close`, when the reader stops.
 
     Args:
         source: the stream cache it stores through.
         group: the unit's global row group.
         entry: ``(file digest, group in file, start, stop, content key)``: the entry it is stored as.
         too_long: ``{row: characters}`` of the unit's rows skipped as too long.
+        base: the unit's partial entry that the chunks continue (their first document follows its last row).
     """
 
     def __init__(
-        self, source: StreamCache, group: int, entry: tuple[int | str, int, int, int, str], too_long: dict[int, int]
+        self,
+        source: StreamCache,
+        group: int,
+        entry: tuple[int | str, int, int, int, str],
+        too_long: dict[int, int],
+        base: CachedUnit | None = None,
     ):
         self.source, self.cache, self.group = source, source.cache, group
         self.entry, self.too_long = entry, too_long
         self.rows: list[np.ndarray] = []
         self.ids: list[np.ndarray] = []
         self.lengths: list[np.ndarray] = []
+        if base is not None:
+            self.rows.append(base.rows)
+            self.ids.append(base.tokens)
+            self.lengths.append(base.lengths)
+        self.documents = self.saved = len(base) if base is not None else 0
+        self.waiting: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
+        self.next_part, self.closed, self.done = 0, False, False
+        self._lock = threading.Lock()
 
-    def add(self, rows: np.ndarray, encodings: Sequence[Any]) -> None:
-        """Record one chunk's documents, in the stream's order."""
+    def add(self, part: int, rows: np.ndarray, encodings: Sequence[Any], last: bool = False) -> None:
+        """Record chunk ``part`` (0, 1, ... in the unit's order) of documents; ``last``: the unit's last chunk."""
         lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
         flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
-        self.rows.append(np.asarray(rows, np.int64))
-        self.ids.append(token_array(flat, self.cache.vocab_size))
-        self.lengths.append(lengths)
+        chunk = (np.asarray(rows, np.int64), token_array(flat, self.cache.vocab_size), lengths, last)
+        with self._lock:
+            if self.done:
+                return
+            self.waiting[part] = chunk
+            complete = False
+            while self.next_part in self.waiting:
+                rows, ids, lengths, complete = self.waiting.pop(self.next_part)
+                self.rows.append(rows)
+                self.ids.append(ids)
+                self.lengths.append(lengths)
+                self.documents += len(rows)
+                self.next_part += 1
+            if complete:
+                self._store_whole()
+            elif self.documents > self.saved and (self.closed or self.documents >= 2 * self.saved):
+                self._store_partial()
 
     def store(self) -> None:
-        """Store the unit, once all its documents were added."""
-        _digest, group_in_file, start, stop, _content = self.entry
+        """Store the unit whole now: every one of its documents was added (or it has none)."""
+        with self._lock:
+            if not self.done:
+                self._store_whole()
+
+    def close(self) -> None:
+        """The reader stopped: keep what is recorded as a partial entry now, and any chunk still added later."""
+        with self._lock:
+            self.closed = True
+            if not self.done and self.documents > self.saved:
+                self._store_partial()
+
+    def _unit(self, stop: int) -> CachedUnit:
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        long_rows = sorted(self.too_long.items())
-        unit = CachedUnit(
-            group_in_file,
-            start,
+        long_rows = sorted((row, chars) for row, chars in self.too_long.items() if row < stop)
+        return CachedUnit(
+            self.entry[1],
+            self.entry[2],
             stop,
             np.concatenate(self.rows) if self.rows else np.zeros(0, np.int64),
             offsets,
@@ -904,9 +1034,29 @@ class UnitRecorder:
             np.asarray([row for row, _ in long_rows], np.int64),
             np.asarray([chars for _, chars in long_rows], np.int64),
         )
-        if self.cache.store(*self.entry, unit):
+
+    def _store_whole(self) -> None:
+        self.done = True
+        if self.cache.store(*self.entry, self._unit(self.entry[3])):
+            self.source.completed.add(self.entry)
             self.source.stored(self.group)
-        self.rows, self.ids, self.lengths = [], [], []
+            if self.saved:  # its partial entry (this run's or an earlier one's) is superseded
+                self.cache.delete_partial(*self.entry)
+        self.rows, self.ids, self.lengths, self.waiting = [], [], [], {}
+
+    def _store_partial(self) -> None:
+        covered = int(self.rows[-1][-1]) + 1 if self.rows and any(len(rows) for rows in self.rows) else None
+        if covered is None or covered >= self.entry[3]:
+            return  # nothing recorded, or every row: the unit is stored whole when its last chunk is in
+        if self.entry in self.source.completed:
+            self.done, self.rows, self.ids, self.lengths, self.waiting = True, [], [], [], {}
+            return
+        # Joined once, so that the next rewrite starts from one array per field.
+        unit = self._unit(covered)
+        self.rows, self.ids, self.lengths = [unit.rows], [unit.tokens], [unit.lengths]
+        if self.cache.store(*self.entry, unit, partial=True):
+            self.source.stored(self.group)
+        self.saved = self.documents
 
 
 def usable_root(root: str, storage: Storage) -> str | None:

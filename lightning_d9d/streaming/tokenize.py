@@ -159,10 +159,8 @@ class _Encode:
         if chunk.tokens is not None:  # replayed from the token cache: nothing to tokenize
             return self.lay_out(chunk, [])
         encodings = encode_documents(self.tokenizer, chunk.texts)
-        if chunk.record is not None:  # a unit read whole: its tokens go to the cache once it is complete
-            chunk.record.add(chunk.rows, encodings)
-            if chunk.closes_unit:
-                chunk.record.store()
+        if chunk.record is not None:  # a recorded unit: its tokens go to the cache (whole once it is complete)
+            chunk.record.add(chunk.record_part, chunk.rows, encodings, chunk.closes_unit)
         return self.lay_out(chunk, encodings)
 
 
