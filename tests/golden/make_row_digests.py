@@ -272,7 +272,7 @@ def with_validation(**options: Any) -> Callable[[Path], list[Any]]:
 def excluded(root: Path) -> list[Any]:
     """A resume at step 3 that excludes the documents of stream 0's rows of step 4 (named by ``dm.provenance``)."""
     options = dict(packing="bestfit_split")
-    pieces = pretraining(root, **options).provenance(range(3, 6))
+    pieces = pretraining(root, **options).provenance(range(3, 6), untrained=True)
     chosen = sorted(
         {(p.source, p.file, p.row_group, p.document_row) for p in pieces if p.step == 4 and p.batch_row < 2}
     )
