@@ -183,7 +183,8 @@ class DataObserver:
         if at == count - 1:
             wait, elapsed = self._timer.step_end(now)
             if self._logging:
-                pl_module.log_dict(self._metrics(wait, elapsed), on_step=True, on_epoch=False)
+                shape = self._shape_metrics(trainer.global_step - 1, count)  # the step that just ended
+                pl_module.log_dict(self._metrics(wait, elapsed) | shape, on_step=True, on_epoch=False)
             self._epoch_steps += 1
             if self._epoch_steps > 1:  # an epoch's first step waits for a new iterator (workers start again)
                 self._judge(wait, elapsed, trainer.global_step, self._microbatches)
@@ -209,6 +210,21 @@ class DataObserver:
             metrics["data/tokens"] = float(self._tokens)
             metrics["data/tokens_per_s"] = self._tokens / elapsed if elapsed > 0 else 0.0
         metrics.update(self._datamodule.step_metrics(self._sources))
+        return metrics
+
+    def _shape_metrics(self, step: int, microbatches: int) -> dict[str, float]:
+        """The step's shape: this rank's microbatches (Lightning's accumulation), and where the DataModule knows
+        them, the global batch size (rows over every rank) and ``seq_len`` of that optimizer step."""
+        datamodule = self._datamodule
+        metrics = {"data/accumulation": float(microbatches)}
+        global_batch_size = getattr(datamodule, "global_batch_size_at", None)
+        if global_batch_size is not None:
+            metrics["data/global_batch_size"] = float(global_batch_size(step))
+        elif isinstance(getattr(datamodule, "global_batch_size", None), int):  # samples; None under token budgets
+            metrics["data/global_batch_size"] = float(datamodule.global_batch_size)
+        seq_len = getattr(datamodule, "seq_len_at", None)
+        if seq_len is not None:
+            metrics["data/seq_len"] = float(seq_len(step))
         return metrics
 
     def _judge(self, wait: float, elapsed: float, global_step: int, microbatches: int) -> None:

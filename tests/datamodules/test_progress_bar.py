@@ -86,8 +86,10 @@ def test_a_resumed_fit_and_max_steps_count_the_epochs_steps(tmp_path: Path, bar:
     fit(tmp_path, bar(), max_steps=2, callbacks=[saving])
     _, positions = fit(tmp_path, bar(), ckpt=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
     assert positions.seen == [((i + 1) // M, STEPS) for i in range(2 * M, STEPS * M)], "from step 2 of 6"
-    _, positions = fit(tmp_path / "short", bar(), max_steps=3, max_epochs=-1)
+    trainer, positions = fit(tmp_path / "short", bar(), max_steps=3, max_epochs=-1)
     assert positions.seen[-1] == (3, 3), "max_steps bounds the total in steps"
+    if bar is RichProgressBar:  # Lightning's own would say "Epoch 0/-2": an epoch count that does not exist
+        assert trainer.progress_bar_callback._get_train_description(0).split() == ["Epoch", "0", "(optimizer", "steps)"]
 
 
 def test_the_walk_follows_steps_of_different_sizes() -> None:
