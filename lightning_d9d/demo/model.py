@@ -261,8 +261,9 @@ class TinyGPT(pl.LightningModule):
         loss_sum, count, _ = self._loss(batch)
         loss = loss_sum / count.clamp(min=1)
         # One validation loader per source (a mapping of val_files): the loss of each under its source's name.
-        names = _declared(self._trainer.datamodule if self._trainer is not None else None, "val_source_names") or []
-        key = f"val/loss/{names[dataloader_idx]}" if len(names) > 1 else "val/loss"
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        naming = _declared(datamodule, "val_metric_name")
+        key = naming("val/loss", dataloader_idx) if naming is not None else "val/loss"
         # Token-weighted mean over the whole validation set, so microbatch sizes do not bias it.
         self.log(key, loss, prog_bar=True, batch_size=max(int(count), 1), add_dataloader_idx=False)
         return loss
