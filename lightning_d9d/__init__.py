@@ -16,6 +16,7 @@ _EXPORTS = {
     "TextDataModule": "lightning_d9d.datamodules.text",
     "PretrainingDataModule": "lightning_d9d.datamodules.pretraining",
     "PretrainingBatch": "lightning_d9d.datamodules.pretraining",
+    "GlobalStepLoss": "lightning_d9d.datamodules.observability",
     "CausalLMCollator": "lightning_d9d.text.collate",
     "FlatteningCollator": "lightning_d9d.text.collate",
     "FlatBatch": "lightning_d9d.text.collate",

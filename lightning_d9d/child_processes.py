@@ -1,11 +1,14 @@
-"""Child processes that end with their parent: no tokenizing pool outlives a killed training process.
+"""Child processes that end with their parent: no tokenizing pool or DataLoader worker outlives a killed trainer.
 
 ``Dataset.map(num_proc=N)`` workers hold both ends of their pipes, so after a SIGKILL of the parent they never
-see end-of-file and run on. Within ``children_exit_with_parent()`` every forked child asks for
-``PR_SET_PDEATHSIG`` (else a thread polls ``getppid``).
+see end-of-file and run on; a DataLoader worker checks its parent only between batches, so one busy reading (or
+blocked) holds its files for as long as that takes. Within ``children_exit_with_parent()`` every forked child
+asks for ``PR_SET_PDEATHSIG`` (SIGKILL when the parent dies), or, where that is unavailable or the fork came from
+a thread other than the main one, starts a thread that polls ``getppid``.
 
-Trade-off: the kernel signal is bound to the forking thread, so a pool made by a short-lived thread would lose
-its workers early (``Dataset.map`` forks from the calling thread); ``spawn`` children are not covered.
+Trade-off: the kernel signal is bound to the forking *thread*, so it is used only for forks from the main thread
+(which lives as long as the process); a fork from another thread pays a thread and up to a second's delay instead
+of dying with that thread. ``spawn`` children are not covered (a forkserver's: ``exit_with_process``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ _hook_registered = False
 _lock = threading.Lock()
 _bound_pid: int | None = None
 _forker_pid: int | None = None  # set just before each fork, so the child knows whom it must outlive no longer
+_forked_from_main = True  # whether that fork came from the main thread (the only one the kernel signal may follow)
 
 
 @contextlib.contextmanager
@@ -47,27 +51,30 @@ def children_exit_with_parent() -> Iterator[None]:
 
 
 def _before_fork() -> None:
-    global _forker_pid
+    global _forker_pid, _forked_from_main
     _forker_pid = os.getpid()
+    _forked_from_main = threading.current_thread() is threading.main_thread()
 
 
 def _after_fork_in_child() -> None:
     if _active > 0:
-        exit_with_parent(_forker_pid)
+        exit_with_parent(_forker_pid, kernel_signal=_forked_from_main)
 
 
-def exit_with_parent(parent: int | None = None) -> None:
+def exit_with_parent(parent: int | None = None, kernel_signal: bool = True) -> None:
     """Make this process end when its parent ends; idempotent per process.
 
     Args:
         parent: the parent's pid as the parent saw it (exits at once if it is gone); ``None``: the current parent.
+        kernel_signal: ask for ``PR_SET_PDEATHSIG`` (only right when the forking thread lives as long as the
+            parent); ``False``: a thread polls ``getppid``.
     """
     global _bound_pid
     if _bound_pid == os.getpid():
         return
     _bound_pid = os.getpid()
     parent = os.getppid() if parent is None else parent
-    if not _request_parent_death_signal():
+    if not (kernel_signal and _request_parent_death_signal()):
         threading.Thread(target=_watch_parent, args=(parent,), name="exit-with-parent", daemon=True).start()
     if os.getppid() != parent or parent == 1:  # the parent died before the request took effect
         os._exit(1)

@@ -17,6 +17,8 @@ import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
+from lightning_d9d.child_processes import children_exit_with_parent
+
 # Objects with a ``close()`` that must run before interpreter shutdown if they are still open then.
 _open_at_exit: weakref.WeakSet = weakref.WeakSet()
 
@@ -113,9 +115,11 @@ os.register_at_fork(after_in_child=_freeze_inherited)
 @contextlib.contextmanager
 def forking_workers() -> Iterator[None]:
     """Processes forked inside (a DataLoader's workers) never collect what they inherit: nothing of this process's,
-    garbage or not, is finalized in them (and their collections touch none of its pages, so fewer are copied)."""
+    garbage or not, is finalized in them (and their collections touch none of its pages, so fewer are copied);
+    and they end when this process ends, even killed (``child_processes``)."""
     _FREEZE_IN_CHILD[0] = True
     try:
-        yield
+        with children_exit_with_parent():
+            yield
     finally:
         _FREEZE_IN_CHILD[0] = False

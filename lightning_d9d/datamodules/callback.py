@@ -58,6 +58,31 @@ class DataModuleCallback(pl.Callback):
         self._set_accumulation(trainer, pl_module)
         if self._datamodule.reloads_train_loader_every_epoch:
             self._reload_train_loader_every_epoch(trainer)
+        self._warn_val_check_in_microbatches(trainer)
+
+    def _warn_val_check_in_microbatches(self, trainer: pl.Trainer) -> None:
+        """One warning when an integer ``val_check_interval`` counts microbatches rather than optimizer steps.
+
+        Lightning counts it in training batches, which are microbatches here, while ``max_steps``, checkpoints and
+        the logs count optimizer steps; converting it would change what a Trainer argument means (and has no exact
+        value where steps change size), so the warning says what it counts, with the numbers.
+        """
+        interval, datamodule = trainer.val_check_interval, self._datamodule
+        if not isinstance(interval, int) or isinstance(interval, bool):
+            return  # a float is a fraction of the epoch, the same in batches as in steps
+        if not datamodule.step_sizes_vary and trainer.accumulate_grad_batches == 1:
+            return
+        if datamodule.step_sizes_vary:
+            every = "a number of optimizer steps that changes with the step's microbatches"
+            advice = "count the microbatches of the steps you want between validations"
+        else:
+            every = f"{interval / trainer.accumulate_grad_batches:g} optimizer steps"
+            advice = f"val_check_interval={interval * trainer.accumulate_grad_batches} validates every {interval} steps"
+        rank_zero_warn(
+            f"Trainer(val_check_interval={interval}) counts training batches, which are microbatches here "
+            f"({datamodule.describe_step()}): validation runs every {interval} microbatches, {every}; {advice}",
+            category=UserWarning,
+        )
 
     def _set_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``accumulate_grad_batches = M`` (1 with packs); ``ValueError`` if the user set another value than 1 and M.

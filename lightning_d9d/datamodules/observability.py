@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_d9d.batches import count_tokens, row_sources
@@ -182,7 +183,8 @@ class DataObserver:
         if at == count - 1:
             wait, elapsed = self._timer.step_end(now)
             if self._logging:
-                pl_module.log_dict(self._metrics(wait, elapsed), on_step=True, on_epoch=False)
+                shape = self._shape_metrics(trainer.global_step - 1, count)  # the step that just ended
+                pl_module.log_dict(self._metrics(wait, elapsed) | shape, on_step=True, on_epoch=False)
             self._epoch_steps += 1
             if self._epoch_steps > 1:  # an epoch's first step waits for a new iterator (workers start again)
                 self._judge(wait, elapsed, trainer.global_step, self._microbatches)
@@ -210,6 +212,21 @@ class DataObserver:
         metrics.update(self._datamodule.step_metrics(self._sources))
         return metrics
 
+    def _shape_metrics(self, step: int, microbatches: int) -> dict[str, float]:
+        """The step's shape: this rank's microbatches (Lightning's accumulation), and where the DataModule knows
+        them, the global batch size (rows over every rank) and ``seq_len`` of that optimizer step."""
+        datamodule = self._datamodule
+        metrics = {"data/accumulation": float(microbatches)}
+        global_batch_size = getattr(datamodule, "global_batch_size_at", None)
+        if global_batch_size is not None:
+            metrics["data/global_batch_size"] = float(global_batch_size(step))
+        elif isinstance(getattr(datamodule, "global_batch_size", None), int):  # samples; None under token budgets
+            metrics["data/global_batch_size"] = float(datamodule.global_batch_size)
+        seq_len = getattr(datamodule, "seq_len_at", None)
+        if seq_len is not None:
+            metrics["data/seq_len"] = float(seq_len(step))
+        return metrics
+
     def _judge(self, wait: float, elapsed: float, global_step: int, microbatches: int) -> None:
         """Warn once per fit when the last ``WINDOW_STEPS`` steps after the warm-up waited too long."""
         self._steps += 1
@@ -233,3 +250,54 @@ class DataObserver:
             "(docs/observability.md)",
             category=DataWaitWarning,
         )
+
+
+class GlobalStepLoss:
+    """The exact loss of each optimizer step: the token-weighted mean over every microbatch of every process.
+
+    Each process adds its microbatches' summed token losses and target counts; at the step's end one all-reduce of
+    the two sums over the whole world gives ``sum of losses / sum of targets``, the mean a single process would
+    compute over the whole global batch. A ratio of sums is right under any layout: context-parallel ranks add
+    their slices, and peers that compute the same loss (tensor parallelism) add to both sums alike. A logged mean
+    of microbatch means (``sync_dist=True``) is not: it weights a microbatch of few targets as much as a full one.
+
+    Use it in a ``LightningModule``::
+
+        self.step_loss = GlobalStepLoss()                       # in __init__
+        self.step_loss.add(loss_sum, target_count)              # in training_step, per microbatch
+        def on_before_optimizer_step(self, optimizer):          # once per step, on every process
+            self.log("train/global_loss", self.step_loss.compute(self), rank_zero_only=True)
+
+    Trade-off: one collective of two numbers per optimizer step (not per microbatch).
+    """
+
+    def __init__(self) -> None:
+        self._sums: torch.Tensor | None = None
+
+    def add(self, loss_sum: torch.Tensor, targets: torch.Tensor | int) -> None:
+        """Add a microbatch: the sum of its token losses and the number of targets summed.
+
+        Args:
+            loss_sum: summed (not averaged) token losses; detached here.
+            targets: how many targets ``loss_sum`` sums over.
+        """
+        pair = torch.stack([loss_sum.detach().double(), torch.as_tensor(targets, device=loss_sum.device).double()])
+        self._sums = pair if self._sums is None else self._sums + pair
+
+    @property
+    def pending(self) -> bool:
+        """Whether a microbatch was added since the last ``compute``."""
+        return self._sums is not None
+
+    def compute(self, module: pl.LightningModule) -> torch.Tensor:
+        """The step's loss over every process (a collective: call it on every process), and start a new step.
+
+        Raises:
+            RuntimeError: no microbatch was added since the last call.
+        """
+        if self._sums is None:
+            raise RuntimeError("GlobalStepLoss.compute: no microbatch was added since the last step (call add())")
+        sums, self._sums = self._sums, None
+        if module.trainer.world_size > 1:
+            sums = module.trainer.strategy.reduce(sums, reduce_op="sum")
+        return (sums[0] / sums[1].clamp(min=1)).float()

@@ -36,6 +36,7 @@ from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_shapes import PretrainingShapes
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION
 from lightning_d9d.device.pin import pin_batch
+from lightning_d9d.hf_inputs import hf_attention_inputs
 from lightning_d9d.streaming.ledger import DEFAULT_EVERY as DEFAULT_PROVENANCE_EVERY
 from lightning_d9d.streaming.loader import (
     StreamPosition,
@@ -86,6 +87,28 @@ class PretrainingBatch:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def hf_inputs(self, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """Keyword arguments for a Hugging Face causal LM's ``model(**...)`` that keep the packed sequences apart.
+
+        ``input_ids``, ``position_ids``, ``use_cache=False``, the mask or varlen arguments ``attn_implementation``
+        reads (``lightning_d9d/hf_inputs.py``), ``labels`` and ``shift_labels``: the targets are already shifted
+        (a row's last target is the token after it), so the model's loss takes them as ``shift_labels`` and shifts
+        nothing. Its loss is the mean over the microbatch's targets; add ``num_items_in_batch=step_target_tokens``
+        for the step's per-token mean (``docs/streaming.md``).
+
+        Args:
+            attn_implementation: the model's ``config._attn_implementation`` (``eager``, ``sdpa``,
+                ``flex_attention``, ``flash_attention_2``, ``flash_attention_3``).
+            dtype: the model's floating dtype (the ``eager`` mask is added to its attention scores).
+
+        Raises:
+            ValueError: an unknown ``attn_implementation``; a context-parallel slice (the model needs whole rows).
+        """
+        inputs = hf_attention_inputs(
+            self.input_ids, self.position_ids, self.cu_seqlens_padded, attn_implementation, dtype
+        )
+        return inputs | {"labels": self.targets, "shift_labels": self.targets}
 
 
 def make_batch(

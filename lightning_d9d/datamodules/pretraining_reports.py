@@ -41,6 +41,26 @@ class PretrainingReports:
         """The validation sources, in the order of their loaders (Lightning's ``dataloader_idx``)."""
         return [source.name for source in self.sources.validation or []]
 
+    def val_metric_name(self, name: str, dataloader_idx: int = 0) -> str:
+        """The key to log a validation metric of loader ``dataloader_idx`` under: ``f"{name}/{source}"`` where
+        ``val_files`` maps names to files (one loader per source), else ``name``.
+
+        Log it with ``self.log(dm.val_metric_name("val/loss", dataloader_idx), ..., add_dataloader_idx=False)``:
+        Lightning would otherwise append ``/dataloader_idx_N`` to every key of a multi-loader validation.
+
+        Raises:
+            ValueError: ``dataloader_idx`` is not the index of one of the validation loaders.
+        """
+        names = self.val_source_names
+        by_source = self.sources.validation_by_source
+        count = len(names) if by_source else min(len(names), 1)
+        if isinstance(dataloader_idx, bool) or not isinstance(dataloader_idx, int) or not 0 <= dataloader_idx < count:
+            raise ValueError(
+                f"dataloader_idx must be the index of a validation loader, 0 to {count - 1} "
+                f"(val_source_names={names}), got {dataloader_idx!r}"
+            )
+        return f"{name}/{names[dataloader_idx]}" if by_source else name
+
     def source_stats(self) -> dict[str, dict[str, float]]:
         """Per training source, over this rank's streams as of the latest step handed out: ``rows``, ``tokens``,
         ``documents``, ``padding``, ``too_long``, ``excluded`` and ``passes`` (fractional).

@@ -126,6 +126,9 @@ class StepRichProgressBar(_CountsSteps, RichProgressBar):
 
     def _get_train_description(self, current_epoch: int) -> str:
         description = super()._get_train_description(current_epoch)
+        last = self.trainer.max_epochs
+        if last is not None and last < 0:  # only max_steps bounds the fit: there is no last epoch to show
+            description = description.replace(f"Epoch {current_epoch}/{last - 1}", f"Epoch {current_epoch}", 1)
         return f"{description} ({LABEL})" if self._walk is not None else description
 
 

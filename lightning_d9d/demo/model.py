@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch import nn
 
+from lightning_d9d.datamodules.observability import GlobalStepLoss
 from lightning_d9d.datamodules.pretraining import PretrainingBatch
 from lightning_d9d.text.collate import FlatBatch, TextBatch
 from lightning_d9d.tokens import IGNORE_INDEX
@@ -175,6 +176,7 @@ class TinyGPT(pl.LightningModule):
         self.apply(self._init_weights)
         self._fit_started_at: float | None = None
         self._tokens_since_start = 0
+        self.global_loss = GlobalStepLoss()  # train/global_loss: the step's exact mean over every microbatch and rank
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -246,14 +248,22 @@ class TinyGPT(pl.LightningModule):
         self.log("train/loss", loss_sum.detach() / count.clamp(min=1), prog_bar=True)
         self.log("train/padding_pct", 100.0 * (1 - real_tokens / tokens.attention_mask.numel()), prog_bar=True)
         self.log("train/tokens_per_s", self._tokens_since_start / elapsed, prog_bar=True)
+        self.global_loss.add(loss_sum, count)
         return self.step_loss(loss_sum, count, tokens.step_label_tokens)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Every process calls this once per optimizer step, after all its microbatches: the collective lines up.
+        # (Nothing pending: a subclass's own training_step added nothing.)
+        if self.global_loss.pending:
+            self.log("train/global_loss", self.global_loss.compute(self), rank_zero_only=True)
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         loss_sum, count, _ = self._loss(batch)
         loss = loss_sum / count.clamp(min=1)
         # One validation loader per source (a mapping of val_files): the loss of each under its source's name.
-        names = _declared(self._trainer.datamodule if self._trainer is not None else None, "val_source_names") or []
-        key = f"val/loss/{names[dataloader_idx]}" if len(names) > 1 else "val/loss"
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        naming = _declared(datamodule, "val_metric_name")
+        key = naming("val/loss", dataloader_idx) if naming is not None else "val/loss"
         # Token-weighted mean over the whole validation set, so microbatch sizes do not bias it.
         self.log(key, loss, prog_bar=True, batch_size=max(int(count), 1), add_dataloader_idx=False)
         return loss

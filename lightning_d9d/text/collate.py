@@ -19,6 +19,7 @@ import torch
 from lightning_d9d.checks import positive_int
 from lightning_d9d.context_parallel import flatten_for_cp
 from lightning_d9d.device.pin import pin_batch
+from lightning_d9d.hf_inputs import hf_attention_inputs
 from lightning_d9d.tokens import IGNORE_INDEX
 
 
@@ -122,6 +123,31 @@ class FlatBatch:
             "max_length_q": self.max_seqlen,
             "max_length_k": self.max_seqlen,
         }
+
+    def hf_inputs(self, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """Keyword arguments for a Hugging Face causal LM's ``model(**...)`` that keep the row's documents apart.
+
+        ``input_ids``, ``position_ids``, ``use_cache=False``, the mask or varlen arguments ``attn_implementation``
+        reads (``lightning_d9d/hf_inputs.py``) and ``labels`` (unshifted, ``-100`` at each document's first token:
+        the model's own shift pairs no two documents).
+
+        Args:
+            attn_implementation: the model's ``config._attn_implementation`` (``eager``, ``sdpa``,
+                ``flex_attention``, ``flash_attention_2``, ``flash_attention_3``).
+            dtype: the model's floating dtype (the ``eager`` mask is added to its attention scores).
+
+        Raises:
+            ValueError: an unknown ``attn_implementation``; a context-parallel slice (``shift_labels`` set: the
+                model needs the whole row).
+        """
+        if self.shift_labels is not None:
+            raise ValueError(
+                "hf_inputs needs the whole row, not a context-parallel slice (shift_labels is set): call it before "
+                "cp_shard_batch"
+            )
+        bounds = self.cu_seqlens_padded if self.cu_seqlens_padded is not None else self.cu_seqlens
+        inputs = hf_attention_inputs(self.input_ids, self.position_ids, bounds, attn_implementation, dtype)
+        return inputs | {"labels": self.labels}
 
 
 def _sample_labels(samples: Sequence[dict[str, Any]]) -> list[np.ndarray] | None:

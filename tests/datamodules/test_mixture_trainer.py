@@ -207,3 +207,36 @@ def test_a_mixture_trains_the_same_steps_on_two_ddp_ranks_and_resumes_across_wor
         [dict(name="from_two", max_steps=12, ckpt_path=str(tmp_path / "two" / "ckpt" / "epoch=1-step=8.ckpt"))], 1,
     )  # fmt: skip
     assert back["from_two"] == {key: rows for key, rows in full.items() if key[1] >= 8}
+
+
+def test_validation_losses_are_logged_under_their_source_names(data: Path, tmp_path: Path) -> None:
+    """``dm.val_metric_name`` names each validation loader's metric by its source; the demo model logs with it:
+    ``val/loss/web`` and ``val/loss/code``, each the token-weighted mean of that source's loader computed by hand."""
+    from lightning_d9d.demo.model import TinyGPT
+
+    dm = datamodule(data)
+    assert [dm.val_metric_name("val/loss", i) for i in (0, 1)] == ["val/loss/web", "val/loss/code"]
+    with pytest.raises(ValueError, match=r"0 to 1 \(val_source_names=\['web', 'code'\]\), got 2"):
+        dm.val_metric_name("val/loss", 2)
+    single = datamodule(data, val_files=str(data / "val_web"))
+    assert single.val_metric_name("val/loss") == "val/loss"
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=512, max_positions=32, width=16, num_layers=1, num_heads=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.validate(model, datamodule=dm)
+    logged = {key: float(value) for key, value in trainer.callback_metrics.items() if key.startswith("val/")}
+    assert sorted(logged) == ["val/loss/code", "val/loss/web"]
+    for index, name in enumerate(["web", "code"]):
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for batch in dm.val_dataloader()[index]:
+                logits = model(batch.input_ids, torch.ones_like(batch.input_ids), batch.position_ids)
+                total += float(torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100, reduction="sum"
+                ))  # fmt: skip
+                count += int((batch.targets != -100).sum())
+        assert logged[f"val/loss/{name}"] == pytest.approx(total / count, rel=1e-5)

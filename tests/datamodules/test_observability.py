@@ -176,6 +176,28 @@ def test_a_pretraining_mixture_logs_tokens_fill_and_source_shares(tmp_path: Path
     assert float(rows[-1]["data/fill"]) == pytest.approx(stats["emitted"] / (stats["emitted"] + stats["padding"]), 0.05)
 
 
+def test_each_steps_global_batch_size_seq_len_and_accumulation_are_logged(tmp_path: Path) -> None:
+    """Under a batch ramp and a seq_len warm-up, every step's logged shape is that of the microbatches trained."""
+    docs = make_docs(300, seed=4, max_words=20)
+    write_parquet(tmp_path / "web", docs, files=2, row_group_size=10)
+    train_tokenizer(docs, tmp_path / "tokenizer.json")
+    dm = PretrainingDataModule(
+        train_files=str(tmp_path / "web"), tokenizer=str(tmp_path / "tokenizer.json"), seq_len=[[0, 8], [2, 16]],
+        global_batch_size=[[0, 4], [3, 8]], microbatch_size=2, num_streams=4, num_workers=0, steps_per_epoch=20,
+    )  # fmt: skip
+    module = BatchTally()
+    fit(tmp_path, dm, module, steps=5)
+    rows = read_metrics(tmp_path)
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3, 4]
+    for row in rows:
+        shapes = module.shapes[int(row["step"])]
+        assert float(row["data/accumulation"]) == len(shapes)
+        assert float(row["data/global_batch_size"]) == sum(rows_ for rows_, _ in shapes)
+        assert {float(row["data/seq_len"])} == {float(length) for _, length in shapes}
+    assert [float(row["data/global_batch_size"]) for row in rows] == [4, 4, 4, 8, 8], "the ramp is what is tested"
+    assert [float(row["data/seq_len"]) for row in rows] == [8, 8, 16, 16, 16]
+
+
 class BatchTally(pl.LightningModule):
     """Counts, per optimizer step, the trained targets and the rows per source of the microbatches it trains."""
 
@@ -184,10 +206,12 @@ class BatchTally(pl.LightningModule):
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.tokens: dict[int, int] = defaultdict(int)
         self.sources: dict[int, Counter[int]] = defaultdict(Counter)
+        self.shapes: dict[int, list[tuple[int, int]]] = defaultdict(list)  # per step: each microbatch's shape
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.tokens[self.global_step] += int((batch.targets != -100).sum())
         self.sources[self.global_step].update(batch.sources.tolist())
+        self.shapes[self.global_step].append(tuple(batch.input_ids.shape))
         return ((self.weight - batch.input_ids.float().mean() / 100) ** 2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

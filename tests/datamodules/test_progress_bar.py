@@ -4,6 +4,7 @@ own left alone."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +87,10 @@ def test_a_resumed_fit_and_max_steps_count_the_epochs_steps(tmp_path: Path, bar:
     fit(tmp_path, bar(), max_steps=2, callbacks=[saving])
     _, positions = fit(tmp_path, bar(), ckpt=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
     assert positions.seen == [((i + 1) // M, STEPS) for i in range(2 * M, STEPS * M)], "from step 2 of 6"
-    _, positions = fit(tmp_path / "short", bar(), max_steps=3, max_epochs=-1)
+    trainer, positions = fit(tmp_path / "short", bar(), max_steps=3, max_epochs=-1)
     assert positions.seen[-1] == (3, 3), "max_steps bounds the total in steps"
+    if bar is RichProgressBar:  # Lightning's own would say "Epoch 0/-2": an epoch count that does not exist
+        assert trainer.progress_bar_callback._get_train_description(0).split() == ["Epoch", "0", "(optimizer", "steps)"]
 
 
 def test_the_walk_follows_steps_of_different_sizes() -> None:
@@ -99,3 +102,15 @@ def test_the_walk_follows_steps_of_different_sizes() -> None:
     assert [resumed.steps_after(n) for n in (1, 2, 7, 8, 9)] == [0, 1, 1, 2, 3]
     with pytest.raises(ValueError, match="optimizer step 0 has 0 microbatches; every step has at least 1"):
         StepWalk(lambda step: 0, 0).steps_after(1)
+
+
+def test_an_integer_val_check_interval_is_said_to_count_microbatches(tmp_path: Path) -> None:
+    """Lightning counts ``val_check_interval=N`` in training batches: with M = 4 microbatches per step, 8 of them
+    are 2 optimizer steps, which one warning says with the value that would mean 8 steps."""
+    with pytest.warns(UserWarning, match=r"val_check_interval=8\) counts training batches") as caught:
+        fit(tmp_path / "int", None, val_check_interval=8)
+    (message,) = [str(w.message) for w in caught if "val_check_interval" in str(w.message)]
+    assert "every 8 microbatches, 2 optimizer steps" in message and "val_check_interval=32 validates every 8" in message
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*val_check_interval.*")
+        fit(tmp_path / "float", None, val_check_interval=0.5)  # a fraction of the epoch: no warning

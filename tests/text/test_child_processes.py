@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import make_texts, train_tokenizer
+from support import make_texts, train_tokenizer, write_parquet
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc")
@@ -111,6 +111,75 @@ def test_killing_prepare_data_leaves_no_tokenizing_worker(
         survivors = sorted(pid for pid in recorded if alive(pid))
         assert not survivors, f"child processes {survivors} outlived their killed parent"
     finally:  # whatever failed, leave no process of this test behind
+        if process.poll() is None:
+            recorded |= descendants(process.pid)
+            process.kill()
+            process.wait()
+        for pid in recorded:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+LOADERS = """
+import sys, time
+from lightning_d9d import PretrainingDataModule, TextDataModule
+
+kind, data, tokenizer, cache = sys.argv[1:5]
+if kind == "pretraining":
+    module = PretrainingDataModule(train_files=data, val_files=data, tokenizer=tokenizer, seq_len=32,
+                                   global_batch_size=4, microbatch_size=2, num_streams=2, num_workers=2,
+                                   steps_per_epoch=50, val_steps=20)
+else:
+    module = TextDataModule(dataset=data, tokenizer=tokenizer, max_length=64, global_batch_size=8,
+                            microbatch_size=8, num_workers=2, val_split="train", cache_dir=cache)
+module.prepare_data()
+module.setup("fit")
+train, val = iter(module.train_dataloader()), iter(module.val_dataloader())
+next(train), next(val)
+print("iterating", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def small_parquet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("loader_orphans")
+    texts = make_texts(600, seed=6)
+    train_tokenizer(texts, root / "tokenizer.json")
+    write_parquet(root / "data", texts, files=2, row_group_size=50)
+    return root / "data", root / "tokenizer.json"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["pretraining", "text"])
+def test_killing_the_trainer_ends_its_train_and_validation_workers_at_once(
+    kind: str, small_parquet: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Both loaders' workers (2 each) are alive when the parent is SIGKILLed; all are gone within 2 s, less than
+    torch's own worker watchdog takes (it looks at its parent only every 5 s, and never while a batch is read)."""
+    data, tokenizer = small_parquet
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, "-c", LOADERS, kind, str(data), str(tokenizer), str(tmp_path / "cache")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    recorded: set[int] = set()
+    try:
+        line = process.stdout.readline()
+        assert line.strip() == "iterating", process.stderr.read()
+        recorded = descendants(process.pid)
+        assert len(recorded) >= 4, f"expected 2 train and 2 validation workers, found {sorted(recorded)}"
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        killed = time.monotonic()
+        while any(alive(pid) for pid in recorded) and time.monotonic() < killed + 2:
+            time.sleep(0.05)
+        survivors = sorted(pid for pid in recorded if alive(pid))
+        assert not survivors, f"workers {survivors} outlived their killed parent by 2 s"
+    finally:
         if process.poll() is None:
             recorded |= descendants(process.pid)
             process.kill()
