@@ -21,7 +21,7 @@ import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from tokenizers import Tokenizer
 
-from lightning_d9d.checks import non_negative_int, positive_int
+from lightning_d9d.core.checks import non_negative_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
 from lightning_d9d.datamodules.pretraining_epochs import PretrainingEpochs
@@ -36,20 +36,20 @@ from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_shapes import PretrainingShapes
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.streaming.ledger import DEFAULT_EVERY as DEFAULT_PROVENANCE_EVERY
-from lightning_d9d.streaming.loader import (
+from lightning_d9d.parallel.topology import DataParallelSetting
+from lightning_d9d.streaming.loading.loader import (
     StreamPosition,
     TokenTrainLoader,
     TokenValidationLoader,
     check_layout,
     rank_streams,
 )
-from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
-from lightning_d9d.streaming.packing import RowBlock
-from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
-from lightning_d9d.streaming.step_tensors import microbatch_tensors
-from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
-from lightning_d9d.topology import DataParallelSetting
+from lightning_d9d.streaming.loading.step_tensors import microbatch_tensors
+from lightning_d9d.streaming.packing.rows import RowBlock
+from lightning_d9d.streaming.plans.spec import CorpusFingerprint, MixtureSpec, StreamSettings
+from lightning_d9d.streaming.provenance.ledger import DEFAULT_EVERY as DEFAULT_PROVENANCE_EVERY
+from lightning_d9d.streaming.sources.storage import DEFAULT_READ_RETRY_SECONDS, Storage
+from lightning_d9d.streaming.tokens.memory import DEFAULT_MAX_DOCUMENT_CHARS
 
 __all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
 

@@ -19,15 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from lightning_d9d.core.resume import InvalidDataState
 from lightning_d9d.datamodules.pretraining_state import migrate, restored_streams, saved_streams
-from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.edits import DataEdits, DocumentRef, _range, resolve_reference
-from lightning_d9d.streaming.ledger import StreamLedger
-from lightning_d9d.streaming.mixture_stream import MixtureState, StepRows
-from lightning_d9d.streaming.provenance import Piece, file_namer, pieces_of_step, recording, replay
-from lightning_d9d.streaming.spec import MixtureSpec
-from lightning_d9d.streaming.tokenize import encode_documents
-from lightning_d9d.tokenizer import tokenizer_from_json
+from lightning_d9d.streaming.plans.edits import DataEdits, DocumentRef, _range, resolve_reference
+from lightning_d9d.streaming.plans.spec import MixtureSpec
+from lightning_d9d.streaming.provenance.ledger import StreamLedger
+from lightning_d9d.streaming.provenance.pieces import Piece, file_namer, pieces_of_step, recording, replay
+from lightning_d9d.streaming.streams.mixture_stream import MixtureState, StepRows
+from lightning_d9d.streaming.tokens.tokenize import encode_documents
+from lightning_d9d.tokenization.tokenizer import tokenizer_from_json
 
 
 def edits_asked(skip_data: Any, exclude_documents: Any) -> tuple[tuple[tuple[int, int], ...], Any]:

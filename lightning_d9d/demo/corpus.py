@@ -18,8 +18,8 @@ import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from lightning_d9d.core.digest import digest
 from lightning_d9d.demo.cache import build_once
-from lightning_d9d.digest import digest
 
 # Bump when the corpus or tokenizer recipe changes: it is part of the cache key, so old caches are not reused.
 _FORMAT_VERSION = 1

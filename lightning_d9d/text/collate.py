@@ -16,10 +16,10 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from lightning_d9d.checks import positive_int
-from lightning_d9d.context_parallel import flatten_for_cp
+from lightning_d9d.core.checks import positive_int
+from lightning_d9d.core.tokens import IGNORE_INDEX
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.tokens import IGNORE_INDEX
+from lightning_d9d.parallel.context_parallel import flatten_for_cp
 
 
 @dataclasses.dataclass

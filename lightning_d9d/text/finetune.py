@@ -26,7 +26,7 @@ from lightning_d9d.text.sft_tokenize import (
     sft_tokenized_split,
 )
 from lightning_d9d.text.tokenize import _load_raw_split
-from lightning_d9d.tokenizer import load_tokenizer, tokenizer_digest
+from lightning_d9d.tokenization.tokenizer import load_tokenizer, tokenizer_digest
 
 DEMO_CHAT_TEMPLATE = (
     "{% for message in messages %}"

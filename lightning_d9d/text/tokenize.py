@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightning_d9d.child_processes import children_exit_with_parent
-from lightning_d9d.tokenizer import load_tokenizer, pad_token_id, read_tokenizer, tokenizer_digest
+from lightning_d9d.core.child_processes import children_exit_with_parent
+from lightning_d9d.tokenization.tokenizer import load_tokenizer, pad_token_id, read_tokenizer, tokenizer_digest
 
 # Bump when the tokenization recipe changes, so caches written by an older recipe are not reused.
 _TOKENIZE_RECIPE_VERSION = 1

@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from lightning_d9d.core.digest import Hasher
 from lightning_d9d.demo.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, write_shards
-from lightning_d9d.digest import Hasher
 
 pytestmark = pytest.mark.slow  # builds the demo corpus and trains its tokenizer, and fits through the CLI
 

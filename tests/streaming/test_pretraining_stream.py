@@ -32,14 +32,14 @@ from support import (
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming import bestfit_restore, tokenize
-from lightning_d9d.streaming.estimate import estimate_pass
-from lightning_d9d.streaming.loader import rank_blocks, rank_streams
-from lightning_d9d.streaming.mixture_stream import MixtureState
-from lightning_d9d.streaming.packing import bos_tensors, flagged_tensors
-from lightning_d9d.streaming.reader import ReadPosition, TextChunk
-from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order, resolve_files
-from lightning_d9d.streaming.spec import PACKINGS, StreamSpec
-from lightning_d9d.streaming.stream import StreamState, TokenStream
+from lightning_d9d.streaming.loading.loader import rank_blocks, rank_streams
+from lightning_d9d.streaming.packing.rows import bos_tensors, flagged_tensors
+from lightning_d9d.streaming.plans.spec import PACKINGS, StreamSpec
+from lightning_d9d.streaming.sources.reader import ReadPosition, TextChunk
+from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, deal, pass_order, resolve_files
+from lightning_d9d.streaming.streams.estimate import estimate_pass
+from lightning_d9d.streaming.streams.mixture_stream import MixtureState
+from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
 
 
 @pytest.fixture(scope="module")
@@ -616,7 +616,7 @@ def test_streams_left_running_at_interpreter_exit_end_without_a_traceback(corpus
     # tears its modules down, which must not print "Exception ignored ... TypeError" for every stream.
     script = textwrap.dedent(f"""
         from lightning_d9d import PretrainingDataModule
-        from lightning_d9d.streaming.loader import rank_blocks
+        from lightning_d9d.streaming.loading.loader import rank_blocks
         dm = PretrainingDataModule({str(corpus["root"] / "data")!r}, {str(corpus["root"] / "tokenizer.json")!r},
                                    seq_len=24, global_batch_size=8, microbatch_size=2, num_streams=4, num_workers=0,
                                    packing="bestfit_split", steps_per_epoch=10, pin_memory=False)

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming import estimate, tokenize
-from lightning_d9d.streaming.source import RowGroupIndex
+from lightning_d9d.streaming.sources.source import RowGroupIndex
 
 CAP = 2000  # max_document_chars: the corpus holds documents over it
 G, K = 8, 4

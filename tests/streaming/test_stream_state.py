@@ -13,11 +13,11 @@ import torch
 from support import make_docs, stream_spec, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
-from lightning_d9d.streaming.reader import ReadPosition, TextReader
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
-from lightning_d9d.streaming.stream import StreamState, TokenStream
+from lightning_d9d.core.resume import InvalidDataState
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.sources.reader import ReadPosition, TextReader
+from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
 
 OPTIONS = dict(seq_len=24, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=4,
                steps_per_epoch=40, bestfit_buffer_size=12, tokenizer_batch_size=8)  # fmt: skip
