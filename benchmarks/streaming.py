@@ -945,7 +945,7 @@ def _first_batch_child(conn, files: object, args: dict, packing: str, growth: bo
     multiprocessing.set_start_method(None, force=True)
 
     from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-    from lightning_d9d.streaming.packing.rows import FULL_BUFFER, BufferGrowth
+    from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth
 
     weights = {name: 1.0 for name in files} if isinstance(files, dict) else None
     dm = PretrainingDataModule(
@@ -992,7 +992,7 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
                 "microbatch": args.microbatch, "workers": args.workers, "batch_size": args.tokenizer_batch,
                 "buffer": args.buffer, "steps": args.grown_steps, "buffer_start": args.buffer_start,
                 "buffer_growth": args.buffer_growth}  # fmt: skip
-    from lightning_d9d.streaming.packing.rows import BufferGrowth
+    from lightning_d9d.streaming.plans.packings import BufferGrowth
 
     start, per_row = BufferGrowth().start, BufferGrowth().per_row
     start = start if args.buffer_start is None else args.buffer_start

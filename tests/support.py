@@ -46,8 +46,8 @@ from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule
 from lightning_d9d.core.digest import Hasher
 from lightning_d9d.parallel.peer_check import NothingToCompareWarning
 from lightning_d9d.parallel.topology import DataParallelTopology
-from lightning_d9d.streaming.packing.rows import BufferGrowth
 from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.plans.packings import BufferGrowth
 from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSettings, StreamSpec
 from lightning_d9d.streaming.sources.source import Units
 

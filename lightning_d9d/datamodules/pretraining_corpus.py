@@ -15,11 +15,12 @@ from collections.abc import Mapping, Sequence
 from tokenizers import Tokenizer
 
 from lightning_d9d.core.digest import digest
+from lightning_d9d.core.urls import redact
 from lightning_d9d.datamodules.pretraining_mixture import SourceConfig
 from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSettings, StreamSpec
 from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, resolve_files
-from lightning_d9d.streaming.sources.storage import Storage, canonical, redact
+from lightning_d9d.streaming.sources.storage import Storage, canonical
 from lightning_d9d.streaming.streams.estimate import PassSample, count_pass, first_text, stored_sample
 from lightning_d9d.streaming.tokens.count_record import CountRecord
 from lightning_d9d.streaming.tokens.token_cache import StreamCache, TokenCache, usable_root

@@ -20,8 +20,8 @@ from lightning_d9d.core.checks import plain_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch
 from lightning_d9d.datamodules.d9d import D9DDataModule
 from lightning_d9d.datamodules.observability import DEFAULT_DATA_WAIT_WARNING
-from lightning_d9d.demo.conversations import DEMO_CHAT, build_demo_conversations
-from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
+from lightning_d9d.demo_data.conversations import DEMO_CHAT, build_demo_conversations
+from lightning_d9d.demo_data.corpus import DEMO, build_demo_corpus
 from lightning_d9d.parallel.topology import DataParallelSetting
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
 from lightning_d9d.text.finetune import FineTuningOptions, FineTuningState

@@ -73,7 +73,7 @@ def tokenized_split(
 
 def _load_text_split(path: str, split: str, text_column: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
     """The raw split, checked to be non-empty and to hold text in ``text_column``."""
-    raw = _load_raw_split(path, split, data_files, cache_dir, name)
+    raw = load_raw_split(path, split, data_files, cache_dir, name)
     if text_column not in raw.column_names:
         raise ValueError(
             f"text_column {text_column!r} is not a column of dataset {name!r} split {split!r}; "
@@ -142,7 +142,7 @@ class _TokenizeBatch:
         return {"input_ids": kept, "token_counts": [len(row) for row in kept]}
 
 
-def _load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
+def load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
     """Open one split of raw text from a saved dataset, a data file, or anything ``load_dataset`` takes."""
     import datasets
 

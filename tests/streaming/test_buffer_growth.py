@@ -12,7 +12,7 @@ from test_pretraining_stream import spec_for
 
 from lightning_d9d.streaming.loading.loader import rank_blocks
 from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
-from lightning_d9d.streaming.packing.rows import FULL_BUFFER, BufferGrowth
+from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth
 from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
 

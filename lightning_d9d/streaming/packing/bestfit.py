@@ -25,10 +25,8 @@ from lightning_d9d.streaming.packing.bestfit_restore import BufferedTexts, UnitT
 from lightning_d9d.streaming.packing.buffer_rows import BufferRows
 from lightning_d9d.streaming.packing.rows import (
     CP_PAD,
-    FULL_BUFFER,
     NO_TARGET,
     START,
-    BufferGrowth,
     PackingStage,
     RowBlock,
     StreamCounters,
@@ -37,6 +35,7 @@ from lightning_d9d.streaming.packing.rows import (
     prefix_hash,
     read_kind,
 )
+from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth, register_packing
 from lightning_d9d.streaming.plans.state import check_column, int_table, integer, join
 from lightning_d9d.streaming.plans.state import field as state_field
 from lightning_d9d.streaming.sources.reader import ReadPosition, StreamUnits
@@ -719,3 +718,7 @@ class BestFitPacking:
         if rows.flags is None:
             return bos_tensors(rows.tokens, bos_id)
         return flagged_tensors(rows.tokens, rows.flags)
+
+
+register_packing(BestFitPacking("bestfit"))
+register_packing(BestFitPacking("bestfit_split"))

@@ -25,6 +25,7 @@ from lightning_d9d.streaming.packing.rows import (
     bos_tensors,
     read_kind,
 )
+from lightning_d9d.streaming.plans.packings import register_packing
 from lightning_d9d.streaming.plans.state import field as state_field
 from lightning_d9d.streaming.plans.state import integer, join
 from lightning_d9d.streaming.sources.reader import ReadPosition, StreamUnits, TextChunk
@@ -293,3 +294,6 @@ class ConcatPacking:
 
     def tensors(self, rows: RowBlock, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return bos_tensors(rows.tokens, bos_id)
+
+
+register_packing(ConcatPacking())

@@ -83,35 +83,6 @@ _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(StreamCounters))
 _COUNTER_VALUES = operator.attrgetter(*_COUNTER_NAMES)
 
 
-@dataclass(frozen=True)
-class BufferGrowth:
-    """How a best-fit buffer grows as a stream starts: before each row it is topped up to
-    ``min(buffer_size, start + rows_taken * per_row)``, a function of the rows packed only (never of time or host).
-
-    Raises:
-        ValueError: a negative field, or a growing buffer that starts empty.
-    """
-
-    start: int = 8
-    per_row: int = 4
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or self.per_row < 0 or (self.per_row and not self.start):
-            raise ValueError(
-                f"buffer growth start={self.start}, per_row={self.per_row}: both must be >= 0 (per_row 0: no "
-                "growth) and a growing buffer must start at >= 1"
-            )
-
-    def size(self, buffer_size: int, rows_taken: int) -> int:
-        """The buffer's size before a stream's row ``rows_taken`` (from 0)."""
-        if not self.per_row:
-            return buffer_size
-        return min(buffer_size, self.start + rows_taken * self.per_row)
-
-
-FULL_BUFFER = BufferGrowth(0, 0)  # no growth: the full buffer from the first row
-
-
 @dataclass
 class RowBlock:
     """Rows of ``seq_len + 1`` tokens; ``flags`` (``bestfit_split``, and ``bestfit`` under context parallelism)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from lightning_d9d.core.digest import digest
-from lightning_d9d.streaming.sources.storage import redact
+from lightning_d9d.core.urls import redact
 
 
 @dataclass(frozen=True, order=True)
@@ -118,7 +118,7 @@ class DataEdits:
                 trained already), or ranges that overlap each other or a recorded one.
         """
         recorded = {(at, at + count) for at, count in self.skips}
-        ranges = sorted({_range(r, n) for n, r in enumerate(skips)})
+        ranges = sorted({step_range(r, n) for n, r in enumerate(skips)})
         for first, second in itertools.pairwise(sorted(recorded | set(ranges))):
             if second[0] < first[1]:
                 raise ValueError(
@@ -167,7 +167,7 @@ class DataEdits:
         return lines
 
 
-def _range(value: Any, number: int) -> tuple[int, int]:
+def step_range(value: Any, number: int) -> tuple[int, int]:
     ok = isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
     ok = ok and all(isinstance(n, int) and not isinstance(n, bool) for n in value) and 0 <= value[0] < value[1]
     if not ok:

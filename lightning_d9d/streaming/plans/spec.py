@@ -10,34 +10,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_d9d.core.checks import non_negative_int, positive_int
 from lightning_d9d.core.digest import digest
 from lightning_d9d.core.resume import MISSING, Fingerprint
 from lightning_d9d.parallel.context_parallel import cp_multiple
-from lightning_d9d.streaming.packing.bestfit import BestFitPacking
-from lightning_d9d.streaming.packing.concat import ConcatPacking
-from lightning_d9d.streaming.packing.rows import BufferGrowth, Packing
 from lightning_d9d.streaming.plans.mixture import MixturePlan
+from lightning_d9d.streaming.plans.packings import PACKINGS, BufferGrowth, packing_of
 from lightning_d9d.streaming.plans.shape import ShapeSchedule
-from lightning_d9d.streaming.sources.reader import StreamUnits
-from lightning_d9d.streaming.sources.source import RowGroupIndex, Units
 
-PACKINGS: dict[str, Packing] = {
-    "bestfit": BestFitPacking("bestfit"),
-    "bestfit_split": BestFitPacking("bestfit_split"),
-    "concat": ConcatPacking(),
-}
-"""The packing strategies by name (``streaming.concat``, ``streaming.bestfit``)."""
-
-
-def packing_of(name: Any) -> Packing:
-    """The packing strategy named ``name`` (ValueError naming the valid ones)."""
-    packing = PACKINGS.get(name) if isinstance(name, str) else None
-    if packing is None:
-        raise ValueError(f"packing={name!r} is not valid: use one of {list(PACKINGS)}")
-    return packing
+if TYPE_CHECKING:
+    from lightning_d9d.streaming.packing.rows import Packing
+    from lightning_d9d.streaming.sources.source import RowGroupIndex, Units
 
 
 @dataclass(frozen=True)
@@ -183,9 +168,6 @@ class StreamSpec:
     @property
     def tokenizer_batch_size(self) -> int:
         return self.settings.tokenizer_batch_size
-
-    def stream_units(self, stream: int) -> StreamUnits:
-        return StreamUnits(self.index, self.units, stream, self.num_streams, self.settings.seed, self.shuffle)
 
     def with_reading(self, prefetch: int, chunk_chars: int) -> StreamSpec:
         """This spec with another read-ahead and tokenizer-call size (neither changes a row)."""

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_d9d.core.urls import redact
 from lightning_d9d.streaming.plans.spec import MixtureSpec
-from lightning_d9d.streaming.sources.storage import redact
 from lightning_d9d.streaming.streams.mixture_stream import MixtureState, MixtureStream, StepRows
 
 PIECE_COLUMNS = ("row", "column", "length", "group", "document_row", "offset", "source")

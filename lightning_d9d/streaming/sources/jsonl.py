@@ -29,7 +29,8 @@ import pyarrow.json as pajson
 import zstandard
 
 from lightning_d9d.core.digest import content_key, hasher
-from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical, redact
+from lightning_d9d.core.urls import redact
+from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical
 
 # The suffixes of JSONL files (matched case-insensitively) and their compression. Plain ``.json`` is left out: it
 # is as often one JSON document as JSON lines, and layout cache files end in ``.json``.
@@ -222,7 +223,7 @@ def _check_columns(files: list[Any], groups: list[Any]) -> None:
 
 
 @dataclass
-class _Frames:
+class FramesMet:
     """Frames met so far: compressed offset, decompressed start and compressed end of each."""
 
     offsets: list[int]
@@ -230,8 +231,8 @@ class _Frames:
     stops: list[int]
 
 
-def _decompressed(
-    read: Callable[[int], bytes], compression: Compression, offset: int, start: int, frames: _Frames, what: str
+def decompressed_pieces(
+    read: Callable[[int], bytes], compression: Compression, offset: int, start: int, frames: FramesMet, what: str
 ) -> Iterator[tuple[int, bytes]]:
     """``(frame index, piece)`` of the text of a stream that begins with a frame at ``offset`` (text at ``start``);
     records each frame in ``frames``. ValueError (naming ``what``) for invalid data or a truncated frame.
@@ -295,7 +296,7 @@ def _decoder(compression: Compression) -> Any:
     return zlib.decompressobj(wbits=31)  # one gzip member, header and trailer checked
 
 
-def _checked(storage: Storage, action: Callable[[], Any], path: str) -> Any:
+def read_checked(storage: Storage, action: Callable[[], Any], path: str) -> Any:
     """``action`` retried through ``storage``; a missing or unreadable file is a ValueError naming it."""
     try:
         return storage.retrying(action, lambda: f"JSONL file {redact(path)!r}", lambda: None)
@@ -334,7 +335,7 @@ def read_jsonl_group(
     storage = storage or Storage()
     _check_read(path, layout, group, on_malformed)
     span = layout.groups[group]
-    data = _checked(storage, lambda: _group_text(path, storage, layout, group, None, None), path)
+    data = read_checked(storage, lambda: _group_text(path, storage, layout, group, None, None), path)
     return _parse(data, span, layout, path, text_column, on_malformed)
 
 
@@ -368,7 +369,7 @@ def read_jsonl_group_keyed(
             _SHARED_RANGES.keep((layout.path, low, high), before, hashed.hexdigest())
         return text, hashed.hexdigest()
 
-    data, stored_digest = _checked(storage, read, path)
+    data, stored_digest = read_checked(storage, read, path)
     column, skipped = _parse(data, span, layout, path, text_column, on_malformed)
     return column, skipped, group_key(layout, group, stored_digest, on_malformed)
 
@@ -417,7 +418,7 @@ def _decoded(read_at: Callable[[int, int], bytes], layout: JsonlLayout, group: i
         text = read(high - low)
     else:
         parts, position = [], span.frame_start
-        pieces = _decompressed(read, layout.compression, low, span.frame_start, _Frames([], [], []),
+        pieces = decompressed_pieces(read, layout.compression, low, span.frame_start, FramesMet([], [], []),
                                f"JSONL file {redact(path)!r}")  # fmt: skip
         for _, piece in pieces:
             first, last = max(0, span.start - position), min(len(piece), span.stop - position)
@@ -490,7 +491,7 @@ def group_content_key(
             _SHARED_RANGES.keep((layout.path, low, high), before, hashed.hexdigest())
         return hashed.hexdigest(), None
 
-    stored_digest, data = _checked(storage, fetch, path)
+    stored_digest, data = read_checked(storage, fetch, path)
     return group_key(layout, group, stored_digest, on_malformed), data
 
 

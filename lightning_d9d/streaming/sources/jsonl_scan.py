@@ -35,19 +35,20 @@ import pyarrow.fs as pafs
 
 from lightning_d9d.core import progress
 from lightning_d9d.core.digest import digest, hasher
+from lightning_d9d.core.urls import redact
 from lightning_d9d.streaming.sources.jsonl import (
     DEFAULT_GROUP_BYTES,
     Compression,
+    FramesMet,
     JsonlGroup,
     JsonlLayout,
-    _checked,
-    _decompressed,
-    _Frames,
     compression_of,
+    decompressed_pieces,
     layouts_from_columns,
     layouts_to_columns,
+    read_checked,
 )
-from lightning_d9d.streaming.sources.storage import Storage, canonical, redact
+from lightning_d9d.streaming.sources.storage import Storage, canonical
 
 # Up to this size a file is read in one request and cut in memory; larger ones are streamed in pieces.
 WHOLE_READ_BYTES = 8 << 20
@@ -127,7 +128,7 @@ def _listed(paths: list[str], storage: Storage, group_bytes: int) -> list[_File]
         try:
             found = fs.get_file_info([located[i][1] for i in indices])
         except OSError:  # ask file by file (retrying), so the error names the one that failed
-            found = [_checked(storage, lambda i=i: located[i][0].get_file_info(located[i][1]), paths[i])
+            found = [read_checked(storage, lambda i=i: located[i][0].get_file_info(located[i][1]), paths[i])
                      for i in indices]  # fmt: skip
         for i, info in zip(indices, found):
             infos[i] = info
@@ -166,7 +167,7 @@ def _scan_file(file: _File, storage: Storage) -> JsonlLayout:
         with file.fs.open_input_stream(file.fs_path, compression=None) as stream, bar or contextlib.nullcontext():
             return _scan(stream, file.compression, file.identity, file.path, bar.update if bar else _ignore)
 
-    return _checked(storage, scan, file.path)
+    return read_checked(storage, scan, file.path)
 
 
 def _read_whole(file: _File) -> bytes:
@@ -196,8 +197,8 @@ def _scan(
         on_read(len(chunk))
         return chunk
 
-    frames = _Frames([], [], [])
-    pieces = _decompressed(read, compression, 0, 0, frames, f"JSONL file {redact(path)!r}")
+    frames = FramesMet([], [], [])
+    pieces = decompressed_pieces(read, compression, 0, 0, frames, f"JSONL file {redact(path)!r}")
     groups, uncompressed_size = _cut_into_groups(pieces, identity["group_bytes"])
     if stored != identity["size"]:
         raise ValueError(

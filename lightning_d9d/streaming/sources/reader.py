@@ -11,14 +11,17 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lightning_d9d.core.resume import InvalidDataState
+from lightning_d9d.core.urls import redact
 from lightning_d9d.streaming.plans.state import integer, mapping
 from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, deal, pass_order
-from lightning_d9d.streaming.sources.storage import redact
+
+if TYPE_CHECKING:
+    from lightning_d9d.streaming.plans.spec import StreamSpec
 
 # A stream that meets this many passes in a row without a single document stops with an error instead of
 # spinning: with text anywhere in the corpus, shuffled passes make that practically impossible.
@@ -111,6 +114,11 @@ class StreamUnits:
     # A pass's units, by pass: a seeded permutation of every unit costs far more than the lookups that need it
     # (the reader once per pass, the packer at every block), and a stream walks one or two passes at a time.
     _passes: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def of_spec(cls, spec: StreamSpec, stream: int) -> StreamUnits:
+        """Stream ``stream``'s units as ``spec`` deals them."""
+        return cls(spec.index, spec.units, stream, spec.num_streams, spec.settings.seed, spec.shuffle)
 
     def of_pass(self, pass_index: int) -> np.ndarray:
         slots = self._passes.get(pass_index)

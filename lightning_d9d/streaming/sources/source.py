@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from lightning_d9d.core.digest import hasher
 from lightning_d9d.core.progress import progress
+from lightning_d9d.core.urls import redact
 from lightning_d9d.streaming.sources.content import chunk_key, decode_chunk, text_chunk, text_leaf
 from lightning_d9d.streaming.sources.jsonl import (
     DEFAULT_GROUP_BYTES,
@@ -38,7 +39,7 @@ from lightning_d9d.streaming.sources.jsonl import (
     read_jsonl_group_keyed,
 )
 from lightning_d9d.streaming.sources.jsonl_scan import PARALLEL_SCANS, scan_jsonl_files
-from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical, parse_url, redact, with_query
+from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical, parse_url, with_query
 
 _GLOB_CHARS = ("*", "?", "[")
 JSONL_GROUP_BYTES = DEFAULT_GROUP_BYTES  # text per unit of a JSONL file (its groups of whole lines)

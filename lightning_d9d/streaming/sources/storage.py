@@ -28,6 +28,8 @@ from urllib.parse import parse_qsl, unquote
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from lightning_d9d.core.urls import redact
+
 T = TypeVar("T")
 
 DEFAULT_READ_RETRY_SECONDS = 120.0
@@ -103,11 +105,6 @@ def is_transient(err: BaseException) -> bool:
         return True
     text = str(err)
     return isinstance(err, OSError) and not _PERMANENT.search(text) and bool(_TRANSIENT.search(text))
-
-
-def redact(url: str) -> str:
-    """``url`` without a secret key in its user part (``s3://KEY:SECRET@bucket`` → ``s3://KEY:***@bucket``)."""
-    return re.sub(r"^([a-zA-Z][\w+.-]*://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def split_query(url: str) -> tuple[str, str]:

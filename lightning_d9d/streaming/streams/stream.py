@@ -22,7 +22,7 @@ from lightning_d9d.streaming.packing.bestfit_restore import BufferedTexts
 from lightning_d9d.streaming.packing.rows import PackingState, RowBlock, StreamCounters
 from lightning_d9d.streaming.plans.spec import StreamSpec
 from lightning_d9d.streaming.plans.state import field, integer, join, mapping
-from lightning_d9d.streaming.sources.reader import TextChunk, TextReader
+from lightning_d9d.streaming.sources.reader import StreamUnits, TextChunk, TextReader
 from lightning_d9d.streaming.tokens.tokenize import tokenized
 
 
@@ -48,7 +48,7 @@ class StreamState:
 
     def check(self, spec: StreamSpec, stream: int, path: str = "") -> None:
         """Raises :class:`InvalidDataState` unless the state lies inside the data stream ``stream`` reads."""
-        self.packing.check(spec, spec.stream_units(stream), join(path, "packing"))
+        self.packing.check(spec, StreamUnits.of_spec(spec, stream), join(path, "packing"))
 
 
 class TokenStream:
@@ -100,7 +100,7 @@ class TokenStream:
     def shaped_blocks(self, sizes: Iterator[tuple[int, int]]) -> Generator[tuple[RowBlock, StreamState], None, None]:
         """:meth:`blocks` of sizes that are all ``(rows, capacity)`` pairs."""
         spec, state = self.spec, self.state
-        units = spec.stream_units(self.stream)
+        units = StreamUnits.of_spec(spec, self.stream)
         reader = TextReader(units, state.packing.read, spec.tokenizer_batch_size, spec.chunk_chars,
                             spec.max_document_chars, spec.cache, spec.excluded)  # fmt: skip
         cropped_to = spec.max_capacity if spec.packing.crops_to_row else None

@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from lightning_d9d.core.digest import digest
-from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical, is_transient, redact
+from lightning_d9d.core.urls import redact
+from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical, is_transient
 
 FORMAT_VERSION = 2
 MAGIC = b"D9DTOKS\n"

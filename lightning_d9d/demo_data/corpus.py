@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lightning_d9d.core.digest import digest
-from lightning_d9d.demo.cache import build_once
+from lightning_d9d.demo_data.cache import build_once
 
 # Bump when the corpus or tokenizer recipe changes: it is part of the cache key, so old caches are not reused.
 _FORMAT_VERSION = 1
@@ -59,7 +59,7 @@ def demo_cache_dir() -> Path:
     return Path.home() / ".cache" / "lightning_d9d" / "demo"
 
 
-def _cache_key() -> str:
+def demo_cache_key() -> str:
     python = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
     return f"v{_FORMAT_VERSION}-py{python}"
 
@@ -152,7 +152,7 @@ def build_demo_corpus(cache_dir: str | os.PathLike[str] | None = None) -> DemoCo
         cache_dir: where to cache; default :func:`demo_cache_dir`.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
-    target = build_once(root, _cache_key(), _write_corpus)
+    target = build_once(root, demo_cache_key(), _write_corpus)
     return DemoCorpus(dataset_path=str(target / "dataset"), tokenizer_path=str(target / "tokenizer.json"))
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_d9d.demo.cache import build_once
-from lightning_d9d.demo.corpus import build_demo_corpus
+from lightning_d9d.demo_data.cache import build_once
+from lightning_d9d.demo_data.corpus import build_demo_corpus
 
 DEMO_CHAT = "demo-chat"
 """The value of ``TextDataModule(dataset=...)`` that selects this conversation set."""

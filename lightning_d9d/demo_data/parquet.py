@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_d9d.demo.cache import build_once
-from lightning_d9d.demo.corpus import (
-    _cache_key,
+from lightning_d9d.demo_data.cache import build_once
+from lightning_d9d.demo_data.corpus import (
     build_demo_corpus,
     demo_cache_dir,
+    demo_cache_key,
     demo_texts,
     regroup_blocks,
     stdlib_sources,
@@ -72,7 +72,7 @@ def build_demo_parquet(cache_dir: str | os.PathLike[str] | None = None) -> DemoP
     """Write the demo parquet shards once into ``cache_dir``, or return the cached ones (safe from every rank)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
     corpus = build_demo_corpus(root)
-    target = build_once(root, f"{_cache_key()}-parquet{_FORMAT_VERSION}", _write_sources)
+    target = build_once(root, f"{demo_cache_key()}-parquet{_FORMAT_VERSION}", _write_sources)
     files = {name: sorted(str(p) for p in (target / name).glob("*.parquet")) for name in SOURCES}
     return DemoParquet(files, corpus.tokenizer_path)
 
