@@ -5,4 +5,4 @@ Stages, low to high (one folder each; docs/design.md draws the map): ``plans`` â
 imported here so that a plan can name one however the streaming path was entered.
 """
 
-from lightning_d9d.streaming import packing  # noqa: F401  (registers the packing strategies)
+import lightning_d9d.streaming.packing.concat  # noqa: F401  (the packing package registers every strategy)

@@ -25,7 +25,7 @@ import pytest
 import zstandard
 from support import moto_server
 
-from lightning_d9d.streaming import jsonl, jsonl_scan
+from lightning_d9d.streaming.sources import jsonl, jsonl_scan
 from lightning_d9d.streaming.sources.jsonl import (
     JSONL_SUFFIXES,
     JsonlLayout,

@@ -31,8 +31,8 @@ from support import (
 )
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming import bestfit_restore, tokenize
 from lightning_d9d.streaming.loading.loader import rank_blocks, rank_streams
+from lightning_d9d.streaming.packing import bestfit_restore
 from lightning_d9d.streaming.packing.rows import bos_tensors, flagged_tensors
 from lightning_d9d.streaming.plans.packings import PACKINGS
 from lightning_d9d.streaming.plans.spec import StreamSpec
@@ -41,6 +41,7 @@ from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, deal, p
 from lightning_d9d.streaming.streams.estimate import estimate_pass
 from lightning_d9d.streaming.streams.mixture_stream import MixtureState
 from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
+from lightning_d9d.streaming.tokens import tokenize
 
 
 @pytest.fixture(scope="module")

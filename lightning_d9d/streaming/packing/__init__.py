@@ -4,4 +4,6 @@ Importing this package registers every strategy by name (``streaming.plans.packi
 module here that registers itself, plus its import below.
 """
 
-from lightning_d9d.streaming.packing.rows import bestfit, concat  # noqa: F401  (each registers its strategies)
+# Each module registers its strategies by name when imported.
+import lightning_d9d.streaming.packing.bestfit
+import lightning_d9d.streaming.packing.concat  # noqa: F401
