@@ -79,7 +79,7 @@ def _datamodule(files: str, tokenizer: str, packing: str, cache: str | None, arg
 def _known_keys(dm, given: bool) -> Iterator[None]:
     """Where ``given``, every unit's content key up front (as a cache trusting its files would): the content check
     left out. Patched on the class, before the loader's workers fork, so they inherit it; undone after."""
-    from lightning_d9d.streaming.source import RowGroupIndex
+    from lightning_d9d.streaming.sources.source import RowGroupIndex
 
     if not given:
         yield
@@ -244,7 +244,7 @@ def _lookups(conn, files: str, tokenizer: str, cache: str, args: dict, rounds: i
     """In a fresh process: per unit, the seconds its content check takes (read and hash its stored text chunk) and
     those its entry's load takes (read, CRC-32s, structure checks), each the best of ``rounds`` interleaved rounds;
     and the bytes hashed per unit."""
-    from lightning_d9d.streaming.content import text_chunk
+    from lightning_d9d.streaming.sources.content import text_chunk
 
     dm = _datamodule(files, tokenizer, "concat", cache, args)
     source = dm.train_spec.sources[0]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_d9d.demo.corpus import stdlib_sources
+from lightning_d9d.demo_data.corpus import stdlib_sources
 
 # Bump when the corpus recipe changes: it is part of the cache key.
 _FORMAT_VERSION = 1
@@ -120,7 +120,7 @@ def load_demo_corpus() -> Corpus:
     from datasets import load_from_disk
     from tokenizers import Tokenizer
 
-    from lightning_d9d.demo.corpus import build_demo_corpus
+    from lightning_d9d.demo_data.corpus import build_demo_corpus
 
     built = build_demo_corpus()
     tokenizer = Tokenizer.from_file(built.tokenizer_path)

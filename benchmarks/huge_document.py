@@ -127,7 +127,7 @@ def child_whole(args: dict) -> dict:
 def child_pieces(args: dict) -> dict:
     from tokenizers import Tokenizer
 
-    from lightning_d9d.streaming.tokenize import LONG_DOCUMENT_CHARS, LongEncoding
+    from lightning_d9d.streaming.tokens.tokenize import LONG_DOCUMENT_CHARS, LongEncoding
 
     tok = Tokenizer.from_file(args["tokenizer"])
     text = huge_document(Path(args["corpus"]))
@@ -304,7 +304,7 @@ def main() -> None:
     if args.quick:
         # Just over LONG_DOCUMENT_CHARS (1 Mi characters), so that the streams still take the long-document path.
         args.size_mb, args.ordinary_mb, args.vocab, args.packings, args.workers = 1.2, 0.1, 1024, "concat", "0"
-    from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
+    from lightning_d9d.streaming.tokens.memory import DEFAULT_MAX_DOCUMENT_CHARS
 
     cap = {"default": DEFAULT_MAX_DOCUMENT_CHARS, "none": None}.get(args.max_document_chars.lower())
     cap = cap if args.max_document_chars.lower() in ("default", "none") else int(args.max_document_chars)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_verdicts
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.demo.parquet import build_demo_parquet
+from lightning_d9d.demo_data.parquet import build_demo_parquet
 
 TARGET = 0.95
 

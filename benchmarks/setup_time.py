@@ -72,7 +72,7 @@ def _setup(conn, files: str, tokenizer: str, packing: str, configuration: str, c
     """In a fresh process: seconds from the constructor to the end of ``setup("fit")``, the epoch it sized, the
     documents it tokenized (every call of the tokenizing function, counted) and whether its pass was exact."""
     from lightning_d9d import PretrainingDataModule
-    from lightning_d9d.streaming import estimate
+    from lightning_d9d.streaming.streams import estimate
 
     tokenized = []
     encode = estimate.encode_documents

@@ -146,7 +146,7 @@ def stdlib_corpus(root: Path, mb: float, vocab: int) -> tuple[list[str], str, st
 
 
 def _index(files: str):
-    from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
+    from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
 
     return RowGroupIndex.scan(resolve_files(files), "text")
 
@@ -155,7 +155,7 @@ def _index(files: str):
 def ref_document_batches(index, batch_size: int):
     """nanochat's document_batches for rank 0 of 1, forever; row groups in a seeded order per pass (nanochat
     reads files in order), so that every loader tokenizes the same documents."""
-    from lightning_d9d.streaming.source import pass_order
+    from lightning_d9d.streaming.sources.source import pass_order
 
     for pass_index in itertools.count():
         for group in pass_order(len(index), 0, pass_index).tolist():
@@ -298,7 +298,7 @@ class BareRun:
     """The bare tokenizer over the documents in memory, in the order one pass of the streams reads them."""
 
     def __init__(self, files: str, tokenizer: str, batch_size: int, **_: object):
-        from lightning_d9d.streaming.source import pass_order
+        from lightning_d9d.streaming.sources.source import pass_order
 
         index = _index(files)
         self.docs = [t for g in pass_order(len(index), 0, 0).tolist() for t in index.read_texts(g) if t]
@@ -376,7 +376,7 @@ def _datamodule(files: str, tokenizer: str, packing: str, workers: int, seq_len:
     """A PretrainingDataModule, as data-parallel rank ``rank`` of ``world_size`` (its owned streams, M and layout
     checks follow): a ``DataParallelTopology`` setting, which a DataModule without a Trainer honours."""
     from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-    from lightning_d9d.topology import DataParallelTopology
+    from lightning_d9d.parallel.topology import DataParallelTopology
 
     kwargs = {"num_streams": num_streams} if num_streams else {}
     topology = DataParallelTopology(dp_rank=rank, dp_size=world_size, process_rank=rank, world_size=world_size)
@@ -565,7 +565,7 @@ def long_run_yield(tok: Tokenizer, docs: list[str], capacity: int, buffer_size: 
     """Best-fit's steady-state yield on this corpus: the real packer run over 20 buffers' worth of documents
     drawn (seeded) from the corpus's length distribution (lengths estimated from chars with a tokenized
     sample's chars/token), counting only documents that left the buffer."""
-    from lightning_d9d.streaming.bestfit import BestFitPacker
+    from lightning_d9d.streaming.packing.bestfit import BestFitPacker
 
     sample = docs[:: max(1, len(docs) // 300)]
     ratio = sum(map(len, sample)) / sum(len(e) + 1 for e in tok.encode_batch_fast(sample))
@@ -945,7 +945,7 @@ def _first_batch_child(conn, files: object, args: dict, packing: str, growth: bo
     multiprocessing.set_start_method(None, force=True)
 
     from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-    from lightning_d9d.streaming.packing import FULL_BUFFER, BufferGrowth
+    from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth
 
     weights = {name: 1.0 for name in files} if isinstance(files, dict) else None
     dm = PretrainingDataModule(
@@ -992,7 +992,7 @@ def first_batch(corpora: dict[str, tuple[str, dict[str, str]]], args: argparse.N
                 "microbatch": args.microbatch, "workers": args.workers, "batch_size": args.tokenizer_batch,
                 "buffer": args.buffer, "steps": args.grown_steps, "buffer_start": args.buffer_start,
                 "buffer_growth": args.buffer_growth}  # fmt: skip
-    from lightning_d9d.streaming.packing import BufferGrowth
+    from lightning_d9d.streaming.plans.packings import BufferGrowth
 
     start, per_row = BufferGrowth().start, BufferGrowth().per_row
     start = start if args.buffer_start is None else args.buffer_start
@@ -1056,7 +1056,7 @@ def _arguments() -> argparse.Namespace:
         default=[],
         type=_variant,
         help="also run the workers path with module attributes set, LABEL:module.attr=value[,...] "
-        "(e.g. pf32:lightning_d9d.streaming.loader._PREFETCH_PER_PROCESS=32)",
+        "(e.g. pf32:lightning_d9d.streaming.loading.loader._PREFETCH_PER_PROCESS=32)",
     )
     parser.add_argument("--inline", action="store_true", help="every configuration in this process (--first-batch too)")
     parser.add_argument(

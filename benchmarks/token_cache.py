@@ -30,8 +30,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from common import print_verdicts
 
-from lightning_d9d.streaming.storage import Storage
-from lightning_d9d.streaming.token_cache import CachedUnit, TokenCache, token_dtype
+from lightning_d9d.streaming.sources.storage import Storage
+from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache, token_dtype
 
 LOAD_TARGET, STORE_TARGET = 200e6, 50e6  # tokens/s
 CONTENT = "0" * 32  # the content key the entries are stored under (a real one digests the unit's stored text)

@@ -43,13 +43,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule, TextDataModule
-from lightning_d9d.digest import Hasher
-from lightning_d9d.peer_check import NothingToCompareWarning
-from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
-from lightning_d9d.streaming.packing import BufferGrowth
-from lightning_d9d.streaming.source import Units
-from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
-from lightning_d9d.topology import DataParallelTopology
+from lightning_d9d.core.digest import Hasher
+from lightning_d9d.parallel.peer_check import NothingToCompareWarning
+from lightning_d9d.parallel.topology import DataParallelTopology
+from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.plans.packings import BufferGrowth
+from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSettings, StreamSpec
+from lightning_d9d.streaming.sources.source import Units
 
 TESTS = Path(__file__).resolve().parent
 BOS = "<|bos|>"

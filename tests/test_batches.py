@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_d9d.batches import count_tokens, row_sources
+from lightning_d9d.core.batches import count_tokens, row_sources
 
 
 def test_padded_packed_and_packs_of_batches_are_counted() -> None:

@@ -14,7 +14,8 @@ import torch
 from support import LengthDataset
 
 from lightning_d9d import D9DDataModule, TextDataModule
-from lightning_d9d.context_parallel import (
+from lightning_d9d.mapstyle.plan import TokenBudget, check_lengths_fit
+from lightning_d9d.parallel.context_parallel import (
     IGNORE_INDEX,
     cp_shard,
     cp_shard_batch,
@@ -22,8 +23,7 @@ from lightning_d9d.context_parallel import (
     flatten_for_cp,
     pad_documents_for_cp,
 )
-from lightning_d9d.mapstyle.plan import TokenBudget, check_lengths_fit
-from lightning_d9d.pipeline_parallel import pipeline_stage_fields
+from lightning_d9d.parallel.pipeline_parallel import pipeline_stage_fields
 from lightning_d9d.text.collate import FlatBatch, FlatteningCollator
 
 

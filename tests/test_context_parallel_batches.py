@@ -16,9 +16,9 @@ from support import make_texts, train_tokenizer
 
 from lightning_d9d import TextDataModule
 from lightning_d9d.cli import describe_batch
-from lightning_d9d.context_parallel import cp_shard_batch, cp_unshard
+from lightning_d9d.core.tokens import IGNORE_INDEX
+from lightning_d9d.parallel.context_parallel import cp_shard_batch, cp_unshard
 from lightning_d9d.text.collate import CPTextBatch, FlatBatch, TextBatch
-from lightning_d9d.tokens import IGNORE_INDEX
 
 VOCAB, POSITIONS = 300, 64
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_d9d import cpu_threads
-from lightning_d9d.cpu_threads import choose_cpu_threads, suggested_threads
+from lightning_d9d.core import cpu_threads
+from lightning_d9d.core.cpu_threads import choose_cpu_threads, suggested_threads
 
 REPO = Path(__file__).resolve().parents[1]
 

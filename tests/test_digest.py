@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from lightning_d9d.digest import DIGITS, Hasher, digest, file_digest
+from lightning_d9d.core.digest import DIGITS, Hasher, digest, file_digest
 
 
 def test_parts_are_separated_and_the_hasher_gives_the_same_digest(tmp_path: Path) -> None:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from support import BOS, make_docs, small_corpus, small_run
 from tokenizers import Tokenizer
 
+from lightning_d9d.core.tokens import IGNORE_INDEX
 from lightning_d9d.text.collate import FlatteningCollator
-from lightning_d9d.tokens import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,7 +170,7 @@ def test_hf_inputs_refuses_an_unknown_implementation_and_a_context_parallel_slic
     batch = pretraining_batches(corpus, "concat", count=1)[0]
     with pytest.raises(ValueError, match=r"one of eager, sdpa, flex_attention.*got 'flash'"):
         batch.hf_inputs("flash")
-    from lightning_d9d.context_parallel import cp_shard_batch
+    from lightning_d9d.parallel.context_parallel import cp_shard_batch
 
     flat = FlatteningCollator(context_parallel_size=2)([{"input_ids": np.arange(2, 12)}, {"input_ids": np.arange(3)}])
     flat.hf_inputs("sdpa")  # the whole row is fine

@@ -20,7 +20,7 @@ from lightning_d9d import D9DDataModule, PretrainingDataModule
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "lightning_d9d"
 # The Lightning layer: the DataModules (one of them the demo's), the CLI and the demo model. Every other module
 # is a stage and must import without Lightning.
-LIGHTNING_LAYER = ("datamodules", "cli", "cli_errors", "demo.model", "demo.pretraining")
+LIGHTNING_LAYER = ("datamodules", "cli", "demo.model", "demo.pretraining")
 STAGES = sorted(
     "lightning_d9d." + ".".join(path.relative_to(PACKAGE_ROOT).with_suffix("").parts)
     for path in PACKAGE_ROOT.rglob("*.py")

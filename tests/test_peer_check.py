@@ -13,7 +13,7 @@ import pytest
 import torch
 from support import fit, read_records
 
-from lightning_d9d.peer_check import (
+from lightning_d9d.parallel.peer_check import (
     PeerMismatchError,
     batch_digest,
     check_peer_digests,

@@ -10,10 +10,10 @@ import pytest
 import torch
 from support import make_docs, stream_spec, train_tokenizer, write_parquet
 
-from lightning_d9d import progress
-from lightning_d9d.streaming.estimate import estimate_pass
-from lightning_d9d.streaming.jsonl_scan import scan_jsonl
-from lightning_d9d.streaming.source import RowGroupIndex
+from lightning_d9d.core import progress
+from lightning_d9d.streaming.sources.jsonl_scan import scan_jsonl
+from lightning_d9d.streaming.sources.source import RowGroupIndex
+from lightning_d9d.streaming.streams.estimate import estimate_pass
 
 
 def jsonl_files(root: Path, count: int, lines: int = 50) -> list[str]:

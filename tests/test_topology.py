@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_d9d import D9DDataModule
-from lightning_d9d.topology import (
+from lightning_d9d.parallel.topology import (
     DataParallelTopology,
     check_data_parallel_setting,
     default_data_parallel_dims,

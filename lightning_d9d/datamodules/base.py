@@ -17,12 +17,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_d9d.checks import microbatches_per_step, one_of
-from lightning_d9d.datamodules.callback import DataModuleCallback
-from lightning_d9d.datamodules.data_parallel import DataParallelMixin
-from lightning_d9d.datamodules.observability import ObservedData
-from lightning_d9d.device.transfer import move_batch_to_device
-from lightning_d9d.resume import (
+from lightning_d9d.core.checks import microbatches_per_step, one_of
+from lightning_d9d.core.resume import (
     Fingerprint,
     InvalidDataState,
     SavedPosition,
@@ -30,6 +26,10 @@ from lightning_d9d.resume import (
     TrainPosition,
     mismatch_error,
 )
+from lightning_d9d.datamodules.callback import DataModuleCallback
+from lightning_d9d.datamodules.data_parallel import DataParallelMixin
+from lightning_d9d.datamodules.observability import ObservedData
+from lightning_d9d.device.transfer import move_batch_to_device
 
 OnOrderMismatch = Literal["raise", "restart_epoch"]
 ON_ORDER_MISMATCH = ("raise", "restart_epoch")

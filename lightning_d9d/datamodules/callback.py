@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_d9d.core.resume import InvalidDataState
 from lightning_d9d.datamodules.observability import DataObserver
 from lightning_d9d.datamodules.progress_bar import count_optimizer_steps
-from lightning_d9d.peer_check import (
+from lightning_d9d.parallel.peer_check import (
     NothingToCompareWarning,
     batch_digest,
     checked_summary,
@@ -26,7 +27,6 @@ from lightning_d9d.peer_check import (
     steps_checked,
     verify_peer_step,
 )
-from lightning_d9d.resume import InvalidDataState
 
 if TYPE_CHECKING:
     from lightning_d9d.datamodules.base import SteppedDataModule

@@ -17,7 +17,8 @@ import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch.utils.data import Dataset
 
-from lightning_d9d.checks import non_negative_int, positive_int
+from lightning_d9d.core.checks import non_negative_int, positive_int
+from lightning_d9d.core.resume import Fingerprint, StepLayout, TrainPosition
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.observability import DEFAULT_DATA_WAIT_WARNING
 from lightning_d9d.mapstyle.loader import StepSchedule, TrainLoader, ValidationLoader
@@ -34,9 +35,8 @@ from lightning_d9d.mapstyle.steps import (
     TokenPlanFingerprint,
     step_sizing,
 )
-from lightning_d9d.resume import Fingerprint, StepLayout, TrainPosition
+from lightning_d9d.parallel.topology import DataParallelSetting
 from lightning_d9d.text.sft_schedule import LabelCountSchedule
-from lightning_d9d.topology import DataParallelSetting
 
 DatasetOrFactory = Dataset | Callable[[], Dataset]
 __all__ = ["DEFAULT_MICROBATCH_SIZE", "D9DDataModule", "OrderFingerprint", "TokenPlanFingerprint"]

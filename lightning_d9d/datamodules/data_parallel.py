@@ -10,8 +10,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_d9d.checks import non_negative_int
-from lightning_d9d.topology import (
+from lightning_d9d.core.checks import non_negative_int
+from lightning_d9d.parallel.topology import (
     DataParallelSetting,
     DataParallelTopology,
     check_across_processes,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_d9d.batches import count_tokens, row_sources
+from lightning_d9d.core.batches import count_tokens, row_sources
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

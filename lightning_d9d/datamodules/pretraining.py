@@ -21,7 +21,8 @@ import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from tokenizers import Tokenizer
 
-from lightning_d9d.checks import non_negative_int, positive_int
+from lightning_d9d.core.checks import non_negative_int, positive_int
+from lightning_d9d.core.hf_inputs import hf_attention_inputs
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
 from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
 from lightning_d9d.datamodules.pretraining_epochs import PretrainingEpochs
@@ -36,21 +37,20 @@ from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_shapes import PretrainingShapes
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.hf_inputs import hf_attention_inputs
-from lightning_d9d.streaming.ledger import DEFAULT_EVERY as DEFAULT_PROVENANCE_EVERY
-from lightning_d9d.streaming.loader import (
+from lightning_d9d.parallel.topology import DataParallelSetting
+from lightning_d9d.streaming.loading.loader import (
     StreamPosition,
     TokenTrainLoader,
     TokenValidationLoader,
     check_layout,
     rank_streams,
 )
-from lightning_d9d.streaming.memory import DEFAULT_MAX_DOCUMENT_CHARS
-from lightning_d9d.streaming.packing import RowBlock
-from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec, StreamSettings
-from lightning_d9d.streaming.step_tensors import microbatch_tensors
-from lightning_d9d.streaming.storage import DEFAULT_READ_RETRY_SECONDS, Storage
-from lightning_d9d.topology import DataParallelSetting
+from lightning_d9d.streaming.loading.step_tensors import microbatch_tensors
+from lightning_d9d.streaming.packing.rows import RowBlock
+from lightning_d9d.streaming.plans.spec import CorpusFingerprint, MixtureSpec, StreamSettings
+from lightning_d9d.streaming.provenance.ledger import DEFAULT_EVERY as DEFAULT_PROVENANCE_EVERY
+from lightning_d9d.streaming.sources.storage import DEFAULT_READ_RETRY_SECONDS, Storage
+from lightning_d9d.streaming.tokens.memory import DEFAULT_MAX_DOCUMENT_CHARS
 
 __all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
 
@@ -92,7 +92,7 @@ class PretrainingBatch:
         """Keyword arguments for a Hugging Face causal LM's ``model(**...)`` that keep the packed sequences apart.
 
         ``input_ids``, ``position_ids``, ``use_cache=False``, the mask or varlen arguments ``attn_implementation``
-        reads (``lightning_d9d/hf_inputs.py``), ``labels`` and ``shift_labels``: the targets are already shifted
+        reads (``lightning_d9d/core/hf_inputs.py``), ``labels`` and ``shift_labels``: the targets are already shifted
         (a row's last target is the token after it), so the model's loss takes them as ``shift_labels`` and shifts
         nothing. Its loss is the mean over the microbatch's targets; add ``num_items_in_batch=step_target_tokens``
         for the step's per-token mean (``docs/streaming.md``).

@@ -14,17 +14,18 @@ from collections.abc import Mapping, Sequence
 
 from tokenizers import Tokenizer
 
+from lightning_d9d.core.digest import digest
+from lightning_d9d.core.urls import redact
 from lightning_d9d.datamodules.pretraining_mixture import SourceConfig
-from lightning_d9d.digest import digest
-from lightning_d9d.streaming.count_record import CountRecord
-from lightning_d9d.streaming.estimate import PassSample, count_pass, first_text, stored_sample
-from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
-from lightning_d9d.streaming.source import RowGroupIndex, Units, resolve_files
-from lightning_d9d.streaming.spec import MixtureSpec, StreamSettings, StreamSpec
-from lightning_d9d.streaming.storage import Storage, canonical, redact
-from lightning_d9d.streaming.token_cache import StreamCache, TokenCache, usable_root
-from lightning_d9d.streaming.tokenize import LONG_DOCUMENT_CHARS
-from lightning_d9d.tokenizer import pad_token_id, read_tokenizer
+from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSettings, StreamSpec
+from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, resolve_files
+from lightning_d9d.streaming.sources.storage import Storage, canonical
+from lightning_d9d.streaming.streams.estimate import PassSample, count_pass, first_text, stored_sample
+from lightning_d9d.streaming.tokens.count_record import CountRecord
+from lightning_d9d.streaming.tokens.token_cache import StreamCache, TokenCache, usable_root
+from lightning_d9d.streaming.tokens.tokenize import LONG_DOCUMENT_CHARS
+from lightning_d9d.tokenization.tokenizer import pad_token_id, read_tokenizer
 
 # Bump when how a document becomes ids changes in a way the cache key does not name, so old entries are not read.
 TOKEN_RECIPE_VERSION = 1

@@ -2,8 +2,8 @@
 given, and the validation steps unless ``val_steps`` is.
 
 A pass is counted from the token cache where it holds the units and estimated from a sample elsewhere
-(``streaming/estimate.py``), only where a length is not given, and then on rank 0 of a Trainer's processes alone:
-every process takes rank 0's answer, so a cache that another run fills meanwhile cannot give processes different
+(``streaming/streams/estimate.py``), only where a length is not given, and then on rank 0 of a Trainer's processes
+alone: every process takes rank 0's answer, so a cache that another run fills meanwhile cannot give processes different
 epochs. The epoch length is saved with the data state, and a resume without ``steps_per_epoch`` keeps it, so
 epochs stay where they were when the cache has been filled since. Validation keeps the sampled estimate (made once
 and kept in the cache), so every run validates on the same microbatches. Trade-off: the other processes wait for
@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from lightning_d9d.core.resume import InvalidDataState
 from lightning_d9d.datamodules.pretraining_corpus import TrainCorpus
-from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.estimate import PassSample, stored_sample
-from lightning_d9d.streaming.spec import CorpusFingerprint, MixtureSpec
+from lightning_d9d.streaming.plans.spec import CorpusFingerprint, MixtureSpec
+from lightning_d9d.streaming.streams.estimate import PassSample, stored_sample
 
 T = TypeVar("T")
 

@@ -13,12 +13,13 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
-from lightning_d9d.streaming.mixture_stream import MixtureState
-from lightning_d9d.streaming.shape import ShapeSchedule
-from lightning_d9d.streaming.spec import MixtureSpec, StreamSpec
-from lightning_d9d.streaming.stream import StreamState
+from lightning_d9d.core.resume import InvalidDataState
+from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.plans.shape import ShapeSchedule
+from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSpec
+from lightning_d9d.streaming.sources.reader import StreamUnits
+from lightning_d9d.streaming.streams.mixture_stream import MixtureState
+from lightning_d9d.streaming.streams.stream import StreamState
 
 OnMixtureChange = Literal["raise", "continue"]
 ON_MIXTURE_CHANGE = ("raise", "continue")
@@ -208,7 +209,7 @@ def source_stats(spec: MixtureSpec, states: Mapping[int, MixtureState]) -> dict:
 
 def _passes_read(spec: StreamSpec, stream: int, state: StreamState) -> float:
     read = state.packing.read
-    units = spec.stream_units(stream)
+    units = StreamUnits.of_spec(spec, stream)
     slots = units.of_pass(read.pass_index)
     sizes = (units.units.stop[slots] - units.units.start[slots]).tolist()
     total = sum(sizes)

@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_d9d.core.digest import digest
+from lightning_d9d.core.resume import InvalidDataState
 from lightning_d9d.datamodules.pretraining_state import migrate, restored_streams, saved_streams
-from lightning_d9d.digest import digest
-from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.edits import DataEdits, DocumentRef, _range, resolve_reference
-from lightning_d9d.streaming.ledger import StreamLedger
-from lightning_d9d.streaming.mixture_stream import MixtureState, StepRows
-from lightning_d9d.streaming.provenance import Piece, file_namer, pieces_of_step, recording, replay
-from lightning_d9d.streaming.spec import MixtureSpec
-from lightning_d9d.streaming.tokenize import encode_documents
-from lightning_d9d.tokenizer import tokenizer_from_json
+from lightning_d9d.streaming.plans.edits import DataEdits, DocumentRef, resolve_reference, step_range
+from lightning_d9d.streaming.plans.spec import MixtureSpec
+from lightning_d9d.streaming.provenance.ledger import StreamLedger
+from lightning_d9d.streaming.provenance.pieces import Piece, file_namer, pieces_of_step, recording, replay
+from lightning_d9d.streaming.streams.mixture_stream import MixtureState, StepRows
+from lightning_d9d.streaming.tokens.tokenize import encode_documents
+from lightning_d9d.tokenization.tokenizer import tokenizer_from_json
 
 
 def edits_asked(skip_data: Any, exclude_documents: Any) -> tuple[tuple[tuple[int, int], ...], Any]:
@@ -47,7 +47,7 @@ def edits_asked(skip_data: Any, exclude_documents: Any) -> tuple[tuple[tuple[int
     if skip_data is None:
         ranges: tuple[tuple[int, int], ...] = ()
     elif isinstance(skip_data, Sequence) and not isinstance(skip_data, str):
-        ranges = tuple(_range(value, number) for number, value in enumerate(skip_data))
+        ranges = tuple(step_range(value, number) for number, value in enumerate(skip_data))
     else:
         raise ValueError(f"skip_data={skip_data!r} is not valid: give ranges [[start, stop], ...] of optimizer steps")
     if exclude_documents is None or isinstance(exclude_documents, (str, os.PathLike)):

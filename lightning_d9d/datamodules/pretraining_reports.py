@@ -13,10 +13,10 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_d9d.datamodules.pretraining_mixture import Sources, mixture_report, source_stats
-from lightning_d9d.streaming.edits import DataEdits
-from lightning_d9d.streaming.loader import StreamPosition
-from lightning_d9d.streaming.packing import StreamCounters
-from lightning_d9d.streaming.spec import MixtureSpec
+from lightning_d9d.streaming.loading.loader import StreamPosition
+from lightning_d9d.streaming.packing.rows import StreamCounters
+from lightning_d9d.streaming.plans.edits import DataEdits
+from lightning_d9d.streaming.plans.spec import MixtureSpec
 
 
 class PretrainingReports:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from lightning_d9d.checks import microbatches_per_step
+from lightning_d9d.core.checks import microbatches_per_step
+from lightning_d9d.core.resume import StepLayout
 from lightning_d9d.datamodules.pretraining_mixture import shape_differences
 from lightning_d9d.datamodules.pretraining_state import migrate
-from lightning_d9d.resume import StepLayout
-from lightning_d9d.streaming.edits import DataEdits
-from lightning_d9d.streaming.shape import Shape, ShapeSchedule, StepValues
-from lightning_d9d.streaming.spec import StreamSettings
+from lightning_d9d.streaming.plans.edits import DataEdits
+from lightning_d9d.streaming.plans.shape import Shape, ShapeSchedule, StepValues
+from lightning_d9d.streaming.plans.spec import StreamSettings
 
 
 class PretrainingShapes:

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_d9d.core.resume import InvalidDataState
 from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, resumed_plan
-from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.mixture_stream import MixtureState
-from lightning_d9d.streaming.spec import MixtureSpec
-from lightning_d9d.streaming.state import mapping
+from lightning_d9d.streaming.plans.spec import MixtureSpec
+from lightning_d9d.streaming.plans.state import mapping
+from lightning_d9d.streaming.streams.mixture_stream import MixtureState
 
 STATE_VERSION = 2
 

@@ -16,19 +16,25 @@ from typing import Any, Literal
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_d9d.checks import plain_int, positive_int
+from lightning_d9d.core.checks import plain_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch
 from lightning_d9d.datamodules.d9d import D9DDataModule
 from lightning_d9d.datamodules.observability import DEFAULT_DATA_WAIT_WARNING
-from lightning_d9d.demo.conversations import DEMO_CHAT, build_demo_conversations
-from lightning_d9d.demo.corpus import DEMO, build_demo_corpus
+from lightning_d9d.demo_data.conversations import DEMO_CHAT, build_demo_conversations
+from lightning_d9d.demo_data.corpus import DEMO, build_demo_corpus
+from lightning_d9d.parallel.topology import DataParallelSetting
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
 from lightning_d9d.text.finetune import FineTuningOptions, FineTuningState
 from lightning_d9d.text.formats import Columns
 from lightning_d9d.text.sft_schedule import FineTuningFingerprint, LabelCountSchedule
 from lightning_d9d.text.tokenize import check_local_path, tokenized_split
-from lightning_d9d.tokenizer import check_tokenizer_file, load_tokenizer, pad_token_id, read_tokenizer, tokenizer_digest
-from lightning_d9d.topology import DataParallelSetting
+from lightning_d9d.tokenization.tokenizer import (
+    check_tokenizer_file,
+    load_tokenizer,
+    pad_token_id,
+    read_tokenizer,
+    tokenizer_digest,
+)
 
 
 class TextDataModule(D9DDataModule):

@@ -1,1 +1,1 @@
-"""The demo: a corpus and tokenizer built from text that ships with Python, a tiny GPT, and synthetic data."""
+"""The demo: a tiny GPT, the demo pretraining DataModule and synthetic data (the embedded corpus: ``demo_data``)."""

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from torch import nn
 
+from lightning_d9d.core.tokens import IGNORE_INDEX
 from lightning_d9d.datamodules.observability import GlobalStepLoss
 from lightning_d9d.datamodules.pretraining import PretrainingBatch
 from lightning_d9d.text.collate import FlatBatch, TextBatch
-from lightning_d9d.tokens import IGNORE_INDEX
 
 
 class _Block(nn.Module):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_d9d.datamodules.pretraining import PretrainingDataModule
-from lightning_d9d.demo.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, uses_demo
-from lightning_d9d.tokenizer import read_tokenizer
+from lightning_d9d.demo_data.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, uses_demo
+from lightning_d9d.tokenization.tokenizer import read_tokenizer
 
 DEMO_TOKENIZER = "demo"
 

@@ -18,15 +18,15 @@ import numpy as np
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.epoch_iterator import (
+from lightning_d9d.core.epoch_iterator import (
     EpochIterator,
     OneIterationAtATime,
     ResumedByDataModule,
     forking_workers,
     shutdown_workers,
 )
-from lightning_d9d.resume import TrainPosition
+from lightning_d9d.core.resume import TrainPosition
+from lightning_d9d.device.pin import pin_batch
 
 STEP_LABEL_TOKENS = "step_label_tokens"
 """The batch field (or key) the loader fills with its step's predicted tokens over all ranks."""

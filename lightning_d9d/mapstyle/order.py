@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lightning_d9d.digest import digest
+from lightning_d9d.core.digest import digest
 
 # Feistel rounds: 4 rounds of a strong mixing function make a well-shuffled permutation; more buys nothing.
 _FEISTEL_ROUNDS = 4

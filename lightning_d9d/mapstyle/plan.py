@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from lightning_d9d.checks import positive_int, token_step_microbatches
-from lightning_d9d.context_parallel import cp_multiple
-from lightning_d9d.digest import digest
+from lightning_d9d.core.checks import positive_int, token_step_microbatches
+from lightning_d9d.core.digest import digest
 from lightning_d9d.mapstyle.order import KeyLookup, SeededPermutation
 from lightning_d9d.mapstyle.shard import snake_owner
+from lightning_d9d.parallel.context_parallel import cp_multiple
 
 PLAN_VERSION = 1
 """Bump when the planning algorithm changes (part of the resume fingerprint)."""

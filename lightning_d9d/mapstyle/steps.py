@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lightning_d9d.checks import microbatches_per_step, positive_int, token_microbatches_per_step
+from lightning_d9d.core.checks import microbatches_per_step, positive_int, token_microbatches_per_step
+from lightning_d9d.core.resume import Fingerprint
 from lightning_d9d.mapstyle.loader import StepSchedule
 from lightning_d9d.mapstyle.order import (
     GlobalBatchOrder,
@@ -34,7 +35,6 @@ from lightning_d9d.mapstyle.plan import (
     read_lengths,
 )
 from lightning_d9d.mapstyle.shard import GlobalBatchSchedule, validation_microbatches
-from lightning_d9d.resume import Fingerprint
 
 DEFAULT_MICROBATCH_SIZE = 4
 

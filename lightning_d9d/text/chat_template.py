@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lightning_d9d.digest import digest
+from lightning_d9d.core.digest import digest
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

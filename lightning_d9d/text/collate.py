@@ -16,11 +16,11 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from lightning_d9d.checks import positive_int
-from lightning_d9d.context_parallel import flatten_for_cp
+from lightning_d9d.core.checks import positive_int
+from lightning_d9d.core.hf_inputs import hf_attention_inputs
+from lightning_d9d.core.tokens import IGNORE_INDEX
 from lightning_d9d.device.pin import pin_batch
-from lightning_d9d.hf_inputs import hf_attention_inputs
-from lightning_d9d.tokens import IGNORE_INDEX
+from lightning_d9d.parallel.context_parallel import flatten_for_cp
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ class FlatBatch:
         """Keyword arguments for a Hugging Face causal LM's ``model(**...)`` that keep the row's documents apart.
 
         ``input_ids``, ``position_ids``, ``use_cache=False``, the mask or varlen arguments ``attn_implementation``
-        reads (``lightning_d9d/hf_inputs.py``) and ``labels`` (unshifted, ``-100`` at each document's first token:
+        reads (``lightning_d9d/core/hf_inputs.py``) and ``labels`` (unshifted, ``-100`` at each document's first token:
         the model's own shift pairs no two documents).
 
         Args:

@@ -25,8 +25,8 @@ from lightning_d9d.text.sft_tokenize import (
     completion_eos_token,
     sft_tokenized_split,
 )
-from lightning_d9d.text.tokenize import _load_raw_split
-from lightning_d9d.tokenizer import load_tokenizer, tokenizer_digest
+from lightning_d9d.text.tokenize import load_raw_split
+from lightning_d9d.tokenization.tokenizer import load_tokenizer, tokenizer_digest
 
 DEMO_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -108,7 +108,7 @@ class FineTuningOptions:
             resolve_loss_on("text", self.loss_on)
             return None, None
         num_proc = load.pop("num_proc", None)
-        raw = _load_raw_split(dataset_path, split, load.get("data_files"), load.get("cache_dir"), name)
+        raw = load_raw_split(dataset_path, split, load.get("data_files"), load.get("cache_dir"), name)
         format = detect_format(raw.column_names, self.columns, self.format)
         loss_on = resolve_loss_on(format, self.loss_on)
         if format == "text":

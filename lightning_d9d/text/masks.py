@@ -15,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from lightning_d9d.tokens import IGNORE_INDEX
+from lightning_d9d.core.tokens import IGNORE_INDEX
 
 Truncation = Literal["error", "drop", "keep_start"]
 TRUNCATIONS: tuple[str, ...] = ("error", "drop", "keep_start")

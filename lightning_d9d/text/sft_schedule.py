@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_d9d.resume import Fingerprint
+from lightning_d9d.core.resume import Fingerprint
 
 
 class LabelCountSchedule:

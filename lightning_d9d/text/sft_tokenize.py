@@ -30,7 +30,7 @@ from lightning_d9d.text.masks import (
     truncate,
 )
 from lightning_d9d.text.tokenize import cached_batched_map
-from lightning_d9d.tokenizer import load_tokenizer
+from lightning_d9d.tokenization.tokenizer import load_tokenizer
 
 _SFT_RECIPE_VERSION = 2
 """Part of the cache fingerprint: bump whenever the same rows and settings tokenize differently."""

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightning_d9d.child_processes import children_exit_with_parent
-from lightning_d9d.tokenizer import load_tokenizer, pad_token_id, read_tokenizer, tokenizer_digest
+from lightning_d9d.core.child_processes import children_exit_with_parent
+from lightning_d9d.tokenization.tokenizer import load_tokenizer, pad_token_id, read_tokenizer, tokenizer_digest
 
 # Bump when the tokenization recipe changes, so caches written by an older recipe are not reused.
 _TOKENIZE_RECIPE_VERSION = 1
@@ -73,7 +73,7 @@ def tokenized_split(
 
 def _load_text_split(path: str, split: str, text_column: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
     """The raw split, checked to be non-empty and to hold text in ``text_column``."""
-    raw = _load_raw_split(path, split, data_files, cache_dir, name)
+    raw = load_raw_split(path, split, data_files, cache_dir, name)
     if text_column not in raw.column_names:
         raise ValueError(
             f"text_column {text_column!r} is not a column of dataset {name!r} split {split!r}; "
@@ -142,7 +142,7 @@ class _TokenizeBatch:
         return {"input_ids": kept, "token_counts": [len(row) for row in kept]}
 
 
-def _load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
+def load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:
     """Open one split of raw text from a saved dataset, a data file, or anything ``load_dataset`` takes."""
     import datasets
 

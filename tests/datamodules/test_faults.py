@@ -284,7 +284,7 @@ def test_a_data_state_contradicting_the_checkpoints_loops_is_refused(tmp_path: P
 
 
 def test_a_foreign_fingerprint_names_the_missing_fields_not_their_length() -> None:
-    from lightning_d9d.streaming.spec import CorpusFingerprint
+    from lightning_d9d.streaming.plans.spec import CorpusFingerprint
 
     fingerprint = CorpusFingerprint(
         tokenizer="0", bos_id=1, packing="bestfit", seed=0, num_streams=4,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from global_loss_script import make_datamodule, make_model
 from support import TESTS, make_docs, small_corpus
 
-from lightning_d9d.tokens import IGNORE_INDEX
+from lightning_d9d.core.tokens import IGNORE_INDEX
 
 STEPS = 3
 

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from support import make_docs, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.digest import digest
-from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.core.digest import digest
+from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
 
 G, K = 8, 4
 WEIGHTS = [[0, {"web": 3, "code": 1}], [6, {"web": 1, "code": 3}]]

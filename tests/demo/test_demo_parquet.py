@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from lightning_d9d.demo.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, write_shards
-from lightning_d9d.digest import Hasher
+from lightning_d9d.core.digest import Hasher
+from lightning_d9d.demo_data.parquet import DemoParquet, build_demo_parquet, resolve_demo_files, write_shards
 
 pytestmark = pytest.mark.slow  # builds the demo corpus and trains its tokenizer, and fits through the CLI
 
@@ -34,7 +34,7 @@ def digest(paths: list[str]) -> str:
 
 
 def test_the_shards_hold_two_sources_in_several_row_groups(built: DemoParquet) -> None:
-    from lightning_d9d.demo.corpus import demo_texts
+    from lightning_d9d.demo_data.corpus import demo_texts
 
     train, validation = demo_texts()
     for name, expected in (("prose", train), ("validation", validation)):

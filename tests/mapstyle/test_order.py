@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_d9d import GlobalBatchOrder, SeededPermutation
-from lightning_d9d.checks import microbatches_per_step
+from lightning_d9d.core.checks import microbatches_per_step
 from lightning_d9d.mapstyle.loader import _IndexBatches
 from lightning_d9d.mapstyle.shard import GlobalBatchSchedule, rank_microbatches, snake_owner
 

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from lightning_d9d.streaming.bestfit import BestFitSplitPacker
-from lightning_d9d.streaming.packing import NO_TARGET, START, StreamCounters, flagged_tensors
-from lightning_d9d.tokens import IGNORE_INDEX
+from lightning_d9d.core.tokens import IGNORE_INDEX
+from lightning_d9d.streaming.packing.bestfit import BestFitSplitPacker
+from lightning_d9d.streaming.packing.rows import NO_TARGET, START, StreamCounters, flagged_tensors
 
 PAD = 1
 STRIDE = 100_000  # token = 10 + document * STRIDE + position: positions stay below STRIDE

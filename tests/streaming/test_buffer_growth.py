@@ -10,11 +10,11 @@ import pytest
 from support import assert_same_blocks, corpus_spec, make_docs, respec, take, train_tokenizer, write_parquet
 from test_pretraining_stream import spec_for
 
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
-from lightning_d9d.streaming.loader import rank_blocks
-from lightning_d9d.streaming.packing import FULL_BUFFER, BufferGrowth
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
-from lightning_d9d.streaming.stream import StreamState, TokenStream
+from lightning_d9d.streaming.loading.loader import rank_blocks
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
+from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth
+from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
 
 BEST_FIT = ["bestfit", "bestfit_split"]
 GROWING = dict(buffer_size=64, growth=(4, 4))  # full after 15 rows

@@ -16,11 +16,11 @@ import torch
 from support import digest, make_docs, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.context_parallel import cp_shard_batch, cp_unshard
+from lightning_d9d.core.tokens import IGNORE_INDEX
 from lightning_d9d.datamodules.pretraining import PretrainingBatch
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
-from lightning_d9d.streaming.packing import CP_PAD, NO_TARGET, START, StreamCounters
-from lightning_d9d.tokens import IGNORE_INDEX
+from lightning_d9d.parallel.context_parallel import cp_shard_batch, cp_unshard
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.packing.rows import CP_PAD, NO_TARGET, START, StreamCounters
 
 OPTIONS = dict(seq_len=32, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=2,
                steps_per_epoch=1000, bestfit_buffer_size=8, tokenizer_batch_size=4, pin_memory=False)  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 from support import make_texts, train_tokenizer
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming.estimate import estimate_pass
+from lightning_d9d.streaming.streams.estimate import estimate_pass
 
 DOCS = 6000
 
@@ -49,7 +49,7 @@ def test_the_estimate_is_within_a_few_percent_whatever_the_row_group_size(corpus
 def test_the_sample_stops_at_its_characters_so_long_documents_cost_little_at_setup(
     corpus: dict, layout: str, monkeypatch
 ) -> None:
-    import lightning_d9d.streaming.estimate as estimate
+    import lightning_d9d.streaming.streams.estimate as estimate
 
     dm = PretrainingDataModule(
         train_files=str(corpus["root"] / layout), tokenizer=str(corpus["root"] / "tokenizer.json"), seq_len=64,
@@ -69,7 +69,7 @@ def test_the_sample_stops_at_its_characters_so_long_documents_cost_little_at_set
 
 
 def test_a_long_sampled_document_is_tokenized_up_to_a_limit_and_scaled_by_its_length(corpus: dict, monkeypatch) -> None:
-    import lightning_d9d.streaming.estimate as estimate
+    import lightning_d9d.streaming.streams.estimate as estimate
 
     dm = PretrainingDataModule(
         train_files=str(corpus["root"] / "five-row-groups"), tokenizer=str(corpus["root"] / "tokenizer.json"),

@@ -25,8 +25,8 @@ import pytest
 import zstandard
 from support import moto_server
 
-from lightning_d9d.streaming import jsonl, jsonl_scan
-from lightning_d9d.streaming.jsonl import (
+from lightning_d9d.streaming.sources import jsonl, jsonl_scan
+from lightning_d9d.streaming.sources.jsonl import (
     JSONL_SUFFIXES,
     JsonlLayout,
     group_content_key,
@@ -34,9 +34,9 @@ from lightning_d9d.streaming.jsonl import (
     read_jsonl_group,
     read_jsonl_group_keyed,
 )
-from lightning_d9d.streaming.jsonl_scan import scan_jsonl, scan_jsonl_files
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
-from lightning_d9d.streaming.storage import Storage
+from lightning_d9d.streaming.sources.jsonl_scan import scan_jsonl, scan_jsonl_files
+from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.sources.storage import Storage
 
 STORAGE = Storage(read_retry_seconds=0.0)
 KINDS = ["none", "gzip", "gzip-members", "zstd", "zstd-frames"]

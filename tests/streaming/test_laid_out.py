@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_d9d.streaming import stream
-from lightning_d9d.streaming.reader import TextChunk
-from lightning_d9d.streaming.stream import LaidOut, bos_first
+from lightning_d9d.streaming.sources.reader import TextChunk
+from lightning_d9d.streaming.streams import stream
+from lightning_d9d.streaming.streams.stream import LaidOut, bos_first
 
 BOS = 5
 

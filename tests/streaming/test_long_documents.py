@@ -14,11 +14,12 @@ import pytest
 from support import BOS, WORDS, digest, make_docs, stream_spec, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming import reader, tokenize
-from lightning_d9d.streaming import source as source_module
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
-from lightning_d9d.streaming.spec import StreamSpec
-from lightning_d9d.streaming.stream import StreamState, TokenStream
+from lightning_d9d.streaming.plans.spec import StreamSpec
+from lightning_d9d.streaming.sources import reader
+from lightning_d9d.streaming.sources import source as source_module
+from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
+from lightning_d9d.streaming.tokens import tokenize
 
 PIECE = 3000
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
 
 NAMES = ["prose", "code", "math", "web", "books"]
 WEIGHTS = st.sampled_from([0, 0, 1, 2, 3, 0.5, 0.3, 0.01, 0.001, 3.7, 10, 7])

@@ -16,7 +16,7 @@ import torch
 from support import RankDataModule, make_docs, run_steps, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
 
 K, G, M_SIZE = 4, 8, 2
 
@@ -413,7 +413,7 @@ def test_inspect_prints_the_phases_expected_passes_and_realised_shares(corpus: d
 @pytest.mark.parametrize("packing", ["concat", "bestfit", "bestfit_split"])
 def test_a_stream_gives_the_same_rows_however_they_are_grouped_into_blocks(corpus: dict, packing: str) -> None:
     """``TokenStream.blocks(sizes)``: blocks of any size, 0 included; an empty block leaves the position as it was."""
-    from lightning_d9d.streaming.stream import TokenStream
+    from lightning_d9d.streaming.streams.stream import TokenStream
 
     spec = datamodule(corpus, packing=packing).train_spec.sources[0]
     fixed = TokenStream(spec, 1).blocks(itertools.repeat(2))
@@ -457,7 +457,7 @@ def test_per_source_validation_works_beside_a_single_training_corpus(corpus: dic
 
 
 def test_a_corrupted_mixture_state_is_one_error_naming_the_field(corpus: dict) -> None:
-    from lightning_d9d.resume import InvalidDataState
+    from lightning_d9d.core.resume import InvalidDataState
 
     state, _ = state_after(datamodule(corpus), 3)
     bad = {**state, "streams": {**state["streams"]}}

@@ -39,9 +39,9 @@ from moto.server import ThreadedMotoServer
 from support import free_port, make_docs, moto_server, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming.loader import worker_start_method
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
-from lightning_d9d.streaming.storage import Storage, StorageError
+from lightning_d9d.streaming.loading.loader import worker_start_method
+from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.sources.storage import Storage, StorageError
 
 pytestmark = pytest.mark.slow  # every test serves its files from a real S3 server (moto's) on 127.0.0.1
 

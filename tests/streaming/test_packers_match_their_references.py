@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_d9d.streaming.bestfit import BestFitPacker
-from lightning_d9d.streaming.concat import ConcatPacker
-from lightning_d9d.tokens import restart_positions
+from lightning_d9d.core.tokens import restart_positions
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker
+from lightning_d9d.streaming.packing.concat import ConcatPacker
 
 BOS = 0
 

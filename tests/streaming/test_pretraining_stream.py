@@ -31,15 +31,17 @@ from support import (
 )
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming import bestfit_restore, tokenize
-from lightning_d9d.streaming.estimate import estimate_pass
-from lightning_d9d.streaming.loader import rank_blocks, rank_streams
-from lightning_d9d.streaming.mixture_stream import MixtureState
-from lightning_d9d.streaming.packing import bos_tensors, flagged_tensors
-from lightning_d9d.streaming.reader import ReadPosition, TextChunk
-from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order, resolve_files
-from lightning_d9d.streaming.spec import PACKINGS, StreamSpec
-from lightning_d9d.streaming.stream import StreamState, TokenStream
+from lightning_d9d.streaming.loading.loader import rank_blocks, rank_streams
+from lightning_d9d.streaming.packing import bestfit_restore
+from lightning_d9d.streaming.packing.rows import bos_tensors, flagged_tensors
+from lightning_d9d.streaming.plans.packings import PACKINGS
+from lightning_d9d.streaming.plans.spec import StreamSpec
+from lightning_d9d.streaming.sources.reader import ReadPosition, StreamUnits, TextChunk
+from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, deal, pass_order, resolve_files
+from lightning_d9d.streaming.streams.estimate import estimate_pass
+from lightning_d9d.streaming.streams.mixture_stream import MixtureState
+from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
+from lightning_d9d.streaming.tokens import tokenize
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def spec_for(corpus: dict, packing: str, streams: int = 2, seq_len: int = 24, **
 
 def unit_text(spec: StreamSpec, stream: int, read: ReadPosition) -> str | None:
     """The text a position points at ("(end)" past its unit)."""
-    unit = int(spec.stream_units(stream).of_pass(read.pass_index)[read.slot])
+    unit = int(StreamUnits.of_spec(spec, stream).of_pass(read.pass_index)[read.slot])
     texts = spec.index.read_texts(int(spec.units.group[unit]))
     return texts[read.row] if read.row < int(spec.units.stop[unit]) else "(end)"
 
@@ -110,7 +112,7 @@ def test_streams_read_their_dealt_units_in_order_and_cycle_passes(corpus: dict) 
         take(TokenStream(spec, 1), 60)
     finally:
         del spec.index.read_keyed
-    expected = np.concatenate([spec.stream_units(1).of_pass(p) for p in range(4)]).tolist()
+    expected = np.concatenate([StreamUnits.of_spec(spec, 1).of_pass(p) for p in range(4)]).tolist()
     assert read == expected[: len(read)] and len(read) > len(spec.index) // 3  # went past a pass boundary
 
 
@@ -124,7 +126,7 @@ def test_concat_rows_decode_back_to_the_documents_in_stream_order(corpus: dict) 
     tokens = rows.ravel()
     bos = tok.token_to_id(BOS)
     pieces = np.split(tokens, np.flatnonzero(tokens == bos))[1:]  # the stream starts at a BOS
-    order = np.concatenate([spec.stream_units(0).of_pass(p) for p in range(3)])
+    order = np.concatenate([StreamUnits.of_spec(spec, 0).of_pass(p) for p in range(3)])
     expected = [t for unit in order for t in spec.index.read_texts(int(spec.units.group[unit])) if t]
     decoded = [tok.decode(piece[1:].tolist()) for piece in pieces]
     assert decoded[:-1] == expected[: len(decoded) - 1]
@@ -183,7 +185,7 @@ def test_bestfit_split_keeps_every_document_that_fits_whole_and_pads_rarely(corp
     iterator = TokenStream(spec, 0).blocks(itertools.repeat(2))
     blocks = [next(iterator) for _ in range(150)]
     iterator.close()
-    order = np.concatenate([spec.stream_units(0).of_pass(p) for p in range(4)])
+    order = np.concatenate([StreamUnits.of_spec(spec, 0).of_pass(p) for p in range(4)])
     documents = [
         [spec.bos_id, *tok.encode(text).ids]
         for unit in order
@@ -616,7 +618,7 @@ def test_streams_left_running_at_interpreter_exit_end_without_a_traceback(corpus
     # tears its modules down, which must not print "Exception ignored ... TypeError" for every stream.
     script = textwrap.dedent(f"""
         from lightning_d9d import PretrainingDataModule
-        from lightning_d9d.streaming.loader import rank_blocks
+        from lightning_d9d.streaming.loading.loader import rank_blocks
         dm = PretrainingDataModule({str(corpus["root"] / "data")!r}, {str(corpus["root"] / "tokenizer.json")!r},
                                    seq_len=24, global_batch_size=8, microbatch_size=2, num_streams=4, num_workers=0,
                                    packing="bestfit_split", steps_per_epoch=10, pin_memory=False)

@@ -284,7 +284,7 @@ def test_exclude_documents_takes_the_commands_parquet_and_the_pieces_and_refuses
 
 
 def test_a_ledger_record_round_trips_a_state_of_several_arrays() -> None:
-    from lightning_d9d.streaming.ledger import decode, encode
+    from lightning_d9d.streaming.provenance.ledger import decode, encode
 
     state = {"step": 7, "sources": {"a": {"buffer": np.arange(12).reshape(3, 4), "next": 3},
                                     "b": {"buffer": np.zeros((0, 8), np.int64), "kind": "bestfit"}}}  # fmt: skip

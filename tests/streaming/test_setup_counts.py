@@ -17,8 +17,9 @@ from support import fill_token_cache, fit_in_processes, make_docs, read_records,
 from tokenizers import Tokenizer
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming import estimate, tokenize
-from lightning_d9d.streaming.source import RowGroupIndex
+from lightning_d9d.streaming.sources.source import RowGroupIndex
+from lightning_d9d.streaming.streams import estimate
+from lightning_d9d.streaming.tokens import tokenize
 
 CAP = 2000  # max_document_chars: the corpus holds documents over it
 G, K = 8, 4

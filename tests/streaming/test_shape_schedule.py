@@ -24,10 +24,10 @@ from support import (
 )
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
-from lightning_d9d.streaming.mixture import MixturePlan, MixtureSchedule
-from lightning_d9d.streaming.packing import NO_TARGET, START
-from lightning_d9d.streaming.shape import ShapeSchedule, StepValues
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.packing.rows import NO_TARGET, START
+from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
+from lightning_d9d.streaming.plans.shape import ShapeSchedule, StepValues
 
 PAD = 1
 STRIDE = 100_000

@@ -16,7 +16,7 @@ from support import (
 )
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming.edits import DataEdits, DocumentRef
+from lightning_d9d.streaming.plans.edits import DataEdits, DocumentRef
 
 STEPS = 14
 

@@ -13,9 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
-from lightning_d9d.streaming.concat import ConcatPacker
-from lightning_d9d.streaming.packing import (
+from lightning_d9d.core.tokens import IGNORE_INDEX
+from lightning_d9d.streaming.loading.step_tensors import StepBlock, StepTensors, microbatch_tensors
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.packing.concat import ConcatPacker
+from lightning_d9d.streaming.packing.rows import (
     CP_PAD,
     NO_TARGET,
     START,
@@ -24,8 +26,6 @@ from lightning_d9d.streaming.packing import (
     flagged_tensors,
     sequence_bounds,
 )
-from lightning_d9d.streaming.step_tensors import StepBlock, StepTensors, microbatch_tensors
-from lightning_d9d.tokens import IGNORE_INDEX
 
 BOS, PAD = 1, 0
 

@@ -13,11 +13,11 @@ import torch
 from support import make_docs, stream_spec, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.resume import InvalidDataState
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
-from lightning_d9d.streaming.reader import ReadPosition, TextReader
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
-from lightning_d9d.streaming.stream import StreamState, TokenStream
+from lightning_d9d.core.resume import InvalidDataState
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.sources.reader import ReadPosition, StreamUnits, TextReader
+from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
 
 OPTIONS = dict(seq_len=24, global_batch_size=8, microbatch_size=4, num_workers=0, num_streams=4,
                steps_per_epoch=40, bestfit_buffer_size=12, tokenizer_batch_size=8)  # fmt: skip
@@ -204,7 +204,7 @@ def test_every_stage_continues_from_its_get_state_through_reset(corpus: Path) ->
     """Reader, best-fit packers and stream: ``reset(get_state())`` on a new stage continues exactly."""
     dm = datamodule(corpus, "bestfit_split")
     spec = dm.train_spec.sources[0]
-    units = spec.stream_units(1)
+    units = StreamUnits.of_spec(spec, 1)
     reader = TextReader(units, ReadPosition(), 4)
     chunks = iter(reader)
     head = [next(chunks) for _ in range(5)]

@@ -19,8 +19,8 @@ import torch
 from support import make_texts, stream_spec, train_tokenizer
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
-from lightning_d9d.streaming.stream import TokenStream
+from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.streams.stream import TokenStream
 
 TEXTS = make_texts(200, seed=8)
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_d9d.streaming.storage import Storage
-from lightning_d9d.streaming.token_cache import (
+from lightning_d9d.streaming.sources.storage import Storage
+from lightning_d9d.streaming.tokens.token_cache import (
     CachedUnit,
     Coverage,
     TokenCache,
@@ -269,8 +269,8 @@ def test_an_unreadable_entry_is_a_miss_warned_about_once(tmp_path: Path) -> None
 CHILD_STORES = """
     import dataclasses, sys
     import numpy as np
-    from lightning_d9d.streaming.storage import Storage
-    from lightning_d9d.streaming.token_cache import CachedUnit, TokenCache
+    from lightning_d9d.streaming.sources.storage import Storage
+    from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache
     root, tokens, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = np.random.default_rng(7)
     offsets = np.concatenate([[0], np.sort(rng.integers(0, tokens, 999)), [tokens]]).astype(np.int64)
@@ -347,8 +347,8 @@ def test_a_store_killed_mid_write_leaves_no_entry(tmp_path: Path) -> None:
 CHILD_SIZE_LIMIT = """
     import dataclasses, json, resource, signal, sys, warnings
     import numpy as np
-    from lightning_d9d.streaming.storage import Storage
-    from lightning_d9d.streaming.token_cache import CachedUnit, TokenCache
+    from lightning_d9d.streaming.sources.storage import Storage
+    from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     cache = TokenCache(sys.argv[1], Storage(), {KEY}, vocab_size=50_000)
@@ -388,8 +388,8 @@ def test_a_file_size_limit_is_one_warning_and_leaves_no_partial_file(tmp_path: P
 
 CHILD_SAME_ENTRY = """
     import sys
-    from lightning_d9d.streaming.storage import Storage
-    from lightning_d9d.streaming.token_cache import CachedUnit, TokenCache
+    from lightning_d9d.streaming.sources.storage import Storage
+    from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache
     import numpy as np
     rng = np.random.default_rng(5)
     docs = [rng.integers(0, 50_000, 5000).tolist() for _ in range(100)]
@@ -579,8 +579,8 @@ def test_s3_round_trip_bad_entry_and_coverage(s3: dict) -> None:
 CHILD_S3_STORE = """
     import dataclasses, json, sys
     import numpy as np
-    from lightning_d9d.streaming.storage import Storage
-    from lightning_d9d.streaming.token_cache import CachedUnit, TokenCache
+    from lightning_d9d.streaming.sources.storage import Storage
+    from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache
     tokens = 24 << 20
     unit = CachedUnit(0, 0, 1, np.zeros(1, np.int64), np.asarray([0, tokens]), np.ones(tokens, np.uint16),
                       np.zeros(0, np.int64), np.zeros(0, np.int64))

@@ -23,10 +23,10 @@ import zstandard
 from support import WORDS, RankDataModule, free_port, make_docs, run_steps, train_tokenizer
 from tokenizers import Tokenizer
 
-from lightning_d9d.streaming.jsonl_scan import scan_jsonl_files
-from lightning_d9d.streaming.source import JSONL_GROUP_BYTES, RowGroupIndex, _parquet_groups
-from lightning_d9d.streaming.storage import Storage
-from lightning_d9d.streaming.token_cache import TokenCache, TokenCacheWarning
+from lightning_d9d.streaming.sources.jsonl_scan import scan_jsonl_files
+from lightning_d9d.streaming.sources.source import JSONL_GROUP_BYTES, RowGroupIndex, _parquet_groups
+from lightning_d9d.streaming.sources.storage import Storage
+from lightning_d9d.streaming.tokens.token_cache import TokenCache, TokenCacheWarning
 
 FILES, ROWS, EDITED_ROW = 4, 16, 8
 STEPS = 12  # more than a pass: every unit is read whole, and so cached

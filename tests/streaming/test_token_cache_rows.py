@@ -22,9 +22,9 @@ import pytest
 import zstandard
 from support import TESTS, RankDataModule, make_docs, run_steps, train_tokenizer
 
-from lightning_d9d.streaming import source as source_module
-from lightning_d9d.streaming.source import RowGroupIndex
-from lightning_d9d.streaming.token_cache import TokenCacheWarning
+from lightning_d9d.streaming.sources import source as source_module
+from lightning_d9d.streaming.sources.source import RowGroupIndex
+from lightning_d9d.streaming.tokens.token_cache import TokenCacheWarning
 
 GROUPS, ROWS = 8, 16  # row groups (files) of ROWS documents each
 STEPS = 36  # more than one pass over the corpus on every stream

@@ -23,10 +23,10 @@ import zstandard
 from support import WORDS, RankDataModule, run_steps, train_tokenizer
 from tokenizers import Tokenizer
 
-from lightning_d9d.streaming import tokenize
-from lightning_d9d.streaming.source import _parquet_groups
-from lightning_d9d.streaming.storage import Storage
-from lightning_d9d.streaming.token_cache import TokenCacheWarning
+from lightning_d9d.streaming.sources.source import _parquet_groups
+from lightning_d9d.streaming.sources.storage import Storage
+from lightning_d9d.streaming.tokens import tokenize
+from lightning_d9d.streaming.tokens.token_cache import TokenCacheWarning
 
 FILES, ROWS = 2, 240  # one unit per file and stream
 G, SEQ = 8, 24

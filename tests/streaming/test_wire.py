@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import corpus_spec, flat, make_docs, respec, stream_spec, train_tokenizer, write_parquet
 
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
-from lightning_d9d.streaming.buffer_rows import LINKS, WIDTH, BufferRows
-from lightning_d9d.streaming.loader import WireFormat
-from lightning_d9d.streaming.mixture_stream import mixture_streams
-from lightning_d9d.streaming.packing import BufferGrowth, kept_rows
-from lightning_d9d.streaming.reader import ReadPosition
-from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.loading.loader import WireFormat
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
+from lightning_d9d.streaming.packing.buffer_rows import LINKS, WIDTH, BufferRows
+from lightning_d9d.streaming.packing.rows import kept_rows
+from lightning_d9d.streaming.plans.packings import BufferGrowth
+from lightning_d9d.streaming.sources.reader import ReadPosition
+from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.streams.mixture_stream import mixture_streams
 
 
 @pytest.fixture(scope="module")

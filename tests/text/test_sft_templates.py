@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, processors
 from lightning_d9d.text.chat_template import ChatTemplate, load_chat_template
 from lightning_d9d.text.formats import Columns, detect_format, row_messages
 from lightning_d9d.text.sft_tokenize import RowTokenizer, SFTRecipe
-from lightning_d9d.tokenizer import load_tokenizer, tokenizer_digest
+from lightning_d9d.tokenization.tokenizer import load_tokenizer, tokenizer_digest
 
 
 def loaded_tokenizer(path: str) -> Any:

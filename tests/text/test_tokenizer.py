@@ -1,4 +1,4 @@
-"""One tokenizer loader and one padding-id choice for every DataModule (``lightning_d9d.tokenizer``)."""
+"""One tokenizer loader and one padding-id choice for every DataModule (``lightning_d9d.tokenization.tokenizer``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from lightning_d9d import PretrainingDataModule, TextDataModule
 from lightning_d9d.text.tokenize import tokenized_split
-from lightning_d9d.tokenizer import (
+from lightning_d9d.tokenization.tokenizer import (
     TokenizerFileNotFoundError,
     pad_token_id,
     read_tokenizer,

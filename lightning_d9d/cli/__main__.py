@@ -1,0 +1,3 @@
+from lightning_d9d.cli import main
+
+main()
