@@ -34,7 +34,7 @@ from lightning_d9d.core.checks import microbatches_per_step, token_microbatches_
 from lightning_d9d.core.cpu_threads import choose_cpu_threads
 from lightning_d9d.datamodules.base import SteppedDataModule
 from lightning_d9d.datamodules.d9d import D9DDataModule
-from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
+from lightning_d9d.datamodules.pretraining.datamodule import PretrainingDataModule
 from lightning_d9d.parallel.topology import DataParallelTopology
 
 INSPECT = "inspect"
@@ -193,7 +193,7 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
         lines += [f"  {line}" for line in describe_batch(next(batches))]
         return "\n".join(lines)
 
-    if isinstance(datamodule, PretrainingReports) and not datamodule.shapes.fixed:
+    if isinstance(datamodule, PretrainingDataModule) and not datamodule.shapes.fixed:
         return "\n".join(lines + _scheduled_lines(datamodule, trainer, world_size, batches, steps))
     per_step_here = global_batch_size // microbatch_size  # microbatches of one global batch at world size 1
     lines += [
@@ -298,7 +298,7 @@ def _data_parallel_size(datamodule: Any, trainer: Any, processes: int) -> int:
 
 def _pretraining_lines(datamodule: Any, trainer: Any, rows_by_source: Counter[int], steps: int) -> list[str]:
     """A pretraining mixture's phases, expected passes, realised shares and token cache."""
-    if not isinstance(datamodule, PretrainingReports):
+    if not isinstance(datamodule, PretrainingDataModule):
         return []
     sources = range(len(datamodule.source_names))
     shares = [rows_by_source[i] for i in sources]

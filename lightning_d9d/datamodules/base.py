@@ -3,12 +3,16 @@
 Data is dealt by data-parallel rank, never by process. ``state_dict()`` is ``{"epoch", "step", "fingerprint"}``
 (optimizer steps done) plus a subclass's extra state; ``load_state_dict`` validates it, and one side-effect-free
 ``start_point`` decides where every epoch iteration begins. Loaders are closed when replaced, at teardown and on error.
+The base composes two parts rather than inheriting them: ``parallelism`` (which processes share data,
+``data_parallel.py``) and ``observation`` (what the data observer reads, ``observability.py``); its public
+settings (``data_parallel``, ``verify_peers``, ``data_wait_warning``) delegate to them.
 
 Trade-off: the saved step reads Lightning's processed-batch counter, a loop internal pinned down by tests.
 """
 
 from __future__ import annotations
 
+import collections
 import warnings
 import weakref
 from typing import Any, Literal, Protocol, TypeVar
@@ -27,9 +31,10 @@ from lightning_d9d.core.resume import (
     mismatch_error,
 )
 from lightning_d9d.datamodules.callback import DataModuleCallback
-from lightning_d9d.datamodules.data_parallel import DataParallelMixin
-from lightning_d9d.datamodules.observability import ObservedData
+from lightning_d9d.datamodules.data_parallel import DataParallel
+from lightning_d9d.datamodules.observability import BatchCounts, DataObservation
 from lightning_d9d.device.transfer import move_batch_to_device
+from lightning_d9d.parallel.topology import DataParallelSetting, DataParallelTopology
 
 OnOrderMismatch = Literal["raise", "restart_epoch"]
 ON_ORDER_MISMATCH = ("raise", "restart_epoch")
@@ -42,7 +47,7 @@ class ClosableLoader(Protocol):
 Loader = TypeVar("Loader", bound=ClosableLoader)
 
 
-class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule):
+class SteppedDataModule(pl.LightningDataModule):
     """Base of every lightning_d9d DataModule; subclasses size steps, set ``fingerprint`` and call ``start_fit``."""
 
     global_batch_size: int | None
@@ -56,6 +61,79 @@ class SteppedDataModule(ObservedData, DataParallelMixin, pl.LightningDataModule)
     steps_per_epoch: int  # optimizer steps per epoch; a subclass's attribute or property
     restored: tuple[int, int] | None = None  # (epoch, step) loaded from a checkpoint in this fit
     loaded: tuple[SavedPosition, bool] | None = None  # the saved position, and whether its data is this run's
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parallelism = DataParallel()
+        self.observation = DataObservation()
+
+    # ------------------------------------------------------------------ the parts' settings
+    @property
+    def data_parallel(self) -> DataParallelSetting:
+        """Which processes share data (see ``resolve_data_parallel``)."""
+        return self.parallelism.setting
+
+    @data_parallel.setter
+    def data_parallel(self, value: DataParallelSetting) -> None:
+        self.parallelism.setting = value
+
+    @property
+    def verify_peers(self) -> int:
+        """Steps at the start of each fit whose microbatches peers compare (0: off)."""
+        return self.parallelism.verify_peers
+
+    @verify_peers.setter
+    def verify_peers(self, value: int) -> None:
+        self.parallelism.verify_peers = value
+
+    def resolve_topology(self) -> DataParallelTopology:
+        """Resolve the data-parallel layout and confirm it across processes (under a Trainer, a collective).
+
+        Raises:
+            ValueError: a layout that cannot be resolved or that processes disagree on.
+        """
+        return self.parallelism.resolve(self._trainer)
+
+    @property
+    def topology(self) -> DataParallelTopology:
+        """The data-parallel layout (resolved at ``setup``, or now if asked before; no collective here)."""
+        return self.parallelism.topology(self._trainer)
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel size: replicas the data is dealt among (1 without a trainer)."""
+        return self.topology.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel rank (shared with its model-parallel peers)."""
+        return self.topology.dp_rank
+
+    @property
+    def _trainer(self) -> pl.Trainer | None:
+        return getattr(self, "trainer", None)
+
+    @property
+    def data_wait_warning(self) -> float | None:
+        """Warn once per fit when waiting for data exceeds this fraction of step time."""
+        return self.observation.data_wait_warning
+
+    @data_wait_warning.setter
+    def data_wait_warning(self, value: float | None) -> None:
+        self.observation.data_wait_warning = value
+
+    def count_host_batch(self, batch: Any) -> None:
+        """Count a training microbatch on the host, before it is moved (``transfer_batch_to_device`` calls it)."""
+        trainer = self._trainer
+        self.observation.count(batch, trainer is not None and trainer.training)
+
+    def take_host_counts(self) -> BatchCounts | None:
+        """The counts of the microbatch last moved, once (then ``None`` until another is moved)."""
+        return self.observation.take()
+
+    def step_metrics(self, rows_by_source: collections.Counter[int]) -> dict[str, float]:
+        """What the DataModule logs beside the timing, per optimizer step; nothing unless a subclass says."""
+        return {}
 
     @property
     def on_order_mismatch(self) -> OnOrderMismatch:

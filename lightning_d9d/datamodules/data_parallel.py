@@ -1,4 +1,8 @@
-"""DataParallelMixin: a DataModule's data-parallel layout, resolved once per ``setup`` from its trainer.
+"""DataParallel: the part of a DataModule that says which processes share data, resolved per ``setup``.
+
+It owns the ``data_parallel`` and ``verify_peers`` settings and the topology they give under one trainer, kept
+with the trainer it was resolved under so that a DataModule reused by another Trainer resolves again. It saves
+nothing in a checkpoint: the layout is the run's, and the data position never depends on it.
 
 Trade-off: by default the layout is the strategy's ``distributed_sampler_kwargs``, so a strategy whose kwargs hide
 model parallelism needs ``data_parallel`` set.
@@ -20,55 +24,60 @@ from lightning_d9d.parallel.topology import (
 )
 
 
-class DataParallelMixin:
-    """``data_parallel``, ``verify_peers``, and the topology they give under the DataModule's trainer."""
+class DataParallel:
+    """``data_parallel``, ``verify_peers``, and the topology they give under a trainer.
 
-    _data_parallel: DataParallelSetting = None
-    _verify_peers: int = 0
-    _topology: tuple[Any, DataParallelTopology] | None = None  # (the trainer it was resolved under, the topology)
+    Args:
+        setting: which processes share data (see ``resolve_data_parallel``); ``None`` follows the strategy.
+        verify_peers: steps at the start of each fit whose microbatches peers compare (0: off).
+
+    Raises:
+        ValueError: a setting that is no data-parallel layout, or ``verify_peers`` below 0.
+    """
+
+    def __init__(self, setting: DataParallelSetting = None, verify_peers: int = 0):
+        self._setting: DataParallelSetting = None
+        self._verify_peers = 0
+        self._topology: tuple[Any, DataParallelTopology] | None = None  # (the trainer it was resolved under, it)
+        self.setting, self.verify_peers = setting, verify_peers
 
     @property
-    def data_parallel(self) -> DataParallelSetting:
-        """Which processes share data (see ``resolve_data_parallel``)."""
-        return self._data_parallel
+    def setting(self) -> DataParallelSetting:
+        return self._setting
 
-    @data_parallel.setter
-    def data_parallel(self, value: DataParallelSetting) -> None:
-        self._data_parallel = check_data_parallel_setting(value)
-        self._topology = None
+    @setting.setter
+    def setting(self, value: DataParallelSetting) -> None:
+        self._setting = check_data_parallel_setting(value)
+        self._topology = None  # resolved again under the new setting
 
     @property
     def verify_peers(self) -> int:
-        """Steps at the start of each fit whose microbatches peers compare (0: off)."""
         return self._verify_peers
 
     @verify_peers.setter
     def verify_peers(self, value: int) -> None:
         self._verify_peers = non_negative_int("verify_peers", value)
 
-    def resolve_topology(self) -> DataParallelTopology:
-        """Resolve the data-parallel layout and confirm it across processes (under a Trainer, a collective).
+    def resolve(self, trainer: pl.Trainer | None) -> DataParallelTopology:
+        """Resolve the layout under ``trainer`` and confirm it across processes (under a Trainer, a collective).
 
         Raises:
             ValueError: a layout that cannot be resolved or that processes disagree on.
         """
-        trainer = self._trainer
         topology = self._resolved(trainer)
         if trainer is not None:
             check_across_processes(topology)
         self._topology = (trainer, topology)
         return topology
 
-    @property
-    def topology(self) -> DataParallelTopology:
-        """The data-parallel layout (resolved at ``setup``, or now if asked before; no collective here)."""
-        trainer = self._trainer
+    def topology(self, trainer: pl.Trainer | None) -> DataParallelTopology:
+        """The layout under ``trainer``: the one resolved at ``setup``, or resolved now (no collective here)."""
         if self._topology is None or self._topology[0] is not trainer:
             self._topology = (trainer, self._resolved(trainer))
         return self._topology[1]
 
     def _resolved(self, trainer: pl.Trainer | None) -> DataParallelTopology:
-        setting = self._data_parallel
+        setting = self._setting
         if trainer is None:
             if isinstance(setting, DataParallelTopology):
                 return setting
@@ -81,20 +90,6 @@ class DataParallelMixin:
         return resolve_data_parallel(
             setting, sampler_kwargs, mesh, trainer.world_size, trainer.global_rank, type(strategy).__name__
         )
-
-    @property
-    def dp_size(self) -> int:
-        """The data-parallel size: replicas the data is dealt among (1 without a trainer)."""
-        return self.topology.dp_size
-
-    @property
-    def dp_rank(self) -> int:
-        """This process's data-parallel rank (shared with its model-parallel peers)."""
-        return self.topology.dp_rank
-
-    @property
-    def _trainer(self) -> pl.Trainer | None:
-        return getattr(self, "trainer", None)
 
 
 def _process_layout() -> tuple[int, int]:

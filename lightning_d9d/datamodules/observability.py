@@ -50,36 +50,43 @@ def check_data_wait_warning(value: Any) -> float | None:
     return float(value) or None
 
 
-class ObservedData:
-    """What a DataModule shares with its :class:`DataObserver`: the warning setting and host counts."""
+class DataObservation:
+    """The part of a DataModule its :class:`DataObserver` reads: the warning setting and the host counts of the
+    microbatch last moved. It saves nothing in a checkpoint (the figures are per fit).
 
-    _data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING
-    _count_host_batches = False  # set by the observer while a fit with a logger runs
-    _host_counts: BatchCounts | None = None
+    Args:
+        data_wait_warning: warn once per fit when waiting for data exceeds this fraction of step time.
+
+    Raises:
+        ValueError: ``data_wait_warning`` that is no fraction from 0 to 1.
+    """
+
+    def __init__(self, data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING):
+        self._data_wait_warning = check_data_wait_warning(data_wait_warning)
+        self.counting = False  # set by the observer while a fit with a logger runs: only then is a batch counted
+        self._host_counts: BatchCounts | None = None
 
     @property
     def data_wait_warning(self) -> float | None:
-        """Warn once per fit when waiting for data exceeds this fraction of step time."""
         return self._data_wait_warning
 
     @data_wait_warning.setter
     def data_wait_warning(self, value: float | None) -> None:
         self._data_wait_warning = check_data_wait_warning(value)
 
-    def count_host_batch(self, batch: Any) -> None:
-        """Count a training microbatch on the host, before it is moved (``transfer_batch_to_device`` calls it)."""
-        trainer = getattr(self, "trainer", None)
-        if self._count_host_batches and trainer is not None and trainer.training:
+    def count(self, batch: Any, training: bool) -> None:
+        """Count a training microbatch on the host, before it is moved (its device copy would need a sync)."""
+        if self.counting and training:
             self._host_counts = BatchCounts.of(batch)
 
-    def take_host_counts(self) -> BatchCounts | None:
+    def take(self) -> BatchCounts | None:
         """The counts of the microbatch last moved, once (then ``None`` until another is moved)."""
         counts, self._host_counts = self._host_counts, None
         return counts
 
-    def step_metrics(self, rows_by_source: collections.Counter[int]) -> dict[str, float]:
-        """What a DataModule logs beside the timing, per optimizer step; nothing unless a subclass says."""
-        return {}
+    def stop(self) -> None:
+        """Count nothing more (the fit ended) and forget what was counted."""
+        self.counting, self._host_counts = False, None
 
 
 @dataclass
@@ -148,13 +155,12 @@ class DataObserver:
 
     def fit_start(self, trainer: pl.Trainer) -> None:
         self._logging = bool(trainer.loggers)
-        self._datamodule._count_host_batches = self._logging
+        self._datamodule.observation.counting = self._logging
         self._steps, self._warned = 0, False
         self._window.clear()
 
     def fit_end(self) -> None:
-        self._datamodule._count_host_batches = False
-        self._datamodule._host_counts = None
+        self._datamodule.observation.stop()
 
     def epoch_start(self) -> None:
         self._timer.epoch_start(time.perf_counter())

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from lightning_d9d.core.digest import digest
 from lightning_d9d.core.urls import redact
-from lightning_d9d.datamodules.pretraining_mixture import SourceConfig
+from lightning_d9d.datamodules.pretraining.mixture import SourceConfig
 from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSettings, StreamSpec
 from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, resolve_files

@@ -1,6 +1,8 @@
-"""What a PretrainingDataModule reports about its sources and streams: names, counters, the mixture's lines.
+"""Reports, a part of PretrainingDataModule: what it says about its sources and streams (names, counters, the
+mixture's, shapes', edits' and token cache's lines for ``inspect``, the per-step metrics).
 
-A read-only mixin over what ``setup`` and the loaders leave on the DataModule. The counters are those of the
+It reads the corpus and the run plan it is given and the position each call passes, and owns only whether the token
+cache's changes were said (once per DataModule); it saves nothing in a checkpoint. The counters are those of the
 streams this rank owns, read without communication: the run's figures only with one rank.
 """
 
@@ -8,38 +10,38 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lightning_d9d.datamodules.pretraining_mixture import Sources, mixture_report, source_stats
+from lightning_d9d.datamodules.pretraining.corpus import Corpus
+from lightning_d9d.datamodules.pretraining.mixture import mixture_report, source_stats
+from lightning_d9d.datamodules.pretraining.plan import RunPlan
 from lightning_d9d.streaming.loading.loader import StreamPosition
 from lightning_d9d.streaming.packing.rows import StreamCounters
-from lightning_d9d.streaming.plans.edits import DataEdits
 from lightning_d9d.streaming.plans.spec import MixtureSpec
 
 
-class PretrainingReports:
-    settings: Any
-    microbatch_size: int
-    sources: Sources
-    train_spec: MixtureSpec | None
-    source_pass_rows: dict[str, float]
-    position: StreamPosition
-    edits: DataEdits
-    steps_per_epoch: int | None
-    token_cache: str | None
-    _cache_said = False
+class Reports:
+    """What a PretrainingDataModule reports.
+
+    Args:
+        corpus: the sources and what setup read of them.
+        plan: the run's plan (the spec trained, the shapes, the edits).
+    """
+
+    def __init__(self, corpus: Corpus, plan: RunPlan):
+        self.corpus, self.plan = corpus, plan
+        self._cache_said = False
 
     @property
     def source_names(self) -> list[str]:
         """The training sources, in order (``PretrainingBatch.sources`` indexes it); ``["train"]`` for one corpus."""
-        return [source.name for source in self.sources.train]
+        return [source.name for source in self.corpus.sources.train]
 
     @property
     def val_source_names(self) -> list[str]:
         """The validation sources, in the order of their loaders (Lightning's ``dataloader_idx``)."""
-        return [source.name for source in self.sources.validation or []]
+        return [source.name for source in self.corpus.sources.validation or []]
 
     def val_metric_name(self, name: str, dataloader_idx: int = 0) -> str:
         """The key to log a validation metric of loader ``dataloader_idx`` under: ``f"{name}/{source}"`` where
@@ -52,7 +54,7 @@ class PretrainingReports:
             ValueError: ``dataloader_idx`` is not the index of one of the validation loaders.
         """
         names = self.val_source_names
-        by_source = self.sources.validation_by_source
+        by_source = self.corpus.sources.validation_by_source
         count = len(names) if by_source else min(len(names), 1)
         if isinstance(dataloader_idx, bool) or not isinstance(dataloader_idx, int) or not 0 <= dataloader_idx < count:
             raise ValueError(
@@ -61,28 +63,28 @@ class PretrainingReports:
             )
         return f"{name}/{names[dataloader_idx]}" if by_source else name
 
-    def source_stats(self) -> dict[str, dict[str, float]]:
+    def source_stats(self, position: StreamPosition) -> dict[str, dict[str, float]]:
         """Per training source, over this rank's streams as of the latest step handed out: ``rows``, ``tokens``,
         ``documents``, ``padding``, ``too_long``, ``excluded`` and ``passes`` (fractional).
         """
-        return source_stats(self._require(self.train_spec), self.position.states)
+        return source_stats(self.plan.require(), position.states)
 
     def mixture_report(self, run_steps: int, realised: Sequence[int], steps: int) -> list[str]:
         """``inspect``'s mixture lines (none for one corpus): phases, expected passes, realised shares."""
-        spec = self._require(self.train_spec)
-        if not self.sources.mixture:
+        spec = self.plan.require()
+        if not self.corpus.sources.mixture:
             return []
-        return mixture_report(spec, self.source_pass_rows, run_steps, realised, steps)
+        return mixture_report(spec, self.corpus.source_pass_rows, run_steps, realised, steps)
 
     def edits_report(self) -> list[str]:
         """``inspect``'s lines for the data edits recorded or asked (skips, exclusions)."""
-        lines = self.edits.describe()
+        lines = self.plan.edits.describe()
         return ["data edits:", *(f"  {line}" for line in lines)] if lines else []
 
     def shape_report(self, run_steps: int, dp_size: int) -> list[str]:
         """``inspect``'s lines for shapes in phases (none for one shape): each phase's steps, global batch, microbatches
         per replica and the row positions (``G × seq_len``) it trains, up to ``run_steps``."""
-        shapes = self.settings.shapes
+        shapes = self.plan.shapes
         if shapes.fixed:
             return []
         lines = [f"shapes ({run_steps} steps):"]
@@ -92,7 +94,7 @@ class PretrainingReports:
                 break
             stop = int(min(end, run_steps))
             per_step = shape.global_batch_size * shape.seq_len
-            micro = shape.global_batch_size // (dp_size * self.microbatch_size)
+            micro = shape.global_batch_size // (dp_size * self.plan.microbatch_size)
             lines.append(
                 f"  steps {first}-{stop - 1}: global_batch_size {shape.global_batch_size}, seq_len {shape.seq_len}, "
                 f"{micro} microbatch(es) per step per replica, {per_step:,} positions per step, "
@@ -100,9 +102,9 @@ class PretrainingReports:
             )
         return lines
 
-    def _say_cache_changes(self, spec: MixtureSpec) -> None:
+    def say_cache_changes(self, spec: MixtureSpec) -> None:
         """Once per DataModule: what its token cache holds of other tokenizers, settings or file contents."""
-        if self.token_cache is None or self._cache_said:
+        if self.corpus.token_cache is None or self._cache_said:
             return
         self._cache_said = True
         if rank_zero_only.rank != 0:  # only rank 0 speaks: the others need not list the cache at all
@@ -113,7 +115,7 @@ class PretrainingReports:
 
     def token_cache_report(self) -> list[str]:
         """``inspect``'s token-cache lines: per source, the units held and their size."""
-        spec = self._require(self.train_spec)
+        spec = self.plan.require()
         lines = []
         for name, source in zip(spec.names, spec.sources):
             if source.cache is None:
@@ -132,36 +134,31 @@ class PretrainingReports:
             )
         return lines
 
-    def stream_stats(self) -> dict[str, int]:
+    def stream_stats(self, position: StreamPosition) -> dict[str, int]:
         """This rank's stream counters so far, summed over its streams (keys: ``StreamCounters``'s); they
         continue across a resume. ``padding`` includes the CP padding, of which ``cp_padding`` is the part.
         """
         totals = StreamCounters()
-        for state in self.position.states.values():
+        for state in position.states.values():
             totals.add(state.counters)
         return totals.to_dict()
 
-    def step_metrics(self, rows_by_source: Counter[int]) -> dict[str, float]:
+    def step_metrics(self, rows_by_source: Counter[int], position: StreamPosition) -> dict[str, float]:
         """What the callback logs per step: ``data/fill`` (document tokens over row positions), ``data/cropped`` (tokens
         crops dropped over tokens taken) and, for a mixture, ``data/share/<source>`` of this step's rows on this rank.
         """
-        stats = self.stream_stats()
+        stats = self.stream_stats(position)
         positions = stats["emitted"] + stats["padding"]
         metrics = {
             "data/fill": stats["emitted"] / positions if positions else 1.0,
             "data/cropped": stats["cropped"] / stats["tokens"] if stats["tokens"] else 0.0,
         }
-        if self.edits.skips:  # how far the data runs ahead of the step: every step skipped so far
-            step = self.position.epoch * self.steps_per_epoch + self.position.step
-            metrics["data/skipped_steps"] = float(self.edits.data_step(step) - step)
+        edits = self.plan.edits
+        if edits.skips:  # how far the data runs ahead of the step: every step skipped so far
+            step = position.epoch * self.plan.steps_per_epoch + position.step
+            metrics["data/skipped_steps"] = float(edits.data_step(step) - step)
         names = self.source_names
         rows = sum(rows_by_source.values())
         if len(names) > 1 and rows:
             metrics.update({f"data/share/{name}": rows_by_source[i] / rows for i, name in enumerate(names)})
         return metrics
-
-    @staticmethod
-    def _require(value: Any) -> Any:
-        if value is None:
-            raise RuntimeError("call dm.setup('fit') first (Trainer.fit does it)")
-        return value

@@ -1,4 +1,10 @@
-"""The saved state of a PretrainingDataModule's streams: written from every rank, read back by the streams' owners.
+"""The saved state of a PretrainingDataModule: its layout by version, and its streams, written from every rank and
+read back by the streams' owners.
+
+Version 3 (this one) nests each part's state under its name: ``{"epoch", "step", "fingerprint"}`` (the position),
+``"version"``, ``"streams"`` (every stream's state at the last step boundary) and ``"plan"`` (the run plan's
+``state_dict``: shares, shapes, edits, epoch length). ``migrate`` reads versions 1 and 2, whose plan lay flat beside
+the streams, so checkpoints written before keep resuming exactly.
 
 Lightning saves only rank 0's checkpoint, so every rank's streams are all-gathered into it; a rank reads back the
 streams it owns now, validated. Arrays are saved as tensors so checkpoints load with ``weights_only=True``.
@@ -15,16 +21,17 @@ import numpy as np
 import torch
 
 from lightning_d9d.core.resume import InvalidDataState
-from lightning_d9d.datamodules.pretraining_mixture import OnMixtureChange, resumed_plan
 from lightning_d9d.streaming.plans.spec import MixtureSpec
 from lightning_d9d.streaming.plans.state import mapping
 from lightning_d9d.streaming.streams.mixture_stream import MixtureState
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+# The run plan's keys, which versions 1 and 2 kept beside the streams.
+PLAN_KEYS = ("mixture", "shapes", "edits", "steps_per_epoch")
 
 
-def saved_streams(states: Mapping[int, MixtureState], spec: MixtureSpec, gather: bool) -> dict[str, Any]:
-    """The checkpoint's part for the streams: this rank's ``states`` and, with ``gather``, every other rank's."""
+def saved_streams(states: Mapping[int, MixtureState], gather: bool) -> dict[int, Any]:
+    """Every stream's saved state: this rank's ``states`` and, with ``gather``, every other rank's."""
     mine = {int(sid): _saveable(state.to_dict()) for sid, state in states.items()}
     if gather and torch.distributed.is_available() and torch.distributed.is_initialized():
         ranks: list[Any] = [None] * torch.distributed.get_world_size()
@@ -38,12 +45,11 @@ def saved_streams(states: Mapping[int, MixtureState], spec: MixtureSpec, gather:
     for rank in ranks:
         for sid, state in rank.items():
             streams.setdefault(sid, state)
-    shapes = spec.shapes.to_dict()
-    return {"version": STATE_VERSION, "streams": streams, "mixture": spec.plan.to_dict(), "shapes": shapes}
+    return streams
 
 
 def migrate(state: dict[str, Any]) -> dict[str, Any]:
-    """A saved state in this version's format (version 1, one fixed shape, is read too).
+    """A saved state in this version's format (versions 1, one fixed shape, and 2, the plan flat, are read too).
 
     Raises:
         ValueError: a version this package cannot read.
@@ -51,13 +57,23 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     """
     version = state.get("version")
     if version == 1:
-        return _from_version_1(state)
+        state, version = _from_version_1(state), 2
+    if version == 2:
+        return _from_version_2(state)
     if version != STATE_VERSION:
         raise ValueError(
-            f"unknown PretrainingDataModule state version {version!r} (this version reads 1 and "
+            f"unknown PretrainingDataModule state version {version!r} (this version reads 1, 2 and "
             f"{STATE_VERSION}): the checkpoint was written by another version of lightning_d9d"
         )
     return state
+
+
+def _from_version_2(state: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 kept the plan's keys beside the streams; version 3 nests them under ``"plan"`` (a key a state
+    lacked stays absent, so the plan names it as before)."""
+    plan = {key: state[key] for key in PLAN_KEYS if key in state}
+    rest = {key: value for key, value in state.items() if key not in PLAN_KEYS}
+    return {**rest, "version": STATE_VERSION, "plan": plan}
 
 
 def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +97,7 @@ def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
         streams[sid] = {**stream, "sources": sources}
     shapes = {"global_batch_size": [[0, size]], "seq_len": [[0, seq_len]]}
     edits = {"skips": [], "exclusions": []}
-    return {**state, "version": STATE_VERSION, "streams": streams, "shapes": shapes, "edits": edits}
+    return {**state, "version": 2, "streams": streams, "shapes": shapes, "edits": edits}
 
 
 def _buffer_from_version_1(buffer: Any, kind: str, capacity: int) -> Any:
@@ -95,16 +111,14 @@ def _buffer_from_version_1(buffer: Any, kind: str, capacity: int) -> Any:
     return np.stack([seq, length, key0, key1, offset, final, checksum, hashed], axis=1).astype(np.int64)
 
 
-def restored_streams(
-    state: dict[str, Any], spec: MixtureSpec, owned: Sequence[int], step: int, on_mixture_change: OnMixtureChange
-) -> tuple[MixtureSpec, dict[int, MixtureState]]:
-    """The spec to continue with and the ``owned`` streams' saved states, each validated against it.
+def read_streams(state: dict[str, Any], spec: MixtureSpec, owned: Sequence[int], step: int) -> dict[int, MixtureState]:
+    """The ``owned`` streams' saved states of a migrated ``state``, all at one data step (checked against ``spec``
+    by ``check_streams`` once the plan they continue is known).
 
     Raises:
-        ValueError: an unknown version, a missing owned stream, or changed shares under ``"raise"``.
-        InvalidDataState: a malformed stream state, naming the field's path.
+        ValueError: a missing owned stream past step 0.
+        InvalidDataState: a malformed stream state, naming the field's path; streams saved at different steps.
     """
-    state = migrate(state)
     saved = mapping(state.get("streams"), "streams")
     missing = [sid for sid in owned if sid not in saved and str(sid) not in saved]
     if missing and step > 0:
@@ -117,11 +131,26 @@ def restored_streams(
     steps = sorted({state.step for state in states.values()})
     if len(steps) > 1:
         raise InvalidDataState("streams.*.step", steps, "every stream is saved at the same step")
-    plan = resumed_plan(spec, state.get("mixture"), state.get("shapes"), steps[0] if steps else 0, on_mixture_change)
-    spec = spec.with_plan(plan)
+    return states
+
+
+def streams_step(states: Mapping[int, MixtureState]) -> int:
+    """The data step the streams were saved at (0 where this rank holds none)."""
+    return next(iter(states.values())).step if states else 0
+
+
+def check_streams(states: Mapping[int, MixtureState], spec: MixtureSpec, expected: int, global_step: int) -> None:
+    """Each stream's state valid under ``spec`` (the plan continued), at the data step ``expected`` of
+    ``global_step``.
+
+    Raises:
+        InvalidDataState: a state that ``spec`` cannot continue, or streams at another data step.
+    """
     for sid, stream_state in states.items():
         stream_state.check(spec, sid, f"streams.{sid}")
-    return spec, states
+    if any(saved.step != expected for saved in states.values()):
+        found = sorted({saved.step for saved in states.values()})
+        raise InvalidDataState("streams.*.step", found, f"the data step of global step {global_step}: {expected}")
 
 
 def _saveable(value: Any) -> Any:

@@ -1,0 +1,17 @@
+"""PretrainingDataModule and the parts it is composed of.
+
+``datamodule.py`` holds the DataModule, which owns and delegates to ``corpus.py`` (sources, tokenizer, token cache,
+what setup read, epoch sizing), ``plan.py`` (shapes, shares, edits, epoch length: the part a checkpoint nests),
+``provenance.py`` (the ledger and its replays) and ``reports.py``; ``state.py`` is the saved layout by version,
+``mixture.py`` the named sources and shares, ``specs.py`` the stream specs read from files, ``edits.py`` the edits
+asked, ``batch.py`` the microbatch type. Inside the package modules import each other by their own names, never
+through this one.
+"""
+
+from __future__ import annotations
+
+from lightning_d9d.datamodules.pretraining.batch import PretrainingBatch
+from lightning_d9d.datamodules.pretraining.datamodule import PretrainingDataModule, storage_of
+from lightning_d9d.datamodules.pretraining.state import STATE_VERSION
+
+__all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
