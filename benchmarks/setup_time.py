@@ -87,7 +87,7 @@ def _setup(conn, files: str, tokenizer: str, packing: str, configuration: str, c
                                **_options(args, packing))  # fmt: skip
     dm.setup("fit")
     seconds = time.perf_counter() - start
-    exact = dm._train._counts is not None and dm._train.exact
+    exact = dm.corpus.train._counts is not None and dm.corpus.train.exact
     estimate.encode_documents = encode
     conn.send({"seconds": seconds, "steps": dm.steps_per_epoch, "tokenized": len(tokenized), "exact": exact})
 

@@ -96,3 +96,11 @@ def test_a_checkpoint_written_by_earlier_code_resumes_exactly(kind: str, tmp_pat
     assert len(got) == len(want["after"]) == (want["max_steps"] - want["saved_after_step"]) * 4
     first = next((i for i, (a, b) in enumerate(zip(got, want["after"])) if a != b), None)
     assert got == want["after"], f"{kind}: microbatch {first} after the checkpoint differs from the uninterrupted run"
+
+
+def test_every_state_version_of_one_run_was_saved_before_the_same_batches() -> None:
+    # The fixtures of one configuration written by the code of different days (state version 2, then 3, whose plan
+    # is nested): the uninterrupted runs they were saved from trained the same microbatches after the save.
+    v2, v3 = fixtures.expected("pretraining"), fixtures.expected("pretraining_v3")
+    assert (v2["state_version"], v3["state_version"]) == (2, 3)
+    assert len(v3["after"]) == 20 and v3["after"] == v2["after"] and v3["before"] == v2["before"]

@@ -153,7 +153,7 @@ def test_the_demo_mixture_config_fits_and_resumes_across_its_phase_change(tmp_pa
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 2
     state = saved["DemoPretrainingDataModule"]
-    assert state["mixture"]["schedule"]["phases"][1][0] == 2
+    assert state["plan"]["mixture"]["schedule"]["phases"][1][0] == 2
     assert {stream["step"] for stream in state["streams"].values()} == {2}
     main(["fit", *args, "--trainer.max_steps=4", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt")])
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)

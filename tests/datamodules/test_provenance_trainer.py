@@ -210,7 +210,7 @@ def test_checkpoints_of_a_run_keep_its_edits_and_the_ledger_records_its_resume(d
                 ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=5.ckpt"))  # fmt: skip
     records = sorted(p.name for p in (tmp_path / "ledger").iterdir())
     assert records == ["000000000005", "000000000010"], "the resume and every 10 steps"
-    assert dm.state_dict()["edits"]["skips"] == [[7, 2]]
+    assert dm.state_dict()["plan"]["edits"]["skips"] == [[7, 2]]
 
 
 # ------------------------------------------------------------------------------------------------ a planted spike

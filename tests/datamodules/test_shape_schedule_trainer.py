@@ -123,7 +123,7 @@ def test_one_two_and_four_ranks_train_the_same_steps_and_resume_exactly_around_e
     # Each rank recorded its own streams: a query finds every stream's record and names the step's rows.
     asker = build_datamodule(config(two_dir, data, [], **ledger))
     asker.setup("fit")
-    assert {first for first, _ in asker._replay_starts(7, asker.train_spec).values()} == {6}
+    assert {first for first, _ in asker.ledger.replay_starts(7, asker.train_spec, asker.position).values()} == {6}
     assert {piece.batch_row for piece in asker.provenance(7)} == set(range(size_at(7)))
     assert global_rows(two, "full") == full, "1 and 2 ranks train the same global batch in every step"
     for step, microbatches in by_step(two, "full").items():  # bestfit_split pads: each replica's count differs

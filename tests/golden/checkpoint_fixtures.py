@@ -59,6 +59,7 @@ def d9d_datamodule(root: Path) -> D9DDataModule:
 
 KINDS = {
     "pretraining": (pretraining_datamodule, "pretraining_state_v2"),  # the DataModule state's "version"
+    "pretraining_v3": (pretraining_datamodule, "pretraining_state_v3"),  # the plan nested under "plan"
     "d9d": (d9d_datamodule, "d9d_state"),
 }
 

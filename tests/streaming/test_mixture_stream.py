@@ -468,7 +468,7 @@ def test_a_corrupted_mixture_state_is_one_error_naming_the_field(corpus: dict) -
     with pytest.raises(InvalidDataState, match=r"streams\.0\.sources\.b\.packing\.reader\.slot = 999"):
         datamodule(corpus).load_state_dict(bad)
     with pytest.raises(InvalidDataState, match=r"mixture = .*expected the mixture plan"):
-        datamodule(corpus).load_state_dict({**state, "mixture": {"schedule": 1}})
+        datamodule(corpus).load_state_dict({**state, "plan": {**state["plan"], "mixture": {"schedule": 1}}})
     with pytest.raises(InvalidDataState, match=r"streams\.1\.sources = <missing>: the state must hold 'sources'"):
         datamodule(corpus).load_state_dict({**state, "streams": {**state["streams"], 1: {"kind": "concat"}}})
 

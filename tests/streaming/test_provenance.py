@@ -116,7 +116,7 @@ def test_the_ledger_answers_a_step_by_a_short_replay_with_the_cache_and_after_an
     records = sorted(int(path.name) for path in (tmp_path / "ledger").iterdir())
     assert records == [3, 4, 6, 9], records  # every 3 steps, and at the resume (step 0 is no record: the start)
     asker = datamodule(corpus, **options)
-    starts = asker._replay_starts(8, asker.train_spec)
+    starts = asker.ledger.replay_starts(8, asker.train_spec, asker.position)
     assert {first for first, _ in starts.values()} == {6}, "every stream replays from the record at step 6"
     assert_rebuilt(rebuilt_rows(asker, range(4, STEPS)), want)
 
@@ -227,7 +227,7 @@ def test_a_spoiled_ledger_record_is_passed_over_like_a_missing_one(corpus: Path,
     record = tmp_path / "ledger" / f"{6:012d}" / "0.npz"
     _spoil(record, how, tmp_path / "ledger" / f"{3:012d}" / "0.npz")
     asker = datamodule(corpus, **options)
-    starts = asker._replay_starts(7, asker.train_spec)
+    starts = asker.ledger.replay_starts(7, asker.train_spec, asker.position)
     assert starts[0][0] == 3 and {starts[s][0] for s in (1, 2, 3)} == {6}, "stream 0 replays from step 3 instead"
     assert_rebuilt(rebuilt_rows(asker, range(7, 9)), {step: want[step] for step in (7, 8)})
     assert asker.trained_until() == 9

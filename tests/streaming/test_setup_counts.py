@@ -153,9 +153,9 @@ def test_a_mixture_counts_every_source(corpus: Path, filled: Path, work: dict, t
     val_docs = [doc for doc in make_docs(200, seed=2) if doc]
     val_tokens = sum(len(e) + 1 for e in tokenizer.encode_batch(val_docs, add_special_tokens=False))
     # "web" is counted from the cache; "val" is not in it: estimated from its sample
-    assert dm._train.counts["web"].exact and not dm._train.counts["val"].exact
-    assert dm._train.counts["web"].tokens == true_tokens
-    assert abs(dm._train.counts["val"].tokens - val_tokens) / val_tokens < 0.1
+    assert dm.corpus.train.counts["web"].exact and not dm.corpus.train.counts["val"].exact
+    assert dm.corpus.train.counts["web"].tokens == true_tokens
+    assert abs(dm.corpus.train.counts["val"].tokens - val_tokens) / val_tokens < 0.1
     assert set(dm.source_pass_rows) == {"web", "val"}
 
 
@@ -228,14 +228,15 @@ def test_a_resume_keeps_the_checkpoints_epoch_length(corpus: Path, tmp_path: Pat
     first.setup("fit")
     run_rows(first, 1, 3)
     state = first.state_dict()
-    assert state["steps_per_epoch"] == first.steps_per_epoch
+    assert state["plan"]["steps_per_epoch"] == first.steps_per_epoch
     whole = datamodule(corpus)
     whole.setup("fit")
     assert whole.steps_per_epoch == first.steps_per_epoch
     want = run_rows(whole, 1, 6)
     fill_token_cache(str(corpus / "train"), str(corpus / "tokenizer.json"), str(cache), seq_len=32,
                      global_batch_size=G, num_streams=K, max_document_chars=CAP)  # fmt: skip
-    for saved in (state, {key: value for key, value in state.items() if key != "steps_per_epoch"}):
+    without = {**state, "plan": {key: value for key, value in state["plan"].items() if key != "steps_per_epoch"}}
+    for saved in (state, without):
         resumed = datamodule(corpus, cache)
         resumed.setup("fit")
         assert resumed.steps_per_epoch != first.steps_per_epoch  # counted from the filled cache
@@ -248,7 +249,7 @@ def test_a_resume_keeps_the_checkpoints_epoch_length(corpus: Path, tmp_path: Pat
     bad = datamodule(corpus, cache)
     bad.setup("fit")
     with pytest.raises(ValueError, match=r"steps_per_epoch.*-2.*a whole number of optimizer steps >= 1"):
-        bad.load_state_dict({**state, "steps_per_epoch": -2})
+        bad.load_state_dict({**state, "plan": {**state["plan"], "steps_per_epoch": -2}})
 
 
 @pytest.mark.slow
@@ -271,7 +272,7 @@ def test_ddp_ranks_take_rank_zeros_count_while_the_cache_fills(corpus: Path, tmp
     sampled, counted = datamodule(corpus), datamodule(corpus, cache)
     sampled.setup("fit")
     counted.setup("fit")
-    assert counted._train.exact and sampled.steps_per_epoch != counted.steps_per_epoch
+    assert counted.corpus.train.exact and sampled.steps_per_epoch != counted.steps_per_epoch
 
 
 def test_a_too_small_corpus_is_one_error_counted_exactly(corpus: Path, filled: Path) -> None:

@@ -68,7 +68,7 @@ def test_a_skipped_range_is_never_trained_and_every_later_step_is_shifted(corpus
     # The skip is recorded: a later resume (another layout, without the setting) keeps it.
     later = state_at(corpus, packing, 6, skip_data=[[3, 5]]) if packing == "concat" else None
     if later is not None:
-        assert later["edits"]["skips"] == [[3, 2]]
+        assert later["plan"]["edits"]["skips"] == [[3, 2]]
         again, _ = global_run(corpus, packing, 2, 6, 9, later)
         assert again == full[8:11]
 
@@ -82,7 +82,7 @@ def test_two_skips_and_one_asked_again_on_a_later_resume(corpus: Path) -> None:
     got = step_rows(dm, 8, 1)
     assert [sorted(rows) for rows in got] == [full[d] for d in (1, 3, 4, 5, 8, 9, 10)]
     state = dm.state_dict()
-    assert state["edits"]["skips"] == [[2, 1], [5, 2]]
+    assert state["plan"]["edits"]["skips"] == [[2, 1], [5, 2]]
     resumed = datamodule(corpus, "concat", skip_data=[[2, 3], [5, 7]])  # asked again: recorded already, no change
     resumed.load_state_dict(state)
     assert resumed.edits == dm.edits

@@ -140,14 +140,22 @@ def test_a_bad_buffer_is_one_error_naming_it(corpus: Path, states: dict, packing
 
 def test_a_state_of_another_version_is_one_error_naming_it(corpus: Path, states: dict) -> None:
     state = {**states["concat"], "version": 99}
-    with pytest.raises(ValueError, match=r"unknown PretrainingDataModule state version 99 \(this version reads 1 and"):
+    with pytest.raises(ValueError, match=r"state version 99 \(this version reads 1, 2 and 3\)"):
         datamodule(corpus, "concat").load_state_dict(state)
 
 
-def as_version_1(state: dict, capacity: int) -> dict:
-    """``state`` as version 1 wrote it: one shape, in the fingerprint; pieces by chunk number of that row length."""
+def as_version_2(state: dict) -> dict:
+    """``state`` as version 2 wrote it: the plan's keys flat beside the streams."""
     old = copy.deepcopy(state)
-    shapes = old.pop("shapes")
+    return {**old, **old.pop("plan"), "version": 2}
+
+
+def as_version_1(state: dict, capacity: int) -> dict:
+    """``state`` as version 1 wrote it: one shape, in the fingerprint; pieces by chunk number of that row length;
+    the shares beside the streams, no edits and no epoch length."""
+    old = copy.deepcopy(state)
+    plan = old.pop("plan")
+    shapes, old["mixture"] = plan["shapes"], plan["mixture"]
     old["version"] = 1
     old["fingerprint"].update(seq_len=shapes["seq_len"][0][1], global_batch_size=shapes["global_batch_size"][0][1])
     for stream in old["streams"].values():
@@ -160,18 +168,20 @@ def as_version_1(state: dict, capacity: int) -> dict:
 
 
 @pytest.mark.parametrize("packing", ["bestfit", "bestfit_split"])
-def test_a_version_1_state_resumes_as_its_version_2_twin(corpus: Path, states: dict, packing: str) -> None:
+def test_version_1_and_2_states_resume_as_their_version_3_twin(corpus: Path, states: dict, packing: str) -> None:
     state = states[packing]
     assert any(len(s["sources"]["train"]["packing"]["buffer"]) for s in state["streams"].values())
     runs = []
-    for saved in (state, as_version_1(state, OPTIONS["seq_len"] + 1)):
+    for saved in (state, as_version_2(state), as_version_1(state, OPTIONS["seq_len"] + 1)):
         dm = datamodule(corpus, packing)
         dm.load_state_dict(saved)
         batches = iter(dm.train_dataloader())
         runs.append([next(batches) for _ in range(3 * dm.microbatches_per_step)])
         batches.close()
-    for a, b in zip(*runs):
+    assert len(runs[0]) == len(runs[1]) == len(runs[2]) == 3 * 2  # 3 steps of M = 8 / 4
+    for a, b, c in zip(*runs):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
+        assert torch.equal(a.input_ids, c.input_ids) and torch.equal(a.targets, c.targets)
     with pytest.raises(InvalidDataState, match="a version-1 state holds seq_len and global_batch_size"):
         old = as_version_1(state, OPTIONS["seq_len"] + 1)
         del old["fingerprint"]["seq_len"]
@@ -191,8 +201,10 @@ def test_a_concat_offset_past_its_document_is_an_error_naming_it(corpus: Path, s
 
 def test_the_state_saved_nests_each_stages_state_and_tags_the_packing(states: dict) -> None:
     for packing, state in states.items():
-        assert state["version"] == 2 and set(state["streams"]) == {0, 1, 2, 3} and "mixture" in state
-        assert state["shapes"] == {"global_batch_size": [[0, 8]], "seq_len": [[0, 24]]}
+        assert state["version"] == 3 and set(state["streams"]) == {0, 1, 2, 3}
+        assert set(state) == {"epoch", "step", "fingerprint", "version", "streams", "plan"}
+        assert set(state["plan"]) == {"mixture", "shapes", "edits", "steps_per_epoch"}
+        assert state["plan"]["shapes"] == {"global_batch_size": [[0, 8]], "seq_len": [[0, 24]]}
         stream = state["streams"][0]["sources"]["train"]
         assert set(stream) == {"packing", "counters", "blocks"}
         assert stream["packing"]["kind"] == packing and set(stream["packing"]["reader"]) == {"pass", "slot", "row"}

@@ -183,12 +183,16 @@ class RunPlan:
     def load_state_dict(
         self, state: Mapping[str, Any], global_step: int, on_mixture_change: OnMixtureChange = "raise"
     ) -> None:
-        """Continue the saved plan at global step ``global_step``: both halves below, the mixture continued from
-        the data step the saved edits give (where the streams stand after a consistent save).
+        """Continue the saved plan at global step ``global_step``: its epoch length (unless one was asked), its
+        edits with those asked now, and its shares and shapes from the data step the saved edits give (where a
+        consistent save left the streams). The DataModule runs the same steps with its streams read between them.
 
         Raises:
-            ValueError: as ``load_edits`` and ``load_mixture``.
+            ValueError: as ``saved_epoch_length``, ``load_edits`` and ``load_mixture``.
         """
+        saved = self.saved_epoch_length(state)
+        if self.steps_per_epoch_asked is None and saved is not None:
+            self.keep_epoch_length(saved)
         self.load_edits(state, global_step)
         self.load_mixture(state, self.saved_edits(state).data_step(global_step), on_mixture_change)
 
