@@ -461,3 +461,38 @@ def test_a_resume_under_other_shapes_is_refused_naming_them_or_continues_every_s
         common = min(len(joined), len(reference))
         np.testing.assert_array_equal(joined[:common], reference[:common])
         assert all(len(row) == 25 for row in b)
+
+
+def test_inspect_counts_the_tokens_of_every_seq_len_phase_and_the_runs_total(corpus: Path, tmp_path: Path) -> None:
+    """``inspect`` under a ramp and a length warm-up: the expected passes count each phase's rows at its length
+    (against our own tokenization of each source), the run's total positions are Σ G·seq_len (by hand, and as a real
+    run's microbatches hold), and each phase shows its expected fill and padding."""
+    import pyarrow.parquet as pq
+    from support import fill_token_cache
+    from tokenizers import Tokenizer
+
+    from lightning_d9d.cli import inspect
+
+    files = {"a": str(corpus / "train" / "part-000.parquet"), "b": str(corpus / "train" / "part-001.parquet")}
+    cache, mixture = str(tmp_path / "cache"), dict(weights={"a": 1, "b": 1}, num_streams=4)
+    fill_token_cache(files, str(corpus / "tokenizer.json"), cache, seq_len=16, global_batch_size=8, **mixture)
+    options = dict(mixture, token_cache=cache)  # the passes counted exactly, from the cache
+    report = inspect(datamodule(corpus, "concat", train_files=files, **options), None, 4)
+    sizes, lengths = [8, 8, 16, 16, 16, 8, 8, 8, 8], [16] * 3 + [32] * 3 + [8] * 3  # SIZES and SEQ_LENS, step by step
+    by_hand = sum(g * n for g, n in zip(sizes, lengths))
+    assert f"run total ({STEPS} steps): {by_hand:,} positions" in report
+    dm = datamodule(corpus, "concat", train_files=files, **options)
+    batches = iter(dm.train_dataloader())
+    held = sum(next(batches).input_ids.numel() for step in range(STEPS) for _ in range(dm.microbatches_at(step)))
+    dm.close_loaders()
+    assert held == by_hand, "a real run's microbatches hold the positions inspect counts"
+    assert report.count("expected fill 100.00 %, padding 0.00 %") == 5, "concat rows are full in all 5 phases"
+    # Concat: a pass over a source is its tokens (a BOS and the document's) cut into rows of seq_len + 1.
+    tokenizer = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    line = next(line for line in report.splitlines() if "expected passes" in line)
+    for name, path in files.items():
+        texts = [t for t in pq.read_table(path)["text"].to_pylist() if t]
+        tokens = sum(len(e.ids) + 1 for e in tokenizer.encode_batch(texts, add_special_tokens=False))
+        expected = sum(g / 2 * (n + 1) for g, n in zip(sizes, lengths)) / tokens  # half of each step's rows
+        shown = float(line.split(f"{name} ")[1].split(",")[0])
+        assert shown == pytest.approx(expected, rel=2e-3), (name, line)
