@@ -179,7 +179,8 @@ class PretrainingDataModule(
         data_parallel: which processes share data; ``None`` follows the strategy.
         verify_peers: the first N steps compare microbatches among each replica's processes (0: off).
         data_wait_warning: warn once a fit if waiting for data exceeds this share of its steps.
-        context_parallel_size: the CP size c rows are laid out for; ``seq_len`` must be a multiple of ``2·c``.
+        context_parallel_size: the CP size c rows are laid out for; for ``c > 1``, ``seq_len`` must be a multiple
+            of ``2·c``.
         val_seq_len: validation rows' ``seq_len``; ``None``: that of the last ``seq_len`` phase.
         skip_data: ranges ``[start, stop)`` of optimizer steps whose data is never trained: resumed before
             ``start``, step ``start`` trains what step ``stop`` would have (recorded: later resumes keep it).

@@ -66,6 +66,15 @@ class PretrainingEpochs:
         estimated; counted when first asked (where ``steps_per_epoch`` is given, setup counts nothing)."""
         return MappingProxyType(self._train.source_pass_rows() if self._train is not None else {})
 
+    def source_pass_rows_at(self, step: int) -> dict[str, float]:
+        """Rows of one pass over each training source at the row length of step ``step`` (longer rows: fewer)."""
+        return self._train.source_pass_rows(step) if self._train is not None else {}
+
+    def source_pass_tokens(self) -> dict[str, float]:
+        """One pass's document tokens per training source (counted from the token cache where it holds the units,
+        else estimated)."""
+        return {name: sample.tokens for name, sample in self._train.counts.items()} if self._train is not None else {}
+
     @property
     def estimated_pass_tokens(self) -> float | None:
         """One pass's tokens over every training source (exact where the token cache holds every unit), counted when

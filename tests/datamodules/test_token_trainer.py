@@ -139,7 +139,8 @@ def test_resume_in_a_later_epoch_continues_with_exactly_the_uninterrupted_batche
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("token_ddp")
-    records = run(root / "records", devices=2, ckpt_dir=root / "ckpt", every_n_train_steps=5)
+    # Every 3 steps: among them 9 and 18, the last batches of epochs 0 and 1.
+    records = run(root / "records", devices=2, ckpt_dir=root / "ckpt", every_n_train_steps=3)
     return {"records": records, "ckpt": root / "ckpt"}
 
 
@@ -157,6 +158,23 @@ def test_elastic_resume_two_ranks_to_one_in_a_later_epoch(ddp_reference: dict, p
     combined = before_step(ddp_reference["records"], 15) + resumed
     assert by_step(combined, plan["steps"]) == plan["per_step"]
     assert len(combined) == sum(plan["steps"]) * PER_STEP  # every planned microbatch once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", [9, 18], ids=["end-of-epoch-0", "end-of-epoch-1-before-a-longer-epoch"])
+def test_elastic_resume_from_an_epochs_last_batch_trains_the_uninterrupted_microbatches(
+    reference: dict, ddp_reference: dict, plan: dict, tmp_path: Path, end: int
+) -> None:
+    # Saved on the epoch's last batch, Lightning's restored counters are the saving layout's microbatches of the
+    # finished epoch: 2 → 1 they are fewer than the next epoch has here, which must start at its first microbatch.
+    assert sum(plan["steps"][: 1 + (end == 18)]) == end
+    epoch = end // 9 - 1
+    resumed = run(tmp_path / "one", ckpt_path=str(ddp_reference["ckpt"] / f"epoch={epoch}-step={end}.ckpt"))
+    assert len(resumed) == (sum(plan["steps"]) - end) * PER_STEP
+    assert trained(before_step(reference["records"], end) + resumed) == trained(reference["records"])
+    resumed = run(tmp_path / "two", devices=2, ckpt_path=str(reference["ckpt"] / f"epoch={epoch}-step={end}.ckpt"))
+    assert len(resumed) == (sum(plan["steps"]) - end) * PER_STEP
+    assert trained(before_step(ddp_reference["records"], end) + resumed) == trained(ddp_reference["records"])
 
 
 @pytest.mark.slow

@@ -71,10 +71,11 @@ class StreamSettings:
         for name, values in (("seq_len", shapes.seq_lens), ("global_batch_size", shapes.global_batch_sizes)):
             object.__setattr__(self, name, values.values[0] if len(values.starts) == 1 else values.to_list())
         c = self.context_parallel_size
-        shapes.check_divisible(
-            "seq_len", 2 * c, f"2 × context_parallel_size = {2 * c} (context_parallel_size={c})",
-            f"every row is split into {2 * c} chunks over the CP ranks",
-        )  # fmt: skip
+        if c > 1:  # without CP a row is never split, so any seq_len is valid
+            shapes.check_divisible(
+                "seq_len", 2 * c, f"2 × context_parallel_size = {2 * c} (context_parallel_size={c})",
+                f"every row is split into {2 * c} chunks over the CP ranks",
+            )  # fmt: skip
         object.__setattr__(self, "seed", non_negative_int("seed", self.seed))
         object.__setattr__(
             self, "max_document_chars", positive_int("max_document_chars", self.max_document_chars, allow_none=True)
