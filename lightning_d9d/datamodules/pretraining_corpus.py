@@ -23,7 +23,8 @@ from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, resolve
 from lightning_d9d.streaming.sources.storage import Storage, canonical
 from lightning_d9d.streaming.streams.estimate import PassSample, count_pass, first_text, stored_sample
 from lightning_d9d.streaming.tokens.count_record import CountRecord
-from lightning_d9d.streaming.tokens.token_cache import StreamCache, TokenCache, usable_root
+from lightning_d9d.streaming.tokens.stream_cache import StreamCache, usable_root
+from lightning_d9d.streaming.tokens.token_cache import TokenCache
 from lightning_d9d.streaming.tokens.tokenize import LONG_DOCUMENT_CHARS
 from lightning_d9d.tokenization.tokenizer import pad_token_id, read_tokenizer
 
