@@ -244,17 +244,24 @@ def test_a_state_from_other_settings_names_both_values(data: Path) -> None:
 
 def test_restart_epoch_accepts_a_state_from_other_settings(data: Path) -> None:
     dm = make_dm(data)
+    list(dm.train_dataloader())  # epoch 0
     iterator = iter(dm.train_dataloader())
     for _ in range(4):
         next(iterator)
     state = dm.state_dict()
+    assert (state["epoch"], state["step"]) == (1, 2)
     other = make_dm(data, seed=1, on_order_mismatch="restart_epoch")
-    with pytest.warns(UserWarning, match="seed: checkpoint 0, this run 1.*restarting epoch 0"):
+    with pytest.warns(UserWarning, match="seed: checkpoint 0, this run 1.*restarting epoch 1 from its first step"):
         other.load_state_dict(state)
-    fresh = make_dm(data, seed=1)
-    assert all(
-        torch.equal(a.input_ids, b.input_ids) for a, b in zip(other.train_dataloader(), fresh.train_dataloader())
-    )
+    assert (other.state_dict()["epoch"], other.state_dict()["step"]) == (1, 0)
+    # The other settings' streams start afresh: epoch 1's 3 steps are what a fresh run of them trains first.
+    restarted = list(other.train_dataloader())
+    assert (other.state_dict()["epoch"], other.state_dict()["step"]) == (1, 3)  # the end of epoch 1
+    fresh = list(make_dm(data, seed=1).train_dataloader())
+    assert len(restarted) == len(fresh) == 3 * 2
+    for a, b in zip(restarted, fresh, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
+    assert not torch.equal(restarted[0].input_ids, next(iter(make_dm(data).train_dataloader())).input_ids)  # seed 1
 
 
 @pytest.mark.parametrize("packing", ["concat", "bestfit"])
@@ -269,7 +276,7 @@ def test_a_stream_resumes_exactly_after_changing_the_tokenizer_batch_size(data: 
     resumed.load_state_dict(state)
     got = list(resumed.train_dataloader())
     assert len(got) == 14
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
 
 

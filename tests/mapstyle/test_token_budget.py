@@ -236,16 +236,24 @@ def test_padded_token_budget_batches_stay_within_budget(text_corpus: dict) -> No
 
 def test_resume_without_a_trainer_continues_with_the_same_batches(text_corpus: dict) -> None:
     first = text_dm(text_corpus, padding_free=True)
+    whole_epoch = list(text_dm(text_corpus, padding_free=True).train_dataloader())
     iterator = iter(first.train_dataloader())
     for _ in range(3 * 4 + 2):  # inside step 3's accumulation window
         next(iterator)
     state = first.state_dict()
     assert state["step"] == 3 and state["fingerprint"]["padding_free"] is True
-    rest = [next(iterator) for _ in range(6)]
+    rest = list(iterator)
+    assert len(whole_epoch) == first.steps_in_epoch(0) * 4 and len(rest) == len(whole_epoch) - 14 >= 6
     restored = text_dm(text_corpus, padding_free=True)
     restored.load_state_dict(state)
-    again = list(restored.train_dataloader())[:8]
-    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(again[2:], rest))
+    again = list(restored.train_dataloader())
+    # The resumed epoch starts at step 3 (the checkpoint's unfinished step, all its microbatches) and runs to the end
+    # of the epoch: the batches an uninterrupted epoch trains from step 3 on, in order.
+    assert len(again) == len(whole_epoch) - 12 == len(rest) + 2
+    for a, b in zip(again, whole_epoch[12:], strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+    for a, b in zip(again[2:], rest, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids)
     other_budget = text_dm(text_corpus, padding_free=True, microbatch_tokens=128)
     with pytest.raises(ValueError, match=r"microbatch_tokens: checkpoint 256, this run 128"):
         other_budget.load_state_dict(state)
