@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support import fit, fit_in_processes, make_docs, read_records, train_tokenizer, write_parquet
+from support import fit, fit_in_processes, make_docs, ranked_rows, read_records, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
 
@@ -70,12 +70,18 @@ def run(tmp: Path, data: Path, runs: list[dict], devices: int = 1, **changes: An
 
 
 def rows_per_step(records: list[dict], run: str) -> dict[tuple[int, int], list[str]]:
-    """(epoch, global step) -> the sorted digests of every row trained in that step, over all ranks."""
-    steps: dict[tuple[int, int], list[str]] = {}
+    """(epoch, global step) -> the digests of every row trained in that step, in order over all ranks: rank 0's
+    microbatches in order, then rank 1's (each rank the same number of rows, so a row's place also says which rank
+    trained it)."""
+    steps: dict[tuple[int, int], dict[int, list[tuple[int, list[str]]]]] = {}
     for r in records:
         if r["run"] == run and r["kind"] == "train":
-            steps.setdefault((r["epoch"], r["step"]), []).extend(r["rows"])
-    return {key: sorted(rows) for key, rows in steps.items()}
+            by_rank = steps.setdefault((r["epoch"], r["step"]), {})
+            by_rank.setdefault(r["dp_rank"], []).append((r["batch_idx"], r["rows"]))
+    return {
+        key: ranked_rows([[row for _, rows in sorted(by_rank[rank]) for row in rows] for rank in sorted(by_rank)])
+        for key, by_rank in steps.items()
+    }
 
 
 def assert_resumed_runs_match(records: list[dict], full: dict, resumed: dict[str, int]) -> None:
