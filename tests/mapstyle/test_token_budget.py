@@ -46,6 +46,28 @@ def per_step_samples(dm: D9DDataModule, world_size: int, epoch: int, num_workers
     return [sorted(steps[step]) for step in sorted(steps)]
 
 
+def ordered_steps(dm: D9DDataModule, world_size: int, epoch: int, num_workers: int = 0) -> list[list[list[int]]]:
+    """Every step's microbatches (sample ids) in order, rebuilt from ``world_size`` simulated ranks: microbatch k of
+    a step goes to rank k, then back down (a snake: 0 1 1 0 0 1 ... for two ranks), each rank keeping its share in
+    order; the dealing is written out here, so two layouts agree only if every sample has the same place."""
+    dm.num_workers = num_workers
+    microbatches = dm.global_batch_tokens // dm.microbatch_tokens
+    per_rank = [[b["ids"].tolist() for b in dm.train_dataloader_for_rank(rank, world_size, epoch)] for rank in
+                range(world_size)]  # fmt: skip
+    steps = len(per_rank[0]) // (microbatches // world_size)
+    assert all(len(batches) == steps * microbatches // world_size for batches in per_rank)
+    taken, out = [0] * world_size, []
+    for _ in range(steps):
+        step = []
+        for k in range(microbatches):
+            lap, offset = divmod(k, world_size)
+            owner = offset if lap % 2 == 0 else world_size - 1 - offset
+            step.append(per_rank[owner][taken[owner]])
+            taken[owner] += 1
+        out.append(step)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the plan
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
 @pytest.mark.parametrize("sort_buffer_size", [64, None], ids=["sorted", "unsorted"])
@@ -95,6 +117,10 @@ def test_the_plan_is_the_same_on_any_world_size_and_worker_count() -> None:
         assert len(one) == dm.steps_in_epoch(epoch)
         assert per_step_samples(dm, 2, epoch) == one
         assert per_step_samples(dm, 4, epoch, num_workers=2) == one
+        ordered = ordered_steps(dm, 1, epoch)
+        assert len(ordered) == len(one)
+        assert ordered_steps(dm, 2, epoch) == ordered
+        assert ordered_steps(dm, 4, epoch, num_workers=2) == ordered
     # Epochs are reshuffled and pack into their own number of steps (seed 1: 10 then 9).
     assert [dm.steps_in_epoch(epoch) for epoch in (0, 1)] == [10, 9]
     assert per_step_samples(dm, 1, 0) != per_step_samples(dm, 1, 1)
