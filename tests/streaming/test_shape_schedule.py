@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import (
     make_docs,
+    ranked_rows,
     small_corpus,
     small_run,
     step_rows,
@@ -182,7 +183,7 @@ def test_a_new_row_length_gives_the_rows_a_resume_there_gives(split: bool) -> No
         for later in range(boundary, len(CAPACITIES)):
             resumed.reshape(CAPACITIES[later])
             got = resumed.take(3, again)
-            for x, y in zip(got, outputs[later]):
+            for x, y in zip(got, outputs[later], strict=True):
                 np.testing.assert_array_equal(x, y, err_msg=f"resumed at {boundary}, block {later}")
         np.testing.assert_array_equal(resumed.snapshot(), whole.snapshot())
         assert resumed.counters == whole.counters
@@ -234,7 +235,7 @@ def test_a_plan_takes_each_steps_global_batch_and_stays_within_a_row_of_its_targ
         quota = plan.rows_of_step(step)
         assert sum(quota) == sizes.at(step) and min(quota) >= 0
         taken = plan.cumulative_rows(step + 1)
-        assert all(abs(t - float(w)) < 1 for t, w in zip(taken, plan.target_rows(step + 1)))
+        assert all(abs(t - float(w)) < 1 for t, w in zip(taken, plan.target_rows(step + 1), strict=True))
         assert [sum(row) for row in plan.stream_rows_of_step(step, 8)] == [sizes.at(step) // 8] * 8
     assert MixturePlan.from_dict(plan.to_dict()).cumulative_rows(80) == plan.cumulative_rows(80)
 
@@ -260,14 +261,15 @@ def datamodule(corpus: Path, packing: str, world: int = 1, rank: int = 0, **chan
 
 
 def global_steps(corpus: Path, packing: str, world: int, start: int = 0, state: dict | None = None, **changes):
-    """The sorted rows of every step over ``world`` simulated data-parallel ranks."""
+    """The rows of every step over ``world`` simulated data-parallel ranks, in order: rank 0's rows, then rank 1's,
+    ... (each rank the same number of rows, so a row's place also says which rank trained it)."""
     per_rank = []
     for rank in range(world):
         dm = datamodule(corpus, packing, world, rank, **changes)
         if state is not None:
             dm.load_state_dict(state)
         per_rank.append(step_rows(dm, STEPS, start))
-    return [sorted(itertools.chain(*parts)) for parts in zip(*per_rank)]
+    return [ranked_rows(parts) for parts in zip(*per_rank, strict=True)]
 
 
 def state_at(corpus: Path, packing: str, step: int, **changes) -> dict:
@@ -339,7 +341,7 @@ def test_concat_cuts_the_same_token_stream_whatever_the_shapes(corpus: Path) -> 
     repeated at a boundary, and a partly packed row carries over."""
     scheduled = full_rows(datamodule(corpus, "concat"), STEPS)
     fixed = full_rows(datamodule(corpus, "concat", seq_len=24, global_batch_size=8, steps_per_epoch=12), 12)
-    for a, b in zip(scheduled, fixed):
+    for a, b in zip(scheduled, fixed, strict=True):
         a, b = np.concatenate(a), np.concatenate(b)
         common = min(len(a), len(b))
         assert common > 500
@@ -456,7 +458,7 @@ def test_a_resume_under_other_shapes_is_refused_naming_them_or_continues_every_s
     changed.load_state_dict(state)
     after = full_rows(changed, 8, 4)
     fixed = full_rows(datamodule(corpus, "concat", seq_len=24, global_batch_size=8, steps_per_epoch=14), 14)
-    for a, b, c in zip(before, after, fixed):
+    for a, b, c in zip(before, after, fixed, strict=True):
         joined, reference = np.concatenate(a + b), np.concatenate(c)
         common = min(len(joined), len(reference))
         np.testing.assert_array_equal(joined[:common], reference[:common])

@@ -170,7 +170,8 @@ def test_a_version_1_state_resumes_as_its_version_2_twin(corpus: Path, states: d
         batches = iter(dm.train_dataloader())
         runs.append([next(batches) for _ in range(3 * dm.microbatches_per_step)])
         batches.close()
-    for a, b in zip(*runs):
+    assert len(runs[0]) == len(runs[1]) == 3 * dm.microbatches_per_step
+    for a, b in zip(*runs, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
     with pytest.raises(InvalidDataState, match="a version-1 state holds seq_len and global_batch_size"):
         old = as_version_1(state, OPTIONS["seq_len"] + 1)
@@ -269,8 +270,8 @@ def test_best_fit_packers_continue_from_get_state_through_reset(split: bool) -> 
     )
     refill, _ = feeder(second, at[0])
     got += [second.take(3, refill) for _ in range(6)]
-    for a, b in zip(got, want):
-        for x, y in zip(a, b):
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
     assert second.counters == whole.counters
 
