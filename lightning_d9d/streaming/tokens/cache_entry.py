@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 import struct
 import zlib
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,11 @@ import pyarrow.fs as pafs
 
 FORMAT_VERSION = 2
 MAGIC = b"D9DTOKS\n"
+CONTENT_KEY = re.compile(r"[0-9a-f]{16,64}")
+FILE_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,127}")
+# A partial entry: the documents of a unit's first rows, kept while a run reads the unit and extended by later ones.
+PARTIAL_SUFFIX = ".part"
+ENTRY_SUFFIX = ".tok"
 
 
 # magic, format version, header length in bytes, the header's CRC-32. CRC-32 (zlib) rather than a faster hash:
@@ -271,3 +277,35 @@ def entry_problem(unit: CachedUnit, vocab_size: int) -> str | None:
     if len(tokens) and int(tokens.max()) >= vocab_size:
         return f"token id {int(tokens.max())} is outside the vocabulary [0, {vocab_size})"
     return None
+
+
+def entry_name(
+    file_digest: int | str, group_in_file: int, start: int, stop: int, content: str, partial: bool = False
+) -> str:
+    """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.<content key>.tok``
+    (``.part`` for a partial entry); ValueError for a negative number, a file digest not a plain name, or a
+    content key not 16 to 64 hex digits."""
+    if not isinstance(content, str) or not CONTENT_KEY.fullmatch(content):
+        raise ValueError(f"content key {content!r} must be 16 to 64 lowercase hex digits")
+    unit = unit_name(group_in_file, start, stop)
+    return f"{file_folder(file_digest)}/{unit}.{content}{PARTIAL_SUFFIX if partial else ENTRY_SUFFIX}"
+
+
+def unit_name(group_in_file: int, start: int, stop: int) -> str:
+    """``<group>-<start>-<stop>``; ValueError where that is no unit."""
+    if not 0 <= start <= stop or group_in_file < 0:
+        raise ValueError(f"row group {group_in_file}, rows [{start}, {stop}) are not a unit")
+    return f"{int(group_in_file)}-{int(start)}-{int(stop)}"
+
+
+def file_folder(file_digest: int | str) -> str:
+    """The folder of a file's entries; ValueError for a negative digest or one not a plain name."""
+    if isinstance(file_digest, str):
+        if not FILE_NAME.fullmatch(file_digest):
+            raise ValueError(f"file digest {file_digest!r} must be letters, digits, '.', '_', '-'")
+        file_part = file_digest
+    elif int(file_digest) >= 0:
+        file_part = f"{int(file_digest):016x}"
+    else:
+        raise ValueError(f"file digest {file_digest} must be >= 0")
+    return file_part

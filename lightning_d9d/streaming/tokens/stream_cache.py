@@ -22,14 +22,8 @@ import pyarrow.fs as pafs
 from lightning_d9d.core.digest import digest
 from lightning_d9d.core.urls import redact
 from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical
-from lightning_d9d.streaming.tokens.token_cache import (
-    CachedUnit,
-    Coverage,
-    TokenCache,
-    token_array,
-    warn_once,
-    write_atomic,
-)
+from lightning_d9d.streaming.tokens.cache_entry import CachedUnit, token_array
+from lightning_d9d.streaming.tokens.token_cache import Coverage, TokenCache, warn_once, write_atomic
 
 
 class StreamCache:

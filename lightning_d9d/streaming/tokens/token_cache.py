@@ -36,20 +36,22 @@ import pyarrow.fs as pafs
 from lightning_d9d.core.digest import digest
 from lightning_d9d.streaming.sources.storage import Storage, canonical, is_transient
 from lightning_d9d.streaming.tokens.cache_entry import (
+    ENTRY_SUFFIX,
     FORMAT_VERSION,
+    PARTIAL_SUFFIX,
     BadEntry,
     CachedUnit,
     decode_entry,
     encode_entry,
     entry_counts,
+    entry_name,
     entry_problem,
+    file_folder,
     token_array,
     token_dtype,
+    unit_name,
 )
 
-ENTRY_SUFFIX = ".tok"
-# A partial entry: the documents of a unit's first rows, kept while a run reads the unit and extended by later ones.
-PARTIAL_SUFFIX = ".part"
 MANIFEST = "manifest.json"
 # Store failures that the next store would meet too: the process stops writing.
 _STOPS_WRITING = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
@@ -58,8 +60,6 @@ _STOPS_WRITING = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.E
 # as a whole; one more warning says so, and the rest are only counted.
 MAX_NAMED_ENTRIES = 8
 _VERSION_NAME = re.compile(r"[0-9a-f]{16}")
-_FILE_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,127}")
-_CONTENT_KEY = re.compile(r"[0-9a-f]{16,64}")
 _ENTRY = re.compile(
     r"(?P<unit>(?P<file>[^/]+)/(?P<group>\d+)-(?P<start>\d+)-(?P<stop>\d+))\.(?P<content>[0-9a-f]{16,64})"
     + re.escape(ENTRY_SUFFIX)
@@ -164,37 +164,9 @@ class TokenCache:
         root = canonical(self.root).rstrip("/") if "://" in self.root else self.filesystem()[1]
         return f"{root}/{self.digest}/{relative}" if relative else f"{root}/{self.digest}"
 
-    @staticmethod
-    def entry_name(
-        file_digest: int | str, group_in_file: int, start: int, stop: int, content: str, partial: bool = False
-    ) -> str:
-        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.<content key>.tok``
-        (``.part`` for a partial entry); ValueError for a negative number, a file digest not a plain name, or a
-        content key not 16 to 64 hex digits."""
-        if not isinstance(content, str) or not _CONTENT_KEY.fullmatch(content):
-            raise ValueError(f"content key {content!r} must be 16 to 64 lowercase hex digits")
-        unit = TokenCache.unit_name(group_in_file, start, stop)
-        return f"{TokenCache.file_folder(file_digest)}/{unit}.{content}{PARTIAL_SUFFIX if partial else ENTRY_SUFFIX}"
-
-    @staticmethod
-    def unit_name(group_in_file: int, start: int, stop: int) -> str:
-        """``<group>-<start>-<stop>``; ValueError where that is no unit."""
-        if not 0 <= start <= stop or group_in_file < 0:
-            raise ValueError(f"row group {group_in_file}, rows [{start}, {stop}) are not a unit")
-        return f"{int(group_in_file)}-{int(start)}-{int(stop)}"
-
-    @staticmethod
-    def file_folder(file_digest: int | str) -> str:
-        """The folder of a file's entries; ValueError for a negative digest or one not a plain name."""
-        if isinstance(file_digest, str):
-            if not _FILE_NAME.fullmatch(file_digest):
-                raise ValueError(f"file digest {file_digest!r} must be letters, digits, '.', '_', '-'")
-            file_part = file_digest
-        elif int(file_digest) >= 0:
-            file_part = f"{int(file_digest):016x}"
-        else:
-            raise ValueError(f"file digest {file_digest} must be >= 0")
-        return file_part
+    entry_name = staticmethod(entry_name)
+    unit_name = staticmethod(unit_name)
+    file_folder = staticmethod(file_folder)
 
     def _identity(self, file_part: str, group: int, start: int, stop: int, content: str) -> dict[str, Any]:
         """What an entry's header must say: it is the entry looked up (the same content), of this version."""
