@@ -1,0 +1,263 @@
+"""The best-fit packers give the same bytes as the packers recorded in ``golden/packers.json``, for many settings.
+
+Each configuration feeds generated documents to a packer (``bestfit`` or ``bestfit_split``; CP multiple 1, 4, 8; a
+full or a growing buffer; short or long documents; int32 or int64 ids; a row length changed mid-run; documents added
+one per refill or several), takes blocks of rows, and digests every block's tokens and flags, the pieces it
+recorded for provenance, its counters and its buffer's rows (both as a snapshot and as the chain of changes a stream
+keeps), then restores a second packer from a mid-run snapshot and digests the rows it continues with. The golden
+digests were recorded from the packers before their loop was compiled, so a change to how they pack that alters a
+single byte fails here. Regenerate only for an intended change of the rows: ``D9D_WRITE_GOLDEN=1 pytest <this file>``.
+The digests prove the packers unchanged, not correct: correctness is the reference scans' (below, and in
+``test_packers_match_their_references.py`` and ``test_bestfit_split.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.packing import CP_PAD, FULL_BUFFER, NO_TARGET, START, BufferGrowth
+
+GOLDEN = Path(__file__).parent / "golden" / "packers.json"
+PAD = 3
+STRIDE = 10_000  # token = 10 + document * STRIDE + position (the documents here stay below STRIDE tokens)
+
+CONFIGS = {
+    f"{packing}-cp{cp}-{growth}-{docs}-{dtype}-{reshape}-{feed}": dict(
+        packing=packing, cp=cp, growth=growth, docs=docs, dtype=dtype, reshape=reshape, feed=feed
+    )
+    for packing, cp, growth, docs, dtype, reshape, feed in itertools.product(
+        ["bestfit", "bestfit_split"],
+        [1, 4, 8],
+        ["full", "grow"],
+        ["short", "long"],
+        ["int32", "int64"],
+        ["fixed", "reshape"],
+        ["one", "batch"],
+    )
+}
+
+
+@functools.cache
+def _docs(kind: str, dtype: str, seed: int) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    longest = 40 if kind == "short" else 400
+    lengths = rng.integers(1, longest, 800)
+    edges = rng.random(800) < 0.05
+    lengths[edges] = rng.choice([1, 2, 32, 33, 64, 65, 128, 129], edges.sum())
+    return tuple((10 + i * STRIDE + np.arange(n)).astype(dtype) for i, n in enumerate(lengths.tolist()))
+
+
+def make_docs(kind: str, dtype: str, seed: int) -> list[np.ndarray]:
+    """800 documents of 1 to 39 (``short``) or 399 (``long``) tokens, row lengths and their neighbours among them."""
+    return list(_docs(kind, dtype, seed))
+
+
+def capacities(config: dict) -> tuple[int, int]:
+    """The row length before and after the reshape (``seq_len`` a multiple of every CP multiple here)."""
+    first = 65
+    if config["reshape"] == "fixed":
+        return first, first
+    return first, (33 if config["packing"] == "bestfit_split" else 97)  # bestfit holds prefixes of 97
+
+
+def make_packer(config: dict, capacity: int):
+    growth = FULL_BUFFER if config["growth"] == "full" else BufferGrowth(3, 2)
+    if config["packing"] == "bestfit_split":
+        return BestFitSplitPacker(capacity, PAD, 24, growth, cp_multiple=config["cp"])
+    return BestFitPacker(capacity, 24, growth, cp_multiple=config["cp"], pad_id=PAD, hold=97)
+
+
+class Feed:
+    """Documents added one per ``refill()`` (``one``) or a few at a time (``batch``), keyed like (row group, row)."""
+
+    def __init__(self, docs: list[np.ndarray], packer, batch: int, cursor: int = 0) -> None:
+        self.docs, self.packer, self.batch, self.cursor = docs, packer, batch, cursor
+
+    def add(self, i: int) -> None:
+        doc, key = self.docs[i], (i // 5, i % 5)
+        if isinstance(self.packer, BestFitSplitPacker):
+            self.packer.add(doc, key)
+        else:
+            self.packer.add(doc[: self.packer.hold], len(doc), key)
+
+    def refill(self) -> None:
+        for i in range(self.cursor, self.cursor + self.batch):
+            self.add(i)
+        self.cursor += self.batch
+
+    def fetch(self, row: np.ndarray, need: int) -> np.ndarray:
+        _seq, _length, key0, key1, offset, _final, _hash, _hashed = row.tolist()
+        return self.docs[5 * key0 + key1][offset : offset + need]
+
+
+def digest(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        if a is None:
+            h.update(b"none")
+            continue
+        a = np.asarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+TAKES = [1, 3, 2, 1, 4, 2, 1, 3, 2, 2, 1, 4]  # rows per block
+RESHAPE_AT, RESUME_AT = 5, 7  # the block before which the row length changes; the snapshot a second packer resumes
+
+
+def run(config: dict) -> dict[str, str]:
+    """Every block's digests, and the resumed packer's."""
+    docs = make_docs(config["docs"], config["dtype"], seed=len(config["packing"]) + config["cp"])
+    first, second = capacities(config)
+    packer = make_packer(config, first)
+    packer.record = []
+    feed = Feed(docs, packer, 1 if config["feed"] == "one" else 3)
+    out, rows, saved = {}, None, None
+    for block, n in enumerate(TAKES):
+        if block == RESHAPE_AT:
+            packer.reshape(second)
+        tokens, flags = packer.take(n, feed.refill)
+        rows = packer._buffer.rows(rows)
+        pieces = np.asarray(packer.record, np.int64).reshape(-1, 6)
+        packer.record.clear()
+        counters = np.asarray(list(packer.counters.to_dict().values()), np.int64)
+        out[f"block{block}"] = digest(tokens, flags, pieces, counters, packer.snapshot(), rows.table(),
+                                      np.asarray([packer.next_seq, len(packer)]))  # fmt: skip
+        if block == RESUME_AT:
+            saved = (packer.snapshot(), packer.next_seq, packer.counters.copy(), feed.cursor, packer.capacity)
+    snapshot, next_seq, counters, cursor, capacity = saved
+    growth = FULL_BUFFER if config["growth"] == "full" else BufferGrowth(3, 2)
+    if config["packing"] == "bestfit_split":
+        resumed = BestFitSplitPacker(capacity, PAD, 24, growth, counters, config["cp"])
+    else:
+        resumed = BestFitPacker(capacity, 24, growth, counters, config["cp"], PAD, hold=97)
+    resumed.rows_taken = sum(TAKES[: RESUME_AT + 1])
+    again = Feed(docs, resumed, feed.batch, cursor)
+    resumed.reset(snapshot, next_seq, again.fetch)
+    for block, n in enumerate(TAKES[RESUME_AT + 1 :], RESUME_AT + 1):
+        tokens, flags = resumed.take(n, again.refill)
+        out[f"resumed{block}"] = digest(tokens, flags, resumed.snapshot())
+        assert out[f"resumed{block}"] == digest(*packer_rows(config, block)), f"resumed block {block} differs"
+    return out
+
+
+_FIRST_RUN: dict[str, dict] = {}
+
+
+def packer_rows(config: dict, block: int):
+    """The uninterrupted run's block ``block`` (its tokens, flags and snapshot), computed once per configuration."""
+    key = json.dumps(config, sort_keys=True)
+    if key not in _FIRST_RUN:
+        docs = make_docs(config["docs"], config["dtype"], seed=len(config["packing"]) + config["cp"])
+        first, second = capacities(config)
+        packer = make_packer(config, first)
+        feed = Feed(docs, packer, 1 if config["feed"] == "one" else 3)
+        blocks = []
+        for b, n in enumerate(TAKES):
+            if b == RESHAPE_AT:
+                packer.reshape(second)
+            tokens, flags = packer.take(n, feed.refill)
+            blocks.append((tokens, flags, packer.snapshot()))
+        _FIRST_RUN[key] = blocks
+    return _FIRST_RUN[key][block]
+
+
+def golden() -> dict:
+    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_packer_bytes_match_the_recorded_digests(name: str) -> None:
+    got = run(CONFIGS[name])
+    if os.environ.get("D9D_WRITE_GOLDEN"):
+        recorded = golden()
+        recorded[name] = got
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(recorded, indent=0, sort_keys=True) + "\n")
+        return
+    assert got == golden()[name]
+
+
+def test_every_configuration_has_golden_digests() -> None:
+    assert sorted(golden()) == sorted(CONFIGS)
+
+
+# ------------------------------------------------------------------------------------------------ the reference
+def reference(docs: list[np.ndarray], capacity: int, rows: int, buffer_size: int, cp: int, split: bool):
+    """Best-fit as stated, with a Python scan of the buffer per pick and flags set token by token: the largest piece
+    that fits (the oldest of equal length), CP padding to a multiple of ``cp`` after each piece unless the row ends
+    within one token; where none fits, ``bestfit`` crops the shortest, ``bestfit_split`` pads the rest."""
+    source = iter(docs)
+    buffer: list[tuple[np.ndarray, bool, bool, int]] = []  # (tokens, continuation, non-final, full length)
+    tokens, flags = [], []
+    for _ in range(rows):
+        row: list[int] = []
+        row_flags: list[int] = []
+        open_end = blocked = False  # the piece before ends inside its document; CP padding ends just before
+        while len(row) < capacity:
+            while len(buffer) < buffer_size:
+                doc = next(source)
+                if split:
+                    for k in range(0, len(doc), capacity):
+                        buffer.append((doc[k : k + capacity], k > 0, k + capacity < len(doc), 0))
+                else:
+                    buffer.append((doc[:capacity], False, len(doc) > capacity, len(doc)))
+            size = [len(p) if split else n for p, _, _, n in buffer]
+            space = capacity - len(row)
+            best = -1
+            for j in range(len(buffer)):
+                if size[j] <= space and (best < 0 or size[j] > size[best]):
+                    best = j
+            if best < 0 and not split:  # crop the shortest
+                shortest = min(range(len(buffer)), key=lambda j: size[j])
+                piece = buffer.pop(shortest)[0][:space]
+                row += piece.tolist()
+                row_flags += [START | (NO_TARGET if blocked else 0)] + [0] * (len(piece) - 1)
+                break
+            if best < 0:
+                row += [PAD] * space
+                row_flags += [START | NO_TARGET] + [NO_TARGET] * (space - 1)
+                break
+            piece, continuation, non_final, _ = buffer.pop(best)
+            row += piece.tolist()
+            row_flags += [START | (NO_TARGET if continuation or open_end or blocked else 0)] + [0] * (len(piece) - 1)
+            open_end, blocked = non_final, False
+            stop = -(-len(row) // cp) * cp
+            if stop >= capacity - 1:
+                stop = capacity
+            if cp > 1 and stop > len(row):
+                row_flags += [CP_PAD | NO_TARGET] * (stop - len(row))
+                row += [PAD] * (stop - len(row))
+                blocked = stop < capacity
+        tokens.append(row)
+        flags.append(row_flags)
+    return np.array(tokens, np.int64), np.array(flags, np.uint8)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("cp", [1, 4, 8])
+@pytest.mark.parametrize("kind", ["short", "long"])
+def test_the_packers_pick_what_a_python_scan_picks(split: bool, cp: int, kind: str) -> None:
+    docs, capacity, buffer_size, rows = make_docs(kind, "int32", seed=cp), 65, 24, 60
+    packer = BestFitSplitPacker(capacity, PAD, buffer_size, cp_multiple=cp) if split else (
+        BestFitPacker(capacity, buffer_size, cp_multiple=cp, pad_id=PAD))  # fmt: skip
+    feed = Feed(docs, packer, 1)
+    if not split:
+        feed.add = lambda i: packer.add(docs[i][:capacity], len(docs[i]), (i // 5, i % 5))  # type: ignore[method-assign]
+    got = [packer.take(n, feed.refill) for n in [1, 5, 2, 30, 22]]
+    tokens = np.concatenate([t for t, _ in got])
+    expected_tokens, expected_flags = reference(docs, capacity, rows, buffer_size, cp, split)
+    np.testing.assert_array_equal(tokens, expected_tokens)
+    if split or cp > 1:
+        np.testing.assert_array_equal(np.concatenate([f for _, f in got]), expected_flags)
+    assert len(tokens) == rows
