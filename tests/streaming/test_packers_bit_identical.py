@@ -22,9 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import support
 
 from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
 from lightning_d9d.streaming.packing import CP_PAD, FULL_BUFFER, NO_TARGET, START, BufferGrowth
+from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
+from lightning_d9d.streaming.stream import StreamState, TokenStream
 
 GOLDEN = Path(__file__).parent / "golden" / "packers.json"
 PAD = 3
@@ -189,7 +192,7 @@ def test_packer_bytes_match_the_recorded_digests(name: str) -> None:
 
 
 def test_every_configuration_has_golden_digests() -> None:
-    assert sorted(golden()) == sorted(CONFIGS)
+    assert sorted(golden()) == sorted([*CONFIGS, *(f"stream-{name}" for name in STREAM_CONFIGS)])
 
 
 # ------------------------------------------------------------------------------------------------ the reference
@@ -261,3 +264,54 @@ def test_the_packers_pick_what_a_python_scan_picks(split: bool, cp: int, kind: s
     if split or cp > 1:
         np.testing.assert_array_equal(np.concatenate([f for _, f in got]), expected_flags)
     assert len(tokens) == rows
+
+
+# ------------------------------------------------------------------------------------------------ whole streams
+STREAM_CONFIGS = {
+    f"{packing}-cp{cp}": dict(packing=packing, cp=cp)
+    for packing, cp in itertools.product(["bestfit", "bestfit_split"], [1, 2])
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("corpus")
+    docs = support.make_docs(300, seed=5)
+    support.write_parquet(root / "data", docs, files=2, row_group_size=20)
+    tok = support.train_tokenizer(docs, root / "tokenizer.json")
+    return {"tok": tok, "index": RowGroupIndex.scan(resolve_files(str(root / "data")), "text")}
+
+
+def stream_digests(corpus: dict, config: dict) -> dict[str, str]:
+    """A stream's blocks (tokens, flags, provenance pieces, state) as a packing stage makes them from real text,
+    with the buffer growing, then a stream resumed from a mid-run state (its blocks must be the same)."""
+    spec = support.stream_spec(corpus["tok"], corpus["index"], config["packing"], 2, 48, buffer_size=20,
+                               growth=(4, 2), record_pieces=True)  # fmt: skip
+    if config["cp"] > 1:
+        spec = support.respec(spec, context_parallel_size=config["cp"])
+    blocks = TokenStream(spec, 1).blocks(itertools.repeat(2))
+    got = [next(blocks) for _ in range(14)]
+    blocks.close()
+    out = {}
+    for i, (block, state) in enumerate(got):
+        out[f"block{i}"] = digest(block.tokens, block.flags, block.pieces, state.packing.buffer,
+                                  np.asarray(list(state.counters.to_dict().values())))  # fmt: skip
+    resumed = TokenStream(spec, 1, StreamState.from_dict(got[4][1].to_dict(), spec)).blocks(itertools.repeat(2))
+    again = [next(resumed) for _ in range(9)]
+    resumed.close()
+    assert [digest(b.tokens, b.flags, b.pieces) for b, _ in again] == [
+        digest(b.tokens, b.flags, b.pieces) for b, _ in got[5:]
+    ]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CONFIGS))
+def test_stream_blocks_match_the_recorded_digests(corpus: dict, name: str) -> None:
+    got = stream_digests(corpus, STREAM_CONFIGS[name])
+    key = f"stream-{name}"
+    if os.environ.get("D9D_WRITE_GOLDEN"):
+        recorded = golden()
+        recorded[key] = got
+        GOLDEN.write_text(json.dumps(recorded, indent=0, sort_keys=True) + "\n")
+        return
+    assert got == golden()[key]
