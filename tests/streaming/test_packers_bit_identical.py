@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import support
 
-from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker, recorded_pieces
 from lightning_d9d.streaming.packing import CP_PAD, FULL_BUFFER, NO_TARGET, START, BufferGrowth
 from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.stream import StreamState, TokenStream
@@ -131,8 +131,7 @@ def run(config: dict) -> dict[str, str]:
             packer.reshape(second)
         tokens, flags = packer.take(n, feed.refill)
         rows = packer._buffer.rows(rows)
-        pieces = np.asarray(packer.record, np.int64).reshape(-1, 6)
-        packer.record.clear()
+        pieces = recorded_pieces(packer.record)[:, :6]
         counters = np.asarray(list(packer.counters.to_dict().values()), np.int64)
         out[f"block{block}"] = digest(tokens, flags, pieces, counters, packer.snapshot(), rows.table(),
                                       np.asarray([packer.next_seq, len(packer)]))  # fmt: skip
