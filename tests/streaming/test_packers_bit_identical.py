@@ -267,8 +267,11 @@ def test_the_packers_pick_what_a_python_scan_picks(split: bool, cp: int, kind: s
 
 # ------------------------------------------------------------------------------------------------ whole streams
 STREAM_CONFIGS = {
-    f"{packing}-cp{cp}": dict(packing=packing, cp=cp)
-    for packing, cp in itertools.product(["bestfit", "bestfit_split"], [1, 2])
+    **{
+        f"{packing}-cp{cp}": dict(packing=packing, cp=cp)
+        for packing, cp in itertools.product(["bestfit", "bestfit_split"], [1, 2])
+    },
+    "concat-cp1": dict(packing="concat", cp=1),
 }
 
 
