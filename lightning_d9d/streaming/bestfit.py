@@ -328,12 +328,14 @@ class BestFitPacker:
     def _sync(self) -> None:
         """Move the loop's counts into the stream's counters."""
         sc, counters = self._buffer.sc, self.counters
-        counters.docs += int(sc[loop.DOCS])
-        counters.split_docs += int(sc[loop.SPLIT_DOCS])
-        counters.chunks += int(sc[loop.CHUNKS])
-        counters.crops += int(sc[loop.CROPS])
-        counters.cropped += int(sc[loop.CROPPED])
-        sc[[loop.DOCS, loop.SPLIT_DOCS, loop.CHUNKS, loop.CROPS, loop.CROPPED]] = 0
+        docs, split_docs, chunks, _, _, crops, cropped = sc[loop.DOCS : loop.CROPPED + 1].tolist()
+        sc[loop.DOCS : loop.CHUNKS + 1] = 0  # (the paddings are the take's: it reads and resets them)
+        sc[loop.CROPS : loop.CROPPED + 1] = 0
+        counters.docs += docs
+        counters.split_docs += split_docs
+        counters.chunks += chunks
+        counters.crops += crops
+        counters.cropped += cropped
 
     def take(self, num_rows: int, refill: Callable[[], None]) -> tuple[np.ndarray, np.ndarray | None]:
         """Pack ``num_rows`` rows; whenever the buffer needs a document and none is fed, ``refill()`` must add (or
@@ -350,10 +352,10 @@ class BestFitPacker:
         buffer, capacity = self._buffer, self.capacity
         sc = buffer.sc
         out = np.empty(num_rows * capacity, np.int32)
-        flags = np.zeros(num_rows * capacity if self.flagged else 1, np.uint8)
+        flags = np.zeros(num_rows * capacity, np.uint8) if self.flagged else _NO_FLAGS
         sc[loop.ROW], sc[loop.ROWS], sc[loop.IN_ROW] = 0, num_rows, 0
         sc[loop.RECORD], sc[loop.RECORDED] = int(self.record is not None), 0
-        sc[loop.GAP_PADDING] = sc[loop.CP_PADDING] = 0
+        sc[loop.GAP_PADDING : loop.CP_PADDING + 1] = 0
         while True:
             source = self._source
             code = loop.pack(sc, buffer.slots, buffer.free, buffer.heads, buffer.tails, buffer.pushed, buffer.popped,
@@ -371,8 +373,8 @@ class BestFitPacker:
                 buffer.place(slot, self._materialize(buffer.slots[slot, :8]))
             else:
                 buffer.grow()
+        padding, cp_padding = sc[loop.GAP_PADDING : loop.CP_PADDING + 1].tolist()
         self._sync()
-        padding, cp_padding = int(sc[loop.GAP_PADDING]), int(sc[loop.CP_PADDING])
         self.counters.emitted += num_rows * capacity - padding - cp_padding
         self.counters.padding += padding + cp_padding
         self.counters.cp_padding += cp_padding
@@ -497,6 +499,7 @@ def _rows_until_full(growth: BufferGrowth, buffer_size: int) -> int:
     return max(0, -(-(buffer_size - growth.start) // growth.per_row))
 
 
+_NO_FLAGS = np.zeros(1, np.uint8)  # what the loop is given where rows carry no flags (it writes none)
 _NO_SOURCE = (np.zeros(0, np.int32), *(np.zeros(0, np.int64) for _ in range(4)))  # nothing fed
 _LAZY = ((None, False), (None, True))  # the payload of a piece restored lazily: (no tokens yet, continuation?)
 

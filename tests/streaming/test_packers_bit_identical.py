@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ import pytest
 import support
 
 from lightning_d9d.streaming.bestfit import BestFitPacker, BestFitSplitPacker, recorded_pieces
+from lightning_d9d.streaming.bestfit_loop import crc32_int32
 from lightning_d9d.streaming.packing import CP_PAD, FULL_BUFFER, NO_TARGET, START, BufferGrowth
 from lightning_d9d.streaming.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.stream import StreamState, TokenStream
@@ -317,3 +319,11 @@ def test_stream_blocks_match_the_recorded_digests(corpus: dict, name: str) -> No
         GOLDEN.write_text(json.dumps(recorded, indent=0, sort_keys=True) + "\n")
         return
     assert got == golden()[key]
+
+
+def test_the_compiled_checksum_is_zlibs_crc32() -> None:
+    rng = np.random.default_rng(7)
+    for n in [0, 1, 2, 3, 8, 1025, 4097]:
+        tokens = rng.integers(-(2**31), 2**31 - 1, n + 3, dtype=np.int64).astype(np.int32)
+        for start in range(3):
+            assert crc32_int32(tokens, start, start + n) == zlib.crc32(tokens[start : start + n].tobytes()), (n, start)
