@@ -327,3 +327,37 @@ def test_the_compiled_checksum_is_zlibs_crc32() -> None:
         tokens = rng.integers(-(2**31), 2**31 - 1, n + 3, dtype=np.int64).astype(np.int32)
         for start in range(3):
             assert crc32_int32(tokens, start, start + n) == zlib.crc32(tokens[start : start + n].tobytes()), (n, start)
+
+
+@pytest.mark.parametrize(
+    ("starts", "lengths", "message"),
+    [([0, 5], [5, 0], r"a document must have tokens, got lengths \[0\]"),
+     ([0, 8], [5, 5], r"document 1 needs tokens \[8, 13\) of the 10 fed")],
+)  # fmt: skip
+def test_a_feed_that_does_not_hold_its_documents_is_refused(starts, lengths, message) -> None:
+    packer = BestFitSplitPacker(8, PAD, 4)
+    with pytest.raises(ValueError, match=message):
+        packer.feed(np.arange(10, dtype=np.int32), np.array(starts), np.array(lengths), 0, np.arange(2))
+
+
+def test_fed_documents_give_the_rows_that_one_per_refill_gives() -> None:
+    docs = make_docs("long", "int32", seed=11)
+    flat, sizes = np.concatenate(docs), np.array([len(d) for d in docs])
+    fed = BestFitSplitPacker(65, PAD, 24, cp_multiple=4)
+    chunks = iter(range(0, len(docs), 7))
+
+    def feed() -> None:
+        first = next(chunks)
+        stop = min(first + 7, len(docs))
+        fed.feed(flat, (np.cumsum(sizes) - sizes)[first:stop], sizes[first:stop], first // 5, np.arange(first, stop))
+
+    one = BestFitSplitPacker(65, PAD, 24, cp_multiple=4)
+    by_one = Feed(docs, one, 1)
+    by_one.add = lambda i: one.add(docs[i], ((i // 7) * 7 // 5, i))  # type: ignore[method-assign]
+    for n in [1, 4, 2, 9, 3]:
+        tokens, flags = fed.take(n, feed)
+        expected_tokens, expected_flags = one.take(n, by_one.refill)
+        np.testing.assert_array_equal(tokens, expected_tokens)
+        np.testing.assert_array_equal(flags, expected_flags)
+        np.testing.assert_array_equal(fed.snapshot(), one.snapshot())
+    assert fed.counters == one.counters
