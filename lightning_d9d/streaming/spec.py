@@ -23,6 +23,7 @@ from lightning_d9d.streaming.packing import BufferGrowth, Packing
 from lightning_d9d.streaming.reader import StreamUnits
 from lightning_d9d.streaming.shape import ShapeSchedule
 from lightning_d9d.streaming.source import RowGroupIndex, Units
+from lightning_d9d.tokenizer_backends import TokenizerBackend, backend_for
 
 PACKINGS: dict[str, Packing] = {
     "bestfit": BestFitPacking("bestfit"),
@@ -123,6 +124,8 @@ class StreamSpec:
         prefetch, chunk_chars, cache: read-ahead chunks, tokenizer-call character cap and token cache; no row changes.
         record_pieces: blocks list the pieces of their rows (provenance; no row changes).
         excluded: documents (global row group, row) never read (``exclude_documents``).
+        tokenizer_backend: the encoder of ``tokenizer_json``, resolved (lightning_d9d.tokenizer_backends); every
+            backend gives the same ids, so it changes no row and is no part of the fingerprint or the cache key.
     """
 
     settings: StreamSettings
@@ -137,6 +140,11 @@ class StreamSpec:
     cache: Any = None
     record_pieces: bool = False
     excluded: frozenset[tuple[int, int]] = frozenset()
+    tokenizer_backend: str = "tokenizers"
+
+    def encoder(self) -> TokenizerBackend:
+        """This process's encoder of the spec's tokenizer (made once per process)."""
+        return backend_for(self.tokenizer_backend, self.tokenizer_json)
 
     def capacity_at(self, step: int) -> int:
         """Tokens of a row of ``step`` (``seq_len + 1``)."""

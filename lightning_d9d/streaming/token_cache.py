@@ -34,6 +34,7 @@ import pyarrow.fs as pafs
 
 from lightning_d9d.digest import digest
 from lightning_d9d.streaming.storage import Storage, StorageError, canonical, is_transient, redact
+from lightning_d9d.tokenizer_backends import EncodedBatch
 
 FORMAT_VERSION = 2
 MAGIC = b"D9DTOKS\n"
@@ -881,8 +882,11 @@ class UnitRecorder:
 
     def add(self, rows: np.ndarray, encodings: Sequence[Any]) -> None:
         """Record one chunk's documents, in the stream's order."""
-        lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
-        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
+        if isinstance(encodings, EncodedBatch):  # flat ids already
+            lengths, flat = encodings.counts, encodings.ids
+        else:
+            lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
+            flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
         self.rows.append(np.asarray(rows, np.int64))
         self.ids.append(token_array(flat, self.cache.vocab_size))
         self.lengths.append(lengths)
