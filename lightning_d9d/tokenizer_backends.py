@@ -20,7 +20,7 @@ import importlib.util
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -99,15 +99,16 @@ class TokenizerBackend:
     name: ClassVar[str]
     module: ClassVar[str]
 
-    def __init__(self, tokenizer_json: str):
-        self.tokenizer_json = tokenizer_json
-        self._load(tokenizer_json)
+    def __init__(self, tokenizer_json: str, max_length: int | None = None):
+        self.tokenizer_json, self.max_length = tokenizer_json, max_length
+        self._load(tokenizer_json, max_length)
 
-    def _load(self, tokenizer_json: str) -> None:
+    def _load(self, tokenizer_json: str, max_length: int | None) -> None:
+        """Load the tokenizer, padding off, truncated at ``max_length`` tokens (``None``: not truncated)."""
         raise NotImplementedError
 
-    def encode(self, texts: list[str]) -> EncodedBatch:
-        """The ids of ``texts``, as one flat batch."""
+    def encode(self, texts: list[str], add_special_tokens: bool = False) -> EncodedBatch:
+        """The ids of ``texts``, as one flat batch (``add_special_tokens``: with the post-processor's)."""
         raise NotImplementedError
 
     @classmethod
@@ -116,7 +117,7 @@ class TokenizerBackend:
 
     def __reduce__(self) -> tuple:
         # Rebuilt from its JSON where it is unpickled (native tokenizers do not pickle, or pickle slowly).
-        return (backend_for, (self.name, self.tokenizer_json))
+        return (backend_for, (self.name, self.tokenizer_json, self.max_length))
 
 
 _BACKENDS: dict[str, type[TokenizerBackend]] = {}
@@ -158,13 +159,11 @@ class HuggingFaceBackend(TokenizerBackend):
     name = REFERENCE
     module = "tokenizers"
 
-    def _load(self, tokenizer_json: str) -> None:
-        self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        self.tokenizer.no_padding()
-        self.tokenizer.no_truncation()
+    def _load(self, tokenizer_json: str, max_length: int | None) -> None:
+        self.tokenizer = _configured(Tokenizer.from_str(tokenizer_json), max_length)
 
-    def encode(self, texts: list[str]) -> EncodedBatch:
-        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    def encode(self, texts: list[str], add_special_tokens: bool = False) -> EncodedBatch:
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return EncodedBatch.of_arrays([np.asarray(e.ids, np.int32) for e in encodings])
 
 
@@ -176,36 +175,44 @@ class FastokensBackend(TokenizerBackend):
     name = "fastokens"
     module = "fastokens"
 
-    def _load(self, tokenizer_json: str) -> None:
+    def _load(self, tokenizer_json: str, max_length: int | None) -> None:
         import fastokens
 
-        self.tokenizer = fastokens.Tokenizer.from_json_str(tokenizer_json)
-        self.tokenizer.no_padding()
-        self.tokenizer.no_truncation()
+        self.tokenizer = _configured(fastokens.Tokenizer.from_json_str(tokenizer_json), max_length)
 
-    def encode(self, texts: list[str]) -> EncodedBatch:
-        ids, offsets = self.tokenizer.encode_batch_flat(texts, add_special_tokens=False)
+    def encode(self, texts: list[str], add_special_tokens: bool = False) -> EncodedBatch:
+        ids, offsets = self.tokenizer.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
         # uint32 ids of a vocabulary under 2**31 read as int32, uint64 offsets as int64: views, no copy.
         return EncodedBatch(np.frombuffer(ids, np.int32), np.frombuffer(offsets, np.int64))
 
 
-_instances: dict[tuple[str, str], TokenizerBackend] = {}
+def _configured(tokenizer: Any, max_length: int | None) -> Any:
+    tokenizer.no_padding()  # a tokenizer.json saved with padding on would pad every document to one length
+    if max_length is None:
+        tokenizer.no_truncation()
+    else:
+        tokenizer.enable_truncation(max_length)
+    return tokenizer
+
+
+_instances: dict[tuple[str, str, int | None], TokenizerBackend] = {}
 _instances_lock = threading.Lock()
 
 
-def backend_for(name: str, tokenizer_json: str) -> TokenizerBackend:
-    """Backend ``name`` of the tokenizer ``tokenizer_json``, made once per process (``name`` already resolved).
+def backend_for(name: str, tokenizer_json: str, max_length: int | None = None) -> TokenizerBackend:
+    """Backend ``name`` of the tokenizer ``tokenizer_json`` (truncating at ``max_length`` tokens), made once per
+    process (``name`` already resolved).
 
     Raises:
         TokenizerBackendError: ``name`` is not registered or not installed, or cannot load this tokenizer.
     """
-    key = (name, tokenizer_json)
+    key = (name, tokenizer_json, max_length)
     backend = _instances.get(key)
     if backend is None:
         with _instances_lock:
             backend = _instances.get(key)
             if backend is None:
-                backend = _instances[key] = _load(_backend_class(name), tokenizer_json)
+                backend = _instances[key] = _load(_backend_class(name), tokenizer_json, max_length)
     return backend
 
 
@@ -223,9 +230,9 @@ def _backend_class(name: str) -> type[TokenizerBackend]:
     return cls
 
 
-def _load(cls: type[TokenizerBackend], tokenizer_json: str) -> TokenizerBackend:
+def _load(cls: type[TokenizerBackend], tokenizer_json: str, max_length: int | None) -> TokenizerBackend:
     try:
-        return cls(tokenizer_json)
+        return cls(tokenizer_json, max_length)
     except Exception as error:  # each library raises its own type for what it cannot load
         raise TokenizerBackendError(
             f"tokenizer_backend={cls.name!r} cannot serve this tokenizer ({error}); pass tokenizer_backend='auto' "
@@ -264,13 +271,18 @@ def _same_ids(got: EncodedBatch, want: EncodedBatch) -> int | None:
 
 
 def resolve_backend(
-    setting: str, tokenizer_json: str, sample: Sequence[str] | Callable[[], Sequence[str]]
+    setting: str,
+    tokenizer_json: str,
+    sample: Sequence[str] | Callable[[], Sequence[str]],
+    max_length: int | None = None,
+    add_special_tokens: bool = False,
 ) -> tuple[str, str]:
     """The backend a run uses for ``setting`` and why: ``(name, reason)``.
 
     ``"auto"``: the first registered fast backend that is installed, loads the tokenizer and gives the reference's
     ids on ``sample`` (the run's own documents; a callable is called only once a backend loads) and
-    :func:`hostile_texts`; else ``"tokenizers"``. A named fast backend must pass the same checks.
+    :func:`hostile_texts`; else ``"tokenizers"``. A named fast backend must pass the same checks. ``max_length``
+    and ``add_special_tokens``: how the run encodes (truncation, the post-processor's tokens), checked as used.
 
     Raises:
         TokenizerBackendError: a named backend that is unknown, not installed, cannot load the tokenizer, or gave
@@ -287,7 +299,7 @@ def resolve_backend(
 
     if setting != AUTO:
         _backend_class(setting)  # unknown or not installed: raises
-        failed = _check(setting, tokenizer_json, sampled)
+        failed = _check(setting, tokenizer_json, sampled, max_length, add_special_tokens)
         if failed is not None:
             raise TokenizerBackendError(f"tokenizer_backend={setting!r} cannot serve this tokenizer: {failed}")
         return setting, "asked for; ids identical to tokenizers on the sample"
@@ -296,23 +308,25 @@ def resolve_backend(
         if not _BACKENDS[name].installed():
             reasons.append(f"{name} is not installed")
             continue
-        failed = _check(name, tokenizer_json, sampled)
+        failed = _check(name, tokenizer_json, sampled, max_length, add_special_tokens)
         if failed is None:
             return name, f"auto: ids identical to tokenizers on {len(sampled())} sampled documents and hostile texts"
         reasons.append(failed)
     return REFERENCE, "auto: " + ("; ".join(reasons) if reasons else "no fast backend is registered")
 
 
-def _check(name: str, tokenizer_json: str, sample: Callable[[], Sequence[str]]) -> str | None:
+def _check(
+    name: str, tokenizer_json: str, sample: Callable[[], Sequence[str]], max_length: int | None, specials: bool
+) -> str | None:
     """Why backend ``name`` cannot serve this tokenizer, ``None`` where it gives the reference's ids."""
     try:
-        backend = backend_for(name, tokenizer_json)
+        backend = backend_for(name, tokenizer_json, max_length)
     except TokenizerBackendError as error:
         return f"{name} cannot load this tokenizer ({error.__cause__ or error})"
     texts = [*hostile_texts(tokenizer_json), *sample()]
-    reference = backend_for(REFERENCE, tokenizer_json)
+    reference = backend_for(REFERENCE, tokenizer_json, max_length)
     try:
-        differs = _same_ids(backend.encode(texts), reference.encode(texts))
+        differs = _same_ids(backend.encode(texts, specials), reference.encode(texts, specials))
     except Exception as error:  # a backend failing on a text cannot serve the run
         return f"{name} failed to encode a sampled text ({error})"
     if differs is not None:

@@ -31,7 +31,7 @@ from support import (
 )
 
 from lightning_d9d import PretrainingDataModule
-from lightning_d9d.streaming import bestfit_restore, tokenize
+from lightning_d9d.streaming import tokenize
 from lightning_d9d.streaming.estimate import estimate_pass
 from lightning_d9d.streaming.loader import rank_blocks, rank_streams
 from lightning_d9d.streaming.mixture_stream import MixtureState
@@ -40,6 +40,7 @@ from lightning_d9d.streaming.reader import ReadPosition, TextChunk
 from lightning_d9d.streaming.source import RowGroupIndex, Units, deal, pass_order, resolve_files
 from lightning_d9d.streaming.spec import PACKINGS, StreamSpec
 from lightning_d9d.streaming.stream import StreamState, TokenStream
+from lightning_d9d.tokenizer_backends import HuggingFaceBackend
 
 
 @pytest.fixture(scope="module")
@@ -229,20 +230,15 @@ def test_resume_from_any_block_is_byte_identical(corpus: dict, packing: str) -> 
 
 
 def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
-    """Record the texts of every ``encode_batch_fast`` call the token streams make from now on."""
+    """Record the texts of every call the token streams make to the ``tokenizers`` backend from now on."""
     calls: list[list[str]] = []
-    real = tokenize.tokenizer_from_json
+    real = HuggingFaceBackend.encode
 
-    class Spy:
-        def __init__(self, tok):
-            self.tok = tok
+    def spy(self, texts):
+        calls.append(list(texts))
+        return real(self, texts)
 
-        def encode_batch_fast(self, texts, **options):
-            calls.append(list(texts))
-            return self.tok.encode_batch_fast(texts, **options)
-
-    for module in (tokenize, bestfit_restore):
-        monkeypatch.setattr(module, "tokenizer_from_json", lambda s: Spy(real(s)))
+    monkeypatch.setattr(HuggingFaceBackend, "encode", spy)
     return calls
 
 
