@@ -340,11 +340,12 @@ class BackendGuard:
     Args:
         name: the backend whose ids are checked (the reference itself: nothing is checked).
         tokenizer_json: the tokenizer.
-        every: one document in this many is checked.
+        every: one document in this many is checked (``None``: ``GUARD_EVERY``; 0: none).
     """
 
-    def __init__(self, name: str, tokenizer_json: str, every: int = GUARD_EVERY):
-        self.name, self.tokenizer_json, self.every = name, tokenizer_json, every
+    def __init__(self, name: str, tokenizer_json: str, every: int | None = None):
+        self.name, self.tokenizer_json = name, tokenizer_json
+        self.every = GUARD_EVERY if every is None else every
 
     @property
     def active(self) -> bool:
