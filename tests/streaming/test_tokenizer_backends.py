@@ -271,3 +271,26 @@ def test_text_datamodule_tokenizes_the_same_under_fastokens(corpus: Path, tmp_pa
     direct.enable_truncation(max_length)
     expected = [e.ids for e in direct.encode_batch(texts) if len(e.ids) >= 2]
     assert len(got) == len(want) == len(expected) and got == want == expected
+
+
+def test_the_default_install_gets_fastokens_only_where_it_ships_wheels() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    Requirement = pytest.importorskip("packaging.requirements").Requirement
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    (requirement,) = [Requirement(r) for r in pyproject["project"]["dependencies"] if r.startswith("fastokens")]
+    # The platforms of fastokens 0.3.5's wheels (cp39-abi3: manylinux and musllinux x86_64, macOS x86_64 and arm64,
+    # Windows amd64); Linux aarch64 and Windows ARM64 have none, so they install and run on tokenizers alone.
+    wheels = [("linux", "x86_64"), ("darwin", "x86_64"), ("darwin", "arm64"), ("win32", "AMD64")]
+    without = [("linux", "aarch64"), ("win32", "ARM64"), ("linux", "ppc64le")]
+    for platform, machine in wheels + without:
+        env = {"sys_platform": platform, "platform_machine": machine}
+        assert requirement.marker.evaluate(env) == ((platform, machine) in wheels), env
+
+
+def test_without_fastokens_auto_runs_on_tokenizers(corpus: Path, monkeypatch) -> None:
+    monkeypatch.setattr(FastokensBackend, "installed", classmethod(lambda cls: False))
+    tokenizer_json = Tokenizer.from_file(str(corpus / "bpe.json")).to_str()
+    assert resolve_backend("auto", tokenizer_json, ["some text"]) == ("tokenizers", "auto: fastokens is not installed")
+    with pytest.raises(TokenizerBackendError, match=r"'fastokens' is not installed .*pip install fastokens"):
+        resolve_backend("fastokens", tokenizer_json, ["some text"])
