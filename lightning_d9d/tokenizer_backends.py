@@ -181,7 +181,12 @@ class FastokensBackend(TokenizerBackend):
         self.tokenizer = _configured(fastokens.Tokenizer.from_json_str(tokenizer_json), max_length)
 
     def encode(self, texts: list[str], add_special_tokens: bool = False) -> EncodedBatch:
-        ids, offsets = self.tokenizer.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        try:
+            ids, offsets = self.tokenizer.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        except ValueError:
+            # fastokens refuses what tokenizers passes over (a byte without a token in a vocabulary trained without
+            # the full byte alphabet): that batch is the reference's, whose ids are by definition the right ones.
+            return backend_for(REFERENCE, self.tokenizer_json, self.max_length).encode(texts, add_special_tokens)
         # uint32 ids of a vocabulary under 2**31 read as int32, uint64 offsets as int64: views, no copy.
         return EncodedBatch(np.frombuffer(ids, np.int32), np.frombuffer(offsets, np.int64))
 
