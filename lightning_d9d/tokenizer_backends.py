@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -202,6 +203,17 @@ def _configured(tokenizer: Any, max_length: int | None) -> Any:
 
 _instances: dict[tuple[str, str, int | None], TokenizerBackend] = {}
 _instances_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child builds its own encoders: a native library's thread pool does not survive a fork, and a
+    worker's thread setting (``FASTOKENS_BPE_THREADS``) is read when one is built."""
+    global _instances_lock
+    _instances.clear()
+    _instances_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def backend_for(name: str, tokenizer_json: str, max_length: int | None = None) -> TokenizerBackend:
