@@ -294,3 +294,16 @@ def test_without_fastokens_auto_runs_on_tokenizers(corpus: Path, monkeypatch) ->
     assert resolve_backend("auto", tokenizer_json, ["some text"]) == ("tokenizers", "auto: fastokens is not installed")
     with pytest.raises(TokenizerBackendError, match=r"'fastokens' is not installed .*pip install fastokens"):
         resolve_backend("fastokens", tokenizer_json, ["some text"])
+
+
+def test_a_batch_fastokens_refuses_is_encoded_by_tokenizers() -> None:
+    # A byte-level BPE trained without the full byte alphabet: fastokens refuses a byte it has no token for, where
+    # tokenizers passes over it.
+    texts = ["plain ascii text only", "more plain words here"] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=80, show_progress=False))
+    batch = ["emoji 😀 and ascii", "plain words"]
+    fast = backend_for("fastokens", tok.to_str()).encode(batch)
+    assert [d.ids.tolist() for d in fast] == [e.ids for e in tok.encode_batch(batch, add_special_tokens=False)]
+    assert resolve_backend("auto", tok.to_str(), batch)[0] == "fastokens"
