@@ -20,8 +20,9 @@ same ids from the fast backend, whose batches holding an unknown byte fall back 
 
 Ratios are taken within a round; min / median / max printed. Targets: the default install >= 4x ``tokenizers`` for
 concat and bestfit_split, >= 0.8x the bare fast tokenizer (concat: all tokens are useful); setup and TextDataModule's
-tokenizing >= 3x faster. The guard's cost: ``--guard-cost`` adds a run of concat with the guard off
-(``GUARD_EVERY = 0``) beside the default, their ratio reported (no target).
+tokenizing >= 3x faster. The guard's cost (``--guard-cost``, no target): in one process on one core, the CPU time
+of the streams' encoding (``encode_documents`` with the fast backend, chunks of 128 documents) with the guard's
+re-encoding by ``tokenizers`` against without it, 7 interleaved rounds (CPU time, so the machine's load counts less).
 """
 
 from __future__ import annotations
@@ -67,14 +68,12 @@ def make_corpus(root: Path, mb: float) -> tuple[str, str, list[str]]:
     return files, tokenizer, texts
 
 
-def _pass(conn, files: str, tokenizer: str, packing: str, backend: str, args: dict, guard: bool = True) -> None:
+def _pass(conn, files: str, tokenizer: str, packing: str, backend: str, args: dict) -> None:
     """In a fresh process: useful tokens/s over ``args["steps"]`` steps after ``args["warmup"]``, the backend used,
     and a digest of every batch read."""
     multiprocessing.set_start_method(None, force=True)  # workers start as a training script's do
-    from lightning_d9d import PretrainingDataModule, tokenizer_backends
+    from lightning_d9d import PretrainingDataModule
 
-    if not guard:
-        tokenizer_backends.GUARD_EVERY = 0  # inherited by the forked workers
     dm = PretrainingDataModule(
         files, tokenizer, seq_len=args["seq_len"], global_batch_size=args["global_batch"],
         microbatch_size=args["microbatch"], packing=packing, num_workers=args["workers"], num_streams=args["streams"],
@@ -105,6 +104,43 @@ def _bare(conn, tokenizer: str, texts: list[str]) -> None:
         batch = texts[i : i + 128]
         tokens += len(tok.encode_batch_flat(batch)[0]) // 4 + len(batch)
     conn.send(tokens / (time.perf_counter() - start))
+
+
+def _guard_cost(conn, tokenizer: str, texts: list[str], rounds: int) -> None:
+    """In a fresh process on one core: per round, the CPU seconds of encoding ``texts`` in chunks of 128 with the
+    guard over those without it, minus one."""
+    os.environ["FASTOKENS_BPE_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    import numpy as np
+
+    from lightning_d9d.streaming.tokenize import encode_documents
+    from lightning_d9d.tokenizer_backends import REFERENCE, BackendGuard, backend_for
+
+    tokenizer_json = Path(tokenizer).read_text()
+    fast, reference = backend_for("fastokens", tokenizer_json), backend_for(REFERENCE, tokenizer_json)
+    guard = BackendGuard("fastokens", tokenizer_json)
+    chunks = [texts[i : i + 128] for i in range(0, len(texts), 128)]
+
+    def encode(guarded: bool) -> float:
+        start = time.process_time()
+        for group, chunk in enumerate(chunks):
+            encoded = encode_documents(fast, chunk)
+            picked = guard.picks(group, np.arange(len(chunk))).tolist() if guarded else []
+            if picked:
+                guard.check([chunk[i] for i in picked], [encoded[i].ids for i in picked], ["a document"] * len(picked),
+                            lambda chosen: encode_documents(reference, chosen))  # fmt: skip
+        return time.process_time() - start
+
+    costs = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            off = encode(False)
+            on = encode(True)
+        else:
+            on = encode(True)
+            off = encode(False)
+        costs.append(on / off - 1)
+    conn.send(costs)
 
 
 def _setup(conn, files: str, tokenizer: str, backend: str, args: dict) -> None:
@@ -163,18 +199,16 @@ def main() -> None:
         pass_runs: dict[tuple[str, str], list[dict]] = {}
         bare, setups, maps = [], {"auto": [], "tokenizers": []}, {"auto": [], "tokenizers": []}
         configs = [(packing, backend) for packing in packings for backend in ("auto", "tokenizers")]
-        if options.guard_cost:
-            configs.append(("concat", "auto, guard off"))
         for r in range(rounds):
             order = configs if r % 2 == 0 else configs[::-1]
             for packing, backend in order:
-                guard = backend != "auto, guard off"
-                run = in_child(_pass, files, tokenizer, packing, backend.split(",")[0], args, guard, inline=inline)
+                run = in_child(_pass, files, tokenizer, packing, backend, args, inline=inline)
                 pass_runs.setdefault((packing, backend), []).append(run)
             bare.append(in_child(_bare, tokenizer, texts, inline=inline))
             for backend in ("auto", "tokenizers") if r % 2 == 0 else ("tokenizers", "auto"):
                 setups[backend].append(in_child(_setup, files, tokenizer, backend, args, inline=inline))
                 maps[backend].append(in_child(_text_map, files, tokenizer, backend, inline=inline))
+        guard_costs = in_child(_guard_cost, tokenizer, texts, 7, inline=inline) if options.guard_cost else None
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
     verdicts = []
@@ -200,10 +234,8 @@ def main() -> None:
             verdicts.append((median >= BARE_TARGET, f"concat: default install / bare fast tokenizer, median "
                                                     f"{median:.2f}x (target >= {BARE_TARGET}x)"))  # fmt: skip
     print(f"{'bare fast tokenizer M tok/s':44} {spread([x / 1e6 for x in bare]):>24}")
-    if options.guard_cost:
-        off = pass_runs[("concat", "auto, guard off")]
-        cost = [1 - a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(pass_runs[("concat", "auto")], off)]
-        print(f"{'concat, guard cost (1 - on / off)':44} {spread(cost):>24}")
+    if guard_costs is not None:
+        print(f"{'guard cost, encoding CPU (on / off - 1)':44} {spread(guard_costs):>24}")
     for what, runs, target in (("setup without a cache", setups, SETUP_TARGET),
                                ("TextDataModule tokenizing", maps, TEXT_TARGET)):  # fmt: skip
         print(f"{what + ', default install s':44} {spread(runs['auto']):>24}")

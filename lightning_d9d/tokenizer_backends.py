@@ -7,8 +7,8 @@ the reference: a fast backend is used only where it is installed, can load the t
 ids on a sample of the run's own documents plus a fixed set of hostile texts (:func:`resolve_backend`); during the
 run a sampled share of documents is re-encoded by the reference (:class:`BackendGuard`) and any difference stops the
 run naming the document. Backends are rebuilt in each process from ``(name, tokenizer JSON)``, so what crosses to a
-worker is two strings. Trade-off: the guard's share is re-encoded at the reference's speed (a few % of a fast
-backend's time at ``GUARD_EVERY``); a difference outside the sample and the guard's share would go unnoticed.
+worker is two strings. Trade-off: the guard's share is re-encoded at the reference's speed (several % of a fast
+backend's encoding time at ``GUARD_EVERY``); a difference outside the sample and the guard's share goes unnoticed.
 
 Adding a backend: subclass :class:`TokenizerBackend` and decorate it with :func:`register_backend` (``fast=True`` to
 let ``"auto"`` pick it, earlier-registered fast backends preferred).
@@ -29,8 +29,9 @@ from tokenizers import Tokenizer
 AUTO = "auto"
 REFERENCE = "tokenizers"
 # One document in GUARD_EVERY is re-encoded by the reference during a run (chosen by row, so every run checks the
-# same documents).
-GUARD_EVERY = 256
+# same documents). The reference is some hundred times slower per token than a fast backend on one core, so the
+# share is what keeps the guard a small part of tokenizing (benchmarks_streaming.md, "Tokenizer backends").
+GUARD_EVERY = 1024
 
 
 class TokenizerBackendError(ValueError):
