@@ -182,6 +182,9 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     world_size, lines = _layout_lines(datamodule, trainer)  # world_size: what the data is dealt among
     datamodule.prepare_data()
     datamodule.setup("fit")
+    backend = getattr(datamodule, "tokenizer_backend_in_use", None)
+    if backend is not None:
+        lines.append(f"tokenizer backend: {backend[0]} ({backend[1]})")
     if isinstance(datamodule, D9DDataModule) and datamodule.plan is not None:
         return "\n".join(lines + describe_token_plan(datamodule, world_size))
     stepped = isinstance(datamodule, SteppedDataModule)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
+from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 
 from lightning_d9d.core.checks import non_negative_int, positive_int
@@ -51,6 +52,7 @@ from lightning_d9d.streaming.plans.spec import CorpusFingerprint, MixtureSpec, S
 from lightning_d9d.streaming.provenance.ledger import DEFAULT_EVERY as DEFAULT_PROVENANCE_EVERY
 from lightning_d9d.streaming.sources.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.streaming.tokens.memory import DEFAULT_MAX_DOCUMENT_CHARS
+from lightning_d9d.tokenization.backends import TokenizerBackendError, backend_names
 
 __all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
 
@@ -163,6 +165,10 @@ class PretrainingDataModule(
         num_streams: K; must divide G and be divisible by the data-parallel size.
         num_workers: DataLoader workers per rank; 0: in the training process.
         tokenizer_batch_size: documents per tokenizer call (never changes a row).
+        tokenizer_backend: what encodes the documents (never changes a row): ``"auto"`` (the fastest installed
+            backend that serves this tokenizer with ids identical to ``tokenizers``, checked at setup on a sample of
+            the run's documents; else ``"tokenizers"``), ``"tokenizers"``, or a fast backend by name
+            (``"fastokens"``); docs/tokenizer_backends.md.
         seed: seeds the unit order of every pass.
         max_document_chars: longer documents are skipped; ``None``: no limit.
         bestfit_buffer_size: documents or pieces best-fit chooses from.
@@ -192,8 +198,10 @@ class PretrainingDataModule(
         provenance_every: optimizer steps between records.
 
     Raises:
-        ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout.
+        ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout; a
+            ``TokenizerBackendError`` for a named backend not installed or unable to serve the tokenizer.
         StorageError: a URL could not be listed or opened, or a read kept failing.
+        TokenizerBackendMismatch: (while streaming) a fast backend gave other ids than ``tokenizers`` for a document.
     """
 
     seq_len = _Setting("seq_len")
@@ -248,8 +256,15 @@ class PretrainingDataModule(
         exclude_documents: list[list[Any]] | list[dict[str, Any]] | str | None = None,
         provenance_dir: str | None = None,
         provenance_every: PositiveInt = DEFAULT_PROVENANCE_EVERY,
+        tokenizer_backend: str = "auto",
     ):
         super().__init__()
+        if tokenizer_backend not in backend_names():
+            raise TokenizerBackendError(
+                f"tokenizer_backend={tokenizer_backend!r} is not a tokenizer backend: pass one of {backend_names()}"
+            )
+        self.tokenizer_backend = tokenizer_backend
+        self.tokenizer_backend_in_use: tuple[str, str] | None = None  # (backend, why), known after setup
         self.data_parallel, self.verify_peers, self.data_wait_warning = data_parallel, verify_peers, data_wait_warning
         self.settings = StreamSettings(seq_len, global_batch_size, packing, seed, num_streams, bestfit_buffer_size,
                                        max_document_chars, tokenizer_batch_size,
@@ -288,9 +303,8 @@ class PretrainingDataModule(
         self.resolve_topology()
         # Parsed again: a subclass may have resolved the file specs since construction (the demo's do).
         self.sources = self._parsed_sources()
-        corpus = PretrainingCorpus(
-            self.settings, self.tokenizer, self.bos_token, self.storage, self.token_cache, self.on_malformed
-        )
+        corpus = PretrainingCorpus(self.settings, self.tokenizer, self.bos_token, self.storage, self.token_cache,
+                                   self.on_malformed, self.tokenizer_backend)  # fmt: skip
         self._check_microbatches(self.dp_size)  # raises early when a G is not divisible by D·m
         check_layout(self.num_streams, self.dp_size, self.num_workers)
         train, val_specs = None, None
@@ -302,6 +316,9 @@ class PretrainingDataModule(
         if self.sources.validation is not None and not self.val_specs:
             by_source = self.sources.validation_by_source
             val_specs = corpus.validation(self.sources.validation, by_source, self.allow_shared_files, self.val_seq_len)
+        if corpus.backend is not None and corpus.backend != self.tokenizer_backend_in_use:
+            self.tokenizer_backend_in_use = corpus.backend
+            rank_zero_info(f"lightning-d9d: tokenizer backend {corpus.backend[0]} ({corpus.backend[1]})")
         self._size_epochs(train, val_specs)
         if stage in (None, "fit"):
             self._fresh_edits()

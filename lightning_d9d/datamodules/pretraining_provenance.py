@@ -33,7 +33,6 @@ from lightning_d9d.streaming.provenance.ledger import StreamLedger
 from lightning_d9d.streaming.provenance.pieces import Piece, file_namer, pieces_of_step, recording, replay
 from lightning_d9d.streaming.streams.mixture_stream import MixtureState, StepRows
 from lightning_d9d.streaming.tokens.tokenize import encode_documents
-from lightning_d9d.tokenization.tokenizer import tokenizer_from_json
 
 
 def edits_asked(skip_data: Any, exclude_documents: Any) -> tuple[tuple[tuple[int, int], ...], Any]:
@@ -385,7 +384,7 @@ class PretrainingProvenance:
         spec = self._require(self.train_spec)
         source, group, row = resolve_reference(spec.names, [s.index for s in spec.sources], DocumentRef.of(ref))
         text = spec.sources[source].index.read_texts(group, [row])[0] or ""
-        ids = encode_documents(tokenizer_from_json(spec.sources[source].tokenizer_json), [text])[0].ids
+        ids = encode_documents(spec.sources[source].encoder(), [text])[0].ids
         return {"text": text, "tokens": np.asarray([spec.bos_id, *ids], np.int64)}
 
     def check_run(self, total_steps: int | None) -> None:

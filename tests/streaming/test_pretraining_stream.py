@@ -32,7 +32,6 @@ from support import (
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming.loading.loader import rank_blocks, rank_streams
-from lightning_d9d.streaming.packing import bestfit_restore
 from lightning_d9d.streaming.packing.rows import bos_tensors, flagged_tensors
 from lightning_d9d.streaming.plans.packings import PACKINGS
 from lightning_d9d.streaming.plans.spec import StreamSpec
@@ -42,6 +41,7 @@ from lightning_d9d.streaming.streams.estimate import estimate_pass
 from lightning_d9d.streaming.streams.mixture_stream import MixtureState
 from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
 from lightning_d9d.streaming.tokens import tokenize
+from lightning_d9d.tokenization.backends import HuggingFaceBackend
 
 
 @pytest.fixture(scope="module")
@@ -231,20 +231,15 @@ def test_resume_from_any_block_is_byte_identical(corpus: dict, packing: str) -> 
 
 
 def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
-    """Record the texts of every ``encode_batch_fast`` call the token streams make from now on."""
+    """Record the texts of every call the token streams make to the ``tokenizers`` backend from now on."""
     calls: list[list[str]] = []
-    real = tokenize.tokenizer_from_json
+    real = HuggingFaceBackend.encode
 
-    class Spy:
-        def __init__(self, tok):
-            self.tok = tok
+    def spy(self, texts):
+        calls.append(list(texts))
+        return real(self, texts)
 
-        def encode_batch_fast(self, texts, **options):
-            calls.append(list(texts))
-            return self.tok.encode_batch_fast(texts, **options)
-
-    for module in (tokenize, bestfit_restore):
-        monkeypatch.setattr(module, "tokenizer_from_json", lambda s: Spy(real(s)))
+    monkeypatch.setattr(HuggingFaceBackend, "encode", spy)
     return calls
 
 

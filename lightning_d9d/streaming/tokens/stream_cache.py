@@ -24,6 +24,7 @@ from lightning_d9d.core.urls import redact
 from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical
 from lightning_d9d.streaming.tokens.cache_entry import CachedUnit, token_array
 from lightning_d9d.streaming.tokens.token_cache import Coverage, TokenCache, warn_once, write_atomic
+from lightning_d9d.tokenization.backends import EncodedBatch
 
 
 class StreamCache:
@@ -203,8 +204,11 @@ class UnitRecorder:
 
     def add(self, part: int, rows: np.ndarray, encodings: Sequence[Any], last: bool = False) -> None:
         """Record chunk ``part`` (0, 1, ... in the unit's order) of documents; ``last``: the unit's last chunk."""
-        lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
-        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
+        if isinstance(encodings, EncodedBatch):  # flat ids already
+            lengths, flat = encodings.counts, encodings.ids
+        else:
+            lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
+            flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
         chunk = (np.asarray(rows, np.int64), token_array(flat, self.cache.vocab_size), lengths, last)
         with self._lock:
             if self.done:
