@@ -11,7 +11,8 @@ from support import assert_same_blocks, corpus_spec, make_docs, respec, take, tr
 from test_pretraining_stream import spec_for
 
 from lightning_d9d.streaming.loading.loader import rank_blocks
-from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.packing.bestfit_stage import BestFitState
 from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth
 from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.streams.stream import StreamState, TokenStream

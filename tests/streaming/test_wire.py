@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from support import corpus_spec, flat, make_docs, respec, stream_spec, train_tokenizer, write_parquet
 
 from lightning_d9d.streaming.loading.loader import WireFormat
-from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.packing.bestfit_stage import BestFitState
 from lightning_d9d.streaming.packing.buffer_rows import LINKS, WIDTH, BufferRows
 from lightning_d9d.streaming.packing.rows import kept_rows
 from lightning_d9d.streaming.plans.packings import BufferGrowth

@@ -36,7 +36,7 @@ from lightning_d9d.core.epoch_iterator import (
 )
 from lightning_d9d.core.resume import StepLayout, TrainPosition
 from lightning_d9d.streaming.loading.step_tensors import StepBlock
-from lightning_d9d.streaming.packing.bestfit import BestFitState
+from lightning_d9d.streaming.packing.bestfit_stage import BestFitState
 from lightning_d9d.streaming.packing.buffer_rows import BufferRows, received
 from lightning_d9d.streaming.packing.rows import RowBlock
 from lightning_d9d.streaming.plans.spec import MixtureSpec
