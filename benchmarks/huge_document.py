@@ -13,7 +13,7 @@ have exited):
 
 * ``whole``: ``Tokenizer.encode`` of the huge document in one call (what tokenizing every document whole costs);
   it is run only where its expected peak (up to 220x the document) fits in ``--memory-gib``;
-* ``pieces``: ``LongEncoding.of`` (the streams' path for a document over ``LONG_DOCUMENT_CHARS``); where
+* ``pieces``: ``long_ids`` (the streams' path for a document over ``LONG_DOCUMENT_CHARS``); where
   ``whole`` ran, its ids are compared with the whole call's (they must be equal: the document has spaces);
 * ``PretrainingDataModule(...).train_dataloader()`` with ``concat``, ``bestfit`` and ``bestfit_split``,
   ``num_workers`` 0 and 2, ``num_streams`` 2 (one stream per worker), iterated until the huge document is
@@ -127,13 +127,14 @@ def child_whole(args: dict) -> dict:
 def child_pieces(args: dict) -> dict:
     from tokenizers import Tokenizer
 
-    from lightning_d9d.streaming.tokens.tokenize import LONG_DOCUMENT_CHARS, LongEncoding
+    from lightning_d9d.streaming.tokens.tokenize import LONG_DOCUMENT_CHARS, long_ids
+    from lightning_d9d.tokenization.backends import backend_for
 
     tok = Tokenizer.from_file(args["tokenizer"])
     text = huge_document(Path(args["corpus"]))
     base_mib = rss_mib()
     start = time.perf_counter()
-    ids = LongEncoding.of(tok, text, LONG_DOCUMENT_CHARS).ids
+    ids = long_ids(backend_for("tokenizers", tok.to_str()), text, LONG_DOCUMENT_CHARS)
     seconds = time.perf_counter() - start
     np.save(args["pieces_ids"], ids)
     out = {"seconds": seconds, "tokens": len(ids), "base_mib": base_mib, **peak_mib()}

@@ -31,7 +31,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 from common import print_verdicts
 
 from lightning_d9d.streaming.sources.storage import Storage
-from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache, token_dtype
+from lightning_d9d.streaming.tokens.cache_entry import CachedUnit, token_dtype
+from lightning_d9d.streaming.tokens.token_cache import TokenCache
 
 LOAD_TARGET, STORE_TARGET = 200e6, 50e6  # tokens/s
 CONTENT = "0" * 32  # the content key the entries are stored under (a real one digests the unit's stored text)
@@ -60,7 +61,7 @@ def measure(cache: TokenCache, unit: CachedUnit, repeat: int) -> tuple[float, fl
     stored = best(lambda g: cache.store(1, g, 0, unit.stop, CONTENT, dataclasses.replace(unit, group_in_file=g)),
                   repeat)  # fmt: skip
     loaded = best(lambda _: cache.load(1, 0, 0, unit.stop, CONTENT), repeat)
-    path = Path(cache._path(cache.entry_name(1, 0, 0, unit.stop, CONTENT)))
+    path = Path(cache.fs_path(cache.entry_name(1, 0, 0, unit.stop, CONTENT)))
     raw = best(lambda _: path.read_bytes(), repeat)
     assert cache.counters.bad == 0 and cache.counters.store_failures == 0
     return stored, loaded, raw, path.stat().st_size

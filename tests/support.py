@@ -594,8 +594,8 @@ def take(stream: Any, n: int, rows: int = 2) -> list:
 def assert_same_blocks(got: list, want: list) -> None:
     """Identical tensors and identical states (best-fit's buffer included), block by block."""
     assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+    for a, b in zip(got, want, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3], strict=True))
         sa, sb = flat(a[3].to_dict()), flat(b[3].to_dict())
         assert sa.keys() == sb.keys()
         for key in sa:
@@ -689,6 +689,14 @@ def step_rows(dm: PretrainingDataModule, stop: int, start: int = 0) -> list[list
         out.append(rows)
     dm.close_loaders()
     return out
+
+
+def ranked_rows(per_rank: tuple[list[str], ...] | list[list[str]]) -> list[str]:
+    """One step's rows over the data-parallel ranks: rank 0's in order, then rank 1's, ...; every rank must hold the
+    same number, so that two layouts' lists are equal only when each row is at the same place of the global batch
+    (the rank that trains it included: ``world`` ranks hold its ``len // world`` consecutive rows each)."""
+    assert len({len(rows) for rows in per_rank}) == 1, [len(rows) for rows in per_rank]
+    return [row for rows in per_rank for row in rows]
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -507,9 +508,11 @@ def test_inspect_needs_no_model(pretraining_config: Path, capsys: pytest.Capture
     monkeypatch.chdir(pretraining_config)
     data = {"train_files": "train", "tokenizer": "tokenizer.json", "bos_token": BOS, "seq_len": 32,
             "global_batch_size": 8, "microbatch_size": 4, "num_streams": 4, "num_workers": 0,
-            "steps_per_epoch": 3}  # fmt: skip
+            "steps_per_epoch": 3, "tokenizer_backend": "auto"}  # fmt: skip
     overrides = [f"--data.init_args.{key}={value}" for key, value in data.items()]
     run_cli(["inspect", "--config", str(REPO / "configs" / "pretraining.yaml"), *overrides, "--steps", "2"])
     report = capsys.readouterr().out
     assert "data: lightning_d9d.datamodules.pretraining.PretrainingDataModule" in report
     assert "steps per epoch: 3" in report and "batch.input_ids: (4, 32)" in report
+    # The backend in use and why (this WordLevel tokenizer is one no fast backend serves).
+    assert re.search(r"^tokenizer backend: tokenizers \(auto: .+\)$", report, re.MULTILINE), report

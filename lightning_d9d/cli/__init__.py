@@ -182,6 +182,9 @@ def inspect(datamodule: Any, trainer: Any, steps: int = _INSPECT_DEFAULT_STEPS) 
     world_size, lines = _layout_lines(datamodule, trainer)  # world_size: what the data is dealt among
     datamodule.prepare_data()
     datamodule.setup("fit")
+    backend = getattr(datamodule, "tokenizer_backend_in_use", None)
+    if backend is not None:
+        lines.append(f"tokenizer backend: {backend[0]} ({backend[1]})")
     if isinstance(datamodule, D9DDataModule) and datamodule.plan is not None:
         return "\n".join(lines + describe_token_plan(datamodule, world_size))
     stepped = isinstance(datamodule, SteppedDataModule)
@@ -259,17 +262,24 @@ def _scheduled_lines(datamodule: Any, trainer: Any, world_size: int, batches: It
     run_steps = _run_steps(trainer, datamodule.steps_per_epoch)
     lines = [f"steps per epoch: {datamodule.steps_per_epoch}", *datamodule.shape_report(run_steps, world_size)]
     steps = min(steps, datamodule.steps_per_epoch)
-    counts = [0, 0]
+    counts: dict[int, list[int]] = {}  # per phase read (its first step): real tokens, positions
+    starts = [start for start, _, _ in datamodule.shapes.phases()]
     rows_by_source: Counter[int] = Counter()
     first = None
     for step in range(steps):
+        phase = counts.setdefault(max(s for s in starts if s <= step), [0, 0])
         for _ in range(datamodule.global_batch_size_at(step) // datamodule.microbatch_size):
             batch = next(batches)
             first = batch if first is None else first
             rows_by_source.update(row_sources(batch))
             real, positions = count_tokens(batch)
-            counts = [counts[0] + real, counts[1] + positions]
-    lines.append(f"padding in the first {steps} steps: {100.0 * (1 - counts[0] / max(1, counts[1])):.2f} %")
+            phase[0], phase[1] = phase[0] + real, phase[1] + positions
+    real, positions = (sum(c[i] for c in counts.values()) for i in (0, 1))
+    read = [f"steps {s}-{min(steps, *(e for e in starts if e > s), steps) - 1}: "
+            f"{100.0 * (1 - c[0] / max(1, c[1])):.2f} %" for s, c in counts.items()]  # fmt: skip
+    lines.append(
+        f"padding in the first {steps} steps: {100.0 * (1 - real / max(1, positions)):.2f} % ({', '.join(read)})"
+    )
     lines += _pretraining_lines(datamodule, trainer, rows_by_source, steps)
     lines.append("first microbatch:")
     return lines + [f"  {line}" for line in describe_batch(first)]

@@ -201,9 +201,22 @@ class DataModuleCallback(pl.Callback):
         if missing and 0 < current.ready < trainer.num_training_batches:
             self._on_missing_state(trainer)
         restored = datamodule.restored
-        if restored is None or restored[0] != trainer.current_epoch:
+        if restored is None:
             return
-        batches = datamodule.batches_before(restored[0], restored[1])
+        epoch, step = restored
+        if epoch == trainer.current_epoch:
+            batches = datamodule.batches_before(epoch, step)
+        elif epoch + 1 == trainer.current_epoch and step == datamodule.steps_in_epoch(epoch):
+            # A checkpoint from the last batch of an epoch: Lightning moved on to the next epoch but kept the counters
+            # of the finished one, in the saving run's microbatches. Its own reset clears them only when they reach
+            # this run's epoch length, which another layout (or another M in the next epoch) need not: the next
+            # epoch would start mid-way, its windows cut in the wrong places. It starts at its first batch.
+            batches = 0
+            epoch_loop.scheduler_progress.reset_on_run()
+            epoch_loop.automatic_optimization.optim_progress.reset_on_run()
+            epoch_loop.val_loop.batch_progress.total.reset()
+        else:
+            return
         current.ready = current.started = current.processed = batches
         # When Lightning saw the checkpoint as taken at on_train_batch_end, its reset() adds one completed batch.
         current.completed = batches - 1 if epoch_loop.restarted_on_train_batch_end else batches
@@ -339,6 +352,8 @@ class StepSizes:
             return position
 
         def step_ends() -> bool:
+            if progress.ready == 0:  # nothing handed out in this epoch yet: no window is open
+                return True
             _, at, count = place(progress.ready - 1)
             return at == count - 1
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse.typing import NonNegativeInt, PositiveInt
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_d9d.core.checks import plain_int, positive_int
 from lightning_d9d.datamodules.base import OnOrderMismatch
@@ -28,6 +28,7 @@ from lightning_d9d.text.finetune import FineTuningOptions, FineTuningState
 from lightning_d9d.text.formats import Columns
 from lightning_d9d.text.sft_schedule import FineTuningFingerprint, LabelCountSchedule
 from lightning_d9d.text.tokenize import check_local_path, tokenized_split
+from lightning_d9d.tokenization.backends import TokenizerBackendError, backend_names
 from lightning_d9d.tokenization.tokenizer import (
     check_tokenizer_file,
     load_tokenizer,
@@ -67,6 +68,10 @@ class TextDataModule(D9DDataModule):
         eos_token: the token ending string completions; ``None``: found from the tokenizer.
         context_parallel_size: the CP size batches are laid out for.
         data_parallel, verify_peers, data_wait_warning: see ``D9DDataModule``.
+        tokenizer_backend: what encodes plain text (``format="text"``; never changes an id): ``"auto"`` (the
+            fastest installed backend giving ``tokenizers``' ids on the split's first documents), ``"tokenizers"``
+            or a fast backend by name (``"fastokens"``); fine-tuning formats use ``tokenizers`` (they need offsets).
+            docs/tokenizer_backends.md.
 
     Raises:
         ValueError: a bad setting, or data that cannot be loaded, tokenized or fitted.
@@ -110,8 +115,15 @@ class TextDataModule(D9DDataModule):
         data_parallel: DataParallelSetting = None,
         verify_peers: NonNegativeInt = 0,
         data_wait_warning: float | None = DEFAULT_DATA_WAIT_WARNING,
+        tokenizer_backend: str = "auto",
     ):
         self.max_length, self.num_proc = _checked_arguments(dataset, tokenizer, max_length, num_proc)
+        if tokenizer_backend not in backend_names():
+            raise TokenizerBackendError(
+                f"tokenizer_backend={tokenizer_backend!r} is not a tokenizer backend: pass one of {backend_names()}"
+            )
+        self.tokenizer_backend = tokenizer_backend
+        self.tokenizer_backend_in_use: tuple[str, str] | None = None  # (backend, why) of plain text, after setup
         columns, demo = Columns(text_column, prompt_column, completion_column, messages_column), tokenizer == DEMO
         self.finetuning = FineTuningOptions(format, columns, chat_template, loss_on, truncation, demo, eos_token)
         self.sft, self.dataset, self.tokenizer, self.cache_dir = FineTuningState(), dataset, tokenizer, cache_dir
@@ -173,7 +185,11 @@ class TextDataModule(D9DDataModule):
         tokenized = tokenized_split(
             dataset_path, getattr(self, which), tokenizer_path, self.text_column, self.max_length,
             data_files=self.data_files, cache_dir=self.cache_dir, num_proc=self.num_proc, name=self.dataset,
+            tokenizer_backend=self.tokenizer_backend,
         )  # fmt: skip
+        if tokenized.backend != self.tokenizer_backend_in_use:
+            self.tokenizer_backend_in_use = tokenized.backend
+            rank_zero_info(f"lightning-d9d: tokenizer backend {tokenized.backend[0]} ({tokenized.backend[1]})")
         _set_pad_token_id(self, tokenized.pad_token_id)
         return tokenized.dataset
 

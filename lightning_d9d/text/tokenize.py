@@ -1,7 +1,8 @@
 """Tokenize: raw text from any ``datasets`` source into a cached, memory-mapped table of token ids.
 
 One batched ``Dataset.map`` writes ``input_ids`` and ``token_counts``, truncating to ``max_length`` and dropping
-documents under two tokens; its fingerprint hashes the data, the tokenizer and every setting.
+documents under two tokens; its fingerprint hashes the data, the tokenizer and every setting but the tokenizer
+backend, which gives the same ids (resolved on the split's first documents, guarded by ``tokenizers`` on a share).
 
 Trade-off: truncation drops a long document's tail but keeps the sort key the true length.
 """
@@ -13,11 +14,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lightning_d9d.core.child_processes import children_exit_with_parent
+from lightning_d9d.tokenization.backends import REFERENCE, BackendGuard, backend_for, resolve_backend
 from lightning_d9d.tokenization.tokenizer import load_tokenizer, pad_token_id, read_tokenizer, tokenizer_digest
 
 # Bump when the tokenization recipe changes, so caches written by an older recipe are not reused.
 _TOKENIZE_RECIPE_VERSION = 1
+# Documents of the split that a fast backend must encode as tokenizers does before it is used.
+_BACKEND_SAMPLE = 256
 MIN_TOKENS = 2
 """Documents with fewer tokens have no next-token target and are dropped."""
 # Extensions that name a single data file and the datasets builder that reads it.
@@ -33,10 +39,12 @@ _BUILDER_BY_EXTENSION = {
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSplit:
-    """One tokenized split (columns ``input_ids`` and ``token_counts``) and its tokenizer's pad id."""
+    """One tokenized split (columns ``input_ids`` and ``token_counts``), its tokenizer's pad id, and the tokenizer
+    backend that encoded it with why (``(name, reason)``)."""
 
     dataset: Any
     pad_token_id: int
+    backend: tuple[str, str] = (REFERENCE, "asked for")
 
 
 def tokenized_split(
@@ -49,6 +57,7 @@ def tokenized_split(
     cache_dir: str | None = None,
     num_proc: int | None = None,
     name: str | None = None,
+    tokenizer_backend: str = "auto",
 ) -> TokenizedSplit:
     """Load one split and tokenize it, or open the cached result of an earlier run with the same inputs.
 
@@ -56,18 +65,23 @@ def tokenized_split(
         dataset_path: anything ``datasets.load_dataset`` accepts, a data file, or a ``save_to_disk`` folder.
         max_length: documents are truncated to this many tokens (special tokens included).
         name: the dataset's name in messages (default: ``dataset_path``).
+        tokenizer_backend: ``"auto"``, ``"tokenizers"`` or a fast backend by name (lightning_d9d.tokenization.backends).
 
     Raises:
-        ValueError: a source, split, column or tokenizer that cannot be read, or no document of 2 or more tokens.
+        ValueError: a source, split, column or tokenizer that cannot be read, or no document of 2 or more tokens;
+            a ``TokenizerBackendError`` for a named backend that cannot serve the tokenizer.
+        TokenizerBackendMismatch: a fast backend gave other ids than ``tokenizers`` for a guarded document.
     """
     name = name or dataset_path
     raw = _load_text_split(dataset_path, split, text_column, data_files, cache_dir, name)
-    tokenized = _tokenize_cached(raw, tokenizer_path, text_column, max_length, num_proc, name, split)
+    tokenized, backend = _tokenize_cached(
+        raw, tokenizer_path, text_column, max_length, num_proc, name, split, tokenizer_backend
+    )
     if len(tokenized) == 0:
         raise ValueError(f"dataset {name!r} split {split!r} has no document of {MIN_TOKENS} or more tokens")
     # Read the padding setting from the file as saved: load_tokenizer's copy has padding switched off.
     return TokenizedSplit(
-        tokenized.with_format("numpy", columns=["input_ids"]), pad_token_id(read_tokenizer(tokenizer_path))
+        tokenized.with_format("numpy", columns=["input_ids"]), pad_token_id(read_tokenizer(tokenizer_path)), backend
     )
 
 
@@ -86,20 +100,30 @@ def _load_text_split(path: str, split: str, text_column: str, data_files: Any, c
 
 
 def _tokenize_cached(
-    raw: Any, tokenizer_path: str, text_column: str, max_length: int, num_proc: int | None, name: str, split: str
+    raw: Any,
+    tokenizer_path: str,
+    text_column: str,
+    max_length: int,
+    num_proc: int | None,
+    name: str,
+    split: str,
+    tokenizer_backend: str = "auto",
 ) -> Any:
-    """``raw`` tokenized by one batched map, under a fingerprint of its inputs' content."""
+    """``raw`` tokenized by one batched map, under a fingerprint of its inputs' content, and the backend used."""
     from datasets.fingerprint import Hasher
 
     digest = tokenizer_digest(tokenizer_path)
-    load_tokenizer(tokenizer_path, digest, max_length)  # a bad file fails here, before any map
-    tokenize = _TokenizeBatch(tokenizer_path, digest, text_column, max_length)
+    tokenizer_json = load_tokenizer(
+        tokenizer_path, digest, max_length
+    ).to_str()  # a bad file fails here, before any map
+    sample = lambda: [text for text in raw[:_BACKEND_SAMPLE][text_column] if text]  # noqa: E731
+    backend = resolve_backend(tokenizer_backend, tokenizer_json, sample, max_length, add_special_tokens=True)
+    tokenize = _TokenizeBatch(tokenizer_path, digest, text_column, max_length, backend[0])
     # datasets would fingerprint the function by pickling it, which sees the tokenizer's path but not its
     # content: an edited tokenizer.json would silently reuse stale token ids. Hash the content instead.
     fingerprint = Hasher.hash([raw._fingerprint, digest, max_length, text_column, _TOKENIZE_RECIPE_VERSION])
-    return cached_batched_map(
-        raw, tokenize, fingerprint, f"Tokenizing {Path(name).name or name} [{split}]", num_proc=num_proc
-    )
+    desc = f"Tokenizing {Path(name).name or name} [{split}]"
+    return cached_batched_map(raw, tokenize, fingerprint, desc, num_proc=num_proc), backend
 
 
 def cached_batched_map(raw: Any, function: Any, fingerprint: str, desc: str, **map_kwargs: Any) -> Any:
@@ -133,13 +157,32 @@ class _TokenizeBatch:
     tokenizer_digest: str
     text_column: str
     max_length: int
+    backend: str = REFERENCE
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        tokenizer = load_tokenizer(self.tokenizer_path, self.tokenizer_digest, self.max_length)
+        # The loaded tokenizer's JSON, so that every backend reads the file as tokenizers loaded it.
+        tokenizer_json = load_tokenizer(self.tokenizer_path, self.tokenizer_digest, self.max_length).to_str()
+        encoder = backend_for(self.backend, tokenizer_json, self.max_length)
         texts = [text if text is not None else "" for text in batch[self.text_column]]  # nulls are empty
-        ids = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
-        kept = [row for row in ids if len(row) >= MIN_TOKENS]
-        return {"input_ids": kept, "token_counts": [len(row) for row in kept]}
+        encoded = encoder.encode(texts, add_special_tokens=True)
+        guard = BackendGuard(self.backend, tokenizer_json)
+        if guard.active:
+            picked = guard.picks(0, np.arange(len(texts))).tolist()
+            reference = backend_for(REFERENCE, tokenizer_json, self.max_length)
+            guard.check(
+                [texts[i] for i in picked],
+                [encoded[i].ids for i in picked],
+                [f"the document {texts[i][:60]!r}" for i in picked],
+                lambda chosen: reference.encode(chosen, add_special_tokens=True),
+            )
+        counts = encoded.counts
+        kept = np.flatnonzero(counts >= MIN_TOKENS)
+        bounds = encoded.offsets.tolist()
+        ids = encoded.ids.astype(np.int64)  # the column's type as before backends: int64
+        return {
+            "input_ids": [ids[bounds[i] : bounds[i + 1]] for i in kept.tolist()],
+            "token_counts": counts[kept].tolist(),
+        }
 
 
 def load_raw_split(path: str, split: str, data_files: Any, cache_dir: str | None, name: str) -> Any:

@@ -355,6 +355,14 @@ def test_simulated_ranks_partition_each_step() -> None:
         expected = sorted(i for mb in single[step * 16 : (step + 1) * 16] for i in mb)
         got = sorted(i for rank in per_rank for mb in rank[step * 4 : (step + 1) * 4] for i in mb)
         assert got == expected
+        # Order and rank too: the step's 16 microbatches are dealt in a snake, 0 1 2 3 3 2 1 0 0 1 ..., each rank
+        # keeping them in the global batch's order (written out here, not taken from the library's dealer).
+        global_batch = [list(mb) for mb in single[step * 16 : (step + 1) * 16]]
+        laps = [range(4) if lap % 2 == 0 else range(3, -1, -1) for lap in range(4)]
+        owners = [rank for lap in laps for rank in lap]
+        for rank in range(4):
+            mine = [list(mb) for mb in per_rank[rank][step * 4 : (step + 1) * 4]]
+            assert mine == [mb for mb, owner in zip(global_batch, owners, strict=True) if owner == rank], (step, rank)
 
 
 def test_column_sort_keys_follow_a_shuffled_or_selected_view() -> None:

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from support import make_docs, train_tokenizer, write_parquet
+from support import make_docs, ranked_rows, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.core.digest import digest
@@ -178,10 +178,19 @@ def recorded_steps(tmp: Path, data: Path, runs: list[dict], devices: int) -> dic
         fit_in_processes(config)
     else:
         fit_config(config)
+    # Per run and step, the rows in order over the ranks (rank 0's microbatches in order, then rank 1's): a row's
+    # place also says which rank trained it.
     steps: dict = {}
     for r in read_records(tmp / "records"):
-        steps.setdefault(r["run"], {}).setdefault((r["epoch"], r["step"]), []).extend(r["rows"])
-    return {run: {key: sorted(rows) for key, rows in by_step.items()} for run, by_step in steps.items()}
+        by_rank = steps.setdefault(r["run"], {}).setdefault((r["epoch"], r["step"]), {})
+        by_rank.setdefault(r["dp_rank"], []).append((r["batch_idx"], r["rows"]))
+    return {
+        run: {
+            key: ranked_rows([[row for _, rows in sorted(parts[rank]) for row in rows] for rank in sorted(parts)])
+            for key, parts in by_step.items()
+        }
+        for run, by_step in steps.items()
+    }
 
 
 def test_a_mixture_trains_the_same_steps_on_two_ddp_ranks_and_resumes_across_world_sizes(

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support import fit, fit_in_processes, make_docs, read_records, train_tokenizer, write_parquet
+from support import fit, fit_in_processes, make_docs, ranked_rows, read_records, train_tokenizer, write_parquet
 
 from lightning_d9d import PretrainingDataModule
 
@@ -70,12 +70,18 @@ def run(tmp: Path, data: Path, runs: list[dict], devices: int = 1, **changes: An
 
 
 def rows_per_step(records: list[dict], run: str) -> dict[tuple[int, int], list[str]]:
-    """(epoch, global step) -> the sorted digests of every row trained in that step, over all ranks."""
-    steps: dict[tuple[int, int], list[str]] = {}
+    """(epoch, global step) -> the digests of every row trained in that step, in order over all ranks: rank 0's
+    microbatches in order, then rank 1's (each rank the same number of rows, so a row's place also says which rank
+    trained it)."""
+    steps: dict[tuple[int, int], dict[int, list[tuple[int, list[str]]]]] = {}
     for r in records:
         if r["run"] == run and r["kind"] == "train":
-            steps.setdefault((r["epoch"], r["step"]), []).extend(r["rows"])
-    return {key: sorted(rows) for key, rows in steps.items()}
+            by_rank = steps.setdefault((r["epoch"], r["step"]), {})
+            by_rank.setdefault(r["dp_rank"], []).append((r["batch_idx"], r["rows"]))
+    return {
+        key: ranked_rows([[row for _, rows in sorted(by_rank[rank]) for row in rows] for rank in sorted(by_rank)])
+        for key, by_rank in steps.items()
+    }
 
 
 def assert_resumed_runs_match(records: list[dict], full: dict, resumed: dict[str, int]) -> None:
@@ -244,17 +250,24 @@ def test_a_state_from_other_settings_names_both_values(data: Path) -> None:
 
 def test_restart_epoch_accepts_a_state_from_other_settings(data: Path) -> None:
     dm = make_dm(data)
+    list(dm.train_dataloader())  # epoch 0
     iterator = iter(dm.train_dataloader())
     for _ in range(4):
         next(iterator)
     state = dm.state_dict()
+    assert (state["epoch"], state["step"]) == (1, 2)
     other = make_dm(data, seed=1, on_order_mismatch="restart_epoch")
-    with pytest.warns(UserWarning, match="seed: checkpoint 0, this run 1.*restarting epoch 0"):
+    with pytest.warns(UserWarning, match="seed: checkpoint 0, this run 1.*restarting epoch 1 from its first step"):
         other.load_state_dict(state)
-    fresh = make_dm(data, seed=1)
-    assert all(
-        torch.equal(a.input_ids, b.input_ids) for a, b in zip(other.train_dataloader(), fresh.train_dataloader())
-    )
+    assert (other.state_dict()["epoch"], other.state_dict()["step"]) == (1, 0)
+    # The other settings' streams start afresh: epoch 1's 3 steps are what a fresh run of them trains first.
+    restarted = list(other.train_dataloader())
+    assert (other.state_dict()["epoch"], other.state_dict()["step"]) == (1, 3)  # the end of epoch 1
+    fresh = list(make_dm(data, seed=1).train_dataloader())
+    assert len(restarted) == len(fresh) == 3 * 2
+    for a, b in zip(restarted, fresh, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
+    assert not torch.equal(restarted[0].input_ids, next(iter(make_dm(data).train_dataloader())).input_ids)  # seed 1
 
 
 @pytest.mark.parametrize("packing", ["concat", "bestfit"])
@@ -269,7 +282,7 @@ def test_a_stream_resumes_exactly_after_changing_the_tokenizer_batch_size(data: 
     resumed.load_state_dict(state)
     got = list(resumed.train_dataloader())
     assert len(got) == 14
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
 
 

@@ -1,7 +1,8 @@
 """Global batch size and seq_len in phases under a real Trainer: Lightning accumulates exactly each step's
 microbatches (no window straddles two phases, gradients whole), 1 and 2 DDP ranks train the same global batches
 through a ramp and a length change, and a resume before, at or after a boundary continues exactly, on the same and
-on another layout.
+on another layout, also from a checkpoint written on an epoch's last batch (2 → 1 and 1 → 2 processes, compared
+microbatch by microbatch with an uninterrupted run on the resuming layout).
 
 ``StepSizes`` answers two Lightning internals (the epoch loop's accumulation end and the automatic optimisation's
 zero-grad) from the DataModule: the gradient test pins them down, so a Lightning upgrade that changes them fails here.
@@ -174,3 +175,89 @@ def test_the_progress_bar_counts_optimizer_steps_of_every_size(data: Path, tmp_p
     ends = [sum(size_at(s) // 2 for s in range(step + 1)) for step in range(STEPS_PER_EPOCH)]
     expected = [(sum(1 for end in ends if end <= i + 1), STEPS_PER_EPOCH) for i in range(ends[-1])]
     assert seen == expected, "after each microbatch: the optimizer steps completed, of the epoch's 7"
+
+
+# Elastic resume at an epoch's end (issue 44): epochs of 5 steps, so the checkpoint after step 4 ends epoch 0. Each
+# schedule puts a G boundary in another place relative to that end: "ramp" before it (3) and after it (6), "at_end" at
+# it (5, and more than doubling, so a 1-process epoch 0 has fewer microbatches than a 2-process epoch 1), "fixed" none.
+ELASTIC_SCHEDULES = {"ramp": [[0, 8], [3, 16], [6, 8]], "at_end": [[0, 8], [5, 32]], "fixed": [[0, 8]]}
+ELASTIC_EPOCH, ELASTIC_STEPS = 5, 10
+# The first step each resume trains, by checkpoint: the end of epoch 0 as ModelCheckpoint(every_n_train_steps) saves
+# it (on the epoch's last batch) and as saved at the epoch's end, mid-epoch 0 at the ramp's first boundary, and
+# mid-epoch 1.
+ELASTIC_CHECKPOINTS = {
+    "epoch=0-step=5.ckpt": 5, "end-epoch=0.ckpt": 5, "epoch=0-step=3.ckpt": 3, "epoch=1-step=7.ckpt": 7,
+}  # fmt: skip
+
+
+def elastic_runs(tmp: Path, layout: str, resume_from: str | None) -> list[dict]:
+    """Per schedule: the uninterrupted run on ``layout`` (checkpointing every step and at each epoch's end), and where
+    ``resume_from`` names the other layout, a resume from each of its checkpoints."""
+    runs = []
+    for name, sizes in ELASTIC_SCHEDULES.items():
+        options = {"global_batch_size": sizes, "steps_per_epoch": ELASTIC_EPOCH, "seq_len": 16}
+        ckpt_dir = str(tmp / layout / name)
+        runs.append(dict(name=f"{name}-full", max_steps=ELASTIC_STEPS, options=options, ckpt_dir=ckpt_dir,
+                         every_n_train_steps=1, epoch_end_ckpt=True))  # fmt: skip
+        for file in ELASTIC_CHECKPOINTS if resume_from else ():
+            path = str(tmp / resume_from / name / file)
+            runs.append(dict(name=f"{name}-from-{file}", max_steps=ELASTIC_STEPS, options=options, ckpt_path=path))
+    return runs
+
+
+def microbatch_sequence(records: list[dict], run: str, start: int = 0) -> list[tuple]:
+    """Every microbatch ``run`` trained from step ``start`` on, in training order: (step, rank, index in the epoch,
+    Lightning's accumulation count, digest of all its tensors)."""
+    return [
+        (r["step"], r["rank"], r["batch_idx"], r["accumulate"], r["digest"])
+        for r in records
+        if r["run"] == run and r["step"] >= start
+    ]
+
+
+def step_weights(records: list[dict], run: str, start: int = 0) -> list[tuple[int, float]]:
+    """The weight each optimizer step of ``run`` trained with (equal only if every earlier step was a whole window)."""
+    return sorted({(r["step"], r["weight"]) for r in records if r["run"] == run and r["step"] >= start})
+
+
+def assert_resumed_exactly(records: list[dict], run: str, start: int, processes: int, sizes: list) -> None:
+    got, want = microbatch_sequence(records, run), microbatch_sequence(records, run.split("-")[0] + "-full", start)
+    # Counted by hand from the schedule: G(s) / (processes × microbatch_size 2) microbatches per rank and step.
+    expected = sum(processes * ([g for first, g in sizes if first <= s][-1] // (2 * processes))
+                   for s in range(start, ELASTIC_STEPS))  # fmt: skip
+    assert len(want) == expected, f"{run}: the uninterrupted run trained {len(want)} microbatches, planned {expected}"
+    assert len(got) == len(want) and got == want, f"{run}: resumed at step {start}, not the uninterrupted microbatches"
+    resumed, uninterrupted = step_weights(records, run), step_weights(records, run.split("-")[0] + "-full", start)
+    assert [s for s, _ in resumed] == [s for s, _ in uninterrupted]
+    assert [w for _, w in resumed] == pytest.approx([w for _, w in uninterrupted], rel=1e-5, abs=1e-7), run
+
+
+@pytest.mark.slow
+def test_an_elastic_resume_at_or_around_an_epoch_end_trains_the_uninterrupted_microbatches(
+    data: Path, tmp_path: Path
+) -> None:
+    # 1 process first, then 2 DDP processes (uninterrupted, and resumed from the 1-process checkpoints), then 1
+    # process resumed from the 2-process checkpoints, and once more from a checkpoint that such a resume wrote.
+    one, two = tmp_path / "one_records", tmp_path / "two_records"
+    fit({**config(tmp_path, data, elastic_runs(tmp_path, "one", None)), "record_dir": str(one)})
+    ddp = {**config(tmp_path, data, elastic_runs(tmp_path, "two", "one"), devices=2), "record_dir": str(two)}
+    fit_in_processes(ddp, timeout=600)
+    back = [run for run in elastic_runs(tmp_path, "one", "two") if "ckpt_path" in run]
+    chained = []
+    for run in back:  # the resumes at the epoch's end checkpoint every step, and one resumes from mid-epoch 1
+        if run["name"].endswith("-from-epoch=0-step=5.ckpt"):
+            run.update(ckpt_dir=str(tmp_path / "chain" / run["name"]), every_n_train_steps=1)
+            path = str(tmp_path / "chain" / run["name"] / "epoch=1-step=7.ckpt")
+            name = run["name"].split("-")[0] + "-chained"
+            chained.append(dict(name=name, max_steps=ELASTIC_STEPS, options=run["options"], ckpt_path=path))
+    fit({**config(tmp_path, data, back + chained), "record_dir": str(one)})
+    for records, processes in ((read_records(one), 1), (read_records(two), 2)):
+        for name, sizes in ELASTIC_SCHEDULES.items():
+            full = by_step(records, f"{name}-full")
+            assert sorted(full) == list(range(ELASTIC_STEPS)), f"{name} on {processes} process(es)"
+            for file, start in ELASTIC_CHECKPOINTS.items():
+                assert_resumed_exactly(records, f"{name}-from-{file}", start, processes, sizes)
+            if processes == 1:  # a checkpoint written after a 2 → 1 resume at the epoch's end resumes exactly too
+                assert_resumed_exactly(records, f"{name}-chained", 7, processes, sizes)
+    for name in ELASTIC_SCHEDULES:  # both layouts train the same global batches (rows compared as multisets)
+        assert global_rows(read_records(one), f"{name}-full") == global_rows(read_records(two), f"{name}-full"), name

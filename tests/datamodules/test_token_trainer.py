@@ -83,6 +83,33 @@ def by_step(records: list[dict], steps: list[int]) -> dict[tuple[int, int], list
     return {key: sorted(ids) for key, ids in grouped.items()}
 
 
+def assert_budgets_kept_and_samples_once(records: list[dict], microbatches: bool = True) -> None:
+    """A reference independent of the planner (``dm.plan``, which the loader itself follows), from the dataset's
+    lengths and arithmetic: each microbatch costs (samples × its longest, as ``pad_collate`` pads) at most
+    ``microbatch_tokens`` and each step's samples at most ``global_batch_tokens``; an epoch trains a sample at most
+    once, and the samples it leaves out are only a tail too short to fill a step (fewer than its P microbatches,
+    so under (P - 1) × ``microbatch_tokens`` tokens)."""
+    lengths = LengthDataset(OPTIONS["size"]).lengths
+    per_epoch: dict[int, list[int]] = {}
+    per_step: dict[int, list[int]] = {}
+    for record in records:
+        ids = record["ids"]
+        assert ids, f"an empty microbatch: {record}"
+        if microbatches:
+            cost = len(ids) * int(lengths[ids].max())
+            assert cost <= OPTIONS["microbatch_tokens"], f"step {record['step']}: {len(ids)} samples cost {cost}"
+        per_epoch.setdefault(record["epoch"], []).extend(ids)
+        per_step.setdefault(record["step"], []).extend(ids)
+    assert sorted(per_epoch) == list(range(EPOCHS))
+    for epoch, ids in per_epoch.items():
+        assert len(ids) == len(set(ids)), f"epoch {epoch} trains a sample twice"
+        left_out = sorted(set(range(OPTIONS["size"])) - set(ids))
+        left_tokens = int(lengths[left_out].sum())
+        assert left_tokens < (PER_STEP - 1) * OPTIONS["microbatch_tokens"], f"epoch {epoch} left out {left_out}"
+    for step, ids in per_step.items():
+        assert int(lengths[ids].sum()) <= OPTIONS["global_batch_tokens"], f"step {step} over its budget"
+
+
 def trained(records: list[dict]) -> list[tuple]:
     return [(r["epoch"], r["step"], r["rank"], r["batch_idx"], r["ids"]) for r in records]
 
@@ -107,6 +134,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_each_epoch_trains_exactly_its_plan_though_epochs_differ_in_length(reference: dict, plan: dict) -> None:
     assert plan["steps"] == [9, 9, 10], "the data must give epochs of different lengths for this test to mean much"
     records = reference["records"]
+    assert_budgets_kept_and_samples_once(records)
     assert by_step(records, plan["steps"]) == plan["per_step"]
     assert set(Counter((r["epoch"], r["step"]) for r in records).values()) == {PER_STEP}, "M microbatches a step"
     assert max(r["step"] for r in records) == sum(plan["steps"]) - 1
@@ -139,13 +167,15 @@ def test_resume_in_a_later_epoch_continues_with_exactly_the_uninterrupted_batche
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("token_ddp")
-    records = run(root / "records", devices=2, ckpt_dir=root / "ckpt", every_n_train_steps=5)
+    # Every 3 steps: among them 9 and 18, the last batches of epochs 0 and 1.
+    records = run(root / "records", devices=2, ckpt_dir=root / "ckpt", every_n_train_steps=3)
     return {"records": records, "ckpt": root / "ckpt"}
 
 
 @pytest.mark.slow
 def test_ddp_ranks_train_equal_shares_of_the_same_steps(ddp_reference: dict, plan: dict) -> None:
     records = ddp_reference["records"]
+    assert_budgets_kept_and_samples_once(records)
     assert by_step(records, plan["steps"]) == plan["per_step"]
     per_rank = Counter(r["rank"] for r in records)
     assert per_rank[0] == per_rank[1] == sum(plan["steps"]) * PER_STEP // 2
@@ -155,19 +185,40 @@ def test_ddp_ranks_train_equal_shares_of_the_same_steps(ddp_reference: dict, pla
 def test_elastic_resume_two_ranks_to_one_in_a_later_epoch(ddp_reference: dict, plan: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, ckpt_path=str(ddp_reference["ckpt"] / "epoch=1-step=15.ckpt"))
     combined = before_step(ddp_reference["records"], 15) + resumed
+    assert_budgets_kept_and_samples_once(combined)
     assert by_step(combined, plan["steps"]) == plan["per_step"]
     assert len(combined) == sum(plan["steps"]) * PER_STEP  # every planned microbatch once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", [9, 18], ids=["end-of-epoch-0", "end-of-epoch-1-before-a-longer-epoch"])
+def test_elastic_resume_from_an_epochs_last_batch_trains_the_uninterrupted_microbatches(
+    reference: dict, ddp_reference: dict, plan: dict, tmp_path: Path, end: int
+) -> None:
+    # Saved on the epoch's last batch, Lightning's restored counters are the saving layout's microbatches of the
+    # finished epoch: 2 → 1 they are fewer than the next epoch has here, which must start at its first microbatch.
+    assert sum(plan["steps"][: 1 + (end == 18)]) == end
+    epoch = end // 9 - 1
+    resumed = run(tmp_path / "one", ckpt_path=str(ddp_reference["ckpt"] / f"epoch={epoch}-step={end}.ckpt"))
+    assert len(resumed) == (sum(plan["steps"]) - end) * PER_STEP
+    assert trained(before_step(reference["records"], end) + resumed) == trained(reference["records"])
+    resumed = run(tmp_path / "two", devices=2, ckpt_path=str(reference["ckpt"] / f"epoch={epoch}-step={end}.ckpt"))
+    assert len(resumed) == (sum(plan["steps"]) - end) * PER_STEP
+    assert trained(before_step(ddp_reference["records"], end) + resumed) == trained(ddp_reference["records"])
 
 
 @pytest.mark.slow
 def test_elastic_resume_one_rank_to_two_inside_a_window(reference: dict, plan: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, devices=2, ckpt_path=str(reference["ckpt"] / "mid-e2-b9.ckpt"))
     combined = before_step(reference["records"], 20) + resumed
+    assert_budgets_kept_and_samples_once(combined)
+    assert len(combined) == sum(plan["steps"]) * PER_STEP  # every planned microbatch once
     assert by_step(combined, plan["steps"]) == plan["per_step"]
 
 
 def test_yield_packs_hand_out_each_planned_step_whole_and_resume_exactly(plan: dict, tmp_path: Path) -> None:
     full = run(tmp_path / "full", ckpt_dir=tmp_path / "ckpt", packs=True, every_n_train_steps=11)
+    assert_budgets_kept_and_samples_once(full, microbatches=False)  # a record is a whole step's pack
     assert by_step(full, plan["steps"]) == plan["per_step"]
     assert {r["batch_idx"] for r in full if r["epoch"] == 2} == set(range(plan["steps"][2])), "one batch per step"
     resumed = run(tmp_path / "resumed", packs=True, ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=11.ckpt"))

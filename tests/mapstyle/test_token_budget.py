@@ -46,6 +46,28 @@ def per_step_samples(dm: D9DDataModule, world_size: int, epoch: int, num_workers
     return [sorted(steps[step]) for step in sorted(steps)]
 
 
+def ordered_steps(dm: D9DDataModule, world_size: int, epoch: int, num_workers: int = 0) -> list[list[list[int]]]:
+    """Every step's microbatches (sample ids) in order, rebuilt from ``world_size`` simulated ranks: microbatch k of
+    a step goes to rank k, then back down (a snake: 0 1 1 0 0 1 ... for two ranks), each rank keeping its share in
+    order; the dealing is written out here, so two layouts agree only if every sample has the same place."""
+    dm.num_workers = num_workers
+    microbatches = dm.global_batch_tokens // dm.microbatch_tokens
+    per_rank = [[b["ids"].tolist() for b in dm.train_dataloader_for_rank(rank, world_size, epoch)] for rank in
+                range(world_size)]  # fmt: skip
+    steps = len(per_rank[0]) // (microbatches // world_size)
+    assert all(len(batches) == steps * microbatches // world_size for batches in per_rank)
+    taken, out = [0] * world_size, []
+    for _ in range(steps):
+        step = []
+        for k in range(microbatches):
+            lap, offset = divmod(k, world_size)
+            owner = offset if lap % 2 == 0 else world_size - 1 - offset
+            step.append(per_rank[owner][taken[owner]])
+            taken[owner] += 1
+        out.append(step)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the plan
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
 @pytest.mark.parametrize("sort_buffer_size", [64, None], ids=["sorted", "unsorted"])
@@ -95,6 +117,10 @@ def test_the_plan_is_the_same_on_any_world_size_and_worker_count() -> None:
         assert len(one) == dm.steps_in_epoch(epoch)
         assert per_step_samples(dm, 2, epoch) == one
         assert per_step_samples(dm, 4, epoch, num_workers=2) == one
+        ordered = ordered_steps(dm, 1, epoch)
+        assert len(ordered) == len(one)
+        assert ordered_steps(dm, 2, epoch) == ordered
+        assert ordered_steps(dm, 4, epoch, num_workers=2) == ordered
     # Epochs are reshuffled and pack into their own number of steps (seed 1: 10 then 9).
     assert [dm.steps_in_epoch(epoch) for epoch in (0, 1)] == [10, 9]
     assert per_step_samples(dm, 1, 0) != per_step_samples(dm, 1, 1)
@@ -236,16 +262,24 @@ def test_padded_token_budget_batches_stay_within_budget(text_corpus: dict) -> No
 
 def test_resume_without_a_trainer_continues_with_the_same_batches(text_corpus: dict) -> None:
     first = text_dm(text_corpus, padding_free=True)
+    whole_epoch = list(text_dm(text_corpus, padding_free=True).train_dataloader())
     iterator = iter(first.train_dataloader())
     for _ in range(3 * 4 + 2):  # inside step 3's accumulation window
         next(iterator)
     state = first.state_dict()
     assert state["step"] == 3 and state["fingerprint"]["padding_free"] is True
-    rest = [next(iterator) for _ in range(6)]
+    rest = list(iterator)
+    assert len(whole_epoch) == first.steps_in_epoch(0) * 4 and len(rest) == len(whole_epoch) - 14 >= 6
     restored = text_dm(text_corpus, padding_free=True)
     restored.load_state_dict(state)
-    again = list(restored.train_dataloader())[:8]
-    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(again[2:], rest))
+    again = list(restored.train_dataloader())
+    # The resumed epoch starts at step 3 (the checkpoint's unfinished step, all its microbatches) and runs to the end
+    # of the epoch: the batches an uninterrupted epoch trains from step 3 on, in order.
+    assert len(again) == len(whole_epoch) - 12 == len(rest) + 2
+    for a, b in zip(again, whole_epoch[12:], strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+    for a, b in zip(again[2:], rest, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids)
     other_budget = text_dm(text_corpus, padding_free=True, microbatch_tokens=128)
     with pytest.raises(ValueError, match=r"microbatch_tokens: checkpoint 256, this run 128"):
         other_budget.load_state_dict(state)

@@ -11,7 +11,8 @@ from support import assert_same_blocks, corpus_spec, make_docs, respec, take, tr
 from test_pretraining_stream import spec_for
 
 from lightning_d9d.streaming.loading.loader import rank_blocks
-from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.packing.bestfit_stage import BestFitState
 from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth
 from lightning_d9d.streaming.sources.source import RowGroupIndex, resolve_files
 from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
@@ -67,7 +68,7 @@ def test_the_buffer_grows_from_its_start_size_by_its_growth_per_row(packing: str
     # Before each pick of row r the buffer is topped up to exactly min(40, 3 + 2 r) documents; the row ends
     # with a pick (one fewer left) or, best-fit-split's, with padding (none taken after the top-up).
     targets = [min(40, 3 + 2 * r) for r in range(30)]
-    assert all(t - 1 <= size <= t for size, t in zip(sizes, targets)), sizes
+    assert all(t - 1 <= size <= t for size, t in zip(sizes, targets, strict=True)), sizes
     if packing == "bestfit":  # every row ends with a pick
         assert sizes == [t - 1 for t in targets]
     full = packer_of(packing, FULL_BUFFER)

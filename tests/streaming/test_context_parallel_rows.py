@@ -124,7 +124,7 @@ def test_cp_shards_of_a_streaming_batch_put_back_together_are_the_batch(corpus: 
 
 def test_concat_rows_are_the_same_under_cp_and_each_row_is_one_sequence(corpus: Path) -> None:
     plain, split = batches_of(datamodule(corpus, "concat", 1), 6), batches_of(datamodule(corpus, "concat", 4), 6)
-    for a, b in zip(plain, split):
+    for a, b in zip(plain, split, strict=True):
         for name in ("input_ids", "targets", "position_ids", "sources"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         rows = torch.arange(0, b.input_ids.numel() + 1, OPTIONS["seq_len"], dtype=torch.int32)

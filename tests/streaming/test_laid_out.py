@@ -49,7 +49,7 @@ def test_a_cached_chunk_is_laid_out_as_the_same_chunk_tokenized(counts: list[int
         np.testing.assert_array_equal(replayed.payload, fresh.payload)
     else:
         assert len(replayed.payload) == len(fresh.payload) == len(counts)
-        for ours, theirs in zip(replayed.payload, fresh.payload):
+        for ours, theirs in zip(replayed.payload, fresh.payload, strict=True):
             np.testing.assert_array_equal(ours, theirs)
 
 

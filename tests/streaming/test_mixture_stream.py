@@ -90,7 +90,7 @@ def test_every_step_takes_exactly_the_planned_rows_of_each_source(corpus: dict, 
         assert (counts[0], counts[1]) == plan.rows_of_step(step)
         taken += (counts[0], counts[1])
         target = schedule.target_rows(step + 1, G)
-        assert all(abs(t - float(w)) <= 1 for t, w in zip(taken, target))
+        assert all(abs(t - float(w)) <= 1 for t, w in zip(taken, target, strict=True))
     # Each row is of its source only: its words are that source's (upper case for b).
     tok, vocab = corpus["tok"], corpus["vocab"]
     specials = {tok.token_to_id("<|bos|>"), tok.token_to_id("<unk>")}

@@ -140,7 +140,7 @@ def make_dm(s3: dict, train_files: Any, **changes: Any) -> PretrainingDataModule
 
 def assert_same_batches(got: list, want: list) -> None:
     assert len(got) == len(want) > 0
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
         assert torch.equal(a.position_ids, b.position_ids)
 

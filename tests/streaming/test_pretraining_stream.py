@@ -32,7 +32,6 @@ from support import (
 
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.streaming.loading.loader import rank_blocks, rank_streams
-from lightning_d9d.streaming.packing import bestfit_restore
 from lightning_d9d.streaming.packing.rows import bos_tensors, flagged_tensors
 from lightning_d9d.streaming.plans.packings import PACKINGS
 from lightning_d9d.streaming.plans.spec import StreamSpec
@@ -42,6 +41,7 @@ from lightning_d9d.streaming.streams.estimate import estimate_pass
 from lightning_d9d.streaming.streams.mixture_stream import MixtureState
 from lightning_d9d.streaming.streams.stream import StreamState, TokenStream
 from lightning_d9d.streaming.tokens import tokenize
+from lightning_d9d.tokenization.backends import HuggingFaceBackend
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_tokenizer_post_processor_truncation_and_padding_do_not_reach_the_rows(c
     for name, tok in (("plain", plain), ("dressed", dressed)):
         spec = respec(spec_for(corpus, packing, streams=2), tokenizer_json=tok.to_str())
         rows[name] = [inputs for inputs, _, _, _ in take(TokenStream(spec, 0), 40)]
-    for a, b in zip(rows["plain"], rows["dressed"]):
+    for a, b in zip(rows["plain"], rows["dressed"], strict=True):
         assert torch.equal(a, b)
     inputs = torch.cat(rows["plain"])
     assert (inputs == bos).any()
@@ -231,20 +231,15 @@ def test_resume_from_any_block_is_byte_identical(corpus: dict, packing: str) -> 
 
 
 def spy_on_tokenizer_calls(monkeypatch) -> list[list[str]]:
-    """Record the texts of every ``encode_batch_fast`` call the token streams make from now on."""
+    """Record the texts of every call the token streams make to the ``tokenizers`` backend from now on."""
     calls: list[list[str]] = []
-    real = tokenize.tokenizer_from_json
+    real = HuggingFaceBackend.encode
 
-    class Spy:
-        def __init__(self, tok):
-            self.tok = tok
+    def spy(self, texts):
+        calls.append(list(texts))
+        return real(self, texts)
 
-        def encode_batch_fast(self, texts, **options):
-            calls.append(list(texts))
-            return self.tok.encode_batch_fast(texts, **options)
-
-    for module in (tokenize, bestfit_restore):
-        monkeypatch.setattr(module, "tokenizer_from_json", lambda s: Spy(real(s)))
+    monkeypatch.setattr(HuggingFaceBackend, "encode", spy)
     return calls
 
 
@@ -257,8 +252,8 @@ def test_bestfit_resume_rebuilds_long_documents_from_a_text_prefix(corpus: dict,
     assert buffer.nbytes + 200 < 1 << 20
     calls = spy_on_tokenizer_calls(monkeypatch)
     resumed = take(TokenStream(spec, 0, state), 19)
-    for a, b in zip(full[21:], resumed):
-        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+    for a, b in zip(full[21:], resumed, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3], strict=True))
     longest = max(len(t) for g in range(len(spec.index)) for t in spec.index.read_texts(g) if t)
     assert max(len(t) for texts in calls for t in texts) < longest  # the longest were not re-tokenized whole
 
@@ -273,8 +268,8 @@ def test_bestfit_split_resume_tokenizes_only_a_prefix_for_an_early_chunk(corpus:
         state = full[cut][3]
         calls.clear()
         resumed = take(TokenStream(spec, 0, state), 10)
-        for a, b in zip(full[cut + 1 :], resumed):
-            assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+        for a, b in zip(full[cut + 1 : cut + 11], resumed, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3], strict=True))
         buffered = {texts[(g, r)] for g, r in state.packing.buffer[:, 2:4].tolist()}
         tokenized = [t for texts_of_call in calls for t in texts_of_call]
         prefixes += sum(1 for t in tokenized if t not in buffered and any(d.startswith(t) for d in buffered))
@@ -339,11 +334,11 @@ def test_a_process_restoring_several_streams_reads_each_buffered_row_group_once(
     assert sorted(restore_reads) == sorted(buffered)  # every buffered row group once, for all four streams
     for sid in streams:
         mine = [(block, state) for s, block, state in got if s == sid]
-        for (block, state), want in zip(mine, full[sid][20:]):
+        for (block, state), want in zip(mine, full[sid][20:], strict=True):
             resumed = bos_tensors(block.tokens, spec.bos_id) if block.flags is None else None
             if resumed is None:
                 resumed = flagged_tensors(block.tokens, block.flags)
-            assert all(torch.equal(x, y) for x, y in zip(resumed, want[:3]))
+            assert all(torch.equal(x, y) for x, y in zip(resumed, want[:3], strict=True))
             assert state.sources["train"].counters == want[3].counters
 
 
@@ -400,7 +395,7 @@ def test_worker_processes_hand_over_exactly_their_streams_blocks_in_a_fixed_orde
         iterator.close()
         mine = [(block, state.sources["train"]) for s, block, state in got if s == sid]
         assert len(mine) == 10
-        for (block, state), (want, want_state) in zip(mine, expected):
+        for (block, state), (want, want_state) in zip(mine, expected, strict=True):
             assert block.tokens.dtype in (np.uint16, np.int32) and block.tokens.shape == (2, spec.capacity)
             np.testing.assert_array_equal(block.tokens, want.tokens)
             assert state.counters == want_state.counters and state.packing.read == want_state.packing.read

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import (
     make_docs,
+    ranked_rows,
     small_corpus,
     small_run,
     step_rows,
@@ -181,7 +183,7 @@ def test_a_new_row_length_gives_the_rows_a_resume_there_gives(split: bool) -> No
         for later in range(boundary, len(CAPACITIES)):
             resumed.reshape(CAPACITIES[later])
             got = resumed.take(3, again)
-            for x, y in zip(got, outputs[later]):
+            for x, y in zip(got, outputs[later], strict=True):
                 np.testing.assert_array_equal(x, y, err_msg=f"resumed at {boundary}, block {later}")
         np.testing.assert_array_equal(resumed.snapshot(), whole.snapshot())
         assert resumed.counters == whole.counters
@@ -233,7 +235,7 @@ def test_a_plan_takes_each_steps_global_batch_and_stays_within_a_row_of_its_targ
         quota = plan.rows_of_step(step)
         assert sum(quota) == sizes.at(step) and min(quota) >= 0
         taken = plan.cumulative_rows(step + 1)
-        assert all(abs(t - float(w)) < 1 for t, w in zip(taken, plan.target_rows(step + 1)))
+        assert all(abs(t - float(w)) < 1 for t, w in zip(taken, plan.target_rows(step + 1), strict=True))
         assert [sum(row) for row in plan.stream_rows_of_step(step, 8)] == [sizes.at(step) // 8] * 8
     assert MixturePlan.from_dict(plan.to_dict()).cumulative_rows(80) == plan.cumulative_rows(80)
 
@@ -259,14 +261,15 @@ def datamodule(corpus: Path, packing: str, world: int = 1, rank: int = 0, **chan
 
 
 def global_steps(corpus: Path, packing: str, world: int, start: int = 0, state: dict | None = None, **changes):
-    """The sorted rows of every step over ``world`` simulated data-parallel ranks."""
+    """The rows of every step over ``world`` simulated data-parallel ranks, in order: rank 0's rows, then rank 1's,
+    ... (each rank the same number of rows, so a row's place also says which rank trained it)."""
     per_rank = []
     for rank in range(world):
         dm = datamodule(corpus, packing, world, rank, **changes)
         if state is not None:
             dm.load_state_dict(state)
         per_rank.append(step_rows(dm, STEPS, start))
-    return [sorted(itertools.chain(*parts)) for parts in zip(*per_rank)]
+    return [ranked_rows(parts) for parts in zip(*per_rank, strict=True)]
 
 
 def state_at(corpus: Path, packing: str, step: int, **changes) -> dict:
@@ -338,7 +341,7 @@ def test_concat_cuts_the_same_token_stream_whatever_the_shapes(corpus: Path) -> 
     repeated at a boundary, and a partly packed row carries over."""
     scheduled = full_rows(datamodule(corpus, "concat"), STEPS)
     fixed = full_rows(datamodule(corpus, "concat", seq_len=24, global_batch_size=8, steps_per_epoch=12), 12)
-    for a, b in zip(scheduled, fixed):
+    for a, b in zip(scheduled, fixed, strict=True):
         a, b = np.concatenate(a), np.concatenate(b)
         common = min(len(a), len(b))
         assert common > 500
@@ -363,6 +366,83 @@ def test_bad_schedules_in_a_datamodule_name_the_phase_and_what_is_valid(corpus: 
         _ = dm.microbatches_per_step
 
 
+def test_an_odd_seq_len_without_context_parallelism_trains_rows_that_hold_whole_documents(corpus: Path) -> None:
+    """seq_len=9 under a Trainer: every microbatch is 2 rows of 9 inputs, and each stream's rows, joined, are whole
+    documents one after another, each as a tokenization of our own gives it (BOS first), none twice."""
+    import lightning.pytorch as pl
+    import pyarrow.parquet as pq
+    from support import RecordingModule
+    from tokenizers import Tokenizer
+
+    steps, batches = 20, []
+
+    class Keep(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch, index: int) -> None:
+            batches.append(batch)
+
+    dm = PretrainingDataModule(
+        train_files=str(corpus / "train"), tokenizer=str(corpus / "tokenizer.json"), seq_len=9, global_batch_size=8,
+        microbatch_size=2, num_streams=4, steps_per_epoch=steps, num_workers=0, packing="concat",
+    )  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Keep()],
+    )  # fmt: skip
+    trainer.fit(RecordingModule(str(corpus / "odd_records")), datamodule=dm)
+    assert len(batches) == steps * 4 and trainer.global_step == steps
+    for batch in batches:
+        for tensor in (batch.input_ids, batch.targets, batch.position_ids):
+            assert tuple(tensor.shape) == (2, 9)
+        assert torch.equal(batch.targets[:, :-1], batch.input_ids[:, 1:]), "concat: targets are the next inputs"
+    # A step's 4 microbatches are the 4 streams' 2 rows each; a row is its first input and its 9 targets.
+    streams: list[list[int]] = [[] for _ in range(4)]
+    for index, batch in enumerate(batches):
+        rows = torch.cat([batch.input_ids[:, :1], batch.targets], dim=1)
+        streams[index % 4] += rows.flatten().tolist()
+    tokenizer = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    bos = tokenizer.token_to_id("<|bos|>")
+    texts = [t for f in sorted((corpus / "train").glob("*.parquet")) for t in pq.read_table(f)["text"].to_pylist()]
+    encoded = tokenizer.encode_batch([t for t in texts if t is not None], add_special_tokens=False)
+    documents = Counter((bos, *e.ids) for e in encoded)
+    seen: Counter = Counter()
+    for tokens in streams:
+        assert len(tokens) == steps * 2 * 10 and tokens[0] == bos
+        starts = [i for i, token in enumerate(tokens) if token == bos]
+        pieces = [tuple(tokens[a:b]) for a, b in itertools.pairwise([*starts, len(tokens)])]
+        seen.update(pieces[:-1])  # the last may go on in the next step
+        assert any(doc[: len(pieces[-1])] == pieces[-1] for doc in documents), "the last piece begins a document"
+    assert all(piece in documents for piece in seen), "every piece is a whole document"
+    assert all(count <= documents[piece] for piece, count in seen.items()), "a document trained twice"
+    assert sum(seen.values()) > 40
+
+
+def test_odd_seq_len_phases_give_rows_of_each_phase_the_same_on_any_layout(corpus: Path) -> None:
+    odd = dict(seq_len=[[0, 9], [3, 15], [6, 7]])
+    for packing in ("concat", "bestfit", "bestfit_split"):
+        dm = datamodule(corpus, packing, **odd)
+        assert [dm.seq_len_at(s) for s in range(STEPS)] == [9, 9, 9, 15, 15, 15, 7, 7, 7]
+        step_rows(dm, STEPS)  # checks every microbatch's shape: microbatch_size rows of the step's seq_len
+        assert global_steps(corpus, packing, 2, **odd) == global_steps(corpus, packing, 1, **odd), packing
+    # concat: the same token stream as at a fixed even length, nothing dropped or repeated at the odd boundaries
+    scheduled = full_rows(datamodule(corpus, "concat", **odd), STEPS)
+    fixed = full_rows(datamodule(corpus, "concat", seq_len=24, global_batch_size=8, steps_per_epoch=12), 12)
+    for a, b in zip(scheduled, fixed):
+        a, b = np.concatenate(a), np.concatenate(b)
+        common = min(len(a), len(b))
+        assert common > 200
+        np.testing.assert_array_equal(a[:common], b[:common])
+
+
+def test_an_odd_seq_len_is_refused_with_context_parallelism_naming_the_multiple(corpus: Path) -> None:
+    with pytest.raises(ValueError, match=r"seq_len=9 is not a multiple of 2 × context_parallel_size = 4 "
+                                         r"\(context_parallel_size=2\): every row is split into 4 chunks over the CP "
+                                         r"ranks; use a multiple of 4, e.g. 12"):  # fmt: skip
+        datamodule(corpus, "bestfit_split", context_parallel_size=2, seq_len=9)
+    with pytest.raises(ValueError, match=r"seq_len=15 \(the phase from step 3\) is not a multiple of 2 × "
+                                         r"context_parallel_size = 4 \(context_parallel_size=2\)"):  # fmt: skip
+        datamodule(corpus, "concat", context_parallel_size=2, seq_len=[[0, 8], [3, 15]])
+
+
 def test_a_resume_under_other_shapes_is_refused_naming_them_or_continues_every_stream(corpus: Path) -> None:
     state = state_at(corpus, "concat", 4)
     with pytest.raises(ValueError, match=r"the shapes differ from the checkpoint's from step 3 .*seq_len: "
@@ -378,8 +458,43 @@ def test_a_resume_under_other_shapes_is_refused_naming_them_or_continues_every_s
     changed.load_state_dict(state)
     after = full_rows(changed, 8, 4)
     fixed = full_rows(datamodule(corpus, "concat", seq_len=24, global_batch_size=8, steps_per_epoch=14), 14)
-    for a, b, c in zip(before, after, fixed):
+    for a, b, c in zip(before, after, fixed, strict=True):
         joined, reference = np.concatenate(a + b), np.concatenate(c)
         common = min(len(joined), len(reference))
         np.testing.assert_array_equal(joined[:common], reference[:common])
         assert all(len(row) == 25 for row in b)
+
+
+def test_inspect_counts_the_tokens_of_every_seq_len_phase_and_the_runs_total(corpus: Path, tmp_path: Path) -> None:
+    """``inspect`` under a ramp and a length warm-up: the expected passes count each phase's rows at its length
+    (against our own tokenization of each source), the run's total positions are Σ G·seq_len (by hand, and as a real
+    run's microbatches hold), and each phase shows its expected fill and padding."""
+    import pyarrow.parquet as pq
+    from support import fill_token_cache
+    from tokenizers import Tokenizer
+
+    from lightning_d9d.cli import inspect
+
+    files = {"a": str(corpus / "train" / "part-000.parquet"), "b": str(corpus / "train" / "part-001.parquet")}
+    cache, mixture = str(tmp_path / "cache"), dict(weights={"a": 1, "b": 1}, num_streams=4)
+    fill_token_cache(files, str(corpus / "tokenizer.json"), cache, seq_len=16, global_batch_size=8, **mixture)
+    options = dict(mixture, token_cache=cache)  # the passes counted exactly, from the cache
+    report = inspect(datamodule(corpus, "concat", train_files=files, **options), None, 4)
+    sizes, lengths = [8, 8, 16, 16, 16, 8, 8, 8, 8], [16] * 3 + [32] * 3 + [8] * 3  # SIZES and SEQ_LENS, step by step
+    by_hand = sum(g * n for g, n in zip(sizes, lengths))
+    assert f"run total ({STEPS} steps): {by_hand:,} positions" in report
+    dm = datamodule(corpus, "concat", train_files=files, **options)
+    batches = iter(dm.train_dataloader())
+    held = sum(next(batches).input_ids.numel() for step in range(STEPS) for _ in range(dm.microbatches_at(step)))
+    dm.close_loaders()
+    assert held == by_hand, "a real run's microbatches hold the positions inspect counts"
+    assert report.count("expected fill 100.00 %, padding 0.00 %") == 5, "concat rows are full in all 5 phases"
+    # Concat: a pass over a source is its tokens (a BOS and the document's) cut into rows of seq_len + 1.
+    tokenizer = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    line = next(line for line in report.splitlines() if "expected passes" in line)
+    for name, path in files.items():
+        texts = [t for t in pq.read_table(path)["text"].to_pylist() if t]
+        tokens = sum(len(e.ids) + 1 for e in tokenizer.encode_batch(texts, add_special_tokens=False))
+        expected = sum(g / 2 * (n + 1) for g, n in zip(sizes, lengths)) / tokens  # half of each step's rows
+        shown = float(line.split(f"{name} ")[1].split(",")[0])
+        assert shown == pytest.approx(expected, rel=2e-3), (name, line)

@@ -179,7 +179,7 @@ def test_version_1_and_2_states_resume_as_their_version_3_twin(corpus: Path, sta
         runs.append([next(batches) for _ in range(3 * dm.microbatches_per_step)])
         batches.close()
     assert len(runs[0]) == len(runs[1]) == len(runs[2]) == 3 * 2  # 3 steps of M = 8 / 4
-    for a, b, c in zip(*runs):
+    for a, b, c in zip(*runs, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
         assert torch.equal(a.input_ids, c.input_ids) and torch.equal(a.targets, c.targets)
     with pytest.raises(InvalidDataState, match="a version-1 state holds seq_len and global_batch_size"):
@@ -281,8 +281,8 @@ def test_best_fit_packers_continue_from_get_state_through_reset(split: bool) -> 
     )
     refill, _ = feeder(second, at[0])
     got += [second.take(3, refill) for _ in range(6)]
-    for a, b in zip(got, want):
-        for x, y in zip(a, b):
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
     assert second.counters == whole.counters
 

@@ -72,7 +72,7 @@ def test_every_string_type_gives_the_rows_of_plain_strings(root: Path, kind: str
     want.setup("fit")
     got.setup("fit")
     assert got.fingerprint.sources[0][2] != () and got.steps_per_epoch == want.steps_per_epoch
-    pairs = list(zip(got.train_dataloader(), want.train_dataloader()))
+    pairs = list(zip(got.train_dataloader(), want.train_dataloader(), strict=True))
     assert len(pairs) == 16
     assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids) for a, b in pairs)
 

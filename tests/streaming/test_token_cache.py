@@ -24,14 +24,8 @@ import numpy as np
 import pytest
 
 from lightning_d9d.streaming.sources.storage import Storage
-from lightning_d9d.streaming.tokens.token_cache import (
-    CachedUnit,
-    Coverage,
-    TokenCache,
-    TokenCacheWarning,
-    token_array,
-    token_dtype,
-)
+from lightning_d9d.streaming.tokens.cache_entry import CachedUnit, token_array, token_dtype
+from lightning_d9d.streaming.tokens.token_cache import Coverage, TokenCache, TokenCacheWarning
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = {"tokenizer": "sha256:0123", "text_column": "text", "max_document_chars": 1 << 26, "recipe": 1}
@@ -62,7 +56,7 @@ def assert_same(loaded: CachedUnit | None, unit: CachedUnit) -> None:
 
 
 def entry(cache: TokenCache, unit: CachedUnit, file_digest: int = FILE, content: str = CONTENT) -> Path:
-    return Path(cache._path(cache.entry_name(file_digest, unit.group_in_file, unit.start, unit.stop, content)))
+    return Path(cache.fs_path(cache.entry_name(file_digest, unit.group_in_file, unit.start, unit.stop, content)))
 
 
 def store(cache: TokenCache, unit: CachedUnit, file_digest: int = FILE, content: str = CONTENT) -> bool:
@@ -270,7 +264,8 @@ CHILD_STORES = """
     import dataclasses, sys
     import numpy as np
     from lightning_d9d.streaming.sources.storage import Storage
-    from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache
+    from lightning_d9d.streaming.tokens.token_cache import TokenCache
+    from lightning_d9d.streaming.tokens.cache_entry import CachedUnit
     root, tokens, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = np.random.default_rng(7)
     offsets = np.concatenate([[0], np.sort(rng.integers(0, tokens, 999)), [tokens]]).astype(np.int64)
@@ -311,7 +306,7 @@ def test_a_store_killed_mid_write_leaves_no_entry(tmp_path: Path) -> None:
     entries stored before stay whole."""
     tokens = 16 << 20  # 32 MiB per entry: long enough to be caught mid-write
     cache = TokenCache(str(tmp_path), Storage(), KEY, vocab_size=50_000)
-    folder = Path(cache._path(f"{FILE:016x}"))
+    folder = Path(cache.fs_path(f"{FILE:016x}"))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen([*child_script(CHILD_STORES), str(tmp_path), str(tokens), "50"], env=env,
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -348,7 +343,8 @@ CHILD_SIZE_LIMIT = """
     import dataclasses, json, resource, signal, sys, warnings
     import numpy as np
     from lightning_d9d.streaming.sources.storage import Storage
-    from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache
+    from lightning_d9d.streaming.tokens.token_cache import TokenCache
+    from lightning_d9d.streaming.tokens.cache_entry import CachedUnit
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     cache = TokenCache(sys.argv[1], Storage(), {KEY}, vocab_size=50_000)
@@ -389,7 +385,8 @@ def test_a_file_size_limit_is_one_warning_and_leaves_no_partial_file(tmp_path: P
 CHILD_SAME_ENTRY = """
     import sys
     from lightning_d9d.streaming.sources.storage import Storage
-    from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache
+    from lightning_d9d.streaming.tokens.token_cache import TokenCache
+    from lightning_d9d.streaming.tokens.cache_entry import CachedUnit
     import numpy as np
     rng = np.random.default_rng(5)
     docs = [rng.integers(0, 50_000, 5000).tolist() for _ in range(100)]
@@ -580,7 +577,8 @@ CHILD_S3_STORE = """
     import dataclasses, json, sys
     import numpy as np
     from lightning_d9d.streaming.sources.storage import Storage
-    from lightning_d9d.streaming.tokens.token_cache import CachedUnit, TokenCache
+    from lightning_d9d.streaming.tokens.token_cache import TokenCache
+    from lightning_d9d.streaming.tokens.cache_entry import CachedUnit
     tokens = 24 << 20
     unit = CachedUnit(0, 0, 1, np.zeros(1, np.int64), np.asarray([0, tokens]), np.ones(tokens, np.uint16),
                       np.zeros(0, np.int64), np.zeros(0, np.int64))

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from support import corpus_spec, flat, make_docs, respec, stream_spec, train_tokenizer, write_parquet
 
 from lightning_d9d.streaming.loading.loader import WireFormat
-from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker, BestFitState
+from lightning_d9d.streaming.packing.bestfit import BestFitPacker, BestFitSplitPacker
+from lightning_d9d.streaming.packing.bestfit_stage import BestFitState
 from lightning_d9d.streaming.packing.buffer_rows import LINKS, WIDTH, BufferRows
 from lightning_d9d.streaming.packing.rows import kept_rows
 from lightning_d9d.streaming.plans.packings import BufferGrowth
@@ -33,7 +34,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def assert_same_items(got: list, want: list) -> None:
     assert [sid for sid, _, _ in got] == [sid for sid, _, _ in want]
-    for (_, block, state), (_, expected, expected_state) in zip(got, want):
+    for (_, block, state), (_, expected, expected_state) in zip(got, want, strict=True):
         for name in ("tokens", "flags", "sources"):
             value, wanted = getattr(block, name), getattr(expected, name)
             assert (value is None) == (wanted is None), name
@@ -118,7 +119,7 @@ def test_a_chain_of_rows_is_built_once_every_links_blocks() -> None:
         chain.append(rows)
         want.append(table)
     assert sum(link.built for link in chain) == len(chain) // LINKS
-    for link, table in zip(chain, want):
+    for link, table in zip(chain, want, strict=True):
         np.testing.assert_array_equal(link.table(), table)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 
 from lightning_d9d.datamodules.pretraining.mixture import Sources
@@ -28,6 +29,7 @@ from lightning_d9d.datamodules.pretraining.specs import PretrainingCorpus, Train
 from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSettings
 from lightning_d9d.streaming.sources.storage import Storage
 from lightning_d9d.streaming.streams.estimate import PassSample, stored_sample
+from lightning_d9d.tokenization.backends import AUTO
 
 T = TypeVar("T")
 
@@ -44,6 +46,7 @@ class Corpus:
         on_malformed: a malformed JSONL line: ``"error"`` or ``"skip"``.
         allow_shared_files: accept a file two sources hold.
         val_steps: validation microbatches per rank asked (``None``: one pass).
+        tokenizer_backend: what encodes the documents (``"auto"``, ``"tokenizers"`` or a fast backend by name).
     """
 
     def __init__(
@@ -56,10 +59,12 @@ class Corpus:
         on_malformed: str,
         allow_shared_files: bool,
         val_steps: int | None,
+        tokenizer_backend: str = AUTO,
     ):
         self.sources, self.tokenizer, self.bos_token, self.storage = sources, tokenizer, bos_token, storage
         self.token_cache, self.on_malformed, self.allow_shared_files = token_cache, on_malformed, allow_shared_files
-        self.val_steps_asked = val_steps
+        self.val_steps_asked, self.tokenizer_backend = val_steps, tokenizer_backend
+        self.backend_in_use: tuple[str, str] | None = None  # (backend, why), known after setup
         self.train: TrainCorpus | None = None  # the training side read at the last setup that read it
         self.val_specs: Sequence[MixtureSpec] = ()  # one per validation source
         self.val_steps_per_source: Sequence[int] = ()
@@ -69,10 +74,16 @@ class Corpus:
 
         Raises:
             ValueError: the tokenizer lacks ``bos_token``; ``token_cache`` is a file or lies inside one.
+            TokenizerBackendError: a named tokenizer backend unknown, not installed or unable to serve the tokenizer.
         """
-        return PretrainingCorpus(
-            settings, self.tokenizer, self.bos_token, self.storage, self.token_cache, self.on_malformed
-        )
+        return PretrainingCorpus(settings, self.tokenizer, self.bos_token, self.storage, self.token_cache,
+                                 self.on_malformed, self.tokenizer_backend)  # fmt: skip
+
+    def say_backend(self, reader: PretrainingCorpus) -> None:
+        """Say (rank 0, once per change) which backend ``reader`` resolved for the documents."""
+        if reader.backend is not None and reader.backend != self.backend_in_use:
+            self.backend_in_use = reader.backend
+            rank_zero_info(f"lightning-d9d: tokenizer backend {reader.backend[0]} ({reader.backend[1]})")
 
     def read_train(self, reader: PretrainingCorpus, sources: Sources) -> TrainCorpus:
         """Read the training sources' footers (``sources``: parsed again at ``setup``).
@@ -141,6 +152,15 @@ class Corpus:
         """Rows of one pass over each training source, counted from the token cache where it holds the units, else
         estimated; counted when first asked (where ``steps_per_epoch`` is given, setup counts nothing)."""
         return MappingProxyType(self.train.source_pass_rows() if self.train is not None else {})
+
+    def source_pass_rows_at(self, step: int) -> dict[str, float]:
+        """Rows of one pass over each training source at the row length of step ``step`` (longer rows: fewer)."""
+        return self.train.source_pass_rows(step) if self.train is not None else {}
+
+    def source_pass_tokens(self) -> dict[str, float]:
+        """One pass's document tokens per training source (counted from the token cache where it holds the units,
+        else estimated)."""
+        return {name: sample.tokens for name, sample in self.train.counts.items()} if self.train is not None else {}
 
     @property
     def estimated_pass_tokens(self) -> float | None:

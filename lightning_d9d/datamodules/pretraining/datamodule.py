@@ -66,6 +66,7 @@ from lightning_d9d.streaming.provenance.ledger import DEFAULT_EVERY as DEFAULT_P
 from lightning_d9d.streaming.provenance.pieces import Piece
 from lightning_d9d.streaming.sources.storage import DEFAULT_READ_RETRY_SECONDS, Storage
 from lightning_d9d.streaming.tokens.memory import DEFAULT_MAX_DOCUMENT_CHARS
+from lightning_d9d.tokenization.backends import TokenizerBackendError, backend_names
 
 __all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
 
@@ -101,6 +102,10 @@ class PretrainingDataModule(SteppedDataModule):
         num_streams: K; must divide G and be divisible by the data-parallel size.
         num_workers: DataLoader workers per rank; 0: in the training process.
         tokenizer_batch_size: documents per tokenizer call (never changes a row).
+        tokenizer_backend: what encodes the documents (never changes a row): ``"auto"`` (the fastest installed
+            backend that serves this tokenizer with ids identical to ``tokenizers``, checked at setup on a sample of
+            the run's documents; else ``"tokenizers"``), ``"tokenizers"``, or a fast backend by name
+            (``"fastokens"``); docs/tokenizer_backends.md.
         seed: seeds the unit order of every pass.
         max_document_chars: longer documents are skipped; ``None``: no limit.
         bestfit_buffer_size: documents or pieces best-fit chooses from.
@@ -117,7 +122,8 @@ class PretrainingDataModule(SteppedDataModule):
         data_parallel: which processes share data; ``None`` follows the strategy.
         verify_peers: the first N steps compare microbatches among each replica's processes (0: off).
         data_wait_warning: warn once a fit if waiting for data exceeds this share of its steps.
-        context_parallel_size: the CP size c rows are laid out for; ``seq_len`` must be a multiple of ``2·c``.
+        context_parallel_size: the CP size c rows are laid out for; for ``c > 1``, ``seq_len`` must be a multiple
+            of ``2·c``.
         val_seq_len: validation rows' ``seq_len``; ``None``: that of the last ``seq_len`` phase.
         skip_data: ranges ``[start, stop)`` of optimizer steps whose data is never trained: resumed before
             ``start``, step ``start`` trains what step ``stop`` would have (recorded: later resumes keep it).
@@ -129,8 +135,10 @@ class PretrainingDataModule(SteppedDataModule):
         provenance_every: optimizer steps between records.
 
     Raises:
-        ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout.
+        ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout; a
+            ``TokenizerBackendError`` for a named backend not installed or unable to serve the tokenizer.
         StorageError: a URL could not be listed or opened, or a read kept failing.
+        TokenizerBackendMismatch: (while streaming) a fast backend gave other ids than ``tokenizers`` for a document.
     """
 
     seq_len = _Setting("seq_len")
@@ -181,8 +189,13 @@ class PretrainingDataModule(SteppedDataModule):
         exclude_documents: list[list[Any]] | list[dict[str, Any]] | str | None = None,
         provenance_dir: str | None = None,
         provenance_every: PositiveInt = DEFAULT_PROVENANCE_EVERY,
+        tokenizer_backend: str = "auto",
     ):
         super().__init__()
+        if tokenizer_backend not in backend_names():
+            raise TokenizerBackendError(
+                f"tokenizer_backend={tokenizer_backend!r} is not a tokenizer backend: pass one of {backend_names()}"
+            )
         self.data_parallel, self.verify_peers, self.data_wait_warning = data_parallel, verify_peers, data_wait_warning
         settings = StreamSettings(seq_len, global_batch_size, packing, seed, num_streams, bestfit_buffer_size,
                                   max_document_chars, tokenizer_batch_size,
@@ -205,7 +218,7 @@ class PretrainingDataModule(SteppedDataModule):
                                     allow_shared_files)  # fmt: skip
         say_unvalidated_sources(sources)  # once: setup parses the same sources again
         self.corpus = Corpus(sources, tokenizer, bos_token, storage, token_cache, on_malformed, allow_shared_files,
-                             val_steps)  # fmt: skip
+                             val_steps, tokenizer_backend)  # fmt: skip
         self.ledger = ProvenanceLedger(self.run_plan, storage, provenance_dir, provenance_every, self._default_root)
         self.reports = Reports(self.corpus, self.run_plan)
         self.position = StreamPosition()
@@ -243,6 +256,16 @@ class PretrainingDataModule(SteppedDataModule):
     @tokenizer.setter
     def tokenizer(self, value: str | os.PathLike | Tokenizer) -> None:
         self.corpus.tokenizer = value  # a subclass may resolve it before setup (the demo's does)
+
+    @property
+    def tokenizer_backend(self) -> str:
+        """The tokenizer backend asked (``"auto"``, ``"tokenizers"`` or a fast backend's name)."""
+        return self.corpus.tokenizer_backend
+
+    @property
+    def tokenizer_backend_in_use(self) -> tuple[str, str] | None:
+        """``(backend, why)`` of the backend encoding the documents, known after ``setup``."""
+        return self.corpus.backend_in_use
 
     @property
     def bos_token(self) -> str:
@@ -318,6 +341,15 @@ class PretrainingDataModule(SteppedDataModule):
     def source_pass_rows(self) -> Mapping[str, float]:
         """Rows of one pass over each training source (see ``Corpus.source_pass_rows``)."""
         return self.corpus.source_pass_rows
+
+    def source_pass_rows_at(self, step: int) -> dict[str, float]:
+        """Rows of one pass over each training source at the row length of step ``step`` (longer rows: fewer)."""
+        return self.corpus.source_pass_rows_at(step)
+
+    def source_pass_tokens(self) -> dict[str, float]:
+        """One pass's document tokens per training source (counted from the token cache where it holds the units,
+        else estimated)."""
+        return self.corpus.source_pass_tokens()
 
     @property
     def estimated_pass_tokens(self) -> float | None:
@@ -484,6 +516,7 @@ class PretrainingDataModule(SteppedDataModule):
             plan.spec, self.fingerprint = train.spec, train.spec.fingerprint()
             self.reports.say_cache_changes(train.spec)
         val_specs = corpus.read_validation(reader, self.val_seq_len)
+        corpus.say_backend(reader)
         steps = corpus.size_epochs(self._trainer, train, val_specs, self.dp_size * self.microbatch_size,
                                    plan.steps_per_epoch_asked)  # fmt: skip
         if train is not None:

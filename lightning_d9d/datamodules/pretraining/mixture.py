@@ -7,7 +7,7 @@ resume step. Trade-off: shares are not in the fingerprint, so a change gets its 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -220,14 +220,34 @@ def _passes_read(spec: StreamSpec, stream: int, state: StreamState) -> float:
     return read.pass_index + done / total
 
 
+def expected_passes(
+    spec: MixtureSpec, pass_rows_at: Callable[[int], Mapping[str, float]], run_steps: int
+) -> dict[str, float]:
+    """Passes over each source after ``run_steps`` steps: every stretch of one ``seq_len`` counts its target rows
+    against a pass's rows at that length (``pass_rows_at(step)``), since a pass holds fewer rows the longer they are.
+    """
+    plan, passes = spec.plan, dict.fromkeys(spec.plan.schedule.sources, 0.0)
+    for first, end, _ in spec.shapes.seq_lens.segments(0, run_steps):
+        rows = pass_rows_at(first)
+        before, after = plan.expected_passes(rows, first), plan.expected_passes(rows, int(end))
+        for name in passes:
+            passes[name] += after[name] - before[name]
+    return passes
+
+
 def mixture_report(
-    spec: MixtureSpec, pass_rows: Mapping[str, float], run_steps: int, realised: Sequence[int], steps: int
+    spec: MixtureSpec,
+    pass_rows_at: Callable[[int], Mapping[str, float]],
+    run_steps: int,
+    realised: Sequence[int],
+    steps: int,
 ) -> list[str]:
-    """``inspect``'s mixture lines: phases, expected passes per source, and realised shares beside targets."""
+    """``inspect``'s mixture lines: phases, expected passes per source (``pass_rows_at(step)``: a pass's rows of
+    each source at the row length of ``step``), and realised shares beside targets."""
     plan = spec.plan
     lines = ["mixture:", *(f"  phase {line}" for line in plan.schedule.describe())]
-    passes = plan.expected_passes(pass_rows, run_steps)
-    lines.append(f"  expected passes over {run_steps} steps: " + ", ".join(f"{n} {p:.3g}" for n, p in passes.items()))
+    passes = expected_passes(spec, pass_rows_at, run_steps)
+    lines.append(f"  expected passes over {run_steps} steps: " + ", ".join(f"{n} {p:.4g}" for n, p in passes.items()))
     total = sum(realised)
     if total:
         targets = plan.target_rows(steps)

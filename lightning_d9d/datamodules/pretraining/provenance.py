@@ -36,7 +36,6 @@ from lightning_d9d.streaming.provenance.pieces import Piece, file_namer, pieces_
 from lightning_d9d.streaming.sources.storage import Storage
 from lightning_d9d.streaming.streams.mixture_stream import MixtureState, StepRows
 from lightning_d9d.streaming.tokens.tokenize import encode_documents
-from lightning_d9d.tokenization.tokenizer import tokenizer_from_json
 
 
 def steps_asked(steps: Any) -> list[int]:
@@ -262,5 +261,5 @@ class ProvenanceLedger:
         spec = self.plan.require()
         source, group, row = resolve_reference(spec.names, [s.index for s in spec.sources], DocumentRef.of(ref))
         text = spec.sources[source].index.read_texts(group, [row])[0] or ""
-        ids = encode_documents(tokenizer_from_json(spec.sources[source].tokenizer_json), [text])[0].ids
+        ids = encode_documents(spec.sources[source].encoder(), [text])[0].ids
         return {"text": text, "tokens": np.asarray([spec.bos_id, *ids], np.int64)}

@@ -74,7 +74,7 @@ class Reports:
         spec = self.plan.require()
         if not self.corpus.sources.mixture:
             return []
-        return mixture_report(spec, self.corpus.source_pass_rows, run_steps, realised, steps)
+        return mixture_report(spec, self.corpus.source_pass_rows_at, run_steps, realised, steps)
 
     def edits_report(self) -> list[str]:
         """``inspect``'s lines for the data edits recorded or asked (skips, exclusions)."""
@@ -83,11 +83,16 @@ class Reports:
 
     def shape_report(self, run_steps: int, dp_size: int) -> list[str]:
         """``inspect``'s lines for shapes in phases (none for one shape): each phase's steps, global batch, microbatches
-        per replica and the row positions (``G × seq_len``) it trains, up to ``run_steps``."""
+        per replica, the row positions (``G × seq_len``) it trains up to ``run_steps`` and its expected fill and
+        padding; then the run's total positions and expected document tokens.
+
+        The fill of a phase is what one pass gives at its row length: each source's pass tokens over its pass rows
+        times the row's tokens, weighted by the rows the plan takes of each source in the phase.
+        """
         shapes = self.plan.shapes
         if shapes.fixed:
             return []
-        lines = [f"shapes ({run_steps} steps):"]
+        lines, tokens = [f"shapes ({run_steps} steps):"], 0.0
         for first, end, shape in shapes.phases():
             if first >= run_steps:
                 lines.append(f"  steps {first}-: not reached")
@@ -95,12 +100,28 @@ class Reports:
             stop = int(min(end, run_steps))
             per_step = shape.global_batch_size * shape.seq_len
             micro = shape.global_batch_size // (dp_size * self.plan.microbatch_size)
+            fill = self._expected_fill(first, stop, shape.capacity)
+            tokens += fill * (stop - first) * per_step
             lines.append(
                 f"  steps {first}-{stop - 1}: global_batch_size {shape.global_batch_size}, seq_len {shape.seq_len}, "
                 f"{micro} microbatch(es) per step per replica, {per_step:,} positions per step, "
-                f"{(stop - first) * per_step:,} in {stop - first} steps (from {shapes.tokens_before(first):,})"
+                f"{(stop - first) * per_step:,} in {stop - first} steps (from {shapes.tokens_before(first):,}), "
+                f"expected fill {100 * fill:.2f} %, padding {100 * (1 - fill):.2f} %"
             )
+        total = shapes.tokens_before(run_steps)
+        lines.append(
+            f"run total ({run_steps} steps): {total:,} positions (sum of global_batch_size × seq_len), about "
+            f"{tokens:,.0f} document tokens at the expected fill"
+        )
         return lines
+
+    def _expected_fill(self, first: int, stop: int, capacity: int) -> float:
+        """Document tokens over row tokens in steps ``[first, stop)`` (one row length), expected from a pass."""
+        spec = self.plan.require()
+        rows, tokens = self.corpus.source_pass_rows_at(first), self.corpus.source_pass_tokens()
+        taken = [float(b - a) for a, b in zip(spec.plan.target_rows(first), spec.plan.target_rows(stop))]
+        held = sum(t * tokens[name] / rows[name] for name, t in zip(spec.names, taken) if rows.get(name, 0) > 0)
+        return min(1.0, held / (sum(taken) * capacity)) if sum(taken) > 0 else 1.0
 
     def say_cache_changes(self, spec: MixtureSpec) -> None:
         """Once per DataModule: what its token cache holds of other tokenizers, settings or file contents."""

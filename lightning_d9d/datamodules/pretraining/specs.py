@@ -21,10 +21,12 @@ from lightning_d9d.streaming.plans.mixture import MixturePlan, MixtureSchedule
 from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSettings, StreamSpec
 from lightning_d9d.streaming.sources.source import RowGroupIndex, Units, resolve_files
 from lightning_d9d.streaming.sources.storage import Storage, canonical
-from lightning_d9d.streaming.streams.estimate import PassSample, count_pass, first_text, stored_sample
+from lightning_d9d.streaming.streams.estimate import PassSample, backend_sample, count_pass, first_text, stored_sample
 from lightning_d9d.streaming.tokens.count_record import CountRecord
-from lightning_d9d.streaming.tokens.token_cache import StreamCache, TokenCache, usable_root
+from lightning_d9d.streaming.tokens.stream_cache import StreamCache, usable_root
+from lightning_d9d.streaming.tokens.token_cache import TokenCache
 from lightning_d9d.streaming.tokens.tokenize import LONG_DOCUMENT_CHARS
+from lightning_d9d.tokenization.backends import AUTO, TokenizerBackendError, backend_names, resolve_backend
 from lightning_d9d.tokenization.tokenizer import pad_token_id, read_tokenizer
 
 # Bump when how a document becomes ids changes in a way the cache key does not name, so old entries are not read.
@@ -112,8 +114,12 @@ class TrainCorpus:
 class PretrainingCorpus:
     """The loaded tokenizer and the settings, which turn sources into specs.
 
+    The tokenizer backend is resolved once, at the first source's spec, on a sample of that source's documents
+    (``tokenizer_backend="auto"``: the fastest that gives ``tokenizers``' ids, else ``tokenizers``).
+
     Raises:
         ValueError: the tokenizer lacks ``bos_token``; ``token_cache`` is a file or lies inside one.
+        TokenizerBackendError: a named tokenizer backend unknown, not installed or unable to serve the tokenizer.
     """
 
     def __init__(
@@ -124,7 +130,14 @@ class PretrainingCorpus:
         storage: Storage,
         token_cache: str | None = None,
         on_malformed: str = "error",
+        tokenizer_backend: str = AUTO,
     ):
+        if tokenizer_backend not in backend_names():
+            raise TokenizerBackendError(
+                f"tokenizer_backend={tokenizer_backend!r} is not a tokenizer backend: pass one of {backend_names()}"
+            )
+        self.backend_setting = tokenizer_backend
+        self.backend: tuple[str, str] | None = None  # (name, why), resolved at the first spec
         loaded = read_tokenizer(tokenizer)
         bos_id = loaded.token_to_id(bos_token)
         if bos_id is None:
@@ -205,8 +218,13 @@ class PretrainingCorpus:
             if "[" not in what:
                 raise
             raise ValueError(f"{what}: {error}") from error
+        if self.backend is None:
+            max_chars = self.settings.max_document_chars
+            self.backend = resolve_backend(
+                self.backend_setting, self.tokenizer_json, lambda: backend_sample(index, max_chars)
+            )
         return StreamSpec(settings or self.settings, index, units, self.tokenizer_json, self.bos_id, self.pad_id,
-                          shuffle, cache=cache)  # fmt: skip
+                          shuffle, cache=cache, tokenizer_backend=self.backend[0])  # fmt: skip
 
     def _token_cache(self, text_column: str) -> TokenCache:
         """A source's token cache, keyed by everything that decides its documents' tokens."""

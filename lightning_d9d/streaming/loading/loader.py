@@ -36,7 +36,7 @@ from lightning_d9d.core.epoch_iterator import (
 )
 from lightning_d9d.core.resume import StepLayout, TrainPosition
 from lightning_d9d.streaming.loading.step_tensors import StepBlock
-from lightning_d9d.streaming.packing.bestfit import BestFitState
+from lightning_d9d.streaming.packing.bestfit_stage import BestFitState
 from lightning_d9d.streaming.packing.buffer_rows import BufferRows, received
 from lightning_d9d.streaming.packing.rows import RowBlock
 from lightning_d9d.streaming.plans.spec import MixtureSpec
@@ -187,6 +187,7 @@ class _HostedStreams(IterableDataset):
             # before forking, every worker would otherwise start a pool as wide as the machine). Only this
             # process is set.
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")  # the same for the fast backend's pool
             hosted = self.streams[info.id :: self.num_workers]
         deltas = WireFormat() if info is not None else None  # what crosses to the training process, compactly
         spec = self.spec.with_reading(max(1, _PREFETCH_PER_PROCESS // len(hosted)), self.chunk_chars)

@@ -5,5 +5,5 @@ module here that registers itself, plus its import below.
 """
 
 # Each module registers its strategies by name when imported.
-import lightning_d9d.streaming.packing.bestfit
+import lightning_d9d.streaming.packing.bestfit_stage
 import lightning_d9d.streaming.packing.concat  # noqa: F401

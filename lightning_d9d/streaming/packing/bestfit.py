@@ -11,37 +11,21 @@ for a little padding, but a chunk loses attention to its predecessors.
 
 from __future__ import annotations
 
-import bisect
-from collections import deque
-from collections.abc import Callable, Generator, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from lightning_d9d.core.resume import InvalidDataState
-from lightning_d9d.streaming.packing.bestfit_restore import BufferedTexts, UnitTokens, buffer_fetch
+from lightning_d9d.streaming.packing import bestfit_loop as loop
 from lightning_d9d.streaming.packing.buffer_rows import BufferRows
 from lightning_d9d.streaming.packing.rows import (
-    CP_PAD,
-    NO_TARGET,
-    START,
-    PackingStage,
-    RowBlock,
     StreamCounters,
-    bos_tensors,
-    flagged_tensors,
     prefix_hash,
-    read_kind,
 )
-from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth, register_packing
-from lightning_d9d.streaming.plans.state import check_column, int_table, integer, join
-from lightning_d9d.streaming.plans.state import field as state_field
-from lightning_d9d.streaming.sources.reader import ReadPosition, StreamUnits
+from lightning_d9d.streaming.plans.packings import FULL_BUFFER, BufferGrowth
 
 if TYPE_CHECKING:
-    from lightning_d9d.streaming.plans.spec import StreamSpec
+    pass
 
 Fetch = Callable[[np.ndarray, int], np.ndarray]
 """``fetch(row, need)``: a buffered piece's tokens from its ``offset`` on, at least ``need`` where there are as many."""
@@ -53,81 +37,148 @@ BOS-prefixed document, whether it runs to the document's end, and the CRC-32 of 
 (``hashed`` 0: a whole document, verified by its length)."""
 
 
+_LOGGED = 1 << 16  # changes logged at most between two rows() (more: the next rows() is a snapshot)
+
+
 class _PieceBuffer:
-    """Buffered pieces by length (a pick is one ``bisect``), each described by its ``META_COLUMNS`` row, a tuple of
-    Python ints: a pick reads it without numpy, and the rows become a table only for a snapshot."""
+    """The buffered pieces in the compiled loop's tables (:mod:`bestfit_loop`): slots in per-length FIFO lists, their
+    tokens in one arena; the rows pushed and insertion numbers popped since the last :meth:`rows` logged beside them.
+    """
 
-    def __init__(self) -> None:
-        self.lengths: list[int] = []
-        self.by_length: dict[int, deque] = {}  # length -> FIFO of (row, payload)
-        self.count = 0
-        # The values of the rows pushed, one after another (a flat list becomes an array at half the cost of a list
-        # of tuples), and the insertion numbers popped, since the last rows().
-        self.pushed: list[int] = []
-        self.popped: list[int] = []
-        self.rebuilt = False  # extend() ran since the last rows(): its changes are not listed (a snapshot follows)
+    def __init__(self, capacity: int, settings: dict[int, int]) -> None:
+        self.sc = np.zeros(loop.SCALARS, np.int64)
+        for index, value in settings.items():
+            self.sc[index] = value
+        self.sc[loop.CAP] = capacity
+        self.slots = np.zeros((0, loop.SLOT_COLUMNS), np.int64)
+        self.free = np.zeros(0, np.int64)
+        self.heads = np.full(capacity + 2, -1, np.int64)
+        self.tails = np.full(capacity + 2, -1, np.int64)
+        self.pushed = np.zeros((64, len(META_COLUMNS)), np.int64)
+        self.popped = np.zeros(64, np.int64)
+        self.record = np.zeros((64, 6), np.int64)
+        self.arena = np.zeros(1 << 12, np.int32)
+        self._grow_slots(64)
+        self.rebuilt = False  # pieces re-arranged since the last rows(): their changes are not logged
 
-    def push(self, length: int, row: tuple[int, ...], payload: Any) -> None:
-        """Buffer one piece of ``length`` (its sort key) described by ``row`` (numbered above every piece here);
-        ``payload`` comes back on pop."""
-        self.pushed.extend(row)
-        bucket = self.by_length.get(length)
-        if bucket is None:
-            bucket = self.by_length[length] = deque()
-            bisect.insort(self.lengths, length)
-        bucket.append((row, payload))
-        self.count += 1
+    @property
+    def count(self) -> int:
+        return int(self.sc[loop.COUNT])
+
+    def _grow_slots(self, need: int) -> None:
+        have = len(self.slots)
+        size = max(2 * have, have + need, 64)
+        slots = np.zeros((size, loop.SLOT_COLUMNS), np.int64)
+        slots[:have] = self.slots
+        slots[have:, loop.TOKENS_AT] = loop.FREE
+        top = int(self.sc[loop.FREE_TOP])
+        free = np.zeros(size, np.int64)
+        free[:top] = self.free[:top]
+        free[top : top + size - have] = np.arange(size - 1, have - 1, -1)  # the lowest free slot is taken first
+        self.slots, self.free = slots, free
+        self.sc[loop.FREE_TOP] = top + size - have
+
+    def grow(self) -> None:
+        """Room for what the loop asked (``NEED_*``) and at least one more pick, in every table."""
+        sc = self.sc
+        need_arena, need_slots = int(sc[loop.NEED_ARENA]), int(sc[loop.NEED_SLOTS])
+        if sc[loop.FREE_TOP] < need_slots:
+            self._grow_slots(need_slots)
+        for name, used, extra in (("pushed", loop.PUSHED, need_slots), ("popped", loop.POPPED, 1),
+                                  ("record", loop.RECORDED, 1)):  # fmt: skip
+            table = getattr(self, name)
+            if sc[used] + extra > len(table):
+                bigger = np.zeros((max(2 * len(table), int(sc[used]) + extra), *table.shape[1:]), np.int64)
+                bigger[: len(table)] = table
+                setattr(self, name, bigger)
+        self.room(need_arena)
+        sc[loop.NEED_ARENA] = sc[loop.NEED_SLOTS] = 0
+        if sc[loop.PUSHED] > _LOGGED or sc[loop.POPPED] > _LOGGED:  # nobody reads the changes: a snapshot follows
+            sc[loop.PUSHED] = sc[loop.POPPED] = 0
+            self.rebuilt = True
+
+    def room(self, tokens: int) -> None:
+        """At least ``tokens`` free at the arena's end: the held tokens compacted (into a larger arena if needed)."""
+        if self.sc[loop.ARENA_END] + tokens <= len(self.arena):
+            return
+        held = int(self.slots[self.slots[:, loop.TOKENS_AT] >= 0, loop.TOKENS_HELD].sum())
+        size = len(self.arena)
+        while size < 2 * (held + tokens):
+            size *= 2
+        fresh = np.empty(size, np.int32)
+        self.sc[loop.ARENA_END] = loop.compact(self.slots, self.arena, fresh)
+        self.arena = fresh
+
+    def place(self, slot: int, tokens: np.ndarray) -> None:
+        """Hold a lazily restored piece's fetched tokens."""
+        self.room(len(tokens))
+        end = int(self.sc[loop.ARENA_END])
+        self.arena[end : end + len(tokens)] = tokens
+        self.slots[slot, loop.TOKENS_AT], self.slots[slot, loop.TOKENS_HELD] = end, len(tokens)
+        self.sc[loop.ARENA_END] = end + len(tokens)
+
+    def add_all(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, keys0: np.ndarray,
+                keys1: np.ndarray) -> None:  # fmt: skip
+        """Buffer every document given now (the fed source, if any, is kept where it was)."""
+        sc = self.sc
+        kept = int(sc[loop.SOURCE_NEXT]), int(sc[loop.SOURCE_STOP])
+        sc[loop.SOURCE_NEXT], sc[loop.SOURCE_STOP] = 0, len(lengths)
+        while loop.add_documents(sc, self.slots, self.free, self.heads, self.tails, self.pushed, self.arena, tokens,
+                                 starts, lengths, keys0, keys1) != loop.DONE:  # fmt: skip
+            self.grow()
+        sc[loop.SOURCE_NEXT], sc[loop.SOURCE_STOP] = kept
 
     def extend(self, rows: np.ndarray, payloads: list[Any]) -> None:
-        """Buffer many pieces (rows in insertion order, numbered above every piece here, each its length as sort
-        key): as :meth:`push` of each in turn, grouped by length; the next :meth:`rows` is a snapshot."""
+        """Buffer many pieces (rows in insertion order, numbered above every piece here) with their payloads
+        (``(tokens or None: restored lazily, continuation?)``); the next :meth:`rows` is a snapshot."""
         n = len(rows)
         if not n:
             return
-        listed = list(map(tuple, rows.tolist()))
         self.rebuilt = True
-        lengths = rows[:, 1]
-        order = np.argsort(lengths, kind="stable")  # each length's pieces in insertion order
-        values, firsts = np.unique(lengths[order], return_index=True)
-        bounds = [*firsts.tolist(), n]
-        order_list = order.tolist()
-        for length, first, last in zip(values.tolist(), bounds[:-1], bounds[1:]):
-            bucket = self.by_length.get(length)
-            if bucket is None:
-                bucket = self.by_length[length] = deque()
-                bisect.insort(self.lengths, length)
-            picked = order_list[first:last]
-            bucket.extend(zip([listed[i] for i in picked], [payloads[i] for i in picked]))
-        self.count += n
+        held = np.array([0 if tokens is None else len(tokens) for tokens, _ in payloads], np.int64)
+        self.sc[loop.NEED_SLOTS] = n
+        self.grow()
+        self.room(int(held.sum()))
+        end = int(self.sc[loop.ARENA_END])
+        at = np.where(held > 0, end + np.cumsum(held) - held, loop.LAZY_TOKENS)
+        lazy = np.array([tokens is None for tokens, _ in payloads], bool)
+        at[lazy] = loop.LAZY_TOKENS
+        if (~lazy).any():
+            self.arena[end : end + int(held.sum())] = np.concatenate(
+                [tokens for tokens, _ in payloads if tokens is not None], dtype=np.int32, casting="unsafe"
+            )
+        self.sc[loop.ARENA_END] = end + int(held.sum())
+        continues = np.array([int(bool(c)) for _, c in payloads], np.int64)
+        loop.push_rows(self.sc, self.slots, self.free, self.heads, self.tails, self.pushed,
+                       np.ascontiguousarray(rows, np.int64), at, held, continues)  # fmt: skip
 
-    def pop(self, index: int) -> tuple[int, Any, tuple[int, ...]]:
-        """Remove the oldest piece of the ``index``-th smallest length: ``(length, payload, row)``."""
-        length = self.lengths[index]
-        bucket = self.by_length[length]
-        row, payload = bucket.popleft()
-        self.popped.append(row[0])
-        if not bucket:
-            del self.by_length[length]
-            del self.lengths[index]
-        self.count -= 1
-        return length, payload, row
+    def live(self) -> np.ndarray:
+        """The slots of the buffered pieces, by insertion number."""
+        slots = np.flatnonzero(self.slots[:, loop.TOKENS_AT] != loop.FREE)
+        return slots[np.argsort(self.slots[slots, 0], kind="stable")]
+
+    def payloads(self) -> dict[int, Any]:
+        """Every buffered piece's ``(tokens or None, continuation?)`` by insertion number (a copy of its tokens)."""
+        out = {}
+        for s in self.live().tolist():
+            seq, at, held, continues = self.slots[s, [0, loop.TOKENS_AT, loop.TOKENS_HELD, loop.CONTINUES]].tolist()
+            out[seq] = (None if at < 0 else self.arena[at : at + held].copy(), bool(continues))
+        return out
 
     def rows(self, before: BufferRows | None) -> BufferRows:
         """The buffered pieces' rows: ``before`` (the rows at the last call) and the changes since, or (``before``
         ``None``, or after :meth:`extend`) a snapshot; the changes count from here."""
-        pushed, popped = self.pushed, self.popped
-        self.pushed, self.popped = [], []
+        sc = self.sc
+        pushed, popped = self.pushed[: sc[loop.PUSHED]].copy(), self.popped[: sc[loop.POPPED]].copy()
+        sc[loop.PUSHED] = sc[loop.POPPED] = 0
         if before is None or self.rebuilt:
             self.rebuilt = False
             return BufferRows(self.snapshot())
-        return before.after(np.array(pushed, np.int64).reshape(-1, len(META_COLUMNS)), np.array(popped, np.int64))
+        return before.after(pushed, popped)
 
     def snapshot(self) -> np.ndarray:
         """The rows of the buffered pieces, sorted by insertion number."""
-        # Read from the buckets (a snapshot is rare: a rebuilt buffer, a reshape), so a push or pop keeps no index.
-        rows = [row for bucket in self.by_length.values() for row, _ in bucket]
-        rows.sort()
-        return np.asarray(rows, np.int64).reshape(-1, len(META_COLUMNS))
+        return self.slots[self.live(), :8].copy()
 
 
 class BestFitPacker:
@@ -171,14 +222,22 @@ class BestFitPacker:
             raise ValueError(f"hold={self.hold} must be at least the row capacity {capacity}")
         self.flagged = self.split or cp_multiple > 1  # rows carry START / NO_TARGET (/ CP_PAD) flags
         self.counters = counters if counters is not None else StreamCounters()
-        self.rows_taken = 0  # rows packed so far (set back on resume): the buffer's size follows it
         self._full_from = _rows_until_full(growth, buffer_size)
-        self.next_seq = 0
-        self.added = 0  # documents added: each refill() must add one
-        self._buffer = _PieceBuffer()
+        self._buffer = self._new_buffer(capacity, 0, 0)
+        self._staged: list[tuple[np.ndarray, int, int, int]] = []  # documents add()ed, not yet in the buffer
+        self._source: tuple[np.ndarray, ...] = _NO_SOURCE  # documents fed, buffered one per top-up
         self._fetch: Fetch | None = None
-        # (row, column, length, row group, row, offset) of every piece placed, where provenance is asked for
-        self.record: list[tuple[int, ...]] | None = None
+        # Tables of (row, column, length, row group, row, offset) of every piece placed, where provenance is asked for
+        self.record: list[np.ndarray] | None = None
+
+    def _new_buffer(self, capacity: int, next_seq: int, rows_taken: int) -> _PieceBuffer:
+        growth = self.growth
+        return _PieceBuffer(capacity, {
+            loop.BUF: self.buffer_size, loop.FULL_FROM: self._full_from, loop.GROW_START: growth.start,
+            loop.GROW_PER_ROW: growth.per_row, loop.MULTIPLE: self.cp_multiple, loop.PAD_ID: self.pad_id,
+            loop.SPLIT: int(self.split), loop.FLAGGED: int(self.flagged), loop.HOLD: self.hold,
+            loop.NEXT_SEQ: next_seq, loop.ROWS_TAKEN: rows_taken,
+        })  # fmt: skip
 
     def _set_capacity(self, capacity: int) -> None:
         if capacity <= 1:
@@ -186,29 +245,88 @@ class BestFitPacker:
         if (capacity - 1) % self.cp_multiple:
             raise ValueError(f"cp_multiple={self.cp_multiple} must divide seq_len={capacity - 1}")
         self.capacity = capacity
-        self._padding = np.full(capacity, self.pad_id, np.int32)  # padding runs are slices of it
+
+    # The loop's scalars that callers read and set (a resumed stage sets the rows taken).
+    next_seq = property(lambda self: int(self._buffer.sc[loop.NEXT_SEQ]),
+                        lambda self, value: self._buffer.sc.__setitem__(loop.NEXT_SEQ, value))  # fmt: skip
+    rows_taken = property(lambda self: int(self._buffer.sc[loop.ROWS_TAKEN]),
+                          lambda self, value: self._buffer.sc.__setitem__(loop.ROWS_TAKEN, value))  # fmt: skip
+
+    @property
+    def added(self) -> int:
+        """Documents added (staged, fed and buffered, or buffered)."""
+        return int(self._buffer.sc[loop.ADDED]) + len(self._staged)
 
     def __len__(self) -> int:
+        self._flush()
         return self._buffer.count
 
     def add(self, tokens: np.ndarray, length: int, key: tuple[int, int]) -> None:
         """Buffer one document's first ``min(length, hold)`` tokens (BOS first), ordered by ``length``."""
-        hold = self.hold
-        keep = length if length < hold else hold
-        if len(tokens) != keep:
-            if len(tokens) < keep:
-                raise ValueError(f"document prefix has {len(tokens)} tokens, expected {keep}")
-            tokens = tokens[:keep]
-        whole = length <= hold
-        seq = self.next_seq
-        checksum, hashed = (0, 0) if whole else (prefix_hash(tokens), hold)
-        self._buffer.push(length, (seq, length, key[0], key[1], 0, int(whole), checksum, hashed), (tokens, False))
-        self.next_seq = seq + 1
-        self.added += 1
-        self.counters.docs += 1
+        keep = length if length < self.hold else self.hold
+        if len(tokens) < keep:
+            raise ValueError(f"document prefix has {len(tokens)} tokens, expected {keep}")
+        self._staged.append((tokens[:keep], length, key[0], key[1]))
+
+    def feed(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, key0: int, keys1: np.ndarray) -> None:
+        """Documents to buffer one per top-up, as many ``refill()`` calls would: document ``i`` is
+        ``tokens[starts[i]:]`` (BOS first; ``bestfit``: its first ``min(lengths[i], hold)`` tokens, at least, are
+        there), ``lengths[i]`` long, keyed ``(key0, keys1[i])``. Replaces what is left of an earlier feed
+        (:attr:`fed` says how much of it was buffered).
+
+        Raises:
+            ValueError: a document of no tokens, or one whose tokens ``tokens`` does not hold.
+        """
+        lengths = np.asarray(lengths, np.int64)
+        starts = np.asarray(starts, np.int64)
+        tokens = np.ascontiguousarray(tokens, np.int32)
+        if len(lengths):
+            if lengths.min() <= 0:
+                raise ValueError(f"a document must have tokens, got lengths {lengths[lengths <= 0][:5].tolist()}")
+            held = np.minimum(lengths, self.hold) if not self.split else lengths
+            short = starts + held > len(tokens)
+            if short.any() or starts.min() < 0:
+                at = int(np.flatnonzero(short | (starts < 0))[0])
+                raise ValueError(f"document {at} needs tokens [{starts[at]}, {starts[at] + held[at]}) of the "
+                                 f"{len(tokens)} fed")  # fmt: skip
+        self._source = (tokens, starts, lengths, np.full(len(lengths), key0, np.int64), np.asarray(keys1, np.int64))
+        self._buffer.sc[loop.SOURCE_NEXT], self._buffer.sc[loop.SOURCE_STOP] = 0, len(lengths)
+
+    @property
+    def fed(self) -> int:
+        """Documents of the last :meth:`feed` buffered so far."""
+        return int(self._buffer.sc[loop.SOURCE_NEXT])
+
+    def _flush(self) -> None:
+        """Buffer the documents add()ed since the last flush (before anything reads the buffer)."""
+        staged = self._staged
+        if not staged:
+            return
+        self._staged = []
+        lengths = np.array([length for _, length, _, _ in staged], np.int64)
+        sizes = np.array([len(tokens) for tokens, _, _, _ in staged], np.int64)
+        tokens = np.concatenate([tokens for tokens, _, _, _ in staged], dtype=np.int32, casting="unsafe")
+        starts = np.cumsum(sizes) - sizes
+        keys0 = np.array([k for _, _, k, _ in staged], np.int64)
+        keys1 = np.array([k for _, _, _, k in staged], np.int64)
+        self._buffer.add_all(tokens, starts, lengths, keys0, keys1)
+        self._sync()
+
+    def _sync(self) -> None:
+        """Move the loop's counts into the stream's counters."""
+        sc, counters = self._buffer.sc, self.counters
+        docs, split_docs, chunks, _, _, crops, cropped = sc[loop.DOCS : loop.CROPPED + 1].tolist()
+        sc[loop.DOCS : loop.CHUNKS + 1] = 0  # (the paddings are the take's: it reads and resets them)
+        sc[loop.CROPS : loop.CROPPED + 1] = 0
+        counters.docs += docs
+        counters.split_docs += split_docs
+        counters.chunks += chunks
+        counters.crops += crops
+        counters.cropped += cropped
 
     def take(self, num_rows: int, refill: Callable[[], None]) -> tuple[np.ndarray, np.ndarray | None]:
-        """Pack ``num_rows`` rows; each ``refill()`` must add one document.
+        """Pack ``num_rows`` rows; whenever the buffer needs a document and none is fed, ``refill()`` must add (or
+        feed) at least one.
 
         Returns:
             ``(tokens, flags)``: ``(num_rows, capacity)`` int32 ids and uint8 flag bits (``None`` when not flagged).
@@ -217,92 +335,39 @@ class BestFitPacker:
             RuntimeError: a ``refill()`` call added no document.
             ValueError: a restored piece no longer matches its saved length or checksum.
         """
-        capacity, buffer, multiple, record = self.capacity, self._buffer, self.cp_multiple, self.record
-        flagged = self.flagged
-        lengths, find = buffer.lengths, bisect.bisect_right
-        # The rows' tokens in order, pieces and padding runs alike, joined once at the end: no numpy call per piece.
-        parts: list[np.ndarray] = []
-        # Flat offsets where a piece or a padding run starts, of pieces' first tokens that are no target (after
-        # another document or CP padding), of each padding run, and (start, stop) of each CP padding.
-        marks: tuple[list[int], list[int], list[int], list] = ([], [], [], [])
-        starts, blocked = marks[0], marks[1]
-        padding = cp_padding = 0
-        for r in range(num_rows):
-            pos, open_end, at = 0, False, r * capacity  # open_end: the piece before ends inside its document
-            size = self._size_before_row()
-            while pos < capacity:
-                if buffer.count < size:
-                    self._top_up(size, refill)
-                i = find(lengths, capacity - pos) - 1
-                if i < 0:  # nothing fits
-                    padding += self._gap(parts, r, pos, marks)
-                    break
-                length, (tokens, continuation), row = buffer.pop(i)
-                parts.append(tokens if tokens is not None else self._materialize(row))  # None: restored lazily
-                if record is not None:
-                    record.append((r, pos, length, row[2], row[3], row[4]))
-                if flagged:
-                    starts.append(at + pos)
-                    # Not the target of the token before it: that token is another document's, or (a piece cut at
-                    # a shorter row length, now sharing a row) it is followed in its own document by other text.
-                    if continuation or open_end:
-                        blocked.append(at + pos)
-                    open_end = not row[5]
-                pos += length
-                if multiple > 1 and pos < capacity:
-                    pos, padded = self._cp_pad(parts, r, pos, marks)
-                    cp_padding += padded
-        padding += cp_padding
-        self.counters.emitted += num_rows * capacity - padding
-        self.counters.padding += padding
+        self._flush()
+        buffer, capacity = self._buffer, self.capacity
+        sc = buffer.sc
+        out = np.empty(num_rows * capacity, np.int32)
+        flags = np.zeros(num_rows * capacity, np.uint8) if self.flagged else _NO_FLAGS
+        sc[loop.ROW], sc[loop.ROWS], sc[loop.IN_ROW] = 0, num_rows, 0
+        sc[loop.RECORD], sc[loop.RECORDED] = int(self.record is not None), 0
+        sc[loop.GAP_PADDING : loop.CP_PADDING + 1] = 0
+        while True:
+            source = self._source
+            code = loop.pack(sc, buffer.slots, buffer.free, buffer.heads, buffer.tails, buffer.pushed, buffer.popped,
+                             buffer.record, buffer.arena, *source, out, flags)  # fmt: skip
+            if code == loop.DONE:
+                break
+            if code == loop.REFILL:
+                added, fed = self.added, self._source
+                refill()
+                if self.added == added and (self._source is fed or not len(self._source[2])):
+                    raise RuntimeError("refill() added no document")
+                self._flush()
+            elif code == loop.FETCH:
+                slot = int(sc[loop.LAZY])
+                buffer.place(slot, self._materialize(buffer.slots[slot, :8]))
+            else:
+                buffer.grow()
+        padding, cp_padding = sc[loop.GAP_PADDING : loop.CP_PADDING + 1].tolist()
+        self._sync()
+        self.counters.emitted += num_rows * capacity - padding - cp_padding
+        self.counters.padding += padding + cp_padding
         self.counters.cp_padding += cp_padding
-        out = np.concatenate(parts, dtype=np.int32, casting="unsafe") if parts else np.empty(0, np.int32)
-        out = out.reshape(num_rows, capacity)
-        return out, (_flags(out.shape, *marks) if flagged else None)
-
-    def _size_before_row(self) -> int:
-        """The buffer's size before the next row (counted as taken)."""
-        taken = self.rows_taken
-        self.rows_taken = taken + 1
-        if taken >= self._full_from:
-            return self.buffer_size
-        return self.growth.size(self.buffer_size, taken)
-
-    def _top_up(self, size: int, refill: Callable[[], None]) -> None:
-        while self._buffer.count < size:
-            added = self.added
-            refill()
-            if self.added == added:
-                raise RuntimeError("refill() added no document")
-
-    def _gap(self, parts: list[np.ndarray], row: int, pos: int, marks: Any) -> int:
-        """No piece fits the rest of row ``row`` from ``pos``: crop the shortest to fill it; returns 0 (padding)."""
-        remaining = self.capacity - pos
-        length, (tokens, _), piece = self._buffer.pop(0)
-        if tokens is None:
-            tokens = self._materialize(piece)
-        parts.append(tokens[:remaining])
         if self.record is not None:
-            self.record.append((row, pos, remaining, piece[2], piece[3], piece[4]))
-        if self.flagged:  # rows flagged for CP: the cropped piece starts a sequence
-            marks[0].append(row * self.capacity + pos)
-        self.counters.crops += 1
-        self.counters.cropped += length - remaining
-        return 0
-
-    def _cp_pad(self, parts: list[np.ndarray], row: int, pos: int, marks: Any) -> tuple[int, int]:
-        """Pad from ``pos`` to the next multiple of ``cp_multiple`` (or row end); returns new position, padding."""
-        stop = -(-pos // self.cp_multiple) * self.cp_multiple
-        if stop >= self.capacity - 1:
-            stop = self.capacity
-        if stop == pos:
-            return pos, 0
-        parts.append(self._padding[: stop - pos])
-        at = row * self.capacity
-        marks[3].append((at + pos, at + stop))
-        if stop < self.capacity:  # what follows must not be the target of padding
-            marks[1].append(at + stop)
-        return stop, stop - pos
+            self.record.append(buffer.record[: sc[loop.RECORDED]].copy())
+        return out.reshape(num_rows, capacity), (flags.reshape(num_rows, capacity) if self.flagged else None)
 
     def reset(self, buffer: np.ndarray, next_seq: int, fetch: Fetch | None) -> None:
         """Continue from a saved buffer, lazily: a piece's tokens are fetched (``fetch(row, need) -> tokens`` from its
@@ -314,7 +379,7 @@ class BestFitPacker:
             RuntimeError: the packer is not empty.
             ValueError: a malformed buffer, or pieces but no ``fetch``.
         """
-        if self._buffer.count:
+        if len(self):
             raise RuntimeError("reset() needs an empty packer")
         buffer = np.asarray(buffer, np.int64)
         if buffer.ndim != 2 or (len(buffer) and buffer.shape[1] != len(META_COLUMNS)):
@@ -339,13 +404,14 @@ class BestFitPacker:
         if not self.split and capacity > self.hold:
             raise ValueError(f"rows of {capacity} tokens need documents' prefixes of as many, this packer keeps "
                              f"{self.hold}")  # fmt: skip
-        payloads = {}
-        for bucket in self._buffer.by_length.values():
-            for row, payload in bucket:
-                payloads[row[0]] = payload
-        rows = self.snapshot()
-        self._set_capacity(capacity)
-        self._buffer = _PieceBuffer()
+        self._set_capacity(capacity)  # (checked before anything changes)
+        self._flush()
+        old = self._buffer
+        payloads, rows = old.payloads(), old.snapshot()
+        self._buffer = self._new_buffer(capacity, self.next_seq, self.rows_taken)
+        self._buffer.sc[loop.SOURCE_NEXT], self._buffer.sc[loop.SOURCE_STOP] = old.sc[[loop.SOURCE_NEXT,
+                                                                                       loop.SOURCE_STOP]]  # fmt: skip
+        self._buffer.sc[loop.ADDED] = old.sc[loop.ADDED]
         self._arrange(rows, payloads)
 
     def _arrange(self, rows: np.ndarray, payloads: dict[int, Any]) -> None:
@@ -372,6 +438,7 @@ class BestFitPacker:
 
     def snapshot(self) -> np.ndarray:
         """The buffered pieces as int64 rows of ``META_COLUMNS``, in insertion order."""
+        self._flush()
         return self._buffer.snapshot()
 
     @property
@@ -406,34 +473,10 @@ class BestFitSplitPacker(BestFitPacker):
 
     def add(self, tokens: np.ndarray, key: tuple[int, int]) -> None:  # type: ignore[override]
         """Buffer one whole document (1-D ids, BOS first): one piece, or all its chunks when longer than a row."""
-        tokens = np.ascontiguousarray(tokens, np.int32)  # its chunks are then contiguous: hashed as they are
-        length = len(tokens)
-        if tokens.ndim != 1 or length == 0:
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or len(tokens) == 0:
             raise ValueError(f"a document must be a non-empty 1-D token array, got shape {tokens.shape}")
-        capacity, seq, push = self.capacity, self.next_seq, self._buffer.push
-        key0, key1 = key
-        if length <= capacity:
-            push(length, (seq, length, key0, key1, 0, 1, 0, 0), (tokens, False))
-            self.next_seq = seq + 1
-        else:
-            last = (length - 1) // capacity
-            for chunk, at in enumerate(range(0, length, capacity)):
-                piece = tokens[at : at + capacity]
-                size = capacity if chunk < last else length - at
-                push(size, (seq + chunk, size, key0, key1, at, int(chunk == last), prefix_hash(piece), size),
-                     (piece, chunk > 0))  # fmt: skip
-            self.next_seq = seq + last + 1
-            self.counters.split_docs += 1
-            self.counters.chunks += last + 1
-        self.added += 1
-        self.counters.docs += 1
-
-    def _gap(self, parts: list[np.ndarray], row: int, pos: int, marks: Any) -> int:
-        """Pad the rest of the row (a run that starts positions and trains nothing); returns the padding written."""
-        parts.append(self._padding[: self.capacity - pos])
-        marks[0].append(row * self.capacity + pos)
-        marks[2].append(row * self.capacity + pos)
-        return self.capacity - pos
+        self._staged.append((tokens, len(tokens), key[0], key[1]))
 
 
 def _rows_until_full(growth: BufferGrowth, buffer_size: int) -> int:
@@ -443,6 +486,8 @@ def _rows_until_full(growth: BufferGrowth, buffer_size: int) -> int:
     return max(0, -(-(buffer_size - growth.start) // growth.per_row))
 
 
+_NO_FLAGS = np.zeros(1, np.uint8)  # what the loop is given where rows carry no flags (it writes none)
+_NO_SOURCE = (np.zeros(0, np.int32), *(np.zeros(0, np.int64) for _ in range(4)))  # nothing fed
 _LAZY = ((None, False), (None, True))  # the payload of a piece restored lazily: (no tokens yet, continuation?)
 
 
@@ -473,252 +518,13 @@ def recut(
     return (kept, kept_payloads), next_seq
 
 
-def recorded_pieces(record: list[tuple[int, ...]] | None) -> np.ndarray | None:
+def recorded_pieces(record: list[np.ndarray] | None) -> np.ndarray | None:
     """The pieces a packer noted since the last block, as ``PIECE_COLUMNS`` rows (source 0); the note is emptied."""
     if record is None:
         return None
-    table = np.zeros((len(record), 7), np.int64)
-    if record:
-        table[:, :6] = record
+    noted = [table for table in record if len(table)]
+    table = np.zeros((sum(map(len, noted)), 7), np.int64)
+    if noted:
+        table[:, :6] = np.concatenate(noted)
     record.clear()
     return table
-
-
-def _flags(
-    shape: tuple[int, int], starts: list[int], blocked: list[int], padded: list[int], cp_padded: list
-) -> np.ndarray:
-    """The rows' flag bits from flat offsets of starts, no-target first tokens, padding runs and CP padding spans."""
-    rows, capacity = shape
-    flags = np.zeros(rows * capacity, np.uint8)
-    flags[starts] = START
-    flags[blocked] |= NO_TARGET
-    for at in padded:
-        flags[at : at - at % capacity + capacity] |= NO_TARGET
-    for start, stop in cp_padded:
-        flags[start:stop] |= CP_PAD | NO_TARGET
-    return flags.reshape(shape)
-
-
-@dataclass(frozen=True, eq=False)
-class BestFitState:
-    """A best-fit packing's state: the reader's position after the last document added, and the buffer's rows (one
-    int64 ``META_COLUMNS`` row per piece, in insertion order: :attr:`buffer`), built only when read
-    (:class:`BufferRows`; a table given is wrapped as it is). Two states are equal when every field is, the
-    buffer's rows by value.
-    """
-
-    kind: str = "bestfit"
-    read: ReadPosition = field(default_factory=ReadPosition)
-    rows: BufferRows = field(default_factory=BufferRows.empty)
-    next_seq: int = 0
-    growth: BufferGrowth = FULL_BUFFER
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rows, np.ndarray):
-            object.__setattr__(self, "rows", BufferRows.of(self.rows))
-
-    @property
-    def buffer(self) -> np.ndarray:
-        """The buffered pieces' rows (built now if they were not)."""
-        return self.rows.table()
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, BestFitState):
-            return NotImplemented
-        return (self.kind, self.read, self.next_seq, self.growth) == (
-            other.kind, other.read, other.next_seq, other.growth
-        ) and np.array_equal(self.buffer, other.buffer)  # fmt: skip
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "reader": self.read.to_dict(),
-            "buffer": np.asarray(self.buffer, np.int64),
-            "next_seq": self.next_seq,
-            "buffer_start": self.growth.start,
-            "buffer_growth": self.growth.per_row,
-        }
-
-    @classmethod
-    def from_dict(cls, state: Mapping[str, Any], path: str, kind: str) -> BestFitState:
-        """Raises :class:`InvalidDataState` for a missing or mistyped field, or another packing's state."""
-        read_kind(state, path, kind)
-        start, per_row = integer(state, "buffer_start", path), integer(state, "buffer_growth", path)
-        try:
-            growth = BufferGrowth(start, per_row)
-        except ValueError as error:
-            raise InvalidDataState(join(path, "buffer_start"), start, str(error)) from error
-        read = ReadPosition.from_dict(state_field(state, "reader", path), join(path, "reader"))
-        buffer = int_table(state, "buffer", path, len(META_COLUMNS))
-        return cls(kind, read, buffer, integer(state, "next_seq", path), growth)
-
-    def check(self, spec: StreamSpec, units: StreamUnits, path: str) -> None:
-        """Raises :class:`InvalidDataState` unless every buffered row names a row of the data and fits the rows."""
-        self.read.check(units, join(path, "reader"))
-        buffer, where = self.buffer, join(path, "buffer")
-        if not len(buffer):
-            return
-        check_column(buffer, 0, "seq", where, 0, self.next_seq)
-        if len(np.unique(buffer[:, 0])) != len(buffer):
-            raise InvalidDataState(f"{where}.seq", buffer[:, 0].tolist()[:20], "insertion numbers must be distinct")
-        split, unbounded = self.kind == "bestfit_split", np.iinfo(np.int64).max
-        check_column(buffer, 1, "length", where, 1, unbounded)
-        check_column(buffer, 2, "key0 (row group)", where, 0, len(spec.index.num_rows))
-        check_column(buffer, 3, "key1 (row)", where, 0, spec.index.num_rows[buffer[:, 2]])
-        check_column(buffer, 4, "offset", where, 0, unbounded if split else 1)
-        check_column(buffer, 5, "final", where, 0, 2)
-        check_column(buffer, 6, "hash", where, 0, 1 << 32)
-        check_column(buffer, 7, "hashed", where, 0, unbounded)
-
-
-@dataclass(slots=True)
-class _Cursor:
-    """The chunk whose documents are being added, and its next document (columns as lists, converted once)."""
-
-    laid: Any = None
-    next_doc: int = 0
-    payload: Any = None
-    lengths: list[int] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
-    group: int = 0
-    starts: list[int] = field(default_factory=list)
-    empty_before: list[int] = field(default_factory=list)
-    units_before: list[int] = field(default_factory=list)
-    long_before: dict[int, int] = field(default_factory=dict)
-    excluded_before: dict[int, int] = field(default_factory=dict)
-
-    def load(self, laid: Any) -> None:
-        chunk, self.laid = laid.chunk, laid
-        self.next_doc, self.payload, self.group = 0, laid.payload, chunk.group
-        self.lengths, self.rows, self.starts = laid.lengths.tolist(), chunk.rows.tolist(), laid.starts.tolist()
-        self.empty_before, self.units_before = chunk.empty_before.tolist(), chunk.units_before.tolist()
-        self.long_before, self.excluded_before = chunk.long_before, chunk.excluded_before
-
-
-class BestFitStage(PackingStage):
-    """A best-fit packing's stage: its packer fed one document per refill, blocks of rows out."""
-
-    def __init__(
-        self,
-        spec: StreamSpec,
-        units: StreamUnits,
-        state: BestFitState,
-        counters: StreamCounters,
-        texts: BufferedTexts | UnitTokens | None,
-    ):
-        super().__init__(spec, units, counters)
-        self.start, self.buffer, self.dropped = state, state.buffer, 0
-        if spec.excluded and len(self.buffer):  # documents excluded since the state was saved leave the buffer
-            keys = self.buffer[:, 2:4].tolist()
-            out = np.asarray([(key0, key1) in spec.excluded for key0, key1 in keys], bool)
-            self.dropped = len({tuple(key) for key in self.buffer[out, 2:4].tolist()})
-            self.buffer = self.buffer[~out]
-        self.fetch = buffer_fetch(spec, self.buffer, texts) if len(self.buffer) else None
-        self.packer: BestFitPacker | None = None  # made at the first block that takes rows, at its row length
-
-    def _packer(self, capacity: int) -> BestFitPacker:
-        """The packer of the first block that takes rows, holding the start's buffer (split at ``capacity``)."""
-        spec, state, counters = self.spec, self.start, self.counters
-        multiple = spec.settings.cp_multiple
-        if state.kind == "bestfit_split":
-            packer = BestFitSplitPacker(capacity, spec.pad_id, spec.buffer_size, state.growth, counters, multiple)
-        else:
-            packer = BestFitPacker(capacity, spec.buffer_size, state.growth, counters, multiple, spec.pad_id,
-                                   hold=max(capacity, spec.max_capacity))  # fmt: skip
-        packer.rows_taken = counters.rows  # the buffer's size follows the rows packed
-        packer.record = [] if spec.record_pieces else None
-        counters.excluded += self.dropped
-        packer.reset(self.buffer, state.next_seq, self.fetch)
-        return packer
-
-    def blocks(
-        self, chunks: Iterator[Any], sizes: Iterator[tuple[int, int]]
-    ) -> Generator[tuple[RowBlock, Any], None, None]:
-        spec, start = self.spec, self.start
-        cursor = _Cursor()
-        state, rows = start, None
-        packer: BestFitPacker | None = None
-        while True:
-            rows_per_block, capacity = next(sizes)
-            if rows_per_block == 0:  # nothing taken: the buffer and the position stay
-                yield RowBlock.empty(capacity, spec.packing.flagged or spec.settings.cp_multiple > 1), state
-                continue
-            if packer is None:
-                packer = self.packer = self._packer(capacity)
-                refill = self._refiller(chunks, cursor, packer)
-            elif capacity != packer.capacity:  # a new row length: the buffer carries over, re-cut where needed
-                packer.reshape(capacity)
-            added = packer.added
-            tokens, flags = packer.take(rows_per_block, refill)
-            read = state.read
-            if packer.added != added:  # only the last document added names the position
-                read = self.after(cursor.laid.chunk, cursor.next_doc - 1)
-            rows = packer._buffer.rows(rows)  # the rows built only if something reads them
-            state = BestFitState(start.kind, read, rows, packer.next_seq, start.growth)
-            yield RowBlock(tokens, flags, pieces=recorded_pieces(packer.record)), state
-
-    def _refiller(self, chunks: Iterator[Any], cursor: _Cursor, packer: BestFitPacker) -> Callable[[], None]:
-        """``refill()``: add the next document (one per call, so the buffer never depends on chunk sizes)."""
-        counters = self.counters
-        split = packer.split
-        add = packer.add
-
-        def refill() -> None:
-            doc = cursor.next_doc
-            while cursor.laid is None or doc >= len(cursor.lengths):
-                cursor.load(next(chunks))
-                doc = 0
-            length = cursor.lengths[doc]
-            if split:
-                start = cursor.starts[doc]
-                add(cursor.payload[start : start + length], (cursor.group, cursor.rows[doc]))
-            else:
-                add(cursor.payload[doc], length, (cursor.group, cursor.rows[doc]))
-            counters.tokens += length
-            counters.empty += cursor.empty_before[doc]
-            counters.text_free_units += cursor.units_before[doc]
-            if cursor.long_before:
-                counters.too_long += cursor.long_before.get(doc, 0)
-            if cursor.excluded_before:
-                counters.excluded += cursor.excluded_before.get(doc, 0)
-            cursor.next_doc = doc + 1
-
-        return refill
-
-
-@dataclass(frozen=True)
-class BestFitPacking:
-    """A best-fit strategy: ``bestfit`` (crop) or ``bestfit_split`` (split and pad)."""
-
-    name: str = "bestfit"
-
-    @property
-    def crops_to_row(self) -> bool:
-        return self.name == "bestfit"
-
-    @property
-    def flagged(self) -> bool:
-        """Rows carry flags without context parallelism (with it, ``bestfit``'s rows do too)."""
-        return self.name == "bestfit_split"
-
-    def fresh_state(self, spec: StreamSpec) -> BestFitState:
-        return BestFitState(kind=self.name, growth=spec.growth)
-
-    def state_from_dict(self, state: Mapping[str, Any], path: str) -> BestFitState:
-        return BestFitState.from_dict(state, path, self.name)
-
-    def stage(
-        self, spec: StreamSpec, units: StreamUnits, state: BestFitState, counters: StreamCounters, texts: Any
-    ) -> BestFitStage:
-        return BestFitStage(spec, units, state, counters, texts)
-
-    def tensors(self, rows: RowBlock, bos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if rows.flags is None:
-            return bos_tensors(rows.tokens, bos_id)
-        return flagged_tensors(rows.tokens, rows.flags)
-
-
-register_packing(BestFitPacking("bestfit"))
-register_packing(BestFitPacking("bestfit_split"))

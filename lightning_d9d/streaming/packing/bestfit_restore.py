@@ -20,7 +20,6 @@ import numpy as np
 
 from lightning_d9d.streaming.packing.rows import prefix_hash
 from lightning_d9d.streaming.tokens.tokenize import encode_documents
-from lightning_d9d.tokenization.tokenizer import tokenizer_from_json
 
 if TYPE_CHECKING:
     from lightning_d9d.streaming.plans.spec import StreamSpec
@@ -179,7 +178,7 @@ class _PrefixFetch:
         if not self.uses[key]:
             del self.texts[key]
         if not hashed:  # a whole document, verified by its length
-            return self._with_bos(encode_documents(tokenizer_from_json(self.spec.tokenizer_json), [text])[0].ids, need)
+            return self._with_bos(encode_documents(self.spec.encoder(), [text])[0].ids, need)
         return self._long_prefix(group, index, text, int(row[1]), need, int(row[6]), hashed)
 
     @staticmethod
@@ -196,7 +195,7 @@ class _PrefixFetch:
     def _long_prefix(
         self, group: int, row: int, text: str, length: int, need: int, checksum: int, hashed: int
     ) -> np.ndarray:
-        tokenizer = tokenizer_from_json(self.spec.tokenizer_json)
+        tokenizer = self.spec.encoder()
         cut = self._prefix_chars(text, length, need)
         full = None
         while True:
@@ -258,7 +257,7 @@ class _SplitFetch:
         return tokens
 
     def _with_bos(self, text: str) -> np.ndarray:
-        ids = encode_documents(tokenizer_from_json(self.spec.tokenizer_json), [text])[0].ids
+        ids = encode_documents(self.spec.encoder(), [text])[0].ids
         tokens = np.empty(len(ids) + 1, np.int32)
         tokens[0] = self.spec.bos_id
         tokens[1:] = ids

@@ -241,18 +241,29 @@ class ConcatStage(PackingStage):
 
     @staticmethod
     def _pieces(packer: ConcatPacker, rows: int, capacity: int) -> np.ndarray:
-        """The pieces of the rows just taken: each document's part, cut at row ends."""
+        """The pieces of the rows just taken: each document's part, cut at row ends (per chunk, in numpy: the cuts
+        are the rows' and the documents' starts in the taken range)."""
         stop = packer._pos
         start = stop - rows * capacity
-        table = []
-        for at, length, laid, doc, token in packer.document_spans(start, stop):
-            group, row = laid.chunk.group, int(laid.chunk.rows[doc])
-            while length:
-                row_index, column = divmod(at - start, capacity)
-                part = min(length, capacity - column)
-                table.append((row_index, column, part, group, row, token, 0))
-                at, length, token = at + part, length - part, token + part
-        return np.asarray(table, np.int64).reshape(-1, 7)
+        tables = []
+        i = bisect.bisect_right(packer._chunk_starts, start) - 1
+        while i < len(packer._chunks) and packer._chunk_starts[i] < stop:
+            base, laid = packer._chunk_starts[i], packer._chunk_refs[i]
+            docs = np.asarray(packer._chunk_docs[i], np.int64)
+            low, high = max(start, base) - base, min(stop, base + len(packer._chunks[i])) - base
+            row_starts = np.arange(-(-(low + base - start) // capacity), -(-(high + base - start) // capacity))
+            cuts = np.union1d(np.concatenate([[low], docs[(docs > low) & (docs < high)]]),
+                              row_starts * capacity + start - base)  # fmt: skip
+            cuts = cuts[(cuts >= low) & (cuts < high)]
+            doc = np.searchsorted(docs, cuts, side="right") - 1
+            table = np.zeros((len(cuts), 7), np.int64)
+            table[:, 0], table[:, 1] = np.divmod(cuts + base - start, capacity)
+            table[:, 2] = np.diff(np.append(cuts, high))
+            table[:, 3], table[:, 4] = laid.chunk.group, np.asarray(laid.chunk.rows)[doc]
+            table[:, 5] = cuts - docs[doc]
+            tables.append(table)
+            i += 1
+        return np.concatenate(tables) if tables else np.zeros((0, 7), np.int64)
 
     def _count_begun(self, pending: list[_Begun], laid: Any, begun: int) -> tuple[TextChunk, int] | None:
         """Count every document begun by now (``begun`` of ``laid``'s), each once, in stream order; the last one."""

@@ -19,6 +19,7 @@ from lightning_d9d.parallel.context_parallel import cp_multiple
 from lightning_d9d.streaming.plans.mixture import MixturePlan
 from lightning_d9d.streaming.plans.packings import PACKINGS, BufferGrowth, packing_of
 from lightning_d9d.streaming.plans.shape import ShapeSchedule
+from lightning_d9d.tokenization.backends import TokenizerBackend, backend_for
 
 if TYPE_CHECKING:
     from lightning_d9d.streaming.packing.rows import Packing
@@ -71,10 +72,11 @@ class StreamSettings:
         for name, values in (("seq_len", shapes.seq_lens), ("global_batch_size", shapes.global_batch_sizes)):
             object.__setattr__(self, name, values.values[0] if len(values.starts) == 1 else values.to_list())
         c = self.context_parallel_size
-        shapes.check_divisible(
-            "seq_len", 2 * c, f"2 × context_parallel_size = {2 * c} (context_parallel_size={c})",
-            f"every row is split into {2 * c} chunks over the CP ranks",
-        )  # fmt: skip
+        if c > 1:  # without CP a row is never split, so any seq_len is valid
+            shapes.check_divisible(
+                "seq_len", 2 * c, f"2 × context_parallel_size = {2 * c} (context_parallel_size={c})",
+                f"every row is split into {2 * c} chunks over the CP ranks",
+            )  # fmt: skip
         object.__setattr__(self, "seed", non_negative_int("seed", self.seed))
         object.__setattr__(
             self, "max_document_chars", positive_int("max_document_chars", self.max_document_chars, allow_none=True)
@@ -108,6 +110,8 @@ class StreamSpec:
         prefetch, chunk_chars, cache: read-ahead chunks, tokenizer-call character cap and token cache; no row changes.
         record_pieces: blocks list the pieces of their rows (provenance; no row changes).
         excluded: documents (global row group, row) never read (``exclude_documents``).
+        tokenizer_backend: the encoder of ``tokenizer_json``, resolved (lightning_d9d.tokenization.backends); every
+            backend gives the same ids, so it changes no row and is no part of the fingerprint or the cache key.
     """
 
     settings: StreamSettings
@@ -122,6 +126,11 @@ class StreamSpec:
     cache: Any = None
     record_pieces: bool = False
     excluded: frozenset[tuple[int, int]] = frozenset()
+    tokenizer_backend: str = "tokenizers"
+
+    def encoder(self) -> TokenizerBackend:
+        """This process's encoder of the spec's tokenizer (made once per process)."""
+        return backend_for(self.tokenizer_backend, self.tokenizer_json)
 
     def capacity_at(self, step: int) -> int:
         """Tokens of a row of ``step`` (``seq_len + 1``)."""

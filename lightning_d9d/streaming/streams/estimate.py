@@ -29,7 +29,6 @@ from lightning_d9d.streaming.packing.bestfit import BestFitPacker
 from lightning_d9d.streaming.tokens.count_record import CountRecord
 from lightning_d9d.streaming.tokens.memory import SAMPLE_CHARS, SAMPLE_DOCUMENT_CHARS
 from lightning_d9d.streaming.tokens.tokenize import encode_documents
-from lightning_d9d.tokenization.tokenizer import tokenizer_from_json
 
 if TYPE_CHECKING:
     from lightning_d9d.streaming.plans.spec import StreamSpec
@@ -88,7 +87,7 @@ def sample_pass(
         sample_docs: rows in the sample (null and empty ones included), where the corpus has as many.
         sample_chars: characters of text in the sample, about (a row group gives rows up to its share).
     """
-    index, tokenizer = spec.index, tokenizer_from_json(spec.tokenizer_json)
+    index, tokenizer = spec.index, spec.encoder()
     candidates = np.flatnonzero(~index.text_free) if index.text_free.size else np.arange(len(index))
     if len(candidates) == 0:
         return PassSample(0.0, ())
@@ -122,6 +121,20 @@ def sample_pass(
     with_text = index.total_rows - int(index.num_rows[index.text_free].sum()) if index.text_free.size else None
     tokens = sum(lengths) / max(1, raw) * (with_text if with_text is not None else index.total_rows)
     return PassSample(tokens, tuple(lengths))
+
+
+def backend_sample(
+    index: RowGroupIndex, max_document_chars: int | None, groups: int = 4, docs: int = 256, chars: int = 400_000
+) -> list[str]:
+    """Documents of a few row groups (a fixed choice, the same on every rank), each cut to ``chars / docs``
+    characters: what a fast tokenizer backend must encode as ``tokenizers`` does before a run uses it."""
+    candidates = np.flatnonzero(~index.text_free) if index.text_free.size else np.arange(len(index))
+    order = candidates[np.random.default_rng(1).permutation(len(candidates))][:groups]
+    per_doc, kept = max(1, chars // docs), []
+    for group in order.tolist():
+        texts = index.read_capped(group, max_document_chars)[0]
+        kept.extend(text[:per_doc] for text in texts[: docs // groups] if text)
+    return kept
 
 
 def count_pass(

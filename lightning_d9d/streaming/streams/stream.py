@@ -24,6 +24,7 @@ from lightning_d9d.streaming.plans.spec import StreamSpec
 from lightning_d9d.streaming.plans.state import field, integer, join, mapping
 from lightning_d9d.streaming.sources.reader import StreamUnits, TextChunk, TextReader
 from lightning_d9d.streaming.tokens.tokenize import tokenized
+from lightning_d9d.tokenization.backends import EncodedBatch
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class TokenStream:
         chunks = tokenized(
             iter(reader), spec.tokenizer_json, spec.prefetch, f"stream-{self.stream}", threading.Event(),
             lay_out=lambda chunk, encodings: LaidOut(chunk, encodings, spec.bos_id, cropped_to),
+            backend=spec.tokenizer_backend, describe=lambda group, row: spec.index.describe_rows(group, row, row + 1),
         )  # fmt: skip
         texts, self.buffered_texts = self.buffered_texts, None  # held only until the buffer is restored
         counters = state.counters.copy()
@@ -145,6 +147,9 @@ class LaidOut:
         self.chunk = chunk
         if chunk.tokens is not None:
             self._lay_out_tokens(chunk.tokens, bos_id, capacity)
+            return
+        if isinstance(encodings, EncodedBatch):  # flat ids already: laid out like cached ones, no loop over tokens
+            self._lay_out_tokens((encodings.ids, encodings.counts), bos_id, capacity)
             return
         self.lengths = np.fromiter(map(len, encodings), np.int64, len(encodings)) + 1  # len() builds no list
         self.starts = np.concatenate([[0], np.cumsum(self.lengths[:-1])]) if len(encodings) else self.lengths

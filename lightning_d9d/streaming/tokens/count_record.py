@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from lightning_d9d.core.digest import digest
-from lightning_d9d.streaming.tokens.token_cache import ENTRY_SUFFIX, StreamCache, TokenCache, read_record, write_record
+from lightning_d9d.streaming.tokens.stream_cache import StreamCache
+from lightning_d9d.streaming.tokens.token_cache import ENTRY_SUFFIX, TokenCache, read_record, write_record
 
 RECORD_FORMAT = 2  # 2: counts per entry (content key included), not per unit
 # Entry headers read at once where the cache is on object storage (each is a request).

@@ -20,16 +20,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import itertools
 import json
 import os
 import re
-import struct
 import threading
 import uuid
 import warnings
-import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,19 +34,25 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from lightning_d9d.core.digest import digest
-from lightning_d9d.core.urls import redact
-from lightning_d9d.streaming.sources.storage import Storage, StorageError, canonical, is_transient
+from lightning_d9d.streaming.sources.storage import Storage, canonical, is_transient
+from lightning_d9d.streaming.tokens.cache_entry import (
+    ENTRY_SUFFIX,
+    FORMAT_VERSION,
+    PARTIAL_SUFFIX,
+    BadEntry,
+    CachedUnit,
+    decode_entry,
+    encode_entry,
+    entry_counts,
+    entry_name,
+    entry_problem,
+    file_folder,
+    token_array,
+    token_dtype,
+    unit_name,
+)
 
-FORMAT_VERSION = 2
-MAGIC = b"D9DTOKS\n"
-ENTRY_SUFFIX = ".tok"
-# A partial entry: the documents of a unit's first rows, kept while a run reads the unit and extended by later ones.
-PARTIAL_SUFFIX = ".part"
 MANIFEST = "manifest.json"
-# magic, format version, header length in bytes, the header's CRC-32. CRC-32 (zlib) rather than a faster hash:
-# no optional dependency, and one entry format.
-_PREFIX = struct.Struct("<8sIII")
-_INDEX = np.dtype("<i8")
 # Store failures that the next store would meet too: the process stops writing.
 _STOPS_WRITING = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
                   errno.EEXIST}  # fmt: skip
@@ -57,15 +60,11 @@ _STOPS_WRITING = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.E
 # as a whole; one more warning says so, and the rest are only counted.
 MAX_NAMED_ENTRIES = 8
 _VERSION_NAME = re.compile(r"[0-9a-f]{16}")
-_FILE_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,127}")
-_CONTENT_KEY = re.compile(r"[0-9a-f]{16,64}")
 _ENTRY = re.compile(
     r"(?P<unit>(?P<file>[^/]+)/(?P<group>\d+)-(?P<start>\d+)-(?P<stop>\d+))\.(?P<content>[0-9a-f]{16,64})"
     + re.escape(ENTRY_SUFFIX)
 )
 _PARTIAL = re.compile(_ENTRY.pattern[: -len(re.escape(ENTRY_SUFFIX))] + re.escape(PARTIAL_SUFFIX))
-# What a count reads of an entry at first: its prefix and header (a longer header is read whole in a second read).
-_HEAD_BYTES = 4096
 
 # What this process has warned about, and the cache versions (by where()) it no longer writes to. A forked
 # worker inherits both, which keeps a failure it would meet again from being warned about once more per worker.
@@ -77,110 +76,6 @@ _LOCK = threading.Lock()
 
 class TokenCacheWarning(UserWarning):
     """The token cache could not be used as it should (a bad entry, a failed store); training goes on."""
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype holding every id of a ``vocab_size`` vocabulary (ValueError outside 1..2**32)."""
-    if not 1 <= vocab_size <= 1 << 32:
-        raise ValueError(f"vocab_size={vocab_size} must be in 1..2**32")
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def token_array(ids: Any, vocab_size: int) -> np.ndarray:
-    """``ids`` in the cache's dtype; ValueError for non-integers or an id outside ``[0, vocab_size)``."""
-    dtype = token_dtype(vocab_size)
-    array = np.asarray(ids)
-    if array.size == 0:
-        return np.zeros(0, dtype)
-    if array.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, not {array.dtype}")
-    array = array.reshape(-1)
-    if int(array.min()) < 0 or int(array.max()) >= vocab_size:
-        bad = int(np.flatnonzero((array < 0) | (array >= vocab_size))[0])
-        raise ValueError(
-            f"token id {int(array[bad])} (at position {bad}) is outside the vocabulary [0, {vocab_size}): a "
-            f"{dtype} token cache cannot store it"
-        )
-    return array.astype(dtype, copy=False)
-
-
-@dataclass(frozen=True, eq=False)
-class CachedUnit:
-    """What reading and tokenizing one unit produced, enough to replay both without the text.
-
-    Attributes:
-        group_in_file: the unit's row group, counted within its file (independent of the file list).
-        start, stop: the unit's rows ``[start, stop)`` of that row group.
-        rows: int64, ascending: the row of each document kept.
-        offsets: int64, ``len(rows) + 1`` entries: document ``i``'s ids are ``tokens[offsets[i]:offsets[i+1]]``.
-        tokens: every document's ids, BOS not included (the stream prepends it), uint16 or uint32.
-        too_long_rows: int64, ascending: the rows skipped for exceeding ``max_document_chars``.
-        too_long_chars: int64: their lengths in characters.
-    """
-
-    group_in_file: int
-    start: int
-    stop: int
-    rows: np.ndarray
-    offsets: np.ndarray
-    tokens: np.ndarray
-    too_long_rows: np.ndarray
-    too_long_chars: np.ndarray
-
-    @classmethod
-    def of(
-        cls,
-        group_in_file: int,
-        start: int,
-        stop: int,
-        rows: Sequence[int] | np.ndarray,
-        documents: Sequence[Sequence[int] | np.ndarray],
-        too_long: Mapping[int, int] | None = None,
-        *,
-        vocab_size: int,
-    ) -> CachedUnit:
-        """Build a unit from each kept document's row and ids, and the ``{row: characters}`` skipped as too long."""
-        if len(rows) != len(documents):
-            raise ValueError(f"{len(rows)} rows for {len(documents)} documents")
-        lengths = np.fromiter(map(len, documents), np.int64, len(documents))
-        offsets = np.zeros(len(documents) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        dtype, tokens = token_dtype(vocab_size), None
-        if all(isinstance(ids, list) for ids in documents):
-            # Python ints straight into the narrow dtype: numpy raises on one out of the dtype's range, and the
-            # checked path below names it (or one past the vocabulary).
-            with contextlib.suppress(OverflowError):
-                tokens = np.fromiter(itertools.chain.from_iterable(documents), dtype, int(offsets[-1]))
-        if tokens is None or (len(tokens) and int(tokens.max()) >= vocab_size):
-            flat = np.concatenate([np.asarray(ids, np.int64) for ids in documents]) if documents else []
-            tokens = token_array(flat, vocab_size)
-        long_rows = sorted((too_long or {}).items())
-        return cls(
-            int(group_in_file),
-            int(start),
-            int(stop),
-            np.asarray(rows, np.int64).reshape(-1),
-            offsets,
-            tokens,
-            np.asarray([row for row, _ in long_rows], np.int64),
-            np.asarray([chars for _, chars in long_rows], np.int64),
-        )
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def ids(self, doc: int) -> np.ndarray:
-        """Document ``doc``'s ids (a view, read-only when loaded)."""
-        return self.tokens[int(self.offsets[doc]) : int(self.offsets[doc + 1])]
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """Each document's id count (BOS not included)."""
-        return np.diff(self.offsets)
-
-    def empty_rows(self) -> np.ndarray:
-        """The rows of ``[start, stop)`` that held a null or empty text."""
-        return np.setdiff1d(np.arange(self.start, self.stop, dtype=np.int64), np.union1d(self.rows, self.too_long_rows))
 
 
 class Coverage(NamedTuple):
@@ -206,10 +101,6 @@ class CacheCounters:
     store_failures: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-
-
-class _BadEntry(Exception):
-    """An entry that must not be read as tokens; the message says why."""
 
 
 class TokenCache:
@@ -255,7 +146,7 @@ class TokenCache:
         return f"TokenCache({self.where()!r}, vocab_size={self.vocab_size})"
 
     # ------------------------------------------------------------------------------------------------ paths
-    def _filesystem(self) -> tuple[pafs.FileSystem, str]:
+    def filesystem(self) -> tuple[pafs.FileSystem, str]:
         if self._fs is None:
             storage = self.storage
             if self.root.split("://", 1)[0].lower() in ("s3", "s3a"):  # a small object in one PUT, not a multipart
@@ -264,46 +155,18 @@ class TokenCache:
             self._fs, self._base = fs, base.rstrip("/")
         return self._fs, self._base
 
-    def _path(self, relative: str = "") -> str:
-        base = f"{self._filesystem()[1]}/{self.digest}"
+    def fs_path(self, relative: str = "") -> str:
+        base = f"{self.filesystem()[1]}/{self.digest}"
         return f"{base}/{relative}" if relative else base
 
     def where(self, relative: str = "") -> str:
         """``relative`` inside this version's folder, for messages (a URL without query or credentials)."""
-        root = canonical(self.root).rstrip("/") if "://" in self.root else self._filesystem()[1]
+        root = canonical(self.root).rstrip("/") if "://" in self.root else self.filesystem()[1]
         return f"{root}/{self.digest}/{relative}" if relative else f"{root}/{self.digest}"
 
-    @staticmethod
-    def entry_name(
-        file_digest: int | str, group_in_file: int, start: int, stop: int, content: str, partial: bool = False
-    ) -> str:
-        """The entry's path inside the version folder: ``<file digest>/<group>-<start>-<stop>.<content key>.tok``
-        (``.part`` for a partial entry); ValueError for a negative number, a file digest not a plain name, or a
-        content key not 16 to 64 hex digits."""
-        if not isinstance(content, str) or not _CONTENT_KEY.fullmatch(content):
-            raise ValueError(f"content key {content!r} must be 16 to 64 lowercase hex digits")
-        unit = TokenCache.unit_name(group_in_file, start, stop)
-        return f"{TokenCache.file_folder(file_digest)}/{unit}.{content}{PARTIAL_SUFFIX if partial else ENTRY_SUFFIX}"
-
-    @staticmethod
-    def unit_name(group_in_file: int, start: int, stop: int) -> str:
-        """``<group>-<start>-<stop>``; ValueError where that is no unit."""
-        if not 0 <= start <= stop or group_in_file < 0:
-            raise ValueError(f"row group {group_in_file}, rows [{start}, {stop}) are not a unit")
-        return f"{int(group_in_file)}-{int(start)}-{int(stop)}"
-
-    @staticmethod
-    def file_folder(file_digest: int | str) -> str:
-        """The folder of a file's entries; ValueError for a negative digest or one not a plain name."""
-        if isinstance(file_digest, str):
-            if not _FILE_NAME.fullmatch(file_digest):
-                raise ValueError(f"file digest {file_digest!r} must be letters, digits, '.', '_', '-'")
-            file_part = file_digest
-        elif int(file_digest) >= 0:
-            file_part = f"{int(file_digest):016x}"
-        else:
-            raise ValueError(f"file digest {file_digest} must be >= 0")
-        return file_part
+    entry_name = staticmethod(entry_name)
+    unit_name = staticmethod(unit_name)
+    file_folder = staticmethod(file_folder)
 
     def _identity(self, file_part: str, group: int, start: int, stop: int, content: str) -> dict[str, Any]:
         """What an entry's header must say: it is the entry looked up (the same content), of this version."""
@@ -329,8 +192,8 @@ class TokenCache:
         whose ``stop`` is the row its documents reach (rows ``[start, stop)`` of it are accounted for).
         """
         name = self.entry_name(file_digest, group_in_file, start, stop, content, partial)
-        path = self._path(name)
-        fs, _ = self._filesystem()
+        path = self.fs_path(name)
+        fs, _ = self.filesystem()
         # A unit without a whole entry is one miss, whether or not a partial entry of it is found.
         missed = {} if partial else {"misses": 1}
         try:
@@ -340,14 +203,14 @@ class TokenCache:
             return None
         except OSError as err:
             self._count(**missed)
-            _warn_once(("read", self.where()), f"cannot read token cache entry {self.where(name)!r} ({err}); its "
+            warn_once(("read", self.where()), f"cannot read token cache entry {self.where(name)!r} ({err}); its "
                                               "unit is tokenized instead (further read failures of this cache are "
                                               "not reported)")  # fmt: skip
             return None
         try:
             identity = self._identity(name.split("/", 1)[0], group_in_file, start, stop, content)
-            unit = _decode(data, identity, self.vocab_size, partial)
-        except _BadEntry as bad:
+            unit = decode_entry(data, identity, self.vocab_size, partial)
+        except BadEntry as bad:
             self._count(**missed, bad=1)
             described = described or f"row group {group_in_file}, rows {start}..{stop - 1}"
             _report_bad(self.where(), self.where(name), described, str(bad))
@@ -385,7 +248,7 @@ class TokenCache:
                              f"{stop})")  # fmt: skip
         if unit.tokens.dtype != self.dtype:
             unit = dataclasses.replace(unit, tokens=token_array(unit.tokens, self.vocab_size))
-        problem = _problem(unit, self.vocab_size)
+        problem = entry_problem(unit, self.vocab_size)
         if problem is not None:
             raise ValueError(f"cannot store {self.where(name)!r}: {problem}")
         if not self.writing:
@@ -393,11 +256,11 @@ class TokenCache:
         identity = self._identity(name.split("/", 1)[0], group_in_file, start, stop, content)
         if partial:
             identity.update(partial=True, covered=int(unit.stop))
-        pieces = _encode(unit, identity, self.dtype)
-        fs, _ = self._filesystem()
+        pieces = encode_entry(unit, identity, self.dtype)
+        fs, _ = self.filesystem()
         try:
             self._write_manifest()
-            _write_atomic(fs, self._path(name), pieces)
+            write_atomic(fs, self.fs_path(name), pieces)
         except OSError as err:
             self._count(store_failures=1)
             local = isinstance(fs, pafs.LocalFileSystem)
@@ -408,19 +271,19 @@ class TokenCache:
 
     def delete_partial(self, file_digest: int | str, group_in_file: int, start: int, stop: int, content: str) -> None:
         """Delete the unit's partial entry, best effort: its whole entry holds every document of it."""
-        _delete_quietly(self._filesystem()[0], self._path(self.entry_name(file_digest, group_in_file, start, stop,
+        _delete_quietly(self.filesystem()[0], self.fs_path(self.entry_name(file_digest, group_in_file, start, stop,
                                                                           content, partial=True)))  # fmt: skip
 
     def _write_manifest(self) -> None:
         """Once per process; every writer writes the same manifest."""
         if self._manifest_written:
             return
-        path = self._path(MANIFEST)
-        fs, _ = self._filesystem()
+        path = self.fs_path(MANIFEST)
+        fs, _ = self.filesystem()
         if fs.get_file_info(path).type == pafs.FileType.NotFound:
             manifest = {"format": FORMAT_VERSION, "key": self.key, "vocab_size": self.vocab_size,
                         "dtype": self.dtype.name}  # fmt: skip
-            _write_atomic(fs, path, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")])
+            write_atomic(fs, path, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")])
         self._manifest_written = True
 
     # ------------------------------------------------------------------------------------------------ inspecting
@@ -430,7 +293,7 @@ class TokenCache:
         footer (or layout) digest counts, whatever content it was made from, so a unit edited without changing its
         file's footer counts until it is read (and its new tokens stored beside).
         """
-        listed = _entry_sizes(self._filesystem()[0], self._path(), (ENTRY_SUFFIX, PARTIAL_SUFFIX))
+        listed = _entry_sizes(self.filesystem()[0], self.fs_path(), (ENTRY_SUFFIX, PARTIAL_SUFFIX))
         entries, partials = _by_unit(listed, _ENTRY), _by_unit(listed, _PARTIAL)
         cached = total = size = partial = partial_size = 0
         for file_digest, group, start, stop in units:
@@ -451,7 +314,7 @@ class TokenCache:
     def unit_entries(self) -> dict[str, list[tuple[str, int]]]:
         """``{<file digest>/<group>-<start>-<stop>: [(entry name, bytes), ...]}``: every whole entry of each unit (one
         per content it was stored from), by name, from one listing (OSError as :meth:`coverage`)."""
-        return _by_unit(_entry_sizes(self._filesystem()[0], self._path()), _ENTRY)
+        return _by_unit(_entry_sizes(self.filesystem()[0], self.fs_path()), _ENTRY)
 
     def entry_counts(self, name: str, lengths: int = 0) -> tuple[int, int, np.ndarray] | None:
         """``(documents, tokens, the first lengths documents' token counts)`` of entry ``name`` (as :meth:`entries`
@@ -460,28 +323,28 @@ class TokenCache:
         if parts is None:
             return None
         try:  # the arrays' CRC-32 is not checked: nothing read here is ever a token
-            return _entry_counts(self._filesystem()[0], self._path(name), self._identity(*parts), lengths)
-        except (OSError, _BadEntry):
+            return entry_counts(self.filesystem()[0], self.fs_path(name), self._identity(*parts), lengths)
+        except (OSError, BadEntry):
             return None
 
     def size(self) -> int:
         """Bytes under this version's folder, killed writers' temporary files included; OSError as :meth:`coverage`."""
-        return sum(int(info.size) for info in _files(self._filesystem()[0], self._path()))
+        return sum(int(info.size) for info in _files(self.filesystem()[0], self.fs_path()))
 
     def other_versions(self) -> dict[str, Any]:
         """``{folder: key}`` of the other versions under ``root`` (``None`` where the manifest is unreadable)."""
-        return _version_keys(*self._filesystem(), skip=self.digest)
+        return _version_keys(*self.filesystem(), skip=self.digest)
 
     def describe_other_versions(self) -> str | None:
         """A message naming the other versions under ``root`` and how their keys differ, or ``None``; OSError as
         :meth:`coverage`. Every process computes the same message: say it once per run.
         """
         formats: dict[str, Any] = {}
-        others = _version_keys(*self._filesystem(), skip=self.digest, formats=formats)
+        others = _version_keys(*self.filesystem(), skip=self.digest, formats=formats)
         if not others:
             return None
-        fs, _ = self._filesystem()
-        exists = fs.get_file_info(self._path(MANIFEST)).type != pafs.FileType.NotFound
+        fs, _ = self.filesystem()
+        exists = fs.get_file_info(self.fs_path(MANIFEST)).type != pafs.FileType.NotFound
         return _versions_message(canonical(self.root), others, formats, self.key, self.digest, exists)
 
     def _count(self, **amounts: int) -> None:
@@ -541,116 +404,12 @@ def _differences(ours: Any, theirs: Any) -> list[str]:
     return sorted(name for name in set(ours) | set(theirs) if ours.get(name) != theirs.get(name))
 
 
-# ------------------------------------------------------------------------------------------------ entries
-def _encode(unit: CachedUnit, identity: Mapping[str, Any], dtype: np.dtype) -> list[memoryview]:
-    """An entry's bytes, as pieces to write in order: prefix, header (identity, sizes, payload CRC-32), arrays."""
-    arrays = [np.ascontiguousarray(a, _INDEX) for a in (unit.rows, unit.offsets, unit.too_long_rows,
-                                                        unit.too_long_chars)]  # fmt: skip
-    arrays.append(np.ascontiguousarray(unit.tokens, dtype))
-    views = [memoryview(a).cast("B") for a in arrays]
-    crc = 0
-    for view in views:
-        crc = zlib.crc32(view, crc)
-    header = dict(identity, documents=len(unit.rows), too_long=len(unit.too_long_rows), tokens=len(unit.tokens))
-    header["payload_crc32"] = crc
-    header = json.dumps(header, sort_keys=True).encode()
-    header += b" " * (-(_PREFIX.size + len(header)) % 8)  # the arrays start 8-byte aligned
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header))
-    return [memoryview(prefix), memoryview(header), *views]
-
-
-def _header(data: Any, identity: Mapping[str, Any]) -> tuple[list[int], int, dict[str, Any]]:
-    """An entry's ``[documents, too-long rows, tokens]``, where its arrays start and its header, from ``data`` (the
-    entry, or at least its prefix and header), checked: magic, format version, the header's CRC-32 and ``identity``;
-    raises :class:`_BadEntry` naming the problem."""
-    size = len(data)
-    if size < _PREFIX.size:
-        raise _BadEntry(f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
-    magic, version, header_size, header_crc = _PREFIX.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise _BadEntry(f"not a token cache entry (it starts with {bytes(magic)!r}, not {MAGIC!r})")
-    if version != FORMAT_VERSION:
-        raise _BadEntry(f"format version {version}; this code reads version {FORMAT_VERSION}")
-    payload_at = _PREFIX.size + header_size
-    if payload_at > size:
-        raise _BadEntry(f"truncated: {size} bytes, shorter than its {header_size}-byte header")
-    raw = memoryview(data)[_PREFIX.size : payload_at]
-    if zlib.crc32(raw) != header_crc:
-        raise _BadEntry("its header fails its CRC-32 check")
-    try:
-        header = json.loads(bytes(raw))
-        counts = [int(header[name]) for name in ("documents", "too_long", "tokens")]
-    except (ValueError, KeyError, TypeError) as err:
-        raise _BadEntry(f"unreadable header ({err})") from err
-    for name, value in identity.items():
-        if header.get(name) != value:
-            raise _BadEntry(f"its header says {name}={header.get(name)!r}, expected {value!r}")
-    if min(counts) < 0:
-        raise _BadEntry(f"its header holds negative counts {counts}")
-    return counts, payload_at, header
-
-
 def _entry_parts(name: str) -> tuple[str, int, int, int, str] | None:
     """``(file folder, group, start, stop, content key)`` of an entry's name inside its version, or ``None``."""
     match = _ENTRY.fullmatch(name)
     if match is None:
         return None
     return match.group("file"), *(int(match.group(part)) for part in ("group", "start", "stop")), match.group("content")
-
-
-def _entry_counts(
-    fs: pafs.FileSystem, path: str, identity: Mapping[str, Any], lengths: int
-) -> tuple[int, int, np.ndarray]:
-    """``(documents, tokens, the first lengths documents' token counts)`` of the entry at ``path``, from its prefix,
-    header and offsets (two or three small reads); raises :class:`_BadEntry` or OSError."""
-    with open(path, "rb") if isinstance(fs, pafs.LocalFileSystem) else fs.open_input_file(path) as entry:
-        head = entry.read(_HEAD_BYTES)
-        if len(head) >= _PREFIX.size and _PREFIX.size + _PREFIX.unpack_from(head, 0)[2] > len(head):
-            entry.seek(0)
-            head = entry.read(_PREFIX.size + _PREFIX.unpack_from(head, 0)[2])
-        (docs, _long_docs, tokens), payload_at, _ = _header(head, identity)
-        take = min(int(lengths), docs)
-        entry.seek(payload_at + _INDEX.itemsize * docs)
-        data = entry.read(_INDEX.itemsize * (take + 1))
-    if len(data) != _INDEX.itemsize * (take + 1):
-        raise _BadEntry("truncated: its offsets end early")
-    offsets = np.frombuffer(data, _INDEX)
-    if offsets[0] != 0 or bool(np.any(offsets[1:] < offsets[:-1])) or offsets[-1] > tokens:
-        raise _BadEntry("its document offsets do not frame its tokens")
-    return docs, tokens, np.diff(offsets)
-
-
-def _decode(data: Any, identity: Mapping[str, Any], vocab_size: int, partial: bool = False) -> CachedUnit:
-    """The unit ``data`` holds, fully checked against ``identity``; raises :class:`_BadEntry` naming the problem.
-    ``partial``: a partial entry, whose unit ends at the row its header says it covers."""
-    size, dtype = len(data), token_dtype(vocab_size)
-    counts, payload_at, header = _header(data, identity)
-    stop = identity["stop"]
-    if bool(header.get("partial")) != partial:
-        raise _BadEntry("a partial entry under a whole entry's name" if header.get("partial") else
-                        "a whole entry under a partial entry's name")  # fmt: skip
-    if partial:
-        stop = header.get("covered")
-        if not isinstance(stop, int) or not identity["start"] <= stop < identity["stop"]:
-            raise _BadEntry(f"it covers rows up to {stop!r}, not inside [{identity['start']}, {identity['stop']})")
-    docs, long_docs, tokens = counts
-    payload = _INDEX.itemsize * (2 * docs + 1 + 2 * long_docs) + dtype.itemsize * tokens
-    if size != payload_at + payload:
-        state = "truncated" if size < payload_at + payload else "longer than its header says"
-        raise _BadEntry(f"{state}: {size} bytes, its header describes {payload_at + payload}")
-    if zlib.crc32(memoryview(data)[payload_at:]) != header.get("payload_crc32"):
-        raise _BadEntry("its arrays fail their CRC-32 check")
-    arrays, at = [], payload_at
-    for array_dtype, count in ((_INDEX, docs), (_INDEX, docs + 1), (_INDEX, long_docs), (_INDEX, long_docs),
-                               (dtype, tokens)):  # fmt: skip
-        arrays.append(np.frombuffer(data, array_dtype, count, at))
-        at += array_dtype.itemsize * count
-    unit = CachedUnit(identity["group"], identity["start"], stop, arrays[0], arrays[1], arrays[4], arrays[2],
-                      arrays[3])  # fmt: skip
-    problem = _problem(unit, vocab_size)
-    if problem is not None:
-        raise _BadEntry(problem)
-    return unit
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -662,7 +421,7 @@ def _read_whole(fs: pafs.FileSystem, path: str) -> Any:
         return entry.read_buffer()
 
 
-def _write_atomic(fs: pafs.FileSystem, path: str, pieces: list[memoryview]) -> None:
+def write_atomic(fs: pafs.FileSystem, path: str, pieces: list[memoryview]) -> None:
     """``path`` holds all of ``pieces`` or stays as it was."""
     if isinstance(fs, pafs.LocalFileSystem):
         folder = os.path.dirname(path)
@@ -698,12 +457,12 @@ def _write_atomic(fs: pafs.FileSystem, path: str, pieces: list[memoryview]) -> N
 
 def read_record(cache: TokenCache, relative: str) -> bytes:
     """The bytes of a record kept in ``cache``'s version folder (``relative`` to it); OSError where there is none."""
-    return bytes(_read_whole(cache._filesystem()[0], cache._path(relative)))
+    return bytes(_read_whole(cache.filesystem()[0], cache.fs_path(relative)))
 
 
 def write_record(cache: TokenCache, relative: str, data: bytes) -> None:
     """Write a record into ``cache``'s version folder atomically (OSError where it cannot be written)."""
-    _write_atomic(cache._filesystem()[0], cache._path(relative), [memoryview(data)])
+    write_atomic(cache.filesystem()[0], cache.fs_path(relative), [memoryview(data)])
 
 
 def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
@@ -745,7 +504,7 @@ def _warn(message: str) -> None:
     warnings.warn(message, TokenCacheWarning, stacklevel=3)
 
 
-def _warn_once(what: tuple[str, ...], message: str) -> None:
+def warn_once(what: tuple[str, ...], message: str) -> None:
     with _LOCK:
         if what in _WARNED:
             return
@@ -778,317 +537,8 @@ def _store_failed(root: str, version: str, entry: str, local: bool, err: OSError
                   "keeps reading it, tokenizing the units it lacks")  # fmt: skip
         return
     kind = type(err).__name__ + str(err.errno or "")
-    _warn_once(("store", version, kind), f"could not store token cache entry {entry!r} ({err}); its unit is "
+    warn_once(("store", version, kind), f"could not store token cache entry {entry!r} ({err}); its unit is "
                f"tokenized again when next read (further {kind} failures of this cache are not reported)")  # fmt: skip
 
 
-def _problem(unit: CachedUnit, vocab_size: int) -> str | None:
-    arrays = {"rows": unit.rows, "offsets": unit.offsets, "too_long_rows": unit.too_long_rows,
-              "too_long_chars": unit.too_long_chars, "tokens": unit.tokens}  # fmt: skip
-    for name, array in arrays.items():
-        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iu":
-            return f"{name} is not a 1-D integer array"
-    rows, offsets, tokens, start, stop = unit.rows, unit.offsets, unit.tokens, unit.start, unit.stop
-    if not 0 <= start <= stop:
-        return f"rows [{start}, {stop}) are not a range"
-    for name, some in (("documents", rows), ("too-long rows", unit.too_long_rows)):
-        if len(some) and (some[0] < start or some[-1] >= stop or bool(np.any(some[1:] <= some[:-1]))):
-            return f"the {name} are not ascending rows inside [{start}, {stop})"
-    if len(unit.too_long_chars) != len(unit.too_long_rows) or bool(np.any(unit.too_long_chars < 1)):
-        return "the too-long rows' lengths do not match them"
-    if len(unit.too_long_rows) and np.intersect1d(rows, unit.too_long_rows).size:
-        return "a row is both a document and too long"
-    if len(offsets) != len(rows) + 1 or offsets[0] != 0 or offsets[-1] != len(tokens):
-        return f"{len(offsets)} offsets from {offsets[0] if len(offsets) else None} do not frame {len(rows)} documents"
-    if bool(np.any(offsets[1:] < offsets[:-1])):
-        return "the document offsets decrease"
-    if tokens.dtype != token_dtype(vocab_size):
-        return f"tokens are {tokens.dtype}, not {token_dtype(vocab_size)}"
-    if len(tokens) and int(tokens.max()) >= vocab_size:
-        return f"token id {int(tokens.max())} is outside the vocabulary [0, {vocab_size})"
-    return None
-
-
 # ------------------------------------------------------------------------------------------------ streams
-class StreamCache:
-    """A token cache as a source's streams use it; ``index`` (the source's ``RowGroupIndex``) names each unit's file
-    and gives each unit's content key; ``scope`` names the file set (``train_files``, ``val_files['web']``): file labels
-    are relative to their set's common folder, so two sets may hold the same label for different files."""
-
-    def __init__(self, cache: TokenCache, index: Any, scope: str = ""):
-        self.cache, self.index, self.scope = cache, index, scope
-        self.labelled: set[int] = set()  # files whose label record this process has written
-        # Entries this process stored whole: a recorder of the same unit (a later pass read ahead of the tokenizer)
-        # writes no partial entry beside one.
-        self.completed: set[tuple[int | str, int, int, int, str]] = set()
-        self._labels: list[str] | None = None
-
-    def label(self, file: int) -> str:
-        """A file's path relative to the corpus's common folder: the same wherever the corpus is."""
-        if self._labels is None:
-            self._labels = self.index.file_labels()
-        return self._labels[file]
-
-    def _where(self, group: int) -> tuple[int, int]:
-        file = int(self.index.file_of[group])
-        return self.index.file_digests[file], int(self.index.group_in_file[group])
-
-    def load(self, group: int, start: int, stop: int) -> CachedUnit | None:
-        """Unit ``[start, stop)`` of global row group ``group``, or ``None`` when it is not (validly) cached. The unit's
-        stored text is read and hashed to find its entry; ValueError or StorageError where it cannot be read.
-        """
-        content = self.index.content_key(group)
-        file_digest, in_file = self._where(group)
-        return self.cache.load(file_digest, in_file, start, stop, content, self.index.describe_rows(group, start, stop))
-
-    def lookup(self, group: int, start: int, stop: int) -> tuple[CachedUnit | None, CachedUnit | None, str]:
-        """``(whole entry, partial entry, content key)`` of unit ``[start, stop)`` of global row group ``group``: its
-        whole entry where cached, else its partial entry where one is (each ``None`` where missing or bad), found by
-        the content key of its stored text as read and hashed now; raises as :meth:`load`."""
-        content = self.index.content_key(group)
-        file_digest, in_file = self._where(group)
-        described = self.index.describe_rows(group, start, stop)
-        whole = self.cache.load(file_digest, in_file, start, stop, content, described)
-        if whole is not None:
-            return whole, None, content
-        return None, self.cache.load(file_digest, in_file, start, stop, content, described, partial=True), content
-
-    def partial(self, group: int, start: int, stop: int) -> CachedUnit | None:
-        """The partial entry of unit ``[start, stop)`` of ``group`` for its current content, or ``None``."""
-        content = self.index.content_key(group)
-        file_digest, in_file = self._where(group)
-        return self.cache.load(file_digest, in_file, start, stop, content, partial=True)
-
-    def recorder(
-        self,
-        group: int,
-        start: int,
-        stop: int,
-        too_long: Mapping[int, int],
-        content: str,
-        base: CachedUnit | None = None,
-    ) -> UnitRecorder | None:
-        """What records the unit's documents as they are tokenized, to be stored under ``content`` (the content key of
-        the bytes they were decoded from), after ``base`` (its partial entry, where the read continues it); ``None``
-        when this process stores nothing."""
-        if not self.cache.writing:
-            return None
-        file_digest, in_file = self._where(group)
-        long_rows = {row: chars for row, chars in too_long.items() if start <= row < stop}
-        return UnitRecorder(self, group, (file_digest, in_file, start, stop, content), long_rows, base)
-
-    def stored(self, group: int) -> None:
-        """Record once which file label a digest belongs to, so a later run can name the files edited since."""
-        file = int(self.index.file_of[group])
-        if file in self.labelled:
-            return
-        self.labelled.add(file)
-        label = self.label(file)
-        record = f"{TokenCache.file_folder(self.index.file_digests[file])}\n{label}\n"
-        with contextlib.suppress(OSError):
-            _write_atomic(self.cache._filesystem()[0], self._label_path(label), [memoryview(record.encode())])
-
-    def _label_path(self, label: str) -> str:
-        return self.cache._path(f"labels/{self._label_key(label)}")
-
-    def _label_key(self, label: str) -> str:
-        return digest(f"{self.scope}\n{label}" if self.scope else label)
-
-    def changes(self) -> list[str]:
-        """What a user should hear once: other versions of this cache, and files changed since they were cached."""
-        messages = []
-        with contextlib.suppress(OSError):
-            other = self.cache.describe_other_versions()
-            if other is not None:
-                messages.append(other)
-        with contextlib.suppress(OSError):
-            changed = self._changed_files()
-            if changed:
-                shown = ", ".join(repr(label) for label in changed[:5]) + (" ..." if len(changed) > 5 else "")
-                messages.append(
-                    f"token cache {self.cache.where()!r}: {len(changed)} file(s)"
-                    + (f" of {self.scope}" if self.scope else "")
-                    + f" changed since their tokens were cached ({shown}); their tokens are rebuilt as they "
-                    "are read, the old ones are never used"
-                )
-        return messages
-
-    def _changed_files(self) -> list[str]:
-        """Labels of files whose footer (layout) digest has no entries while their label record names another: a
-        message only (an edit that keeps the footer is not named; its tokens are rebuilt all the same, as every entry
-        is found by the content it was made from)."""
-        fs, _ = self.cache._filesystem()
-        present = {info.base_name for info in fs.get_file_info(pafs.FileSelector(self.cache._path(),
-                                                                                  allow_not_found=True))}  # fmt: skip
-        records = {info.base_name for info in fs.get_file_info(pafs.FileSelector(self.cache._path("labels"),
-                                                                                  allow_not_found=True))}  # fmt: skip
-        changed = []
-        for file, file_digest in enumerate(self.index.file_digests):
-            folder = TokenCache.file_folder(file_digest)
-            if folder in present:
-                continue
-            label = self.label(file)
-            if self._label_key(label) not in records:
-                continue  # never cached: a new file, not a changed one
-            try:
-                with fs.open_input_stream(self._label_path(label)) as stream:
-                    recorded = stream.read().decode().split("\n", 1)[0]
-            except (OSError, UnicodeDecodeError):
-                continue
-            if recorded != folder:
-                changed.append(label)
-        return changed
-
-    def coverage(self, units: Any) -> Coverage:
-        """How much of ``units`` (``Units`` of this index) the cache holds (see :meth:`TokenCache.coverage`)."""
-        return self.cache.coverage(
-            (*self._where(int(group)), int(begin), int(end))
-            for group, begin, end in zip(units.group, units.start, units.stop)
-        )
-
-
-class UnitRecorder:
-    """A unit's documents recorded chunk by chunk as compact ids: stored whole once every chunk is in, and meanwhile
-    kept as a partial entry (its first documents) so that a run stopping inside the unit loses little of its work.
-
-    Chunks may be tokenized out of order (a consumer and the tokenizing thread); only the chunks in order from the
-    first (or from ``base``) are stored. A partial entry is rewritten when the documents in order have doubled since
-    the last one (so at most about twice the unit is written in all), and at :meth:`close`, when the reader stops.
-
-    Args:
-        source: the stream cache it stores through.
-        group: the unit's global row group.
-        entry: ``(file digest, group in file, start, stop, content key)``: the entry it is stored as.
-        too_long: ``{row: characters}`` of the unit's rows skipped as too long.
-        base: the unit's partial entry that the chunks continue (their first document follows its last row).
-    """
-
-    def __init__(
-        self,
-        source: StreamCache,
-        group: int,
-        entry: tuple[int | str, int, int, int, str],
-        too_long: dict[int, int],
-        base: CachedUnit | None = None,
-    ):
-        self.source, self.cache, self.group = source, source.cache, group
-        self.entry, self.too_long = entry, too_long
-        self.rows: list[np.ndarray] = []
-        self.ids: list[np.ndarray] = []
-        self.lengths: list[np.ndarray] = []
-        if base is not None:
-            self.rows.append(base.rows)
-            self.ids.append(base.tokens)
-            self.lengths.append(base.lengths)
-        self.documents = self.saved = len(base) if base is not None else 0
-        self.waiting: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
-        self.next_part, self.closed, self.done = 0, False, False
-        self._lock = threading.Lock()
-
-    def add(self, part: int, rows: np.ndarray, encodings: Sequence[Any], last: bool = False) -> None:
-        """Record chunk ``part`` (0, 1, ... in the unit's order) of documents; ``last``: the unit's last chunk."""
-        lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
-        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
-        chunk = (np.asarray(rows, np.int64), token_array(flat, self.cache.vocab_size), lengths, last)
-        with self._lock:
-            if self.done:
-                return
-            self.waiting[part] = chunk
-            complete = False
-            while self.next_part in self.waiting:
-                rows, ids, lengths, complete = self.waiting.pop(self.next_part)
-                self.rows.append(rows)
-                self.ids.append(ids)
-                self.lengths.append(lengths)
-                self.documents += len(rows)
-                self.next_part += 1
-            if complete:
-                self._store_whole()
-            elif self.documents > self.saved and (self.closed or self.documents >= 2 * self.saved):
-                self._store_partial()
-
-    def store(self) -> None:
-        """Store the unit whole now: every one of its documents was added (or it has none)."""
-        with self._lock:
-            if not self.done:
-                self._store_whole()
-
-    def close(self) -> None:
-        """The reader stopped: keep what is recorded as a partial entry now, and any chunk still added later."""
-        with self._lock:
-            self.closed = True
-            if not self.done and self.documents > self.saved:
-                self._store_partial()
-
-    def _unit(self, stop: int) -> CachedUnit:
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
-        offsets = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        long_rows = sorted((row, chars) for row, chars in self.too_long.items() if row < stop)
-        return CachedUnit(
-            self.entry[1],
-            self.entry[2],
-            stop,
-            np.concatenate(self.rows) if self.rows else np.zeros(0, np.int64),
-            offsets,
-            np.concatenate(self.ids) if self.ids else np.zeros(0, self.cache.dtype),
-            np.asarray([row for row, _ in long_rows], np.int64),
-            np.asarray([chars for _, chars in long_rows], np.int64),
-        )
-
-    def _store_whole(self) -> None:
-        self.done = True
-        if self.cache.store(*self.entry, self._unit(self.entry[3])):
-            self.source.completed.add(self.entry)
-            self.source.stored(self.group)
-            if self.saved:  # its partial entry (this run's or an earlier one's) is superseded
-                self.cache.delete_partial(*self.entry)
-        self.rows, self.ids, self.lengths, self.waiting = [], [], [], {}
-
-    def _store_partial(self) -> None:
-        covered = int(self.rows[-1][-1]) + 1 if self.rows and any(len(rows) for rows in self.rows) else None
-        if covered is None or covered >= self.entry[3]:
-            return  # nothing recorded, or every row: the unit is stored whole when its last chunk is in
-        if self.entry in self.source.completed:
-            self.done, self.rows, self.ids, self.lengths, self.waiting = True, [], [], [], {}
-            return
-        # Joined once, so that the next rewrite starts from one array per field.
-        unit = self._unit(covered)
-        self.rows, self.ids, self.lengths = [unit.rows], [unit.tokens], [unit.lengths]
-        if self.cache.store(*self.entry, unit, partial=True):
-            self.source.stored(self.group)
-        self.saved = self.documents
-
-
-def usable_root(root: str, storage: Storage) -> str | None:
-    """``root`` where a token cache can be kept there, ``None`` (one warning) where its storage cannot be reached: the
-    run trains without a cache rather than failing or waiting at every unit.
-
-    Raises:
-        ValueError: ``root`` is an existing file or lies inside one (a folder is created where missing), or bad
-            storage options.
-    """
-    fs, path = storage.filesystem(root)
-    local = isinstance(fs, pafs.LocalFileSystem)
-    try:
-        info = storage.retrying(lambda: fs.get_file_info(path), lambda: f"token cache {redact(root)!r}", _no_op)
-    except OSError as err:
-        if local and not isinstance(err, StorageError):
-            raise ValueError(f"token_cache={redact(root)!r} cannot be used: {err}") from err
-        _warn_once(("unreachable", canonical(root)), f"token cache {redact(root)!r} cannot be reached ({err}); this "
-                   "run trains without it: every unit is tokenized, and JSONL files are scanned at setup")  # fmt: skip
-        return None
-    if info.type == pafs.FileType.File:
-        raise ValueError(f"token_cache={redact(root)!r} is a file: give a folder (created where missing) or a URL")
-    if local and info.type == pafs.FileType.NotFound:
-        parent = os.path.dirname(path)
-        while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
-            parent = os.path.dirname(parent)
-        if os.path.isfile(parent):
-            raise ValueError(f"token_cache={redact(root)!r} lies inside the file {parent!r}: give a folder (created "
-                             "where missing) or a URL")  # fmt: skip
-    return root
-
-
-def _no_op() -> None:
-    pass

@@ -6,8 +6,10 @@ no state (a stream restarts it from the reader's position). One thread per proce
 ``encode_batch_fast`` calls fight over the cores; it also lays each chunk out (ids into one flat array) at once,
 since ``Encoding`` objects are several times their ids' size. Until the consumer opens the lookahead, a chunk is
 tokenized on demand by the asking thread, so streams starting together tokenize their first blocks side by side.
-A document longer than ``LONG_DOCUMENT_CHARS`` is tokenized in pieces (:class:`LongEncoding`). Trade-off: chunks
-tokenized ahead are lost when a stream stops, bounded by ``prefetch + 1`` per stream.
+A document longer than ``LONG_DOCUMENT_CHARS`` is tokenized in pieces (:func:`long_ids`). The encoder is the run's
+tokenizer backend (lightning_d9d.tokenization.backends); a fast one has one document in ``GUARD_EVERY`` re-encoded by
+``tokenizers`` in the same thread. Trade-off: chunks tokenized ahead are lost when a stream stops, bounded by
+``prefetch + 1`` per stream.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from lightning_d9d.core.epoch_iterator import close_at_exit
 from lightning_d9d.streaming.sources.reader import TextChunk
 from lightning_d9d.streaming.tokens import memory
-from lightning_d9d.tokenization.tokenizer import tokenizer_from_json
+from lightning_d9d.tokenization.backends import REFERENCE, BackendGuard, EncodedBatch, TokenizerBackend, backend_for
 
 T = TypeVar("T")
 
@@ -34,17 +35,17 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list:
-    """``encode_batch_fast`` without the post-processor's special tokens (the streams prepend BOS themselves); a
+def encode_documents(backend: TokenizerBackend, texts: list[str]) -> EncodedBatch:
+    """The documents' ids without the post-processor's special tokens (the streams prepend BOS themselves); a
     document over ``LONG_DOCUMENT_CHARS`` characters is tokenized in pieces.
     """
     limit = LONG_DOCUMENT_CHARS
     if not limit or all(len(text) <= limit for text in texts):
-        return tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    short = tokenizer.encode_batch_fast(
-        [text if len(text) <= limit else "" for text in texts], add_special_tokens=False
+        return backend.encode(texts)
+    short = backend.encode([text if len(text) <= limit else "" for text in texts])
+    return EncodedBatch.of_arrays(
+        [e.ids if len(text) <= limit else long_ids(backend, text, limit) for text, e in zip(texts, short)]
     )
-    return [e if len(text) <= limit else LongEncoding.of(tokenizer, text, limit) for text, e in zip(texts, short)]
 
 
 # Longer documents are tokenized in pieces (streaming.memory); 0: every document in one call.
@@ -53,55 +54,38 @@ LONG_DOCUMENT_CHARS = memory.LONG_DOCUMENT_CHARS
 _CUT_WINDOW = 256
 
 
-class LongEncoding:
-    """The ids of a document tokenized in pieces (what the streams use of an ``Encoding``: ``ids``, ``len``).
+def long_ids(backend: TokenizerBackend, text: str, piece_chars: int) -> np.ndarray:
+    """The ids of a document tokenized in pieces.
 
     A piece ends at the first single space at or after ``piece_chars`` where tokenizing around it whole and cut gives
     the same ids, so the ids are one call's for the usual pre-tokenizers; without such a space within another
-    ``piece_chars``, it ends there (ids near that cut may differ from one call's, but are the same on every run).
+    ``piece_chars``, it ends there (ids near that cut may differ from one call's, but are the same on every run and
+    with every backend that gives the reference's ids).
     """
-
-    __slots__ = ("ids",)
-
-    def __init__(self, ids: np.ndarray):
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    @classmethod
-    def of(cls, tokenizer: Tokenizer, text: str, piece_chars: int) -> LongEncoding:
-        parts, start = [], 0
-        while start < len(text):
-            stop = (
-                len(text)
-                if len(text) - start <= piece_chars
-                else _cut(tokenizer, text, start + piece_chars, piece_chars)
-            )
-            ids = tokenizer.encode_batch_fast([text[start:stop]], add_special_tokens=False)[0].ids
-            parts.append(np.asarray(ids, np.int32))
-            start = stop
-        return cls(np.concatenate(parts) if parts else np.zeros(0, np.int32))
+    parts, start = [], 0
+    while start < len(text):
+        stop = len(text) if len(text) - start <= piece_chars else _cut(backend, text, start + piece_chars, piece_chars)
+        parts.append(backend.encode([text[start:stop]]).ids)
+        start = stop
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
-def _cut(tokenizer: Tokenizer, text: str, at_least: int, piece_chars: int) -> int:
+def _cut(backend: TokenizerBackend, text: str, at_least: int, piece_chars: int) -> int:
     """Where a piece holding ``text[:at_least]`` ends: the first clean space after, else ``piece_chars`` further."""
     hard = min(len(text), at_least + piece_chars)
     at = text.find(" ", at_least, hard)
     while at != -1:
         single = at + 1 < len(text) and not text[at - 1].isspace() and not text[at + 1].isspace()
-        if single and _cuts_cleanly(tokenizer, text, at):
+        if single and _cuts_cleanly(backend, text, at):
             return at
         at = text.find(" ", at + 1, hard)
     return hard
 
 
-def _cuts_cleanly(tokenizer: Tokenizer, text: str, at: int) -> bool:
+def _cuts_cleanly(backend: TokenizerBackend, text: str, at: int) -> bool:
     first = max(0, at - _CUT_WINDOW)
-    whole, left, right = tokenizer.encode_batch_fast(
-        [text[first : at + _CUT_WINDOW], text[first:at], text[at : at + _CUT_WINDOW]], add_special_tokens=False
-    )
-    return whole.ids == left.ids + right.ids
+    whole, left, right = backend.encode([text[first : at + _CUT_WINDOW], text[first:at], text[at : at + _CUT_WINDOW]])
+    return len(whole) == len(left) + len(right) and np.array_equal(whole.ids, np.concatenate([left.ids, right.ids]))
 
 
 def tokenizing_thread() -> ThreadPoolExecutor:
@@ -128,6 +112,8 @@ def tokenized(
     name: str = "stream",
     lookahead: threading.Event | None = None,
     lay_out: Callable[[TextChunk, list], T] = TokenizedChunk,  # type: ignore[assignment]
+    backend: str = REFERENCE,
+    describe: Callable[[int, int], str] | None = None,
 ) -> InlineTokenizing[T] | PrefetchedTokenizing[T]:
     """``chunks``, tokenized (ahead, in threads, when ``prefetch > 0``) and laid out, in order.
 
@@ -138,30 +124,55 @@ def tokenized(
         name: names the reader thread.
         lookahead: until set, a chunk is tokenized only when asked for; ``None``: ahead from the start.
         lay_out: ``lay_out(chunk, encodings)`` is yielded for a chunk; it runs in the tokenizing thread, right after.
+        backend: the tokenizer backend, resolved (not ``"auto"``); a fast one is guarded by ``tokenizers``.
+        describe: ``describe(group, row)`` names a document in a guard's error (default: its group and row).
 
     Returns:
         an iterator with ``close()`` (stop reading, drop what was read ahead) and ``open_lookahead()``.
 
     Raises:
-        whatever reading, tokenizing or laying out raised, in the consumer, at the chunk where it happened.
+        whatever reading, tokenizing or laying out raised, in the consumer, at the chunk where it happened;
+        ``TokenizerBackendMismatch`` where the guard found other ids than ``tokenizers``'.
     """
-    encode = _Encode(tokenizer_from_json(tokenizer_json), lay_out)
+    encode = _Encode(tokenizer_json, backend, lay_out, describe)
     if prefetch <= 0:
         return InlineTokenizing(chunks, encode)
     return PrefetchedTokenizing(chunks, encode, prefetch, name, lookahead)
 
 
 class _Encode:
-    def __init__(self, tokenizer: Tokenizer, lay_out: Callable[[TextChunk, list], T]):
-        self.tokenizer, self.lay_out = tokenizer, lay_out
+    def __init__(
+        self,
+        tokenizer_json: str,
+        backend: str,
+        lay_out: Callable[[TextChunk, list], T],
+        describe: Callable[[int, int], str] | None,
+    ):
+        self.backend, self.lay_out = backend_for(backend, tokenizer_json), lay_out
+        self.guard = BackendGuard(backend, tokenizer_json)
+        self.reference = backend_for(REFERENCE, tokenizer_json) if self.guard.active else None
+        self.describe = describe or (lambda group, row: f"the document at row {row} of row group {group}")
 
     def __call__(self, chunk: TextChunk) -> T:
         if chunk.tokens is not None:  # replayed from the token cache: nothing to tokenize
             return self.lay_out(chunk, [])
-        encodings = encode_documents(self.tokenizer, chunk.texts)
+        encodings = encode_documents(self.backend, chunk.texts)
+        if self.reference is not None:
+            self._guard(chunk, encodings)
         if chunk.record is not None:  # a recorded unit: its tokens go to the cache (whole once it is complete)
             chunk.record.add(chunk.record_part, chunk.rows, encodings, chunk.closes_unit)
         return self.lay_out(chunk, encodings)
+
+    def _guard(self, chunk: TextChunk, encodings: EncodedBatch) -> None:
+        picked = self.guard.picks(chunk.group, chunk.rows).tolist()
+        if picked:
+            reference = self.reference
+            self.guard.check(
+                [chunk.texts[i] for i in picked],
+                [encodings[i].ids for i in picked],
+                [self.describe(chunk.group, int(chunk.rows[i])) for i in picked],
+                lambda texts: encode_documents(reference, texts),
+            )
 
 
 class InlineTokenizing(Generic[T]):
