@@ -2,7 +2,8 @@
 
 A step's wait is the sum of the host-clock gaps between ``on_train_batch_end`` and the next
 ``on_train_batch_start``, validation cut out; figures are logged under ``data/`` and a warning fires once per fit
-when the wait exceeds ``data_wait_warning``. Tokens are counted on the host copy, never syncing CUDA.
+when the wait exceeds ``data_wait_warning``. Tokens are counted on the host copy, never syncing CUDA. A DataModule
+owns a ``DataObservation`` (the setting and the host counts) that its ``DataObserver`` reads.
 
 Trade-off: values are this process's own (no collective), and the host may run ahead of the device.
 """

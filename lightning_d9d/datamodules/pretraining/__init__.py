@@ -15,3 +15,7 @@ from lightning_d9d.datamodules.pretraining.datamodule import PretrainingDataModu
 from lightning_d9d.datamodules.pretraining.state import STATE_VERSION
 
 __all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]
+
+# The public path users name in configs, which `lightning-d9d inspect` prints and pickles refer to: the package's,
+# as before it was split into parts, not the module that happens to define the class.
+PretrainingDataModule.__module__ = PretrainingBatch.__module__ = __name__
