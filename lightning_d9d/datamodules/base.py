@@ -3,9 +3,10 @@
 Data is dealt by data-parallel rank, never by process. ``state_dict()`` is ``{"epoch", "step", "fingerprint"}``
 (optimizer steps done) plus a subclass's extra state; ``load_state_dict`` validates it, and one side-effect-free
 ``start_point`` decides where every epoch iteration begins. Loaders are closed when replaced, at teardown and on error.
-The base composes two parts rather than inheriting them: ``parallelism`` (which processes share data,
-``data_parallel.py``) and ``observation`` (what the data observer reads, ``observability.py``); its public
-settings (``data_parallel``, ``verify_peers``, ``data_wait_warning``) delegate to them.
+The base composes three parts rather than inheriting them: ``parallelism`` (which processes share data,
+``data_parallel.py``), ``observation`` (what the data observer reads, ``observability.py``) and ``handed`` (the
+loaders handed out, ``parts.py``); its public names (``data_parallel``, ``verify_peers``, ``data_wait_warning``,
+``close_loaders``, ...) are theirs, read through.
 
 Trade-off: the saved step reads Lightning's processed-batch counter, a loop internal pinned down by tests.
 """
@@ -14,8 +15,7 @@ from __future__ import annotations
 
 import collections
 import warnings
-import weakref
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -32,19 +32,14 @@ from lightning_d9d.core.resume import (
 )
 from lightning_d9d.datamodules.callback import DataModuleCallback
 from lightning_d9d.datamodules.data_parallel import DataParallel
-from lightning_d9d.datamodules.observability import BatchCounts, DataObservation
+from lightning_d9d.datamodules.observability import DataObservation
+from lightning_d9d.datamodules.parts import HandedLoaders, PartAttribute, SettablePartAttribute
+from lightning_d9d.device.pin import resolve_pin_memory
 from lightning_d9d.device.transfer import move_batch_to_device
-from lightning_d9d.parallel.topology import DataParallelSetting, DataParallelTopology
+from lightning_d9d.parallel.topology import DataParallelTopology
 
 OnOrderMismatch = Literal["raise", "restart_epoch"]
 ON_ORDER_MISMATCH = ("raise", "restart_epoch")
-
-
-class ClosableLoader(Protocol):
-    def close(self) -> None: ...
-
-
-Loader = TypeVar("Loader", bound=ClosableLoader)
 
 
 class SteppedDataModule(pl.LightningDataModule):
@@ -66,25 +61,13 @@ class SteppedDataModule(pl.LightningDataModule):
         super().__init__()
         self.parallelism = DataParallel()
         self.observation = DataObservation()
+        self.handed = HandedLoaders()
 
-    # ------------------------------------------------------------------ the parts' settings
-    @property
-    def data_parallel(self) -> DataParallelSetting:
-        """Which processes share data (see ``resolve_data_parallel``)."""
-        return self.parallelism.setting
-
-    @data_parallel.setter
-    def data_parallel(self, value: DataParallelSetting) -> None:
-        self.parallelism.setting = value
-
-    @property
-    def verify_peers(self) -> int:
-        """Steps at the start of each fit whose microbatches peers compare (0: off)."""
-        return self.parallelism.verify_peers
-
-    @verify_peers.setter
-    def verify_peers(self, value: int) -> None:
-        self.parallelism.verify_peers = value
+    # ------------------------------------------------------------------ the parts' settings, as users name them
+    data_parallel = SettablePartAttribute("parallelism", "setting")  # which processes share data
+    verify_peers = SettablePartAttribute("parallelism")  # steps whose microbatches peers compare (0: off)
+    data_wait_warning = SettablePartAttribute("observation")  # warn when data waits exceed this share
+    take_host_counts = PartAttribute("observation", "take")  # the counts of the microbatch last moved, once
 
     def resolve_topology(self) -> DataParallelTopology:
         """Resolve the data-parallel layout and confirm it across processes (under a Trainer, a collective).
@@ -99,37 +82,16 @@ class SteppedDataModule(pl.LightningDataModule):
         """The data-parallel layout (resolved at ``setup``, or now if asked before; no collective here)."""
         return self.parallelism.topology(self._trainer)
 
-    @property
-    def dp_size(self) -> int:
-        """The data-parallel size: replicas the data is dealt among (1 without a trainer)."""
-        return self.topology.dp_size
-
-    @property
-    def dp_rank(self) -> int:
-        """This process's data-parallel rank (shared with its model-parallel peers)."""
-        return self.topology.dp_rank
+    dp_size = PartAttribute("topology")  # the data-parallel size: replicas the data is dealt among (1 alone)
+    dp_rank = PartAttribute("topology")  # this process's data-parallel rank (shared with its model-parallel peers)
 
     @property
     def _trainer(self) -> pl.Trainer | None:
         return getattr(self, "trainer", None)
 
-    @property
-    def data_wait_warning(self) -> float | None:
-        """Warn once per fit when waiting for data exceeds this fraction of step time."""
-        return self.observation.data_wait_warning
-
-    @data_wait_warning.setter
-    def data_wait_warning(self, value: float | None) -> None:
-        self.observation.data_wait_warning = value
-
     def count_host_batch(self, batch: Any) -> None:
         """Count a training microbatch on the host, before it is moved (``transfer_batch_to_device`` calls it)."""
-        trainer = self._trainer
-        self.observation.count(batch, trainer is not None and trainer.training)
-
-    def take_host_counts(self) -> BatchCounts | None:
-        """The counts of the microbatch last moved, once (then ``None`` until another is moved)."""
-        return self.observation.take()
+        self.observation.count(batch, self._trainer is not None and self._trainer.training)
 
     def step_metrics(self, rows_by_source: collections.Counter[int]) -> dict[str, float]:
         """What the DataModule logs beside the timing, per optimizer step; nothing unless a subclass says."""
@@ -306,8 +268,7 @@ class SteppedDataModule(pl.LightningDataModule):
         """Refuse settings that contradict the run's length (``total_steps`` optimizer steps, where known)."""
 
     def complete_batch(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Fill in what a training batch can only know from every rank (a collective, the same on every process);
-        called as each training batch starts."""
+        """Fill in what a training batch can only know from every rank (a collective), as each batch starts."""
 
     # ------------------------------------------------------------------ devices
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -316,37 +277,14 @@ class SteppedDataModule(pl.LightningDataModule):
         return move_batch_to_device(batch, device)
 
     def resolve_pin_memory(self) -> bool:
-        """``pin_memory`` if set, else pin exactly when the trainer's device (or, alone, the machine) has CUDA."""
-        if self.pin_memory is not None:
-            if self.pin_memory and not torch.cuda.is_available():
-                raise ValueError(
-                    "pin_memory=True needs a CUDA device, but torch.cuda.is_available() is False; "
-                    "use pin_memory=None (pin exactly when training on CUDA) or False"
-                )
-            return bool(self.pin_memory)
+        """``pin_memory`` if set, else pin exactly when the trainer's device (or, alone, the machine) has CUDA
+        (``ValueError`` for ``pin_memory=True`` without CUDA)."""
         trainer = self._trainer
-        if trainer is not None:
-            return trainer.strategy.root_device.type == "cuda"
-        return torch.cuda.is_available()
+        return resolve_pin_memory(self.pin_memory, None if trainer is None else trainer.strategy.root_device)
 
     # ------------------------------------------------------------------ shutdown
-    def track_loader(self, loader: Loader, kind: str = "train") -> Loader:
-        """Remember a loader handed out, closing the previous one of its kind."""
-        loaders: dict[str, weakref.ref] = getattr(self, "_loaders", {})
-        previous = loaders.get(kind)
-        if previous is not None and previous() is not None:
-            previous().close()
-        loaders[kind] = weakref.ref(loader)
-        self._loaders = loaders
-        return loader
-
-    def close_loaders(self) -> None:
-        """Stop every loader handed out (their workers exit now, not at garbage collection)."""
-        for ref in getattr(self, "_loaders", {}).values():
-            loader = ref()
-            if loader is not None:
-                loader.close()
-        self._loaders = {}
+    track_loader = PartAttribute("handed", "track")  # remember a loader, closing the previous one of its kind
+    close_loaders = PartAttribute("handed", "close")  # stop every loader handed out (their workers exit now)
 
     def teardown(self, stage: str) -> None:
         self.close_loaders()

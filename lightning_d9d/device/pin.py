@@ -38,3 +38,22 @@ def pin_batch(batch: Any) -> Any:
         RuntimeError: from torch, when no accelerator is available.
     """
     return map_tensors(batch, lambda tensor: tensor if tensor.is_pinned() else tensor.pin_memory())
+
+
+def resolve_pin_memory(pin_memory: bool | None, device: torch.device | None) -> bool:
+    """``pin_memory`` if set, else pin exactly when ``device`` (the trainer's; ``None``: none, then the machine)
+    is CUDA: pinning needs an accelerator, and pays only for copies to one.
+
+    Raises:
+        ValueError: ``pin_memory=True`` where ``torch.cuda.is_available()`` is False.
+    """
+    if pin_memory is not None:
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError(
+                "pin_memory=True needs a CUDA device, but torch.cuda.is_available() is False; "
+                "use pin_memory=None (pin exactly when training on CUDA) or False"
+            )
+        return bool(pin_memory)
+    if device is not None:
+        return device.type == "cuda"
+    return torch.cuda.is_available()

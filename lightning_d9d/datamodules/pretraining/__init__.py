@@ -11,7 +11,8 @@ through this one.
 from __future__ import annotations
 
 from lightning_d9d.datamodules.pretraining.batch import PretrainingBatch
-from lightning_d9d.datamodules.pretraining.datamodule import PretrainingDataModule, storage_of
+from lightning_d9d.datamodules.pretraining.corpus import storage_of
+from lightning_d9d.datamodules.pretraining.datamodule import PretrainingDataModule
 from lightning_d9d.datamodules.pretraining.state import STATE_VERSION
 
 __all__ = ["STATE_VERSION", "PretrainingBatch", "PretrainingDataModule", "storage_of"]

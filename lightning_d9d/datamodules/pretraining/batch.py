@@ -92,3 +92,35 @@ def make_batch(
     batch = PretrainingBatch(built.input_ids, built.targets, built.position_ids, sources, built.cu_seqlens,
                              built.cu_seqlens_padded, built.max_seqlen, all_targets, step_targets)  # fmt: skip
     return pin_batch(batch) if pin else batch
+
+
+def train_batch(rows: RowBlock, step_targets: int, spec: MixtureSpec, pin: bool, dp_size: int) -> PretrainingBatch:
+    """A training microbatch, with its step's targets over every replica where known without asking the others:
+    where every position has a target (no flags, no CP padding) the count is the same on every replica."""
+    all_targets = None
+    if not (spec.packing.flagged or spec.sources[0].settings.cp_multiple > 1):
+        all_targets = step_targets * dp_size
+    elif dp_size == 1:
+        all_targets = step_targets
+    return make_batch(rows, step_targets, spec, pin, all_targets=all_targets)
+
+
+class StepTargets:
+    """``step_target_tokens`` where padding makes it differ by replica: the replicas' counts summed by one collective
+    per optimizer step (not per microbatch), kept for the step's other microbatches."""
+
+    def __init__(self) -> None:
+        self._step, self._counted = -1, 0  # the global step counted, and its targets over every replica
+
+    def complete(self, trainer: Any, batch: Any, peers_per_replica: int) -> None:
+        """Fill ``batch.step_target_tokens`` (a collective at a step's first microbatch: call it on every process).
+        TP/CP/PP peers hold their replica's count, so the sum over processes is divided by ``peers_per_replica``."""
+        if not isinstance(batch, PretrainingBatch) or batch.step_target_tokens is not None:
+            return
+        if self._step != trainer.global_step:
+            local = torch.tensor(
+                [batch.rank_step_target_tokens], dtype=torch.int64, device=trainer.strategy.root_device
+            )
+            total = trainer.strategy.reduce(local, reduce_op="sum")
+            self._step, self._counted = trainer.global_step, int(total.item()) // peers_per_replica
+        batch.step_target_tokens = self._counted

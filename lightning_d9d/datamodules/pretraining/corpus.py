@@ -29,7 +29,7 @@ from lightning_d9d.datamodules.pretraining.specs import PretrainingCorpus, Train
 from lightning_d9d.streaming.plans.spec import MixtureSpec, StreamSettings
 from lightning_d9d.streaming.sources.storage import Storage
 from lightning_d9d.streaming.streams.estimate import PassSample, stored_sample
-from lightning_d9d.tokenization.backends import AUTO
+from lightning_d9d.tokenization.backends import AUTO, TokenizerBackendError, backend_names
 
 T = TypeVar("T")
 
@@ -42,6 +42,7 @@ class Corpus:
         tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
         bos_token: prepended to every document.
         storage: filesystem options and read retries.
+        text_column: the column (JSONL: the field) holding the documents.
         token_cache: the token cache's folder or URL (``None``: none).
         on_malformed: a malformed JSONL line: ``"error"`` or ``"skip"``.
         allow_shared_files: accept a file two sources hold.
@@ -55,6 +56,7 @@ class Corpus:
         tokenizer: str | os.PathLike | Tokenizer,
         bos_token: str,
         storage: Storage,
+        text_column: str,
         token_cache: str | None,
         on_malformed: str,
         allow_shared_files: bool,
@@ -62,6 +64,7 @@ class Corpus:
         tokenizer_backend: str = AUTO,
     ):
         self.sources, self.tokenizer, self.bos_token, self.storage = sources, tokenizer, bos_token, storage
+        self.text_column = text_column
         self.token_cache, self.on_malformed, self.allow_shared_files = token_cache, on_malformed, allow_shared_files
         self.val_steps_asked, self.tokenizer_backend = val_steps, tokenizer_backend
         self.backend_in_use: tuple[str, str] | None = None  # (backend, why), known after setup
@@ -85,14 +88,14 @@ class Corpus:
             self.backend_in_use = reader.backend
             rank_zero_info(f"lightning-d9d: tokenizer backend {reader.backend[0]} ({reader.backend[1]})")
 
-    def read_train(self, reader: PretrainingCorpus, sources: Sources) -> TrainCorpus:
-        """Read the training sources' footers (``sources``: parsed again at ``setup``).
+    def read_train(self, reader: PretrainingCorpus) -> TrainCorpus:
+        """Read the training sources' footers.
 
         Raises:
             ValueError: missing, shared or bad files, no text, or too few rows for K streams.
             StorageError: a URL could not be listed or opened.
         """
-        self.sources = sources
+        sources = self.sources
         self.train = reader.train(sources.train, sources.schedule, sources.mixture, self.allow_shared_files)
         return self.train
 
@@ -202,3 +205,41 @@ def _sendable(error: Exception) -> Exception:
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
     return error
+
+
+def check_backend(tokenizer_backend: Any) -> None:
+    """Raises ``TokenizerBackendError`` (a ``ValueError``) for a name that is no tokenizer backend."""
+    if tokenizer_backend not in backend_names():
+        raise TokenizerBackendError(
+            f"tokenizer_backend={tokenizer_backend!r} is not a tokenizer backend: pass one of {backend_names()}"
+        )
+
+
+def reading_arguments(text_column: Any, token_cache: Any, on_malformed: Any) -> tuple[str, str | None, str]:
+    """``text_column``, ``token_cache`` (as a string) and ``on_malformed``, checked.
+
+    Raises:
+        ValueError: an empty or non-string column, a ``token_cache`` that is no folder or URL, an ``on_malformed``
+            other than ``"error"`` or ``"skip"``.
+    """
+    if not isinstance(text_column, str) or not text_column:
+        raise ValueError(f"text_column must be a non-empty column name, got {text_column!r}")
+    if token_cache is not None and (not isinstance(token_cache, (str, os.PathLike)) or not os.fspath(token_cache)):
+        raise ValueError(f"token_cache must be a folder or URL (or None: no cache), got {token_cache!r}")
+    if on_malformed not in ("error", "skip"):
+        raise ValueError(f"on_malformed must be 'error' or 'skip', got {on_malformed!r}")
+    return text_column, None if token_cache is None else os.fspath(token_cache), on_malformed
+
+
+def storage_of(storage_options: dict[str, Any] | None, read_retry_seconds: float) -> Storage:
+    """The checked storage settings.
+
+    Raises:
+        ValueError: ``storage_options`` not a dict, or ``read_retry_seconds`` not a number >= 0.
+    """
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise ValueError(f"storage_options must be a dict of filesystem options, got {storage_options!r}")
+    seconds = read_retry_seconds
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"read_retry_seconds must be a number of seconds >= 0, got {read_retry_seconds!r}")
+    return Storage(dict(storage_options or {}), float(seconds))

@@ -153,21 +153,13 @@ class ProvenanceLedger:
         """
         spec = recording(self.plan.require())
         wanted = steps_asked(steps)
-        if wanted[0] < spec.plan.start_step:
-            raise ValueError(
-                f"step {wanted[0]} was trained before this run resumed at step {spec.plan.start_step} with other "
-                "weights or batch/seq_len phases (on_mixture_change='continue'): this DataModule's plan starts there; "
-                f"ask one built with the settings of that time, or give steps from {spec.plan.start_step} on"
-            )
+        _check_plan_start(wanted[0], spec)
         edits = self.plan.edits
         excluded_from = sorted({start for start, _ in edits.exclusions})
         starts = self.replay_starts(wanted[0], spec, position)
         if not untrained:
             self._check_trained(wanted[-1], position)
-        if max_replay is not None and any(wanted[-1] - first > max_replay for first, _ in starts.values()):
-            nearest = min(first for first, _ in starts.values())
-            raise ValueError(f"answering step {wanted[-1]} would replay {wanted[-1] - nearest} steps (more than "
-                             f"max_replay={max_replay}): keep records closer (provenance_every)")  # fmt: skip
+        _check_replay(wanted[-1], starts, max_replay)
         per_step: dict[int, dict[int, Any]] = {step: {} for step in wanted}
         # One plan for every stream replayed (data steps: skips make them run ahead of training steps).
         shared = StepRows(spec.plan, spec.num_streams, keep=self.plan.data_step(wanted[-1]) + 1)
@@ -263,3 +255,22 @@ class ProvenanceLedger:
         text = spec.sources[source].index.read_texts(group, [row])[0] or ""
         ids = encode_documents(spec.sources[source].encoder(), [text])[0].ids
         return {"text": text, "tokens": np.asarray([spec.bos_id, *ids], np.int64)}
+
+
+def _check_plan_start(first: int, spec: MixtureSpec) -> None:
+    """``ValueError`` for a step before a plan continued under other shares or shapes starts (its rows are another
+    plan's)."""
+    if first < spec.plan.start_step:
+        raise ValueError(
+            f"step {first} was trained before this run resumed at step {spec.plan.start_step} with other "
+            "weights or batch/seq_len phases (on_mixture_change='continue'): this DataModule's plan starts there; "
+            f"ask one built with the settings of that time, or give steps from {spec.plan.start_step} on"
+        )
+
+
+def _check_replay(last: int, starts: Mapping[int, tuple[int, Any]], max_replay: int | None) -> None:
+    """``ValueError`` where answering step ``last`` would replay more than ``max_replay`` steps for a stream."""
+    if max_replay is not None and any(last - first > max_replay for first, _ in starts.values()):
+        nearest = min(first for first, _ in starts.values())
+        raise ValueError(f"answering step {last} would replay {last - nearest} steps (more than "
+                         f"max_replay={max_replay}): keep records closer (provenance_every)")  # fmt: skip

@@ -9,6 +9,9 @@ the streams, so checkpoints written before keep resuming exactly.
 Lightning saves only rank 0's checkpoint, so every rank's streams are all-gathered into it; a rank reads back the
 streams it owns now, validated. Arrays are saved as tensors so checkpoints load with ``weights_only=True``.
 
+A restore runs here in the order the parts need: the plan's edits, the streams read under them, the plan's
+shares continued from the streams' step, each stream checked against the plan continued.
+
 Trade-off: every stream travels to every rank at each save (a few KB each), so any layout can resume.
 """
 
@@ -21,6 +24,9 @@ import numpy as np
 import torch
 
 from lightning_d9d.core.resume import InvalidDataState
+from lightning_d9d.datamodules.pretraining.corpus import Corpus
+from lightning_d9d.datamodules.pretraining.mixture import OnMixtureChange
+from lightning_d9d.datamodules.pretraining.plan import RunPlan
 from lightning_d9d.streaming.plans.spec import MixtureSpec
 from lightning_d9d.streaming.plans.state import mapping
 from lightning_d9d.streaming.streams.mixture_stream import MixtureState
@@ -170,3 +176,58 @@ def _loaded(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.numpy()
     return value
+
+
+def restored(
+    state: dict[str, Any],
+    plan: RunPlan,
+    owned: Sequence[int],
+    epoch: int,
+    step: int,
+    on_mixture_change: OnMixtureChange,
+) -> dict[int, MixtureState]:
+    """The ``owned`` streams' states of a checkpoint's ``state`` at ``(epoch, step)``, validated, and ``plan``
+    continued: the saved edits with those asked now first (the streams are read under them), then the saved shares
+    and shapes from the streams' data step, then each stream checked against the plan continued.
+
+    Raises:
+        ValueError: an unknown version, a missing owned stream, or changed shares under ``"raise"``.
+        InvalidDataState: a malformed state, naming the field's path.
+    """
+    global_step = epoch * plan.steps_per_epoch + step
+    state = migrate(state)
+    saved_plan = state["plan"]
+    plan.load_edits(saved_plan, global_step)
+    states = read_streams(state, plan.require(), owned, step)
+    plan.load_mixture(saved_plan, streams_step(states), on_mixture_change)
+    check_streams(states, plan.require(), plan.saved_edits(saved_plan).data_step(global_step), global_step)
+    return states
+
+
+def keep_epoch_length(state: Any, fingerprint: Any, plan: RunPlan, corpus: Corpus) -> None:
+    """Size ``plan``'s epochs as the checkpoint did, where this run counted its own (no ``steps_per_epoch`` asked)
+    and the data is the checkpoint's; a state written before epoch lengths were saved had the sampled estimate's.
+    A malformed state is left to the resume, which names it.
+
+    Raises:
+        InvalidDataState: a saved epoch length that is no whole number >= 1.
+    """
+    if plan.steps_per_epoch_asked is not None or corpus.train is None:
+        return
+    try:
+        if fingerprint is None or fingerprint.mismatches(dict(state["fingerprint"])):
+            return  # another run's data: this run's epochs
+        saved_plan = migrate(state)["plan"]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return
+    saved = plan.saved_epoch_length(saved_plan)
+    plan.keep_epoch_length(saved if saved is not None else corpus.sampled_steps_per_pass())
+
+
+def shape_differences_of(state: dict[str, Any], plan: RunPlan) -> list[str]:
+    """The global batch size and ``seq_len`` (phases) a checkpoint's ``state`` differs from ``plan`` in."""
+    try:
+        saved_plan = migrate(state)["plan"]
+    except (KeyError, TypeError, ValueError):
+        return []  # a malformed state is named when it is read
+    return plan.other_differences(saved_plan)
