@@ -15,6 +15,7 @@ from support import make_docs, small_corpus, small_run
 from lightning_d9d.core.resume import InvalidDataState
 from lightning_d9d.datamodules.data_parallel import DataParallel
 from lightning_d9d.datamodules.observability import DataObservation
+from lightning_d9d.datamodules.parts import HandedLoaders
 from lightning_d9d.datamodules.pretraining.plan import RunPlan
 from lightning_d9d.datamodules.pretraining.provenance import ProvenanceLedger
 from lightning_d9d.parallel.topology import DataParallelTopology
@@ -128,3 +129,37 @@ def test_the_observation_part_counts_only_training_batches_while_a_fit_counts(co
     assert not part.counting and part.data_wait_warning == 0.5
     with pytest.raises(ValueError, match="data_wait_warning must be a fraction"):
         DataObservation(2)
+
+
+class _Loader:
+    def __init__(self, closed: list[str], name: str):
+        self.closed, self.name = closed, name
+
+    def close(self) -> None:
+        self.closed.append(self.name)
+
+
+def test_the_handed_loaders_part_closes_a_replaced_loader_and_every_loader_at_the_end() -> None:
+    closed: list[str] = []
+    handed = HandedLoaders()
+    first, validation = _Loader(closed, "train 1"), _Loader(closed, "val")
+    assert handed.track(first) is first and handed.track(validation, "val/0") is validation
+    second = handed.track(_Loader(closed, "train 2"))
+    assert closed == ["train 1"] and handed.get("train") is second and handed.get("val/0") is validation
+    handed.close()
+    assert sorted(closed) == ["train 1", "train 2", "val"] and handed.get("train") is None
+    held = handed.track(_Loader(closed, "dropped"))
+    del held  # held weakly: a loader no one else holds is gone, and never closed twice
+    assert handed.get("train") is None
+
+
+def test_a_part_attribute_reads_the_parts_name_and_a_settable_one_writes_it(corpus: Path) -> None:
+    dm = small_run(corpus, "concat", STEPS, **SHAPES)
+    assert (dm.num_streams, dm.microbatch_size, dm.packing) == (4, 2, "concat")  # small_run's, as given
+    assert dm.data_step(5) == 5 and dm.source_names == ["train"] and dm.provenance_every == dm.ledger.every
+    dm.provenance_dir = "elsewhere"
+    assert dm.ledger.provenance_dir == "elsewhere"
+    spy = []
+    dm.take_host_counts = lambda: spy.append(1)  # a read-through name may be shadowed, as a method may
+    dm.take_host_counts()
+    assert spy == [1] and dm.observation.take() is None
