@@ -1,0 +1,193 @@
+"""Mixture controllers under a real Trainer: each built-in fits; a decision acts exactly ``MIXTURE_LAG`` steps after
+its update step, every step taking exactly the rows its shares ask for (checked against counts of the rows trained,
+not the planner); a resume from mid-run checkpoints (inside a window and at an update step) trains the same FULL row
+sequence and journal as the uninterrupted run; 2 workers give the rows of in-process streams; 2 DDP processes decide
+the same from all-reduced statistics; bad weights stop the run with one error naming the update step."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from mixture_control_support import G, fit, steps_of, write_data
+
+from lightning_d9d.mixtures import DoReMi, LossProportional, WeightsFile
+from lightning_d9d.streaming.mixture_journal import MIXTURE_LAG
+
+pytestmark = pytest.mark.slow
+TESTS = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_data(tmp_path_factory.mktemp("mixture_control"))
+
+
+def counts(steps: dict[int, list[tuple[int, str]]]) -> dict[int, tuple[int, int]]:
+    """Rows of each source in each step, counted from the rows trained."""
+    out = {}
+    for step, rows in steps.items():
+        c = Counter(source for source, _ in rows)
+        out[step] = (c[0], c[1])
+    return out
+
+
+def assert_rows_follow_the_journal(steps: dict[int, list[tuple[int, str]]], journal: list[dict]) -> None:
+    """From each change's effective step, every source within a row of its rows there plus G · shares per step; the
+    rows there are those the run had trained (counted here); every step has G rows."""
+    per_step = counts(steps)
+    assert all(sum(c) == G for c in per_step.values())
+    changes = [e for e in journal if e["shares"] is not None and e["effective_step"] <= max(per_step)]
+    for number, entry in enumerate(changes):
+        start = entry["effective_step"]
+        end = changes[number + 1]["effective_step"] if number + 1 < len(changes) else max(per_step) + 1
+        done = [sum(per_step[s][i] for s in range(start)) for i in range(2)]
+        assert done == [entry["start_rows"]["easy"], entry["start_rows"]["hard"]]
+        shares = [Fraction(entry["shares"]["easy"]), Fraction(entry["shares"]["hard"])]
+        rows = list(done)
+        for step in range(start, min(end, max(per_step) + 1)):
+            rows = [r + c for r, c in zip(rows, per_step[step])]
+            for i in range(2):
+                assert abs(rows[i] - (done[i] + G * (step + 1 - start) * shares[i])) < 1, (step, entry)
+
+
+class EditAt(pl.Callback):
+    """Writes ``text`` to ``path`` when global step ``step`` starts (a person editing the weights file)."""
+
+    def __init__(self, path: Path, step: int, text: str):
+        self.path, self.step, self.text = path, step, text
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            self.path.write_text(self.text)
+
+
+def test_a_weights_file_decision_acts_exactly_lag_steps_after_its_update(data: Path, tmp_path: Path) -> None:
+    path = tmp_path / "weights.json"
+    path.write_text('{"easy": 1, "hard": 3}')
+    module, dm = fit(data, tmp_path, WeightsFile(str(path), every=3), 16,
+                     trainer={"callbacks": [EditAt(path, 7, '{"easy": 3, "hard": 1}')]})  # fmt: skip
+    per_step = counts(steps_of(module))
+    assert sorted(per_step) == list(range(16))
+    # Update 3 acts from step 3 + 2; the edit made during step 7 is read at update 9 and acts from step 11.
+    want = {**dict.fromkeys(range(5), (4, 4)), **dict.fromkeys(range(5, 11), (2, 6)), **dict.fromkeys(range(11, 16),
+            (6, 2))}  # fmt: skip
+    assert per_step == want
+    journal = dm.mixture_journal
+    assert [(e["update_step"], e["effective_step"], e["shares"]) for e in journal] == [
+        (3, 5, {"easy": "1/4", "hard": "3/4"}), (6, 8, None), (9, 11, {"easy": "3/4", "hard": "1/4"}),
+        (12, 14, None), (15, 17, None),
+    ]  # fmt: skip
+    assert MIXTURE_LAG == 2
+    stats = journal[0]["inputs"]["stats"]
+    assert stats["easy"]["rows"] == stats["hard"]["rows"] == 3 * G // 2  # the window's rows, counted per source
+    assert dm.source_stats()["easy"]["weight"] == 0.75
+
+
+def test_loss_proportional_resumes_exactly_and_workers_give_the_same_rows(data: Path, tmp_path: Path) -> None:
+    controller = dict(every=3, temperature=0.5, smoothing=0.1)
+    full, dm = fit(data, tmp_path / "full", LossProportional(**controller), 16)
+    steps, journal = steps_of(full), dm.mixture_journal
+    assert sorted(steps) == list(range(16))
+    assert [e["update_step"] for e in journal] == [3, 6, 9, 12, 15]
+    assert all(e["shares"] is not None for e in journal)
+    first = journal[0]["inputs"]["stats"]
+    easy_loss, hard_loss = (first[n]["loss_sum"] / first[n]["tokens"] for n in ("easy", "hard"))
+    assert hard_loss > easy_loss and Fraction(journal[0]["shares"]["hard"]) > Fraction(1, 2)
+    # The softmax of the window's mean losses (written out here), quantised to millionths.
+    z = [easy_loss / 0.5, hard_loss / 0.5]
+    want = 0.9 * math.exp(z[1] - max(z)) / sum(math.exp(v - max(z)) for v in z) + 0.05
+    assert abs(float(Fraction(journal[0]["shares"]["hard"])) - max(want, 1 / G)) <= 1e-6
+    assert_rows_follow_the_journal(steps, journal)
+
+    # Resumed inside a window (step 8: update 9 uses steps 6-8, two of them from before the checkpoint) and at an
+    # update step (12): the FULL row sequence and the journal of the uninterrupted run.
+    for at in (8, 12):
+        resumed, rdm = fit(data, tmp_path / f"from{at}", LossProportional(**controller), 16,
+                           ckpt_path=str(tmp_path / "full" / "ckpt" / f"step={at}.ckpt"))  # fmt: skip
+        again = steps_of(resumed)
+        assert sorted(again) == list(range(at, 16))
+        assert [again[s] for s in range(at, 16)] == [steps[s] for s in range(at, 16)]
+        assert rdm.mixture_journal == journal
+
+    # Two DataLoader workers: the same rows and decisions as the in-process streams.
+    workers, wdm = fit(data, tmp_path / "workers", LossProportional(**controller), 16, num_workers=2)
+    assert [steps_of(workers)[s] for s in range(16)] == [steps[s] for s in range(16)]
+    assert wdm.mixture_journal == journal
+    saved = torch.load(tmp_path / "full" / "ckpt" / "step=12.ckpt", weights_only=True)["PretrainingDataModule"]
+    assert [e["update_step"] for e in saved["mixture_control"]["journal"]["entries"]] == [3, 6, 9, 12]
+    assert saved["mixture_control"]["controller"]["scores"].keys() == {"easy", "hard"}
+
+
+def test_doremi_fits_with_validation_losses_and_follows_its_recursion(data: Path, tmp_path: Path) -> None:
+    reference = {"easy": 0.0, "hard": 50.0}  # only easy has excess loss: DoReMi moves share to it
+    module, dm = fit(
+        data, tmp_path, DoReMi(reference, every=2, step_size=0.3, smoothing=0.05), 10,
+        val_files={"hard": str(data / "val_hard")}, val_steps=1, trainer={"val_check_interval": 16},
+    )  # fmt: skip  (val_check_interval counts microbatches: validation after steps 4 and 8)
+    journal = dm.mixture_journal
+    assert [e["update_step"] for e in journal] == [2, 4, 6, 8, 10]
+    alpha = [0.5, 0.5]
+    for entry in journal:
+        stats = entry["inputs"]["stats"]
+        excess = [max(stats[n]["loss_sum"] / stats[n]["tokens"] - reference[n], 0.0) for n in ("easy", "hard")]
+        logits = [math.log(a) + 0.3 * x for a, x in zip(alpha, excess)]
+        exps = [math.exp(v - max(logits)) for v in logits]
+        alpha = [0.95 * e / sum(exps) + 0.025 for e in exps]
+        floored = min(max(alpha[0], 1 / G), 1 - 1 / G)  # the loader keeps every source at a row per step at least
+        assert abs(float(Fraction(entry["shares"]["easy"])) - floored) <= 1e-6
+    assert Fraction(journal[-1]["shares"]["easy"]) >= Fraction(journal[0]["shares"]["easy"]) > Fraction(1, 2)
+    # Validation ran after steps 4 and 8: later updates carry the hard source's validation loss, never easy's.
+    assert journal[0]["inputs"]["stats"]["hard"]["val_loss"] is None
+    assert journal[2]["inputs"]["stats"]["hard"]["val_loss"] > 0
+    assert all(e["inputs"]["stats"]["easy"]["val_loss"] is None for e in journal)
+    assert_rows_follow_the_journal(steps_of(module), journal)
+
+
+class Negative:
+    every = 2
+
+    def update(self, step: int, stats: Any) -> dict[str, float]:
+        return {"easy": 1.0, "hard": -0.5} if step == 4 else {"easy": 1.0, "hard": 1.0}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_bad_weights_stop_the_fit_with_one_error_naming_the_update_step(data: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"mixture controller Negative at update step 4 returned weight -0.5 for "
+                       r"source 'hard': weights are numbers >= 0"):  # fmt: skip
+        fit(data, tmp_path, Negative(), 8)
+    with pytest.raises(ValueError, match=r"mixture_controller=LossProportional\(...\) needs a mixture"):
+        fit(data, tmp_path, LossProportional(), 8, train_files=str(data / "hard"))
+
+
+def test_two_ddp_ranks_decide_the_same_from_all_reduced_statistics(data: Path, tmp_path: Path) -> None:
+    config = {"root": str(data), "out": str(tmp_path), "devices": 2, "max_steps": 10,
+              "controller": ["LossProportional", {"every": 2, "temperature": 0.5}]}  # fmt: skip
+    result = subprocess.run([sys.executable, str(TESTS / "mixture_control_script.py"), json.dumps(config)],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    journals = [json.loads((tmp_path / f"journal-rank{r}.json").read_text()) for r in (0, 1)]
+    assert journals[0] == journals[1] and [e["update_step"] for e in journals[0]] == [2, 4, 6, 8, 10]
+    for entry in journals[0]:  # each rank trains half the rows: the statistics cover both ranks' rows
+        assert sum(s["rows"] for s in entry["inputs"]["stats"].values()) == 2 * G
+    steps: dict[int, list] = {}
+    for r in (0, 1):
+        for line in (tmp_path / f"rows-rank{r}.jsonl").read_text().splitlines():
+            step, rows = json.loads(line)
+            steps.setdefault(step, []).extend((source, row) for source, row in rows)
+    assert sorted(steps) == list(range(10))
+    assert_rows_follow_the_journal(steps, journals[0])
