@@ -131,8 +131,13 @@ def test_loss_proportional_resumes_exactly_and_workers_give_the_same_rows(data: 
 def test_doremi_fits_with_validation_losses_and_follows_its_recursion(data: Path, tmp_path: Path) -> None:
     reference = {"easy": 0.0, "hard": 50.0}  # only easy has excess loss: DoReMi moves share to it
     module, dm = fit(
-        data, tmp_path, DoReMi(reference, every=2, step_size=0.3, smoothing=0.05), 10,
-        val_files={"hard": str(data / "val_hard")}, val_steps=1, trainer={"val_check_interval": 16},
+        data,
+        tmp_path,
+        DoReMi(reference, every=2, step_size=0.3, smoothing=0.05),
+        10,
+        val_files={"hard": str(data / "val_hard")},
+        val_steps=1,
+        trainer={"val_check_interval": 16},
     )  # fmt: skip  (val_check_interval counts microbatches: validation after steps 4 and 8)
     journal = dm.mixture_journal
     assert [e["update_step"] for e in journal] == [2, 4, 6, 8, 10]
