@@ -79,13 +79,9 @@ class SourceStats:
 
 @runtime_checkable
 class MixtureController(Protocol):
-    """What ``PretrainingDataModule(mixture_controller=...)`` calls.
-
-    Attributes:
-        every: optimizer steps between calls (the update steps are the global steps ``every, 2·every, ...``).
-    """
-
-    every: int
+    """What ``PretrainingDataModule(mixture_controller=...)`` calls: these methods, and an attribute ``every``, the
+    optimizer steps between calls (the update steps are the global steps ``every, 2·every, ...``). A class with
+    them, no base class needed, is a controller (LightningCLI configs name it by ``class_path``)."""
 
     def update(self, step: int, stats: Mapping[str, SourceStats]) -> Mapping[str, float] | None:
         """New weights ``{source: weight >= 0}`` (normalised by the loader; unnamed sources get 0), or ``None`` to
@@ -223,7 +219,7 @@ class LossProportional:
         self.use_validation = bool(use_validation)
         self.scores: dict[str, float] = {}
 
-    def update(self, step: int, stats: Mapping[str, SourceStats]) -> dict[str, float] | None:
+    def update(self, step: int, stats: Mapping[str, SourceStats]) -> Mapping[str, float] | None:
         names = list(stats)
         for name in names:
             loss = _loss(stats[name], self.use_validation)
@@ -284,7 +280,7 @@ class DoReMi:
         self.weight_sums: dict[str, float] = {}
         self.updates = 0
 
-    def update(self, step: int, stats: Mapping[str, SourceStats]) -> dict[str, float]:
+    def update(self, step: int, stats: Mapping[str, SourceStats]) -> Mapping[str, float] | None:
         names = list(stats)
         missing = [n for n in names if n not in self.reference_losses]
         if missing:
@@ -348,7 +344,7 @@ class WeightsFile:
         self.every = _positive_int("every", every, type(self).__name__)
         self.applied: dict[str, float] | None = None
 
-    def update(self, step: int, stats: Mapping[str, SourceStats]) -> dict[str, float] | None:
+    def update(self, step: int, stats: Mapping[str, SourceStats]) -> Mapping[str, float] | None:
         try:
             with open(self.path, encoding="utf-8") as file:
                 text = file.read()

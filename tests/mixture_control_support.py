@@ -93,8 +93,8 @@ def fit(root: Path, tmp: Path, controller: Any, max_steps: int, ckpt_path: str |
                                  save_top_k=-1), *trainer.pop("callbacks", [])]  # fmt: skip
     pl.Trainer(
         accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=max_steps,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=str(tmp), callbacks=callbacks, **trainer,
+        logger=trainer.pop("logger", False), enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(tmp), callbacks=callbacks, **trainer,
     ).fit(module, datamodule=dm, ckpt_path=ckpt_path)  # fmt: skip
     return module, dm
 

@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_d9d.mixtures import SourceStats, check_controller, check_stats, checked_weights, quantised
@@ -129,8 +130,8 @@ class PretrainingMixtureControl:
 
     def update_mixture(self, step: int) -> JournalEntry | None:
         """Close the statistics of the steps before ``step`` and, at an update step not yet decided, call the
-        controller and journal its decision (what the Trainer's hooks do; call it after each optimizer step of a
-        loop of your own, on every rank).
+        controller and journal its decision (the Trainer's hooks call it after each optimizer step, on every rank;
+        outside ``Trainer.fit`` no update is made and the shares in force stay).
 
         Raises:
             ValueError: a NaN or infinite loss, or bad weights from the controller, naming the update step.
@@ -155,8 +156,10 @@ class PretrainingMixtureControl:
         self._reported = False
         self._wrap_plan(controller.every)
         trainer = self._trainer
-        if trainer is not None:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             MixtureControlCallback.attach(trainer, self)
+        else:  # read without training (inspect, a loop of your own): no update is made, the shares in force stay
+            self._journal.settle_through(_NEVER)
 
     def _wrap_plan(self, every: int, ignore_through: int = -1) -> None:
         spec = self._require(self.train_spec)

@@ -121,8 +121,8 @@ class MixtureJournal:
             if self.feed is None or os.getpid() == self.owner:
                 raise RuntimeError(
                     f"the mixture's data needs the controller's update at step {step}, which has not been made "
-                    f"(updates are decided through step {self.decided_through}): with a mixture_controller the loader "
-                    "must be driven by Trainer.fit, or dm.update_mixture(step) called after each optimizer step"
+                    f"(updates are decided through step {self.decided_through}): the training loop decides it once "
+                    f"step {step - 1} has trained, and only then may the data of step {step + MIXTURE_LAG} be read"
                 )
             if not self._read_feed():
                 time.sleep(_POLL_SECONDS)

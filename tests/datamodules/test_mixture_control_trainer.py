@@ -6,6 +6,7 @@ the same from all-reduced statistics; bad weights stop the run with one error na
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import subprocess
@@ -18,7 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from mixture_control_support import G, fit, steps_of, write_data
+from lightning.pytorch.loggers import CSVLogger
+from mixture_control_support import G, datamodule, fit, steps_of, write_data
 
 from lightning_d9d.mixtures import DoReMi, LossProportional, WeightsFile
 from lightning_d9d.streaming.mixture_journal import MIXTURE_LAG
@@ -74,8 +76,10 @@ class EditAt(pl.Callback):
 def test_a_weights_file_decision_acts_exactly_lag_steps_after_its_update(data: Path, tmp_path: Path) -> None:
     path = tmp_path / "weights.json"
     path.write_text('{"easy": 1, "hard": 3}')
+    logger = CSVLogger(str(tmp_path), name="logs")
     module, dm = fit(data, tmp_path, WeightsFile(str(path), every=3), 16,
-                     trainer={"callbacks": [EditAt(path, 7, '{"easy": 3, "hard": 1}')]})  # fmt: skip
+                     trainer={"callbacks": [EditAt(path, 7, '{"easy": 3, "hard": 1}')], "logger": logger,
+                              "log_every_n_steps": 1})  # fmt: skip
     per_step = counts(steps_of(module))
     assert sorted(per_step) == list(range(16))
     # Update 3 acts from step 3 + 2; the edit made during step 7 is read at update 9 and acts from step 11.
@@ -91,6 +95,60 @@ def test_a_weights_file_decision_acts_exactly_lag_steps_after_its_update(data: P
     stats = journal[0]["inputs"]["stats"]
     assert stats["easy"]["rows"] == stats["hard"]["rows"] == 3 * G // 2  # the window's rows, counted per source
     assert dm.source_stats()["easy"]["weight"] == 0.75
+    # Logged at each update: the shares in force from it and the window's loss per source.
+    with open(next(Path(logger.log_dir).rglob("metrics.csv"))) as file:
+        logged = list(csv.DictReader(file))
+    weights = [(int(r["step"]), float(r["mixture/weight/hard"])) for r in logged if r.get("mixture/weight/hard")]
+    # Lightning's "step" of a metric logged as step u begins is u - 1: updates 3 and 9 first appear at 2 and 8.
+    assert weights[0] == (2, 0.75) and next(w for w in weights if w[1] == 0.25) == (8, 0.25)
+    assert all(float(r["mixture/loss/easy"]) > 0 for r in logged if r.get("mixture/weight/hard"))
+
+
+def test_skipped_data_provenance_and_inspect_follow_the_journal(data: Path, tmp_path: Path) -> None:
+    path = tmp_path / "weights.json"
+    path.write_text('{"easy": 1, "hard": 3}')
+    module, dm = fit(data, tmp_path, WeightsFile(str(path), every=3), 10, skip_data=[[2, 4]])
+    per_step = counts(steps_of(module))
+    # Update 3 acts from training step 5, whose data step is 7 (data steps 2 and 3 were skipped).
+    assert [(e["update_step"], e["effective_step"], e["data_step"]) for e in dm.mixture_journal][:2] == [
+        (3, 5, 7),
+        (6, 8, 10),
+    ]
+    assert [per_step[s] for s in range(10)] == [(4, 4)] * 5 + [(2, 6)] * 5
+    # Provenance replays the journaled plan: each step's pieces name the sources of the rows trained.
+    for step in (4, 5, 9):
+        pieces = dm.provenance(step)
+        rows_by_source = Counter()
+        for source, _ in {(p.source, p.batch_row) for p in pieces}:
+            rows_by_source[source] += 1
+        assert (rows_by_source["easy"], rows_by_source["hard"]) == per_step[step]
+    # inspect (no training): the shares in force, no update made.
+    from lightning_d9d.cli import inspect
+
+    fresh = datamodule(data, WeightsFile(str(path), every=3), num_workers=0)
+    report = inspect(fresh, pl.Trainer(accelerator="cpu", logger=False), steps=8)
+    assert "controller journal: 0 updates, 0 changes of shares; shares in force now: easy 50%, hard 50%" in report
+
+
+def test_a_lightning_cli_config_takes_a_controller_by_class_path(data: Path) -> None:
+    from lightning_d9d.cli import D9DCLI
+
+    config = {
+        "model": "lightning.pytorch.demos.boring_classes.BoringModel",
+        "data": {
+            "class_path": "lightning_d9d.PretrainingDataModule",
+            "init_args": {
+                "train_files": {"easy": str(data / "easy"), "hard": str(data / "hard")},
+                "tokenizer": str(data / "tokenizer.json"),
+                "mixture_controller": {"class_path": "lightning_d9d.mixtures.DoReMi",
+                                       "init_args": {"reference_losses": {"easy": 1.0, "hard": 2.0}, "every": 7}},
+            },
+        },
+    }  # fmt: skip
+    cli = D9DCLI(args=["--config", json.dumps(config)], run=False)
+    controller = cli.datamodule.mixture_controller
+    assert isinstance(controller, DoReMi) and controller.every == 7
+    assert controller.reference_losses == {"easy": 1.0, "hard": 2.0}
 
 
 def test_loss_proportional_resumes_exactly_and_workers_give_the_same_rows(data: Path, tmp_path: Path) -> None:
@@ -138,7 +196,7 @@ def test_doremi_fits_with_validation_losses_and_follows_its_recursion(data: Path
         val_files={"hard": str(data / "val_hard")},
         val_steps=1,
         trainer={"val_check_interval": 16},
-    )  # fmt: skip  (val_check_interval counts microbatches: validation after steps 4 and 8)
+    )  # val_check_interval counts microbatches: validation runs after steps 4 and 8
     journal = dm.mixture_journal
     assert [e["update_step"] for e in journal] == [2, 4, 6, 8, 10]
     alpha = [0.5, 0.5]
