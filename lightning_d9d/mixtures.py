@@ -183,11 +183,15 @@ def quantised(weights: Sequence[Fraction | float], floor: Fraction = Fraction(0)
     least = max(1, math.ceil(floor * DENOMINATOR))
     positive = [i for i, w in enumerate(exact) if w > 0]
     if least * len(positive) <= DENOMINATOR:
-        for i in positive:
-            while units[i] < least:
-                donor = max(positive, key=lambda j: (units[j], -j))
-                units[donor] -= 1
-                units[i] += 1
+        raised = [i for i in positive if units[i] < least]
+        excess = sum(least - units[i] for i in raised)
+        for i in raised:
+            units[i] = least
+        # Taken from the largest shares first (ties: the later source), never below the floor.
+        for j in sorted(positive, key=lambda j: (-units[j], -j)):
+            take = min(excess, units[j] - least)
+            units[j] -= take
+            excess -= take
     return tuple(Fraction(u, DENOMINATOR) for u in units)
 
 
