@@ -237,20 +237,32 @@ def test_bad_weights_stop_the_fit_with_one_error_naming_the_update_step(data: Pa
         fit(data, tmp_path, LossProportional(), 8, train_files=str(data / "hard"))
 
 
-def test_two_ddp_ranks_decide_the_same_from_all_reduced_statistics(data: Path, tmp_path: Path) -> None:
-    config = {"root": str(data), "out": str(tmp_path), "devices": 2, "max_steps": 10,
-              "controller": ["LossProportional", {"every": 2, "temperature": 0.5}]}  # fmt: skip
+def test_two_ddp_ranks_decide_the_same_and_resume_a_one_rank_checkpoint(data: Path, tmp_path: Path) -> None:
+    controller = {"every": 2, "temperature": 0.5}
+    one, one_dm = fit(data, tmp_path / "one", LossProportional(**controller), 10)
+    one_steps, one_journal = steps_of(one), one_dm.mixture_journal
+    # Resumed at step 4 on 2 DDP processes (other data-parallel layout), then trained on with a live controller.
+    config = {"root": str(data), "out": str(tmp_path / "two"), "devices": 2, "max_steps": 10,
+              "ckpt_path": str(tmp_path / "one" / "ckpt" / "step=4.ckpt"),
+              "controller": ["LossProportional", controller]}  # fmt: skip
     result = subprocess.run([sys.executable, str(TESTS / "mixture_control_script.py"), json.dumps(config)],
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    journals = [json.loads((tmp_path / f"journal-rank{r}.json").read_text()) for r in (0, 1)]
-    assert journals[0] == journals[1] and [e["update_step"] for e in journals[0]] == [2, 4, 6, 8, 10]
-    for entry in journals[0]:  # each rank trains half the rows: the statistics cover both ranks' rows
+    journals = [json.loads((tmp_path / "two" / f"journal-rank{r}.json").read_text()) for r in (0, 1)]
+    assert journals[0] == journals[1]  # every rank decided the same
+    journal = journals[0]
+    assert [e["update_step"] for e in journal] == [2, 4, 6, 8, 10]
+    assert journal[:2] == one_journal[:2]  # replayed from the checkpoint, not recomputed
+    for entry in journal[2:]:  # each rank trains half the rows: the statistics cover both ranks' rows
         assert sum(s["rows"] for s in entry["inputs"]["stats"].values()) == 2 * G
-    steps: dict[int, list] = {}
+    steps: dict[int, list] = {s: one_steps[s] for s in range(4)}
     for r in (0, 1):
-        for line in (tmp_path / f"rows-rank{r}.jsonl").read_text().splitlines():
+        for line in (tmp_path / "two" / f"rows-rank{r}.jsonl").read_text().splitlines():
             step, rows = json.loads(line)
             steps.setdefault(step, []).extend((source, row) for source, row in rows)
     assert sorted(steps) == list(range(10))
-    assert_rows_follow_the_journal(steps, journals[0])
+    # Steps 4-7 take shares the checkpoint's journal holds (update 4 acts from step 6, update 6 from step 8): the
+    # one-rank run's rows, as a multiset per step (the ranks' rows arrive in rank order).
+    for step in range(4, 8):
+        assert sorted(steps[step]) == sorted(one_steps[step])
+    assert_rows_follow_the_journal(steps, journal)
