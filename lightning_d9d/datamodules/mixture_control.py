@@ -37,14 +37,15 @@ _FEEDS = itertools.count()
 
 
 class MixtureWindow:
-    """Per-source sums on the device: ``[loss_sum × N, tokens × N, rows × N]`` of the window, the step being
-    trained, and ``[loss_sum × N, tokens × N]`` of the latest validation run."""
+    """Per-source sums on the device, ``[N, 3]`` (loss sum, target tokens, rows): of the window, of the step being
+    trained, and of the latest validation run. A row holds one source's tokens, so a microbatch adds per-row sums:
+    a few tensor operations, no host sync."""
 
     def __init__(self, sources: int):
         self.n = sources
-        self.window = torch.zeros(3 * sources, dtype=torch.float64)
-        self.step = torch.zeros(3 * sources, dtype=torch.float64)
-        self.validation = torch.zeros(2 * sources, dtype=torch.float64)
+        self.window = torch.zeros(sources, 3, dtype=torch.float64)
+        self.step = torch.zeros(sources, 3, dtype=torch.float64)
+        self.validation = torch.zeros(sources, 3, dtype=torch.float64)
 
     def add(self, batch: Any, token_losses: torch.Tensor, into: str = "step", source: int | None = None) -> None:
         """Add a microbatch's per-token losses (``token_losses`` shaped like ``batch.targets``)."""
@@ -61,18 +62,12 @@ class MixtureWindow:
             sums = sums.to(device)
             setattr(self, into, sums)
         mask = (targets != -100).to(device)
-        if source is None:
-            sources = batch.sources.to(device)
-            where = sources[:, None].expand_as(targets).reshape(-1)
-        else:
-            where = torch.full((targets.numel(),), source, dtype=torch.int64, device=device)
-        losses = torch.where(mask, token_losses.detach(), 0).reshape(-1).to(torch.float64)
-        n = self.n
-        sums[:n].index_add_(0, where, losses)
-        sums[n : 2 * n].index_add_(0, where, mask.reshape(-1).to(torch.float64))
-        if into == "step":
-            sums[2 * n :].index_add_(0, batch.sources.to(device), torch.ones(len(targets), dtype=torch.float64,
-                                                                              device=device))  # fmt: skip
+        losses = torch.where(mask, token_losses.detach(), 0)
+        rows = len(targets)
+        per_row = torch.stack([losses.sum(1, dtype=torch.float64), mask.sum(1, dtype=torch.float64),
+                               torch.ones(rows, dtype=torch.float64, device=device)], 1)  # fmt: skip
+        where = batch.sources.to(device) if source is None else torch.full((rows,), source, device=device)
+        sums.index_add_(0, where, per_row)
 
     def end_step(self) -> None:
         self.window = self.window.to(self.step.device) + self.step
@@ -82,7 +77,16 @@ class MixtureWindow:
         self.step = torch.zeros_like(self.step)
 
     def vector(self) -> torch.Tensor:
-        return torch.cat([self.window.to(self.validation.device), self.validation])
+        """``[loss_sum × N, tokens × N, rows × N]`` of the window, ``[loss_sum × N, tokens × N]`` of validation."""
+        window = self.window.to(self.validation.device)
+        return torch.cat([window.T.reshape(-1), self.validation[:, :2].T.reshape(-1)])
+
+    def load(self, values: torch.Tensor) -> None:
+        """Restore what ``vector`` gave."""
+        n = self.n
+        self.window = values[: 3 * n].reshape(3, n).T.clone()
+        self.validation = torch.zeros(n, 3, dtype=torch.float64)
+        self.validation[:, :2] = values[3 * n :].reshape(2, n).T
 
     def reset_window(self) -> None:
         self.window = torch.zeros_like(self.window)
@@ -266,7 +270,7 @@ class PretrainingMixtureControl:
             global_step > journal.decided_through
         ):  # fmt: skip
             self._decide(global_step)  # the update a checkpoint at an update step holds, whatever the hooks' order
-        vector = self._reduced(torch.cat([window.window.to(window.validation.device), window.validation]))
+        vector = self._reduced(window.vector())
         controller = self.mixture_controller
         state["mixture_control"] = {
             "journal": journal.to_dict(),
@@ -299,7 +303,7 @@ class PretrainingMixtureControl:
         except (KeyError, TypeError, ValueError) as error:
             raise InvalidDataState("mixture_control", saved, f"the journal a checkpoint saves ({error})") from error
         if _global_rank(self._trainer) == 0:  # the all-reduced sums, counted once
-            window.window, window.validation = values[: 3 * len(names)].clone(), values[3 * len(names) :].clone()
+            window.load(values)
         journal.settle_through(global_step)
         self._journal, self._window, self._reported = journal, window, False
         same_kind = controller is not None and saved.get("controller_class") == type(controller).__name__
