@@ -311,7 +311,7 @@ class PretrainingMixtureControl:
             controller.load_state_dict(saved["controller"])
         # A base plan replaced at this resume (on_mixture_change="continue") supersedes the decisions not yet in force.
         base = spec.plan.base if isinstance(spec.plan, JournaledPlan) else spec.plan
-        replaced = base.start_step > 0 and base.start_step == self.data_step(global_step) and step > 0
+        replaced = base.start_step > 0 and base.start_step == self.data_step(global_step)
         self._wrap_plan(controller.every if controller is not None else _NEVER,
                         global_step if replaced and _plan_was_replaced(state, base) else -1)  # fmt: skip
 
