@@ -358,6 +358,7 @@ class MixtureControlCallback(pl.Callback):
 
     def __init__(self, datamodule: PretrainingMixtureControl):
         self._datamodule = datamodule
+        self._step = 0  # the global step as the last microbatch began
 
     @classmethod
     def attach(cls, trainer: pl.Trainer, datamodule: PretrainingMixtureControl) -> None:
@@ -375,10 +376,12 @@ class MixtureControlCallback(pl.Callback):
         if losses is not None and not dm._reported:
             dm._window.add(batch, losses)
         dm._reported = False
-        index = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1
-        _, at, count = dm.batch_in_step(trainer.current_epoch, index)
-        if at == count - 1:
+        if trainer.global_step != self._step:  # an optimizer step ended with this microbatch
+            self._step = trainer.global_step
             dm.update_mixture(trainer.global_step)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step = trainer.global_step
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._datamodule._window is not None:
