@@ -130,6 +130,16 @@ def test_skipped_data_provenance_and_inspect_follow_the_journal(data: Path, tmp_
     assert "controller journal: 0 updates, 0 changes of shares; shares in force now: easy 50%, hard 50%" in report
 
 
+def test_a_global_batch_size_schedule_keeps_the_journals_shares_exact(data: Path, tmp_path: Path) -> None:
+    path = tmp_path / "weights.json"
+    path.write_text('{"easy": 1, "hard": 3}')
+    module, dm = fit(data, tmp_path, WeightsFile(str(path), every=3), 10, global_batch_size=[[0, G], [6, 2 * G]])
+    per_step = counts(steps_of(module))
+    # G rows up to step 5, 2·G from step 6; the decision of update 3 (1/4, 3/4) from step 5 on, in both sizes.
+    assert [per_step[s] for s in range(10)] == [(4, 4)] * 5 + [(2, 6)] + [(4, 12)] * 4
+    assert dm.mixture_journal[0]["start_rows"] == {"easy": 20, "hard": 20}
+
+
 def test_a_lightning_cli_config_takes_a_controller_by_class_path(data: Path) -> None:
     from lightning_d9d.cli import D9DCLI
 
