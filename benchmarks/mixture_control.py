@@ -161,7 +161,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:  # only proves the script runs and judges its targets: the timing figures are meaningless
         args.steps, args.rounds, args.every, args.width, args.global_batch = 12, 1, 3, 32, 16
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the two cores: one for the model, one for the tokenizer's pool
+    try:
+        run(args)
+    finally:
+        torch.set_num_threads(threads)  # the smoke test runs other scripts in this interpreter after this one
+
+
+def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="mixture-control-") as tmp:
         root = Path(tmp)
         files, tokenizer = write_sources(root)
