@@ -229,7 +229,7 @@ class PretrainingMixtureControl:
         if module is None or trainer.logger is None:
             return
         metrics = {}
-        shares = entry.shares if entry.shares is not None else None
+        shares = entry.shares
         for i, (name, stat) in enumerate(stats.items()):
             metrics[f"mixture/weight/{name}"] = float(shares[i]) if shares is not None else stat.weight
             if stat.mean_loss is not None:
