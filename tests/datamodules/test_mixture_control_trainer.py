@@ -196,6 +196,22 @@ def test_loss_proportional_resumes_exactly_and_workers_give_the_same_rows(data: 
     assert saved["mixture_control"]["controller"]["scores"].keys() == {"easy", "hard"}
 
 
+def test_a_checkpoint_taken_mid_step_resumes_the_uninterrupted_run(data: Path, tmp_path: Path) -> None:
+    """Saved at microbatch 1 of step 5 (4 microbatches a step): the data resumes at step 5's start, and the window
+    of update 6 holds steps 3 and 4 only (step 5's first microbatch is trained again, not counted twice)."""
+    from support import SaveAtBatch
+
+    controller = dict(every=3, temperature=0.5)
+    save = SaveAtBatch(str(tmp_path / "mid"), [[0, 5 * 4 + 1]])
+    full, dm = fit(data, tmp_path / "full", LossProportional(**controller), 12, trainer={"callbacks": [save]})
+    resumed, rdm = fit(data, tmp_path / "resumed", LossProportional(**controller), 12,
+                       ckpt_path=str(tmp_path / "mid" / "mid-e0-b21.ckpt"))  # fmt: skip
+    steps, again = steps_of(full), steps_of(resumed)
+    assert sorted(again) == list(range(5, 12))
+    assert [again[s] for s in range(5, 12)] == [steps[s] for s in range(5, 12)]
+    assert rdm.mixture_journal == dm.mixture_journal
+
+
 def test_doremi_fits_with_validation_losses_and_follows_its_recursion(data: Path, tmp_path: Path) -> None:
     reference = {"easy": 0.0, "hard": 50.0}  # only easy has excess loss: DoReMi moves share to it
     module, dm = fit(
