@@ -130,6 +130,18 @@ def test_skipped_data_provenance_and_inspect_follow_the_journal(data: Path, tmp_
     assert "controller journal: 0 updates, 0 changes of shares; shares in force now: easy 50%, hard 50%" in report
 
 
+def test_new_weights_on_resume_supersede_the_decisions_not_yet_in_force(data: Path, tmp_path: Path) -> None:
+    path = tmp_path / "weights.json"
+    path.write_text('{"easy": 1, "hard": 3}')
+    fit(data, tmp_path / "full", WeightsFile(str(path), every=3), 8)
+    # At the checkpoint of step 4, update 3's shares (from step 5) are journaled but not yet in force.
+    checkpoint = str(tmp_path / "full" / "ckpt" / "step=4.ckpt")
+    module, dm = fit(data, tmp_path / "changed", WeightsFile(str(path), every=3), 8, weights={"easy": 3, "hard": 1},
+                     on_mixture_change="continue", ckpt_path=checkpoint)  # fmt: skip
+    assert [counts(steps_of(module))[s] for s in range(4, 8)] == [(6, 2)] * 4
+    assert [e["update_step"] for e in dm.mixture_journal] == [3, 6]  # the file unchanged since: shares kept
+
+
 def test_a_global_batch_size_schedule_keeps_the_journals_shares_exact(data: Path, tmp_path: Path) -> None:
     path = tmp_path / "weights.json"
     path.write_text('{"easy": 1, "hard": 3}')
