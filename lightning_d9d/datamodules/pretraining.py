@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from lightning_d9d.core.checks import non_negative_int, positive_int
 from lightning_d9d.core.hf_inputs import hf_attention_inputs
 from lightning_d9d.datamodules.base import OnOrderMismatch, SteppedDataModule
+from lightning_d9d.datamodules.mixture_control import PretrainingMixtureControl, check_mixture_controller
 from lightning_d9d.datamodules.pretraining_corpus import PretrainingCorpus
 from lightning_d9d.datamodules.pretraining_epochs import PretrainingEpochs
 from lightning_d9d.datamodules.pretraining_mixture import (
@@ -38,6 +39,7 @@ from lightning_d9d.datamodules.pretraining_reports import PretrainingReports
 from lightning_d9d.datamodules.pretraining_shapes import PretrainingShapes
 from lightning_d9d.datamodules.pretraining_state import STATE_VERSION
 from lightning_d9d.device.pin import pin_batch
+from lightning_d9d.mixtures import MixtureController
 from lightning_d9d.parallel.topology import DataParallelSetting
 from lightning_d9d.streaming.loading.loader import (
     StreamPosition,
@@ -145,7 +147,12 @@ class _Setting:
 
 
 class PretrainingDataModule(
-    PretrainingEpochs, PretrainingProvenance, PretrainingShapes, PretrainingReports, SteppedDataModule
+    PretrainingMixtureControl,
+    PretrainingEpochs,
+    PretrainingProvenance,
+    PretrainingShapes,
+    PretrainingReports,
+    SteppedDataModule,
 ):
     """Stream parquet or JSONL text into packed token rows: the same global batches on any number of GPUs.
 
@@ -196,6 +203,9 @@ class PretrainingDataModule(
             ``dm.provenance(step)`` replays a few steps, not the run; ``None``: ``<default_root_dir>/data_provenance``
             under a Trainer, none without.
         provenance_every: optimizer steps between records.
+        mixture_controller: moves a mixture's shares while it trains, from per-source losses
+            (``lightning_d9d.mixtures``: ``LossProportional``, ``DoReMi``, ``WeightsFile``, or your own); its
+            decisions are journaled in the data state and take effect ``MIXTURE_LAG`` steps later (docs/mixtures.md).
 
     Raises:
         ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout; a
@@ -257,6 +267,7 @@ class PretrainingDataModule(
         provenance_dir: str | None = None,
         provenance_every: PositiveInt = DEFAULT_PROVENANCE_EVERY,
         tokenizer_backend: str = "auto",
+        mixture_controller: MixtureController | None = None,
     ):
         super().__init__()
         if tokenizer_backend not in backend_names():
@@ -283,6 +294,7 @@ class PretrainingDataModule(
         self.storage = storage_of(storage_options, read_retry_seconds)
         self.on_mixture_change, self.weights, self.allow_shared_files = on_mixture_change, weights, allow_shared_files
         self.sources = self._parsed_sources()
+        self.mixture_controller = check_mixture_controller(mixture_controller, self.sources.mixture)
         say_unvalidated_sources(self.sources)  # once: setup parses the same sources again
         self.position = StreamPosition()
 
@@ -325,6 +337,7 @@ class PretrainingDataModule(
             position = StreamPosition(layout=self.step_layout(0), generation=self.position.generation + 1)
             position.on_commit = self._record_step
             self.start_fit(position)
+            self._start_mixture_control()
 
     def _parsed_sources(self) -> Sources:
         return mixture_arguments(
