@@ -23,6 +23,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # script -> text that only its table prints (a header cell and a verdict line)
 EXPECTED = {
     "mixture.py": ("single corpus", "mixture / single-corpus tokens/s"),
+    "mixture_control.py": ("LossProportional", "controller's own work / step time"),
     "padding.py": ("d9d-style", "ours/d9d"),
     "overhead.py": ("ours (sorted)", "median ratio"),
     "order_scale.py": ("torch.randperm", "peak RSS"),
@@ -42,6 +43,7 @@ EXPECTED = {
 # verdict lines each script's --quick run prints at least (one per target it checks)
 MIN_VERDICTS = {
     "mixture.py": 1,
+    "mixture_control.py": 4,  # the overhead and shares targets, the resumed rows and journal checks
     "padding.py": 2,
     "overhead.py": 4,
     "order_scale.py": 2,

@@ -4,12 +4,15 @@ else those documents train.
 At every optimizer step's end the step's loss (the mean of its microbatches' losses, averaged over every rank, so a
 spike in any data-parallel rank's microbatches counts) is compared with the median of the last ``window`` steps;
 above ``factor`` times that median, rank 0 writes one JSONL file: every piece of the last ``steps`` steps, and every
-piece of those documents in the ``steps`` steps either side (rows of later steps are known in advance: the streams
-are replayed past the spike). The advice names the surgical remedy first: resume from a checkpoint before the first
-of those steps with ``exclude_documents=<that file>`` (it reads the file as it is); the blunt one,
-``skip_data=[[a, b]]``, covers every step holding a chunk of them. Trade-off: the provenance is replayed in the
-training process, which pauses a few seconds per spike; ``min_steps`` and ``cooldown`` keep that rare, and a chunk
-further than ``steps`` steps from the window is not searched for (``exclude_documents`` removes it anyway).
+piece of those documents wherever this pass trains them (rows of later steps are known in advance: the streams are
+replayed past the spike): the ``steps`` steps either side first, then, for a document not whole there (a long one,
+or a ``bestfit_split`` tail waiting in the buffer, at times for dozens of steps), further out in spans that double.
+The advice names the surgical remedy first: resume from a checkpoint before the first of those steps with
+``exclude_documents=<that file>`` (it reads the file as it is); the blunt one, ``skip_data=[[a, b]]``, covers every
+step holding a chunk of them. Trade-off: the provenance is replayed in the training process, which pauses a few
+seconds per spike; ``min_steps`` and ``cooldown`` keep that rare. A waiting tail can make the ``skip_data`` range
+long (it skips every step in between), which is why the surgical remedy comes first; a chunk further than
+``FOLLOW_LIMIT`` steps is not searched for (``exclude_documents`` removes it anyway).
 """
 
 from __future__ import annotations
@@ -106,13 +109,67 @@ class LossSpikeProvenance(pl.Callback):
 
 
 def spike_pieces(datamodule: Any, step: int, steps: int) -> tuple[list[Any], tuple[int, int]]:
-    """The pieces of steps ``step - steps + 1 .. step``, and the pieces of their documents in the ``steps`` steps
-    either side; with ``[first, stop)``, the steps holding any piece of those documents."""
+    """The pieces of steps ``step - steps + 1 .. step``, and every piece of their documents, in step and row order;
+    with ``[first, stop)``, the steps holding any piece of those documents.
+
+    The steps either side are searched first; a document not yet whole there (a long one packed over many steps, or
+    a ``bestfit_split`` chunk left waiting in the buffer) is followed further, in spans that double, back to its
+    first token and on to its last, so that a ``skip_data`` range over ``[first, stop)`` leaves no chunk of it.
+    """
     window = range(max(0, step - steps + 1), step + 1)
     around = range(max(0, window.start - steps), step + steps + 1)
     every = datamodule.provenance(around, untrained=True)  # steps after the spike: rows the run will train
     inside = [piece for piece in every if piece.step in window]
-    documents = {(p.source, p.file, p.row_group, p.document_row) for p in inside}
-    pieces = [p for p in every if p.step in window or (p.source, p.file, p.row_group, p.document_row) in documents]
-    held = [p.step for p in pieces if (p.source, p.file, p.row_group, p.document_row) in documents]
+    documents = {_document_of(p) for p in inside}
+    pieces = [p for p in every if p.step in window or _document_of(p) in documents]
+    pieces += _pieces_beyond(datamodule, documents, pieces, around, steps)
+    pieces.sort(key=lambda p: (p.step, p.batch_row, p.column))
+    held = [p.step for p in pieces if _document_of(p) in documents]
     return pieces, (min(held, default=window.start), max(held, default=step) + 1)
+
+
+FOLLOW_LIMIT = 1024
+"""Steps a document is followed past the search around a spike: the replay runs in the training process, so this
+bounds the pause; a chunk further away is not searched for."""
+
+
+def _document_of(piece: Any) -> tuple[Any, ...]:
+    return (piece.source, piece.file, piece.row_group, piece.document_row)
+
+
+def _pieces_beyond(datamodule: Any, documents: set[tuple[Any, ...]], found: list[Any], around: range,
+                   steps: int) -> list[Any]:  # fmt: skip
+    """The pieces of ``documents`` outside ``around``: earlier steps until each one's first token (start 0) is
+    found, later ones until its pieces cover all its tokens; ``bestfit`` trains one prefix of a document, found."""
+    held = [p for p in found if _document_of(p) in documents]
+    if not documents or datamodule.packing == "bestfit":
+        return []
+    lengths = {doc: len(datamodule.document(list(doc))["tokens"]) for doc in documents}
+    covered: dict[tuple[Any, ...], set[int]] = collections.defaultdict(set)
+    for piece in held:
+        covered[_document_of(piece)].update(range(piece.start, piece.stop))
+    extra: list[Any] = []
+
+    def whole(doc: tuple[Any, ...], forward: bool) -> bool:
+        return len(covered[doc]) == lengths[doc] if forward else 0 in covered[doc]
+
+    def take(span: range, forward: bool) -> None:
+        # Outward from the spike, and only pieces of tokens not met yet, until a document is whole: its pieces in
+        # another pass repeat tokens of this training of it (a skip over them would reach across the pass).
+        found = datamodule.provenance(span, untrained=True)
+        for piece in found if forward else reversed(found):
+            doc = _document_of(piece)
+            new = doc in documents and not covered[doc].issuperset(range(piece.start, piece.stop))
+            if new and not whole(doc, forward):
+                extra.append(piece)
+                covered[doc].update(range(piece.start, piece.stop))
+
+    start, span = around.start, steps
+    while start > 0 and not all(whole(doc, False) for doc in documents):
+        take(range(max(0, start - span), start), False)
+        start, span = max(0, start - span), span * 2
+    stop, span = around.stop, steps
+    while stop < around.stop + FOLLOW_LIMIT and not all(whole(doc, True) for doc in documents):
+        take(range(stop, min(stop + span, around.stop + FOLLOW_LIMIT)), True)
+        stop, span = stop + span, span * 2
+    return extra

@@ -21,10 +21,12 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from lightning_d9d.tokenization.tokenizer import configured
 
 AUTO = "auto"
 REFERENCE = "tokenizers"
@@ -162,7 +164,7 @@ class HuggingFaceBackend(TokenizerBackend):
     module = "tokenizers"
 
     def _load(self, tokenizer_json: str, max_length: int | None) -> None:
-        self.tokenizer = _configured(Tokenizer.from_str(tokenizer_json), max_length)
+        self.tokenizer = configured(Tokenizer.from_str(tokenizer_json), max_length)
 
     def encode(self, texts: list[str], add_special_tokens: bool = False) -> EncodedBatch:
         encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
@@ -180,7 +182,7 @@ class FastokensBackend(TokenizerBackend):
     def _load(self, tokenizer_json: str, max_length: int | None) -> None:
         import fastokens
 
-        self.tokenizer = _configured(fastokens.Tokenizer.from_json_str(tokenizer_json), max_length)
+        self.tokenizer = configured(fastokens.Tokenizer.from_json_str(tokenizer_json), max_length)
 
     def encode(self, texts: list[str], add_special_tokens: bool = False) -> EncodedBatch:
         try:
@@ -191,15 +193,6 @@ class FastokensBackend(TokenizerBackend):
             return backend_for(REFERENCE, self.tokenizer_json, self.max_length).encode(texts, add_special_tokens)
         # uint32 ids of a vocabulary under 2**31 read as int32, uint64 offsets as int64: views, no copy.
         return EncodedBatch(np.frombuffer(ids, np.int32), np.frombuffer(offsets, np.int64))
-
-
-def _configured(tokenizer: Any, max_length: int | None) -> Any:
-    tokenizer.no_padding()  # a tokenizer.json saved with padding on would pad every document to one length
-    if max_length is None:
-        tokenizer.no_truncation()
-    else:
-        tokenizer.enable_truncation(max_length)
-    return tokenizer
 
 
 _instances: dict[tuple[str, str, int | None], TokenizerBackend] = {}

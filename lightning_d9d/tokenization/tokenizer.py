@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -60,7 +61,11 @@ def tokenizer_digest(path: str | os.PathLike) -> str:
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str, digest: str, max_length: int | None = None) -> Tokenizer:
     """The tokenizer at ``path``, cached per process by ``digest``, padding off, cut at ``max_length`` if given."""
-    tokenizer = read_tokenizer(path)
+    return configured(read_tokenizer(path), max_length)
+
+
+def configured(tokenizer: Any, max_length: int | None) -> Any:
+    """``tokenizer`` (``tokenizers`` or a backend with the same setters) with padding off, cut at ``max_length``."""
     tokenizer.no_padding()  # a tokenizer.json saved with padding on would pad every document to one length
     if max_length is None:
         tokenizer.no_truncation()

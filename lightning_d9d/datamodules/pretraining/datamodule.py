@@ -5,9 +5,10 @@ The corpus is dealt to K streams (reader → tokenizing prefetch → packing); s
 microbatch size. Streams are dealt to data-parallel replicas, never end (an epoch is a step count, the same on every
 rank), and ``state_dict`` holds every stream's state at the last step boundary, so any layout valid for K resumes.
 
-The DataModule owns four parts and delegates to them: ``corpus`` (sources, tokenizer, token cache, what setup read,
+The DataModule owns five parts and delegates to them: ``corpus`` (sources, tokenizer, token cache, what setup read,
 ``corpus.py``), ``run_plan`` (shapes, shares, edits, epoch length, ``plan.py``), ``ledger`` (provenance,
-``provenance.py``) and ``reports`` (``reports.py``). Its own state is the position (epoch, step, every stream's
+``provenance.py``), ``reports`` (``reports.py``) and ``mixture_control`` (a controller's journal and window,
+``mixture_control.py``). Its own state is the position (epoch, step, every stream's
 state); ``state_dict()`` is ``{"epoch", "step", "fingerprint", "version", "streams", "plan": run_plan.state_dict()}``
 (``state.py`` migrates older layouts).
 
@@ -39,16 +40,19 @@ from lightning_d9d.datamodules.pretraining.mixture import (
     mixture_arguments,
     say_unvalidated_sources,
 )
+from lightning_d9d.datamodules.pretraining.mixture_control import MixtureControl, check_mixture_controller
 from lightning_d9d.datamodules.pretraining.plan import RunPlan, check_microbatches
 from lightning_d9d.datamodules.pretraining.provenance import ProvenanceLedger
 from lightning_d9d.datamodules.pretraining.reports import Reports
 from lightning_d9d.datamodules.pretraining.state import (
     STATE_VERSION,
     keep_epoch_length,
+    migrate,
     restored,
     saved_streams,
     shape_differences_of,
 )
+from lightning_d9d.mixtures import MixtureController
 from lightning_d9d.parallel.topology import DataParallelSetting
 from lightning_d9d.streaming.loading.loader import (
     StreamPosition,
@@ -118,6 +122,9 @@ class PretrainingDataModule(SteppedDataModule):
             ``dm.provenance(step)`` replays a few steps, not the run; ``None``: ``<default_root_dir>/data_provenance``
             under a Trainer, none without.
         provenance_every: optimizer steps between records.
+        mixture_controller: moves a mixture's shares while it trains, from per-source losses
+            (``lightning_d9d.mixtures``: ``LossProportional``, ``DoReMi``, ``WeightsFile``, or your own); its
+            decisions are journaled in the data state and take effect ``MIXTURE_LAG`` steps later (docs/mixtures.md).
 
     Raises:
         ValueError: a bad setting, or in ``setup`` missing data, a bad tokenizer or an unusable layout; a
@@ -175,10 +182,14 @@ class PretrainingDataModule(SteppedDataModule):
     source_names = PartAttribute("reports")
     val_source_names = PartAttribute("reports")
     val_metric_name = PartAttribute("reports")
-    mixture_report = PartAttribute("reports")
     edits_report = PartAttribute("reports")
     shape_report = PartAttribute("reports")
     token_cache_report = PartAttribute("reports")
+    # The mixture control's (mixture_control.py).
+    mixture_controller = SettablePartAttribute("mixture_control", "controller")
+    mixture_journal = PartAttribute("mixture_control", "journal_entries")
+    report_token_losses = PartAttribute("mixture_control")
+    update_mixture = PartAttribute("mixture_control", "update")
     fingerprint: CorpusFingerprint | None = None
 
     def __init__(
@@ -219,6 +230,7 @@ class PretrainingDataModule(SteppedDataModule):
         provenance_dir: str | None = None,
         provenance_every: PositiveInt = DEFAULT_PROVENANCE_EVERY,
         tokenizer_backend: str = "auto",
+        mixture_controller: MixtureController | None = None,
     ):
         super().__init__()
         check_backend(tokenizer_backend)
@@ -240,10 +252,13 @@ class PretrainingDataModule(SteppedDataModule):
         self.pin_memory, self.on_order_mismatch = pin_memory, on_order_mismatch
         storage, self.on_mixture_change = storage_of(storage_options, read_retry_seconds), on_mixture_change
         sources = mixture_arguments(train_files, val_files, reading[0], weights, on_mixture_change, allow_shared_files)
+        mixture_controller = check_mixture_controller(mixture_controller, sources.mixture)
         say_unvalidated_sources(sources)  # once: setup parses the same sources again
         self.corpus = Corpus(sources, tokenizer, bos_token, storage, *reading, allow_shared_files, val_steps,
                              tokenizer_backend)  # fmt: skip
         self.ledger = ProvenanceLedger(self.run_plan, storage, provenance_dir, provenance_every, self._default_root)
+        self.mixture_control = MixtureControl(mixture_controller, self.run_plan, lambda: self._trainer,
+                                              lambda: self.topology.peers_per_replica)  # fmt: skip
         self.reports, self.position, self.step_targets = (
             Reports(self.corpus, self.run_plan),
             StreamPosition(),
@@ -310,8 +325,17 @@ class PretrainingDataModule(SteppedDataModule):
         return self.ledger.trained_until(self.position)
 
     def source_stats(self) -> dict[str, dict[str, float]]:
-        """Per training source, over this rank's streams as of the latest step handed out (``Reports``)."""
-        return self.reports.source_stats(self.position)
+        """Per training source, over this rank's streams as of the latest step handed out (``Reports``), and
+        ``weight``: its share in force at the next step (a mixture controller's journal included)."""
+        return self.mixture_control.with_weights(self.reports.source_stats(self.position), self.position)
+
+    def current_shares(self, step: int | None = None) -> dict[str, float]:
+        """The shares in force at global step ``step`` (``None``: the next step to train), the journal's included."""
+        return self.mixture_control.current_shares(self.position, step)
+
+    def mixture_report(self, run_steps: int, realised: Sequence[int], steps: int) -> list[str]:
+        """``inspect``'s mixture lines (none for one corpus), the controller's journal included."""
+        return self.mixture_control.report(self.reports.mixture_report(run_steps, realised, steps), self.position)
 
     def stream_stats(self) -> dict[str, int]:
         """This rank's stream counters so far, summed over its streams; they continue across a resume."""
@@ -347,6 +371,7 @@ class PretrainingDataModule(SteppedDataModule):
             position = StreamPosition(layout=self.step_layout(0), generation=self.position.generation + 1)
             position.on_commit = self.ledger.record
             self.start_fit(position)
+            self.mixture_control.start(self)
 
     def _parsed_sources(self) -> Sources:
         return mixture_arguments(self.train_files, self.val_files, self.text_column, self.weights,
@@ -357,8 +382,11 @@ class PretrainingDataModule(SteppedDataModule):
         """Every stream's state at the last optimizer step, gathered from all ranks (only rank 0 saves), and the
         run plan's state."""
         plan = self.run_plan.state_dict()
-        states = self.position.committed_states(self.saved_position()[1])
-        return {"version": STATE_VERSION, "streams": saved_streams(states, gather=self.dp_size > 1), "plan": plan}
+        epoch, step = self.saved_position()
+        states = self.position.committed_states(step)
+        state = {"version": STATE_VERSION, "streams": saved_streams(states, gather=self.dp_size > 1), "plan": plan}
+        control = self.mixture_control.state_dict(epoch * (self.steps_per_epoch or 0) + step)
+        return state if control is None else {**state, "mixture_control": control}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the checkpoint's position, in its epochs: without ``steps_per_epoch``, the saved epoch length.
@@ -382,6 +410,9 @@ class PretrainingDataModule(SteppedDataModule):
             states = restored(state, self.run_plan, self.owned_streams, epoch, step, self.on_mixture_change)
         self.position.restart(epoch, step, states, self.step_layout(epoch))
         self.ledger.record(epoch, step, states, resumed=True)
+        saved = migrate(state) if state is not None else {}
+        self.mixture_control.load_state_dict(saved.get("mixture_control"), epoch * (self.steps_per_epoch or 0) + step,
+                                             saved.get("plan", {}).get("mixture"))  # fmt: skip
 
     # ------------------------------------------------------------------ loaders
     def train_dataloader(self) -> TokenTrainLoader:

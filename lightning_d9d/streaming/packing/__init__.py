@@ -4,6 +4,4 @@ Importing this package registers every strategy by name (``streaming.plans.packi
 module here that registers itself, plus its import below.
 """
 
-# Each module registers its strategies by name when imported.
-import lightning_d9d.streaming.packing.bestfit_stage
-import lightning_d9d.streaming.packing.concat  # noqa: F401
+from lightning_d9d.streaming.packing import bestfit_stage, concat  # noqa: F401  (each registers its strategies)

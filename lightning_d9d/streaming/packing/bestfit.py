@@ -211,10 +211,7 @@ class BestFitPacker:
         pad_id: int = 0,
         hold: int | None = None,
     ) -> None:
-        if buffer_size <= 0:
-            raise ValueError(f"best-fit buffer_size must be > 0, got {buffer_size}")
-        if cp_multiple < 1:
-            raise ValueError(f"cp_multiple={cp_multiple} must be >= 1")
+        _check_sizes(buffer_size, cp_multiple)
         self.buffer_size, self.growth, self.cp_multiple, self.pad_id = buffer_size, growth, cp_multiple, pad_id
         self._set_capacity(capacity)
         self.hold = capacity if hold is None else hold
@@ -402,8 +399,9 @@ class BestFitPacker:
         if capacity == self.capacity:
             return
         if not self.split and capacity > self.hold:
-            raise ValueError(f"rows of {capacity} tokens need documents' prefixes of as many, this packer keeps "
-                             f"{self.hold}")  # fmt: skip
+            raise ValueError(
+                f"rows of {capacity} tokens need documents' prefixes of as many, this packer keeps {self.hold}"
+            )
         self._set_capacity(capacity)  # (checked before anything changes)
         self._flush()
         old = self._buffer
@@ -415,26 +413,12 @@ class BestFitPacker:
         self._arrange(rows, payloads)
 
     def _arrange(self, rows: np.ndarray, payloads: dict[int, Any]) -> None:
-        """Buffer ``rows`` (sorted by insertion number) with their ``payloads`` (by insertion number; lazy where
-        missing), ``bestfit_split`` pieces longer than a row re-cut (:func:`recut`)."""
+        """Buffer ``rows`` (by insertion number) with ``payloads`` (lazy where missing), re-cut (:func:`recut`)."""
         arranged, self.next_seq = recut(rows, payloads, self.capacity, self.split, self._materialize, self.next_seq)
         self._buffer.extend(*arranged)
 
     def _materialize(self, row: Any, keep: int | None = None) -> np.ndarray:
-        """A lazily restored piece's tokens (``row``: its ``META_COLUMNS`` values), fetched and verified: its first
-        ``keep`` (default: what a row takes)."""
-        row = np.asarray(row, np.int64)
-        _seq, length, key0, key1, offset, _final, checksum, hashed = row.tolist()
-        keep = min(length, self.capacity) if keep is None else keep
-        need = max(keep, hashed) if hashed else length
-        tokens = np.asarray(self._fetch(row, need), np.int32)
-        if (len(tokens) < hashed or prefix_hash(tokens[:hashed]) != checksum) if hashed else len(tokens) != length:
-            raise ValueError(
-                f"buffered piece at token {offset} of document {(key0, key1)} does not match its saved length "
-                f"{length}" + (" / checksum" if hashed else "") + f" (got {len(tokens)} tokens; did the data files "
-                "or the tokenizer change since the checkpoint?)"
-            )
-        return tokens[:keep]
+        return verified_piece(self._fetch, self.capacity, row, keep)
 
     def snapshot(self) -> np.ndarray:
         """The buffered pieces as int64 rows of ``META_COLUMNS``, in insertion order."""
@@ -477,6 +461,13 @@ class BestFitSplitPacker(BestFitPacker):
         if tokens.ndim != 1 or len(tokens) == 0:
             raise ValueError(f"a document must be a non-empty 1-D token array, got shape {tokens.shape}")
         self._staged.append((tokens, len(tokens), key[0], key[1]))
+
+
+def _check_sizes(buffer_size: int, cp_multiple: int) -> None:
+    if buffer_size <= 0:
+        raise ValueError(f"best-fit buffer_size must be > 0, got {buffer_size}")
+    if cp_multiple < 1:
+        raise ValueError(f"cp_multiple={cp_multiple} must be >= 1")
 
 
 def _rows_until_full(growth: BufferGrowth, buffer_size: int) -> int:
@@ -528,3 +519,24 @@ def recorded_pieces(record: list[np.ndarray] | None) -> np.ndarray | None:
         table[:, :6] = np.concatenate(noted)
     record.clear()
     return table
+
+
+def verified_piece(fetch: Fetch, capacity: int, row: Any, keep: int | None = None) -> np.ndarray:
+    """A lazily restored piece's tokens (``row``: its ``META_COLUMNS`` values), fetched and verified: its first
+    ``keep`` (default: what a row of ``capacity`` takes).
+
+    Raises:
+        ValueError: the tokens fetched no longer match the piece's saved length or checksum.
+    """
+    row = np.asarray(row, np.int64)
+    _seq, length, key0, key1, offset, _final, checksum, hashed = row.tolist()
+    keep = min(length, capacity) if keep is None else keep
+    need = max(keep, hashed) if hashed else length
+    tokens = np.asarray(fetch(row, need), np.int32)
+    if (len(tokens) < hashed or prefix_hash(tokens[:hashed]) != checksum) if hashed else len(tokens) != length:
+        raise ValueError(
+            f"buffered piece at token {offset} of document {(key0, key1)} does not match its saved length "
+            f"{length}" + (" / checksum" if hashed else "") + f" (got {len(tokens)} tokens; did the data files "
+            "or the tokenizer change since the checkpoint?)"
+        )
+    return tokens[:keep]

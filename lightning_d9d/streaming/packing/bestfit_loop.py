@@ -179,6 +179,74 @@ def _unlink(sc, slots, free, heads, tails, popped, b, s, before) -> None:
 
 
 @njit(cache=True, nogil=True)
+def _start_row(sc) -> None:
+    """Open the next row: the buffer's size for it (growing as rows are taken), nothing placed yet."""
+    taken = sc[ROWS_TAKEN]
+    sc[ROWS_TAKEN] = taken + 1
+    size = sc[BUF]
+    if taken < sc[FULL_FROM] and sc[GROW_PER_ROW]:
+        size = min(size, sc[GROW_START] + taken * sc[GROW_PER_ROW])
+    sc[SIZE], sc[POS], sc[OPEN_END], sc[IN_ROW] = size, 0, 0, 1
+
+
+@njit(cache=True, nogil=True)
+def _place(sc, slots, record, arena, out, flags, r, at, pos, s, length, flagged) -> None:
+    """Copy piece ``s``'s first ``length`` tokens into row ``r`` at ``pos``, recording it and flagging its start."""
+    src = slots[s, TOKENS_AT]
+    out[at + pos : at + pos + length] = arena[src : src + length]
+    if sc[RECORD]:
+        k = sc[RECORDED]
+        record[k, 0], record[k, 1], record[k, 2] = r, pos, length
+        record[k, 3], record[k, 4], record[k, 5] = slots[s, 2], slots[s, 3], slots[s, 4]
+        sc[RECORDED] = k + 1
+    if flagged:
+        flags[at + pos] |= _START
+
+
+@njit(cache=True, nogil=True)
+def _pad_gap(sc, out, flags, at, pos, cap, pad) -> None:
+    """Pad the rest of a row: a run that starts positions and trains nothing (``bestfit_split``)."""
+    out[at + pos : at + cap] = pad
+    flags[at + pos] |= _START
+    for i in range(at + pos, at + cap):
+        flags[i] |= _NO_TARGET
+    sc[GAP_PADDING] += cap - pos
+
+
+@njit(cache=True, nogil=True)
+def _shortest(slots, heads, cap):
+    """The piece a gap crops, the oldest of the shortest: (its length bucket, its slot, the slot before it)."""
+    b, s, before = 1, -1, -1
+    while b <= cap and heads[b] < 0:
+        b += 1
+    if b <= cap:
+        return b, heads[b], before
+    b = cap + 1  # only pieces longer than a row: the first of the shortest
+    walk, prev = heads[b], -1
+    while walk >= 0:
+        if s < 0 or slots[walk, 1] < slots[s, 1]:
+            s, before = walk, prev
+        prev, walk = walk, slots[walk, NEXT]
+    return b, s, before
+
+
+@njit(cache=True, nogil=True)
+def _round_up(sc, out, flags, at, pos, cap, multiple, pad) -> int:
+    """Pad a piece ending at ``pos`` to a multiple of ``2·c`` (the row's end where that leaves one token)."""
+    stop = -(-pos // multiple) * multiple
+    if stop >= cap - 1:
+        stop = cap
+    if stop != pos:
+        out[at + pos : at + stop] = pad
+        for i in range(at + pos, at + stop):
+            flags[i] |= _CP_PAD | _NO_TARGET
+        if stop < cap:  # what follows must not be the target of padding
+            flags[at + stop] |= _NO_TARGET
+        sc[CP_PADDING] += stop - pos
+    return stop
+
+
+@njit(cache=True, nogil=True)
 def pack(sc, slots, free, heads, tails, pushed, popped, record, arena, tokens, starts, lengths, keys0, keys1, out,
          flags) -> int:  # fmt: skip
     """Pack rows ``sc[ROW]`` to ``sc[ROWS]`` into ``out`` (flat ``rows × capacity``) and ``flags``, documents from the
@@ -188,12 +256,7 @@ def pack(sc, slots, free, heads, tails, pushed, popped, record, arena, tokens, s
         if not sc[IN_ROW]:
             if sc[ROW] == sc[ROWS]:
                 return DONE
-            taken = sc[ROWS_TAKEN]
-            sc[ROWS_TAKEN] = taken + 1
-            size = sc[BUF]
-            if taken < sc[FULL_FROM] and sc[GROW_PER_ROW]:
-                size = min(size, sc[GROW_START] + taken * sc[GROW_PER_ROW])
-            sc[SIZE], sc[POS], sc[OPEN_END], sc[IN_ROW] = size, 0, 0, 1
+            _start_row(sc)
         pos, r = sc[POS], sc[ROW]
         if pos >= cap:
             sc[IN_ROW], sc[ROW] = 0, r + 1
@@ -210,80 +273,38 @@ def pack(sc, slots, free, heads, tails, pushed, popped, record, arena, tokens, s
         if sc[POPPED] >= len(popped) or (sc[RECORD] and sc[RECORDED] >= len(record)):
             sc[NEED_ARENA], sc[NEED_SLOTS] = 0, 0
             return GROW
-        at = r * cap
-        remaining = cap - pos
-        length = remaining
+        at, length = r * cap, cap - pos
         while length > 0 and heads[length] < 0:
             length -= 1
-        if length == 0:  # nothing fits
-            if split:  # pad the rest: a run that starts positions and trains nothing
-                out[at + pos : at + cap] = pad
-                flags[at + pos] |= _START
-                for i in range(at + pos, at + cap):
-                    flags[i] |= _NO_TARGET
-                sc[GAP_PADDING] += remaining
-            else:  # crop the shortest (the oldest of its length)
-                b, s, before = 1, -1, -1
-                while b <= cap and heads[b] < 0:
-                    b += 1
-                if b <= cap:
-                    s = heads[b]
-                else:  # only pieces longer than a row: the first of the shortest
-                    b = cap + 1
-                    walk, prev = heads[b], -1
-                    while walk >= 0:
-                        if s < 0 or slots[walk, 1] < slots[s, 1]:
-                            s, before = walk, prev
-                        prev, walk = walk, slots[walk, NEXT]
-                if slots[s, TOKENS_AT] == LAZY_TOKENS:
-                    sc[LAZY] = s
-                    return FETCH
-                src = slots[s, TOKENS_AT]
-                out[at + pos : at + cap] = arena[src : src + remaining]
-                if sc[RECORD]:
-                    k = sc[RECORDED]
-                    record[k, 0], record[k, 1], record[k, 2] = r, pos, remaining
-                    record[k, 3], record[k, 4], record[k, 5] = slots[s, 2], slots[s, 3], slots[s, 4]
-                    sc[RECORDED] = k + 1
-                if flagged:
-                    flags[at + pos] |= _START
-                sc[CROPS] += 1
-                sc[CROPPED] += slots[s, 1] - remaining
-                _unlink(sc, slots, free, heads, tails, popped, b, s, before)
+        if length == 0 and split:  # nothing fits: pad the rest
+            _pad_gap(sc, out, flags, at, pos, cap, pad)
+        elif length == 0:  # nothing fits: crop the shortest (the oldest of its length)
+            b, s, before = _shortest(slots, heads, cap)
+            if slots[s, TOKENS_AT] == LAZY_TOKENS:
+                sc[LAZY] = s
+                return FETCH
+            _place(sc, slots, record, arena, out, flags, r, at, pos, s, cap - pos, flagged)
+            sc[CROPS] += 1
+            sc[CROPPED] += slots[s, 1] - (cap - pos)
+            _unlink(sc, slots, free, heads, tails, popped, b, s, before)
+        if length == 0:
             sc[IN_ROW], sc[ROW] = 0, r + 1
             continue
         s = heads[length]
         if slots[s, TOKENS_AT] == LAZY_TOKENS:
             sc[LAZY] = s
             return FETCH
-        src = slots[s, TOKENS_AT]
-        out[at + pos : at + pos + length] = arena[src : src + length]
-        if sc[RECORD]:
-            k = sc[RECORDED]
-            record[k, 0], record[k, 1], record[k, 2] = r, pos, length
-            record[k, 3], record[k, 4], record[k, 5] = slots[s, 2], slots[s, 3], slots[s, 4]
-            sc[RECORDED] = k + 1
+        _place(sc, slots, record, arena, out, flags, r, at, pos, s, length, flagged)
+        # Not the target of the token before it: that token is another document's, or (a piece cut at a shorter
+        # row length, now sharing a row) it is followed in its own document by other text.
+        if flagged and (slots[s, CONTINUES] or sc[OPEN_END]):
+            flags[at + pos] |= _NO_TARGET
         if flagged:
-            flags[at + pos] |= _START
-            # Not the target of the token before it: that token is another document's, or (a piece cut at a
-            # shorter row length, now sharing a row) it is followed in its own document by other text.
-            if slots[s, CONTINUES] or sc[OPEN_END]:
-                flags[at + pos] |= _NO_TARGET
             sc[OPEN_END] = 0 if slots[s, 5] else 1
         _unlink(sc, slots, free, heads, tails, popped, length, s, -1)
         pos += length
-        if multiple > 1 and pos < cap:  # round the piece up to a multiple of 2·c
-            stop = -(-pos // multiple) * multiple
-            if stop >= cap - 1:
-                stop = cap
-            if stop != pos:
-                out[at + pos : at + stop] = pad
-                for i in range(at + pos, at + stop):
-                    flags[i] |= _CP_PAD | _NO_TARGET
-                if stop < cap:  # what follows must not be the target of padding
-                    flags[at + stop] |= _NO_TARGET
-                sc[CP_PADDING] += stop - pos
-                pos = stop
+        if multiple > 1 and pos < cap:
+            pos = _round_up(sc, out, flags, at, pos, cap, multiple, pad)
         sc[POS] = pos
 
 

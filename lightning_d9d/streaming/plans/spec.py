@@ -252,10 +252,10 @@ class MixtureSpec:
         return dataclasses.replace(self, sources=sources)
 
     def with_plan(self, plan: MixturePlan) -> MixtureSpec:
-        return dataclasses.replace(self, plan=plan)
+        return dataclasses.replace(self, plan=_plan_skipping(plan, self.skipped))
 
     def with_skipped(self, skipped: tuple[tuple[int, int], ...]) -> MixtureSpec:
-        return dataclasses.replace(self, skipped=tuple(skipped))
+        return dataclasses.replace(self, skipped=tuple(skipped), plan=_plan_skipping(self.plan, tuple(skipped)))
 
     def fingerprint(self) -> CorpusFingerprint:
         """What decides the rows of every step: the settings, and by source its files and text column."""
@@ -395,3 +395,10 @@ def _plain(value: Any) -> Any:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _plan_skipping(plan: Any, skipped: tuple[tuple[int, int], ...]) -> Any:
+    """``plan`` told the data steps skipped, where it follows a mixture controller (it maps data steps to the
+    training steps its decisions are made at)."""
+    with_skipped = getattr(plan, "with_skipped", None)
+    return plan if with_skipped is None else with_skipped(skipped)
