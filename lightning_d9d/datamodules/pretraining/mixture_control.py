@@ -228,7 +228,7 @@ class MixtureControl:
             entry = JournalEntry(step, effective, data_step, new, spec.plan.cumulative_rows(data_step), inputs)
         journal.add(entry)
         window.reset_window()
-        self._log_update(entry, stats)
+        _log_update(self._trainer(), entry, stats)
         return entry
 
     def _reduced(self, vector: torch.Tensor) -> torch.Tensor:
@@ -238,21 +238,6 @@ class MixtureControl:
             return vector.cpu()
         total = trainer.strategy.reduce(vector.to(trainer.strategy.root_device), reduce_op="sum")
         return total.cpu() / self._peers()
-
-    def _log_update(self, entry: JournalEntry, stats: Mapping[str, SourceStats]) -> None:
-        trainer = self._trainer()
-        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
-        if module is None or trainer.logger is None:
-            return
-        metrics = {}
-        shares = entry.shares
-        for i, (name, stat) in enumerate(stats.items()):
-            metrics[f"mixture/weight/{name}"] = float(shares[i]) if shares is not None else stat.weight
-            if stat.mean_loss is not None:
-                metrics[f"mixture/loss/{name}"] = stat.mean_loss
-            if stat.val_loss is not None:
-                metrics[f"mixture/val_loss/{name}"] = stat.val_loss
-        module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
     # ------------------------------------------------------------------ validation
     def add_validation(self, batch: Any, outputs: Any, name: str | None) -> None:
@@ -352,6 +337,22 @@ class MixtureControl:
             f"now: {now}" + (f" (from step {changes[-1].effective_step})" if changes else "")
         )
         return lines
+
+
+def _log_update(trainer: Any, entry: JournalEntry, stats: Mapping[str, SourceStats]) -> None:
+    """Log an update's shares, mean losses and validation losses per source (rank 0, where a logger is)."""
+    module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+    if module is None or trainer.logger is None:
+        return
+    metrics = {}
+    shares = entry.shares
+    for i, (name, stat) in enumerate(stats.items()):
+        metrics[f"mixture/weight/{name}"] = float(shares[i]) if shares is not None else stat.weight
+        if stat.mean_loss is not None:
+            metrics[f"mixture/loss/{name}"] = stat.mean_loss
+        if stat.val_loss is not None:
+            metrics[f"mixture/val_loss/{name}"] = stat.val_loss
+    module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
 def _global_rank(trainer: Any) -> int:
