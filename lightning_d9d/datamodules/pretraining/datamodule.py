@@ -257,8 +257,9 @@ class PretrainingDataModule(SteppedDataModule):
         self.corpus = Corpus(sources, tokenizer, bos_token, storage, *reading, allow_shared_files, val_steps,
                              tokenizer_backend)  # fmt: skip
         self.ledger = ProvenanceLedger(self.run_plan, storage, provenance_dir, provenance_every, self._default_root)
-        self.mixture_control = MixtureControl(mixture_controller, self.run_plan, lambda: self._trainer,
-                                              lambda: self.topology.peers_per_replica)  # fmt: skip
+        # Bound methods, not lambdas: the DataModule stays picklable (spawned processes receive it).
+        self.mixture_control = MixtureControl(mixture_controller, self.run_plan, self._trainer_now,
+                                              self._peers_per_replica)  # fmt: skip
         self.reports, self.position, self.step_targets = (
             Reports(self.corpus, self.run_plan),
             StreamPosition(),
@@ -279,6 +280,12 @@ class PretrainingDataModule(SteppedDataModule):
     def val_steps(self) -> int | None:
         """Validation microbatches per rank per run (of the first source; ``None`` without any)."""
         return self.val_steps_per_source[0] if self.val_steps_per_source else None
+
+    def _trainer_now(self) -> Any:
+        return self._trainer
+
+    def _peers_per_replica(self) -> int:
+        return self.topology.peers_per_replica
 
     def _default_root(self) -> str | None:
         trainer = getattr(self, "trainer", None)
