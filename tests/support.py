@@ -699,6 +699,41 @@ def ranked_rows(per_rank: tuple[list[str], ...] | list[list[str]]) -> list[str]:
     return [row for rows in per_rank for row in rows]
 
 
+def snake_dealt(per_rank: list[list[Any]]) -> list[Any]:
+    """One map-style step's microbatches in the global batch's order, rebuilt from each data-parallel rank's
+    microbatches in its own order: microbatch k of the step goes to the ranks in a snake (laps 0, 1, …, D-1, then
+    D-1, …, 0, …), each rank taking its share in order. Written out here rather than calling the library's dealer,
+    so that two layouts' steps are equal only when every microbatch has the same place and went to the rank that
+    place names; every rank must hold the same number."""
+    assert len({len(microbatches) for microbatches in per_rank}) == 1, [len(m) for m in per_rank]
+    world, taken, out = len(per_rank), [0] * len(per_rank), []
+    for k in range(world * len(per_rank[0])):
+        lap, offset = divmod(k, world)
+        owner = offset if lap % 2 == 0 else world - 1 - offset
+        out.append(per_rank[owner][taken[owner]])
+        taken[owner] += 1
+    return out
+
+
+def per_rank_microbatches(records: list[dict[str, Any]], key: str) -> dict[tuple[int, int], list[list[Any]]]:
+    """(epoch, global step) -> per data-parallel rank 0, 1, …: ``record[key]`` of its microbatches in training order
+    (records of the lowest process of each rank: its model-parallel peers trained the same)."""
+    lowest: dict[int, int] = {}
+    for r in records:
+        lowest[r["dp_rank"]] = min(lowest.get(r["dp_rank"], r["rank"]), r["rank"])
+    steps: dict[tuple[int, int], dict[int, list[tuple[int, Any]]]] = {}
+    for r in records:
+        if r["rank"] == lowest[r["dp_rank"]]:
+            by_rank = steps.setdefault((r["epoch"], r["step"]), {})
+            by_rank.setdefault(r["dp_rank"], []).append((r["batch_idx"], r[key]))
+    out = {}
+    for where, by_rank in steps.items():
+        assert sorted(by_rank) == list(range(len(by_rank))), f"step {where}: data-parallel ranks {sorted(by_rank)}"
+        # sorted() is stable: the microbatches of one pack (one batch_idx) keep the order they were recorded in.
+        out[where] = [[value for _, value in sorted(by_rank[rank], key=lambda x: x[0])] for rank in sorted(by_rank)]
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
