@@ -11,10 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
-from support import LengthDataset, RecordingModule, fit, fit_in_processes, pad_collate, read_records
+from support import (
+    LengthDataset,
+    RecordingModule,
+    fit,
+    fit_in_processes,
+    pad_collate,
+    per_rank_microbatches,
+    read_records,
+    snake_dealt,
+)
 
-from lightning_d9d import D9DDataModule
+from lightning_d9d import D9DDataModule, SeededPermutation
 
 SIZE, GLOBAL_BATCH, MICROBATCH = 200, 16, 2
 STEPS_PER_EPOCH = SIZE // GLOBAL_BATCH  # 12
@@ -47,11 +57,31 @@ def run(
 
 
 def samples_per_step(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[int]]:
-    """(epoch, global step) -> sorted sample ids trained in that optimizer step, over all ranks."""
-    steps: dict[tuple[int, int], list[int]] = {}
-    for record in records:
-        steps.setdefault((record["epoch"], record["step"]), []).extend(record["ids"])
-    return {key: sorted(ids) for key, ids in steps.items()}
+    """(epoch, global step) -> the sample ids of that optimizer step's global batch in order, rebuilt from the ranks'
+    microbatches (:func:`support.snake_dealt`): equal across layouts only if every sample has the same place in its
+    step and went to the rank that place names."""
+    return {
+        where: [i for microbatch in snake_dealt(per_rank) for i in microbatch]
+        for where, per_rank in per_rank_microbatches(records, "ids").items()
+    }
+
+
+def planned_steps(epoch: int, seed: int = 0, sort_buffer_size: int = 64) -> list[list[int]]:
+    """The documented order written out by brute force, independent of the library's ``GlobalBatchOrder``: the
+    epoch's seeded order (the whole global batches of it) in windows of ``sort_buffer_size`` samples; a window
+    sorted by length, ties broken by a seeded draw, cut into global batches of G neighbours, visited in a seeded
+    order. Returns the epoch's global batches in training order."""
+    lengths = LengthDataset(SIZE).lengths
+    order = SeededPermutation(SIZE, (seed, epoch))(np.arange(STEPS_PER_EPOCH * GLOBAL_BATCH)).tolist()
+    steps = []
+    for number, start in enumerate(range(0, len(order), sort_buffer_size)):
+        window = order[start : start + sort_buffer_size]
+        draws = np.random.default_rng((seed, epoch, number))
+        tie_break = draws.random(len(window)).tolist()
+        ranked = [i for _, _, i in sorted(zip((int(lengths[i]) for i in window), tie_break, window, strict=True))]
+        batches = [ranked[b : b + GLOBAL_BATCH] for b in range(0, len(ranked), GLOBAL_BATCH)]
+        steps += [batches[b] for b in draws.permutation(len(batches))]
+    return steps
 
 
 def trained(records: list[dict]) -> list[tuple]:
@@ -93,6 +123,10 @@ def test_uninterrupted_epochs_are_exactly_once_with_m_microbatches_per_step(refe
     per_step = Counter((r["epoch"], r["step"]) for r in records)
     assert set(per_step.values()) == {GLOBAL_BATCH // MICROBATCH}, "accumulate_grad_batches = M, no partial window"
     assert max(r["step"] for r in records) == 2 * STEPS_PER_EPOCH - 1
+    planned = [batch for epoch in (0, 1) for batch in planned_steps(epoch)]
+    steps = samples_per_step(records)
+    assert [steps[(step // STEPS_PER_EPOCH, step)] for step in range(2 * STEPS_PER_EPOCH)] == planned
+    assert len(steps) == len(planned)
     val = read_records(reference["root"] / "records", "val")
     for epoch in (0, 1):
         assert sorted(i for r in val if r["epoch"] == epoch for i in r["ids"]) == list(range(37))
