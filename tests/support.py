@@ -42,7 +42,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule, TextDataModule
+from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule, SeededPermutation, TextDataModule
 from lightning_d9d.core.digest import Hasher
 from lightning_d9d.parallel.peer_check import NothingToCompareWarning
 from lightning_d9d.parallel.topology import DataParallelTopology
@@ -732,6 +732,26 @@ def per_rank_microbatches(records: list[dict[str, Any]], key: str) -> dict[tuple
         # sorted() is stable: the microbatches of one pack (one batch_idx) keep the order they were recorded in.
         out[where] = [[value for _, value in sorted(by_rank[rank], key=lambda x: x[0])] for rank in sorted(by_rank)]
     return out
+
+
+def planned_global_batches(
+    lengths: np.ndarray, global_batch_size: int, sort_buffer_size: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """A map-style epoch's global batches in training order, written out by brute force from the documented rule,
+    independent of the library's ``GlobalBatchOrder``: the epoch's seeded order (its whole global batches) in
+    windows of ``sort_buffer_size`` samples; each window sorted by length, ties broken by a seeded draw, cut into
+    global batches of neighbours, visited in a seeded order."""
+    steps_per_epoch = len(lengths) // global_batch_size
+    order = SeededPermutation(len(lengths), (seed, epoch))(np.arange(steps_per_epoch * global_batch_size)).tolist()
+    steps = []
+    for number, start in enumerate(range(0, len(order), sort_buffer_size)):
+        window = order[start : start + sort_buffer_size]
+        draws = np.random.default_rng((seed, epoch, number))
+        tie_break = draws.random(len(window)).tolist()
+        ranked = [i for _, _, i in sorted(zip((int(lengths[i]) for i in window), tie_break, window, strict=True))]
+        batches = [ranked[b : b + global_batch_size] for b in range(0, len(ranked), global_batch_size)]
+        steps += [batches[b] for b in draws.permutation(len(batches))]
+    return steps
 
 
 def free_port() -> int:

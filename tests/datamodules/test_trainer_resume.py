@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import pytest
 from support import (
     LengthDataset,
@@ -20,11 +19,12 @@ from support import (
     fit_in_processes,
     pad_collate,
     per_rank_microbatches,
+    planned_global_batches,
     read_records,
     snake_dealt,
 )
 
-from lightning_d9d import D9DDataModule, SeededPermutation
+from lightning_d9d import D9DDataModule
 
 SIZE, GLOBAL_BATCH, MICROBATCH = 200, 16, 2
 STEPS_PER_EPOCH = SIZE // GLOBAL_BATCH  # 12
@@ -66,24 +66,6 @@ def samples_per_step(records: list[dict[str, Any]]) -> dict[tuple[int, int], lis
     }
 
 
-def planned_steps(epoch: int, seed: int = 0, sort_buffer_size: int = 64) -> list[list[int]]:
-    """The documented order written out by brute force, independent of the library's ``GlobalBatchOrder``: the
-    epoch's seeded order (the whole global batches of it) in windows of ``sort_buffer_size`` samples; a window
-    sorted by length, ties broken by a seeded draw, cut into global batches of G neighbours, visited in a seeded
-    order. Returns the epoch's global batches in training order."""
-    lengths = LengthDataset(SIZE).lengths
-    order = SeededPermutation(SIZE, (seed, epoch))(np.arange(STEPS_PER_EPOCH * GLOBAL_BATCH)).tolist()
-    steps = []
-    for number, start in enumerate(range(0, len(order), sort_buffer_size)):
-        window = order[start : start + sort_buffer_size]
-        draws = np.random.default_rng((seed, epoch, number))
-        tie_break = draws.random(len(window)).tolist()
-        ranked = [i for _, _, i in sorted(zip((int(lengths[i]) for i in window), tie_break, window, strict=True))]
-        batches = [ranked[b : b + GLOBAL_BATCH] for b in range(0, len(ranked), GLOBAL_BATCH)]
-        steps += [batches[b] for b in draws.permutation(len(batches))]
-    return steps
-
-
 def trained(records: list[dict]) -> list[tuple]:
     return [(r["epoch"], r["step"], r["rank"], r["batch_idx"], r["ids"]) for r in records]
 
@@ -123,7 +105,8 @@ def test_uninterrupted_epochs_are_exactly_once_with_m_microbatches_per_step(refe
     per_step = Counter((r["epoch"], r["step"]) for r in records)
     assert set(per_step.values()) == {GLOBAL_BATCH // MICROBATCH}, "accumulate_grad_batches = M, no partial window"
     assert max(r["step"] for r in records) == 2 * STEPS_PER_EPOCH - 1
-    planned = [batch for epoch in (0, 1) for batch in planned_steps(epoch)]
+    lengths = LengthDataset(SIZE).lengths
+    planned = [batch for epoch in (0, 1) for batch in planned_global_batches(lengths, GLOBAL_BATCH, 64, 0, epoch)]
     steps = samples_per_step(records)
     assert [steps[(step // STEPS_PER_EPOCH, step)] for step in range(2 * STEPS_PER_EPOCH)] == planned
     assert len(steps) == len(planned)
