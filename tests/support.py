@@ -754,6 +754,88 @@ def planned_global_batches(
     return steps
 
 
+def planned_token_steps(
+    lengths: np.ndarray,
+    microbatch_tokens: int,
+    microbatches_per_step: int,
+    sort_buffer_size: int | None,
+    seed: int,
+    epoch: int,
+    padding_free: bool = False,
+) -> list[list[list[int]]]:
+    """A token-budget epoch's steps in training order, each its P microbatches of sample ids, written out by brute
+    force from the documented rule, independent of the library's planner (``dm.plan``, which the loader follows):
+    the epoch's seeded order in windows of ``sort_buffer_size`` samples, each after the samples carried from the one
+    before. A padded window is sorted by length (stably) and cut greedily, each microbatch taking the next samples
+    while their count × the longest fits; a padding-free one is filled largest first (each microbatch opened by
+    the longest sample left, then the longest that still fits, the earliest of equal lengths). A window's
+    under-full tail carries into the next (padded: its last microbatch; padding-free: its last microbatches below
+    99 % of the budget, at most a window of samples), except in the epoch's last window. Without sorting
+    (``None``), samples in the seeded order, each microbatch taking the following while they fit. The
+    microbatches are cut into steps of P, a tail too short for a step left out, and the steps visited in a seeded
+    order. Lengths are costs as they stand (no rounding for ``pad_to_multiple_of`` or context parallelism)."""
+    from lightning_d9d.mapstyle.plan import PLAN_VERSION
+
+    size = len(lengths)
+    order = SeededPermutation(size, (seed, epoch))(np.arange(size)).tolist()
+    length = [int(n) for n in lengths]
+
+    def fits(microbatch: list[int], sample: int) -> bool:
+        taken = [*microbatch, sample]
+        cost = sum(length[i] for i in taken) if padding_free else len(taken) * max(length[i] for i in taken)
+        return cost <= microbatch_tokens
+
+    def cut_in_order(samples: list[int]) -> list[list[int]]:
+        runs: list[list[int]] = [[]]
+        for i in samples:
+            if runs[-1] and not fits(runs[-1], i):
+                runs.append([])
+            runs[-1].append(i)
+        return runs
+
+    def largest_first(samples: list[int]) -> list[list[int]]:
+        left = sorted(samples, key=lambda i: length[i])  # stable: equal lengths keep their order
+        runs = []
+        while left:
+            run: list[int] = []
+            while True:
+                room = microbatch_tokens - sum(length[i] for i in run)
+                fitting = [i for i in left if length[i] <= room]
+                if not fitting:
+                    break
+                longest = max(length[i] for i in fitting)
+                run.append(next(i for i in fitting if length[i] == longest))
+                left.remove(run[-1])
+            runs.append(run)
+        return runs
+
+    window = sort_buffer_size or size
+    microbatches: list[list[int]] = []
+    carry: list[int] = []
+    for start in range(0, size, window):
+        samples = carry + order[start : start + window]
+        if sort_buffer_size is None:
+            runs = cut_in_order(samples)
+        elif padding_free:
+            runs = largest_first(samples)
+        else:
+            runs = cut_in_order(sorted(samples, key=lambda i: length[i]))
+        carry = []
+        if start + window < size:
+            if padding_free and sort_buffer_size is not None:
+                while runs and sum(length[i] for i in runs[-1]) < 0.99 * microbatch_tokens:
+                    if len(carry) + len(runs[-1]) > window:
+                        break
+                    carry = runs.pop() + carry
+            else:
+                carry = runs.pop()
+        microbatches += runs
+    per_step = microbatches_per_step
+    steps = [microbatches[s * per_step : (s + 1) * per_step] for s in range(len(microbatches) // per_step)]
+    visit = np.random.default_rng((seed, epoch, PLAN_VERSION)).permutation(len(steps))
+    return [steps[s] for s in visit]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -27,13 +27,13 @@ from support import (
     fit_in_processes,
     pad_collate,
     per_rank_microbatches,
+    planned_token_steps,
     read_records,
     snake_dealt,
 )
 from token_grad_script import make_datamodule, make_model
 
-from lightning_d9d import D9DDataModule, SeededPermutation
-from lightning_d9d.mapstyle.plan import PLAN_VERSION
+from lightning_d9d import D9DDataModule
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
 
 OPTIONS = {"size": 400, "global_batch_tokens": 2048, "microbatch_tokens": 512, "sort_buffer_size": 64, "seed": 0}
@@ -47,38 +47,14 @@ def datamodule(**overrides: Any) -> D9DDataModule:
     return D9DDataModule(LengthDataset(OPTIONS["size"]), pad_collate, **options)
 
 
-def planned_epoch(epoch: int) -> list[list[list[int]]]:
-    """The documented rule written out by brute force, independent of the planner the loader follows (``dm.plan``):
-    the seeded order of the epoch cut into windows of ``sort_buffer_size`` samples; each window (after the samples
-    carried from the one before) sorted by length, stably, and cut greedily into microbatches, each taking the next
-    samples while their count × the longest stays within ``microbatch_tokens`` (``pad_collate`` pads to the
-    longest); a window's last, possibly short, microbatch carried into the next, except in the epoch's last
-    window; the microbatches cut into steps of P, a tail too short for a step left out; the steps visited in the
-    seeded order. Returns the epoch's steps in training order, each its P microbatches of sample ids."""
-    lengths = LengthDataset(OPTIONS["size"]).lengths.tolist()
-    window, budget = OPTIONS["sort_buffer_size"], OPTIONS["microbatch_tokens"]
-    order = SeededPermutation(OPTIONS["size"], (OPTIONS["seed"], epoch))(np.arange(OPTIONS["size"])).tolist()
-    microbatches: list[list[int]] = []
-    carry: list[int] = []
-    for start in range(0, len(order), window):
-        samples = sorted(carry + order[start : start + window], key=lambda i: lengths[i])
-        runs = [[samples[0]]]
-        for i in samples[1:]:
-            if (len(runs[-1]) + 1) * lengths[i] > budget:  # ascending: sample i is the run's longest
-                runs.append([])
-            runs[-1].append(i)
-        carry = runs.pop() if start + window < len(order) else []
-        microbatches += runs
-    steps = [microbatches[s * PER_STEP : (s + 1) * PER_STEP] for s in range(len(microbatches) // PER_STEP)]
-    visit = np.random.default_rng((OPTIONS["seed"], epoch, PLAN_VERSION)).permutation(len(steps))
-    return [steps[s] for s in visit]
-
-
 @pytest.fixture(scope="module")
 def plan() -> dict[str, Any]:
-    """What every run must train: per (epoch, step in epoch), the step's P microbatches of sample ids in order
-    (:func:`planned_epoch`), and each epoch's step count."""
-    epochs = [planned_epoch(epoch) for epoch in range(EPOCHS)]
+    """What every run must train, written out by brute force from the documented rule, not the planner the loader
+    follows (:func:`support.planned_token_steps`): per (epoch, step in epoch), the step's P microbatches of sample ids
+    in order; each epoch's step count, and the samples it leaves out."""
+    lengths = LengthDataset(OPTIONS["size"]).lengths
+    windowed = (OPTIONS["microbatch_tokens"], PER_STEP, OPTIONS["sort_buffer_size"], OPTIONS["seed"])
+    epochs = [planned_token_steps(lengths, *windowed, epoch) for epoch in range(EPOCHS)]
     per_step = {(epoch, step): mbs for epoch, steps in enumerate(epochs) for step, mbs in enumerate(steps)}
     everything = set(range(OPTIONS["size"]))
     left_out = [everything - {i for mbs in steps for mb in mbs for i in mb} for steps in epochs]
