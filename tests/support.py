@@ -42,7 +42,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule, TextDataModule
+from lightning_d9d import D9DDataModule, PretrainingBatch, PretrainingDataModule, SeededPermutation, TextDataModule
 from lightning_d9d.core.digest import Hasher
 from lightning_d9d.parallel.peer_check import NothingToCompareWarning
 from lightning_d9d.parallel.topology import DataParallelTopology
@@ -697,6 +697,143 @@ def ranked_rows(per_rank: tuple[list[str], ...] | list[list[str]]) -> list[str]:
     (the rank that trains it included: ``world`` ranks hold its ``len // world`` consecutive rows each)."""
     assert len({len(rows) for rows in per_rank}) == 1, [len(rows) for rows in per_rank]
     return [row for rows in per_rank for row in rows]
+
+
+def snake_dealt(per_rank: list[list[Any]]) -> list[Any]:
+    """One map-style step's microbatches in the global batch's order, rebuilt from each data-parallel rank's
+    microbatches in its own order: microbatch k of the step goes to the ranks in a snake (laps 0, 1, …, D-1, then
+    D-1, …, 0, …), each rank taking its share in order. Written out here rather than calling the library's dealer,
+    so that two layouts' steps are equal only when every microbatch has the same place and went to the rank that
+    place names; every rank must hold the same number."""
+    assert len({len(microbatches) for microbatches in per_rank}) == 1, [len(m) for m in per_rank]
+    world, taken, out = len(per_rank), [0] * len(per_rank), []
+    for k in range(world * len(per_rank[0])):
+        lap, offset = divmod(k, world)
+        owner = offset if lap % 2 == 0 else world - 1 - offset
+        out.append(per_rank[owner][taken[owner]])
+        taken[owner] += 1
+    return out
+
+
+def per_rank_microbatches(records: list[dict[str, Any]], key: str) -> dict[tuple[int, int], list[list[Any]]]:
+    """(epoch, global step) -> per data-parallel rank 0, 1, …: ``record[key]`` of its microbatches in training order
+    (records of the lowest process of each rank: its model-parallel peers trained the same)."""
+    lowest: dict[int, int] = {}
+    for r in records:
+        lowest[r["dp_rank"]] = min(lowest.get(r["dp_rank"], r["rank"]), r["rank"])
+    steps: dict[tuple[int, int], dict[int, list[tuple[int, Any]]]] = {}
+    for r in records:
+        if r["rank"] == lowest[r["dp_rank"]]:
+            by_rank = steps.setdefault((r["epoch"], r["step"]), {})
+            by_rank.setdefault(r["dp_rank"], []).append((r["batch_idx"], r[key]))
+    out = {}
+    for where, by_rank in steps.items():
+        assert sorted(by_rank) == list(range(len(by_rank))), f"step {where}: data-parallel ranks {sorted(by_rank)}"
+        # sorted() is stable: the microbatches of one pack (one batch_idx) keep the order they were recorded in.
+        out[where] = [[value for _, value in sorted(by_rank[rank], key=lambda x: x[0])] for rank in sorted(by_rank)]
+    return out
+
+
+def planned_global_batches(
+    lengths: np.ndarray, global_batch_size: int, sort_buffer_size: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """A map-style epoch's global batches in training order, written out by brute force from the documented rule,
+    independent of the library's ``GlobalBatchOrder``: the epoch's seeded order (its whole global batches) in
+    windows of ``sort_buffer_size`` samples; each window sorted by length, ties broken by a seeded draw, cut into
+    global batches of neighbours, visited in a seeded order."""
+    steps_per_epoch = len(lengths) // global_batch_size
+    order = SeededPermutation(len(lengths), (seed, epoch))(np.arange(steps_per_epoch * global_batch_size)).tolist()
+    steps = []
+    for number, start in enumerate(range(0, len(order), sort_buffer_size)):
+        window = order[start : start + sort_buffer_size]
+        draws = np.random.default_rng((seed, epoch, number))
+        tie_break = draws.random(len(window)).tolist()
+        ranked = [i for _, _, i in sorted(zip((int(lengths[i]) for i in window), tie_break, window, strict=True))]
+        batches = [ranked[b : b + global_batch_size] for b in range(0, len(ranked), global_batch_size)]
+        steps += [batches[b] for b in draws.permutation(len(batches))]
+    return steps
+
+
+def planned_token_steps(
+    lengths: np.ndarray,
+    microbatch_tokens: int,
+    microbatches_per_step: int,
+    sort_buffer_size: int | None,
+    seed: int,
+    epoch: int,
+    padding_free: bool = False,
+) -> list[list[list[int]]]:
+    """A token-budget epoch's steps in training order, each its P microbatches of sample ids, written out by brute
+    force from the documented rule, independent of the library's planner (``dm.plan``, which the loader follows):
+    the epoch's seeded order in windows of ``sort_buffer_size`` samples, each after the samples carried from the one
+    before. A padded window is sorted by length (stably) and cut greedily, each microbatch taking the next samples
+    while their count × the longest fits; a padding-free one is filled largest first (each microbatch opened by
+    the longest sample left, then the longest that still fits, the earliest of equal lengths). A window's
+    under-full tail carries into the next (padded: its last microbatch; padding-free: its last microbatches below
+    99 % of the budget, at most a window of samples), except in the epoch's last window. Without sorting
+    (``None``), samples in the seeded order, each microbatch taking the following while they fit. The
+    microbatches are cut into steps of P, a tail too short for a step left out, and the steps visited in a seeded
+    order. Lengths are costs as they stand (no rounding for ``pad_to_multiple_of`` or context parallelism)."""
+    from lightning_d9d.mapstyle.plan import PLAN_VERSION
+
+    size = len(lengths)
+    order = SeededPermutation(size, (seed, epoch))(np.arange(size)).tolist()
+    length = [int(n) for n in lengths]
+
+    def fits(microbatch: list[int], sample: int) -> bool:
+        taken = [*microbatch, sample]
+        cost = sum(length[i] for i in taken) if padding_free else len(taken) * max(length[i] for i in taken)
+        return cost <= microbatch_tokens
+
+    def cut_in_order(samples: list[int]) -> list[list[int]]:
+        runs: list[list[int]] = [[]]
+        for i in samples:
+            if runs[-1] and not fits(runs[-1], i):
+                runs.append([])
+            runs[-1].append(i)
+        return runs
+
+    def largest_first(samples: list[int]) -> list[list[int]]:
+        left = sorted(samples, key=lambda i: length[i])  # stable: equal lengths keep their order
+        runs = []
+        while left:
+            run: list[int] = []
+            while True:
+                room = microbatch_tokens - sum(length[i] for i in run)
+                fitting = [i for i in left if length[i] <= room]
+                if not fitting:
+                    break
+                longest = max(length[i] for i in fitting)
+                run.append(next(i for i in fitting if length[i] == longest))
+                left.remove(run[-1])
+            runs.append(run)
+        return runs
+
+    window = sort_buffer_size or size
+    microbatches: list[list[int]] = []
+    carry: list[int] = []
+    for start in range(0, size, window):
+        samples = carry + order[start : start + window]
+        if sort_buffer_size is None:
+            runs = cut_in_order(samples)
+        elif padding_free:
+            runs = largest_first(samples)
+        else:
+            runs = cut_in_order(sorted(samples, key=lambda i: length[i]))
+        carry = []
+        if start + window < size:
+            if padding_free and sort_buffer_size is not None:
+                while runs and sum(length[i] for i in runs[-1]) < 0.99 * microbatch_tokens:
+                    if len(carry) + len(runs[-1]) > window:
+                        break
+                    carry = runs.pop() + carry
+            else:
+                carry = runs.pop()
+        microbatches += runs
+    per_step = microbatches_per_step
+    steps = [microbatches[s * per_step : (s + 1) * per_step] for s in range(len(microbatches) // per_step)]
+    visit = np.random.default_rng((seed, epoch, PLAN_VERSION)).permutation(len(steps))
+    return [steps[s] for s in visit]
 
 
 def free_port() -> int:

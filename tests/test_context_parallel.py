@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from support import LengthDataset
+from support import LengthDataset, planned_token_steps
 
 from lightning_d9d import D9DDataModule, TextDataModule
 from lightning_d9d.mapstyle.plan import TokenBudget, check_lengths_fit
@@ -170,12 +170,19 @@ def test_token_budgets_count_each_document_padded_for_cp() -> None:
     dm = D9DDataModule(dataset, collate, global_batch_tokens=4096, microbatch_tokens=1024, padding_free=True,
                        sort_buffer_size=256)  # fmt: skip
     dm.setup("fit")
-    seen = []
+    seen, per_microbatch = [], []
     for batch in dm.train_dataloader_for_rank(0, 1):
         row = int(batch.cu_seqlens_padded[-1])
         assert row == batch.input_ids.shape[1] <= 1024 and row % 4 == 0, "a row within the budget, split evenly"
         seen += batch.cu_seqlens.diff().tolist()
+        per_microbatch.append(sorted(batch.cu_seqlens.diff().tolist()))
     assert sum(seen) == sum(dm.plan.epoch(0).tokens.tolist()), "real tokens as planned"
+    # The rule written out in the test, each document costing its length rounded up to 2·c = 4: every microbatch
+    # holds exactly the planned documents' real lengths, in the planned order of microbatches.
+    rounded = -(-dataset.lengths.astype(np.int64) // 4) * 4
+    planned = planned_token_steps(rounded, 1024, 4, 256, 0, 0, padding_free=True)
+    expected = [sorted(int(dataset.lengths[i]) for i in mb) for step in planned for mb in step]
+    assert len(per_microbatch) == len(expected) and per_microbatch == expected
     figures = dm.plan.describe(0)
     assert figures["budget_used"] > figures["fill"], "CP padding counts against the budget, not as real tokens"
     assert dm.fingerprint.document_multiple == 4

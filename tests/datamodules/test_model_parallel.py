@@ -26,8 +26,11 @@ from support import (
     make_docs,
     make_texts,
     pad_collate,
+    per_rank_microbatches,
+    ranked_rows,
     read_records,
     run_steps,
+    snake_dealt,
     train_tokenizer,
     write_parquet,
 )
@@ -160,7 +163,7 @@ def four_processes(tmp_path_factory: pytest.TempPathFactory, pretraining_options
 # ------------------------------------------------------------------------------------------------ references
 @pytest.fixture(scope="module")
 def d9d_steps() -> dict[int, list[int]]:
-    """Step -> sorted sample ids of its global batch, from one replica without a Trainer."""
+    """Step -> the sample ids of its global batch in order, from one replica without a Trainer."""
     dm = D9DDataModule(
         LengthDataset(SIZE), pad_collate, global_batch_size=G, microbatch_size=M_SIZE, sort_buffer_size=16
     )
@@ -168,12 +171,12 @@ def d9d_steps() -> dict[int, list[int]]:
     steps: dict[int, list[int]] = defaultdict(list)
     for number, batch in enumerate(dm.train_dataloader_for_rank(0, 1)):
         steps[number // (G // M_SIZE)] += batch["ids"].tolist()
-    return {step: sorted(ids) for step, ids in steps.items()}
+    return dict(steps)
 
 
 @pytest.fixture(scope="module")
 def text_steps(text_options: dict) -> dict[int, list[str]]:
-    """Step -> sorted digests of its microbatches, from one replica without a Trainer."""
+    """Step -> the digests of its microbatches in order, from one replica without a Trainer."""
     dm = TextDataModule(**text_options)
     dm.prepare_data()
     dm.setup("fit")
@@ -181,14 +184,14 @@ def text_steps(text_options: dict) -> dict[int, list[str]]:
     per_step = TEXT_BUDGET["global_batch_tokens"] // TEXT_BUDGET["microbatch_tokens"]
     for number, batch in enumerate(dm.train_dataloader_for_rank(0, 1)):
         steps[number // per_step].append(digest(batch))
-    return {step: sorted(digests) for step, digests in steps.items()}
+    return dict(steps)
 
 
 def one_replica_steps(options: dict) -> dict[int, list[str]]:
-    """Step -> sorted digests of its rows, from one replica without a Trainer."""
+    """Step -> the digests of its rows in order, from one replica without a Trainer."""
     dm = PretrainingDataModule(**options)
     dm.setup("fit")
-    return {step: sorted(d for _, d in rows) for step, rows in enumerate(run_steps(dm, P_STEPS))}
+    return {step: [d for _, d in rows] for step, rows in enumerate(run_steps(dm, P_STEPS))}
 
 
 @pytest.fixture(scope="module")
@@ -213,16 +216,20 @@ def one_per_replica(records: list[dict]) -> list[dict]:
     return [r for r in records if r["rank"] == first[r["dp_rank"]]]
 
 
-def union_per_step(records: list[dict], key: str) -> dict[int, list]:
-    """Step -> the sorted union over replicas of ``key`` (``ids``, ``digest``, or ``rows``: each row's digest
-    cut to ``run_steps``' 16 characters)."""
-    steps: dict[int, list] = defaultdict(list)
-    for r in one_per_replica(records):
+def global_per_step(records: list[dict], key: str) -> dict[int, list]:
+    """Step -> its global batch in order, rebuilt from the replicas' microbatches (one process per replica; ``key``:
+    ``ids`` or ``digest`` for map-style steps, dealt in a snake (:func:`support.snake_dealt`), or ``rows``, each
+    row's digest cut to ``run_steps``' 16 characters, rank 0's rows then rank 1's (:func:`support.ranked_rows`)).
+    Equal across layouts only if every sample or row has the same place and went to the replica that place names."""
+    out = {}
+    for (_, step), per_rank in per_rank_microbatches(records, key).items():
         if key == "rows":
-            steps[r["step"]] += [row[:16] for row in r["rows"]]
+            out[step] = ranked_rows([[row[:16] for rows in microbatches for row in rows] for microbatches in per_rank])
+        elif key == "ids":
+            out[step] = [i for microbatch in snake_dealt(per_rank) for i in microbatch]
         else:
-            steps[r["step"]] += r[key] if key == "ids" else [r[key]]
-    return {step: sorted(values) for step, values in steps.items()}
+            out[step] = snake_dealt(per_rank)
+    return out
 
 
 def assert_layout(records: list[dict], dp: int, tp: int, microbatches: int) -> None:
@@ -256,7 +263,7 @@ def test_d9d_peers_share_replicas_split_and_every_layout_trains_the_same_global_
     dp, tp = LAYOUTS[run]
     records = read_records(two_processes["records"], run=run)
     assert_layout(records, dp, tp, G // (dp * M_SIZE))
-    assert union_per_step(records, "ids") == d9d_steps
+    assert global_per_step(records, "ids") == d9d_steps
 
 
 @pytest.mark.slow
@@ -278,7 +285,7 @@ def test_resume_across_a_layout_change_continues_the_same_global_batches(
     assert min(r["step"] for r in resumed) == 3
     dp, tp = LAYOUTS[run]
     assert_layout(resumed, dp, tp, G // (dp * M_SIZE))
-    combined = union_per_step(before, "ids") | union_per_step(resumed, "ids")
+    combined = global_per_step(before, "ids") | global_per_step(resumed, "ids")
     assert combined == d9d_steps
 
 
@@ -291,11 +298,11 @@ def test_text_token_budgets_under_tensor_parallelism_resume_on_another_layout(
         dp, tp = LAYOUTS[run]
         records = read_records(two_processes["records"], run=run)
         assert_layout(records, dp, tp, per_step // dp)
-        assert union_per_step(records, "digest") == text_steps
+        assert global_per_step(records, "digest") == text_steps
     before = [r for r in read_records(two_processes["records"], run="t_tp") if r["step"] < 2]
     resumed = read_records(two_processes["records"], run="t_tp_to_dp")
     assert_layout(resumed, 2, 1, per_step // 2)
-    assert union_per_step(before, "digest") | union_per_step(resumed, "digest") == text_steps
+    assert global_per_step(before, "digest") | global_per_step(resumed, "digest") == text_steps
     for run in ("t_tp", "t_dp"):
         assert_validation_shared(read_records(two_processes["records"], "val", run=run), *LAYOUTS[run])
 
@@ -308,7 +315,7 @@ def test_pretraining_streams_are_dealt_by_replica_and_every_layout_trains_the_sa
     dp, tp = LAYOUTS[run]
     records = read_records(two_processes["records"], run=run)
     assert_layout(records, dp, tp, P_G // (dp * P_M_SIZE))
-    assert union_per_step(records, "rows") == pretraining_steps
+    assert global_per_step(records, "rows") == pretraining_steps
     assert_validation_shared(read_records(two_processes["records"], "val", run=run), dp, tp)
 
 
@@ -322,7 +329,7 @@ def test_pretraining_rows_laid_out_for_context_parallelism_are_the_same_on_every
         dp, tp = LAYOUTS[run]
         records = read_records(two_processes["records"], run=run)
         assert_layout(records, dp, tp, P_G // (dp * P_M_SIZE))
-        assert union_per_step(records, "rows") == reference, run
+        assert global_per_step(records, "rows") == reference, run
 
 
 @pytest.mark.slow
@@ -333,7 +340,7 @@ def test_pretraining_resumed_from_tensor_parallel_on_data_parallel_continues_the
     resumed = read_records(two_processes["records"], run="p_tp_to_dp")
     assert min(r["step"] for r in resumed) == 2
     assert_layout(resumed, 2, 1, P_G // (2 * P_M_SIZE))
-    assert union_per_step(before, "rows") | union_per_step(resumed, "rows") == pretraining_steps
+    assert global_per_step(before, "rows") | global_per_step(resumed, "rows") == pretraining_steps
 
 
 @pytest.mark.slow
@@ -393,14 +400,14 @@ def test_under_ddp_a_mesh_without_a_data_parallel_dim_names_a_remedy_that_trains
     assert hint in errors
     records = read_records(two_processes["records"], run="ddp_mesh_remedy")  # the hint followed
     assert_layout(records, 2, 1, G // (2 * M_SIZE))
-    assert union_per_step(records, "ids") == d9d_steps
+    assert global_per_step(records, "ids") == d9d_steps
 
 
 @pytest.mark.slow
 def test_two_by_two_peers_share_and_replicas_split(four_processes: Path, d9d_steps: dict) -> None:
     records = read_records(four_processes, run="d_2x2")
     assert_layout(records, 2, 2, G // (2 * M_SIZE))
-    assert union_per_step(records, "ids") == d9d_steps
+    assert global_per_step(records, "ids") == d9d_steps
     val = read_records(four_processes, "val", run="d_2x2")
     assert sorted(i for r in one_per_replica(val) for i in r["ids"]) == list(range(VAL_SIZE))
     for where, processes in by_process(val).items():
@@ -417,9 +424,9 @@ def test_pretraining_on_two_by_two_resumes_on_four_replicas_from_states_its_peer
 ) -> None:
     records = read_records(four_processes, run="p_2x2")
     assert_layout(records, 2, 2, P_G // (2 * P_M_SIZE))
-    assert union_per_step(records, "rows") == pretraining_steps
+    assert global_per_step(records, "rows") == pretraining_steps
     resumed = read_records(four_processes, run="p_2x2_to_4x1")
     assert min(r["step"] for r in resumed) == 2
     assert_layout(resumed, 4, 1, P_G // (4 * P_M_SIZE))
     before = [r for r in records if r["step"] < 2]
-    assert union_per_step(before, "rows") | union_per_step(resumed, "rows") == pretraining_steps
+    assert global_per_step(before, "rows") | global_per_step(resumed, "rows") == pretraining_steps

@@ -18,7 +18,16 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from support import BOS, LengthDataset, RecordingModule, make_docs, pad_collate, small_corpus
+from support import (
+    BOS,
+    LengthDataset,
+    RecordingModule,
+    make_docs,
+    pad_collate,
+    planned_global_batches,
+    small_corpus,
+    snake_dealt,
+)
 from tokenizers import Tokenizer
 
 from lightning_d9d import D9DDataModule, PretrainingDataModule
@@ -184,17 +193,19 @@ def test_the_provenance_command_names_a_steps_documents_from_the_last_checkpoint
 def test_a_map_style_datamodule_names_the_samples_of_any_step_on_any_layout() -> None:
     dm = D9DDataModule(LengthDataset(200), pad_collate, global_batch_size=16, microbatch_size=2, sort_buffer_size=64)
     dm.setup("fit")
+    planned = planned_global_batches(LengthDataset(200).lengths, 16, 64, 0, 0)  # written out in the test
     for step in (0, 5, 11):
         named = dm.provenance(step)
         assert [len(batch) for batch in named] == [2] * 8
+        assert [i for batch in named for i in batch] == planned[step], step
         for size in (1, 2, 4):
-            got = []
+            per_rank = []
             for rank in range(size):
                 batches = iter(dm.train_dataloader_for_rank(rank, size))
                 for _ in range(step * 8 // size):
                     next(batches)
-                got += [next(batches)["ids"].tolist() for _ in range(8 // size)]
-            assert sorted(map(sorted, got)) == sorted(map(sorted, named)), (step, size)
+                per_rank.append([next(batches)["ids"].tolist() for _ in range(8 // size)])
+            assert snake_dealt(per_rank) == named, (step, size)  # each microbatch in its place, on its rank
     with pytest.raises(ValueError, match=r"step=12 is not a step of epoch 0, which has 12 \(0..11\)"):
         dm.provenance(12)
     assert np.unique(np.concatenate([np.concatenate(dm.provenance(s)) for s in range(12)])).size == 12 * 16

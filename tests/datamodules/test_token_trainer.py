@@ -1,7 +1,9 @@
 """Token-budget epochs under a real Lightning Trainer: each epoch trains exactly its plan although epochs differ in
-length, exact resume in a later epoch and inside an accumulation window, real 2-process DDP on gloo and elastic
-resume both ways; and the loss factor ``world_size × accumulate_grad_batches`` over ``step_label_tokens`` gives
-exactly the gradient of the step's per-token mean (1 process with accumulation, and 2-process DDP)."""
+length (the plan written out by brute force here from the documented rule, not the planner the loader follows;
+every step's microbatches compared in order, rebuilt from the ranks' shares), exact resume in a later epoch and
+inside an accumulation window, real 2-process DDP on gloo and elastic resume both ways; and the loss factor
+``world_size × accumulate_grad_batches`` over ``step_label_tokens`` gives exactly the gradient of the step's
+per-token mean (1 process with accumulation, and 2-process DDP)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,18 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from support import TESTS, LengthDataset, RecordingModule, fit, fit_in_processes, pad_collate, read_records
+from support import (
+    TESTS,
+    LengthDataset,
+    RecordingModule,
+    fit,
+    fit_in_processes,
+    pad_collate,
+    per_rank_microbatches,
+    planned_token_steps,
+    read_records,
+    snake_dealt,
+)
 from token_grad_script import make_datamodule, make_model
 
 from lightning_d9d import D9DDataModule
@@ -36,17 +49,16 @@ def datamodule(**overrides: Any) -> D9DDataModule:
 
 @pytest.fixture(scope="module")
 def plan() -> dict[str, Any]:
-    """The plan every run must follow: per (epoch, step in epoch), the sorted sample ids of the step."""
-    dm = datamodule()
-    dm.setup("fit")
-    steps = [dm.steps_in_epoch(epoch) for epoch in range(EPOCHS)]
-    per_step = {}
-    for epoch in range(EPOCHS):
-        epoch_plan = dm.plan.epoch(epoch)
-        for step in range(epoch_plan.steps):
-            ids = np.concatenate([epoch_plan.microbatch(step, k) for k in range(PER_STEP)])
-            per_step[(epoch, step)] = sorted(ids.tolist())
-    return {"steps": steps, "per_step": per_step}
+    """What every run must train, written out by brute force from the documented rule, not the planner the loader
+    follows (:func:`support.planned_token_steps`): per (epoch, step in epoch), the step's P microbatches of sample ids
+    in order; each epoch's step count, and the samples it leaves out."""
+    lengths = LengthDataset(OPTIONS["size"]).lengths
+    windowed = (OPTIONS["microbatch_tokens"], PER_STEP, OPTIONS["sort_buffer_size"], OPTIONS["seed"])
+    epochs = [planned_token_steps(lengths, *windowed, epoch) for epoch in range(EPOCHS)]
+    per_step = {(epoch, step): mbs for epoch, steps in enumerate(epochs) for step, mbs in enumerate(steps)}
+    everything = set(range(OPTIONS["size"]))
+    left_out = [everything - {i for mbs in steps for mb in mbs for i in mb} for steps in epochs]
+    return {"steps": [len(steps) for steps in epochs], "per_step": per_step, "left_out": left_out}
 
 
 def run(
@@ -73,22 +85,21 @@ def run(
     return read_records(record_dir)
 
 
-def by_step(records: list[dict], steps: list[int]) -> dict[tuple[int, int], list[int]]:
-    """(epoch, step in epoch) -> sorted sample ids trained in that optimizer step, over all ranks."""
+def by_step(records: list[dict], steps: list[int]) -> dict[tuple[int, int], list[list[int]]]:
+    """(epoch, step in epoch) -> the step's microbatches of sample ids in the plan's order, rebuilt from the ranks'
+    microbatches (:func:`support.snake_dealt`)."""
     first_of_epoch = np.concatenate([[0], np.cumsum(steps)])
-    grouped: dict[tuple[int, int], list[int]] = {}
-    for record in records:
-        key = (record["epoch"], record["step"] - int(first_of_epoch[record["epoch"]]))
-        grouped.setdefault(key, []).extend(record["ids"])
-    return {key: sorted(ids) for key, ids in grouped.items()}
+    return {
+        (epoch, step - int(first_of_epoch[epoch])): snake_dealt(per_rank)
+        for (epoch, step), per_rank in per_rank_microbatches(records, "ids").items()
+    }
 
 
-def assert_budgets_kept_and_samples_once(records: list[dict], microbatches: bool = True) -> None:
-    """A reference independent of the planner (``dm.plan``, which the loader itself follows), from the dataset's
-    lengths and arithmetic: each microbatch costs (samples × its longest, as ``pad_collate`` pads) at most
-    ``microbatch_tokens`` and each step's samples at most ``global_batch_tokens``; an epoch trains a sample at most
-    once, and the samples it leaves out are only a tail too short to fill a step (fewer than its P microbatches,
-    so under (P - 1) × ``microbatch_tokens`` tokens)."""
+def assert_budgets_kept_and_samples_once(records: list[dict], plan: dict, microbatches: bool = True) -> None:
+    """From the dataset's lengths and arithmetic: each microbatch costs (samples × its longest, as ``pad_collate``
+    pads) at most ``microbatch_tokens`` and each step's samples at most ``global_batch_tokens``; an epoch trains
+    every sample once except exactly the tail the written-out rule leaves (``plan["left_out"]``: the samples of the
+    fewer than P microbatches after its last whole step, so under (P - 1) × ``microbatch_tokens`` tokens)."""
     lengths = LengthDataset(OPTIONS["size"]).lengths
     per_epoch: dict[int, list[int]] = {}
     per_step: dict[int, list[int]] = {}
@@ -103,8 +114,9 @@ def assert_budgets_kept_and_samples_once(records: list[dict], microbatches: bool
     assert sorted(per_epoch) == list(range(EPOCHS))
     for epoch, ids in per_epoch.items():
         assert len(ids) == len(set(ids)), f"epoch {epoch} trains a sample twice"
-        left_out = sorted(set(range(OPTIONS["size"])) - set(ids))
-        left_tokens = int(lengths[left_out].sum())
+        left_out = set(range(OPTIONS["size"])) - set(ids)
+        assert left_out == plan["left_out"][epoch], f"epoch {epoch} left out {sorted(left_out)}"
+        left_tokens = int(lengths[sorted(left_out)].sum())
         assert left_tokens < (PER_STEP - 1) * OPTIONS["microbatch_tokens"], f"epoch {epoch} left out {left_out}"
     for step, ids in per_step.items():
         assert int(lengths[ids].sum()) <= OPTIONS["global_batch_tokens"], f"step {step} over its budget"
@@ -134,7 +146,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_each_epoch_trains_exactly_its_plan_though_epochs_differ_in_length(reference: dict, plan: dict) -> None:
     assert plan["steps"] == [9, 9, 10], "the data must give epochs of different lengths for this test to mean much"
     records = reference["records"]
-    assert_budgets_kept_and_samples_once(records)
+    assert_budgets_kept_and_samples_once(records, plan)
     assert by_step(records, plan["steps"]) == plan["per_step"]
     assert set(Counter((r["epoch"], r["step"]) for r in records).values()) == {PER_STEP}, "M microbatches a step"
     assert max(r["step"] for r in records) == sum(plan["steps"]) - 1
@@ -175,7 +187,7 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.slow
 def test_ddp_ranks_train_equal_shares_of_the_same_steps(ddp_reference: dict, plan: dict) -> None:
     records = ddp_reference["records"]
-    assert_budgets_kept_and_samples_once(records)
+    assert_budgets_kept_and_samples_once(records, plan)
     assert by_step(records, plan["steps"]) == plan["per_step"]
     per_rank = Counter(r["rank"] for r in records)
     assert per_rank[0] == per_rank[1] == sum(plan["steps"]) * PER_STEP // 2
@@ -185,7 +197,7 @@ def test_ddp_ranks_train_equal_shares_of_the_same_steps(ddp_reference: dict, pla
 def test_elastic_resume_two_ranks_to_one_in_a_later_epoch(ddp_reference: dict, plan: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, ckpt_path=str(ddp_reference["ckpt"] / "epoch=1-step=15.ckpt"))
     combined = before_step(ddp_reference["records"], 15) + resumed
-    assert_budgets_kept_and_samples_once(combined)
+    assert_budgets_kept_and_samples_once(combined, plan)
     assert by_step(combined, plan["steps"]) == plan["per_step"]
     assert len(combined) == sum(plan["steps"]) * PER_STEP  # every planned microbatch once
 
@@ -211,14 +223,14 @@ def test_elastic_resume_from_an_epochs_last_batch_trains_the_uninterrupted_micro
 def test_elastic_resume_one_rank_to_two_inside_a_window(reference: dict, plan: dict, tmp_path: Path) -> None:
     resumed = run(tmp_path, devices=2, ckpt_path=str(reference["ckpt"] / "mid-e2-b9.ckpt"))
     combined = before_step(reference["records"], 20) + resumed
-    assert_budgets_kept_and_samples_once(combined)
+    assert_budgets_kept_and_samples_once(combined, plan)
     assert len(combined) == sum(plan["steps"]) * PER_STEP  # every planned microbatch once
     assert by_step(combined, plan["steps"]) == plan["per_step"]
 
 
 def test_yield_packs_hand_out_each_planned_step_whole_and_resume_exactly(plan: dict, tmp_path: Path) -> None:
     full = run(tmp_path / "full", ckpt_dir=tmp_path / "ckpt", packs=True, every_n_train_steps=11)
-    assert_budgets_kept_and_samples_once(full, microbatches=False)  # a record is a whole step's pack
+    assert_budgets_kept_and_samples_once(full, plan, microbatches=False)  # a record is a whole step's pack
     assert by_step(full, plan["steps"]) == plan["per_step"]
     assert {r["batch_idx"] for r in full if r["epoch"] == 2} == set(range(plan["steps"][2])), "one batch per step"
     resumed = run(tmp_path / "resumed", packs=True, ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=11.ckpt"))

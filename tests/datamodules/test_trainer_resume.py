@@ -12,7 +12,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from support import LengthDataset, RecordingModule, fit, fit_in_processes, pad_collate, read_records
+from support import (
+    LengthDataset,
+    RecordingModule,
+    fit,
+    fit_in_processes,
+    pad_collate,
+    per_rank_microbatches,
+    planned_global_batches,
+    read_records,
+    snake_dealt,
+)
 
 from lightning_d9d import D9DDataModule
 
@@ -47,11 +57,13 @@ def run(
 
 
 def samples_per_step(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[int]]:
-    """(epoch, global step) -> sorted sample ids trained in that optimizer step, over all ranks."""
-    steps: dict[tuple[int, int], list[int]] = {}
-    for record in records:
-        steps.setdefault((record["epoch"], record["step"]), []).extend(record["ids"])
-    return {key: sorted(ids) for key, ids in steps.items()}
+    """(epoch, global step) -> the sample ids of that optimizer step's global batch in order, rebuilt from the ranks'
+    microbatches (:func:`support.snake_dealt`): equal across layouts only if every sample has the same place in its
+    step and went to the rank that place names."""
+    return {
+        where: [i for microbatch in snake_dealt(per_rank) for i in microbatch]
+        for where, per_rank in per_rank_microbatches(records, "ids").items()
+    }
 
 
 def trained(records: list[dict]) -> list[tuple]:
@@ -93,6 +105,11 @@ def test_uninterrupted_epochs_are_exactly_once_with_m_microbatches_per_step(refe
     per_step = Counter((r["epoch"], r["step"]) for r in records)
     assert set(per_step.values()) == {GLOBAL_BATCH // MICROBATCH}, "accumulate_grad_batches = M, no partial window"
     assert max(r["step"] for r in records) == 2 * STEPS_PER_EPOCH - 1
+    lengths = LengthDataset(SIZE).lengths
+    planned = [batch for epoch in (0, 1) for batch in planned_global_batches(lengths, GLOBAL_BATCH, 64, 0, epoch)]
+    steps = samples_per_step(records)
+    assert [steps[(step // STEPS_PER_EPOCH, step)] for step in range(2 * STEPS_PER_EPOCH)] == planned
+    assert len(steps) == len(planned)
     val = read_records(reference["root"] / "records", "val")
     for epoch in (0, 1):
         assert sorted(i for r in val if r["epoch"] == epoch for i in r["ids"]) == list(range(37))

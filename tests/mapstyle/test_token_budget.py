@@ -16,7 +16,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support import TESTS, LengthDataset, RecordingModule, make_texts, pad_collate, train_tokenizer
+from support import (
+    TESTS,
+    LengthDataset,
+    RecordingModule,
+    make_texts,
+    pad_collate,
+    planned_token_steps,
+    train_tokenizer,
+)
 
 from lightning_d9d import D9DDataModule, FlatBatch, FlatteningCollator, TextBatch, TextDataModule
 from lightning_d9d.mapstyle.plan import InvalidLengthError, TokenBudget, pack, plan_epoch
@@ -87,6 +95,11 @@ def test_every_microbatch_is_within_budget_and_every_sample_trains_at_most_once(
         # Only fewer than one step's worth is left out: the dropped samples' tokens fit in P microbatches.
         dropped = np.setdiff1d(np.arange(len(dataset)), ids)
         assert dataset.lengths[dropped].sum() < STEP
+        # Exactly the rule's steps, in order, written out in the test (not the planner the loader follows): every
+        # sample trains except the tail the rule leaves.
+        planned = planned_token_steps(dataset.lengths, BUDGET, 4, sort_buffer_size, 0, epoch, padding_free)
+        got = [batch["ids"].tolist() for batch in batches]
+        assert len(got) == len(planned) * 4 and got == [mb for step in planned for mb in step]
         assert dm.plan.epoch(epoch).dropped_samples == len(dropped)
 
 

@@ -426,7 +426,8 @@ def test_odd_seq_len_phases_give_rows_of_each_phase_the_same_on_any_layout(corpu
     # concat: the same token stream as at a fixed even length, nothing dropped or repeated at the odd boundaries
     scheduled = full_rows(datamodule(corpus, "concat", **odd), STEPS)
     fixed = full_rows(datamodule(corpus, "concat", seq_len=24, global_batch_size=8, steps_per_epoch=12), 12)
-    for a, b in zip(scheduled, fixed):
+    assert len(scheduled) == len(dm.owned_streams) > 0
+    for a, b in zip(scheduled, fixed, strict=True):
         a, b = np.concatenate(a), np.concatenate(b)
         common = min(len(a), len(b))
         assert common > 200
