@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_d9d import PretrainingDataModule
 from lightning_d9d.core.digest import digest
 from lightning_d9d.core.tokens import IGNORE_INDEX
-from lightning_d9d.datamodules import mixture_control
+from lightning_d9d.datamodules.pretraining import mixture_control
 from lightning_d9d.demo.model import TinyGPT, _Tokens
 from lightning_d9d.demo_data.parquet import build_demo_parquet
 from lightning_d9d.mixtures import LossProportional

@@ -19,6 +19,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +33,7 @@ from lightning_d9d.tokenization.backends import REFERENCE, BackendGuard, Encoded
 T = TypeVar("T")
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None
+_TOKENIZING_THREAD = "lightning-d9d-tokenize"
 _pool_lock = threading.Lock()
 
 
@@ -93,7 +95,7 @@ def tokenizing_thread() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-d9d-tokenize"))
+            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix=_TOKENIZING_THREAD))
         return _pool[1]
 
 
@@ -260,7 +262,8 @@ class PrefetchedTokenizing(Generic[T]):
         self.slots = threading.Semaphore(1 if self.on_demand else self.ahead)  # on demand: the first at once
         self.asked, self.closed = 0, False
         # Bound here so that closing at interpreter exit needs no module global.
-        self._future, self._current_thread = Future, threading.current_thread
+        self._future, self._wait, self._current_thread = Future, futures_wait, threading.current_thread
+        self._tokenizing_thread = _TOKENIZING_THREAD
         self.read_ahead = _ReadAhead(encode, self.slots, lookahead)
         self.reader = threading.Thread(
             target=self.read_ahead.run, args=(chunks,), name=f"lightning-d9d-{name}-reader", daemon=True
@@ -300,23 +303,29 @@ class PrefetchedTokenizing(Generic[T]):
     def close(self) -> None:
         """Stop the reader thread and drop what was read ahead (futures not yet started are cancelled)."""
         self.closed = True
-        read_ahead = self.read_ahead
-        read_ahead.stop.set()
+        self.read_ahead.stop.set()
         self.slots.release()  # a reader waiting for a slot wakes now, sees the stop and ends
-        # Drained under the queue's own lock, not by get_nowait(): at interpreter exit the queue module's globals
-        # may already be gone, and get_nowait() on an empty queue would then raise a TypeError instead of Empty.
-        out = read_ahead.out
-        with out.mutex:
-            items = list(out.queue)
-            out.queue.clear()
-            out.not_full.notify_all()
-        for item in items:
-            if isinstance(item, self._future):
-                item.cancel()
+        self._drop_read_ahead()
         # Wait for the reader to leave the read it is in: a thread still inside pyarrow's C++ when the process
         # exits aborts it ("terminate called without an active exception"). It stops at its next slot.
         if self.reader is not self._current_thread():
             self.reader.join(timeout=_READER_JOIN_SECONDS)
+            self._drop_read_ahead()  # what it queued before it saw the stop
+
+    def _drop_read_ahead(self) -> None:
+        # Drained under the queue's own lock, not by get_nowait(): at interpreter exit the queue module's globals
+        # may already be gone, and get_nowait() on an empty queue would then raise a TypeError instead of Empty.
+        out = self.read_ahead.out
+        with out.mutex:
+            items = list(out.queue)
+            out.queue.clear()
+            out.not_full.notify_all()
+        # A chunk being tokenized cannot be cancelled; waiting for it means nothing of this stream (its token cache
+        # records included) is written after close() returns, so a next run meets the cache as this one left it.
+        # (Not from the tokenizing thread itself: a collection running there would wait on its own work.)
+        running = [item for item in items if isinstance(item, self._future) and not item.cancel()]
+        if running and not self._current_thread().name.startswith(self._tokenizing_thread):
+            self._wait(running, timeout=_READER_JOIN_SECONDS)
 
     def __del__(self) -> None:
         self.close()
