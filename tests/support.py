@@ -862,3 +862,34 @@ def moto_server(port: int | None = None) -> Iterator[tuple[Any, str]]:
     finally:
         requests.post(f"{endpoint}/moto-api/reset").raise_for_status()
         server.stop()
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one intra-op thread: a tiny model gains nothing from the pool, and on a loaded 2-core machine the
+    pool spins waiting for a busy core (a step went from 25 ms to 1.9 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def tiny_llama(attention: str = "sdpa", vocab_size: int = 300, use_cache: bool = False) -> Any:
+    """A 2-layer ``LlamaForCausalLM`` built from a config (no download), seeded, in training mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation=attention,
+        use_cache=use_cache,
+    )
+    return transformers.LlamaForCausalLM(config)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from support import BOS, make_docs, small_corpus, small_run
+from support import BOS, make_docs, one_torch_thread, small_corpus, small_run, tiny_llama
 from tokenizers import Tokenizer
 
 from lightning_d9d.core.tokens import IGNORE_INDEX
@@ -30,26 +30,13 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Any:
-    """A model this small gains nothing from intra-op threads on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
-def tiny_llama(attention: str, vocab_size: int) -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attention,
-    )  # fmt: skip  (use_cache left on: the default a newcomer meets, which hides packing from position_ids)
-    return transformers.LlamaForCausalLM(config).eval()
+def model_of(attention: str, vocab_size: int) -> Any:
+    # use_cache left on: the default a newcomer meets, which hides packing from position_ids.
+    return tiny_llama(attention, vocab_size, use_cache=True).eval()
 
 
 def pieces(input_ids: torch.Tensor, targets: torch.Tensor, bos: int) -> list[tuple[int, int, int]]:
@@ -101,7 +88,7 @@ def pretraining_batches(corpus: Path, packing: str, count: int = 8) -> list[Any]
 @pytest.mark.parametrize("packing", ["concat", "bestfit_split"])
 def test_a_packed_row_gives_each_document_the_logits_it_has_alone(corpus: Path, packing: str, attention: str) -> None:
     batches = pretraining_batches(corpus, packing)
-    model = tiny_llama(attention, vocab_size=int(max(int(b.input_ids.max()) for b in batches)) + 1)
+    model = model_of(attention, vocab_size=int(max(int(b.input_ids.max()) for b in batches)) + 1)
     spans = [pieces(batch.input_ids, batch.targets, bos_id(corpus)) for batch in batches]
     assert sum(len(s) for s in spans) > sum(len(b) for b in batches), "rows of one document each prove nothing"
     if packing == "bestfit_split":
@@ -126,7 +113,7 @@ def test_a_flat_row_gives_each_document_its_own_logits_and_loss(attention: str) 
     rng = np.random.default_rng(7)
     samples = [{"input_ids": rng.integers(2, 50, size=int(n))} for n in (5, 17, 1, 9, 30)]
     batch = FlatteningCollator()(samples)
-    model = tiny_llama(attention, vocab_size=50)
+    model = model_of(attention, vocab_size=50)
     bounds = np.cumsum([0] + [len(s["input_ids"]) for s in samples])
     spans = [(0, int(a), int(b)) for a, b in itertools.pairwise(bounds)]
     expected = alone_logits(model, batch.input_ids, spans)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support import make_texts, train_tokenizer
+from support import make_texts, one_torch_thread, tiny_llama, train_tokenizer
 
 from lightning_d9d import TextDataModule
 from lightning_d9d.text.collate import CausalLMCollator, FlatteningCollator
@@ -24,28 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Any:
-    """A model this small gains nothing from intra-op threads, and on a loaded 2-core machine their pool spins
-    waiting for a busy core (a step went from 25 ms to 1.9 s), so these tests run on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_llama(attention: str = "sdpa", vocab_size: int = 300) -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attention,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config)
+    with one_torch_thread():
+        yield
 
 
 def documents(count: int = 5, seed: int = 0) -> list[dict[str, np.ndarray]]:
