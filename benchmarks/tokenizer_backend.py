@@ -15,7 +15,8 @@ same ids from the fast backend, whose batches holding an unknown byte fall back 
    ``tokenizer_backend="auto"`` (the default install) and ``"tokenizers"``; the rows of both checked identical
    (a digest of every batch read);
 2. the bare fast tokenizer (fastokens ``encode_batch_flat``, batches of 128 documents as the streams call it, in one
-   process, all cores) over the same texts, three times: tokens per second, BOS included (concat's useful tokens are all the tokens); and,
+   process, all cores) over the same texts, three times: tokens per second, BOS included (concat's useful tokens are
+   all the tokens); and,
    as the ceiling of the pass's ratio to it, the same ``concat`` pass reading a filled token cache (nothing left to
    tokenize: a tokenizing pass does all of its work and more, so it cannot be faster);
 3. ``setup("fit")`` without a cache and without ``steps_per_epoch`` (the sample estimate of one pass; with "auto"

@@ -22,8 +22,11 @@ from lightning_d9d.tokenization.tokenizer import load_tokenizer, pad_token_id, r
 
 # Bump when the tokenization recipe changes, so caches written by an older recipe are not reused.
 _TOKENIZE_RECIPE_VERSION = 1
-# Documents of the split that a fast backend must encode as tokenizers does before it is used.
+# Documents of the split that a fast backend must encode as tokenizers does before it is used, each cut to an
+# equal share of the characters: the check is of many documents' kinds of text, and tokenizers' encoding of long
+# ones would cost more than the fast backend saves.
 _BACKEND_SAMPLE = 256
+_BACKEND_SAMPLE_CHARS = 400_000
 MIN_TOKENS = 2
 """Documents with fewer tokens have no next-token target and are dropped."""
 # Extensions that name a single data file and the datasets builder that reads it.
@@ -116,7 +119,8 @@ def _tokenize_cached(
     tokenizer_json = load_tokenizer(
         tokenizer_path, digest, max_length
     ).to_str()  # a bad file fails here, before any map
-    sample = lambda: [text for text in raw[:_BACKEND_SAMPLE][text_column] if text]  # noqa: E731
+    per_text = _BACKEND_SAMPLE_CHARS // _BACKEND_SAMPLE
+    sample = lambda: [text[:per_text] for text in raw[:_BACKEND_SAMPLE][text_column] if text]  # noqa: E731
     backend = resolve_backend(tokenizer_backend, tokenizer_json, sample, max_length, add_special_tokens=True)
     tokenize = _TokenizeBatch(tokenizer_path, digest, text_column, max_length, backend[0])
     # datasets would fingerprint the function by pickling it, which sees the tokenizer's path but not its

@@ -273,6 +273,38 @@ def test_text_datamodule_tokenizes_the_same_under_fastokens(corpus: Path, tmp_pa
     assert len(got) == len(want) == len(expected) and got == want == expected
 
 
+def test_text_datamodule_checks_the_backend_on_many_documents_cut_to_a_bounded_sample(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check before a fast backend is used encodes the split's first documents as both backends do, each cut to
+    an equal share of a fixed number of characters: long documents cost tokenizers' encoding of the share only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lightning_d9d.text import tokenize as text_tokenize
+
+    rng = random.Random(5)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4000))) for _ in range(300)]
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"text": texts}), tmp_path / "data" / "train.parquet")
+    checked: list[list[str]] = []
+    real = text_tokenize.resolve_backend
+
+    def resolve(setting, tokenizer_json, sample, *args, **kwargs):  # type: ignore[no-untyped-def]
+        checked.append(list(sample()))
+        return real(setting, tokenizer_json, lambda: checked[-1], *args, **kwargs)
+
+    monkeypatch.setattr(text_tokenize, "resolve_backend", resolve)
+    dm = TextDataModule(dataset=str(tmp_path / "data"), tokenizer=str(corpus / "bpe.json"), max_length=64,
+                        global_batch_size=8, microbatch_size=4, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    assert dm.tokenizer_backend_in_use[0] == "fastokens"
+    (sample,) = checked
+    share = text_tokenize._BACKEND_SAMPLE_CHARS // text_tokenize._BACKEND_SAMPLE
+    assert sample == [text[:share] for text in texts[: text_tokenize._BACKEND_SAMPLE]]
+    assert sum(map(len, sample)) <= text_tokenize._BACKEND_SAMPLE_CHARS < sum(map(len, texts[:256]))
+
+
 def test_the_default_install_gets_fastokens_only_where_it_ships_wheels() -> None:
     tomllib = pytest.importorskip("tomllib")
     Requirement = pytest.importorskip("packaging.requirements").Requirement
