@@ -37,7 +37,6 @@ BOS-prefixed document, whether it runs to the document's end, and the CRC-32 of 
 (``hashed`` 0: a whole document, verified by its length)."""
 
 
-_ARENA_HEADROOM = 2  # arena size over the tokens it holds, at least, after a compaction
 _LOGGED = 1 << 16  # changes logged at most between two rows() (more: the next rows() is a snapshot)
 
 
@@ -59,7 +58,6 @@ class _PieceBuffer:
         self.popped = np.zeros(64, np.int64)
         self.record = np.zeros((64, 6), np.int64)
         self.arena = np.zeros(1 << 12, np.int32)
-        self.spare: np.ndarray | None = None  # the arena a compaction copies into next (see room())
         self._grow_slots(64)
         self.rebuilt = False  # pieces re-arranged since the last rows(): their changes are not logged
 
@@ -100,24 +98,16 @@ class _PieceBuffer:
             self.rebuilt = True
 
     def room(self, tokens: int) -> None:
-        """At least ``tokens`` free at the arena's end: the held tokens compacted into the spare arena (both made
-        larger where needed), which becomes the arena.
-
-        The arena is kept at least ``_ARENA_HEADROOM`` times what it holds, so a compaction, which copies what is held,
-        comes after at least as many tokens were added: each token is copied about once more. (A larger arena copies
-        less but leaves the caches more often.) The spare is kept rather than freed, so that no compaction writes to
-        fresh pages: their faults cost more than the copy.
-        """
+        """At least ``tokens`` free at the arena's end: the held tokens compacted (into a larger arena if needed)."""
         if self.sc[loop.ARENA_END] + tokens <= len(self.arena):
             return
         held = int(self.slots[self.slots[:, loop.TOKENS_AT] >= 0, loop.TOKENS_HELD].sum())
         size = len(self.arena)
-        while size < _ARENA_HEADROOM * (held + tokens):
+        while size < 2 * (held + tokens):
             size *= 2
-        spare = self.spare if self.spare is not None and len(self.spare) == size else np.empty(size, np.int32)
-        self.sc[loop.ARENA_END] = loop.compact(self.slots, self.arena, spare)
-        self.spare = self.arena if len(self.arena) == size else None
-        self.arena = spare
+        fresh = np.empty(size, np.int32)
+        self.sc[loop.ARENA_END] = loop.compact(self.slots, self.arena, fresh)
+        self.arena = fresh
 
     def place(self, slot: int, tokens: np.ndarray) -> None:
         """Hold a lazily restored piece's fetched tokens."""
