@@ -16,9 +16,8 @@ same ids from the fast backend, whose batches holding an unknown byte fall back 
    (a digest of every batch read);
 2. the bare fast tokenizer (fastokens ``encode_batch_flat``, batches of 128 documents as the streams call it, in one
    process, all cores) over the same texts, three times: tokens per second, BOS included (concat's useful tokens are
-   all the tokens); and,
-   as the ceiling of the pass's ratio to it, the same ``concat`` pass reading a filled token cache (nothing left to
-   tokenize: a tokenizing pass does all of its work and more, so it cannot be faster);
+   all the tokens); and, as the ceiling of the pass's ratio to it, the same ``concat`` pass reading a filled token
+   cache (nothing left to tokenize: a tokenizing pass does all of its work and more, so it cannot be faster);
 3. ``setup("fit")`` without a cache and without ``steps_per_epoch`` (the sample estimate of one pass; with "auto"
    the backend's check on a sample of documents and the hostile texts included);
 4. ``TextDataModule``'s tokenizing (its batched map over the same texts, max_length 2048, datasets' cache off).
